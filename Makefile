@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make train` (the main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install test test-nojit bench train clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+# The whole suite, then the kernel tests again with Numba's JIT off (pure Python, so
+# coverage and tracebacks see inside the kernels).
+test: install
+	$(PY) -m pytest -q
+	NUMBA_DISABLE_JIT=1 $(PY) -m pytest -q -m nojit -p no:cacheprovider
+
+bench: install
+	$(PY) bench/table_bench.py $(BENCH_ARGS)
+
+train: install
+	$(VENV)/bin/engine train configs/ctr.yaml
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""URI to pyarrow filesystem, atomic publish with done markers, checkpoint manifests, retries."""

@@ -1,0 +1,1 @@
+"""Arrow sources, raw-format converters, feature hashing, batching, prefetch and hourly partitions."""
