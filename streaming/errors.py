@@ -1,0 +1,59 @@
+"""Typed errors raised where data enters the engine (converters, stream readers).
+
+Both are ``ValueError`` subclasses so callers that only know "bad input" can catch ``ValueError``; the
+CLI maps them to exit code 2. Every message names the file and the line/row and field/column at fault.
+"""
+from __future__ import annotations
+
+__all__ = ["DataFormatError", "SchemaError"]
+
+
+class DataFormatError(ValueError):
+    """A raw input line does not follow its format (wrong field count, non-integer, non-hex, bad label).
+
+    Parameters
+    ----------
+    path : str
+        The input file.
+    line : int
+        1-based physical line number in ``path`` (after decompression).
+    field : str
+        The field at fault (``"label"``, ``"I3"``, ``"C7"``) or ``"fields"`` for a wrong field count.
+    reason : str
+        What was wrong, in "expected X, got Y" form.
+    """
+
+    def __init__(self, path: str, line: int, field: str, reason: str):
+        self.path = str(path)
+        self.line = int(line)
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{self.path}:{self.line}: field {field}: {reason}")
+
+
+class SchemaError(ValueError):
+    """An Arrow input lacks an expected column or has it with the wrong type.
+
+    Parameters
+    ----------
+    path : str
+        The input file (``"<stdin>"`` or ``"<stream>"`` for non-file inputs).
+    column : str
+        The column at fault.
+    expected : str
+        The expected Arrow type (``"uint64"``).
+    actual : str or None
+        The type found, or ``None`` when the column is missing.
+    """
+
+    def __init__(self, path: str, column: str, expected: str, actual: str | None, present=()):
+        self.path = str(path)
+        self.column = column
+        self.expected = expected
+        self.actual = actual
+        if actual is None:
+            msg = (f"column {column!r}: expected {expected}, but the column is missing "
+                   f"(file {self.path}; columns present: {', '.join(present) or 'none'})")
+        else:
+            msg = f"column {column!r}: expected {expected}, got {actual} (file {self.path})"
+        super().__init__(msg)
