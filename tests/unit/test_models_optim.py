@@ -1,0 +1,64 @@
+"""models.optim: Adam and SGD over a flat float32 vector."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models import SGD, Adam, ModelConfigError, ModelInputError
+
+
+def reference_adam(p, grads, lr, b1, b2, eps):
+    p = p.astype(np.float64)
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    return p
+
+
+def test_adam_matches_reference():
+    rng = np.random.default_rng(0)
+    p = rng.normal(size=50).astype(np.float32)
+    grads = [rng.normal(size=50).astype(np.float32) for _ in range(5)]
+    want = reference_adam(p, grads, 0.01, 0.9, 0.99, 1e-6)
+    opt = Adam(50, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-6)
+    for g in grads:
+        opt.step(p, g)
+    assert opt.t == 5
+    np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_state_roundtrip():
+    rng = np.random.default_rng(1)
+    p1 = rng.normal(size=8).astype(np.float32)
+    p2 = p1.copy()
+    a, b = Adam(8, lr=0.1), Adam(8, lr=0.1)
+    g = rng.normal(size=8).astype(np.float32)
+    a.step(p1, g)
+    b.load_state_dict(a.state_dict())
+    p2[:] = p1
+    a.step(p1, g)
+    b.step(p2, g)
+    np.testing.assert_array_equal(p1, p2)
+
+
+def test_sgd_step():
+    p = np.ones(4, np.float32)
+    SGD(4, lr=0.5).step(p, np.arange(4, dtype=np.float32))
+    np.testing.assert_allclose(p, [1.0, 0.5, 0.0, -0.5])
+
+
+def test_optimizer_errors():
+    opt = Adam(4)
+    with pytest.raises(ModelInputError, match=r"params: expected float32\[4\], got float64\[4\]"):
+        opt.step(np.zeros(4), np.zeros(4, np.float32))
+    with pytest.raises(ModelInputError, match=r"grad: expected float32\[4\], got float32\[3\]"):
+        SGD(4).step(np.zeros(4, np.float32), np.zeros(3, np.float32))
+    with pytest.raises(ModelConfigError, match="lr"):
+        Adam(4, lr=0)
+    with pytest.raises(ModelConfigError, match="beta2"):
+        Adam(4, beta2=1.0)
+    with pytest.raises(ModelInputError, match="state\\['t'\\]"):
+        opt.load_state_dict({"m": np.zeros(4, np.float32), "v": np.zeros(4, np.float32), "t": -1})
