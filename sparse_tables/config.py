@@ -1,0 +1,205 @@
+"""Table configuration and the row layout it implies.
+
+A row is one record of 32-bit words in a contiguous arena (see ``RowLayout``)::
+
+    word  0..1             key (uint64, little-endian halves)
+    word  2..2+dim         values (float32[dim])
+    then  state_width      optimizer state (float32), see OPTIMIZER_STATE
+    then  5 words          show (f32), click (f32), last_seen (u32 seconds), lru tick (u32), flags (u32)
+
+Keeping key, values, optimizer state and metadata in one record makes every snapshot of a row consistent
+with its optimizer state, and a pull touches one record.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from .errors import TableConfigError
+
+OPTIMIZERS = ("sgd", "adagrad", "std_adagrad", "adam", "ftrl")
+OPTIMIZER_CODE = {name: i for i, name in enumerate(OPTIMIZERS)}
+INITIALIZERS = ("uniform", "normal", "zeros")
+INITIALIZER_CODE = {name: i for i, name in enumerate(INITIALIZERS)}
+
+#: Row layout format version, recorded with every row dump.
+LAYOUT_VERSION = 1
+META_WORDS = 5
+KEY_WORDS = 2
+
+
+def optimizer_state_width(optimizer: str, dim: int) -> int:
+    """Number of float32 optimizer-state words per row.
+
+    sgd: 0; adagrad (row-wise): 1 accumulator; std_adagrad: dim accumulators; adam: m[dim], v[dim],
+    beta1^t, beta2^t; ftrl: z[dim], n[dim].
+    """
+    return {"sgd": 0, "adagrad": 1, "std_adagrad": dim, "adam": 2 * dim + 2, "ftrl": 2 * dim}[optimizer]
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """Configuration of one sparse-table shard.
+
+    Parameters
+    ----------
+    dim : int
+        Embedding width (float32 values per row).
+    optimizer : str
+        One of ``sgd``, ``adagrad`` (row-wise accumulator, TorchRec/FBGEMM ``ROWWISE_ADAGRAD``),
+        ``std_adagrad`` (per-dimension accumulator), ``adam`` (lazy Adam: per-row beta powers),
+        ``ftrl`` (McMahan et al. 2013, "Ad Click Prediction: a View from the Trenches", Algorithm 1).
+    learning_rate : float
+        Step size (FTRL's alpha).
+    initializer : str
+        ``uniform`` in [-init_range, init_range], ``normal`` with std init_range, or ``zeros``.
+        Initial values are a pure function of (seed, key).
+    init_range : float
+    seed : int
+    memory_rows : int
+        With ``spill_path`` set, at most this many rows stay in RAM after each call (high watermark);
+        an eviction pass writes least-recently-used rows to RocksDB until
+        ``spill_low_watermark * memory_rows`` rows remain. Ignored without ``spill_path``.
+    spill_path : str or None
+        RocksDB directory for cold rows; None keeps every row in RAM.
+    initial_accumulator, epsilon : float
+        Adagrad accumulator start value and denominator epsilon (also Adam's epsilon).
+    beta1, beta2 : float
+        Adam moment decay rates.
+    ftrl_beta, ftrl_l1, ftrl_l2 : float
+        FTRL-Proximal beta, L1 and L2 strengths.
+    min_bound, max_bound : float
+        Values are clipped to this range after every optimizer update (Paddle's weight_bounds).
+    min_count : int
+        Admission: a key becomes a row once it has been pushed this many times (occurrences); counts of
+        not-yet-admitted keys live in a count-min sketch (``sketch_depth`` x ``sketch_width`` uint32).
+    admit_probability : float
+        Admission: once ``min_count`` is reached, each push admits the key with this probability
+        (a pure function of seed, key and count).
+    expire_after : float or None, seconds of the table clock
+        ``shrink`` deletes rows not pushed for longer than this.
+    delete_threshold : float
+        ``shrink`` deletes rows whose decayed show/click score falls below this; the score is Paddle's
+        CtrCommonAccessor ``(show - click) * nonclk_coeff + click * click_coeff``.
+    show_click_decay : float
+        Factor applied to show and click at every ``shrink`` (Paddle's show_click_decay_rate).
+    spill_low_watermark : float
+        Fraction of ``memory_rows`` an eviction pass brings RAM down to.
+    num_threads : int
+        Threads a large pull is split across (the kernels release the GIL).
+    """
+
+    dim: int = 8
+    optimizer: str = "adagrad"
+    learning_rate: float = 0.05
+    initializer: str = "uniform"
+    init_range: float = 1e-4
+    seed: int = 0
+    memory_rows: int = 1_000_000
+    spill_path: str | None = None
+    initial_accumulator: float = 0.0
+    epsilon: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    ftrl_beta: float = 1.0
+    ftrl_l1: float = 0.0
+    ftrl_l2: float = 0.0
+    min_bound: float = -math.inf
+    max_bound: float = math.inf
+    min_count: int = 1
+    admit_probability: float = 1.0
+    sketch_width: int = 1 << 20
+    sketch_depth: int = 4
+    expire_after: float | None = None
+    delete_threshold: float = 0.0
+    show_click_decay: float = 1.0
+    nonclk_coeff: float = 0.1
+    click_coeff: float = 1.0
+    spill_low_watermark: float = 0.9
+    num_threads: int = 2
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> TableConfigError:
+            return TableConfigError(f"TableConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.dim, int) or self.dim <= 0:
+            raise bad("dim", "a positive int")
+        if self.optimizer not in OPTIMIZERS:
+            raise bad("optimizer", f"one of {OPTIMIZERS}")
+        if self.initializer not in INITIALIZERS:
+            raise bad("initializer", f"one of {INITIALIZERS}")
+        for name in ("learning_rate", "epsilon", "ftrl_beta"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise bad(name, "a finite number > 0")
+        for name in ("init_range", "initial_accumulator", "ftrl_l1", "ftrl_l2", "delete_threshold",
+                     "nonclk_coeff", "click_coeff"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise bad(name, "a finite number >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise bad(name, "in [0, 1)")
+        if not self.min_bound < self.max_bound:
+            raise bad("min_bound", f"< max_bound ({self.max_bound})")
+        if not isinstance(self.memory_rows, int) or self.memory_rows < 1:
+            raise bad("memory_rows", "an int >= 1")
+        if not isinstance(self.min_count, int) or self.min_count < 0:
+            raise bad("min_count", "an int >= 0")
+        if not 0 < self.admit_probability <= 1:
+            raise bad("admit_probability", "in (0, 1]")
+        if not isinstance(self.sketch_width, int) or self.sketch_width < 64:
+            raise bad("sketch_width", "an int >= 64")
+        if not isinstance(self.sketch_depth, int) or not 1 <= self.sketch_depth <= 16:
+            raise bad("sketch_depth", "an int in [1, 16]")
+        if self.expire_after is not None and not self.expire_after >= 0:
+            raise bad("expire_after", "None or a number of seconds >= 0")
+        if not 0 < self.show_click_decay <= 1:
+            raise bad("show_click_decay", "in (0, 1]")
+        if not 0 < self.spill_low_watermark < 1:
+            raise bad("spill_low_watermark", "in (0, 1)")
+        if not isinstance(self.num_threads, int) or self.num_threads < 1:
+            raise bad("num_threads", "an int >= 1")
+
+    @property
+    def uses_admission(self) -> bool:
+        return self.min_count > 1 or self.admit_probability < 1.0
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "table") -> "TableConfig":
+        """Build from a mapping, rejecting unknown keys with the key path named."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TableConfigError(f"{path}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Word offsets of one row record (see the module docstring)."""
+
+    dim: int
+    state_width: int
+
+    @property
+    def values(self) -> int:
+        return KEY_WORDS
+
+    @property
+    def state(self) -> int:
+        return KEY_WORDS + self.dim
+
+    @property
+    def meta(self) -> int:
+        return KEY_WORDS + self.dim + self.state_width
+
+    @property
+    def stride(self) -> int:
+        return self.meta + META_WORDS
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * self.stride
+
+    @classmethod
+    def of(cls, config: TableConfig) -> "RowLayout":
+        return cls(config.dim, optimizer_state_width(config.optimizer, config.dim))

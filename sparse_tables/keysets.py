@@ -1,0 +1,169 @@
+"""Key sets in bounded, flat memory: an exact uint64 hash set and a scalable Bloom filter.
+
+``KeySet`` tracks keys that must be found again exactly (rows evicted while dirty). ``ScalableBloom``
+answers "may this key be on disk?" so that pulls and pushes of brand-new keys skip the RocksDB read;
+it never forgets a key, so false positives only cost a read. Both run their loops in Numba.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ._kernels import fmix64
+
+U64 = np.uint64
+_H1 = np.uint64(0x2545F4914F6CDD1D)
+_H2 = np.uint64(0x9FB21C651E98DF25)
+
+
+@njit(nogil=True, cache=True)
+def _set_add(slots, occupied, keys):
+    mask = U64(slots.shape[0] - 1)
+    added = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        s = fmix64(k) & mask
+        while occupied[s]:
+            if slots[s] == k:
+                break
+            s = (s + U64(1)) & mask
+        if not occupied[s]:
+            occupied[s] = True
+            slots[s] = k
+            added += 1
+    return added
+
+
+@njit(nogil=True, cache=True)
+def _set_contains(slots, occupied, keys, out):
+    mask = U64(slots.shape[0] - 1)
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        s = fmix64(k) & mask
+        found = False
+        while occupied[s]:
+            if slots[s] == k:
+                found = True
+                break
+            s = (s + U64(1)) & mask
+        out[i] = found
+
+
+class KeySet:
+    """An exact set of uint64 keys (open addressing, load <= 0.5, grows by doubling). Not thread-safe."""
+
+    def __init__(self, capacity: int = 1024):
+        cap = 1 << max(4, int(2 * capacity - 1).bit_length())
+        self._slots = np.zeros(cap, np.uint64)
+        self._occupied = np.zeros(cap, np.bool_)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def nbytes(self) -> int:
+        return self._slots.nbytes + self._occupied.nbytes
+
+    def add(self, keys: np.ndarray) -> None:
+        """keys : uint64[n]."""
+        if len(keys) == 0:
+            return
+        if 2 * (self._n + len(keys)) > len(self._slots):
+            old = self.to_array()
+            cap = 1 << int(4 * (self._n + len(keys)) - 1).bit_length()
+            self._slots = np.zeros(cap, np.uint64)
+            self._occupied = np.zeros(cap, np.bool_)
+            self._n = _set_add(self._slots, self._occupied, old)
+        self._n += _set_add(self._slots, self._occupied, keys)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """keys : uint64[n] -> bool[n]."""
+        out = np.zeros(len(keys), np.bool_)
+        if self._n:
+            _set_contains(self._slots, self._occupied, keys, out)
+        return out
+
+    def to_array(self) -> np.ndarray:
+        """All keys, uint64[len(self)], in no particular order."""
+        return self._slots[self._occupied].copy()
+
+    def clear(self) -> None:
+        self.__init__(1024)
+
+
+@njit(nogil=True, cache=True)
+def _bloom_add(bits, nhash, keys):
+    nbits = U64(bits.shape[0] * 64)
+    for i in range(keys.shape[0]):
+        h1 = fmix64(keys[i] ^ _H1)
+        h2 = fmix64(keys[i] ^ _H2) | U64(1)
+        for j in range(nhash):
+            b = (h1 + U64(j) * h2) % nbits
+            bits[b >> U64(6)] |= U64(1) << (b & U64(63))
+
+
+@njit(nogil=True, cache=True)
+def _bloom_query(bits, nhash, keys, out):
+    nbits = U64(bits.shape[0] * 64)
+    for i in range(keys.shape[0]):
+        if out[i]:
+            continue
+        h1 = fmix64(keys[i] ^ _H1)
+        h2 = fmix64(keys[i] ^ _H2) | U64(1)
+        hit = True
+        for j in range(nhash):
+            b = (h1 + U64(j) * h2) % nbits
+            if ((bits[b >> U64(6)] >> (b & U64(63))) & U64(1)) == U64(0):
+                hit = False
+                break
+        out[i] = hit
+
+
+class ScalableBloom:
+    """Scalable Bloom filter (Almeida et al. 2007): a chain of filters, each twice the capacity of the
+    previous, so the false-positive rate stays near ``fp_rate`` however many keys arrive.
+
+    10 bits and 7 hashes per key give about 1% false positives per filter (Kirsch & Mitzenmacher
+    double hashing).
+    """
+
+    def __init__(self, initial_capacity: int = 1 << 20, bits_per_key: int = 10, nhash: int = 7):
+        self._bits_per_key = bits_per_key
+        self._nhash = nhash
+        self._filters: list[np.ndarray] = []
+        self._capacities: list[int] = []
+        self._counts: list[int] = []
+        self._next_capacity = initial_capacity
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self._filters)
+
+    def add(self, keys: np.ndarray) -> None:
+        """Record keys : uint64[n] (duplicates only cost capacity)."""
+        start = 0
+        while start < len(keys):
+            if not self._filters or self._counts[-1] >= self._capacities[-1]:
+                cap = self._next_capacity
+                self._filters.append(np.zeros((cap * self._bits_per_key + 63) // 64, np.uint64))
+                self._capacities.append(cap)
+                self._counts.append(0)
+                self._next_capacity = cap * 2
+            room = self._capacities[-1] - self._counts[-1]
+            chunk = keys[start:start + room]
+            _bloom_add(self._filters[-1], self._nhash, chunk)
+            self._counts[-1] += len(chunk)
+            start += len(chunk)
+
+    def may_contain(self, keys: np.ndarray) -> np.ndarray:
+        """keys : uint64[n] -> bool[n]; False means certainly never added."""
+        out = np.zeros(len(keys), np.bool_)
+        for bits in self._filters:
+            _bloom_query(bits, self._nhash, keys, out)
+        return out
+
+    def clear(self) -> None:
+        self._filters.clear()
+        self._capacities.clear()
+        self._counts.clear()

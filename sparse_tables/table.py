@@ -1,0 +1,563 @@
+"""``SparseTable``: one shard of a sparse embedding table.
+
+A uint64 key maps to a row of ``dim`` float32 values plus optimizer state and metadata (show, click,
+last_seen, LRU tick, flags). Rows live in a contiguous arena indexed by a Numba open-addressing hash
+index; with ``spill_path`` set, least-recently-used rows move to RocksDB past ``memory_rows`` and come
+back on the next pull or push that needs them. Every public method is thread-safe: pulls share a
+readers-writer lock (and a large pull is split across threads, the kernels releasing the GIL); pushes,
+shrink and loads take it exclusively, so no reader ever sees a torn row.
+
+Example::
+
+    >>> import numpy as np
+    >>> from sparse_tables import SparseTable, TableConfig
+    >>> t = SparseTable(TableConfig(dim=4, optimizer="sgd", learning_rate=1.0, initializer="zeros"))
+    >>> keys = np.array([7, 9, 7], dtype=np.uint64)
+    >>> t.push(keys, np.ones((3, 4), np.float32))     # key 7 twice: its gradients are summed
+    >>> t.pull(np.array([7, 9, 11], dtype=np.uint64))[:, 0]
+    array([-2., -1.,  0.], dtype=float32)
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from . import _kernels as K
+from ._optimizers import HP_SIZE
+from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
+from .errors import TableInputError
+from .keysets import KeySet
+from .rows import batch_to_records, records_to_batch, row_schema
+from .rwlock import RWLock
+from .spill import SpillStore
+
+log = logging.getLogger(__name__)
+
+MAX_LOAD = 0.8            # index load factor that triggers a rehash into twice the slots
+PARALLEL_PULL_MIN = 16384  # keys per thread below which a pull runs on the calling thread
+TICK_REBASE = 1 << 31
+
+
+class SparseTable:
+    """One shard of a sparse table.
+
+    Parameters
+    ----------
+    config : TableConfig
+    clock : callable returning float seconds, optional
+        The table clock used for ``last_seen`` and expiry (default ``time.time``). Stored with one-second
+        resolution as uint32.
+    initial_rows : int
+        Arena rows allocated up front (grows by doubling; untouched pages cost no RAM).
+    """
+
+    def __init__(self, config: TableConfig, *, clock: Callable[[], float] = time.time,
+                 initial_rows: int = 1024):
+        self.config = config
+        self.layout = RowLayout.of(config)
+        self.schema = row_schema(self.layout, config.optimizer)
+        self._clock = clock
+        lay = self.layout
+        self._lay = np.array([lay.dim, lay.values, lay.state, lay.meta, lay.stride], np.int64)
+        self._opt = OPTIMIZER_CODE[config.optimizer]
+        hp = np.zeros(HP_SIZE, np.float64)
+        hp[:] = [config.learning_rate, config.epsilon, config.initial_accumulator, config.beta1,
+                 config.beta2, config.ftrl_beta, config.ftrl_l1, config.ftrl_l2, config.min_bound,
+                 config.max_bound]
+        self._hp = hp
+        self._seed = np.uint64(config.seed % (1 << 64))
+        self._init_kind = INITIALIZER_CODE[config.initializer]
+        self._state = np.zeros(4, np.int64)
+        self._state[K.S_FREE_HEAD] = -1
+        self._arena_u = np.empty((max(16, initial_rows), lay.stride), np.uint32)
+        self._arena_f = self._arena_u.view(np.float32)
+        self._index = np.full(_pow2(max(16, int(initial_rows / MAX_LOAD) + 1)), K.EMPTY, np.uint64)
+        if config.uses_admission:
+            self._sketch = np.zeros((config.sketch_depth, config.sketch_width), np.uint32)
+        else:
+            self._sketch = np.zeros((0, 0), np.uint32)
+        self._spill = SpillStore(config.spill_path, lay.stride) if config.spill_path else None
+        self._spilled_dirty = KeySet()
+        self._deleted: list[np.ndarray] = []
+        self._tick = 1
+        self._lock = RWLock()
+        self._stats_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._counters = dict(pull_keys=0, pull_hits=0, pull_misses=0, push_keys=0, created=0,
+                              rejected=0, deleted=0, evictions=0, promotions=0, spill_writes=0)
+
+    # ------------------------------------------------------------------------------ public API
+    def pull(self, keys: np.ndarray, *, init_missing: bool = False) -> np.ndarray:
+        """Values of keys.
+
+        Parameters
+        ----------
+        keys : uint64[n]
+            Duplicates allowed.
+        init_missing : bool
+            Training pulls: keys without a row read the initial value a push would create for them
+            (a pure function of seed and key), so a worker starts from the value the server will hold.
+            Ignored when admission is on (not-yet-admitted keys read zeros). Nothing is created.
+
+        Returns
+        -------
+        float32[n, dim]
+            Unknown keys read zeros (or their initial value with ``init_missing``).
+
+        Raises
+        ------
+        TableInputError
+            keys is not a 1-D uint64 array.
+        """
+        keys = _check_keys(keys)
+        out = np.empty((len(keys), self.layout.dim), np.float32)
+        track = self._spill is not None
+        with self._lock.shared():
+            miss = self._pull_ram(keys, out, self._tick, track)
+        hits = len(keys) - len(miss)
+        if len(miss) and self._spill is not None:
+            with self._lock.exclusive():
+                self._next_tick()
+                sub = keys[miss]
+                self._promote(np.unique(sub))
+                sub_out = np.empty((len(sub), self.layout.dim), np.float32)
+                still = self._pull_ram(sub, sub_out, self._tick, True)
+                out[miss] = sub_out
+                miss = miss[still]
+                self._maybe_evict()
+        if init_missing and len(miss) and not self.config.uses_admission:
+            out[miss] = self.initial_values(keys[miss])
+        self._count(pull_keys=len(keys), pull_hits=hits, pull_misses=len(keys) - hits)
+        return out
+
+    def push(self, keys: np.ndarray, grads: np.ndarray, *, shows: np.ndarray | None = None,
+             clicks: np.ndarray | None = None) -> None:
+        """Apply the optimizer to the rows of keys, creating rows subject to admission.
+
+        Parameters
+        ----------
+        keys : uint64[n]
+            Duplicates are combined: their gradients, shows and clicks are summed before the update.
+        grads : float32[n, dim]
+        shows, clicks : float32[n], optional
+            Counts behind each gradient. With shows, the combined gradient is divided by the combined
+            show count before the update (Paddle's CtrCommonAccessor), so updates do not depend on
+            batch size; show and click feed the expiry score. Without, show grows by occurrences.
+
+        Raises
+        ------
+        TableInputError
+            Wrong dtype or shape, length mismatch, NaN/Inf gradients, negative counts. The table is
+            unchanged.
+        """
+        keys = _check_keys(keys)
+        grads = self._check_matrix(grads, len(keys), "grads")
+        if clicks is not None and shows is None:
+            raise TableInputError("clicks given without shows: pass shows too")
+        if shows is not None:
+            shows = _check_vector(shows, len(keys), "shows")
+            clicks = (np.zeros(len(keys), np.float32) if clicks is None
+                      else _check_vector(clicks, len(keys), "clicks"))
+        self._apply(keys, grads, shows, clicks, mode=0)
+
+    def push_delta(self, keys: np.ndarray, deltas: np.ndarray) -> None:
+        """GEO: ``value += delta`` with no optimizer (duplicates summed); rows are created as by push.
+
+        keys : uint64[n]; deltas : float32[n, dim]. Raises TableInputError as ``push``.
+        """
+        keys = _check_keys(keys)
+        deltas = self._check_matrix(deltas, len(keys), "deltas")
+        self._apply(keys, deltas, None, None, mode=1)
+
+    def initial_values(self, keys: np.ndarray) -> np.ndarray:
+        """The values a push would create for keys : uint64[n] -> float32[n, dim] (nothing is created)."""
+        keys = _check_keys(keys)
+        out = np.empty((len(keys), self.layout.dim), np.float32)
+        K.initial_values(keys, self.layout.dim, self._seed, self._init_kind, self.config.init_range, out)
+        return out
+
+    def shrink(self, now: float | None = None) -> int:
+        """Expiry pass over every row (RAM and RocksDB), as Paddle's accessor Shrink.
+
+        Show and click are multiplied by ``show_click_decay``; a row is deleted when its score
+        ``(show - click) * nonclk_coeff + click * click_coeff`` is below ``delete_threshold`` or it was
+        last pushed more than ``expire_after`` seconds before ``now``. Deleted keys are reported as
+        tombstones by ``dirty_rows``. Admission counts are halved (they age like TinyLFU's).
+
+        Parameters
+        ----------
+        now : float, seconds of the table clock, optional (default: the clock)
+
+        Returns
+        -------
+        int : rows deleted
+        """
+        now_s = int(self._clock() if now is None else now)
+        cfg = self.config
+        expire_s = -1 if cfg.expire_after is None else int(cfg.expire_after)
+        args = (now_s, expire_s, cfg.show_click_decay, cfg.delete_threshold, cfg.nonclk_coeff,
+                cfg.click_coeff)
+        with self._lock.exclusive():
+            nram = int(self._state[K.S_NRAM])
+            out_keys = np.empty(nram, np.uint64)
+            out_disk = np.empty(nram, np.bool_)
+            n = K.shrink_ram(self._index, self._arena_u, self._arena_f, self._state, self._lay, *args,
+                             out_keys, out_disk)
+            deleted = [out_keys[:n].copy()]
+            if self._spill is not None:
+                self._spill.delete(out_keys[:n][out_disk[:n]])
+                deleted += self._shrink_disk(args)
+            deleted_keys = np.concatenate(deleted)
+            self._deleted.append(deleted_keys)
+            if self._sketch.size:
+                self._sketch >>= 1
+        self._count(deleted=len(deleted_keys))
+        return len(deleted_keys)
+
+    def __len__(self) -> int:
+        return int(self._state[K.S_NRAM]) + self._rows_spilled()
+
+    def stats(self) -> dict:
+        """Counters and sizes.
+
+        Keys: ``rows`` (all), ``rows_in_ram``, ``rows_spilled`` (authoritative in RocksDB),
+        ``ram_bytes`` (arena rows in use, index, sketch, filters), ``disk_bytes``, ``pull_keys``,
+        ``pull_hits``/``pull_misses`` (RAM), ``push_keys``, ``created``, ``rejected`` (not admitted),
+        ``deleted``, ``evictions``, ``promotions``, ``spill_writes``.
+        """
+        with self._stats_lock:
+            out = dict(self._counters)
+        nram = int(self._state[K.S_NRAM])
+        spilled = self._rows_spilled()
+        ram = (int(self._state[K.S_NEXT]) * self.layout.row_bytes + self._index.nbytes
+               + self._sketch.nbytes + self._spilled_dirty.nbytes)
+        disk = 0
+        if self._spill is not None:
+            ram += self._spill.bloom_bytes
+            disk = self._spill.disk_bytes()
+        out.update(rows=nram + spilled, rows_in_ram=nram, rows_spilled=spilled, ram_bytes=ram,
+                   disk_bytes=disk, index_slots=len(self._index), row_bytes=self.layout.row_bytes)
+        return out
+
+    def rows(self, chunk_rows: int = 65536) -> Iterator[pa.RecordBatch]:
+        """Every row, RAM and RocksDB, exactly once, as RecordBatches of ``self.schema``.
+
+        The RAM rows are copied and a RocksDB snapshot taken at one instant under the lock, so the dump
+        is one consistent state of the shard even while pushes go on.
+        """
+        with self._lock.shared():
+            records = self._gather_live(0)
+            snapshot = self._spill.snapshot() if self._spill is not None else None
+        fo = self.layout.meta + K.M_FLAGS
+        ram_on_disk = KeySet(max(16, len(records)))
+        on_disk = (records[:, fo] & K.F_ON_DISK) != 0
+        ram_on_disk.add(_record_keys(records[on_disk]))
+        for start in range(0, len(records), chunk_rows):
+            yield records_to_batch(records[start:start + chunk_rows], self.layout, self.schema)
+        if snapshot is not None:
+            for keys, recs in self._spill.scan(snapshot, chunk_rows):
+                keep = ~ram_on_disk.contains(keys)
+                if keep.any():
+                    yield records_to_batch(recs[keep], self.layout, self.schema)
+
+    def load_rows(self, batches: Iterable[pa.RecordBatch]) -> int:
+        """Insert or overwrite rows from RecordBatches of the row schema (bit-exact, optimizer state
+        included). Loaded rows are clean (not dirty). Returns the number of rows loaded.
+
+        Raises
+        ------
+        TableInputError
+            A batch misses a column, has a wrong type or width, or nulls (that batch is not applied).
+        """
+        total = 0
+        for batch in batches:
+            records = batch_to_records(batch, self.layout)
+            keys = _record_keys(records)
+            with self._lock.exclusive():
+                self._next_tick()
+                self._reserve(len(records))
+                if self._spill is not None:
+                    self._promote(np.unique(keys))
+                ok = K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,
+                                      np.zeros(len(records), np.uint32), self._tick)
+                if not ok:
+                    raise RuntimeError("arena full after reserve: internal capacity error")
+                self._maybe_evict()
+            total += len(records)
+        return total
+
+    def dirty_rows(self, clear: bool = False) -> tuple[list[pa.RecordBatch], np.ndarray]:
+        """Rows changed and keys deleted since the last clear (for delta checkpoints).
+
+        Parameters
+        ----------
+        clear : bool
+            Clear the dirty state in the same locked step, so a push racing with a delta save lands in
+            the next delta rather than being lost.
+
+        Returns
+        -------
+        (batches, deleted)
+            batches : list of RecordBatch of ``self.schema``, each changed row once (RAM and spilled);
+            deleted : uint64[k] sorted keys deleted and not re-created since (tombstones).
+        """
+        lock = self._lock.exclusive() if clear else self._lock.shared()
+        with lock:
+            records = [self._gather_live(int(K.F_DIRTY))]
+            spilled = self._spilled_dirty.to_array()
+            if len(spilled) and self._spill is not None:
+                rows = np.empty(len(spilled), np.int64)
+                K.find_rows(self._index, self._arena_u, spilled, rows)
+                pos, recs = self._spill.get(spilled[rows < 0])
+                records.append(recs)
+            deleted = np.unique(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.uint64)
+            if len(deleted):
+                deleted = deleted[~self._present(deleted)]
+            if clear:
+                self._clear_dirty_locked()
+        recs = np.concatenate(records)
+        batches = [records_to_batch(recs[s:s + 65536], self.layout, self.schema)
+                   for s in range(0, len(recs), 65536)]
+        return batches, deleted
+
+    def clear_dirty(self) -> None:
+        """Forget which rows changed and which keys were deleted."""
+        with self._lock.exclusive():
+            self._clear_dirty_locked()
+
+    def close(self) -> None:
+        """Release the RocksDB tier (its directory is removed) and the pull threads."""
+        with self._lock.exclusive():
+            if self._spill is not None:
+                self._spill.close()
+                self._spill = None
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    def __enter__(self) -> "SparseTable":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------ internals
+    def _apply(self, keys, grads, shows, clicks, mode: int) -> None:
+        n = len(keys)
+        has_shows = shows is not None
+        ukeys = np.empty(n, np.uint64)
+        ugrads = np.empty((n, self.layout.dim), np.float32)
+        ushows = np.empty(n if has_shows else 0, np.float32)
+        uclicks = np.empty(n if has_shows else 0, np.float32)
+        ucounts = np.empty(n, np.int64)
+        empty = np.empty(0, np.float32)
+        nu = K.dedup_sum(keys, grads, shows if has_shows else empty, clicks if has_shows else empty,
+                         ukeys, ugrads, ushows, uclicks, ucounts)
+        if nu < 0:
+            i = -nu - 1
+            what = "deltas" if mode else "grads"
+            raise TableInputError(f"{what}[{i}] (key {int(keys[i])}): expected finite values and "
+                                  f"non-negative shows/clicks, got a NaN, Inf or negative count")
+        ukeys, ugrads, ucounts = ukeys[:nu], ugrads[:nu], ucounts[:nu]
+        if has_shows:
+            ushows, uclicks = ushows[:nu], uclicks[:nu]
+        cfg = self.config
+        with self._lock.exclusive():
+            self._next_tick()
+            self._reserve(nu)
+            if self._spill is not None:
+                self._promote(ukeys)
+            out_rows = np.empty(nu, np.int64)
+            created, rejected, full = K.push_rows(
+                self._index, self._arena_u, self._arena_f, self._state, self._lay, ukeys, ugrads,
+                ushows, uclicks, ucounts, has_shows, mode, self._opt, self._hp, self._now_s(),
+                self._tick, self._seed, self._init_kind, cfg.init_range, self._sketch, cfg.min_count,
+                cfg.admit_probability, out_rows)
+            if full:
+                raise RuntimeError("arena full after reserve: internal capacity error")
+            self._maybe_evict()
+        self._count(push_keys=n, created=created, rejected=rejected)
+
+    def _pull_ram(self, keys, out, tick, track) -> np.ndarray:
+        """Gather RAM rows (parallel for large pulls); returns positions of misses (int64)."""
+        n = len(keys)
+        threads = self.config.num_threads
+        if threads <= 1 or n < 2 * PARALLEL_PULL_MIN:
+            miss = np.empty(n, np.int64)
+            nm = K.pull_rows(self._index, self._arena_u, self._arena_f, self._lay, keys, out, tick,
+                             track, miss)
+            return miss[:nm]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="table-pull")
+        bounds = np.linspace(0, n, threads + 1).astype(np.int64)
+
+        def part(a, b):
+            miss = np.empty(b - a, np.int64)
+            nm = K.pull_rows(self._index, self._arena_u, self._arena_f, self._lay, keys[a:b], out[a:b],
+                             tick, track, miss)
+            return miss[:nm] + a
+
+        futures = [self._pool.submit(part, bounds[i], bounds[i + 1]) for i in range(threads)]
+        return np.concatenate([f.result() for f in futures])
+
+    def _promote(self, ukeys: np.ndarray) -> None:
+        """Bring rows of unique keys that are on disk into RAM (one multi-get). Lock held exclusively."""
+        rows = np.empty(len(ukeys), np.int64)
+        K.find_rows(self._index, self._arena_u, ukeys, rows)
+        missing = ukeys[rows < 0]
+        if not len(missing):
+            return
+        pos, records = self._spill.get(missing)
+        if not len(pos):
+            return
+        self._reserve(len(pos))
+        dirty = self._spilled_dirty.contains(missing[pos])
+        flags = np.where(dirty, K.F_ON_DISK | K.F_SYNCED | K.F_DIRTY, K.F_ON_DISK | K.F_SYNCED)
+        K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,
+                         flags.astype(np.uint32), self._tick)
+        self._count(promotions=len(pos))
+
+    def _maybe_evict(self) -> None:
+        """Past memory_rows, write the least recently used rows to RocksDB until the low watermark."""
+        if self._spill is None:
+            return
+        nram = int(self._state[K.S_NRAM])
+        if nram <= self.config.memory_rows:
+            return
+        k = nram - int(self.config.memory_rows * self.config.spill_low_watermark)
+        rows = np.empty(nram, np.int64)
+        ticks = np.empty(nram, np.uint32)
+        K.lru_ticks(self._arena_u, self._state, self._lay, rows, ticks)
+        threshold = np.partition(ticks, k - 1)[k - 1]
+        sel = np.empty(k, np.int64)
+        K.select_lru(rows, ticks, threshold, k, sel)
+        records = np.empty((k, self.layout.stride), np.uint32)
+        K.gather_records(self._arena_u, sel, records)
+        keys = _record_keys(records)
+        flags = records[:, self.layout.meta + K.M_FLAGS]
+        synced = K.F_ON_DISK | K.F_SYNCED
+        write = (flags & synced) != synced
+        self._spill.put(keys[write], records[write], (flags[write] & K.F_ON_DISK) == 0)
+        self._spilled_dirty.add(keys[(flags & K.F_DIRTY) != 0])
+        K.remove_rows(self._index, self._arena_u, self._state, self._lay, sel)
+        self._count(evictions=k, spill_writes=int(write.sum()))
+
+    def _shrink_disk(self, args) -> list[np.ndarray]:
+        """Expiry over rows authoritative in RocksDB; returns the deleted keys."""
+        deleted = []
+        decayed = args[2] != 1.0
+        for keys, recs in self._spill.scan(self._spill.snapshot()):
+            rows = np.empty(len(keys), np.int64)
+            K.find_rows(self._index, self._arena_u, keys, rows)
+            cold = rows < 0
+            keys, recs = keys[cold], recs[cold]
+            kill = np.empty(len(keys), np.bool_)
+            K.shrink_records(recs, self._lay, *args, kill)
+            self._spill.delete(keys[kill])
+            deleted.append(keys[kill])
+            if decayed:
+                keep = ~kill
+                self._spill.put(keys[keep], recs[keep], np.zeros(int(keep.sum()), np.bool_))
+                self._spilled_dirty.add(keys[keep])
+        return deleted
+
+    def _gather_live(self, flag_mask: int) -> np.ndarray:
+        rows = np.empty(int(self._state[K.S_NRAM]), np.int64)
+        n = K.live_rows(self._arena_u, self._state, self._lay, flag_mask, rows)
+        records = np.empty((n, self.layout.stride), np.uint32)
+        K.gather_records(self._arena_u, rows[:n], records)
+        return records
+
+    def _present(self, keys: np.ndarray) -> np.ndarray:
+        """bool[n]: key has a row in RAM or on disk (lock held)."""
+        rows = np.empty(len(keys), np.int64)
+        K.find_rows(self._index, self._arena_u, keys, rows)
+        present = rows >= 0
+        if self._spill is not None and (~present).any():
+            absent = np.flatnonzero(~present)
+            pos, _ = self._spill.get(keys[absent])
+            present[absent[pos]] = True
+        return present
+
+    def _clear_dirty_locked(self) -> None:
+        K.clear_flag(self._arena_u, self._state, self._lay, K.F_DIRTY)
+        self._spilled_dirty.clear()
+        self._deleted = []
+
+    def _rows_spilled(self) -> int:
+        if self._spill is None:
+            return 0
+        return self._spill.count - K.count_flag(self._arena_u, self._state, self._lay, K.F_ON_DISK)
+
+    def _reserve(self, n_new: int) -> None:
+        """Make room for n_new more rows in the arena and the index (lock held exclusively)."""
+        st = self._state
+        need_rows = int(st[K.S_NEXT]) + n_new - int(st[K.S_NFREE])
+        cap = self._arena_u.shape[0]
+        if need_rows > cap:
+            new_cap = max(2 * cap, need_rows)
+            arena = np.empty((new_cap, self.layout.stride), np.uint32)
+            used = int(st[K.S_NEXT])
+            arena[:used] = self._arena_u[:used]
+            self._arena_u = arena
+            self._arena_f = arena.view(np.float32)
+        need_slots = int(st[K.S_NRAM]) + n_new
+        if need_slots > MAX_LOAD * len(self._index):
+            slots = _pow2(int(need_slots / MAX_LOAD) + 1)
+            slots = max(slots, 2 * len(self._index))
+            index = np.full(slots, K.EMPTY, np.uint64)
+            K.rebuild_index(index, self._arena_u, self._lay, st)
+            self._index = index
+
+    def _next_tick(self) -> None:
+        self._tick += 1
+        if self._tick >= TICK_REBASE:
+            shift = self._tick - (1 << 20)
+            K.rebase_ticks(self._arena_u, self._state, self._lay, shift)
+            self._tick -= shift
+
+    def _now_s(self) -> int:
+        now = self._clock()
+        if not (0 <= now < 2 ** 32):
+            raise TableInputError(f"table clock: expected seconds in [0, 2**32), got {now}")
+        return int(now)
+
+    def _check_matrix(self, arr, n: int, name: str) -> np.ndarray:
+        dim = self.layout.dim
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.shape != (n, dim):
+            got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            raise TableInputError(f"{name}: expected float32[{n}, {dim}] (one row per key), got {got}")
+        return np.ascontiguousarray(arr)
+
+    def _count(self, **kw) -> None:
+        with self._stats_lock:
+            for k, v in kw.items():
+                self._counters[k] += int(v)
+
+
+def _check_keys(keys) -> np.ndarray:
+    if not isinstance(keys, np.ndarray) or keys.dtype != np.uint64 or keys.ndim != 1:
+        got = f"{keys.dtype}{list(keys.shape)}" if isinstance(keys, np.ndarray) else type(keys).__name__
+        raise TableInputError(f"keys: expected a uint64[n] array, got {got}")
+    return np.ascontiguousarray(keys)
+
+
+def _check_vector(arr, n: int, name: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.shape != (n,):
+        got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise TableInputError(f"{name}: expected float32[{n}] (one count per key), got {got}")
+    return np.ascontiguousarray(arr)
+
+
+def _record_keys(records: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(records[:, :2]).view(np.uint64).reshape(-1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(4, (n - 1).bit_length())
