@@ -240,14 +240,13 @@ class Storage:
 
         try:
             infos = self._retry("list", path, op)
-        except FileNotFoundError as exc:
-            raise self._not_found(path, exc) from exc
         except OSError as exc:
+            # a file has no children: local/HDFS say "not a directory", S3 "no such prefix"
             if self.is_file(path):
                 raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.uri_of(path)) from exc
+            if isinstance(exc, FileNotFoundError):
+                raise self._not_found(path, exc) from exc
             raise
-        if not infos and self._object_store and self.is_file(path):
-            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.uri_of(path))
         return sorted(info.base_name for info in infos)
 
     # ---------------------------------------------------------------- mutation
