@@ -1,0 +1,437 @@
+"""Arrow source: IPC stream files, directories of them, Parquet files or a stream on stdin → record
+batches of exactly ``batch_size`` rows, optionally shuffled, read ahead on a prefetch thread.
+
+Pipeline (each step a generator; the first three run on the prefetch thread)::
+
+    files (sorted, sharded) → input record batches (schema-checked, columns selected)
+        → shuffle buffer (optional) → re-chunk to batch_size → bounded queue → consumer
+
+Position. ``SourcePosition(file_index, batch_index, row)`` names the next input row not yet delivered:
+row ``row`` of input record batch ``batch_index`` of file ``file_index`` (index into the full sorted file
+list, before sharding). ``ArrowSource.position`` is the position after the last batch the consumer
+received; passing it as ``start=`` resumes exactly there. With a shuffle buffer the position is the read
+frontier: rows still in the buffer when the position was taken are not re-read on resume.
+
+Sharding. ``shard=(w, W)`` with ``shard_by="files"`` (default) gives worker ``w`` the files ``w::W`` of
+the sorted list; ``shard_by="batches"`` reads every file and keeps input record batches ``w::W`` (counted
+over the whole stream), for a single file or stdin.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import keys
+from .errors import SchemaError
+
+__all__ = ["ArrowSource", "SourcePosition", "list_files", "prefetch"]
+
+log = logging.getLogger(__name__)
+
+_IPC_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+_STRING_TYPES = (pa.string(), pa.binary(), pa.large_string(), pa.large_binary())
+
+
+@dataclasses.dataclass(frozen=True)
+class SourcePosition:
+    """The next input row not yet delivered (see the module docstring).
+
+    Attributes
+    ----------
+    file_index : int
+        Index into the full sorted file list (before sharding).
+    batch_index : int
+        Input record batch within that file.
+    row : int
+        Row within that record batch.
+    """
+
+    file_index: int = 0
+    batch_index: int = 0
+    row: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "SourcePosition":
+        return cls(int(d["file_index"]), int(d["batch_index"]), int(d["row"]))
+
+
+def list_files(paths) -> list:
+    """Expand inputs to the ordered list the source reads.
+
+    Parameters
+    ----------
+    paths : str, PathLike, binary file object, or a list of them
+        A directory expands to its IPC/Parquet files (suffixes ``.arrow .arrows .ipc .feather .parquet
+        .pq``; names starting with ``_`` or ``.`` skipped), sorted by name. ``"-"`` means stdin. File
+        objects are kept as they are.
+
+    Raises
+    ------
+    FileNotFoundError
+        If a path does not exist or a directory holds no data files.
+    """
+    if isinstance(paths, (str, os.PathLike)) or hasattr(paths, "read"):
+        paths = [paths]
+    out = []
+    for p in paths:
+        if hasattr(p, "read") or p == "-":
+            out.append(p)
+            continue
+        p = Path(p)
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith(("_", "."))
+                           and f.suffix in _IPC_SUFFIXES + _PARQUET_SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"no Arrow IPC or Parquet files in directory {p}")
+            out.extend(str(f) for f in found)
+        elif p.is_file():
+            out.append(str(p))
+        else:
+            raise FileNotFoundError(f"data path does not exist: {p}")
+    return out
+
+
+def _name(src) -> str:
+    if src == "-":
+        return "<stdin>"
+    if hasattr(src, "read"):
+        return getattr(src, "name", "<stream>") if isinstance(getattr(src, "name", None), str) else "<stream>"
+    return str(src)
+
+
+def _read_batches(src, columns) -> Iterator[pa.RecordBatch]:
+    """Record batches of one input, in order. Parquet by suffix; IPC stream or IPC file by magic."""
+    if src == "-":
+        src = sys.stdin.buffer
+    if hasattr(src, "read"):
+        reader = pa.ipc.open_stream(src)
+        yield from reader
+        return
+    if src.endswith(_PARQUET_SUFFIXES):
+        pf = pq.ParquetFile(src)
+        cols = [c for c in columns if c in pf.schema_arrow.names] if columns else None
+        yield from pf.iter_batches(batch_size=65536, columns=cols)
+        return
+    with pa.memory_map(src, "r") as mm:
+        if mm.read(6) == b"ARROW1":
+            f = pa.ipc.open_file(mm)
+            for i in range(f.num_record_batches):
+                yield f.get_batch(i)
+            return
+        mm.seek(0)
+        yield from pa.ipc.open_stream(mm)
+
+
+def prefetch(iterable, depth: int, *, name: str = "prefetch", join_timeout_s: float = 30.0) -> Iterator:
+    """Iterate ``iterable`` on a background thread, at most ``depth`` items ahead of the consumer.
+
+    The producer blocks when the queue is full (the reader waits when the consumer falls behind); an
+    exception raised by the producer is re-raised in the consumer; closing the returned generator (or
+    dropping it) stops the producer and joins the thread.
+
+    Parameters
+    ----------
+    iterable : iterable
+    depth : int
+        Queue size, >= 1.
+    name : str
+        Thread name.
+    join_timeout_s : float, seconds
+        How long closing waits for the producer to stop (it is a daemon thread past that).
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run():
+        try:
+            for item in iterable:
+                if not put((True, item)):
+                    return
+            put((True, done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put((False, exc))
+        finally:
+            close = getattr(iterable, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        while True:
+            ok, item = q.get()
+            if not ok:
+                raise item
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        deadline = time.monotonic() + join_timeout_s
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        if thread.is_alive():
+            log.warning("prefetch thread %s did not stop within %.0f s (blocked in a read?); leaving it "
+                        "as a daemon thread", name, join_timeout_s)
+
+
+class ArrowSource:
+    """Record batches of exactly ``batch_size`` rows from Arrow IPC streams, Parquet files or stdin.
+
+    Parameters
+    ----------
+    paths : str, PathLike, file object or list of them
+        See ``list_files``. ``"-"`` reads an IPC stream from stdin; a binary file object (pipe,
+        ``BytesIO``) is read as an IPC stream.
+    batch_size : int, rows
+    schema : pyarrow.Schema, optional
+        Expected columns and types. Only these columns are delivered, in this order; each input's
+        schema is checked against it before its first batch is used. Without it the first input's
+        schema is expected of every input.
+    string_slots : mapping of column name → slot id, optional
+        Columns that may arrive as raw strings (string/binary); they are hashed with
+        ``keys.hash_array(slot, values, empty_is_missing=True)`` into uint64 keys.
+    shuffle_buffer : int, rows
+        0 = no shuffling. Otherwise rows are shuffled within a buffer of this many rows.
+    seed : int, optional
+        Required with a shuffle buffer. The order of epoch ``e`` depends only on (seed, e, the input).
+    drop_last : bool
+        Drop the final short batch.
+    prefetch : int
+        Batches read ahead on a background thread; 0 reads on the consumer's thread.
+    shard : (int, int), optional
+        ``(worker, num_workers)``; see ``shard_by`` and the module docstring.
+    shard_by : "files" or "batches"
+    start : SourcePosition, optional
+        Resume point (skips everything before it).
+
+    Raises
+    ------
+    ValueError
+        On bad arguments.
+    FileNotFoundError
+        If a path does not exist.
+
+    Examples
+    --------
+    >>> src = ArrowSource("data/train", batch_size=512, schema=criteo_schema())  # doctest: +SKIP
+    >>> for batch in src.batches(epoch=0):                                         # doctest: +SKIP
+    ...     train_step(batch); pos = src.position
+    """
+
+    def __init__(self, paths, *, batch_size: int, schema: pa.Schema | None = None,
+                 string_slots: Mapping[str, int] | None = None, shuffle_buffer: int = 0,
+                 seed: int | None = None, drop_last: bool = False, prefetch: int = 4,
+                 shard: tuple[int, int] | None = None, shard_by: str = "files",
+                 start: SourcePosition | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+        if shuffle_buffer and seed is None:
+            raise ValueError("a shuffle buffer needs an explicit seed: pass seed=... (e.g. the run seed)")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if shard_by not in ("files", "batches"):
+            raise ValueError(f"shard_by must be 'files' or 'batches', got {shard_by!r}")
+        if shard is not None:
+            w, n = shard
+            if not (n >= 1 and 0 <= w < n):
+                raise ValueError(f"shard must be (worker, num_workers) with 0 <= worker < num_workers, "
+                                 f"got {shard}")
+        self.files = list_files(paths)
+        self.batch_size = batch_size
+        self.schema = schema
+        self.string_slots = dict(string_slots or {})
+        for col, slot in self.string_slots.items():
+            keys.slot_prefix(slot)  # range check
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.drop_last = drop_last
+        self.prefetch = prefetch
+        self.shard = shard
+        self.shard_by = shard_by
+        self.start = start or SourcePosition()
+        self.position = self.start
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _check_schema(self, got: pa.Schema, expected: pa.Schema | None, name: str):
+        """Validate one input's schema; return the expected schema and the per-column action."""
+        if expected is None:
+            expected = got
+        present = got.names
+        for field in expected:
+            idx = got.get_field_index(field.name)
+            if idx < 0:
+                raise SchemaError(name, field.name, str(field.type), None, present)
+            actual = got.field(idx).type
+            if actual == field.type:
+                continue
+            if (field.name in self.string_slots and field.type == pa.uint64()
+                    and actual in _STRING_TYPES):
+                continue
+            raise SchemaError(name, field.name, str(field.type), str(actual))
+        return expected
+
+    def _conform(self, rb: pa.RecordBatch, expected: pa.Schema) -> pa.RecordBatch:
+        cols = []
+        for field in expected:
+            col = rb.column(rb.schema.get_field_index(field.name))
+            if col.type != field.type:  # a raw string slot (checked in _check_schema)
+                col = pa.array(keys.hash_array(self.string_slots[field.name], col, empty_is_missing=True))
+            cols.append(col)
+        return pa.RecordBatch.from_arrays(cols, schema=expected)
+
+    def _input_batches(self):
+        """Yield ``(file_index, batch_index, record_batch)`` for this shard, from ``start`` on."""
+        expected = self.schema
+        columns = self.schema.names if self.schema is not None else None
+        stream_counter = 0
+        w, n = self.shard or (0, 1)
+        for fi, src in enumerate(self.files):
+            if fi < self.start.file_index:
+                continue
+            if self.shard_by == "files" and fi % n != w:
+                continue
+            name = _name(src)
+            checked = False
+            for bi, rb in enumerate(_read_batches(src, columns)):
+                if not checked:
+                    expected = self._check_schema(rb.schema, expected, name)
+                    checked = True
+                if self.shard_by == "batches":
+                    mine = stream_counter % n == w
+                    stream_counter += 1
+                    if not mine:
+                        continue
+                if fi == self.start.file_index and bi < self.start.batch_index:
+                    continue
+                rb = self._conform(rb, expected)
+                if fi == self.start.file_index and bi == self.start.batch_index and self.start.row:
+                    rb = rb.slice(self.start.row)
+                    yield fi, bi, rb, self.start.row
+                else:
+                    yield fi, bi, rb, 0
+
+    def _rechunk(self, pieces):
+        """Re-chunk ``(fi, bi, rb, row0)`` pieces into ``(batch, position_after)`` of batch_size rows."""
+        pending, count = [], 0
+        for fi, bi, rb, row0 in pieces:
+            off = 0
+            while off < rb.num_rows:
+                take = min(rb.num_rows - off, self.batch_size - count)
+                pending.append(rb.slice(off, take))
+                count += take
+                off += take
+                if count == self.batch_size:
+                    yield _concat(pending), SourcePosition(fi, bi, row0 + off)
+                    pending, count = [], 0
+        if count and not self.drop_last:
+            yield _concat(pending), self._end_position()
+
+    def _end_position(self):
+        return SourcePosition(len(self.files), 0, 0)
+
+    def _shuffled(self, pieces, rng):
+        """Shuffle rows through a buffer: fill to capacity, permute, emit half, refill. Pieces carry the
+        read frontier as their position."""
+        buf, rows, cap = [], 0, self.shuffle_buffer
+        frontier = self.start
+        for fi, bi, rb, row0 in pieces:
+            buf.append(rb)
+            rows += rb.num_rows
+            frontier = SourcePosition(fi, bi + 1, 0)
+            if rows >= cap:
+                table = _concat(buf)
+                table = table.take(pa.array(rng.permutation(table.num_rows)))
+                keep = min(cap // 2, table.num_rows)
+                emit = table.num_rows - keep
+                yield fi, bi, table.slice(0, emit), frontier
+                buf, rows = [table.slice(emit)], keep
+        if rows:
+            table = _concat(buf)
+            yield (frontier.file_index, frontier.batch_index,
+                   table.take(pa.array(rng.permutation(table.num_rows))), frontier)
+
+    def _rechunk_shuffled(self, pieces):
+        pending, count = [], 0
+        for _fi, _bi, rb, frontier in pieces:
+            off = 0
+            while off < rb.num_rows:
+                take = min(rb.num_rows - off, self.batch_size - count)
+                pending.append(rb.slice(off, take))
+                count += take
+                off += take
+                if count == self.batch_size:
+                    yield _concat(pending), frontier
+                    pending, count = [], 0
+        if count and not self.drop_last:
+            yield _concat(pending), self._end_position()
+
+    def _pipeline(self, epoch: int):
+        pieces = self._input_batches()
+        if self.shuffle_buffer:
+            rng = np.random.default_rng([self.seed, epoch])
+            return self._rechunk_shuffled(self._shuffled(pieces, rng))
+        return self._rechunk(pieces)
+
+    def batches(self, epoch: int = 0) -> Iterator[pa.RecordBatch]:
+        """Yield record batches of ``batch_size`` rows (the last may be shorter unless ``drop_last``).
+
+        ``self.position`` is updated as each batch is handed out.
+
+        Raises
+        ------
+        SchemaError
+            If an input lacks an expected column or has it with another type (names column and file).
+        """
+        it = self._pipeline(epoch)
+        if self.prefetch:
+            it = prefetch(it, self.prefetch, name="arrow-source")
+        try:
+            for rb, pos in it:
+                self.position = pos
+                yield rb
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        return self.batches(0)
+
+
+def _concat(batches) -> pa.RecordBatch:
+    if len(batches) == 1:
+        return batches[0]
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+
