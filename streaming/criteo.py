@@ -27,17 +27,20 @@ stale.
 Canonical split: data line ``i`` (0-based over all data lines of all inputs in order, malformed lines
 included) is **test** when ``i % 5 == 4`` and **train** otherwise.
 
-Worked example (slot 3, ``I2 = -1``, ``I3`` empty)::
+Worked example (``I1 = 5``, ``I2 = -1``, ``I3`` empty, ``C3 = "68fd1e64"``)::
 
-    "1\\t5\\t-1\\t\\t..."  →  label=1.0, dense=[log1p(5), 0, 0, ...], C3 = (3 << 48) | (xxh64(raw) & (2**48-1))
+    "1\\t5\\t-1\\t\\t..."  →  label = 1.0, dense = [log1p(5), 0, 0, ...],
+                            C3 = (3 << 48) | (xxh64(b"68fd1e64") & (2**48 - 1))
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 import numpy as np
@@ -48,6 +51,7 @@ from tqdm.auto import tqdm
 from . import _kernels, keys
 from .criteo_synth import GeneratedCriteo, generate_criteo
 from .errors import DataFormatError
+from .source import prefetch
 
 __all__ = [
     "NUM_DENSE", "NUM_SPARSE", "SPARSE_COLUMNS", "SLOT_IDS", "criteo_schema", "convert_criteo",
@@ -222,27 +226,32 @@ class _LineMapper:
     def __init__(self):
         self.pending: list[tuple[int, str, int]] = []  # (line index, text, field count), not consumed
         self.consumed = 0  # rejected lines known to precede the current batch
+        self._lock = threading.Lock()  # the handler runs on the reader (prefetch) thread
 
     def handler(self, row) -> str:
         if row.number is None or row.number < 1:
             raise RuntimeError("pyarrow CSV reader did not report a line number (use_threads must be off)")
-        self.pending.append((row.number - 1, row.text, row.actual_columns))
+        with self._lock:
+            self.pending.append((row.number - 1, row.text, row.actual_columns))
         return "skip"
 
     def map(self, k0: int, n: int):
         """Line indices ``int64[n]`` of valid ranks ``k0..k0+n-1``, and the rejected lines before the
         last of them (popped from ``pending``)."""
         ranks = np.arange(k0, k0 + n, dtype=np.int64)
-        if not self.pending:
+        with self._lock:
+            pending = list(self.pending)
+        if not pending:
             return ranks + self.consumed, []
-        b = np.fromiter((p[0] for p in self.pending), dtype=np.int64, count=len(self.pending))
+        b = np.fromiter((p[0] for p in pending), dtype=np.int64, count=len(pending))
         gap = b - np.arange(self.consumed, self.consumed + len(b))
         lines = ranks + self.consumed + np.searchsorted(gap, ranks, side="right")
         m = int(np.searchsorted(gap, k0 + n - 1, side="right")) if n else 0
         return lines, self.take(m)
 
     def take(self, m: int):
-        done, self.pending = self.pending[:m], self.pending[m:]
+        with self._lock:
+            done, self.pending = self.pending[:m], self.pending[m:]
         self.consumed += m
         return done
 
@@ -416,20 +425,22 @@ def convert_criteo(inputs, out_dir, *, split: str | None = None, batch_size: int
                         quoted_strings_can_be_null=False))
                 k = 0
                 last = 0
-                for rb in reader:
-                    lines, rejected = mapper.map(k, rb.num_rows)
-                    k += rb.num_rows
-                    bad = [BadRow(path, ln + 1, "fields",
-                                  f"expected {NUM_FIELDS} tab-separated fields, got {nf}")
-                           for ln, _text, nf in rejected]
-                    bad += _convert_batch(rb, lines + line_base, path, split, writer, prefixes, missing,
-                                          line_base)
-                    for b in sorted(bad, key=lambda b: b.line):
-                        policy(b)
-                    if len(lines):
-                        last = int(lines[-1]) + 1
-                    bar.update(bytes_before + raw.tell() - bar.n)
-                for ln, _text, nf in mapper.take(len(mapper.pending)):
+                # parsing (pyarrow, GIL released) overlaps the Numba kernels below
+                with contextlib.closing(prefetch(reader, 2, name="criteo-csv")) as parsed:
+                    for rb in parsed:
+                        lines, rejected = mapper.map(k, rb.num_rows)
+                        k += rb.num_rows
+                        bad = [BadRow(path, ln + 1, "fields",
+                                      f"expected {NUM_FIELDS} tab-separated fields, got {nf}")
+                               for ln, _text, nf in rejected]
+                        bad += _convert_batch(rb, lines + line_base, path, split, writer, prefixes, missing,
+                                              line_base)
+                        for b in sorted(bad, key=lambda b: b.line):
+                            policy(b)
+                        if len(lines):
+                            last = int(lines[-1]) + 1
+                        bar.update(bytes_before + raw.tell() - bar.n)
+                for ln, _text, nf in mapper.take(len(mapper.pending)):  # reader thread has finished
                     policy(BadRow(path, ln + 1, "fields", f"expected {NUM_FIELDS} tab-separated fields, "
                                   f"got {nf}"))
                     last = max(last, ln + 1)

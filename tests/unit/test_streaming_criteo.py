@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +42,7 @@ def write(path, lines, *, gz=False):
     return path
 
 
+@pytest.mark.nojit
 def test_known_values(tmp_path):
     ints = ["5", "-1", "", "0", "123456789012", "1", "2", "3", "4", "5", "6", "7", "-3"]
     cats = ["05db9164", ""] + [f"{j:08x}" for j in range(24)]
@@ -67,6 +69,7 @@ def test_known_values(tmp_path):
     assert not arrow_is_current(src, tmp_path / "out")
 
 
+@pytest.mark.nojit
 def test_gzip_input_and_fixed_batches(tmp_path):
     lines = [good(i) for i in range(25)]
     plain = convert_criteo(write(tmp_path / "a.txt", lines), tmp_path / "p", batch_size=4,
@@ -80,6 +83,7 @@ def test_gzip_input_and_fixed_batches(tmp_path):
     assert sizes == [4, 4, 4, 4, 4, 4, 1]
 
 
+@pytest.mark.nojit
 @pytest.mark.parametrize("bad_line, field", [
     (line("0")[:-3], "fields"),                      # 39 fields
     (line("0") + "\textra", "fields"),               # 41 fields
@@ -98,6 +102,7 @@ def test_malformed_lines_skip_and_raise(tmp_path, bad_line, field, caplog):
         convert_criteo(src, tmp_path / "o1", progress=False)
     assert (ei.value.line, ei.value.field) == (7, field)
     assert f"a.txt:7: field {field}" in str(ei.value)
+    assert not [t for t in threading.enumerate() if t.name == "criteo-csv"]  # reader thread stopped
     with caplog.at_level(logging.WARNING):
         rep = convert_criteo(src, tmp_path / "o2", max_bad_rows=1, progress=False)
     assert (rep.lines, rep.rows, rep.bad_rows) == (10, 9, 1)
