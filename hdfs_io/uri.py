@@ -59,6 +59,9 @@ class StorageOptions:
         S3 socket timeouts.
     anonymous : bool
         Connect to S3 without credentials.
+    sdk_retry_attempts : int or None
+        Attempts of the AWS SDK's own retry loop inside each S3 call (``None``: SDK default, 3). The
+        :class:`~hdfs_io.retry.RetryPolicy` of a :class:`~hdfs_io.Storage` retries on top of it.
     hdfs_user : str or None
         User name for ``hdfs://``.
     hdfs_kerb_ticket : str or None
@@ -76,6 +79,7 @@ class StorageOptions:
     connect_timeout_s: float | None = None
     request_timeout_s: float | None = None
     anonymous: bool = False
+    sdk_retry_attempts: int | None = None
     hdfs_user: str | None = None
     hdfs_kerb_ticket: str | None = None
     hdfs_extra_conf: tuple[tuple[str, str], ...] = ()
@@ -87,6 +91,8 @@ class StorageOptions:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"storage.{name} must be > 0 seconds, got {value!r}")
+        if self.sdk_retry_attempts is not None and self.sdk_retry_attempts < 1:
+            raise ValueError(f"storage.sdk_retry_attempts must be >= 1, got {self.sdk_retry_attempts}")
         if (self.access_key is None) != (self.secret_key is None):
             raise ValueError("storage.access_key and storage.secret_key must be given together")
         if isinstance(self.hdfs_extra_conf, Mapping):  # accept a dict, store a hashable tuple
@@ -223,7 +229,9 @@ def _resolve_s3(uri: str, parts, options: StorageOptions) -> tuple[pafs.FileSyst
         kwargs["connect_timeout"] = options.connect_timeout_s
     if options.request_timeout_s is not None:
         kwargs["request_timeout"] = options.request_timeout_s
-    key = ("s3", "", tuple(sorted(kwargs.items())))  # one client serves every bucket
+    key = ("s3", "", tuple(sorted(kwargs.items())), options.sdk_retry_attempts)  # one client, all buckets
+    if options.sdk_retry_attempts is not None:
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=options.sdk_retry_attempts)
 
     def make() -> pafs.FileSystem:
         logger.info(
