@@ -1,0 +1,142 @@
+"""Each table kernel against the slow reference in tests/naive.py (also run with NUMBA_DISABLE_JIT=1)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_tables import TableConfig, optimizer_state_width
+from sparse_tables import _kernels as K
+from sparse_tables._optimizers import HP_SIZE, apply_updates, init_states
+from sparse_tables.config import OPTIMIZER_CODE, OPTIMIZERS
+from sparse_tables.keysets import KeySet, ScalableBloom
+from tests import naive
+
+pytestmark = pytest.mark.nojit
+
+
+def hp_of(cfg: TableConfig) -> np.ndarray:
+    hp = np.zeros(HP_SIZE)
+    hp[:] = [cfg.learning_rate, cfg.epsilon, cfg.initial_accumulator, cfg.beta1, cfg.beta2,
+             cfg.ftrl_beta, cfg.ftrl_l1, cfg.ftrl_l2, cfg.min_bound, cfg.max_bound]
+    return hp
+
+
+@pytest.mark.parametrize("initializer", ["uniform", "normal", "zeros"])
+def test_initial_values_are_a_pure_function_of_seed_and_key(initializer):
+    cfg = TableConfig(dim=5, initializer=initializer, init_range=0.3, seed=11)
+    keys = np.array([0, 1, 2**63 + 5, 2**64 - 1, 123456789], np.uint64)
+    out = np.empty((len(keys), 5), np.float32)
+    K.initial_values(keys, 5, np.uint64(11), {"uniform": 0, "normal": 1, "zeros": 2}[initializer], 0.3, out)
+    expected = np.stack([naive.initial_values(cfg, int(k)) for k in keys])
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7)
+    if initializer == "uniform":
+        assert np.all(np.abs(out) <= 0.3) and len(np.unique(out)) == out.size
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_rules_match_reference(optimizer):
+    dim = 3
+    cfg = TableConfig(dim=dim, optimizer=optimizer, learning_rate=0.1, initial_accumulator=0.5,
+                      ftrl_l1=0.01, ftrl_l2=0.1, min_bound=-0.4, max_bound=0.4)
+    sw = optimizer_state_width(optimizer, dim)
+    rng = np.random.default_rng(3)
+    rows = np.zeros((4, dim + sw), np.float32)
+    rows[:, :dim] = rng.uniform(-0.1, 0.1, (4, dim))
+    hp = hp_of(cfg)
+    init_states(rows, dim, OPTIMIZER_CODE[optimizer], hp)
+    ref = [(rows[i, :dim].copy(), naive.initial_state(cfg)) for i in range(4)]
+    np.testing.assert_array_equal(rows[:, dim:], np.stack([s for _, s in ref]) if sw else rows[:, dim:])
+    for step in range(6):
+        grads = rng.standard_normal((4, dim)).astype(np.float32)
+        scales = np.array([1.0, 0.5, 0.25, 1.0 / 3])
+        apply_updates(rows, grads, scales, dim, OPTIMIZER_CODE[optimizer], hp)
+        ref = [naive.optimizer_step(cfg, w, s, grads[i], scales[i]) for i, (w, s) in enumerate(ref)]
+        np.testing.assert_allclose(rows[:, :dim], np.stack([w for w, _ in ref]), atol=1e-6, rtol=1e-5)
+        if sw:
+            np.testing.assert_allclose(rows[:, dim:], np.stack([s for _, s in ref]), atol=1e-6, rtol=1e-5)
+    assert np.all(rows[:, :dim] >= -0.4) and np.all(rows[:, :dim] <= 0.4)
+
+
+def _arena(n, stride=9):
+    arena = np.zeros((n, stride), np.uint32)
+    state = np.zeros(4, np.int64)
+    state[K.S_FREE_HEAD] = -1
+    return arena, state
+
+
+def test_index_insert_find_remove_against_dict():
+    rng = np.random.default_rng(5)
+    lay = np.array([2, 2, 4, 4, 9], np.int64)
+    arena, state = _arena(64)
+    index = np.full(64, K.EMPTY, np.uint64)  # small: long probe chains, wrap-around
+    ref: dict[int, int] = {}
+    universe = rng.integers(0, 2**64, 80, dtype=np.uint64)
+    for _ in range(400):
+        key = universe[rng.integers(0, len(universe))]
+        k = int(key)
+        if k in ref and rng.random() < 0.5:
+            r = ref.pop(k)
+            K.remove_rows(index, arena, state, lay, np.array([r], np.int64))
+        elif k not in ref and len(ref) < 48:
+            r = K.alloc_row(arena, state)
+            arena[r, 0] = np.uint32(k & 0xFFFFFFFF)
+            arena[r, 1] = np.uint32(k >> 32)
+            arena[r, 4 + K.M_FLAGS] = 0
+            K.index_insert(index, key, r)
+            state[K.S_NRAM] += 1
+            ref[k] = r
+        rows = np.empty(len(universe), np.int64)
+        K.find_rows(index, arena, universe, rows)
+        assert [int(r) for r in rows] == [ref.get(int(u), -1) for u in universe]
+    assert state[K.S_NRAM] == len(ref)
+    assert state[K.S_NEXT] - state[K.S_NFREE] == len(ref)
+
+
+def test_dedup_sums_duplicates_in_first_occurrence_order():
+    keys = np.array([5, 3, 5, 9, 3, 5], np.uint64)
+    grads = np.arange(12, dtype=np.float32).reshape(6, 2)
+    shows = np.array([1, 2, 3, 4, 5, 6], np.float32)
+    clicks = np.array([0, 1, 0, 1, 1, 0], np.float32)
+    uk, ug = np.empty(6, np.uint64), np.empty((6, 2), np.float32)
+    us, uc, cnt = np.empty(6, np.float32), np.empty(6, np.float32), np.empty(6, np.int64)
+    nu = K.dedup_sum(keys, grads, shows, clicks, uk, ug, us, uc, cnt)
+    assert nu == 3
+    assert uk[:3].tolist() == [5, 3, 9]
+    np.testing.assert_array_equal(ug[:3], [grads[[0, 2, 5]].sum(0), grads[[1, 4]].sum(0), grads[3]])
+    assert us[:3].tolist() == [10, 7, 4] and uc[:3].tolist() == [0, 2, 1] and cnt[:3].tolist() == [3, 2, 1]
+    grads[4, 1] = np.nan
+    assert K.dedup_sum(keys, grads, shows, clicks, uk, ug, us, uc, cnt) == -5
+    grads[4, 1] = 0
+    shows[2] = -1
+    assert K.dedup_sum(keys, grads, shows, clicks, uk, ug, us, uc, cnt) == -3
+
+
+def test_admission_sketch_counts_and_probability():
+    sketch = np.zeros((4, 1024), np.uint32)
+    key = np.uint64(42)
+    assert not K.admit(sketch, key, 1, 3, 1.0, np.uint64(0))
+    assert not K.admit(sketch, key, 1, 3, 1.0, np.uint64(0))
+    assert K.admit(sketch, key, 1, 3, 1.0, np.uint64(0))
+    out = np.empty(1, np.int64)
+    K.sketch_counts(sketch, np.array([42], np.uint64), out)
+    assert out[0] == 3
+    # probability admission is a pure function of (seed, key, count), as in the reference
+    for k in range(50):
+        s = np.zeros((2, 256), np.uint32)
+        got = K.admit(s, np.uint64(k), 1, 1, 0.3, np.uint64(9))
+        assert got == (naive.uniform01(9 ^ naive.ADMIT_SALT, k, 1) < 0.3)
+
+
+def test_keyset_and_bloom_have_no_false_negatives():
+    rng = np.random.default_rng(1)
+    keys = rng.integers(0, 2**64, 3000, dtype=np.uint64)
+    ks = KeySet(4)
+    ks.add(keys[:1500])
+    ks.add(keys[:10])
+    assert len(ks) == 1500
+    assert ks.contains(keys[:1500]).all() and not ks.contains(keys[1500:]).any()
+    assert sorted(ks.to_array().tolist()) == sorted(keys[:1500].tolist())
+    bloom = ScalableBloom(initial_capacity=256)
+    bloom.add(keys[:1500])
+    assert bloom.may_contain(keys[:1500]).all()
+    assert bloom.may_contain(keys[1500:]).mean() < 0.1
