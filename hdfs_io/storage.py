@@ -398,7 +398,9 @@ class Storage:
         full = self.full_path(path)
 
         def op() -> pa.Buffer:
-            with self.fs.open_input_stream(full, compression=None) as f:
+            # A random-access file knows its size and reads it in one request; an input stream's
+            # unbounded read_buffer() grows in small chunks (one ranged GET each on S3: ~50x slower).
+            with self.fs.open_input_file(full) as f:
                 return f.read_buffer()
 
         try:

@@ -270,7 +270,8 @@ def _resolve_hdfs(uri: str, parts, options: StorageOptions) -> tuple[pafs.FileSy
                 if _looks_like_missing_library(exc)
                 else "namenode unreachable or refused the connection"
             )
-            raise StorageUnavailableError(f"cannot open HDFS for {uri}: {hint} ({exc})", uri=uri) from exc
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StorageUnavailableError(f"cannot open HDFS for {uri}: {hint} ({detail})", uri=uri) from exc
 
     return _cached(key, make), _strip(parts.path or "/")
 

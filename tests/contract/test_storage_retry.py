@@ -117,8 +117,11 @@ def test_write_succeeds_after_two_connection_errors(flaky, storage, caplog):
 def test_read_and_metadata_calls_are_retried(flaky, storage):
     st, handler, _ = flaky
     storage.write_bytes("d/f.bin", b"xyz")
-    handler.fail("open_input_stream", 2)
+    handler.fail("open_input_file", 2)
     assert st.read_bytes("d/f.bin") == b"xyz"
+    handler.fail("open_input_stream", 1)
+    with st.open_input_stream("d/f.bin") as f:
+        assert f.read() == b"xyz"
     handler.fail("get_file_info", 2)
     assert st.exists("d/f.bin")
     handler.fail("get_file_info_selector", 2)
@@ -126,7 +129,7 @@ def test_read_and_metadata_calls_are_retried(flaky, storage):
     handler.fail("open_input_file", 1)
     with st.open_input_file("d/f.bin") as f:
         assert f.read() == b"xyz"
-    assert st.retry_stats.retries == 7
+    assert st.retry_stats.retries == 8
 
 
 def test_publish_survives_transient_errors(flaky, storage):
@@ -164,10 +167,10 @@ def test_gives_up_after_max_attempts(flaky):
 def test_permanent_errors_are_not_retried(flaky, storage, error):
     st, handler, sleeps = flaky
     storage.write_bytes("f.bin", b"1")
-    handler.fail("open_input_stream", 1, error=error)
+    handler.fail("open_input_file", 1, error=error)
     with pytest.raises(type(error)):
         st.read_bytes("f.bin")
-    assert handler.calls["open_input_stream"] == 1
+    assert handler.calls["open_input_file"] == 1
     assert sleeps == []
     assert st.retry_stats.as_dict() == {"retries": 0, "gave_up": 0}
 
