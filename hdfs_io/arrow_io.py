@@ -91,16 +91,19 @@ def write_ipc_file(
     """
     write, repeatable = _ipc_writer(data, schema, compression)
     if repeatable:
-        return storage.write_with(path, write)
-    sink = storage.open_output_stream(path)
-    out = ChecksumWriter(sink)
-    try:
-        write(out)
-    except BaseException:
-        storage._discard(sink, storage.full_path(path))
-        raise
-    sink.close()
-    return out.entry
+        entry = storage.write_with(path, write)
+    else:
+        sink = storage.open_output_stream(path)
+        out = ChecksumWriter(sink)
+        try:
+            write(out)
+        except BaseException:
+            storage._discard(sink, storage.full_path(path))
+            raise
+        sink.close()
+        entry = out.entry
+    logger.debug("wrote %s: %d bytes, crc32 %s", storage.uri_of(path), entry.size, entry.crc32)
+    return entry
 
 
 def check_entry(storage: Storage, path: str, buf: pa.Buffer, expected: FileEntry) -> None:

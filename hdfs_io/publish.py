@@ -120,6 +120,7 @@ class Publisher:
         self.manifest: dict[str, Any] = dict(manifest or {})
         self.overwrite = overwrite
         self.entries: dict[str, FileEntry] = {}
+        self.written_manifest: dict[str, Any] | None = None  # set by commit()
         self._state = "new"
 
     # ------------------------------------------------------------ lifecycle
@@ -174,6 +175,7 @@ class Publisher:
         self.storage.write_bytes(join(self.dir, MANIFEST_NAME), payload)
         self.storage.write_bytes(join(self.dir, SUCCESS_NAME), b"")
         self._state = "committed"
+        self.written_manifest = manifest
         logger.info(
             "published %s: %d file(s), %d bytes",
             self.storage.uri_of(self.dir), len(self.entries), sum(e.size for e in self.entries.values()),
@@ -280,7 +282,7 @@ def publish_dir(
                 pub.write_with(name, source)
             else:
                 pub.write_bytes(name, source)
-    return read_manifest(storage, dir)
+    return pub.written_manifest
 
 
 def is_complete(storage: Storage, dir: str) -> bool:
