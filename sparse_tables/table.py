@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,9 +76,10 @@ class SparseTable:
         self._init_kind = INITIALIZER_CODE[config.initializer]
         self._state = np.zeros(4, np.int64)
         self._state[K.S_FREE_HEAD] = -1
-        self._arena_u = np.empty((max(16, initial_rows), lay.stride), np.uint32)
+        self._arena_u = _big_array((max(16, initial_rows), lay.stride), np.uint32)
         self._arena_f = self._arena_u.view(np.float32)
-        self._index = np.full(_pow2(max(16, int(initial_rows / MAX_LOAD) + 1)), K.EMPTY, np.uint64)
+        self._index = _big_array((_pow2(max(16, int(initial_rows / MAX_LOAD) + 1)),), np.uint64)
+        self._index.fill(K.EMPTY)
         if config.uses_admission:
             self._sketch = np.zeros((config.sketch_depth, config.sketch_width), np.uint32)
         else:
@@ -502,7 +504,7 @@ class SparseTable:
         cap = self._arena_u.shape[0]
         if need_rows > cap:
             new_cap = max(2 * cap, need_rows)
-            arena = np.empty((new_cap, self.layout.stride), np.uint32)
+            arena = _big_array((new_cap, self.layout.stride), np.uint32)
             used = int(st[K.S_NEXT])
             arena[:used] = self._arena_u[:used]
             self._arena_u = arena
@@ -511,7 +513,8 @@ class SparseTable:
         if need_slots > MAX_LOAD * len(self._index):
             slots = _pow2(int(need_slots / MAX_LOAD) + 1)
             slots = max(slots, 2 * len(self._index))
-            index = np.full(slots, K.EMPTY, np.uint64)
+            index = _big_array((slots,), np.uint64)
+            index.fill(K.EMPTY)
             K.rebuild_index(index, self._arena_u, self._lay, st)
             self._index = index
 
@@ -557,6 +560,20 @@ def _check_vector(arr, n: int, name: str) -> np.ndarray:
 
 def _record_keys(records: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(records[:, :2]).view(np.uint64).reshape(-1)
+
+
+def _big_array(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array; from 1 MiB up, backed by its own anonymous mmap, so pages never
+    written cost no RAM and a replaced array (after growth) goes back to the OS at once instead of
+    lingering in the malloc heap. Transparent huge pages are requested."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if nbytes < (1 << 20):
+        return np.empty(shape, dtype)
+    buf = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # random row access is TLB-bound with 4 KiB pages (numpy does the same for large arrays)
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 def _pow2(n: int) -> int:
