@@ -1,0 +1,62 @@
+"""Typed errors of the engine. Each is a ValueError or RuntimeError subclass, so callers that only know
+the standard hierarchy still catch them; each message names what was wrong and where (key path, table,
+server, shard, request id)."""
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises."""
+
+
+class ConfigError(EngineError, ValueError):
+    """A config value is missing, unknown or out of range; the message names the key path."""
+
+
+class ProtocolError(EngineError, ValueError):
+    """A PS message is malformed: wrong dtype or shape, truncated payload, bad field value."""
+
+
+class UnknownTableError(EngineError, KeyError):
+    """A request names a table the server does not host."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RemoteError(EngineError, RuntimeError):
+    """A PS call failed on the server or on the way; ``code`` is the gRPC status code name.
+
+    Parameters
+    ----------
+    code : str
+        ``INVALID_ARGUMENT``, ``NOT_FOUND``, ``FAILED_PRECONDITION``, ``UNAVAILABLE``,
+        ``DEADLINE_EXCEEDED``, ``INTERNAL``, ...
+    message : str
+        The server's message (it names server, table, shard and request id) or the transport's.
+    endpoint : str
+        Where the call went (``host:port`` or ``inproc:N``).
+    """
+
+    def __init__(self, code: str, message: str, endpoint: str = ""):
+        super().__init__(f"{code} from {endpoint}: {message}" if endpoint else f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.endpoint = endpoint
+
+
+class RequestRejectedError(RemoteError, ValueError):
+    """The server rejected the request as invalid (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION);
+    its tables are unchanged. Retrying the same request will fail the same way."""
+
+
+class ShardUnavailableError(RemoteError):
+    """A server stayed unreachable (UNAVAILABLE) through every retry."""
+
+
+class PSTimeoutError(RemoteError, TimeoutError):
+    """A call or a barrier did not complete within its timeout (DEADLINE_EXCEEDED)."""
+
+
+class LaunchError(EngineError, RuntimeError):
+    """A launched process failed or did not become ready; the message names its role and rank and
+    ends with its last stderr lines."""

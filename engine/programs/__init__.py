@@ -1,0 +1,38 @@
+"""Worker programs: what a worker process runs, selected by ``model.kind`` in the config.
+
+A program is a module with
+
+- ``Config``: a frozen dataclass of its own knobs (the ``model`` section minus ``kind``; unknown keys
+  are rejected by ``engine.config.build``), and
+- ``run(ctx: engine.worker.WorkerContext) -> dict``: the training loop. It talks to the servers only
+  through ``ctx.mode`` (``engine.modes``) and ``ctx.client``, and returns a JSON-able summary; the
+  launcher collects the summaries of every rank.
+
+Register a program by adding its module path to ``PROGRAMS`` (issue 4 adds ``ctr_dnn`` and ``deepfm``).
+"""
+from __future__ import annotations
+
+import importlib
+
+from ..errors import ConfigError
+
+PROGRAMS = {
+    "logreg": "engine.programs.logreg",
+}
+
+
+def load_program(kind: str):
+    """The program module for ``model.kind``.
+
+    Raises
+    ------
+    ConfigError
+        Unknown kind (the known kinds are listed).
+    """
+    if kind not in PROGRAMS:
+        raise ConfigError(f"model.kind must be one of {sorted(PROGRAMS)}, got {kind!r}")
+    return importlib.import_module(PROGRAMS[kind])
+
+
+def program_config_class(kind: str):
+    return load_program(kind).Config

@@ -1,0 +1,15 @@
+"""The parameter server: wire protocol (``ps.proto``), routing, codec, server, client, transports.
+
+    >>> from engine.ps import PSClient, PSServer, InProcessTransport
+    >>> servers = [PSServer({"emb": TableConfig(dim=8)}, index=i, num_servers=2) for i in range(2)]
+    >>> client = PSClient(InProcessTransport(servers))
+
+See ``README.md`` in this folder for the protocol, and how to regenerate ``ps_pb2*.py``.
+"""
+from .client import PSClient
+from .routing import DEFAULT_NUM_VSHARDS, mix64, route, vshard_of
+from .server import PSServer, serve
+from .transport import GrpcTransport, InProcessTransport, Transport
+
+__all__ = ["PSClient", "PSServer", "serve", "Transport", "GrpcTransport", "InProcessTransport",
+           "route", "vshard_of", "mix64", "DEFAULT_NUM_VSHARDS"]

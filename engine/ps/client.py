@@ -1,0 +1,574 @@
+"""``PSClient``: the worker's view of the parameter servers.
+
+A small typed API in the ps-lite spirit. Sparse calls take ``keys : uint64[n]`` in any order with
+duplicates; the client deduplicates (``pull``: each key fetched once; ``push``: gradients, shows and
+clicks of duplicate keys summed), routes keys with ``routing`` (a pure function), sends one request
+per server and chunk concurrently on a thread pool, and reassembles replies in the caller's order::
+
+    >>> client = PSClient(["127.0.0.1:50051", "127.0.0.1:50052"])
+    >>> v = client.pull("emb", np.array([7, 9, 7], np.uint64), init_missing=True)   # float32[3, dim]
+    >>> client.push("emb", np.array([7, 9, 7], np.uint64), grads)   # key 7's two rows are summed
+    >>> client.flush()                                               # wait for queued async pushes
+
+Every call blocks until all servers answered or ``timeout_s`` passed. UNAVAILABLE is retried with
+exponential backoff (``retries`` times); DEADLINE_EXCEEDED is retried for reads only (pulls, stats,
+health), which are idempotent. Errors are typed: ``RequestRejectedError`` (the server refused the
+request; nothing changed), ``ShardUnavailableError``, ``PSTimeoutError``, ``ProtocolError`` (bad
+arguments, raised before anything is sent).
+
+Async pushes (``push_async``, enabled with ``async_queue > 0``): a background sender takes queued
+pushes from a bounded queue, merges everything queued for a table (duplicates summed, as Paddle's
+client does) and sends one push; ``push_async`` blocks when the queue is full; ``flush()`` waits for
+the queue to drain and re-raises the first failed send.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..errors import (ProtocolError, PSTimeoutError, RemoteError, RequestRejectedError,
+                      ShardUnavailableError)
+from . import codec, routing
+from . import ps_pb2 as pb
+from .transport import GrpcTransport, Transport
+
+log = logging.getLogger(__name__)
+
+_REJECTED = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ALREADY_EXISTS", "OUT_OF_RANGE",
+             "UNIMPLEMENTED"}
+_ids = itertools.count()
+
+
+class PSClient:
+    """Client of one PS cluster.
+
+    Parameters
+    ----------
+    endpoints : list of str or Transport
+        ``["host:port", ...]`` in server-rank order (a GrpcTransport is built), or a Transport
+        (e.g. ``InProcessTransport``).
+    timeout_s : float, seconds
+        Deadline of every call (and of waiting for its fan-out).
+    retries : int
+        Retries on UNAVAILABLE (and DEADLINE_EXCEEDED for reads).
+    backoff_s, max_backoff_s : float, seconds
+        First retry delay, doubling up to max_backoff_s.
+    threads : int
+        Fan-out threads (gRPC calls release the GIL).
+    async_queue : int
+        Capacity of the async push queue (0: ``push_async`` sends synchronously).
+    name : str, optional
+        Prefix of request ids (default ``host/pid/n``), so server errors can be traced to a worker.
+    """
+
+    def __init__(self, endpoints, *, timeout_s: float = 60.0, retries: int = 5, backoff_s: float = 0.05,
+                 max_backoff_s: float = 2.0, threads: int = 8, async_queue: int = 0,
+                 name: str | None = None):
+        self.transport: Transport = endpoints if isinstance(endpoints, Transport) else GrpcTransport(
+            list(endpoints))
+        self.num_servers = self.transport.num_servers
+        self.timeout_s, self.retries = float(timeout_s), int(retries)
+        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+        self.name = name or f"{socket.gethostname()}/{os.getpid()}/{next(_ids)}"
+        self._seq = itertools.count()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ps-client")
+        self._info: dict | None = None
+        self._info_lock = threading.Lock()
+        self._async_cap = int(async_queue)
+        self._queue: queue.Queue | None = None
+        self._sender: threading.Thread | None = None
+        self._async_error: BaseException | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ plumbing
+    def _rid(self) -> str:
+        return f"{self.name}:{next(self._seq)}"
+
+    def _call(self, server: int, method: str, request, *, idempotent: bool, timeout: float | None = None):
+        timeout = self.timeout_s if timeout is None else timeout
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return self.transport.call(server, method, request, timeout)
+            except RemoteError as e:
+                retry = e.code == "UNAVAILABLE" or (idempotent and e.code == "DEADLINE_EXCEEDED")
+                if retry and attempt < self.retries:
+                    log.debug("%s to server %d: %s; retry %d in %.2fs", method, server, e.code,
+                              attempt + 1, delay)
+                    time.sleep(delay)
+                    delay = min(2 * delay, self.max_backoff_s)
+                    continue
+                raise _typed(e, attempt) from None
+        raise AssertionError("unreachable")
+
+    def _fan_out(self, calls: list[tuple], *, idempotent: bool, timeout: float | None = None) -> list:
+        """Run [(server, method, request)] concurrently; results in order. Raises the first error."""
+        if len(calls) == 1:
+            s, m, r = calls[0]
+            return [self._call(s, m, r, idempotent=idempotent, timeout=timeout)]
+        futures = [self._pool.submit(self._call, s, m, r, idempotent=idempotent, timeout=timeout)
+                   for s, m, r in calls]
+        wait_s = (self.timeout_s if timeout is None else timeout) * (self.retries + 1) + 5.0
+        deadline = time.monotonic() + wait_s
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                raise PSTimeoutError("DEADLINE_EXCEEDED", f"fan-out did not finish in {wait_s:.1f}s") from None
+        return out
+
+    def info(self) -> dict:
+        """Cluster description from every server's Health (tables, dims, vshards), cached.
+
+        Raises
+        ------
+        RemoteError
+            A server cannot be reached; ProtocolError when the servers disagree with the endpoints.
+        """
+        with self._info_lock:
+            if self._info is None:
+                replies = self._fan_out([(s, "Health", pb.Empty(request_id=self._rid()))
+                                         for s in range(self.num_servers)], idempotent=True)
+                infos = [json.loads(r.json) for r in replies]
+                for i, h in enumerate(infos):
+                    if h["server"] != i or h["num_servers"] != self.num_servers:
+                        raise ProtocolError(
+                            f"endpoint {self.transport.endpoints[i]} is server {h['server']} of "
+                            f"{h['num_servers']}, expected server {i} of {self.num_servers}: list the "
+                            f"endpoints in server-rank order")
+                info = infos[0]
+                info["owner"] = routing.vshard_owners(info["num_vshards"], self.num_servers)
+                self._info = info
+            return self._info
+
+    def _sparse(self, table: str) -> dict:
+        info = self.info()
+        if table not in info["sparse"]:
+            raise RequestRejectedError("NOT_FOUND", f"unknown sparse table {table!r}; the servers host "
+                                       f"{sorted(info['sparse'])}")
+        return info["sparse"][table]
+
+    def _plan(self, keys: np.ndarray, dim: int) -> list[tuple[int, np.ndarray]]:
+        """[(server, positions into keys)] with at most chunk_keys(dim) keys per entry."""
+        info = self.info()
+        srv = routing.lookup(keys, info["num_vshards"], info["owner"])
+        step = codec.chunk_keys(dim)
+        if self.num_servers == 1:
+            groups = [(0, np.arange(len(keys)))]
+        else:
+            order = np.argsort(srv, kind="stable")
+            bounds = np.concatenate([[0], np.cumsum(np.bincount(srv, minlength=self.num_servers))])
+            groups = [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.num_servers)
+                      if bounds[s + 1] > bounds[s]]
+        return [(s, pos[i:i + step]) for s, pos in groups for i in range(0, len(pos), step)]
+
+    # ------------------------------------------------------------------ sparse
+    def pull(self, table: str, keys: np.ndarray, *, init_missing: bool = False) -> np.ndarray:
+        """Values of ``keys : uint64[n]`` (duplicates allowed) -> ``float32[n, dim]``.
+
+        ``init_missing``: keys without a row read the value a push would create (training pulls); else
+        zeros. Nothing is created on the server.
+
+        Raises
+        ------
+        ProtocolError
+            keys is not uint64[n].
+        RequestRejectedError, ShardUnavailableError, PSTimeoutError
+        """
+        keys = _check_keys(keys)
+        dim = self._sparse(table)["dim"]
+        if len(keys) == 0:
+            return np.empty((0, dim), np.float32)
+        uniq, inverse = _unique(keys)
+        plan = self._plan(uniq, dim)
+        rid = self._rid()
+        calls = [(s, "Pull", pb.PullRequest(table=table, request_id=f"{rid}.{i}", init_missing=init_missing,
+                                            keys=codec.encode(uniq[pos] if len(plan) > 1 else uniq)))
+                 for i, (s, pos) in enumerate(plan)]
+        replies = self._fan_out(calls, idempotent=True)
+        if len(plan) == 1:
+            out = codec.decode(replies[0].values, "values", codec.F32, 2, shape=(len(uniq), dim))
+        else:
+            out = np.empty((len(uniq), dim), np.float32)
+            for (s, pos), r in zip(plan, replies):
+                out[pos] = codec.decode(r.values, "values", codec.F32, 2, shape=(len(pos), dim))
+        return out if inverse is None else out[inverse]
+
+    def push(self, table: str, keys: np.ndarray, grads: np.ndarray, *, shows: np.ndarray | None = None,
+             clicks: np.ndarray | None = None, accumulate: bool = False) -> None:
+        """Push gradients ``grads : float32[n, dim]`` of ``keys : uint64[n]``; the table's optimizer
+        applies them on the servers. ``shows, clicks : float32[n]`` optional counts. Duplicate keys are
+        summed first. ``accumulate`` (sync mode) holds the push until the next applying barrier.
+
+        Raises
+        ------
+        ProtocolError
+            Wrong dtype/shape, NaN/Inf (checked here before anything is sent).
+        RequestRejectedError, ShardUnavailableError, PSTimeoutError
+        """
+        self._push(table, keys, grads, shows, clicks, pb.GRAD, accumulate)
+
+    def push_delta(self, table: str, keys: np.ndarray, deltas: np.ndarray) -> None:
+        """GEO: ``value += delta`` on the servers for ``keys : uint64[n]``, ``deltas : float32[n, dim]``
+        (duplicates summed; no optimizer). Raises as ``push``."""
+        self._push(table, keys, deltas, None, None, pb.DELTA, False)
+
+    def _push(self, table, keys, grads, shows, clicks, kind, accumulate) -> None:
+        keys = _check_keys(keys)
+        dim = self._sparse(table)["dim"]
+        what = "deltas" if kind == pb.DELTA else "grads"
+        grads = _check_array(grads, (len(keys), dim), what)
+        if clicks is not None and shows is None:
+            raise ProtocolError("clicks given without shows: pass shows too")
+        if shows is not None:
+            shows = _check_array(shows, (len(keys),), "shows")
+            clicks = (np.zeros(len(keys), np.float32) if clicks is None
+                      else _check_array(clicks, (len(keys),), "clicks"))
+        if len(keys) == 0:
+            return
+        uniq, inverse = _unique(keys)
+        if inverse is not None:   # sum duplicates
+            grads = _segment_sum(grads, inverse, len(uniq))
+            if shows is not None:
+                shows = _segment_sum(shows, inverse, len(uniq))
+                clicks = _segment_sum(clicks, inverse, len(uniq))
+        plan = self._plan(uniq, dim)
+        rid = self._rid()
+        whole = len(plan) == 1
+        calls = []
+        for i, (s, pos) in enumerate(plan):
+            req = pb.PushRequest(table=table, request_id=f"{rid}.{i}", kind=kind, accumulate=accumulate,
+                                 keys=codec.encode(uniq if whole else uniq[pos]),
+                                 grads=codec.encode(grads if whole else grads[pos]))
+            if shows is not None:
+                req.shows.CopyFrom(codec.encode(shows if whole else shows[pos]))
+                req.clicks.CopyFrom(codec.encode(clicks if whole else clicks[pos]))
+            calls.append((s, "Push", req))
+        self._fan_out(calls, idempotent=False)
+
+    # ------------------------------------------------------------------ async pushes
+    def push_async(self, table: str, keys: np.ndarray, grads: np.ndarray, *, shows=None, clicks=None) -> None:
+        """Queue a push for the background sender (merged with other queued pushes of the table).
+        Without an async queue (``async_queue=0``) this is ``push``. The arrays are copied.
+
+        Raises
+        ------
+        ProtocolError
+            Bad arguments; also any error of an earlier background send (re-raised once).
+        """
+        if self._async_cap <= 0:
+            return self.push(table, keys, grads, shows=shows, clicks=clicks)
+        self._raise_async_error()
+        keys = _check_keys(keys)
+        dim = self._sparse(table)["dim"]
+        grads = _check_array(grads, (len(keys), dim), "grads")
+        if shows is not None:
+            shows = _check_array(shows, (len(keys),), "shows")
+            clicks = np.zeros(len(keys), np.float32) if clicks is None else _check_array(
+                clicks, (len(keys),), "clicks")
+        if self._sender is None:
+            self._queue = queue.Queue(self._async_cap)
+            self._sender = threading.Thread(target=self._send_loop, name="ps-async-push", daemon=True)
+            self._sender.start()
+        item = (table, keys.copy(), grads.copy(), None if shows is None else shows.copy(),
+                None if clicks is None else clicks.copy())
+        try:
+            self._queue.put(item, timeout=self.timeout_s)
+        except queue.Full:
+            raise PSTimeoutError("DEADLINE_EXCEEDED", f"async push queue stayed full for {self.timeout_s}s") from None
+
+    def _send_loop(self) -> None:
+        q = self._queue
+        while True:
+            first = q.get()
+            if first is None:
+                q.task_done()
+                return
+            items = [first]
+            while True:   # merge whatever else is queued
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                items.append(nxt)
+            stop = items[-1] is None
+            if stop:
+                items.pop()
+            try:
+                for table in dict.fromkeys(it[0] for it in items):
+                    mine = [it for it in items if it[0] == table]
+                    keys = np.concatenate([it[1] for it in mine])
+                    grads = np.concatenate([it[2] for it in mine])
+                    has_shows = [it[3] is not None for it in mine]
+                    shows = clicks = None
+                    if any(has_shows):
+                        shows = np.concatenate([it[3] if it[3] is not None else np.ones(len(it[1]), np.float32)
+                                                for it in mine])
+                        clicks = np.concatenate([it[4] if it[4] is not None else np.zeros(len(it[1]), np.float32)
+                                                 for it in mine])
+                    if self._async_error is None:
+                        self.push(table, keys, grads, shows=shows, clicks=clicks)
+            except BaseException as e:  # noqa: BLE001 - surfaced by flush()/push_async()
+                log.error("async push failed: %s", e)
+                self._async_error = e
+            finally:
+                for _ in range(len(items) + (1 if stop else 0)):
+                    q.task_done()
+            if stop:
+                return
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued async push was sent; re-raise a failed send.
+
+        Raises
+        ------
+        PSTimeoutError
+            The queue did not drain within ``timeout`` seconds (default ``timeout_s`` x (retries + 1)).
+        """
+        if self._queue is not None:
+            limit = timeout if timeout is not None else self.timeout_s * (self.retries + 1)
+            deadline = time.monotonic() + limit
+            while self._queue.unfinished_tasks:
+                if time.monotonic() > deadline:
+                    raise PSTimeoutError("DEADLINE_EXCEEDED", f"flush: queued pushes not sent within {limit}s")
+                time.sleep(0.001)
+        self._raise_async_error()
+
+    def _raise_async_error(self) -> None:
+        if self._async_error is not None:
+            e, self._async_error = self._async_error, None
+            raise e
+
+    # ------------------------------------------------------------------ dense
+    def _dense(self, table: str) -> dict:
+        info = self.info()
+        if table not in info["dense"]:
+            raise RequestRejectedError("NOT_FOUND", f"unknown dense table {table!r}; the servers host "
+                                       f"{sorted(info['dense'])}")
+        return info["dense"][table]
+
+    def _blocks(self, table: str, size: int) -> list[tuple[int, int, int, int]]:
+        """[(block, server, start, stop)] of a dense table of ``size`` floats."""
+        d = self._dense(table)
+        bs = codec.DENSE_BLOCK
+        return [(b, (d["ordinal"] + b) % self.num_servers, b * bs, min(size, (b + 1) * bs))
+                for b in range(max(1, -(-size // bs)))]
+
+    def _dense_size(self, table: str) -> int:
+        d = self._dense(table)
+        if not d.get("size"):
+            owner = d["ordinal"] % self.num_servers
+            r = self._call(owner, "Dense", pb.DenseRequest(table=table, request_id=self._rid(), block=0,
+                                                           op=pb.DENSE_PULL), idempotent=True)
+            d["size"] = int(r.size)
+        return d["size"]
+
+    def init_dense(self, table: str, params: np.ndarray, *, force: bool = False) -> bool:
+        """Set a dense table's initial ``params : float32[P]`` unless already set (first writer wins;
+        ``force`` overwrites). Returns True if every block was set by this call."""
+        params = _check_array(params, (None,), "params")
+        rid = self._rid()
+        calls = [(s, "Dense", pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b, op=pb.DENSE_INIT,
+                                              size=len(params), force=force,
+                                              values=codec.encode(params[a:z])))
+                 for b, s, a, z in self._blocks(table, len(params))]
+        replies = self._fan_out(calls, idempotent=False)
+        self._dense(table)["size"] = len(params)
+        return all(r.applied for r in replies)
+
+    def pull_dense(self, table: str) -> np.ndarray:
+        """The current parameters of a dense table -> float32[P].
+
+        Raises
+        ------
+        RequestRejectedError
+            FAILED_PRECONDITION when the table was never initialized (``init_dense``).
+        """
+        size = self._dense_size(table)
+        rid = self._rid()
+        blocks = self._blocks(table, size)
+        replies = self._fan_out([(s, "Dense", pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b,
+                                                              op=pb.DENSE_PULL))
+                                 for b, s, a, z in blocks], idempotent=True)
+        out = np.empty(size, np.float32)
+        for (b, s, a, z), r in zip(blocks, replies):
+            out[a:z] = codec.decode(r.values, "values", codec.F32, 1, shape=(z - a,))
+        return out
+
+    def push_dense(self, table: str, grad: np.ndarray, *, accumulate: bool = False) -> None:
+        """Optimizer step on the servers with ``grad : float32[P]`` (``accumulate``: sync mode)."""
+        self._dense_op(table, grad, pb.DENSE_GRAD, accumulate)
+
+    def push_dense_delta(self, table: str, delta: np.ndarray) -> None:
+        """GEO: ``params += delta : float32[P]`` on the servers."""
+        self._dense_op(table, delta, pb.DENSE_DELTA, False)
+
+    def _dense_op(self, table, values, op, accumulate) -> None:
+        size = self._dense_size(table)
+        values = _check_array(values, (size,), "grad" if op == pb.DENSE_GRAD else "delta")
+        rid = self._rid()
+        self._fan_out([(s, "Dense", pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b, op=op,
+                                                    accumulate=accumulate, values=codec.encode(values[a:z])))
+                       for b, s, a, z in self._blocks(table, size)], idempotent=False)
+
+    # ------------------------------------------------------------------ control
+    def barrier(self, name: str, world: int, *, apply_pending: bool = False, all_servers: bool = False,
+                timeout: float | None = None) -> None:
+        """Block until ``world`` callers reached barrier ``name`` (on server 0, or on every server with
+        ``all_servers``). ``apply_pending`` (sync mode, implies all_servers): the last arrival on each
+        server applies the held updates, averaged over ``world``, before anyone is released.
+
+        Raises
+        ------
+        PSTimeoutError
+            Not everybody arrived within ``timeout`` seconds (default 600).
+        """
+        timeout = 600.0 if timeout is None else float(timeout)
+        servers = range(self.num_servers) if (all_servers or apply_pending) else [0]
+        rid = self._rid()
+        self._fan_out([(s, "Barrier", pb.BarrierRequest(request_id=f"{rid}.{s}", name=name, world=world,
+                                                        apply_pending=apply_pending, timeout_s=timeout))
+                       for s in servers], idempotent=False, timeout=timeout + 5.0)
+
+    def save(self, path: str) -> int:
+        """Every server writes its tables under the local directory ``path``; returns sparse rows saved."""
+        rid = self._rid()
+        return sum(r.count for r in self._fan_out(
+            [(s, "Save", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
+             for s in range(self.num_servers)], idempotent=False))
+
+    def load(self, path: str) -> int:
+        """Every server loads the rows it owns from ``path`` (saved by any number of servers)."""
+        rid = self._rid()
+        return sum(r.count for r in self._fan_out(
+            [(s, "Load", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
+             for s in range(self.num_servers)], idempotent=False))
+
+    def shrink(self, table: str = "", now: float | None = None) -> int:
+        """Expiry pass on every server (one table or all); returns rows deleted."""
+        rid = self._rid()
+        return sum(r.count for r in self._fan_out(
+            [(s, "Shrink", pb.ShrinkRequest(table=table, request_id=f"{rid}.{s}", has_now=now is not None,
+                                            now=now or 0.0)) for s in range(self.num_servers)],
+            idempotent=False))
+
+    def stats(self) -> list[dict]:
+        """Per-server counters and table statistics."""
+        rid = self._rid()
+        return [json.loads(r.json) for r in self._fan_out(
+            [(s, "Stats", pb.Empty(request_id=f"{rid}.{s}")) for s in range(self.num_servers)],
+            idempotent=True)]
+
+    def health(self) -> list[dict]:
+        rid = self._rid()
+        return [json.loads(r.json) for r in self._fan_out(
+            [(s, "Health", pb.Empty(request_id=f"{rid}.{s}")) for s in range(self.num_servers)],
+            idempotent=True)]
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Poll Health until every server answers ready.
+
+        Raises
+        ------
+        ShardUnavailableError
+            Some server was not ready within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if all(h["ready"] for h in self.health()):
+                    return
+            except RemoteError as e:
+                last = e
+            else:
+                last = None
+            if time.monotonic() > deadline:
+                raise ShardUnavailableError("UNAVAILABLE", f"servers not ready within {timeout}s: {last}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Ask every server to stop (servers already gone are ignored)."""
+        for s in range(self.num_servers):
+            try:
+                self.transport.call(s, "Stop", pb.Empty(request_id=self._rid()), 5.0)
+            except RemoteError as e:
+                log.info("stop server %d: %s", s, e)
+
+    def close(self) -> None:
+        """Flush queued pushes, stop the sender and release the transport."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._sender is not None:
+                self.flush()
+                self._queue.put(None, timeout=self.timeout_s)
+                self._sender.join(timeout=self.timeout_s)
+        finally:
+            self._pool.shutdown(wait=False)
+            self.transport.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _typed(e: RemoteError, attempts: int) -> RemoteError:
+    if e.code in _REJECTED:
+        return RequestRejectedError(e.code, e.message, e.endpoint)
+    if e.code == "UNAVAILABLE":
+        return ShardUnavailableError(e.code, f"{e.message} (after {attempts + 1} attempts)", e.endpoint)
+    if e.code == "DEADLINE_EXCEEDED":
+        return PSTimeoutError(e.code, e.message, e.endpoint)
+    return e
+
+
+def _check_keys(keys) -> np.ndarray:
+    if not isinstance(keys, np.ndarray) or keys.dtype != np.uint64 or keys.ndim != 1:
+        got = f"{keys.dtype}{list(keys.shape)}" if isinstance(keys, np.ndarray) else type(keys).__name__
+        raise ProtocolError(f"keys: expected a uint64[n] array, got {got}")
+    return keys
+
+
+def _check_array(arr, shape: tuple, name: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.ndim != len(shape) or any(
+            w is not None and w != g for w, g in zip(shape, arr.shape)):
+        got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        want = "[" + ", ".join("P" if w is None else str(w) for w in shape) + "]"
+        raise ProtocolError(f"{name}: expected float32{want}, got {got}")
+    if not np.isfinite(arr).all():
+        raise ProtocolError(f"{name}: contains NaN or Inf; nothing was sent")
+    return np.ascontiguousarray(arr)
+
+
+def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(unique keys, inverse) with inverse None when keys are already unique (kept in their order)."""
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    new = np.empty(len(sk), np.bool_)
+    new[0] = True
+    np.not_equal(sk[1:], sk[:-1], out=new[1:])
+    if new.all():
+        return keys, None
+    inverse = np.empty(len(keys), np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return sk[new], inverse
+
+
+def _segment_sum(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
+    """Sum rows of values with the same inverse index -> shape (n, ...) float32."""
+    order = np.argsort(inverse, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
+    return np.add.reduceat(values[order], starts, axis=0).astype(np.float32, copy=False)

@@ -1,0 +1,387 @@
+"""What one server process holds: ``SparseHost`` (one sparse table split into local shards) and
+``DenseHost`` (the blocks of one dense table that this server owns).
+
+Both validate a whole request before touching any shard, so a rejected request leaves every table
+unchanged. Errors are ``HostError`` carrying a gRPC status code name and the shard concerned; the
+server adds the server, table and request id to the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from models.optim import SGD, Adam
+from sparse_tables import SparseTable, TableConfig, TableInputError
+
+from ..config import DenseTableConfig
+from . import routing
+from .codec import DENSE_BLOCK
+
+log = logging.getLogger(__name__)
+
+PARALLEL_SHARDS_MIN = 8192   # keys in a request above which local shards are worked in parallel
+
+
+class HostError(Exception):
+    """A request failed; ``code`` is a gRPC status code name, ``shard`` the local shard or None (all)."""
+
+    def __init__(self, code: str, message: str, shard: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.shard = shard
+
+
+def invalid(msg: str, shard: int | None = None) -> HostError:
+    return HostError("INVALID_ARGUMENT", msg, shard)
+
+
+class SparseHost:
+    """One sparse table on one server: ``num_local`` SparseTable shards over this server's vshards.
+
+    Parameters
+    ----------
+    name : str
+    config : TableConfig
+        Every local shard gets this config (with ``spill_path`` made unique per shard).
+    server, num_servers, num_vshards, num_local : int
+    pool : ThreadPoolExecutor
+        Shared by the server; large requests work their local shards in parallel on it.
+    """
+
+    def __init__(self, name: str, config: TableConfig, *, server: int, num_servers: int,
+                 num_vshards: int, num_local: int, pool: ThreadPoolExecutor):
+        self.name = name
+        self.config = config
+        self.dim = config.dim
+        self.server, self.num_servers, self.num_vshards = server, num_servers, num_vshards
+        self.local_owner = routing.local_shard_owners(num_vshards, num_servers, server, num_local)
+        self.server_owner = routing.vshard_owners(num_vshards, num_servers)
+        self.shards = []
+        for j in range(num_local):
+            cfg = config
+            if config.spill_path:
+                cfg = dataclasses.replace(config, spill_path=os.path.join(
+                    config.spill_path, f"{name}-server{server}-shard{j}"))
+            self.shards.append(SparseTable(cfg))
+        self._pool = pool
+        self._pending: list[tuple] = []
+        self._pending_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ routing inside the server
+    def _split(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """[(local shard, positions of keys)] for the shards with keys; rejects keys of other servers."""
+        local = routing.lookup(keys, self.num_vshards, self.local_owner)
+        bad = np.flatnonzero(local < 0)
+        if len(bad):
+            k = keys[bad[0]]
+            owner = int(self.server_owner[routing.vshard_of(keys[bad[:1]], self.num_vshards)[0]])
+            raise invalid(f"{len(bad)} of {len(keys)} keys are not routed to this server: key {int(k)} "
+                          f"belongs to server {owner} (num_vshards={self.num_vshards}, "
+                          f"num_servers={self.num_servers}); check the client's server list")
+        if len(self.shards) == 1:
+            return [(0, np.arange(len(keys)))]
+        order = np.argsort(local, kind="stable")
+        counts = np.bincount(local, minlength=len(self.shards))
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        return [(j, order[bounds[j]:bounds[j + 1]]) for j in range(len(self.shards)) if counts[j]]
+
+    def _each(self, parts, fn, n: int) -> None:
+        if len(parts) > 1 and n >= PARALLEL_SHARDS_MIN:
+            futures = [self._pool.submit(fn, j, pos) for j, pos in parts]
+            for f in futures:
+                f.result()
+        else:
+            for j, pos in parts:
+                fn(j, pos)
+
+    # ------------------------------------------------------------------ operations
+    def pull(self, keys: np.ndarray, init_missing: bool) -> np.ndarray:
+        """keys : uint64[n] -> float32[n, dim]."""
+        parts = self._split(keys)
+        out = np.empty((len(keys), self.dim), np.float32)
+        if len(parts) == 1 and len(parts[0][1]) == len(keys):
+            return self._shard_call(parts[0][0], "pull", keys, init_missing=init_missing)
+
+        def one(j, pos):
+            out[pos] = self._shard_call(j, "pull", keys[pos], init_missing=init_missing)
+        self._each(parts, one, len(keys))
+        return out
+
+    def check_push(self, keys, grads, shows, clicks, delta: bool) -> list:
+        """Validate a push completely (before any shard is touched); returns the shard split."""
+        what = "deltas" if delta else "grads"
+        if grads.shape != (len(keys), self.dim):
+            raise invalid(f"{what}: expected float32[{len(keys)}, {self.dim}] (one row of dim {self.dim} "
+                          f"per key), got float32{list(grads.shape)}")
+        if not np.isfinite(grads).all():
+            i = int(np.flatnonzero(~np.isfinite(grads).all(axis=1))[0])
+            raise invalid(f"{what}[{i}] (key {int(keys[i])}) is not finite (NaN or Inf); "
+                          f"the request was rejected and no row changed")
+        if clicks is not None and shows is None:
+            raise invalid("clicks given without shows: send shows too")
+        for nm, arr in (("shows", shows), ("clicks", clicks)):
+            if arr is not None:
+                if arr.shape != (len(keys),):
+                    raise invalid(f"{nm}: expected float32[{len(keys)}], got float32{list(arr.shape)}")
+                if not (np.isfinite(arr).all() and (arr >= 0).all()):
+                    raise invalid(f"{nm}: expected finite counts >= 0, got a NaN, Inf or negative value")
+        return self._split(keys)
+
+    def push(self, keys, grads, shows, clicks, *, delta: bool, parts=None) -> None:
+        if parts is None:
+            parts = self.check_push(keys, grads, shows, clicks, delta)
+
+        def one(j, pos):
+            whole = len(pos) == len(keys)
+            k = keys if whole else keys[pos]
+            g = grads if whole else grads[pos]
+            if delta:
+                self._shard_call(j, "push_delta", k, np.ascontiguousarray(g))
+            else:
+                s = None if shows is None else (shows if whole else shows[pos])
+                c = None if clicks is None else (clicks if whole else clicks[pos])
+                self._shard_call(j, "push", k, np.ascontiguousarray(g), shows=s, clicks=c)
+        self._each(parts, one, len(keys))
+
+    def accumulate(self, keys, grads, shows, clicks) -> None:
+        """Sync mode: hold a validated push until ``apply_pending``. The arrays are copied."""
+        self.check_push(keys, grads, shows, clicks, delta=False)
+        item = (keys.copy(), grads.copy(), None if shows is None else shows.copy(),
+                None if clicks is None else clicks.copy())
+        with self._pending_lock:
+            self._pending.append(item)
+
+    def apply_pending(self, world: int) -> int:
+        """Apply the held pushes as one update. Without show counts the gradients are averaged over
+        ``world`` workers; with shows they are summed (the accessor divides by the summed shows, which
+        already makes the update a mean). Returns the number of keys applied."""
+        with self._pending_lock:
+            items, self._pending = self._pending, []
+        if not items:
+            return 0
+        keys = np.concatenate([it[0] for it in items])
+        grads = np.concatenate([it[1] for it in items])
+        with_shows = [it[2] is not None for it in items]
+        if any(with_shows) and not all(with_shows):
+            log.warning("table %s: sync step mixes pushes with and without shows; shows of the others "
+                        "count as 1", self.name)
+        shows = clicks = None
+        if any(with_shows):
+            shows = np.concatenate([it[2] if it[2] is not None else np.ones(len(it[0]), np.float32)
+                                    for it in items])
+            clicks = np.concatenate([it[3] if it[3] is not None else np.zeros(len(it[0]), np.float32)
+                                     for it in items])
+        else:
+            grads = grads * np.float32(1.0 / world)
+        self.push(keys, grads, shows, clicks, delta=False)
+        return len(keys)
+
+    def _shard_call(self, j: int, method: str, *args, **kw):
+        try:
+            return getattr(self.shards[j], method)(*args, **kw)
+        except TableInputError as e:
+            raise invalid(str(e), shard=j) from None
+
+    def shrink(self, now: float | None) -> int:
+        return sum(s.shrink(now) for s in self.shards)
+
+    def stats(self) -> dict:
+        per = [s.stats() for s in self.shards]
+        total = {k: sum(p[k] for p in per) for k in per[0] if isinstance(per[0][k], (int, float))}
+        total.update(dim=self.dim, local_shards=len(self.shards), optimizer=self.config.optimizer,
+                     rows_per_shard=[p["rows"] for p in per])
+        return total
+
+    # ------------------------------------------------------------------ save / load (local directory)
+    def save(self, root: Path) -> int:
+        """One Arrow IPC file per local shard: ``{root}/sparse/{table}/server{S}-shard{J}.arrow``."""
+        d = root / "sparse" / self.name
+        d.mkdir(parents=True, exist_ok=True)
+        rows = 0
+        for j, shard in enumerate(self.shards):
+            tmp = d / f".server{self.server:04d}-shard{j:03d}.arrow.tmp"
+            with pa.OSFile(str(tmp), "wb") as f, ipc.new_file(f, shard.schema) as w:
+                for batch in shard.rows():
+                    w.write_batch(batch)
+                    rows += batch.num_rows
+            tmp.replace(d / f"server{self.server:04d}-shard{j:03d}.arrow")
+        return rows
+
+    def load(self, root: Path) -> int:
+        """Load every file of the table written by any number of servers, keeping the rows this server
+        owns (so a save from N servers loads onto M)."""
+        d = root / "sparse" / self.name
+        if not d.is_dir():
+            raise HostError("NOT_FOUND", f"no saved rows for table {self.name!r} under {d}")
+        rows = 0
+        for path in sorted(d.glob("server*-shard*.arrow")):
+            with pa.memory_map(str(path), "r") as src:
+                reader = ipc.open_file(src)
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    keys = batch.column("key").to_numpy()
+                    local = routing.lookup(np.ascontiguousarray(keys), self.num_vshards, self.local_owner)
+                    for j in range(len(self.shards)):
+                        mask = local == j
+                        if mask.any():
+                            rows += self.shards[j].load_rows([batch.filter(pa.array(mask))])
+        return rows
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close()
+
+
+class _Block:
+    def __init__(self, length: int, cfg: DenseTableConfig):
+        self.params = np.zeros(length, np.float32)
+        self.initialized = False
+        if cfg.optimizer == "adam":
+            self.opt = Adam(length, cfg.learning_rate, cfg.beta1, cfg.beta2, cfg.epsilon)
+        else:
+            self.opt = SGD(length, cfg.learning_rate)
+        self.pending = np.zeros(length, np.float32)
+        self.pending_n = 0
+        self.lock = threading.Lock()
+
+
+class DenseHost:
+    """The blocks of one dense table owned by this server.
+
+    A dense table of ``size`` floats is cut into blocks of ``DENSE_BLOCK`` floats; block ``b`` lives on
+    server ``(ordinal + b) % num_servers`` (``ordinal``: the table's position among the dense tables in
+    name order), so big tables spread over the servers. Each block has its own optimizer; Adam and SGD
+    are element-wise, so this equals one optimizer over the whole vector.
+    """
+
+    def __init__(self, name: str, config: DenseTableConfig, *, ordinal: int, server: int,
+                 num_servers: int):
+        self.name, self.config = name, config
+        self.ordinal, self.server, self.num_servers = ordinal, server, num_servers
+        self.size: int | None = None
+        self.blocks: dict[int, _Block] = {}
+        self._lock = threading.Lock()
+
+    def owner(self, block: int) -> int:
+        return (self.ordinal + block) % self.num_servers
+
+    @property
+    def num_blocks(self) -> int:
+        return 0 if self.size is None else max(1, -(-self.size // DENSE_BLOCK))
+
+    def block_length(self, block: int) -> int:
+        return min(DENSE_BLOCK, self.size - block * DENSE_BLOCK) if self.size else 0
+
+    def _block(self, block: int) -> _Block:
+        if self.size is None:
+            raise HostError("FAILED_PRECONDITION", f"dense table {self.name!r} is not initialized: "
+                            f"call PSClient.init_dense(table, params) first")
+        if not 0 <= block < self.num_blocks:
+            raise invalid(f"block {block} out of range: the table has {self.num_blocks} blocks")
+        if self.owner(block) != self.server:
+            raise invalid(f"block {block} lives on server {self.owner(block)}, not on this one")
+        return self.blocks[block]
+
+    def _check(self, block: int, values: np.ndarray, what: str) -> _Block:
+        b = self._block(block)
+        if values.shape != b.params.shape:
+            raise invalid(f"{what}: expected float32[{len(b.params)}] for block {block}, "
+                          f"got float32{list(values.shape)}")
+        if not np.isfinite(values).all():
+            raise invalid(f"{what} of block {block} is not finite (NaN or Inf); nothing changed")
+        return b
+
+    def init(self, block: int, size: int, values: np.ndarray, force: bool) -> bool:
+        with self._lock:
+            if size < 1:
+                raise invalid(f"size must be >= 1, got {size}")
+            if self.size is None:
+                self.size = size
+                for bl in range(self.num_blocks):
+                    if self.owner(bl) == self.server:
+                        self.blocks[bl] = _Block(self.block_length(bl), self.config)
+            elif size != self.size:
+                raise invalid(f"init with size {size}, but the table was initialized with size {self.size}")
+        b = self._check(block, values, "values")
+        with b.lock:
+            if b.initialized and not force:
+                return False
+            b.params[:] = values
+            b.initialized = True
+            return True
+
+    def pull(self, block: int) -> np.ndarray:
+        b = self._block(block)
+        with b.lock:
+            return b.params.copy()
+
+    def grad(self, block: int, grad: np.ndarray, accumulate: bool) -> None:
+        b = self._check(block, grad, "grad")
+        with b.lock:
+            if accumulate:
+                b.pending += grad
+                b.pending_n += 1
+            else:
+                b.opt.step(b.params, np.ascontiguousarray(grad, dtype=np.float32))
+
+    def delta(self, block: int, delta: np.ndarray) -> None:
+        b = self._check(block, delta, "delta")
+        with b.lock:
+            b.params += delta
+
+    def apply_pending(self, world: int) -> None:
+        for b in self.blocks.values():
+            with b.lock:
+                if b.pending_n:
+                    b.opt.step(b.params, b.pending * np.float32(1.0 / world))
+                    b.pending[:] = 0
+                    b.pending_n = 0
+
+    def stats(self) -> dict:
+        return {"size": self.size, "num_blocks": self.num_blocks, "blocks_here": sorted(self.blocks),
+                "optimizer": self.config.optimizer}
+
+    def save(self, root: Path) -> int:
+        d = root / "dense" / self.name
+        d.mkdir(parents=True, exist_ok=True)
+        for bl, b in self.blocks.items():
+            with b.lock:
+                state = {"params": b.params.copy(), "size": np.int64(self.size)}
+                if isinstance(b.opt, Adam):
+                    st = b.opt.state_dict()
+                    state.update(m=st["m"], v=st["v"], t=np.int64(st["t"]))
+            tmp = d / f".block{bl:05d}.npz.tmp"
+            with open(tmp, "wb") as f:
+                np.savez(f, **state)
+            tmp.replace(d / f"block{bl:05d}.npz")
+        return len(self.blocks)
+
+    def load(self, root: Path) -> int:
+        d = root / "dense" / self.name
+        files = sorted(d.glob("block*.npz")) if d.is_dir() else []
+        if not files:
+            raise HostError("NOT_FOUND", f"no saved blocks for dense table {self.name!r} under {d}")
+        with np.load(files[0]) as z:
+            size = int(z["size"])
+        n = 0
+        for bl in range(-(-size // DENSE_BLOCK)):
+            if self.owner(bl) != self.server:
+                continue
+            path = d / f"block{bl:05d}.npz"
+            if not path.is_file():
+                raise HostError("NOT_FOUND", f"dense table {self.name!r}: missing {path}")
+            with np.load(path) as z:
+                self.init(bl, size, z["params"], force=True)
+                b = self.blocks[bl]
+                if isinstance(b.opt, Adam) and "m" in z:
+                    b.opt.load_state_dict({"m": z["m"], "v": z["v"], "t": int(z["t"])})
+            n += 1
+        return n

@@ -1,0 +1,310 @@
+"""The parameter-server process: ``PSServer`` (transport-free request handling) and ``serve`` (gRPC).
+
+``PSServer`` hosts the sparse tables (each split into local SparseTable shards) and the dense-table
+blocks of one server rank. Its RPC methods (``Pull``, ``Push``, ``Dense``, ``Barrier``, ``Save``,
+``Load``, ``Shrink``, ``Stats``, ``Health``, ``Stop``) take and return the protobuf messages of
+``ps.proto``; ``handle(method, request)`` wraps them so every failure becomes a ``ServerError`` with a
+gRPC status code and a message naming the server, table, shard and request id, e.g.::
+
+    INVALID_ARGUMENT: [server 1/2, table 'emb', shard all, request w0:17.0] grads: expected
+    float32[3, 8] (one row of dim 8 per key), got float32[3, 4]
+
+The same object serves gRPC (``serve``) and the in-process transport, so a whole cluster can live in
+one pytest process. A rejected request changes nothing: everything is validated before any shard is
+touched.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from ..config import EngineConfig
+from ..errors import ProtocolError
+from . import codec
+from . import ps_pb2 as pb
+from . import ps_pb2_grpc as pb_grpc
+from .hosts import DenseHost, HostError, SparseHost
+from .routing import DEFAULT_NUM_VSHARDS
+
+log = logging.getLogger(__name__)
+
+METHODS = ("Pull", "Push", "Dense", "Barrier", "Save", "Load", "Shrink", "Stats", "Health", "Stop")
+
+
+class ServerError(Exception):
+    """A failed request: ``code`` is a gRPC status code name; the message is complete for the user."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class PSServer:
+    """One parameter-server rank.
+
+    Parameters
+    ----------
+    sparse : dict of str -> sparse_tables.TableConfig
+    dense : dict of str -> DenseTableConfig
+    index, num_servers : int
+        This server's rank and the cluster size (vshard ranges follow from them).
+    num_vshards : int
+    local_shards : int
+        SparseTable shards per sparse table on this server (requests to different shards run in
+        parallel; each shard serializes its own updates).
+    """
+
+    def __init__(self, sparse: dict, dense: dict | None = None, *, index: int = 0, num_servers: int = 1,
+                 num_vshards: int = DEFAULT_NUM_VSHARDS, local_shards: int = 4):
+        if not 0 <= index < num_servers:
+            raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
+        self.index, self.num_servers, self.num_vshards = index, num_servers, num_vshards
+        self._pool = ThreadPoolExecutor(max(2, local_shards), thread_name_prefix=f"ps{index}-shard")
+        self.sparse = {name: SparseHost(name, cfg, server=index, num_servers=num_servers,
+                                        num_vshards=num_vshards, num_local=local_shards, pool=self._pool)
+                       for name, cfg in sparse.items()}
+        self.dense = {name: DenseHost(name, (dense or {})[name], ordinal=i, server=index,
+                                      num_servers=num_servers)
+                      for i, name in enumerate(sorted(dense or {}))}
+        self.stopped = threading.Event()
+        self._barrier_cond = threading.Condition()
+        self._barriers: dict[str, list] = {}      # name -> [arrived, generation, world]
+        self._apply_lock = threading.Lock()
+        self._started = time.time()
+        self._requests = dict.fromkeys(METHODS, 0)
+        self._errors = 0
+        self._count_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, index: int, num_servers: int | None = None) -> "PSServer":
+        return cls(cfg.sparse_tables, cfg.dense_tables, index=index,
+                   num_servers=num_servers or cfg.cluster.servers, num_vshards=cfg.cluster.num_vshards,
+                   local_shards=cfg.cluster.local_shards)
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, method: str, request):
+        """Run one RPC. Raises ServerError (code + full message) on any failure."""
+        table = getattr(request, "table", "") or "-"
+        rid = getattr(request, "request_id", "") or "-"
+        with self._count_lock:
+            self._requests[method] = self._requests.get(method, 0) + 1
+        try:
+            if method not in METHODS:
+                raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
+            return getattr(self, method)(request)
+        except Exception as e:  # noqa: BLE001 - every failure must reach the caller with context
+            if isinstance(e, HostError):
+                code, shard = e.code, ("all" if e.shard is None else e.shard)
+            elif isinstance(e, (ProtocolError, ValueError)):
+                code, shard = "INVALID_ARGUMENT", "all"
+            else:
+                code, shard = "INTERNAL", "?"
+                log.exception("server %d: %s request %s on table %s failed", self.index, method, rid, table)
+            with self._count_lock:
+                self._errors += 1
+            msg = (f"[server {self.index}/{self.num_servers}, table {table!r}, shard {shard}, "
+                   f"request {rid}] {e}")
+            raise ServerError(code, msg) from None
+
+    def _sparse(self, name: str) -> SparseHost:
+        host = self.sparse.get(name)
+        if host is None:
+            raise HostError("NOT_FOUND", f"unknown sparse table {name!r}; this server hosts "
+                            f"sparse tables {sorted(self.sparse)}")
+        return host
+
+    def _dense(self, name: str) -> DenseHost:
+        host = self.dense.get(name)
+        if host is None:
+            raise HostError("NOT_FOUND", f"unknown dense table {name!r}; this server hosts "
+                            f"dense tables {sorted(self.dense)}")
+        return host
+
+    # ------------------------------------------------------------------ RPCs
+    def Pull(self, req: pb.PullRequest) -> pb.PullResponse:
+        host = self._sparse(req.table)
+        keys = codec.decode(req.keys, "keys", codec.U64, 1)
+        values = host.pull(keys, req.init_missing)
+        return pb.PullResponse(request_id=req.request_id, values=codec.encode(values))
+
+    def Push(self, req: pb.PushRequest) -> pb.PushResponse:
+        host = self._sparse(req.table)
+        keys = codec.decode(req.keys, "keys", codec.U64, 1)
+        n = len(keys)
+        delta = req.kind == pb.DELTA
+        grads = codec.decode(req.grads, "deltas" if delta else "grads", codec.F32, 2, shape=(n, host.dim))
+        shows = None if codec.is_absent(req.shows) else codec.decode(req.shows, "shows", codec.F32, 1,
+                                                                      shape=(n,))
+        clicks = None if codec.is_absent(req.clicks) else codec.decode(req.clicks, "clicks", codec.F32, 1,
+                                                                        shape=(n,))
+        if delta and (shows is not None or req.accumulate):
+            raise ProtocolError("a DELTA push takes no shows/clicks and cannot accumulate")
+        if req.accumulate:
+            host.accumulate(keys, grads, shows, clicks)
+        else:
+            host.push(keys, grads, shows, clicks, delta=delta)
+        return pb.PushResponse(request_id=req.request_id, keys=n)
+
+    def Dense(self, req: pb.DenseRequest) -> pb.DenseResponse:
+        host = self._dense(req.table)
+        resp = pb.DenseResponse(request_id=req.request_id)
+        if req.op == pb.DENSE_INIT:
+            n = -(-req.size // codec.DENSE_BLOCK) if req.size > 0 else 1
+            length = min(codec.DENSE_BLOCK, req.size - req.block * codec.DENSE_BLOCK)
+            if not 0 <= req.block < n:
+                raise ProtocolError(f"block {req.block} out of range for size {req.size}")
+            values = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
+            resp.applied = host.init(req.block, int(req.size), values, req.force)
+        elif req.op == pb.DENSE_PULL:
+            resp.values.CopyFrom(codec.encode(host.pull(req.block)))
+        elif req.op in (pb.DENSE_GRAD, pb.DENSE_DELTA):
+            length = host.block_length(req.block) if host.size else None
+            values = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
+            if req.op == pb.DENSE_GRAD:
+                host.grad(req.block, values, req.accumulate)
+            else:
+                host.delta(req.block, values)
+        else:
+            raise ProtocolError(f"unknown dense op {req.op}")
+        resp.size = host.size or 0
+        resp.num_blocks = host.num_blocks
+        resp.block_size = codec.DENSE_BLOCK
+        return resp
+
+    def Barrier(self, req: pb.BarrierRequest) -> pb.BarrierResponse:
+        """Wait for ``world`` arrivals at ``name``; the last one applies held sync updates if asked."""
+        if req.world < 1:
+            raise ProtocolError(f"world must be >= 1, got {req.world}")
+        timeout = req.timeout_s if req.timeout_s > 0 else 600.0
+        with self._barrier_cond:
+            state = self._barriers.setdefault(req.name, [0, 0, req.world])
+            if state[2] != req.world:
+                raise ProtocolError(f"barrier {req.name!r}: world {req.world} differs from the "
+                                    f"{state[2]} other callers use")
+            gen = state[1]
+            state[0] += 1
+            if state[0] == req.world:
+                if req.apply_pending:
+                    self._apply_pending(req.world)
+                state[0] = 0
+                state[1] += 1
+                self._barrier_cond.notify_all()
+                return pb.BarrierResponse(request_id=req.request_id, generation=gen)
+            if not self._barrier_cond.wait_for(lambda: state[1] != gen or self.stopped.is_set(), timeout):
+                state[0] -= 1
+                raise HostError("DEADLINE_EXCEEDED", f"barrier {req.name!r}: only {state[0] + 1} of "
+                                f"{req.world} callers arrived within {timeout:g}s")
+            if state[1] == gen:
+                raise HostError("UNAVAILABLE", f"barrier {req.name!r}: server is stopping")
+        return pb.BarrierResponse(request_id=req.request_id, generation=gen)
+
+    def _apply_pending(self, world: int) -> None:
+        with self._apply_lock:
+            for host in self.sparse.values():
+                host.apply_pending(world)
+            for host in self.dense.values():
+                host.apply_pending(world)
+
+    def Save(self, req: pb.PathRequest) -> pb.CountResponse:
+        root = Path(req.path)
+        rows = sum(h.save(root) for h in self.sparse.values())
+        for h in self.dense.values():
+            if h.size is not None:
+                h.save(root)
+        return pb.CountResponse(request_id=req.request_id, count=rows)
+
+    def Load(self, req: pb.PathRequest) -> pb.CountResponse:
+        root = Path(req.path)
+        if not root.is_dir():
+            raise HostError("NOT_FOUND", f"no such directory: {root}")
+        rows = sum(h.load(root) for h in self.sparse.values())
+        for h in self.dense.values():
+            if (root / "dense" / h.name).is_dir():
+                h.load(root)
+        return pb.CountResponse(request_id=req.request_id, count=rows)
+
+    def Shrink(self, req: pb.ShrinkRequest) -> pb.CountResponse:
+        hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())
+        now = req.now if req.has_now else None
+        return pb.CountResponse(request_id=req.request_id, count=sum(h.shrink(now) for h in hosts))
+
+    def Stats(self, req: pb.Empty) -> pb.JsonResponse:
+        with self._count_lock:
+            reqs, errors = dict(self._requests), self._errors
+        out = {"server": self.index, "num_servers": self.num_servers, "requests": reqs, "errors": errors,
+               "uptime_s": time.time() - self._started,
+               "sparse": {n: h.stats() for n, h in self.sparse.items()},
+               "dense": {n: h.stats() for n, h in self.dense.items()}}
+        return pb.JsonResponse(request_id=req.request_id, json=json.dumps(out))
+
+    def Health(self, req: pb.Empty) -> pb.JsonResponse:
+        out = {"ready": not self.stopped.is_set(), "server": self.index, "num_servers": self.num_servers,
+               "num_vshards": self.num_vshards,
+               "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},
+               "dense": {n: {"ordinal": h.ordinal, "size": h.size, "block_size": codec.DENSE_BLOCK}
+                         for n, h in self.dense.items()}}
+        return pb.JsonResponse(request_id=req.request_id, json=json.dumps(out))
+
+    def Stop(self, req: pb.Empty) -> pb.Empty:
+        log.info("server %d: stop requested (request %s)", self.index, req.request_id)
+        self.stopped.set()
+        with self._barrier_cond:
+            self._barrier_cond.notify_all()
+        return pb.Empty(request_id=req.request_id)
+
+    def close(self) -> None:
+        self.stopped.set()
+        for h in self.sparse.values():
+            h.close()
+        self._pool.shutdown(wait=False)
+
+
+class _Servicer(pb_grpc.ParameterServerServicer):
+    def __init__(self, core: PSServer):
+        self.core = core
+
+
+def _make_handler(method: str):
+    def handler(self, request, context):
+        try:
+            return self.core.handle(method, request)
+        except ServerError as e:
+            context.abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL), str(e))
+    handler.__name__ = method
+    return handler
+
+
+for _m in METHODS:
+    setattr(_Servicer, _m, _make_handler(_m))
+
+
+def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int = 8) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for ``core`` on host:port (port 0: a free port). Returns (server, port).
+
+    Raises
+    ------
+    RuntimeError
+        The address could not be bound.
+    """
+    server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix=f"ps{core.index}-rpc"),
+                         options=[("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+                                  ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
+                                  ("grpc.so_reuseport", 0)])
+    pb_grpc.add_ParameterServerServicer_to_server(_Servicer(core), server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise RuntimeError(f"server {core.index}: cannot bind {host}:{port}: {e}") from None
+    if bound == 0:
+        raise RuntimeError(f"server {core.index}: cannot bind {host}:{port}")
+    server.start()
+    log.info("server %d/%d listening on %s:%d", core.index, core.num_servers, host, bound)
+    return server, bound
+
