@@ -154,13 +154,17 @@ def relu_backward_bias(d, h, grad_bias):
     grad_bias : float[n]
     """
     n_b, n = d.shape
+    zero = d.dtype.type(0.0)
     for j in range(n):
-        grad_bias[j] = 0.0
+        grad_bias[j] = zero
     for b in range(n_b):
+        db = d[b]
+        hb = h[b]
         for j in range(n):
-            if h[b, j] <= 0.0:
-                d[b, j] = 0.0
-            grad_bias[j] += d[b, j]
+            # branch-free select in the array dtype so LLVM vectorizes the row
+            v = db[j] if hb[j] > zero else zero
+            db[j] = v
+            grad_bias[j] += v
 
 
 @njit(cache=True, nogil=True)

@@ -11,8 +11,6 @@ Loss: sigmoid cross-entropy on the logit, mean over the batch. Sparse row width 
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ._base import CTRModelBase, _Scratch
 
 
@@ -44,6 +42,7 @@ class CTRDNN(CTRModelBase):
     --------
     Two examples, two slots, dim 2; example 1 has no key in slot 1:
 
+    >>> import numpy as np
     >>> m = CTRDNN(num_slots=2, dim=2, dense_dim=1, hidden=(4,))
     >>> emb = np.ones((2, 2), np.float32)                 # 2 unique keys
     >>> rows = np.array([0, 1, 1], np.int32)
@@ -79,5 +78,3 @@ class CTRDNN(CTRModelBase):
 
 
 __all__ = ["CTRDNN"]
-
-_ = np  # numpy is used in the doctest above
