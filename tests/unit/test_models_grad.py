@@ -81,6 +81,7 @@ def naive_logits(model, emb, dense_x):
     return out
 
 
+@pytest.mark.nojit
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_matches_naive(kind):
     m = small(kind)
@@ -130,7 +131,7 @@ def fd_check(m, emb, rows, segs, dense_x, labels, eps=1e-6):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("hidden", [HIDDEN, (5,), ()])
+@pytest.mark.parametrize("hidden", [pytest.param(HIDDEN, marks=pytest.mark.nojit), (5,), ()])
 def test_gradients_match_finite_differences(kind, hidden):
     m = small(kind, hidden=hidden)
     emb, rows, segs, dense_x, labels = make_batch(m, seed=len(hidden))
@@ -254,3 +255,15 @@ def test_config_errors():
         CTRDNN(dtype=np.int32)
     with pytest.raises(ModelConfigError, match="unexpected keyword"):
         build_model("ctr_dnn", embedding_dim=3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_without_any_key(kind):
+    m = small(kind, dtype=np.float32)
+    emb = np.zeros((0, m.sparse_width), np.float32)
+    none = np.zeros(0, np.int32)
+    dense_x = np.ones((3, DENSE), np.float32)
+    r = m.forward_backward(emb, none, none, dense_x, np.array([0, 1, 1], np.float32))
+    assert r.grad_emb.shape == (0, m.sparse_width)
+    assert np.all(np.isfinite(r.grad_dense)) and np.isfinite(r.loss)
+    np.testing.assert_allclose(r.probs, r.probs[0])  # identical inputs, identical outputs
