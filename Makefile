@@ -20,8 +20,9 @@ test: install
 	$(PY) -m pytest -q
 	NUMBA_DISABLE_JIT=1 $(PY) -m pytest -q -m nojit -p no:cacheprovider
 
+# Every benchmark in bench/, one after the other (heavy: never run from CI).
 bench: install
-	$(PY) bench/table_bench.py $(BENCH_ARGS)
+	for b in bench/*_bench.py; do echo "== $$b"; $(PY) $$b $(BENCH_ARGS) || exit 1; done
 
 train: install
 	$(VENV)/bin/engine train configs/ctr.yaml

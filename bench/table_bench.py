@@ -15,6 +15,7 @@ Usage: python bench/table_bench.py [--quick] [--only pull,push,spill,bytes_per_r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -74,6 +75,11 @@ def bench_pull_push(scale: int) -> list[dict]:
         table.pull(batches[next(it) % len(batches)])
 
     ours = best_rate(pull, BATCH, 20)
+    threads = table.config.num_threads
+    config = table.config
+    table.config = dataclasses.replace(config, num_threads=1)  # same rows, calling thread only
+    ours_1 = best_rate(pull, BATCH, 20)
+    table.config = config
     arena = np.random.default_rng(3).random((n_rows, DIM), dtype=np.float32)
     row_ids = [rng.integers(0, n_rows, BATCH) for _ in range(8)]
 
@@ -94,7 +100,8 @@ def bench_pull_push(scale: int) -> list[dict]:
     return [
         {"bench": "pull", "rows": n_rows, "dim": DIM, "batch": BATCH, "keys_per_s": round(ours),
          "numpy_gather_keys_per_s": round(ref), "ratio_vs_numpy_gather": round(ours / ref, 3),
-         "threads": table.config.num_threads, "target_ratio": 1.0},
+         "threads": threads, "keys_per_s_1_thread": round(ours_1),
+         "thread_speedup": round(ours / ours_1, 3), "target_ratio": 1.0},
         {"bench": "push", "rows": n_rows, "dim": DIM, "batch": BATCH, "optimizer": "adagrad",
          "threads": 1, "keys_per_s": round(push_rate), "target_keys_per_s": 5_000_000},
     ]
