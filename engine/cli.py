@@ -4,20 +4,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import train_cmd
+
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model from a YAML config")
-    train.add_argument("config")
+    train_cmd.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "train":
-        print("engine train: the training job is not built yet (see the open issues)", file=sys.stderr)
-        return 2
+        return train_cmd.run(args)
     return 2
 
 

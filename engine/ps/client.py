@@ -158,6 +158,10 @@ class PSClient:
                                        f"{sorted(info['sparse'])}")
         return info["sparse"][table]
 
+    def sparse_dim(self, table: str) -> int:
+        """Embedding width of a sparse table (RequestRejectedError NOT_FOUND for an unknown table)."""
+        return int(self._sparse(table)["dim"])
+
     def _plan(self, keys: np.ndarray, dim: int) -> list[tuple[int, np.ndarray]]:
         """[(server, positions into keys)] with at most chunk_keys(dim) keys per entry."""
         info = self.info()

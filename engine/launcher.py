@@ -1,0 +1,232 @@
+"""The local launcher behind ``engine train CONFIG.yaml``: servers and workers as child processes.
+
+``LocalCluster`` writes the resolved config to its run directory, starts ``cluster.servers`` server
+processes (``python -m engine train RESOLVED.yaml --role server --rank i --port 0 --ready-file ..``),
+waits until each wrote its ``host:port`` (a free port it bound itself), starts ``cluster.workers``
+worker processes with ``ENGINE_SERVERS`` set, waits for them, then stops the servers.
+
+Failure handling: the launcher polls its children every 0.1 s; if any of them exits unexpectedly the
+others are stopped (SIGTERM to their process groups, SIGKILL after a grace period) and ``LaunchError``
+names the role, rank, exit code and the last lines of its log. Ctrl-C stops everything. Children die
+with the launcher even when it is killed (see ``engine.roles.guard_parent``). Every wait has a timeout.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import EngineConfig, dump_config
+from .errors import LaunchError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+TAIL_LINES = 15
+
+
+@dataclass
+class Child:
+    role: str
+    rank: int
+    proc: subprocess.Popen
+    log_path: Path
+    result_path: Path | None = None
+    ready_path: Path | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.rank}"
+
+    def tail(self, n: int = TAIL_LINES) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:]) or "(empty log)"
+
+
+class LocalCluster:
+    """Servers and workers of one run on this machine.
+
+    Parameters
+    ----------
+    cfg : EngineConfig
+    run_dir : str or Path, optional
+        Where the resolved config, ready files, results and per-process logs go (default: a new
+        temporary directory).
+    python : str
+        Interpreter for the children (default: this one).
+    """
+
+    def __init__(self, cfg: EngineConfig, run_dir: str | Path | None = None, python: str = sys.executable):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="engine-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.run_dir / "config.yaml"
+        dump_config(cfg, self.config_path)
+        self.python = python
+        self.servers: list[Child] = []
+        self.workers: list[Child] = []
+        self.endpoints: list[str] = []
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, role: str, rank: int, extra: list[str], env: dict) -> Child:
+        log_path = self.run_dir / f"{role}-{rank}.log"
+        cmd = [self.python, "-m", "engine", "train", str(self.config_path), "--role", role,
+               "--rank", str(rank), *extra]
+        full_env = {**os.environ, "ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1", **env}
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=full_env, start_new_session=True)
+        log.debug("started %s %d: pid %d", role, rank, proc.pid)
+        return Child(role, rank, proc, log_path)
+
+    def start_servers(self) -> list[str]:
+        """Start the servers and wait until each reports its address. Returns ``host:port`` per rank.
+
+        Raises
+        ------
+        LaunchError
+            A server exited or was not ready within ``cluster.startup_timeout_s``.
+        """
+        for r in range(self.cfg.cluster.servers):
+            ready = self.run_dir / f"server-{r}.ready"
+            ready.unlink(missing_ok=True)
+            child = self._spawn("server", r, ["--port", "0", "--ready-file", str(ready)], {})
+            child.ready_path = ready
+            self.servers.append(child)
+        deadline = time.monotonic() + self.cfg.cluster.startup_timeout_s
+        endpoints: list[str | None] = [None] * len(self.servers)
+        while None in endpoints:
+            for i, s in enumerate(self.servers):
+                if endpoints[i] is None and s.ready_path.is_file():
+                    endpoints[i] = s.ready_path.read_text().strip()
+            self._check_alive(self.servers)
+            if time.monotonic() > deadline:
+                late = [s.name for s, e in zip(self.servers, endpoints) if e is None]
+                raise LaunchError(f"{', '.join(late)} not ready within {self.cfg.cluster.startup_timeout_s}s")
+            if None in endpoints:
+                time.sleep(POLL_S)
+        self.endpoints = [e for e in endpoints if e]
+        log.info("servers ready: %s", ",".join(self.endpoints))
+        return self.endpoints
+
+    def start_workers(self) -> None:
+        env = {"ENGINE_SERVERS": ",".join(self.endpoints), "ENGINE_NUM_WORKERS": str(self.cfg.cluster.workers)}
+        for r in range(self.cfg.cluster.workers):
+            result = self.run_dir / f"worker-{r}.result.json"
+            result.unlink(missing_ok=True)
+            child = self._spawn("worker", r, ["--result-file", str(result)], env)
+            child.result_path = result
+            self.workers.append(child)
+
+    def _check_alive(self, children: list[Child], *, finished_ok: bool = False) -> None:
+        for c in children:
+            code = c.proc.poll()
+            if code is None or (finished_ok and code == 0):
+                continue
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise LaunchError(f"{c.name} (pid {c.proc.pid}) {how}; last lines of {c.log_path}:\n{c.tail()}")
+
+    def wait_workers(self, timeout: float | None = None) -> list[dict]:
+        """Wait for every worker to exit 0 (servers must stay up meanwhile); returns their results.
+
+        Raises
+        ------
+        LaunchError
+            A worker or server died, or ``timeout`` seconds passed.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while any(w.proc.poll() is None for w in self.workers):
+            self._check_alive(self.workers, finished_ok=True)
+            self._check_alive(self.servers)
+            if deadline is not None and time.monotonic() > deadline:
+                raise LaunchError(f"workers did not finish within {timeout}s")
+            time.sleep(POLL_S)
+        self._check_alive(self.workers, finished_ok=True)
+        results = []
+        for w in self.workers:
+            try:
+                results.append(json.loads(w.result_path.read_text()))
+            except (OSError, ValueError):
+                results.append({"rank": w.rank, "result": None})
+        return results
+
+    def stop_servers(self) -> None:
+        """Ask the servers to stop (Stop RPC), then terminate whatever is left."""
+        if self.endpoints:
+            from .ps.client import PSClient
+            try:
+                with PSClient(self.endpoints, timeout_s=5.0, retries=0) as c:
+                    c.stop()
+            except Exception as e:  # noqa: BLE001 - best effort; terminate() below is the backstop
+                log.info("stop RPC failed: %s", e)
+        self._terminate(self.servers, grace=self.cfg.cluster.stop_timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop every child: SIGTERM to its process group, SIGKILL after a grace period. Idempotent."""
+        self._terminate(self.workers + self.servers, grace=3.0)
+
+    @staticmethod
+    def _terminate(children: list[Child], grace: float) -> None:
+        alive = [c for c in children if c.proc.poll() is None]
+        for c in alive:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in alive:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in children:
+            if c.proc.poll() is None:
+                _signal_group(c.proc, signal.SIGKILL)
+            try:
+                c.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) did not exit after SIGKILL", c.name, c.proc.pid)
+            _signal_group(c.proc, signal.SIGKILL)   # any grandchildren left in its group
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.servers + self.workers]
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch(cfg: EngineConfig, run_dir: str | Path | None = None) -> list[dict]:
+    """Run a whole training job locally; returns the workers' results (one dict per rank).
+
+    Raises
+    ------
+    LaunchError
+        Any process failed (the message names role, rank and its last log lines).
+    KeyboardInterrupt
+        After stopping every child.
+    """
+    with LocalCluster(cfg, run_dir) as cluster:
+        log.info("run directory: %s", cluster.run_dir)
+        cluster.start_servers()
+        cluster.start_workers()
+        results = cluster.wait_workers()
+        cluster.stop_servers()
+        return results

@@ -1,0 +1,32 @@
+"""Training modes, one file each behind one interface (``base.Mode``): sync, async, GEO."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .asynchronous import AsyncMode
+from .base import Mode
+from .geo import GeoMode
+from .sync import SyncMode
+
+
+def make_mode(cfg, client, *, rank: int, num_workers: int) -> Mode:
+    """The Mode named by ``cfg.mode`` (an EngineConfig), bound to ``client``.
+
+    Raises
+    ------
+    ConfigError
+        Unknown mode.
+    """
+    common = dict(rank=rank, num_workers=num_workers, barrier_timeout_s=cfg.client.barrier_timeout_s)
+    if cfg.mode == "sync":
+        return SyncMode(client, **common)
+    if cfg.mode == "async":
+        return AsyncMode(client, **common)
+    if cfg.mode == "geo":
+        g = cfg.geo
+        return GeoMode(client, k_steps=g.k_steps, learning_rate=g.learning_rate,
+                       dense_learning_rate=g.dense_learning_rate, evict_after_steps=g.evict_after_steps,
+                       **common)
+    raise ConfigError(f"mode must be one of ['sync', 'async', 'geo'], got {cfg.mode!r}")
+
+
+__all__ = ["Mode", "SyncMode", "AsyncMode", "GeoMode", "make_mode"]

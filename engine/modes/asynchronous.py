@@ -1,0 +1,29 @@
+"""async mode: each worker pushes after each batch and the servers apply immediately (Hogwild across
+workers; each shard serializes its own updates). With ``client.async_queue > 0`` sparse pushes go
+through the client's bounded background queue, where queued pushes are merged per key before sending
+(Paddle's communicator); ``finish`` flushes it."""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Mode
+
+
+class AsyncMode(Mode):
+    name = "async"
+
+    def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
+        return self.client.pull(table, keys, init_missing=True)
+
+    def push_sparse_grads(self, table, keys, grads, shows=None, clicks=None) -> None:
+        self.client.push_async(table, keys, grads, shows=shows, clicks=clicks)
+
+    def pull_dense(self, table: str) -> np.ndarray:
+        return self.client.pull_dense(table)
+
+    def push_dense_grads(self, table: str, grad: np.ndarray) -> None:
+        self.client.push_dense(table, grad)
+
+    def finish(self) -> None:
+        self.client.flush()
+        super().finish()

@@ -1,0 +1,79 @@
+"""The training-mode interface: what a worker loop calls per batch.
+
+A worker step is ``pull_sparse`` / ``pull_dense`` → forward/backward → ``push_sparse_grads`` /
+``push_dense_grads`` → ``end_step``; after the last step, ``finish``. The mode decides when values
+travel and when updates are applied:
+
+=========  ==================================================================================
+sync       pushes are held on the servers; ``end_step`` is a barrier at which each server applies
+           the mean of all workers' gradients once; the next pulls see the merged update.
+async      pushes are applied on arrival (optionally queued and merged in the background).
+geo        the worker trains a bounded local copy with plain SGD; every ``k_steps`` steps it
+           pushes ``(local - last_synced) / num_workers`` and pulls fresh values.
+=========  ==================================================================================
+
+Arrays: ``keys : uint64[n]``, ``values/grads : float32[n, dim]``, ``shows, clicks : float32[n]``,
+dense ``params/grad : float32[P]``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from ..ps.client import PSClient
+
+
+class Mode(ABC):
+    """One training mode bound to a PSClient.
+
+    Parameters
+    ----------
+    client : PSClient
+    rank, num_workers : int
+    barrier_timeout_s : float, seconds
+        Longest wait at a barrier (a dead worker makes the others fail after this).
+    """
+
+    name = "base"
+
+    def __init__(self, client: PSClient, *, rank: int, num_workers: int, barrier_timeout_s: float = 600.0):
+        self.client = client
+        self.rank, self.num_workers = rank, num_workers
+        self.barrier_timeout_s = barrier_timeout_s
+        self.step = 0
+
+    @abstractmethod
+    def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """Training values of ``keys : uint64[n]`` -> float32[n, dim] (unknown keys: initial values)."""
+
+    @abstractmethod
+    def push_sparse_grads(self, table: str, keys: np.ndarray, grads: np.ndarray,
+                          shows: np.ndarray | None = None, clicks: np.ndarray | None = None) -> None:
+        """Gradients of this step for ``keys`` (duplicates summed)."""
+
+    @abstractmethod
+    def pull_dense(self, table: str) -> np.ndarray:
+        """Current dense parameters -> float32[P]."""
+
+    @abstractmethod
+    def push_dense_grads(self, table: str, grad: np.ndarray) -> None:
+        """Dense gradient ``grad : float32[P]`` of this step."""
+
+    def init_dense(self, table: str, params: np.ndarray) -> np.ndarray:
+        """Rank 0 sets the initial dense parameters; everyone waits for it and gets the server's copy."""
+        if self.rank == 0:
+            self.client.init_dense(table, params)
+        self.barrier(f"init-dense-{table}")
+        return self.pull_dense(table)
+
+    def end_step(self) -> None:
+        """Called once after every batch's pushes."""
+        self.step += 1
+
+    def finish(self) -> None:
+        """Send everything still held locally, then wait for every worker to finish."""
+        self.barrier("finish")
+
+    def barrier(self, name: str) -> None:
+        self.client.barrier(f"{self.name}:{name}", self.num_workers, timeout=self.barrier_timeout_s)

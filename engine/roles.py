@@ -1,0 +1,145 @@
+"""Running one role in this process: a parameter server or a worker.
+
+Used by the launcher's children and by multi-host schedulers (Kubernetes, Slurm, mpirun)::
+
+    engine train CONFIG.yaml --role server --rank 0 [--port 50051] [--ready-file F]
+    ENGINE_SERVERS=h0:50051,h1:50051 ENGINE_NUM_WORKERS=4 engine train CONFIG.yaml --role worker --rank 2
+
+Server endpoints come from ``cluster.endpoints`` or ``ENGINE_SERVERS`` (which wins); the number of
+workers from ``ENGINE_NUM_WORKERS`` or ``cluster.workers``; ``ENGINE_ROLE`` and ``ENGINE_RANK`` stand
+in for ``--role``/``--rank``. A child of the local launcher (``ENGINE_PARENT_PID`` set) dies with it:
+PR_SET_PDEATHSIG on Linux plus a watchdog thread polling the parent pid.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import EngineConfig
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerContext:
+    """What a worker program gets: the config, its rank, the PS client and the training mode."""
+
+    config: EngineConfig
+    rank: int
+    num_workers: int
+    client: object   # engine.ps.PSClient
+    mode: object     # engine.modes.Mode
+
+
+def server_endpoints(cfg: EngineConfig) -> list[str]:
+    """``ENGINE_SERVERS`` (comma-separated host:port) or ``cluster.endpoints``.
+
+    Raises
+    ------
+    ConfigError
+        Neither is set, or the count differs from cluster.servers.
+    """
+    env = os.environ.get("ENGINE_SERVERS", "")
+    eps = [e.strip() for e in env.split(",") if e.strip()] if env else list(cfg.cluster.endpoints)
+    if not eps:
+        raise ConfigError("no server endpoints: set ENGINE_SERVERS=host:port,... or cluster.endpoints")
+    return eps
+
+
+def num_workers(cfg: EngineConfig) -> int:
+    raw = os.environ.get("ENGINE_NUM_WORKERS")
+    if raw is None:
+        return cfg.cluster.workers
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"ENGINE_NUM_WORKERS must be an int >= 1, got {raw!r}")
+    return n
+
+
+def guard_parent() -> None:
+    """Exit when the launcher that started this process goes away (no orphans)."""
+    raw = os.environ.get("ENGINE_PARENT_PID")
+    if not raw:
+        return
+    parent = int(raw)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
+        except OSError:
+            log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the watchdog thread")
+    if os.getppid() != parent:
+        os._exit(3)
+
+    def watch() -> None:
+        while True:
+            threading.Event().wait(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: int | None = None,
+               ready_file: str | None = None) -> int:
+    """Serve until a Stop RPC, SIGTERM or SIGINT. Writes ``host:port`` to ready_file once listening."""
+    from .ps.server import PSServer, serve
+
+    if not 0 <= rank < cfg.cluster.servers:
+        raise ConfigError(f"--rank must be in [0, cluster.servers={cfg.cluster.servers}), got {rank}")
+    if port is None and cfg.cluster.endpoints:
+        port = int(cfg.cluster.endpoints[rank].rsplit(":", 1)[1])
+    host = host or cfg.cluster.host
+    core = PSServer.from_config(cfg, rank)
+    server, bound = serve(core, host, port or 0, cfg.cluster.server_threads)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: core.stopped.set())
+    if ready_file:
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(f"{host}:{bound}\n")
+        tmp.replace(ready_file)
+    while not core.stopped.wait(0.5):
+        pass
+    log.info("server %d stopping", rank)
+    server.stop(grace=2.0).wait(cfg.cluster.stop_timeout_s)
+    core.close()
+    return 0
+
+
+def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) -> dict:
+    """Connect to the servers, build the mode, run the ``model.kind`` program; returns its summary."""
+    from .modes import make_mode
+    from .programs import load_program
+    from .ps.client import PSClient
+
+    if cfg.model is None:
+        raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
+    workers = num_workers(cfg)
+    if not 0 <= rank < workers:
+        raise ConfigError(f"--rank must be in [0, {workers}) workers, got {rank}")
+    program = load_program(cfg.model.kind)
+    c = cfg.client
+    client = PSClient(server_endpoints(cfg), timeout_s=c.timeout_s, retries=c.retries, backoff_s=c.backoff_s,
+                      max_backoff_s=c.max_backoff_s, threads=c.threads, async_queue=c.async_queue,
+                      name=f"worker{rank}")
+    try:
+        client.wait_ready(cfg.cluster.startup_timeout_s)
+        mode = make_mode(cfg, client, rank=rank, num_workers=workers)
+        result = program.run(WorkerContext(cfg, rank, workers, client, mode))
+    finally:
+        client.close()
+    if result_file:
+        tmp = Path(result_file + ".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(result_file)
+    return result

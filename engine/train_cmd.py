@@ -1,0 +1,74 @@
+"""``engine train CONFIG.yaml [--set key=value ...] [--role server|worker --rank N]``.
+
+Without ``--role``: launch ``cluster.servers`` servers and ``cluster.workers`` workers on this machine
+(free ports), run the job, stop everything, print one JSON line ``{"event": "final", ...}`` on stdout.
+With ``--role``: run that one role in this process (multi-host; see ``engine.roles``).
+
+Exit codes: 0 success, 2 bad config or arguments, 1 a process failed, 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .errors import ConfigError, LaunchError
+
+log = logging.getLogger("engine.train")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model from a YAML config (launches servers and workers)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set mode=sync --set cluster.workers=3")
+    p.add_argument("--role", choices=("server", "worker"), default=os.environ.get("ENGINE_ROLE"),
+                   help="run one role only (default: launch all locally; env ENGINE_ROLE)")
+    p.add_argument("--rank", type=int, default=int(os.environ.get("ENGINE_RANK", "0")),
+                   help="rank of this role (env ENGINE_RANK)")
+    p.add_argument("--host", default=None, help="server bind address (default cluster.host)")
+    p.add_argument("--port", type=int, default=None, help="server port (0: pick a free port)")
+    p.add_argument("--ready-file", default=None, help="server: write host:port here once listening")
+    p.add_argument("--result-file", default=None, help="worker: write the JSON summary here")
+    p.add_argument("--run-dir", default=None, help="launcher: directory for logs and results")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format=f"%(asctime)s {args.role or 'launcher'}{'' if not args.role else args.rank} "
+                               f"%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from .config import load_config
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"engine train: config error: {e}", file=sys.stderr)
+        return 2
+    from . import roles
+    try:
+        if args.role == "server":
+            roles.guard_parent()
+            return roles.run_server(cfg, args.rank, host=args.host, port=args.port, ready_file=args.ready_file)
+        if args.role == "worker":
+            roles.guard_parent()
+            roles.run_worker(cfg, args.rank, result_file=args.result_file)
+            return 0
+        if cfg.model is None:
+            raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
+        from .launcher import launch
+        results = launch(cfg, args.run_dir)
+    except ConfigError as e:
+        print(f"engine train: config error: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        print(f"engine train: failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("engine train: interrupted; every process was stopped", file=sys.stderr)
+        return 130
+    print(json.dumps({"event": "final", "model": cfg.model.kind, "mode": cfg.mode, "workers": results}),
+          flush=True)
+    return 0
