@@ -62,19 +62,18 @@ def pool_sum(emb, rows, segments, src_col, width, num_slots, out, dst_col):
     n_b = out.shape[0]
     n_u = emb.shape[0]
     n_cells = n_b * num_slots
-    hi = dst_col + num_slots * width
-    for b in range(n_b):
-        for c in range(dst_col, hi):
-            out[b, c] = 0.0
+    out[:, dst_col:dst_col + num_slots * width] = 0
     for i in range(rows.shape[0]):
         r = rows[i]
         cell = segments[i]
         if r < 0 or r >= n_u or cell < 0 or cell >= n_cells:
             return i
         b = cell // num_slots
-        base = dst_col + (cell - b * num_slots) * width
+        # 1-D row views: unit stride and no aliasing between o and e, so LLVM vectorizes
+        o = out[b, dst_col + (cell - b * num_slots) * width:]
+        e = emb[r, src_col:]
         for j in range(width):
-            out[b, base + j] += emb[r, src_col + j]
+            o[j] += e[j]
     return -1
 
 
@@ -117,9 +116,10 @@ def scatter_add(grad, rows, segments, src_col, width, num_slots, grad_emb, dst_c
         if r < 0 or r >= n_u or cell < 0 or cell >= n_cells:
             return i
         b = cell // num_slots
-        base = src_col + (cell - b * num_slots) * width
+        gr = grad[b, src_col + (cell - b * num_slots) * width:]
+        ge = grad_emb[r, dst_col:]
         for j in range(width):
-            grad_emb[r, dst_col + j] += grad[b, base + j]
+            ge[j] += gr[j]
     return -1
 
 
@@ -249,18 +249,19 @@ def fm_forward(x, num_slots, dim, col0, sum_v, out):
     """
     n_b = x.shape[0]
     for b in range(n_b):
-        for d in range(dim):
-            sum_v[b, d] = 0.0
+        xb = x[b, col0:]
+        sv = sum_v[b]
+        sv[:] = 0
         sq = 0.0
         for s in range(num_slots):
-            base = col0 + s * dim
+            vs = xb[s * dim:]
             for d in range(dim):
-                v = x[b, base + d]
-                sum_v[b, d] += v
+                v = vs[d]
+                sv[d] += v
                 sq += v * v
         tot = 0.0
         for d in range(dim):
-            tot += sum_v[b, d] * sum_v[b, d]
+            tot += sv[d] * sv[d]
         out[b] = 0.5 * (tot - sq)
 
 
@@ -286,11 +287,13 @@ def fm_backward(g, x, num_slots, dim, col0, sum_v, dx):
     n_b = x.shape[0]
     for b in range(n_b):
         gb = g[b]
+        xb = x[b, col0:]
+        dxb = dx[b]
+        sv = sum_v[b]
         for s in range(num_slots):
-            base = col0 + s * dim
-            dbase = s * dim
+            o = s * dim
             for d in range(dim):
-                dx[b, dbase + d] += gb * (sum_v[b, d] - x[b, base + d])
+                dxb[o + d] += gb * (sv[d] - xb[o + d])
 
 
 @njit(cache=True, nogil=True)
