@@ -87,7 +87,10 @@ class CTRModelBase:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ModelConfigError(f"seed: expected an int >= 0, got {seed!r}")
         self.seed = int(seed)
-        dt = np.dtype(dtype)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise ModelConfigError(f"dtype: expected float32 or float64, got {dtype!r}") from None
         if dt not in (np.float32, np.float64):
             raise ModelConfigError(f"dtype: expected float32 or float64, got {dt}")
         self.dtype = dt
@@ -164,9 +167,11 @@ class CTRModelBase:
         np.copyto(self._params, vec, casting="same_kind")
 
     def config(self) -> dict[str, Any]:
-        """Constructor arguments; ``build_model(**model.config())`` rebuilds the same model."""
+        """Constructor arguments as plain JSON-able values (for checkpoint manifests and export
+        bundles); ``build_model(**model.config())`` rebuilds the same model."""
         return {"kind": self.kind, "num_slots": self.num_slots, "dim": self.dim,
-                "dense_dim": self.dense_dim, "hidden": list(self.hidden), "seed": self.seed}
+                "dense_dim": self.dense_dim, "hidden": list(self.hidden), "seed": self.seed,
+                "dtype": str(self.dtype)}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_slots={self.num_slots}, dim={self.dim}, "

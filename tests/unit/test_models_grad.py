@@ -253,6 +253,8 @@ def test_config_errors():
         DeepFM(hidden=(4, -1))
     with pytest.raises(ModelConfigError, match="dtype"):
         CTRDNN(dtype=np.int32)
+    with pytest.raises(ModelConfigError, match="dtype"):
+        CTRDNN(dtype="no-such-type")
     with pytest.raises(ModelConfigError, match="unexpected keyword"):
         build_model("ctr_dnn", embedding_dim=3)
 
