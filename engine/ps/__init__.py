@@ -4,7 +4,7 @@
     >>> servers = [PSServer({"emb": TableConfig(dim=8)}, index=i, num_servers=2) for i in range(2)]
     >>> client = PSClient(InProcessTransport(servers))
 
-See ``README.md`` in this folder for the protocol, and how to regenerate ``ps_pb2*.py``.
+The protocol and the command that regenerates the committed ``ps_pb2*.py`` are in ``ps.proto``.
 """
 from .client import PSClient
 from .routing import DEFAULT_NUM_VSHARDS, mix64, route, vshard_of

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import (ProtocolError, PSTimeoutError, RemoteError, RequestRejectedError,
                       ShardUnavailableError)
-from . import codec, routing
+from . import _kernels, codec, routing
 from . import ps_pb2 as pb
 from .transport import GrpcTransport, Transport
 
@@ -170,8 +170,9 @@ class PSClient:
         if self.num_servers == 1:
             groups = [(0, np.arange(len(keys)))]
         else:
-            order = np.argsort(srv, kind="stable")
-            bounds = np.concatenate([[0], np.cumsum(np.bincount(srv, minlength=self.num_servers))])
+            order = np.empty(len(keys), np.int64)
+            bounds = np.empty(self.num_servers + 1, np.int64)
+            _kernels.group(srv, self.num_servers, order, bounds)
             groups = [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.num_servers)
                       if bounds[s + 1] > bounds[s]]
         return [(s, pos[i:i + step]) for s, pos in groups for i in range(0, len(pos), step)]
@@ -558,21 +559,21 @@ def _check_array(arr, shape: tuple, name: str) -> np.ndarray:
 
 
 def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """(unique keys, inverse) with inverse None when keys are already unique (kept in their order)."""
-    order = np.argsort(keys, kind="stable")
-    sk = keys[order]
-    new = np.empty(len(sk), np.bool_)
-    new[0] = True
-    np.not_equal(sk[1:], sk[:-1], out=new[1:])
-    if new.all():
-        return keys, None
+    """(unique keys in first-occurrence order, inverse int64[n]); inverse is None when keys are
+    already unique (then the keys are returned as given). O(n), no sort."""
+    uniq = np.empty(len(keys), np.uint64)
     inverse = np.empty(len(keys), np.int64)
-    inverse[order] = np.cumsum(new) - 1
-    return sk[new], inverse
+    nu = _kernels.dedup(np.ascontiguousarray(keys), uniq, inverse)
+    if nu == len(keys):
+        return keys, None
+    return uniq[:nu], inverse
 
 
 def _segment_sum(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
-    """Sum rows of values with the same inverse index -> shape (n, ...) float32."""
-    order = np.argsort(inverse, kind="stable")
-    starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
-    return np.add.reduceat(values[order], starts, axis=0).astype(np.float32, copy=False)
+    """Sum rows of values with the same inverse index -> float32 of shape (n, ...)."""
+    out = np.empty((n,) + values.shape[1:], np.float32)
+    if values.ndim == 1:
+        _kernels.segment_sum_1d(values, inverse, out)
+    else:
+        _kernels.segment_sum_2d(values, inverse, out)
+    return out

@@ -22,7 +22,7 @@ from models.optim import SGD, Adam
 from sparse_tables import SparseTable, TableConfig, TableInputError
 
 from ..config import DenseTableConfig
-from . import routing
+from . import _kernels, routing
 from .codec import DENSE_BLOCK
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,11 @@ class SparseHost:
                           f"num_servers={self.num_servers}); check the client's server list")
         if len(self.shards) == 1:
             return [(0, np.arange(len(keys)))]
-        order = np.argsort(local, kind="stable")
-        counts = np.bincount(local, minlength=len(self.shards))
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        return [(j, order[bounds[j]:bounds[j + 1]]) for j in range(len(self.shards)) if counts[j]]
+        order = np.empty(len(keys), np.int64)
+        bounds = np.empty(len(self.shards) + 1, np.int64)
+        _kernels.group(local, len(self.shards), order, bounds)
+        return [(j, order[bounds[j]:bounds[j + 1]]) for j in range(len(self.shards))
+                if bounds[j + 1] > bounds[j]]
 
     def _each(self, parts, fn, n: int) -> None:
         if len(parts) > 1 and n >= PARALLEL_SHARDS_MIN:

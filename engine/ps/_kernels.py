@@ -1,0 +1,75 @@
+"""Numba kernels of the PS client and server: O(n) dedup, segment sums and grouping (no per-key
+Python work, no sorting). All take arrays and scalars only and release the GIL."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_MUL = np.uint64(0x9E3779B97F4A7C15)
+_S32 = np.uint64(32)
+
+
+@njit(cache=True, nogil=True)
+def dedup(keys, uniq, inverse):
+    """First-occurrence dedup with an open-addressing table.
+
+    keys : uint64[n]; fills uniq : uint64[n] (first n_unique entries, in first-occurrence order) and
+    inverse : int64[n] (keys[i] == uniq[inverse[i]]). Returns n_unique.
+    """
+    n = keys.shape[0]
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    mask = np.uint64(cap - 1)
+    slots = np.full(cap, -1, np.int64)
+    nu = 0
+    for i in range(n):
+        k = keys[i]
+        h = k * _MUL
+        s = (h ^ (h >> _S32)) & mask
+        while True:
+            j = slots[s]
+            if j < 0:
+                slots[s] = nu
+                uniq[nu] = k
+                inverse[i] = nu
+                nu += 1
+                break
+            if uniq[j] == k:
+                inverse[i] = j
+                break
+            s = (s + np.uint64(1)) & mask
+    return nu
+
+
+@njit(cache=True, nogil=True)
+def segment_sum_2d(values, inverse, out):
+    """out[inverse[i]] += values[i] for values float32[n, d], out float32[m, d] (zeroed here)."""
+    out[:] = 0
+    for i in range(values.shape[0]):
+        r = inverse[i]
+        for j in range(values.shape[1]):
+            out[r, j] += values[i, j]
+
+
+@njit(cache=True, nogil=True)
+def segment_sum_1d(values, inverse, out):
+    out[:] = 0
+    for i in range(values.shape[0]):
+        out[inverse[i]] += values[i]
+
+
+@njit(cache=True, nogil=True)
+def group(labels, n_groups, order, bounds):
+    """Counting sort: positions of labels int32[n] grouped by label (stable) into order int64[n];
+    group g is order[bounds[g]:bounds[g + 1]] (bounds int64[n_groups + 1])."""
+    bounds[:] = 0
+    for i in range(labels.shape[0]):
+        bounds[labels[i] + 1] += 1
+    for g in range(n_groups):
+        bounds[g + 1] += bounds[g]
+    fill = bounds[:-1].copy()
+    for i in range(labels.shape[0]):
+        g = labels[i]
+        order[fill[g]] = i
+        fill[g] += 1
