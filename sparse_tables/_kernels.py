@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from ._optimizers import apply_update, init_state
-from ._prefetch import prefetch
+from ._prefetch import prefetch, prefetch_last
 
 U64 = np.uint64
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -197,7 +197,9 @@ def prefetch_row(index, arena_u, homes, i, n):
     if i + PREFETCH_AHEAD < n:
         s = index[homes[i + PREFETCH_AHEAD]]
         if s != EMPTY:
-            prefetch(arena_u, np.int64(s & LOW32))
+            r = np.int64(s & LOW32)
+            prefetch(arena_u, r)
+            prefetch_last(arena_u, r)  # a record straddles two cache lines
 
 
 @njit(nogil=True, cache=True)
@@ -388,19 +390,19 @@ def pull_rows(index, arena_u, arena_f, lay, keys, out, tick, track_lru, miss_idx
     """Gather values of keys into out; missing keys read zeros and their positions go to miss_idx.
 
     keys : uint64[n]; out : float32[n, dim]; miss_idx : int64[n]. Returns the number of misses.
-    With ``track_lru`` the LRU tick of every row read is set to ``tick``.
+    With ``track_lru`` the LRU tick of every row read is set to ``tick``. Each row is copied right
+    after its key check, while the record is still in L1.
     """
     n = keys.shape[0]
     dim = lay[L_DIM]
     voff = lay[L_VAL]
     tick_w = lay[L_META] + M_TICK
-    rows = np.empty(n, np.int64)
-    find_rows(index, arena_u, keys, rows)
+    homes = np.empty(n, np.uint64)
+    prefetch_homes(index, keys, homes)
     nm = 0
     for i in range(n):
-        if i + PREFETCH_AHEAD < n and rows[i + PREFETCH_AHEAD] >= 0:
-            prefetch(arena_u, rows[i + PREFETCH_AHEAD])
-        r = rows[i]
+        prefetch_row(index, arena_u, homes, i, n)
+        r = index_find(index, arena_u, keys[i])
         if r < 0:
             miss_idx[nm] = i
             nm += 1
@@ -426,7 +428,8 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
     Missing keys become rows when admitted (``sketch`` of shape (0, 0) disables admission). Show grows
     by ``ushows[i]`` (or the occurrence count), click by ``uclicks[i]``; last_seen, tick and the dirty
     flag are set. out_rows : int64[u] gets each key's row or -1 when not admitted.
-    The caller reserves arena and index room for ``u`` new rows beforehand.
+    The caller reserves arena and index room for ``u`` new rows beforehand; keys are unique, so each
+    row is updated right after its lookup, while the record is still in L1.
     """
     u = ukeys.shape[0]
     dim = lay[L_DIM]
@@ -453,12 +456,6 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
                 return created, rejected, True
             created += 1
         out_rows[i] = r
-    for i in range(u):
-        if i + PREFETCH_AHEAD < u and out_rows[i + PREFETCH_AHEAD] >= 0:
-            prefetch(arena_u, out_rows[i + PREFETCH_AHEAD])
-        r = out_rows[i]
-        if r < 0:
-            continue
         if mode == 0:
             scale = 1.0
             if has_shows and ushows[i] > 0:
@@ -515,6 +512,7 @@ def gather_records(arena_u, rows, out):
     for i in range(rows.shape[0]):
         if i + PREFETCH_AHEAD < rows.shape[0]:
             prefetch(arena_u, rows[i + PREFETCH_AHEAD])
+            prefetch_last(arena_u, rows[i + PREFETCH_AHEAD])
         for w in range(arena_u.shape[1]):
             out[i, w] = arena_u[rows[i], w]
 
