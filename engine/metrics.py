@@ -1,0 +1,111 @@
+"""Binary-classification metrics that merge exactly across workers: global AUC from bucketed
+prediction histograms, logloss, predicted and actual CTR, COPC.
+
+AUC follows Paddle's ``auc`` operator (and TensorFlow's ``tf.metrics.auc``): predictions fall into
+``num_buckets`` equal-width buckets of [0, 1], positives and negatives are counted per bucket, and the
+area under the ROC curve is integrated by the trapezoidal rule over bucket boundaries, so ties within
+a bucket count one half. Histograms from several workers add up, so the global AUC is computed from
+merged counts, never as an average of per-worker AUCs. With 2^20 buckets the result differs from the
+exact rank-based AUC by less than 1e-4 on continuous predictions.
+
+COPC (click over predicted click) = actual clicks / sum of predicted probabilities, 1.0 when calibrated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+LOG_EPS = 1e-7
+
+
+@dataclass
+class BinaryMetrics:
+    """Mergeable accumulator of predictions and labels.
+
+    Parameters
+    ----------
+    num_buckets : int
+        Histogram resolution of predicted probabilities (default 2^20: 16 MiB of counters).
+    """
+
+    num_buckets: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        self.pos = np.zeros(self.num_buckets, np.int64)
+        self.neg = np.zeros(self.num_buckets, np.int64)
+        self.count = 0
+        self.loss_sum = 0.0
+        self.pred_sum = 0.0
+        self.label_sum = 0.0
+
+    def update(self, probs: np.ndarray, labels: np.ndarray) -> None:
+        """Add a batch. probs : float[B] in [0, 1]; labels : float[B] in {0, 1}.
+
+        Raises
+        ------
+        ValueError
+            Shapes differ, or a probability is outside [0, 1] or NaN.
+        """
+        probs = np.asarray(probs, np.float64).ravel()
+        labels = np.asarray(labels, np.float64).ravel()
+        if probs.shape != labels.shape:
+            raise ValueError(f"probs and labels: expected equal lengths, got {len(probs)} and {len(labels)}")
+        if len(probs) and not (np.all(probs >= 0) and np.all(probs <= 1)):
+            raise ValueError("probs: expected probabilities in [0, 1], got values outside or NaN")
+        b = np.minimum((probs * self.num_buckets).astype(np.int64), self.num_buckets - 1)
+        is_pos = labels > 0.5
+        self.pos += np.bincount(b[is_pos], minlength=self.num_buckets)
+        self.neg += np.bincount(b[~is_pos], minlength=self.num_buckets)
+        p = np.clip(probs, LOG_EPS, 1 - LOG_EPS)
+        self.loss_sum += float(-np.sum(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
+        self.pred_sum += float(probs.sum())
+        self.label_sum += float(labels.sum())
+        self.count += len(probs)
+
+    def merge(self, other: "BinaryMetrics") -> "BinaryMetrics":
+        """Add another accumulator's counts into this one (same num_buckets); returns self."""
+        if other.num_buckets != self.num_buckets:
+            raise ValueError(f"num_buckets: expected {self.num_buckets}, got {other.num_buckets}")
+        self.pos += other.pos
+        self.neg += other.neg
+        self.count += other.count
+        self.loss_sum += other.loss_sum
+        self.pred_sum += other.pred_sum
+        self.label_sum += other.label_sum
+        return self
+
+    def to_array(self) -> np.ndarray:
+        """float64[2 * num_buckets + 4]: the whole state as one vector (to ship between processes)."""
+        head = np.array([self.count, self.loss_sum, self.pred_sum, self.label_sum], np.float64)
+        return np.concatenate([head, self.pos.astype(np.float64), self.neg.astype(np.float64)])
+
+    @classmethod
+    def from_array(cls, vec: np.ndarray) -> "BinaryMetrics":
+        nb = (len(vec) - 4) // 2
+        m = cls(nb)
+        m.count = int(vec[0])
+        m.loss_sum, m.pred_sum, m.label_sum = (float(x) for x in vec[1:4])
+        m.pos = np.rint(vec[4:4 + nb]).astype(np.int64)
+        m.neg = np.rint(vec[4 + nb:]).astype(np.int64)
+        return m
+
+    def auc(self) -> float:
+        """Area under the ROC curve; NaN when only one class has been seen."""
+        pos = self.pos[::-1].astype(np.float64)  # from the highest score down
+        neg = self.neg[::-1].astype(np.float64)
+        tp, fp = pos.sum(), neg.sum()
+        if tp == 0 or fp == 0:
+            return float("nan")
+        cum_pos_before = np.cumsum(pos) - pos
+        # each negative in a bucket ranks below every positive of higher buckets and ties half of its own
+        area = np.sum(neg * (cum_pos_before + 0.5 * pos))
+        return float(area / (tp * fp))
+
+    def summary(self) -> dict:
+        """``auc``, ``logloss``, ``pred_ctr``, ``actual_ctr``, ``copc``, ``count``."""
+        n = max(self.count, 1)
+        return {"auc": self.auc(), "logloss": self.loss_sum / n, "pred_ctr": self.pred_sum / n,
+                "actual_ctr": self.label_sum / n,
+                "copc": self.label_sum / self.pred_sum if self.pred_sum > 0 else float("nan"),
+                "count": self.count}
