@@ -184,6 +184,34 @@ class SparseTable:
         K.initial_values(keys, self.layout.dim, self._seed, self._init_kind, self.config.init_range, out)
         return out
 
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """keys : uint64[n] -> bool[n], True where the key has a row (in RAM or RocksDB)."""
+        keys = _check_keys(keys)
+        with self._lock.shared():
+            return self._present(keys)
+
+    def delete(self, keys: np.ndarray) -> int:
+        """Delete the rows of keys : uint64[n] (absent keys are ignored); they are reported as
+        tombstones by ``dirty_rows``. Returns the number of rows deleted."""
+        keys = np.unique(_check_keys(keys))
+        with self._lock.exclusive():
+            rows = np.empty(len(keys), np.int64)
+            K.find_rows(self._index, self._arena_u, keys, rows)
+            in_ram = rows >= 0
+            gone = [keys[in_ram]]
+            if self._spill is not None:
+                flags = self._arena_u[rows[in_ram], self.layout.meta + K.M_FLAGS]
+                self._spill.delete(keys[in_ram][(flags & K.F_ON_DISK) != 0])
+                pos, _ = self._spill.get(keys[~in_ram])
+                on_disk = keys[~in_ram][pos]
+                self._spill.delete(on_disk)
+                gone.append(on_disk)
+            K.remove_rows(self._index, self._arena_u, self._state, self._lay, rows[in_ram])
+            deleted = np.concatenate(gone)
+            self._deleted.append(deleted)
+        self._count(deleted=len(deleted))
+        return len(deleted)
+
     def shrink(self, now: float | None = None) -> int:
         """Expiry pass over every row (RAM and RocksDB), as Paddle's accessor Shrink.
 

@@ -235,3 +235,19 @@ def test_stats_account_for_every_row(tmp_path):
     assert s["rows_in_ram"] <= 100 and s["rows_in_ram"] + s["rows_spilled"] == 1000 == len(t)
     assert s["evictions"] >= 900 and s["ram_bytes"] > 0 and s["created"] == 1000
     t.close()
+
+
+def test_contains_and_delete_cover_both_tiers(tmp_path):
+    t = SparseTable(TableConfig(dim=2, memory_rows=10, spill_path=str(tmp_path / "s")))
+    keys = np.arange(50, dtype=np.uint64)
+    t.push(keys, np.ones((50, 2), np.float32))
+    t.clear_dirty()
+    assert t.contains(u64(0, 49, 50)).tolist() == [True, True, False]
+    victims = u64(0, 1, 48, 49, 77)  # early keys are on disk, late ones in RAM; 77 never existed
+    assert t.delete(victims) == 4
+    assert not t.contains(victims).any() and len(t) == 46
+    assert not t.pull(victims).any()
+    _, deleted = t.dirty_rows()
+    assert deleted.tolist() == [0, 1, 48, 49]
+    assert sorted(snapshot(t)) == list(range(2, 48))
+    t.close()
