@@ -73,3 +73,31 @@ def group(labels, n_groups, order, bounds):
         g = labels[i]
         order[fill[g]] = i
         fill[g] += 1
+
+
+@njit(cache=True, nogil=True)
+def take_1d(src, idx, out):
+    """out[i] = src[idx[i]] (keys or counts of one request chunk / shard)."""
+    for i in range(idx.shape[0]):
+        out[i] = src[idx[i]]
+
+
+@njit(cache=True, nogil=True)
+def take_rows(src, idx, out):
+    """out[i, :] = src[idx[i], :] for float32 rows (numpy's fancy indexing is ~5x slower on
+    rows of 16-64 floats)."""
+    d = src.shape[1]
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        for j in range(d):
+            out[i, j] = src[r, j]
+
+
+@njit(cache=True, nogil=True)
+def put_rows(src, idx, out):
+    """out[idx[i], :] = src[i, :] (reassembly of a reply chunk into the caller's order)."""
+    d = src.shape[1]
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        for j in range(d):
+            out[r, j] = src[i, j]

@@ -162,19 +162,19 @@ class PSClient:
         """Embedding width of a sparse table (RequestRejectedError NOT_FOUND for an unknown table)."""
         return int(self._sparse(table)["dim"])
 
-    def _plan(self, keys: np.ndarray, dim: int) -> list[tuple[int, np.ndarray]]:
-        """[(server, positions into keys)] with at most chunk_keys(dim) keys per entry."""
-        info = self.info()
-        srv = routing.lookup(keys, info["num_vshards"], info["owner"])
+    def _plan(self, keys: np.ndarray, dim: int) -> list[tuple[int, slice | np.ndarray]]:
+        """[(server, positions into keys)] with at most chunk_keys(dim) keys per entry; positions are
+        a slice when they are contiguous (one server), else int64 indices."""
         step = codec.chunk_keys(dim)
         if self.num_servers == 1:
-            groups = [(0, np.arange(len(keys)))]
-        else:
-            order = np.empty(len(keys), np.int64)
-            bounds = np.empty(self.num_servers + 1, np.int64)
-            _kernels.group(srv, self.num_servers, order, bounds)
-            groups = [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.num_servers)
-                      if bounds[s + 1] > bounds[s]]
+            return [(0, slice(i, min(i + step, len(keys)))) for i in range(0, len(keys), step)]
+        info = self.info()
+        srv = routing.lookup(keys, info["num_vshards"], info["owner"])
+        order = np.empty(len(keys), np.int64)
+        bounds = np.empty(self.num_servers + 1, np.int64)
+        _kernels.group(srv, self.num_servers, order, bounds)
+        groups = [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.num_servers)
+                  if bounds[s + 1] > bounds[s]]
         return [(s, pos[i:i + step]) for s, pos in groups for i in range(0, len(pos), step)]
 
     # ------------------------------------------------------------------ sparse
@@ -197,8 +197,8 @@ class PSClient:
         uniq, inverse = _unique(keys)
         plan = self._plan(uniq, dim)
         rid = self._rid()
-        calls = [(s, "Pull", pb.PullRequest(table=table, request_id=f"{rid}.{i}", init_missing=init_missing,
-                                            keys=codec.encode(uniq[pos] if len(plan) > 1 else uniq)))
+        calls = [(s, "Pull", codec.Wire(pb.PullRequest(table=table, request_id=f"{rid}.{i}",
+                                                       init_missing=init_missing), keys=_take(uniq, pos)))
                  for i, (s, pos) in enumerate(plan)]
         replies = self._fan_out(calls, idempotent=True)
         if len(plan) == 1:
@@ -206,8 +206,17 @@ class PSClient:
         else:
             out = np.empty((len(uniq), dim), np.float32)
             for (s, pos), r in zip(plan, replies):
-                out[pos] = codec.decode(r.values, "values", codec.F32, 2, shape=(len(pos), dim))
-        return out if inverse is None else out[inverse]
+                n = pos.stop - pos.start if isinstance(pos, slice) else len(pos)
+                v = codec.decode(r.values, "values", codec.F32, 2, shape=(n, dim))
+                if isinstance(pos, slice):
+                    out[pos] = v
+                else:
+                    _kernels.put_rows(v, pos, out)
+        if inverse is None:
+            return out
+        full = np.empty((len(keys), dim), np.float32)
+        _kernels.take_rows(out, inverse, full)
+        return full
 
     def push(self, table: str, keys: np.ndarray, grads: np.ndarray, *, shows: np.ndarray | None = None,
              clicks: np.ndarray | None = None, accumulate: bool = False) -> None:
@@ -249,16 +258,11 @@ class PSClient:
                 clicks = _segment_sum(clicks, inverse, len(uniq))
         plan = self._plan(uniq, dim)
         rid = self._rid()
-        whole = len(plan) == 1
         calls = []
         for i, (s, pos) in enumerate(plan):
-            req = pb.PushRequest(table=table, request_id=f"{rid}.{i}", kind=kind, accumulate=accumulate,
-                                 keys=codec.encode(uniq if whole else uniq[pos]),
-                                 grads=codec.encode(grads if whole else grads[pos]))
-            if shows is not None:
-                req.shows.CopyFrom(codec.encode(shows if whole else shows[pos]))
-                req.clicks.CopyFrom(codec.encode(clicks if whole else clicks[pos]))
-            calls.append((s, "Push", req))
+            req = pb.PushRequest(table=table, request_id=f"{rid}.{i}", kind=kind, accumulate=accumulate)
+            calls.append((s, "Push", codec.Wire(req, keys=_take(uniq, pos), grads=_take(grads, pos),
+                                                shows=_take(shows, pos), clicks=_take(clicks, pos))))
         self._fan_out(calls, idempotent=False)
 
     # ------------------------------------------------------------------ async pushes
@@ -383,9 +387,9 @@ class PSClient:
         ``force`` overwrites). Returns True if every block was set by this call."""
         params = _check_array(params, (None,), "params")
         rid = self._rid()
-        calls = [(s, "Dense", pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b, op=pb.DENSE_INIT,
-                                              size=len(params), force=force,
-                                              values=codec.encode(params[a:z])))
+        calls = [(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b,
+                                                         op=pb.DENSE_INIT, size=len(params), force=force),
+                                         values=params[a:z]))
                  for b, s, a, z in self._blocks(table, len(params))]
         replies = self._fan_out(calls, idempotent=False)
         self._dense(table)["size"] = len(params)
@@ -422,8 +426,9 @@ class PSClient:
         size = self._dense_size(table)
         values = _check_array(values, (size,), "grad" if op == pb.DENSE_GRAD else "delta")
         rid = self._rid()
-        self._fan_out([(s, "Dense", pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b, op=op,
-                                                    accumulate=accumulate, values=codec.encode(values[a:z])))
+        self._fan_out([(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b,
+                                                               op=op, accumulate=accumulate),
+                                               values=values[a:z]))
                        for b, s, a, z in self._blocks(table, size)], idempotent=False)
 
     # ------------------------------------------------------------------ control
@@ -556,6 +561,18 @@ def _check_array(arr, shape: tuple, name: str) -> np.ndarray:
     if not np.isfinite(arr).all():
         raise ProtocolError(f"{name}: contains NaN or Inf; nothing was sent")
     return np.ascontiguousarray(arr)
+
+
+def _take(arr: np.ndarray | None, pos) -> np.ndarray | None:
+    """arr[pos] for a slice (a view) or int64 positions (a Numba gather)."""
+    if arr is None or isinstance(pos, slice):
+        return arr if arr is None or (pos.start == 0 and pos.stop >= len(arr)) else arr[pos]
+    out = np.empty((len(pos),) + arr.shape[1:], arr.dtype)
+    if arr.ndim == 1:
+        _kernels.take_1d(arr, pos, out)
+    else:
+        _kernels.take_rows(arr, pos, out)
+    return out
 
 
 def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

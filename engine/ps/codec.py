@@ -1,4 +1,4 @@
-"""numpy arrays <-> ``Tensor`` messages, and the size limits of the wire.
+"""numpy arrays <-> ``Tensor`` messages, the zero-copy wire codec, and the size limits of the wire.
 
 A ``Tensor`` carries ``dtype`` (numpy's ``dtype.str``, always little-endian: ``"<u8"``, ``"<f4"``),
 ``shape`` and ``data``, the C-order bytes. Decoding is zero-copy (``np.frombuffer`` over the message's
@@ -11,6 +11,24 @@ Worked example: the keys ``[7, 9]`` (uint64) travel as::
 
 and a pull reply of dim 2 for them as ``Tensor(dtype="<f4", shape=[2, 2], data=<16 bytes>)``.
 An absent optional array (``shows`` of a push without counts) is the empty message (``dtype == ""``).
+
+Fast path (what the client and server use; the bytes are plain protobuf, see ``ps.proto``):
+
+- ``Wire(msg, keys=arr, ...)`` is an outgoing message: the protobuf ``msg`` without its Tensor fields
+  plus numpy arrays for them. ``serialize`` writes ``msg``'s encoding, then each array as a Tensor
+  field whose ``data`` is the array memory, appended last (one copy, into the bytes handed to gRPC;
+  the protobuf runtime would copy 3 times: ``tobytes``, field assignment, serialization). An ``align``
+  field pads ``data`` to a multiple of 8 bytes from the message start.
+- ``parse(buf, cls)`` walks the wire format of a ``cls`` message: everything except the ``data`` of
+  Tensor fields goes to the protobuf runtime (a few dozen bytes), ``data`` stays a memoryview of
+  ``buf``. It returns a ``Received``: attribute access as on the message, Tensor fields are
+  ``RawTensor(dtype, shape, data)`` that ``decode`` turns into arrays without copying. A message that
+  does not parse (truncated, bad varint or wire type) gives a ``Received`` whose ``error`` is set (the
+  server turns it into INVALID_ARGUMENT naming the table and request id it could read).
+
+Example: ``parse(serialize(Wire(pb.PullRequest(table="emb", request_id="r1"), keys=np.array([7, 9],
+np.uint64))), pb.PullRequest)`` gives ``r.table == "emb"`` and ``decode(r.keys, "keys", U64, 1)``
+``== [7, 9]``, viewing the received bytes.
 
 Chunking: a client splits a sparse request so that neither it nor its reply exceeds ``CHUNK_BYTES``
 (see ``chunk_keys``); dense tables travel in blocks of ``DENSE_BLOCK`` floats. gRPC's message limits
@@ -42,18 +60,18 @@ def encode(arr: np.ndarray | None) -> pb.Tensor:
     return pb.Tensor(dtype=arr.dtype.str, shape=arr.shape, data=arr.tobytes())
 
 
-def is_absent(t: pb.Tensor) -> bool:
+def is_absent(t) -> bool:
     """True for the empty Tensor (an optional array left out)."""
     return not t.dtype and not t.shape and not t.data
 
 
-def decode(t: pb.Tensor, name: str, dtype: np.dtype, ndim: int, *, shape: tuple | None = None
+def decode(t, name: str, dtype: np.dtype, ndim: int, *, shape: tuple | None = None
            ) -> np.ndarray:
-    """Tensor -> read-only numpy array viewing the message bytes (no copy).
+    """Tensor -> read-only numpy array viewing the message bytes (no copy unless misaligned).
 
     Parameters
     ----------
-    t : Tensor
+    t : Tensor or RawTensor
     name : str
         Field name used in error messages (``keys``, ``grads``, ...).
     dtype : numpy dtype
@@ -79,10 +97,12 @@ def decode(t: pb.Tensor, name: str, dtype: np.dtype, ndim: int, *, shape: tuple 
             if want is not None and want != got:
                 raise ProtocolError(f"{name}: expected shape {_fmt(shape)}, got {list(dims)}")
     expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    if len(t.data) != expected:
-        raise ProtocolError(f"{name}: payload is {len(t.data)} bytes, expected {expected} for "
+    data = t.data
+    if len(data) != expected:
+        raise ProtocolError(f"{name}: payload is {len(data)} bytes, expected {expected} for "
                             f"{dtype.name}{list(dims)} (truncated or corrupt message)")
-    return np.frombuffer(t.data, dtype=dtype).reshape(dims)
+    arr = np.frombuffer(data, dtype=dtype).reshape(dims)
+    return arr if arr.flags.aligned else arr.copy()
 
 
 def chunk_keys(dim: int) -> int:
@@ -93,3 +113,221 @@ def chunk_keys(dim: int) -> int:
 
 def _fmt(shape) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+# ---------------------------------------------------------------------------- zero-copy wire codec
+REQUEST = {"Pull": pb.PullRequest, "Push": pb.PushRequest, "Dense": pb.DenseRequest,
+           "Barrier": pb.BarrierRequest, "Save": pb.PathRequest, "Load": pb.PathRequest,
+           "Shrink": pb.ShrinkRequest, "Stats": pb.Empty, "Health": pb.Empty, "Stop": pb.Empty}
+REPLY = {"Pull": pb.PullResponse, "Push": pb.PushResponse, "Dense": pb.DenseResponse,
+         "Barrier": pb.BarrierResponse, "Save": pb.CountResponse, "Load": pb.CountResponse,
+         "Shrink": pb.CountResponse, "Stats": pb.JsonResponse, "Health": pb.JsonResponse,
+         "Stop": pb.Empty}
+_DATA_TAG = b"\x1a"       # Tensor.data: field 3, length-delimited
+_ALIGN_TAG = b"\x22"      # Tensor.align: field 4, length-delimited
+ALIGN = 8
+
+
+def _tensor_fields(cls) -> dict[str, int]:
+    return {f.name: f.number for f in cls.DESCRIPTOR.fields
+            if f.message_type is not None and f.message_type.full_name == pb.Tensor.DESCRIPTOR.full_name}
+
+
+_TENSORS = {cls: _tensor_fields(cls) for cls in set(REQUEST.values()) | set(REPLY.values())}
+_BY_NUMBER = {cls: {n: name for name, n in f.items()} for cls, f in _TENSORS.items()}
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class RawTensor:
+    """A received Tensor: ``dtype`` (str), ``shape`` (tuple), ``data`` (memoryview of the message bytes,
+    or ``b""``). Duck-types ``pb.Tensor`` for ``decode`` and ``is_absent``."""
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype: str, shape: tuple, data):
+        self.dtype, self.shape, self.data = dtype, shape, data
+
+    @classmethod
+    def of(cls, arr: np.ndarray | None) -> "RawTensor":
+        """View a numpy array as a RawTensor (no copy; the in-process transport without serialization)."""
+        if arr is None:
+            return cls("", (), b"")
+        arr = _le_contiguous(arr)
+        return cls(arr.dtype.str, tuple(arr.shape), memoryview(arr.reshape(-1).view(np.uint8)))
+
+
+class Wire:
+    """An outgoing message: protobuf ``msg`` (Tensor fields left unset) plus arrays for Tensor fields
+    (None: absent). Reads like the message: ``w.request_id``, ``w.values`` (a RawTensor view)."""
+
+    __slots__ = ("msg", "arrays")
+
+    def __init__(self, msg, **arrays):
+        fields = _TENSORS.get(type(msg))
+        if fields is None:
+            raise TypeError(f"{type(msg).__name__} is not a message of the PS protocol")
+        for name in arrays:
+            if name not in fields:
+                raise TypeError(f"{type(msg).__name__} has no Tensor field {name!r}")
+        self.msg = msg
+        self.arrays = {k: v for k, v in arrays.items() if v is not None}
+
+    def __getattr__(self, name):
+        if name in _TENSORS[type(self.msg)]:
+            return RawTensor.of(self.arrays.get(name))
+        return getattr(self.msg, name)
+
+    def SerializeToString(self) -> bytes:   # noqa: N802 - same name as protobuf messages
+        return serialize(self)
+
+
+class Received:
+    """A parsed message: attributes of the protobuf message, Tensor fields as RawTensor views.
+    ``error`` is a ProtocolError when the bytes did not parse (then only ``table`` and ``request_id``
+    are meaningful, possibly empty)."""
+
+    __slots__ = ("msg", "tensors", "error")
+
+    def __init__(self, msg, tensors: dict, error: ProtocolError | None = None):
+        self.msg, self.tensors, self.error = msg, tensors, error
+
+    def __getattr__(self, name):
+        t = self.tensors.get(name)
+        if t is not None:
+            return t
+        return getattr(self.msg, name)
+
+
+def _le_contiguous(arr) -> np.ndarray:
+    arr = np.asarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr)
+
+
+def serialize(obj) -> bytes:
+    """``Wire`` or protobuf message -> its protobuf encoding (a ``Wire``'s arrays copied once)."""
+    if not isinstance(obj, Wire):
+        return obj.SerializeToString()
+    head = obj.msg.SerializeToString()
+    parts = [head]
+    pos = len(head)
+    fields = _TENSORS[type(obj.msg)]
+    for name, arr in obj.arrays.items():
+        arr = _le_contiguous(arr)
+        meta = pb.Tensor(dtype=arr.dtype.str, shape=arr.shape).SerializeToString()
+        tag = _varint(fields[name] << 3 | 2)
+        dlen = _DATA_TAG + _varint(arr.nbytes)
+        for pad in range(ALIGN + 2):             # no align field, or one of 2..ALIGN+1 bytes
+            fill = b"" if pad == 0 else (_ALIGN_TAG + _varint(pad - 2) + bytes(pad - 2)) if pad >= 2 else None
+            if fill is None:
+                continue
+            body = meta + fill + dlen
+            prefix = tag + _varint(len(body) + arr.nbytes) + body
+            if (pos + len(prefix)) % ALIGN == 0:
+                break
+        parts.append(prefix)
+        parts.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        pos += len(prefix) + arr.nbytes
+    return b"".join(parts)
+
+
+def _read_varint(buf, i: int, end: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if i >= end or shift > 63:
+            raise ProtocolError("truncated or corrupt message (bad varint)")
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, i
+        shift += 7
+
+
+def _fields(buf, i: int, end: int):
+    """Yield (field number, wire type, tag start, value start, value end) of a message span."""
+    while i < end:
+        f0 = i
+        tag, i = _read_varint(buf, i, end)
+        fn, wt = tag >> 3, tag & 7
+        if fn == 0:
+            raise ProtocolError("corrupt message (field number 0)")
+        if wt == 0:
+            _, v1 = _read_varint(buf, i, end)
+        elif wt == 1:
+            v1 = i + 8
+        elif wt == 5:
+            v1 = i + 4
+        elif wt == 2:
+            ln, i = _read_varint(buf, i, end)
+            v1 = i + ln
+        else:
+            raise ProtocolError(f"corrupt message (unsupported wire type {wt} of field {fn})")
+        if v1 > end:
+            raise ProtocolError(f"truncated message: field {fn} runs {v1 - end} bytes past the end")
+        yield fn, wt, f0, i, v1
+        i = v1
+
+
+def parse(buf, cls):
+    """Bytes of a ``cls`` message -> ``Received`` (Tensor data viewed in place). Never raises: a
+    malformed message gives a Received with ``error`` set. Messages without Tensor fields are parsed by
+    the protobuf runtime and returned as they are."""
+    by_number = _BY_NUMBER[cls]
+    if not by_number:
+        try:
+            return cls.FromString(buf)
+        except Exception as e:  # noqa: BLE001 - reported by the handler with the request context
+            return Received(cls(), {}, ProtocolError(f"malformed {cls.__name__}: {e}"))
+    mv = memoryview(buf)
+    head, data, meta_of = [], {}, {}
+    try:
+        for fn, wt, f0, v0, v1 in _fields(mv, 0, len(mv)):
+            name = by_number.get(fn)
+            if name is None or wt != 2:
+                head.append(mv[f0:v1])
+                continue
+            meta = []
+            for sfn, swt, s0, sv0, sv1 in _fields(mv, v0, v1):
+                if sfn == 3 and swt == 2:
+                    data[name] = mv[sv0:sv1]          # the last occurrence wins, as in protobuf
+                elif sfn != 4:
+                    meta.append(mv[s0:sv1])
+            body = b"".join(meta)
+            head.append(_varint(fn << 3 | 2) + _varint(len(body)) + body)
+        msg = cls.FromString(b"".join(head))
+    except Exception as e:  # noqa: BLE001 - reported by the handler with the request context
+        return Received(_salvage(mv, cls), {}, e if isinstance(e, ProtocolError) else
+                        ProtocolError(f"malformed {cls.__name__}: {e}"))
+    tensors = {}
+    for name in by_number.values():
+        t = getattr(msg, name)
+        tensors[name] = RawTensor(t.dtype, tuple(t.shape), data.get(name, b""))
+    return Received(msg, tensors)
+
+
+def _salvage(mv, cls):
+    """The string fields ``table`` and ``request_id`` read up to the first malformed byte."""
+    want = {f.number: f.name for f in cls.DESCRIPTOR.fields if f.name in ("table", "request_id")}
+    msg = cls()
+    try:
+        for fn, wt, _, v0, v1 in _fields(mv, 0, len(mv)):
+            if fn in want and wt == 2:
+                setattr(msg, want[fn], bytes(mv[v0:v1]).decode("utf-8", "replace"))
+    except ProtocolError:
+        pass
+    return msg
+
+
+def parser(cls):
+    """``parse`` bound to one message class (a gRPC deserializer)."""
+    return lambda buf: parse(buf, cls)

@@ -30,6 +30,16 @@ log = logging.getLogger(__name__)
 PARALLEL_SHARDS_MIN = 8192   # keys in a request above which local shards are worked in parallel
 
 
+def _take(arr: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """arr[pos] along the first axis with a Numba gather (numpy's fancy indexing of rows is ~5x slower)."""
+    out = np.empty((len(pos),) + arr.shape[1:], arr.dtype)
+    if arr.ndim == 1:
+        _kernels.take_1d(arr, pos, out)
+    else:
+        _kernels.take_rows(arr, pos, out)
+    return out
+
+
 class HostError(Exception):
     """A request failed; ``code`` is a gRPC status code name, ``shard`` the local shard or None (all)."""
 
@@ -107,12 +117,13 @@ class SparseHost:
     def pull(self, keys: np.ndarray, init_missing: bool) -> np.ndarray:
         """keys : uint64[n] -> float32[n, dim]."""
         parts = self._split(keys)
-        out = np.empty((len(keys), self.dim), np.float32)
         if len(parts) == 1 and len(parts[0][1]) == len(keys):
             return self._shard_call(parts[0][0], "pull", keys, init_missing=init_missing)
+        out = np.empty((len(keys), self.dim), np.float32)
 
         def one(j, pos):
-            out[pos] = self._shard_call(j, "pull", keys[pos], init_missing=init_missing)
+            rows = self._shard_call(j, "pull", _take(keys, pos), init_missing=init_missing)
+            _kernels.put_rows(rows, pos, out)
         self._each(parts, one, len(keys))
         return out
 
@@ -142,14 +153,14 @@ class SparseHost:
 
         def one(j, pos):
             whole = len(pos) == len(keys)
-            k = keys if whole else keys[pos]
-            g = grads if whole else grads[pos]
+            k = keys if whole else _take(keys, pos)
+            g = np.ascontiguousarray(grads) if whole else _take(grads, pos)
             if delta:
-                self._shard_call(j, "push_delta", k, np.ascontiguousarray(g))
+                self._shard_call(j, "push_delta", k, g)
             else:
-                s = None if shows is None else (shows if whole else shows[pos])
-                c = None if clicks is None else (clicks if whole else clicks[pos])
-                self._shard_call(j, "push", k, np.ascontiguousarray(g), shows=s, clicks=c)
+                s = None if shows is None else (shows if whole else _take(shows, pos))
+                c = None if clicks is None else (clicks if whole else _take(clicks, pos))
+                self._shard_call(j, "push", k, g, shows=s, clicks=c)
         self._each(parts, one, len(keys))
 
     def accumulate(self, keys, grads, shows, clicks) -> None:

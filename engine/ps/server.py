@@ -29,7 +29,6 @@ from ..config import EngineConfig
 from ..errors import ProtocolError
 from . import codec
 from . import ps_pb2 as pb
-from . import ps_pb2_grpc as pb_grpc
 from .hosts import DenseHost, HostError, SparseHost
 from .routing import DEFAULT_NUM_VSHARDS
 
@@ -98,6 +97,8 @@ class PSServer:
         try:
             if method not in METHODS:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
+            if getattr(request, "error", None) is not None:     # codec.Received that did not parse
+                raise request.error
             return getattr(self, method)(request)
         except Exception as e:  # noqa: BLE001 - every failure must reach the caller with context
             if isinstance(e, HostError):
@@ -128,11 +129,11 @@ class PSServer:
         return host
 
     # ------------------------------------------------------------------ RPCs
-    def Pull(self, req: pb.PullRequest) -> pb.PullResponse:
+    def Pull(self, req: pb.PullRequest) -> codec.Wire:
         host = self._sparse(req.table)
         keys = codec.decode(req.keys, "keys", codec.U64, 1)
         values = host.pull(keys, req.init_missing)
-        return pb.PullResponse(request_id=req.request_id, values=codec.encode(values))
+        return codec.Wire(pb.PullResponse(request_id=req.request_id), values=values)
 
     def Push(self, req: pb.PushRequest) -> pb.PushResponse:
         host = self._sparse(req.table)
@@ -152,9 +153,10 @@ class PSServer:
             host.push(keys, grads, shows, clicks, delta=delta)
         return pb.PushResponse(request_id=req.request_id, keys=n)
 
-    def Dense(self, req: pb.DenseRequest) -> pb.DenseResponse:
+    def Dense(self, req: pb.DenseRequest) -> codec.Wire:
         host = self._dense(req.table)
         resp = pb.DenseResponse(request_id=req.request_id)
+        values = None
         if req.op == pb.DENSE_INIT:
             n = -(-req.size // codec.DENSE_BLOCK) if req.size > 0 else 1
             length = min(codec.DENSE_BLOCK, req.size - req.block * codec.DENSE_BLOCK)
@@ -163,7 +165,7 @@ class PSServer:
             values = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
             resp.applied = host.init(req.block, int(req.size), values, req.force)
         elif req.op == pb.DENSE_PULL:
-            resp.values.CopyFrom(codec.encode(host.pull(req.block)))
+            values = host.pull(req.block)
         elif req.op in (pb.DENSE_GRAD, pb.DENSE_DELTA):
             length = host.block_length(req.block) if host.size else None
             values = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
@@ -176,7 +178,7 @@ class PSServer:
         resp.size = host.size or 0
         resp.num_blocks = host.num_blocks
         resp.block_size = codec.DENSE_BLOCK
-        return resp
+        return codec.Wire(resp, values=values)
 
     def Barrier(self, req: pb.BarrierRequest) -> pb.BarrierResponse:
         """Wait for ``world`` arrivals at ``name``; the last one applies held sync updates if asked."""
@@ -266,23 +268,27 @@ class PSServer:
         self._pool.shutdown(wait=False)
 
 
-class _Servicer(pb_grpc.ParameterServerServicer):
-    def __init__(self, core: PSServer):
-        self.core = core
-
-
-def _make_handler(method: str):
-    def handler(self, request, context):
+def _make_handler(core: PSServer, method: str):
+    def handler(request, context):
         try:
-            return self.core.handle(method, request)
+            return core.handle(method, request)
         except ServerError as e:
             context.abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL), str(e))
     handler.__name__ = method
     return handler
 
 
-for _m in METHODS:
-    setattr(_Servicer, _m, _make_handler(_m))
+def generic_handler(core: PSServer) -> grpc.GenericRpcHandler:
+    """The ``engine.ps.ParameterServer`` service of ``core`` with the zero-copy codec: requests are
+    parsed by ``codec.parse`` (a malformed one reaches ``handle`` and gets INVALID_ARGUMENT with its
+    context instead of gRPC's bare deserialization error), replies written by ``codec.serialize``.
+    The bytes are the protobuf encoding of ps.proto, so generated stubs interoperate."""
+    service = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+    return grpc.method_handlers_generic_handler(service, {
+        m: grpc.unary_unary_rpc_method_handler(_make_handler(core, m),
+                                               request_deserializer=codec.parser(codec.REQUEST[m]),
+                                               response_serializer=codec.serialize)
+        for m in METHODS})
 
 
 def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int = 8) -> tuple[grpc.Server, int]:
@@ -297,7 +303,7 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
                          options=[("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
                                   ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
                                   ("grpc.so_reuseport", 0)])
-    pb_grpc.add_ParameterServerServicer_to_server(_Servicer(core), server)
+    server.add_generic_rpc_handlers((generic_handler(core),))
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as e:

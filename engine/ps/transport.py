@@ -4,9 +4,14 @@
 (its rank) and returns the reply, or raises ``RemoteError(code, message, endpoint)`` with the gRPC
 status code name. It blocks for at most ``timeout`` seconds (gRPC deadline) and is thread-safe.
 
-- ``GrpcTransport(endpoints)``: real servers at ``host:port`` (one channel per server).
+Requests are protobuf messages or ``codec.Wire`` (a message plus numpy arrays); replies of methods
+with arrays (Pull, Dense) come back as ``codec.Received``, read like the message, whose Tensor fields
+``codec.decode`` views without copying.
+
+- ``GrpcTransport(endpoints)``: real servers at ``host:port`` (one channel per server), with the
+  zero-copy codec (``codec.serialize`` / ``codec.parse``) as gRPC (de)serializers.
 - ``InProcessTransport(servers)``: ``PSServer`` objects in this process, no sockets; requests and
-  replies go through protobuf serialization by default, so unit tests exercise the same bytes.
+  replies go through the same codec by default, so unit tests exercise the same bytes.
 """
 from __future__ import annotations
 
@@ -18,13 +23,9 @@ import grpc
 from ..errors import RemoteError
 from . import codec
 from . import ps_pb2 as pb
-from . import ps_pb2_grpc as pb_grpc
-from .server import PSServer, ServerError
+from .server import METHODS, PSServer, ServerError
 
-_REPLY = {"Pull": pb.PullResponse, "Push": pb.PushResponse, "Dense": pb.DenseResponse,
-          "Barrier": pb.BarrierResponse, "Save": pb.CountResponse, "Load": pb.CountResponse,
-          "Shrink": pb.CountResponse, "Stats": pb.JsonResponse, "Health": pb.JsonResponse,
-          "Stop": pb.Empty}
+_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name + "/"
 
 
 class Transport(ABC):
@@ -54,16 +55,22 @@ class GrpcTransport(Transport):
         opts = [("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes)]
         self._channels = [grpc.insecure_channel(ep, options=opts) for ep in self.endpoints]
-        self._stubs = [pb_grpc.ParameterServerStub(ch) for ch in self._channels]
+        self._calls = [{m: ch.unary_unary(_SERVICE + m, request_serializer=codec.serialize,
+                                          response_deserializer=codec.parser(codec.REPLY[m]))
+                        for m in METHODS} for ch in self._channels]
         self._closed = False
 
     def call(self, server: int, method: str, request, timeout: float):
         try:
-            return getattr(self._stubs[server], method)(request, timeout=timeout)
+            reply = self._calls[server][method](request, timeout=timeout)
         except grpc.RpcError as e:
             code = e.code().name if hasattr(e, "code") and e.code() is not None else "UNKNOWN"
             details = e.details() if hasattr(e, "details") else str(e)
             raise RemoteError(code, details or code, self.endpoints[server]) from None
+        if getattr(reply, "error", None) is not None:
+            raise RemoteError("INTERNAL", f"malformed {method} reply: {reply.error}",
+                              self.endpoints[server])
+        return reply
 
     def close(self) -> None:
         if not self._closed:
@@ -87,11 +94,14 @@ class InProcessTransport(Transport):
         if core.stopped.is_set() and method != "Health":
             raise RemoteError("UNAVAILABLE", "server stopped", self.endpoints[server])
         if self.serialize:
-            request = type(request).FromString(request.SerializeToString())
+            request = codec.parse(codec.serialize(request), codec.REQUEST[method])
         try:
             reply = core.handle(method, request)
         except ServerError as e:
             raise RemoteError(e.code, str(e), self.endpoints[server]) from None
         if self.serialize:
-            reply = _REPLY[method].FromString(reply.SerializeToString())
+            reply = codec.parse(codec.serialize(reply), codec.REPLY[method])
+            if getattr(reply, "error", None) is not None:
+                raise RemoteError("INTERNAL", f"malformed {method} reply: {reply.error}",
+                                  self.endpoints[server])
         return reply
