@@ -325,5 +325,7 @@ def _plain(obj) -> dict:
     out = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):   # a nested section of a program's Config
+            v = _plain(v)
         out[f.name] = list(v) if isinstance(v, tuple) else v
     return out

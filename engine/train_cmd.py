@@ -9,10 +9,13 @@ Exit codes: 0 success, 2 bad config or arguments, 1 a process failed, 130 interr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
+
+from streaming.errors import DataFormatError, SchemaError
 
 from .errors import ConfigError, LaunchError
 
@@ -59,9 +62,21 @@ def run(args) -> int:
         if cfg.model is None:
             raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
         from .launcher import launch
-        results = launch(cfg, args.run_dir)
+        from .programs import load_program
+        program = load_program(cfg.model.kind)
+        if hasattr(program, "prepare"):
+            cfg = program.prepare(cfg)
+        with (program.follow(cfg) if hasattr(program, "follow") else contextlib.nullcontext()):
+            results = launch(cfg, args.run_dir)
+        if hasattr(program, "final"):
+            final = program.final(cfg, results)
+        else:
+            final = {"event": "final", "model": cfg.model.kind, "mode": cfg.mode, "workers": results}
     except ConfigError as e:
         print(f"engine train: config error: {e}", file=sys.stderr)
+        return 2
+    except (DataFormatError, SchemaError) as e:
+        print(f"engine train: bad input data: {e}", file=sys.stderr)
         return 2
     except LaunchError as e:
         print(f"engine train: failed: {e}", file=sys.stderr)
@@ -69,6 +84,5 @@ def run(args) -> int:
     except KeyboardInterrupt:
         print("engine train: interrupted; every process was stopped", file=sys.stderr)
         return 130
-    print(json.dumps({"event": "final", "model": cfg.model.kind, "mode": cfg.mode, "workers": results}),
-          flush=True)
+    print(json.dumps(final), flush=True)
     return 0

@@ -8,7 +8,15 @@ A program is a module with
   through ``ctx.mode`` (``engine.modes``) and ``ctx.client``, and returns a JSON-able summary; the
   launcher collects the summaries of every rank.
 
-Register a program by adding its module path to ``PROGRAMS`` (issue 4 adds ``ctr_dnn`` and ``deepfm``).
+Optional launcher-side hooks (run by ``engine train`` in the launching process only):
+
+- ``prepare(cfg) -> cfg``: before any process starts (resolve and convert data, pick output files);
+  raise ``ConfigError`` / ``streaming.errors.DataFormatError`` / ``SchemaError`` for bad input (exit 2);
+- ``follow(cfg)``: a context manager active while the job runs (live progress);
+- ``final(cfg, results) -> dict``: the ``{"event": "final", ...}`` object printed as the last stdout
+  line (default: model, mode and the workers' summaries).
+
+Register a program by adding its module path to ``PROGRAMS``.
 """
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ from ..errors import ConfigError
 
 PROGRAMS = {
     "logreg": "engine.programs.logreg",
+    "ctr_dnn": "engine.programs.ctr",
+    "deepfm": "engine.programs.ctr",
 }
 
 

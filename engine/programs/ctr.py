@@ -1,0 +1,350 @@
+"""``ctr_dnn`` and ``deepfm``: CTR models trained from Arrow batches through the parameter servers.
+
+One worker step, as named methods (TorchRec's ``input_dist → compute → output_dist`` spirit)::
+
+    read             record batch → labels float32[B], dense float32[B, 13], keys uint64[B, S]
+    dedup            keys → uniq uint64[u], rows int32[B*S] (index into uniq), segments int32[B*S]
+                     (cell = example * S + slot), shows float32[u] (occurrences), clicks float32[u]
+                     (label sum over the occurrences)
+    pull             emb = mode.pull_sparse(uniq) float32[u, width] (training pulls create nothing but
+                     read the value a push would create); dense parameters from mode.pull_dense
+    forward_backward model.forward_backward(...) → loss, probs, grad_emb, grad_dense (mean-loss grads)
+    push             mode.push_sparse_grads(uniq, B * grad_emb, shows, clicks); mode.push_dense_grads
+
+Gradient scaling (batch-size independence). ``grad_emb`` is the gradient of the MEAN batch loss, i.e.
+``(1/B) Σ_occurrences g``. The worker pushes the gradient of the SUMMED loss, ``B * grad_emb``, with
+``shows`` = the key's occurrence count in the batch; the sparse table divides a pushed gradient by its
+show count before the optimizer rule (Paddle's CtrCommonAccessor), so each key is updated with the mean
+per-occurrence gradient whatever the batch size. In sync mode the servers sum the held pushes of all
+workers (gradients and shows alike), so the division gives the mean over every occurrence in the global
+batch. GEO's local table applies the same rule with plain SGD. Dense gradients are the mean-loss ones
+(Adam on the servers; GEO: local SGD, deltas every ``geo.k_steps``).
+
+Data (``model.data``, see ``ctr_data``) is resolved once in the launcher by ``prepare``: the shared
+Criteo rows are converted to Arrow (canonical split) when their Arrow form is missing or stale, or a
+planted-model file is generated when they are absent. Each worker reads its shard of the train split
+(shuffled within ``shuffle_buffer`` rows, a new order every epoch), evaluates its shard of the test
+split after each epoch, and the histograms are merged on the servers into the global AUC
+(``ctr_report``). Metrics go to one JSON-lines file per run (``model.metrics_file``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from models import ModelConfigError, build_model
+
+from ..config import knob
+from ..errors import ConfigError
+from ..metrics import BinaryMetrics
+from .ctr_data import DataConfig, CTRBatch, expected_schema, make_source, prepare_data, shard_rows, to_batch
+from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, merge_global, metrics_state_size, now_stamp
+
+log = logging.getLogger(__name__)
+
+ALL_SLOTS = tuple(f"C{j}" for j in range(1, 27))
+
+
+@dataclass(frozen=True)
+class Config:
+    """The ``model`` section of ``ctr_dnn`` / ``deepfm`` configs (every knob is commented in
+    ``configs/ctr.yaml``)."""
+
+    sparse_table: str = "embedding"
+    dense_table: str = "dense"
+    metrics_table: str = "metrics"
+    slots: tuple = ALL_SLOTS
+    dense_dim: int = knob(13, ge=0)
+    dim: int = knob(10, ge=1)
+    hidden: tuple = (400, 400, 400)
+    batch_size: int = knob(256, ge=1)
+    epochs: int = knob(1, ge=1)
+    seed: int = knob(0, ge=0)
+    shuffle_buffer: int = knob(65536, ge=0)
+    eval_every_epoch: bool = True
+    eval_batch_size: int = knob(4096, ge=1)
+    log_every_s: float = knob(2.0, gt=0)
+    prefetch: int = knob(4, ge=0)
+    metrics_dir: str = "runs/metrics"
+    metrics_file: str = ""
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+# ---------------------------------------------------------------------------------- launcher side
+def _check_tables(cfg, p: Config) -> None:
+    kind = cfg.model.kind
+    try:
+        model = build_model(kind, num_slots=max(1, len(p.slots)), dim=p.dim, dense_dim=p.dense_dim,
+                            hidden=p.hidden, seed=p.seed)
+    except ModelConfigError as e:
+        raise ConfigError(f"model: {e}") from None
+    if not p.slots:
+        raise ConfigError("model.slots must list at least one sparse column, got []")
+    t = cfg.sparse_tables.get(p.sparse_table)
+    if t is None:
+        raise ConfigError(f"tables.sparse.{p.sparse_table}: missing (model.sparse_table names it); "
+                          f"declared sparse tables: {sorted(cfg.sparse_tables)}")
+    if t.dim != model.sparse_width:
+        extra = " (deepfm rows hold the first-order weight + the embedding: dim + 1)" if kind == "deepfm" else ""
+        raise ConfigError(f"tables.sparse.{p.sparse_table}.dim must be {model.sparse_width} for {kind} with "
+                          f"model.dim={p.dim}{extra}, got {t.dim}")
+    for key, name in (("dense_table", p.dense_table), ("metrics_table", p.metrics_table)):
+        if name not in cfg.dense_tables:
+            raise ConfigError(f"tables.dense.{name}: missing (model.{key} names it); declared dense "
+                              f"tables: {sorted(cfg.dense_tables)}")
+    m = cfg.dense_tables[p.metrics_table]
+    if m.optimizer != "sgd":
+        raise ConfigError(f"tables.dense.{p.metrics_table}.optimizer must be sgd (it only sums metric "
+                          f"histograms), got {m.optimizer!r}")
+
+
+def prepare(cfg):
+    """Launcher hook, before any process starts: check the tables against the model, resolve the data
+    (convert / generate, schema check), pick this run's metrics file and write its start event.
+
+    Raises
+    ------
+    ConfigError
+        A missing table or a width mismatch, a bad model knob, a missing data path (key named).
+    streaming.errors.DataFormatError, streaming.errors.SchemaError
+        Bad input data.
+    """
+    p: Config = cfg.model.params
+    _check_tables(cfg, p)
+    schema = expected_schema(p.slots, p.dense_dim)
+    data = prepare_data(p.data, schema)
+    metrics_file = p.metrics_file or str(
+        (os.path.abspath(p.metrics_dir)) + f"/{cfg.model.kind}-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl")
+    p = dataclasses.replace(p, data=data, metrics_file=metrics_file)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params=p))
+    rows = sum(shard_rows(data.train_path, 1))
+    MetricsFile(metrics_file).write({
+        "event": "start", "model": cfg.model.kind, "mode": cfg.mode, "workers": cfg.cluster.workers,
+        "servers": cfg.cluster.servers, "train_path": data.train_path, "test_path": data.test_path,
+        "train_rows": rows, "epochs": p.epochs, "batch_size": p.batch_size, "seed": p.seed,
+        "time": time.time()})
+    log.info("metrics file: %s", metrics_file)
+    return cfg
+
+
+def follow(cfg) -> Follower:
+    """Launcher hook: a context manager showing the metrics file live while the job runs."""
+    p: Config = cfg.model.params
+    rows = sum(shard_rows(p.data.train_path, 1))
+    return Follower(p.metrics_file, rows * p.epochs)
+
+
+def final(cfg, results: list[dict]) -> dict:
+    """Launcher hook: the final event (written to the metrics file and printed as the last stdout line).
+
+    ``examples_per_s`` = training examples of all workers / the longest worker's training time
+    (evaluation excluded, data reading included).
+    """
+    p: Config = cfg.model.params
+    test = next((r.get("test") for r in results if r.get("rank") == 0), None) or {}
+    examples = sum(r.get("examples", 0) for r in results)
+    seconds = max([r.get("train_seconds", 0.0) for r in results] + [1e-9])
+    event = {"event": "final", "model": cfg.model.kind, "mode": cfg.mode,
+             "test_auc": test.get("auc"), "test_logloss": test.get("logloss"),
+             "test_copc": test.get("copc"), "examples_per_s": examples / seconds,
+             "metrics_file": p.metrics_file, "checkpoint": None}
+    MetricsFile(p.metrics_file).write({**event, "examples": examples, "train_seconds": seconds})
+    return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in event.items()}
+
+
+# ---------------------------------------------------------------------------------- worker side
+class CTRTrainer:
+    """The worker loop of one rank (see the module docstring for the step).
+
+    Parameters
+    ----------
+    ctx : engine.roles.WorkerContext
+    """
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.cfg: Config = ctx.config.model.params
+        self.kind = ctx.config.model.kind
+        self.mode, self.client = ctx.mode, ctx.client
+        self.rank, self.num_workers = ctx.rank, ctx.num_workers
+        p = self.cfg
+        self.model = build_model(self.kind, num_slots=len(p.slots), dim=p.dim, dense_dim=p.dense_dim,
+                                 hidden=p.hidden, seed=p.seed)
+        width = self.client.sparse_dim(p.sparse_table)
+        if width != self.model.sparse_width:
+            raise ConfigError(f"tables.sparse.{p.sparse_table}.dim is {width} on the servers, but {self.kind} "
+                              f"needs {self.model.sparse_width}")
+        self.schema = expected_schema(p.slots, p.dense_dim)
+        self.metrics = MetricsFile(p.metrics_file or os.path.join(p.metrics_dir,
+                                                                  f"{self.kind}-{ctx.config.mode}.jsonl"))
+        self.num_slots = len(p.slots)
+        self.steps = 0
+        self.examples = 0
+        self.train_seconds = 0.0
+        self.loss_sum = 0.0
+
+    # -- the step ---------------------------------------------------------------------------------
+    def read(self, rb) -> CTRBatch:
+        """Arrays of one record batch."""
+        return to_batch(rb, self.cfg.slots, self.cfg.dense_dim)
+
+    def dedup(self, batch: CTRBatch):
+        """Unique keys of the batch and the sparse index into them.
+
+        Returns
+        -------
+        uniq : uint64[u]
+        rows : int32[B*S]
+            ``uniq[rows[i]]`` is occurrence ``i`` (row-major over (example, slot)).
+        segments : int32[B*S]
+            Cell of each occurrence: ``example * S + slot``.
+        shows : float32[u]
+            Occurrences of each unique key.
+        clicks : float32[u]
+            Sum of the labels of the examples each key occurs in.
+        """
+        flat = batch.keys.reshape(-1)
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        rows = inverse.astype(np.int32)
+        segments = np.arange(len(flat), dtype=np.int32)
+        shows = np.bincount(rows, minlength=len(uniq)).astype(np.float32)
+        clicks = np.bincount(rows, weights=np.repeat(batch.labels, self.num_slots),
+                             minlength=len(uniq)).astype(np.float32)
+        return uniq, rows, segments, shows, clicks
+
+    def pull(self, uniq: np.ndarray) -> np.ndarray:
+        """Training values of the batch's keys -> float32[u, width]; refreshes the dense parameters."""
+        emb = self.mode.pull_sparse(self.cfg.sparse_table, uniq)
+        self.model.set_dense(self.mode.pull_dense(self.cfg.dense_table))
+        return emb
+
+    def forward_backward(self, emb, rows, segments, batch: CTRBatch):
+        """``models.StepResult`` of the batch (gradients of the mean loss)."""
+        return self.model.forward_backward(emb, rows, segments, batch.dense, batch.labels)
+
+    def push(self, uniq, res, shows, clicks, batch_size: int) -> None:
+        """Sum-loss sparse gradients with show/click counts (the server divides by shows), then the
+        mean-loss dense gradient."""
+        grads = res.grad_emb
+        grads *= np.float32(batch_size)
+        self.mode.push_sparse_grads(self.cfg.sparse_table, uniq, grads, shows=shows, clicks=clicks)
+        self.mode.push_dense_grads(self.cfg.dense_table, res.grad_dense)
+
+    def train_step(self, batch: CTRBatch):
+        uniq, rows, segments, shows, clicks = self.dedup(batch)
+        emb = self.pull(uniq)
+        res = self.forward_backward(emb, rows, segments, batch)
+        self.push(uniq, res, shows, clicks, batch.size)
+        self.mode.end_step()
+        return res
+
+    # -- loops ------------------------------------------------------------------------------------
+    def train_epoch(self, epoch: int, max_steps: int | None) -> None:
+        p = self.cfg
+        src = make_source(p.data.train_path, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
+                          num_workers=self.num_workers, shuffle_buffer=p.shuffle_buffer, seed=p.seed,
+                          prefetch=p.prefetch)
+        window = BinaryMetrics(1 << 12)
+        w_steps, w_loss, w_examples = 0, 0.0, 0
+        t_epoch = t_win = time.perf_counter()
+        steps = 0
+        it = src.batches(epoch)
+        try:
+            for rb in it:
+                if max_steps is not None and steps >= max_steps:
+                    break
+                batch = self.read(rb)
+                res = self.train_step(batch)
+                steps += 1
+                w_steps += 1
+                w_loss += res.loss
+                w_examples += batch.size
+                self.examples += batch.size
+                self.loss_sum += res.loss
+                window.update(res.probs, batch.labels)
+                now = time.perf_counter()
+                if now - t_win >= p.log_every_s:
+                    self._train_event(epoch, window, w_loss / w_steps, w_examples / (now - t_win))
+                    window = BinaryMetrics(1 << 12)
+                    w_steps, w_loss, w_examples, t_win = 0, 0.0, 0, now
+        finally:
+            it.close()
+        now = time.perf_counter()
+        if w_steps:
+            self._train_event(epoch, window, w_loss / w_steps, w_examples / max(now - t_win, 1e-9))
+        self.steps += steps
+        self.train_seconds += now - t_epoch
+        log.info("worker %d: epoch %d: %d steps, %d examples in %.1f s", self.rank, epoch, steps,
+                 self.examples, now - t_epoch)
+
+    def _train_event(self, epoch, window: BinaryMetrics, loss: float, eps: float) -> None:
+        s = window.summary()
+        self.metrics.write({"event": "train", "rank": self.rank, "epoch": epoch, "step": self.mode.step,
+                            "examples_total": self.examples, "logloss": loss, "auc": s["auc"],
+                            "pred_ctr": s["pred_ctr"], "actual_ctr": s["actual_ctr"],
+                            "examples_per_s": eps, "time": time.time()})
+
+    def _drain(self) -> None:
+        """Make every update of this worker visible on the servers (async queue, GEO deltas)."""
+        if self.mode.name == "geo":
+            self.mode.sync()
+        elif self.mode.name == "async":
+            self.client.flush()
+
+    def evaluate(self, tag: str, epoch: int) -> dict | None:
+        """Global metrics of the test split (every worker scores its shard; merged on the servers).
+        Returns the summary on rank 0, None elsewhere."""
+        p = self.cfg
+        self._drain()
+        self.mode.barrier(f"eval-start-{tag}")
+        self.model.set_dense(self.client.pull_dense(p.dense_table))
+        local = BinaryMetrics(EVAL_BUCKETS)
+        src = make_source(p.data.test_path, batch_size=p.eval_batch_size, schema=self.schema, rank=self.rank,
+                          num_workers=self.num_workers, prefetch=p.prefetch)
+        for rb in src.batches(0):
+            batch = self.read(rb)
+            uniq, rows, segments, _, _ = self.dedup(batch)
+            emb = self.client.pull(p.sparse_table, uniq)     # unknown keys read zeros, nothing created
+            local.update(self.model.predict(emb, rows, segments, batch.dense), batch.labels)
+        summary = merge_global(self.client, self.mode, p.metrics_table, local, tag)
+        if summary is not None:
+            self.metrics.write({"event": "eval", "epoch": epoch, "split": "test", **summary,
+                                "time": time.time()})
+            log.info("epoch %d test: AUC %.4f logloss %.4f COPC %.3f (%d rows)", epoch, summary["auc"],
+                     summary["logloss"], summary["copc"], summary["count"])
+        return summary
+
+    def run(self) -> dict:
+        p = self.cfg
+        self.mode.init_dense(p.dense_table, self.model.get_dense())
+        if self.rank == 0:
+            self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),
+                                   force=True)
+        self.mode.barrier("metrics-init")
+        max_steps = None
+        if self.mode.name == "sync":   # every worker must run the same number of steps
+            max_steps = min(shard_rows(p.data.train_path, self.num_workers)) // p.batch_size
+            log.info("sync mode: %d steps per epoch on every worker", max_steps)
+        summary = None
+        for epoch in range(p.epochs):
+            self.train_epoch(epoch, max_steps)
+            if p.eval_every_epoch and epoch < p.epochs - 1:
+                self.evaluate(f"epoch{epoch}", epoch)
+        self.mode.finish()
+        summary = self.evaluate("final", p.epochs - 1)
+        out = {"rank": self.rank, "steps": self.steps, "examples": self.examples,
+               "train_seconds": self.train_seconds,
+               "train_logloss": self.loss_sum / max(1, self.steps)}
+        if summary is not None:
+            out["test"] = summary
+        return out
+
+
+def run(ctx) -> dict:
+    """Worker entry point (``engine.programs`` contract)."""
+    return CTRTrainer(ctx).run()

@@ -1,0 +1,220 @@
+"""Data of the CTR programs: where the train/test Arrow files come from, and the batches a worker reads.
+
+``DataConfig.source`` decides (``prepare_data`` runs once, in the launcher, before any worker starts):
+
+==============  ====================================================================================
+shared_criteo   the shared Criteo rows (``criteo_path``, default ``../shared/data/criteo/train.txt``)
+                converted with the canonical split (row i is test when ``i % 5 == 4``) into
+                ``cache_dir`` unless the Arrow form there is current; when the file is missing and
+                ``fallback: generated``, a Criteo-format file drawn from a planted logistic model
+                (``generated_rows`` rows, ``generated_seed``) is generated and used instead (logged).
+criteo          the same for any Criteo ``train.txt``-layout file; a missing file is an error.
+generated       always the planted-model file.
+arrow           ``train_path`` / ``test_path``: Arrow IPC / Parquet files or directories, used as
+                they are (schema-checked).
+==============  ====================================================================================
+
+After ``prepare_data`` the config the workers see has ``source: arrow`` and absolute paths.
+
+A batch (``CTRBatch``) is the arrays the model needs: ``labels : float32[B]``, ``dense :
+float32[B, dense_dim]``, ``keys : uint64[B, S]`` (one key per example and slot: Criteo has exactly one
+value per categorical field; a missing value is its slot's ``missing_key``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from streaming.criteo import SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema, generate_criteo
+from streaming.source import ArrowSource, list_files
+
+from ..config import knob
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("shared_criteo", "criteo", "generated", "arrow")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The ``model.data`` section (see the module docstring)."""
+
+    source: str = knob("shared_criteo", choices=SOURCES)
+    criteo_path: str = "../shared/data/criteo/train.txt"
+    fallback: str = knob("generated", choices=("generated", "none"))
+    train_path: str = ""
+    test_path: str = ""
+    cache_dir: str = "runs/cache"
+    generated_rows: int = knob(20000, ge=10)
+    generated_seed: int = knob(20240, ge=0)
+    convert_batch_size: int = knob(512, ge=1)
+    max_bad_rows: int = knob(0, ge=0)
+
+
+@dataclass
+class CTRBatch:
+    """One mini-batch as arrays: ``labels : float32[B]``, ``dense : float32[B, D]``,
+    ``keys : uint64[B, S]``."""
+
+    labels: np.ndarray
+    dense: np.ndarray
+    keys: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return len(self.labels)
+
+
+def expected_schema(slots, dense_dim: int) -> pa.Schema:
+    """The columns a CTR worker reads: ``label``, ``dense`` (if ``dense_dim``), then ``slots``.
+
+    Raises
+    ------
+    ConfigError
+        A slot name that is not a Criteo categorical column, or ``dense_dim`` other than 0 or 13.
+    """
+    full = criteo_schema()
+    bad = [s for s in slots if s not in SPARSE_COLUMNS]
+    if bad:
+        raise ConfigError(f"model.slots: unknown column(s) {bad}; expected names among C1..C26")
+    if dense_dim not in (0, full.field("dense").type.list_size):
+        raise ConfigError(f"model.dense_dim must be 0 or {full.field('dense').type.list_size} for Criteo "
+                          f"data, got {dense_dim}")
+    names = ["label"] + (["dense"] if dense_dim else []) + list(slots)
+    return pa.schema([full.field(n) for n in names], metadata=full.metadata)
+
+
+def to_batch(rb: pa.RecordBatch, slots, dense_dim: int) -> CTRBatch:
+    """Arrays of one record batch (columns as in ``expected_schema``; slices handled)."""
+    n = rb.num_rows
+    labels = np.ascontiguousarray(rb.column("label").to_numpy(), np.float32)
+    if dense_dim:
+        dense = rb.column("dense").flatten().to_numpy().reshape(n, dense_dim).astype(np.float32, copy=False)
+    else:
+        dense = np.zeros((n, 0), np.float32)
+    keys = np.empty((n, len(slots)), np.uint64)
+    for j, s in enumerate(slots):
+        keys[:, j] = rb.column(s).to_numpy()
+    return CTRBatch(labels, np.ascontiguousarray(dense), keys)
+
+
+def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num_workers: int,
+                shuffle_buffer: int = 0, seed: int = 0, prefetch: int = 4) -> ArrowSource:
+    """This worker's shard of ``path``: whole files when there are at least as many files as workers,
+    else every ``num_workers``-th record batch."""
+    files = list_files(path)
+    shard_by = "files" if len(files) >= num_workers else "batches"
+    return ArrowSource(files, batch_size=batch_size, schema=schema, shuffle_buffer=shuffle_buffer,
+                       seed=seed * 1009 + rank if shuffle_buffer else None, prefetch=prefetch,
+                       shard=(rank, num_workers), shard_by=shard_by)
+
+
+def shard_rows(path: str, num_workers: int) -> list[int]:
+    """Rows of every worker's shard of ``path`` (as ``make_source`` splits it); reads the labels only."""
+    schema = pa.schema([criteo_schema().field("label")])
+    return [sum(rb.num_rows for rb in make_source(path, batch_size=1 << 20, schema=schema, rank=w,
+                                                     num_workers=num_workers, prefetch=0).batches(0))
+            for w in range(num_workers)]
+
+
+def _cache_for(inputs: Path, cache_dir: Path) -> Path:
+    tag = hashlib.sha1(str(inputs).encode()).hexdigest()[:10]
+    return cache_dir / f"criteo-{inputs.stem}-{tag}"
+
+
+def _convert(inputs: Path, cfg: DataConfig) -> tuple[str, str]:
+    """Train/test Arrow dirs of a Criteo TSV, converted now unless current."""
+    out = _cache_for(inputs, Path(cfg.cache_dir).resolve())
+    dirs = {}
+    for split in ("train", "test"):
+        d = out / split
+        if arrow_is_current([inputs], d, split=split):
+            log.info("%s split of %s: Arrow form in %s is current", split, inputs, d)
+        else:
+            log.info("converting the %s split of %s into %s", split, inputs, d)
+            convert_criteo([inputs], d, split=split, batch_size=cfg.convert_batch_size,
+                           max_bad_rows=cfg.max_bad_rows)
+        dirs[split] = str(d)
+    return dirs["train"], dirs["test"]
+
+
+def _generated(cfg: DataConfig) -> Path:
+    cache = Path(cfg.cache_dir).resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"generated-criteo-{cfg.generated_rows}-seed{cfg.generated_seed}.txt"
+    if path.is_file():
+        log.info("using the generated Criteo-format file %s", path)
+        return path
+    tmp = path.with_suffix(".tmp.txt")
+    g = generate_criteo(tmp, cfg.generated_rows, cfg.generated_seed)
+    os.replace(tmp, path)
+    log.info("generated %d Criteo-format rows from a planted logistic model in %s (seed %d, CTR %.3f, "
+             "planted-model test AUC %.4f)", g.rows, path, g.seed, g.ctr, g.planted_auc_test)
+    return path
+
+
+def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
+    """Raise unless ``path`` exists and its first input has ``schema``'s columns.
+
+    Raises
+    ------
+    ConfigError
+        ``path`` is empty or does not exist (``key`` names the config key).
+    streaming.errors.SchemaError
+        A column is missing or has another type (names the column and the file).
+    """
+    if not path:
+        raise ConfigError(f"{key} must name an Arrow file or directory when model.data.source is 'arrow'")
+    try:
+        files = list_files(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    src = ArrowSource(files[:1], batch_size=1, schema=schema, prefetch=0)
+    it = src.batches(0)
+    try:
+        next(it, None)
+    finally:
+        it.close()
+
+
+def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
+    """Resolve the data section to ``source: arrow`` with absolute, schema-checked paths; converts or
+    generates when needed (see the module docstring).
+
+    Raises
+    ------
+    ConfigError
+        A data path that does not exist (the key is named).
+    streaming.errors.DataFormatError
+        A malformed Criteo line beyond ``max_bad_rows``.
+    streaming.errors.SchemaError
+        An Arrow input with a missing or mistyped column.
+    """
+    if cfg.source == "arrow":
+        train, test = cfg.train_path, cfg.test_path
+    else:
+        if cfg.source == "generated":
+            inputs = _generated(cfg)
+        else:
+            inputs = Path(cfg.criteo_path).resolve()
+            if not inputs.is_file():
+                if cfg.source == "shared_criteo" and cfg.fallback == "generated":
+                    log.warning("model.data.criteo_path %s not found: training on a GENERATED Criteo-format "
+                                "file with a planted logistic model instead (see model.data.fallback)",
+                                cfg.criteo_path)
+                    inputs = _generated(cfg)
+                else:
+                    raise ConfigError(f"model.data.criteo_path: file not found: {cfg.criteo_path}")
+        train, test = _convert(inputs, cfg)
+    check_arrow(train, schema, "model.data.train_path")
+    check_arrow(test, schema, "model.data.test_path")
+    return dataclasses.replace(cfg, source="arrow", train_path=str(Path(train).resolve()),
+                               test_path=str(Path(test).resolve()))
