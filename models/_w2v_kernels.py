@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["EXP_TABLE", "LOG_TABLE", "MAX_EXP", "EXP_TABLE_SIZE", "lcg_next", "prepare_sg_batch",
+__all__ = ["make_guide", "draw_negative", "GUIDE_SHIFT", "EXP_TABLE", "LOG_TABLE", "MAX_EXP", "EXP_TABLE_SIZE", "lcg_next", "prepare_sg_batch",
            "remap_sg_batch", "train_sg_batch", "init_input_rows", "splitmix64"]
 
 EXP_TABLE_SIZE = 1000
@@ -71,9 +71,7 @@ def lcg_next(state):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _bisect_left(a, x):
-    lo = 0
-    hi = a.shape[0]
+def _bisect_left(a, x, lo, hi):
     while hi > lo:
         mid = (lo + hi) >> 1
         if np.uint64(a[mid]) >= x:
@@ -83,8 +81,34 @@ def _bisect_left(a, x):
     return lo
 
 
+GUIDE_SHIFT = 15
+
+
+def make_guide(cum_table, shift=GUIDE_SHIFT):
+    """Bucket index of ``cum_table`` so a negative draw bisects a few entries instead of all ``V``.
+
+    ``guide[k] = bisect_left(cum_table, k << shift)``; a value ``x`` in bucket ``k = x >> shift`` has its
+    insertion point in ``[guide[k], guide[k + 1]]``. The draw is exactly ``bisect_left(cum_table, x)``.
+
+    Returns
+    -------
+    guide : int64[K + 2]
+    """
+    top = int(cum_table[-1]) if len(cum_table) else 1
+    edges = np.arange((top >> shift) + 2, dtype=np.int64) << shift
+    return np.searchsorted(cum_table.astype(np.int64), edges, side="left").astype(np.int64)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def draw_negative(cum_table, guide, shift, x):
+    """``bisect_left(cum_table, x)`` through the guide table (``make_guide``)."""
+    k = x >> np.uint64(shift)
+    return _bisect_left(cum_table, x, guide[k], guide[k + 1])
+
+
 @njit(cache=True, nogil=True)
-def prepare_sg_batch(tokens, offsets, sample_int, cum_table, window, negative, do_sample, state):
+def prepare_sg_batch(tokens, offsets, sample_int, cum_table, guide, guide_shift, window, negative,
+                     do_sample, state):
     """Subsample a batch of documents, draw reduced windows and the negatives of every pair.
 
     Parameters
@@ -97,6 +121,9 @@ def prepare_sg_batch(tokens, offsets, sample_int, cum_table, window, negative, d
         Keep thresholds (``Vocab.sample_ints``); word ``w`` is kept when ``sample_int[w] >= rand32``.
     cum_table : uint32[V]
         Cumulative unigram^0.75 table (``Vocab.cum_table``).
+    guide : int64[K + 2]
+        ``make_guide(cum_table, guide_shift)``.
+    guide_shift : int
     window : int >= 1
     negative : int >= 0
     do_sample : bool
@@ -143,7 +170,7 @@ def prepare_sg_batch(tokens, offsets, sample_int, cum_table, window, negative, d
     negs = np.empty(n_pairs * negative, np.uint32)
     top = np.uint64(cum_table[cum_table.shape[0] - 1]) if cum_table.shape[0] > 0 else np.uint64(1)
     for k in range(n_pairs * negative):
-        negs[k] = _bisect_left(cum_table, lcg_next(state) % top)
+        negs[k] = draw_negative(cum_table, guide, guide_shift, lcg_next(state) % top)
     return words[:m].copy(), sent_offsets, reduced, negs
 
 

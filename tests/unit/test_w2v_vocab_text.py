@@ -8,7 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from models.word2vec import TokenCorpus, Vocab, _jobs, load_corpus
+from models.word2vec import Vocab
+from models.word2vec_reference import TokenCorpus, _jobs, load_corpus
 from streaming.text import (convert_text, corpus_files, read_vocab, text_arrow_is_current)
 
 COUNTS = [5000, 1200, 800, 300, 77, 40, 12, 5, 3, 1]
