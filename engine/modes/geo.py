@@ -25,7 +25,6 @@ import numpy as np
 import pyarrow as pa
 
 from sparse_tables import SparseTable, TableConfig
-from sparse_tables.keysets import KeySet
 
 from .base import Mode
 
@@ -39,7 +38,6 @@ class _LocalTable:
         self.dim = dim
         self.local = SparseTable(TableConfig(learning_rate=lr, **base), clock=clock)
         self.synced = SparseTable(TableConfig(learning_rate=1.0, **base), clock=clock)
-        self.present = KeySet()
 
     def set_rows(self, keys: np.ndarray, values: np.ndarray, step: int) -> None:
         """Write values into local and synced (bit-exact, clean, last_seen = step)."""
@@ -50,12 +48,6 @@ class _LocalTable:
                     pa.array(np.zeros(n, np.float32)), pa.array(np.zeros(n, np.float32)),
                     pa.array(np.full(n, step, np.uint32), pa.uint32())]
             t.load_rows([pa.RecordBatch.from_arrays(cols, schema=t.schema)])
-        self.present.add(keys)
-
-    def rebuild_present(self) -> None:
-        self.present = KeySet(max(16, len(self.local)))
-        for batch in self.local.rows():
-            self.present.add(batch.column("key").to_numpy())
 
 
 class GeoMode(Mode):
@@ -101,7 +93,7 @@ class GeoMode(Mode):
     def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
         t = self._table(table)
         if len(keys):
-            missing = keys[~t.present.contains(keys)]
+            missing = keys[~t.local.contains(keys)]
             if len(missing):
                 missing = np.unique(missing)
                 t.set_rows(missing, self.client.pull(table, missing, init_missing=True), self.step)
@@ -110,7 +102,7 @@ class GeoMode(Mode):
     def push_sparse_grads(self, table, keys, grads, shows=None, clicks=None) -> None:
         t = self._table(table)
         if len(keys):
-            new = ~t.present.contains(keys)
+            new = ~t.local.contains(keys)
             if new.any():   # a push without a pull first: start those rows from the server's values
                 self.pull_sparse(table, keys[new])
         t.local.push(keys, grads, shows=shows, clicks=clicks)
@@ -166,7 +158,6 @@ class GeoMode(Mode):
             t.local.clear_dirty()
             t.synced.clear_dirty()
             if dropped:
-                t.rebuild_present()
                 log.debug("geo: dropped %d rows untouched for %d steps", dropped, self.evict_after)
 
     def finish(self) -> None:
