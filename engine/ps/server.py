@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..errors import ProtocolError
-from . import codec
+from . import _malloc, codec
 from . import ps_pb2 as pb
 from .hosts import DenseHost, HostError, SparseHost
 from .routing import DEFAULT_NUM_VSHARDS
@@ -299,6 +299,7 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     RuntimeError
         The address could not be bound.
     """
+    _malloc.tune()
     server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix=f"ps{core.index}-rpc"),
                          options=[("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
                                   ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),

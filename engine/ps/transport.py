@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 import grpc
 
 from ..errors import RemoteError
-from . import codec
+from . import _malloc, codec
 from . import ps_pb2 as pb
 from .server import METHODS, PSServer, ServerError
 
@@ -52,6 +52,7 @@ class GrpcTransport(Transport):
         if not endpoints:
             raise ValueError("GrpcTransport: expected at least one endpoint host:port")
         self.endpoints = list(endpoints)
+        _malloc.tune()
         opts = [("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes)]
         self._channels = [grpc.insecure_channel(ep, options=opts) for ep in self.endpoints]
