@@ -3,6 +3,7 @@ parameter-server worker calls, and a single-process reference trainer.
 
 Per batch of documents (what a GEO worker does; ``sg = SkipGramNS(vocab, params)``)::
 
+    tokens, offsets, raw = batch_arrays(record_batch)   # Arrow rows of streaming.text output
     batch = sg.prepare(tokens, offsets, state)     # subsample, reduced windows, negatives (global ids)
     local = sg.remap(batch, scratch)               # unique ids to pull + the batch in local ids
     syn0_l = pull(input_table, local.in_ids)        # float32[u, dim]
@@ -27,13 +28,49 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from . import _w2v_kernels as K
 from .errors import ModelConfigError, ModelInputError
 
-__all__ = ["Vocab", "Word2VecParams", "SkipGramNS", "SGBatch", "LocalSGBatch", "SGStats", "new_state"]
+__all__ = ["Vocab", "Word2VecParams", "SkipGramNS", "SGBatch", "LocalSGBatch", "SGStats", "new_state",
+           "batch_arrays"]
 
 log = logging.getLogger(__name__)
+
+
+def batch_arrays(record_batch: pa.RecordBatch):
+    """The documents of an Arrow record batch of the converted corpus (``streaming.text``) as kernel input.
+
+    Parameters
+    ----------
+    record_batch : pyarrow.RecordBatch
+        With ``tokens : list<uint32>`` and, optionally, ``raw_tokens : uint32``.
+
+    Returns
+    -------
+    tokens : uint32[n]
+    offsets : int64[d + 1]
+        Starting at 0.
+    raw_words : int
+        Sum of ``raw_tokens`` (tokens before the OOV drop, what words/s counts), else ``n``.
+
+    Raises
+    ------
+    ModelInputError
+        If ``tokens`` is missing or not ``list<uint32>``.
+    """
+    if "tokens" not in record_batch.schema.names:
+        raise ModelInputError(f"record batch: expected a 'tokens' column, got {record_batch.schema.names}")
+    col = record_batch.column("tokens")
+    if not pa.types.is_list(col.type) or col.type.value_type != pa.uint32():
+        raise ModelInputError(f"tokens: expected list<uint32>, got {col.type}")
+    offs = col.offsets.to_numpy().astype(np.int64)
+    tokens = col.values.to_numpy(zero_copy_only=False)[offs[0]:offs[-1]].astype(np.uint32, copy=False)
+    offs -= offs[0]
+    raw = (int(pa.compute.sum(record_batch.column("raw_tokens")).as_py() or 0)
+           if "raw_tokens" in record_batch.schema.names else len(tokens))
+    return np.ascontiguousarray(tokens), offs, raw
 
 
 def new_state(seed: int, *stream: int) -> np.ndarray:

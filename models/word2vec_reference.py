@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import ModelConfigError
-from .word2vec import SGStats, SkipGramNS, Vocab, Word2VecParams, new_state
+from .word2vec import SGStats, SkipGramNS, Vocab, Word2VecParams, batch_arrays, new_state
 
 __all__ = ["TokenCorpus", "load_corpus", "train_reference", "ReferenceResult"]
 
@@ -56,9 +56,8 @@ def load_corpus(paths, max_raw_words: int | None = None) -> TokenCorpus:
     for path in paths:
         with pa.memory_map(str(path), "r") as mm:
             for rb in pa.ipc.open_stream(mm):
-                col = rb.column("tokens")
-                offs = col.offsets.to_numpy().astype(np.int64)
-                toks.append(col.values.to_numpy()[offs[0]:offs[-1]].copy())
+                t, offs, _ = batch_arrays(rb)
+                toks.append(t.copy())
                 lens.append(np.diff(offs))
                 raws.append(rb.column("raw_tokens").to_numpy().astype(np.int64))
                 seen += int(raws[-1].sum())

@@ -8,7 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from models.word2vec import Vocab
+from models.errors import ModelInputError
+from models.word2vec import Vocab, batch_arrays
 from models.word2vec_reference import TokenCorpus, _jobs, load_corpus
 from streaming.text import (convert_text, corpus_files, read_vocab, text_arrow_is_current)
 
@@ -179,3 +180,13 @@ def test_convert_bad_args(tmp_path):
         convert_text(tmp_path / "missing.txt", tmp_path / "o")
     with pytest.raises(FileNotFoundError, match="convert_text"):
         corpus_files(tmp_path / "nothing")
+
+
+def test_batch_arrays_from_sliced_record_batch():
+    tokens = pa.array([[1, 2], [], [3, 4, 5], [6]], pa.list_(pa.uint32()))
+    rb = pa.record_batch([tokens, pa.array([3, 1, 3, 1], pa.uint32())], names=["tokens", "raw_tokens"])
+    t, offs, raw = batch_arrays(rb.slice(1, 2))
+    assert t.dtype == np.uint32 and t.tolist() == [3, 4, 5]
+    assert offs.tolist() == [0, 0, 3] and raw == 4
+    with pytest.raises(ModelInputError, match="list<uint32>"):
+        batch_arrays(pa.record_batch([pa.array([[1]], pa.list_(pa.int64()))], names=["tokens"]))
