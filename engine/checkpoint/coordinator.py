@@ -1,0 +1,364 @@
+"""The coordinator of checkpoints: names, publishes, restores and prunes them.
+
+One process coordinates (worker 0 or the launcher); the servers write and read their own part files.
+``cluster`` is anything with the PS client's shape::
+
+    cluster.num_servers : int
+    cluster.save(uri) -> int     every server writes its part files + part report into uri (parallel)
+    cluster.load(uri) -> int     every server loads its rows of the checkpoint at uri (base: reset first)
+
+Save protocol::
+
+    1. pick the name {day}/{HHMM}-{kind}[.seq]; clean leftovers of a crashed attempt of that name
+    2. cluster.save(uri)                         servers write in parallel; any failure stops here
+    3. read _parts/s{i}.json of every server     a missing report (server died) stops here
+    4. manifest.json, then _SUCCESS              only now does the checkpoint exist
+
+A failure anywhere before 4 leaves a directory that restore ignores. Because the servers that did
+write have already cleared their dirty state, the next checkpoint after a failed one is a base.
+
+Restore: the newest base and its deltas in order (``chain_of``), each file's size checked before the
+first row is loaded, each file's CRC-32 checked as it is read; with ``fallback`` a damaged checkpoint
+makes restore try the previous complete one.
+
+Example::
+
+    >>> mgr = CheckpointManager("s3://bucket/ckpt", "ctr")           # doctest: +SKIP
+    >>> mgr.save(client, "base", step=100, sources={"train": {...}})  # -> manifest dict
+    >>> mgr.restore(client)                                          # newest complete checkpoint
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+import hdfs_io
+from hdfs_io import CheckpointCorruptError, NotPublishedError, Publisher, Storage, StorageOptions
+from streaming.keys import HASH_VERSION
+
+from .manifest import (DEFAULT_GROUPS, FORMAT_VERSION, CheckpointRef, chain_of, checkpoint_name,
+                       list_checkpoints, parse_name, read_checkpoint_manifest)
+from .writer import part_report_name
+
+__all__ = ["Cluster", "CheckpointManager", "CheckpointNotFoundError"]
+
+log = logging.getLogger(__name__)
+
+
+class Cluster(Protocol):
+    num_servers: int
+
+    def save(self, uri: str) -> int: ...
+
+    def load(self, uri: str) -> int: ...
+
+
+class CheckpointNotFoundError(NotPublishedError):
+    """No complete checkpoint exists where one was asked for."""
+
+
+def _is_damage(exc: BaseException) -> bool:
+    """A restore error that means "this checkpoint is unusable" (as opposed to a dead cluster)."""
+    if isinstance(exc, (CheckpointCorruptError, NotPublishedError)):
+        return True
+    return getattr(exc, "code", None) in ("DATA_LOSS", "NOT_FOUND")
+
+
+class CheckpointManager:
+    """Checkpoints of one job under ``{root}/{job}``.
+
+    Parameters
+    ----------
+    root : str
+        URI of the checkpoint root (local path, ``file://``, ``s3://``, ``hdfs://``).
+    job : str
+        Job (model) name, one directory below ``root``.
+    storage_options : hdfs_io.StorageOptions, optional
+        S3 endpoint / credentials (default: the standard AWS environment variables).
+    keep_bases : int
+        Retention: keep this many newest bases and their deltas.
+    groups : int
+        Vshard groups per table (recorded; servers cut their files with the same number).
+    clock : callable -> float, seconds since the epoch
+        Names checkpoints when ``save`` is given no ``when``.
+    """
+
+    def __init__(self, root: str, job: str, *, storage_options: StorageOptions | None = None,
+                 keep_bases: int = 2, groups: int = DEFAULT_GROUPS, retry: hdfs_io.RetryPolicy | None = None,
+                 clock: Callable[[], float] = time.time):
+        if not job or "/" in job:
+            raise ValueError(f"job must be a non-empty name without '/', got {job!r}")
+        if keep_bases < 1:
+            raise ValueError(f"keep_bases must be >= 1, got {keep_bases}")
+        base = Storage.from_uri(root, storage_options=storage_options, retry=retry)
+        self.storage = base.sub(job)
+        self.job = job
+        self.keep_bases = keep_bases
+        self.groups = groups
+        self.clock = clock
+        self.head: str | None = None          # last checkpoint this process saved or restored
+        self._force_base = False
+
+    @property
+    def uri(self) -> str:
+        return self.storage.uri
+
+    def uri_of(self, name: str) -> str:
+        return self.storage.uri_of(name)
+
+    # ------------------------------------------------------------------ listing
+    def list(self) -> list[CheckpointRef]:
+        """Complete checkpoints, oldest first."""
+        return list_checkpoints(self.storage)
+
+    def latest(self) -> CheckpointRef | None:
+        refs = self.list()
+        return refs[-1] if refs else None
+
+    def manifest(self, name: str) -> dict[str, Any]:
+        return read_checkpoint_manifest(self.storage, name)
+
+    def _next_ref(self, when: _dt.datetime, kind: str) -> CheckpointRef:
+        ref = checkpoint_name(when, kind)
+        try:
+            names = self.storage.listdir(ref.day)
+        except FileNotFoundError:
+            names = []
+        seqs = [r.seq for r in (parse_name(f"{ref.day}/{n}") for n in names) if r is not None and r.hhmm == ref.hhmm]
+        newest = self.latest()
+        seq = max(seqs) + 1 if seqs else 0
+        ref = CheckpointRef(ref.day, ref.hhmm, seq, kind)
+        if newest is not None and ref <= newest:     # a clock behind the newest name: keep names ordered
+            ref = CheckpointRef(newest.day, newest.hhmm, max(seq, newest.seq + 1), kind)
+        return ref
+
+    # ------------------------------------------------------------------ save
+    def save(self, cluster: Cluster, kind: str = "delta", *, when: _dt.datetime | float | None = None,
+             step: int = 0, sources: dict | None = None, config: dict | None = None,
+             extra: dict | None = None) -> dict[str, Any]:
+        """Write one checkpoint of every server's tables and publish it.
+
+        Parameters
+        ----------
+        cluster : Cluster
+            Usually the ``PSClient`` (its Save RPC makes every server write its parts).
+        kind : {"base", "delta"}
+            A delta with no previous checkpoint in this process (or after a failed save) is written as
+            a base instead (logged).
+        when : datetime or float seconds since the epoch, optional
+            Training time that names the checkpoint (default: the clock), UTC.
+        step : int
+            Training step recorded in the manifest.
+        sources : dict, optional
+            Input source name -> position (JSON-able), so a restart neither skips nor repeats data.
+        config : dict, optional
+            Config snapshot (``EngineConfig.to_dict()``).
+        extra : dict, optional
+            More JSON-able metadata (e.g. ``{"consumed": [...partitions...]}``).
+
+        Returns
+        -------
+        dict
+            The published manifest (``manifest["name"]`` is the checkpoint's name).
+
+        Raises
+        ------
+        CheckpointCorruptError
+            A server's part report is missing or malformed (named); nothing is published.
+        OSError, engine.errors.RemoteError
+            Storage or server failures; nothing is published.
+        """
+        if kind not in ("base", "delta"):
+            raise ValueError(f"kind must be 'base' or 'delta', got {kind!r}")
+        parent = self.head
+        if kind == "delta" and (parent is None or self._force_base):
+            log.info("writing a base instead of a delta: %s", "no parent checkpoint in this run"
+                     if parent is None else "the previous save failed")
+            kind = "base"
+        if when is None:
+            when = self.clock()
+        if not isinstance(when, _dt.datetime):
+            when = _dt.datetime.fromtimestamp(float(when), tz=_dt.timezone.utc)
+        ref = self._next_ref(when, kind)
+        uri = self.storage.uri_of(ref.name)
+        chain_index, base = 0, ref.name
+        if kind == "delta":
+            pm = self.manifest(parent)
+            chain_index, base = pm["chain_index"] + 1, pm["base"]
+        meta = {"checkpoint_format": FORMAT_VERSION, "kind": kind, "name": ref.name, "job": self.job,
+                "parent": parent if kind == "delta" else None, "base": base, "chain_index": chain_index,
+                "hash_version": HASH_VERSION, "groups": self.groups, "num_servers": cluster.num_servers,
+                "step": int(step), "train_time": when.isoformat(), "sources": sources or {},
+                "config": config or {}, "extra": extra or {}}
+        t0 = time.perf_counter()
+        self._force_base = True             # until this save is published
+        with Publisher(self.storage, ref.name, manifest=meta) as pub:
+            cluster.save(uri)
+            reports = [self._part_report(ref.name, s) for s in range(cluster.num_servers)]
+            tables: dict[str, dict] = {"sparse": {}, "dense": {}}
+            for rep in reports:
+                pub.entries.update({k: hdfs_io.FileEntry.from_json(v) for k, v in rep["files"].items()})
+                for name, n in rep["rows"].items():
+                    t = tables["sparse"].setdefault(name, {"rows": 0, "tombstones": 0, **rep["tables"].get(name, {})})
+                    t["rows"] += n
+                    t["tombstones"] += rep["tombstones"].get(name, 0)
+                for name, d in rep["dense"].items():
+                    tables["dense"].setdefault(name, d)
+            nv = {rep["num_vshards"] for rep in reports}
+            if len(nv) != 1:
+                raise CheckpointCorruptError(f"{uri}: servers disagree on num_vshards: {sorted(nv)}", uri=uri)
+            pub.manifest.update(tables=tables, num_vshards=nv.pop())
+        manifest = pub.written_manifest
+        self.head = ref.name
+        self._force_base = False
+        seconds = time.perf_counter() - t0
+        rows = sum(t["rows"] for t in tables["sparse"].values())
+        log.info("checkpoint %s published: %s, %d row(s), %d file(s), %.2f s", uri, kind, rows,
+                 len(manifest["files"]), seconds)
+        if kind == "base":
+            self.prune()
+        return manifest
+
+    def _part_report(self, name: str, server: int) -> dict:
+        path = hdfs_io.join(name, part_report_name(server))
+        uri = self.storage.uri_of(path)
+        try:
+            rep = json.loads(self.storage.read_bytes(path))
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{uri} is missing: server {server} did not finish its part",
+                                         uri=uri) from exc
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointCorruptError(f"{uri} is not valid JSON: {exc}", uri=uri) from exc
+        for key in ("files", "rows", "tombstones", "tables", "dense", "num_vshards"):
+            if key not in rep:
+                raise CheckpointCorruptError(f"{uri}: missing field {key!r}", uri=uri)
+        return rep
+
+    # ------------------------------------------------------------------ restore
+    def resolve(self, target: str | None = None) -> str:
+        """Checkpoint name of ``target`` (a name, a URI below this job, or None for the newest).
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            No complete checkpoint, or ``target`` is not one.
+        """
+        if target is None:
+            ref = self.latest()
+            if ref is None:
+                raise CheckpointNotFoundError(f"no complete checkpoint under {self.uri}", uri=self.uri)
+            return ref.name
+        name = target
+        prefix = self.storage.uri.rstrip("/") + "/"
+        if target.startswith(prefix):
+            name = target[len(prefix):]
+        ref = parse_name(name)
+        if ref is None:
+            raise CheckpointNotFoundError(f"{target!r} is not a checkpoint of {self.uri} (expected "
+                                          f"YYYYMMDD/HHMM-base|delta[.N] or a URI below it)", uri=target)
+        return ref.name
+
+    def restore(self, cluster: Cluster, target: str | None = None, *, fallback: bool = False) -> dict[str, Any]:
+        """Load a checkpoint's chain (base, then its deltas in order) onto every server.
+
+        Parameters
+        ----------
+        cluster : Cluster
+        target : str, optional
+            Checkpoint name or URI (default: the newest complete one).
+        fallback : bool
+            On a damaged checkpoint, try the previous complete checkpoint (then the one before, ...).
+
+        Returns
+        -------
+        dict
+            The manifest of the checkpoint restored (its ``sources``, ``step``, ``extra``).
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            Nothing to restore.
+        CheckpointCorruptError
+            The checkpoint (or, with fallback, every candidate) is damaged; the message names the file.
+        """
+        name = self.resolve(target)
+        candidates = [name]
+        if fallback:
+            target_ref = parse_name(name)
+            candidates += [r.name for r in reversed(self.list()) if r < target_ref]
+        first_error: BaseException | None = None
+        for cand in candidates:
+            try:
+                return self._restore_one(cluster, cand)
+            except Exception as exc:  # noqa: BLE001 - only damage falls back, the rest is re-raised
+                if not _is_damage(exc):
+                    raise
+                first_error = first_error or exc
+                if not fallback:
+                    break
+                log.warning("checkpoint %s is damaged (%s); falling back to the previous complete one",
+                            self.uri_of(cand), exc)
+        if isinstance(first_error, CheckpointCorruptError):
+            raise first_error
+        msg = str(getattr(first_error, "message", first_error))
+        uri = getattr(first_error, "uri", None) or self.uri_of(name)
+        raise CheckpointCorruptError(f"restore of {self.uri_of(name)} failed: {msg}", uri=uri) from first_error
+
+    def _restore_one(self, cluster: Cluster, name: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        chain = chain_of(self.storage, name)
+        for m in chain:
+            if m.get("hash_version") != HASH_VERSION:
+                uri = self.uri_of(m["name"])
+                raise CheckpointCorruptError(f"{uri}: hash_version {m.get('hash_version')} differs from this "
+                                             f"build's {HASH_VERSION}; its keys cannot be used", uri=uri)
+            hdfs_io.verify(self.storage, m["name"], checksums=False)     # presence + sizes, before any load
+        rows = 0
+        for m in chain:
+            rows += cluster.load(self.uri_of(m["name"]))
+        self.head = name
+        self._force_base = False
+        log.info("restored %s (base %s + %d delta(s)): %d row(s) loaded in %.2f s", self.uri_of(name),
+                 chain[0]["name"], len(chain) - 1, rows, time.perf_counter() - t0)
+        return chain[-1]
+
+    # ------------------------------------------------------------------ retention
+    def prune(self) -> list[str]:
+        """Delete checkpoints older than the ``keep_bases`` newest bases (their deltas included), and
+        incomplete leftovers older than the newest complete checkpoint. ``_SUCCESS`` goes first, so a
+        reader never sees half of a deleted checkpoint. Returns the names deleted."""
+        complete = self.list()
+        bases = [r for r in complete if r.kind == "base"]
+        deleted = []
+        if len(bases) > self.keep_bases:
+            oldest_kept = bases[-self.keep_bases]
+            for r in complete:
+                if r < oldest_kept:
+                    self.storage.delete(hdfs_io.join(r.name, hdfs_io.SUCCESS_NAME), missing_ok=True)
+                    self.storage.delete(r.name, missing_ok=True)
+                    deleted.append(r.name)
+        if complete:
+            newest = complete[-1]
+            done = {r.name for r in complete}
+            for r in list_checkpoints(self.storage, complete_only=False):
+                if r < newest and r.name not in done:
+                    self.storage.delete(r.name, missing_ok=True)
+                    deleted.append(r.name)
+        for day in self._days():
+            try:
+                if not self.storage.listdir(day):
+                    self.storage.delete(day, missing_ok=True)
+            except FileNotFoundError:
+                pass
+        if deleted:
+            log.info("retention (keep %d bases): deleted %s", self.keep_bases, ", ".join(deleted))
+        return deleted
+
+    def _days(self) -> list[str]:
+        try:
+            return [d for d in self.storage.listdir("") if d.isdigit() and len(d) == 8]
+        except FileNotFoundError:
+            return []

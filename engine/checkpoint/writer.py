@@ -1,0 +1,214 @@
+"""Server side of a checkpoint save: one server writes its part files into a checkpoint directory.
+
+Every server writes in parallel, each only its own files, then a part report ``_parts/s{SSSS}.json``
+(files with size and CRC-32, row and tombstone counts). The coordinator (``engine.checkpoint.
+coordinator``) merges the reports into ``manifest.json`` and writes ``_SUCCESS`` once every server's
+report is there. A server killed mid-write leaves no report, so no ``_SUCCESS`` is ever written and the
+directory does not exist for readers.
+
+Part files (Arrow IPC file format, zstd buffers)::
+
+    sparse/{table}/g{GG}-s{SSSS}-j{JJ}.arrow   rows of vshard group GG held by local shard JJ of server
+                                               SSSS; columns = SparseTable.schema (key, values, state,
+                                               show, click, last_seen), bit copies of the rows
+    tombstones/{table}/s{SSSS}.arrow           deltas only: key uint64, deleted since the parent
+    dense/{table}/s{SSSS}.arrow                block int32, params/m/v list<float32>, t int64;
+                                               schema metadata "size" (floats in the whole table)
+
+Group of a row: ``vshard(key) * groups // num_vshards`` (contiguous vshard ranges), so a reader on any
+cluster size reads only the groups overlapping its own vshard range.
+
+Consistency. Each local shard is captured at one instant: a base clears the shard's dirty state and
+then dumps ``rows()`` (a push in between is in the base AND the next delta, never in neither); a delta
+takes ``dirty_rows(clear=True)`` (rows and tombstones captured and the dirty state cleared in one
+locked step, so a push racing with the save lands in the next delta).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from hdfs_io import Storage, write_ipc_file
+from sparse_tables import SparseTable
+
+from ..ps import routing
+
+__all__ = ["DenseBlockState", "DenseState", "save_server_parts", "part_report_name", "group_of",
+           "TABLE_NAME_RE", "TOMBSTONE_SCHEMA", "DENSE_SCHEMA"]
+
+log = logging.getLogger(__name__)
+
+TABLE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+TOMBSTONE_SCHEMA = pa.schema([pa.field("key", pa.uint64(), nullable=False)])
+DENSE_SCHEMA = pa.schema([pa.field("block", pa.int32(), nullable=False),
+                          pa.field("params", pa.list_(pa.float32()), nullable=False),
+                          pa.field("m", pa.list_(pa.float32())),
+                          pa.field("v", pa.list_(pa.float32())),
+                          pa.field("t", pa.int64())])
+
+
+@dataclass
+class DenseBlockState:
+    """One dense block: ``params : float32[L]``; Adam's ``m, v : float32[L]`` and step ``t`` (None for SGD)."""
+
+    params: np.ndarray
+    m: np.ndarray | None = None
+    v: np.ndarray | None = None
+    t: int | None = None
+
+
+@dataclass
+class DenseState:
+    """The blocks of one dense table held by one server. ``size`` : floats in the whole table."""
+
+    size: int
+    blocks: dict[int, DenseBlockState] = field(default_factory=dict)
+
+
+def part_report_name(server: int) -> str:
+    return f"_parts/s{server:04d}.json"
+
+
+def group_of(keys: np.ndarray, num_vshards: int, groups: int) -> np.ndarray:
+    """Vshard group of keys : uint64[n] -> int64[n] in [0, groups)."""
+    return routing.vshard_of(keys, num_vshards).astype(np.int64) * groups // num_vshards
+
+
+def _check_names(names: Iterable[str]) -> None:
+    for n in names:
+        if not TABLE_NAME_RE.match(n):
+            raise ValueError(f"table name {n!r} cannot be a checkpoint path component; "
+                             f"use letters, digits, '_', '.', '-'")
+
+
+def _split_by_group(batches: list[pa.RecordBatch], num_vshards: int, groups: int) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for b in batches:
+        if b.num_rows == 0:
+            continue
+        keys = np.ascontiguousarray(b.column(0).to_numpy())
+        g = group_of(keys, num_vshards, groups)
+        first = int(g[0])
+        if (g == first).all():
+            out.setdefault(first, []).append(b)
+            continue
+        order = np.argsort(g, kind="stable")
+        sorted_g = g[order]
+        cuts = np.flatnonzero(np.diff(sorted_g)) + 1
+        starts = np.concatenate(([0], cuts))
+        ends = np.concatenate((cuts, [len(g)]))
+        taken = b.take(pa.array(order))
+        for s, e in zip(starts, ends):
+            out.setdefault(int(sorted_g[s]), []).append(taken.slice(int(s), int(e - s)))
+    return out
+
+
+def _dense_table(state: DenseState) -> pa.Table:
+    blocks = sorted(state.blocks)
+
+    def lists(get):
+        vals = [get(state.blocks[b]) for b in blocks]
+        return pa.array([None if v is None else np.asarray(v, np.float32) for v in vals],
+                        type=pa.list_(pa.float32()))
+
+    cols = [pa.array(blocks, pa.int32()), lists(lambda s: s.params), lists(lambda s: s.m),
+            lists(lambda s: s.v), pa.array([state.blocks[b].t for b in blocks], pa.int64())]
+    schema = DENSE_SCHEMA.with_metadata({"size": str(state.size)})
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int, num_vshards: int,
+                      sparse: dict[str, list[SparseTable]], dense: dict[str, DenseState] | None = None,
+                      groups: int = 16, threads: int = 2) -> dict:
+    """Write this server's part files and its part report into the checkpoint directory ``ckpt``.
+
+    Parameters
+    ----------
+    ckpt : Storage
+        Rooted at the checkpoint directory (``.../20240101/0100-delta``).
+    kind : {"base", "delta"}
+    server, num_servers, num_vshards : int
+        This server's rank, the cluster size and the routing's vshard count.
+    sparse : dict of str -> list of SparseTable
+        The local shards of each sparse table.
+    dense : dict of str -> DenseState, optional
+        The dense blocks this server holds (written in full in bases and deltas alike).
+    groups : int
+        Vshard groups per table (the manifest records it).
+    threads : int
+        Local shards captured and written concurrently.
+
+    Returns
+    -------
+    dict
+        The part report (also written to ``_parts/s{SSSS}.json``): ``files`` (name -> {size, crc32}),
+        ``rows`` and ``tombstones`` (table -> count), ``tables`` (schema facts), ``dense`` sizes.
+
+    Raises
+    ------
+    ValueError
+        Bad kind or table name.
+    OSError
+        Storage errors (typed ``hdfs_io.StorageError`` subclasses where hdfs_io raises them).
+    """
+    if kind not in ("base", "delta"):
+        raise ValueError(f"kind must be 'base' or 'delta', got {kind!r}")
+    dense = dense or {}
+    _check_names(list(sparse) + list(dense))
+    files: dict[str, dict] = {}
+    rows: dict[str, int] = {}
+    tombs: dict[str, int] = {}
+
+    def one_shard(name: str, j: int, shard: SparseTable):
+        if kind == "base":
+            shard.clear_dirty()                 # before the dump: a racing push also lands in the next delta
+            batches, deleted = list(shard.rows()), np.empty(0, np.uint64)
+        else:
+            batches, deleted = shard.dirty_rows(clear=True)
+        written = {}
+        n = 0
+        for g, parts in sorted(_split_by_group(batches, num_vshards, groups).items()):
+            fname = f"sparse/{name}/g{g:02d}-s{server:04d}-j{j:02d}.arrow"
+            entry = write_ipc_file(ckpt, fname, parts, schema=shard.schema)
+            written[fname] = entry.to_json()
+            n += sum(p.num_rows for p in parts)
+        return name, written, n, deleted
+
+    jobs = [(name, j, shard) for name, shards in sparse.items() for j, shard in enumerate(shards)]
+    deleted_by_table: dict[str, list[np.ndarray]] = {name: [] for name in sparse}
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"ckpt-save-s{server}") as pool:
+        for name, written, n, deleted in pool.map(lambda a: one_shard(*a), jobs):
+            files.update(written)
+            rows[name] = rows.get(name, 0) + n
+            deleted_by_table[name].append(deleted)
+    for name in sparse:
+        rows.setdefault(name, 0)
+        keys = np.unique(np.concatenate(deleted_by_table[name])) if deleted_by_table[name] else \
+            np.empty(0, np.uint64)
+        tombs[name] = int(len(keys))
+        if kind == "delta" and len(keys):
+            fname = f"tombstones/{name}/s{server:04d}.arrow"
+            table = pa.Table.from_arrays([pa.array(keys, pa.uint64())], schema=TOMBSTONE_SCHEMA)
+            files[fname] = write_ipc_file(ckpt, fname, table).to_json()
+    dense_sizes = {}
+    for name, state in dense.items():
+        dense_sizes[name] = {"size": state.size}
+        if state.blocks:
+            fname = f"dense/{name}/s{server:04d}.arrow"
+            files[fname] = write_ipc_file(ckpt, fname, _dense_table(state)).to_json()
+    tables = {name: {"dim": shards[0].layout.dim, "optimizer": shards[0].config.optimizer,
+                     "state_width": shards[0].layout.state_width} for name, shards in sparse.items() if shards}
+    report = {"server": server, "num_servers": num_servers, "num_vshards": num_vshards, "groups": groups,
+              "kind": kind, "files": files, "rows": rows, "tombstones": tombs, "tables": tables,
+              "dense": dense_sizes}
+    ckpt.write_bytes(part_report_name(server), json.dumps(report, sort_keys=True).encode())
+    log.info("server %d wrote %s part of %s: %d file(s), %d row(s), %d tombstone(s)", server, kind,
+             ckpt.uri, len(files), sum(rows.values()), sum(tombs.values()))
+    return report

@@ -1,0 +1,310 @@
+"""Checkpoint format on every storage backend (local, moto S3): save -> restore is bit-exact for every
+row (RAM and spilled), optimizer state and dense blocks; base + deltas == live state at the last delta;
+N -> M servers; damaged checkpoints name the file; fallback; half-written checkpoints are ignored;
+retention. The cluster here is SparseTable shards in this process driven through the same server-side
+writer/reader the PS servers use."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import hdfs_io
+from engine.checkpoint import (CheckpointManager, CheckpointNotFoundError, DenseBlockState, DenseState,
+                               load_server_parts, save_server_parts)
+from engine.checkpoint.manifest import kind_of_uri
+from engine.ps import routing
+from hdfs_io import CheckpointCorruptError
+from sparse_tables import SparseTable, TableConfig
+
+NV = 64
+T0 = dt.datetime(2024, 1, 1, 0, 0, tzinfo=dt.timezone.utc)
+
+
+class ShardCluster:
+    """``num_servers`` x ``local`` SparseTable shards per table + dense blocks, with the PS client's
+    save/load shape (each "server" runs the real writer / reader)."""
+
+    def __init__(self, num_servers: int, configs: dict, *, local: int = 2, storage_options=None, dense_size=0):
+        self.num_servers, self.local, self.configs = num_servers, local, configs
+        self.storage_options = storage_options
+        self.tables = [self._fresh(s) for s in range(num_servers)]
+        self.dense_size = dense_size
+        self.dense = [DenseState(dense_size) if dense_size else None for _ in range(num_servers)]
+        self.fail_server: int | None = None
+
+    def _fresh(self, s):
+        out = {}
+        for name, cfg in self.configs.items():
+            shards = []
+            for j in range(self.local):
+                c = cfg
+                if cfg.spill_path:
+                    import dataclasses
+                    c = dataclasses.replace(cfg, spill_path=f"{cfg.spill_path}/{name}-{s}-{j}-{id(self)}")
+                shards.append(SparseTable(c, clock=lambda: 1000.0))
+            out[name] = shards
+        return out
+
+    def owner(self, s):
+        return routing.local_shard_owners(NV, self.num_servers, s, self.local)
+
+    def push(self, name, keys, grads, shows=None):
+        srv = routing.route(keys, NV, self.num_servers)
+        for s in range(self.num_servers):
+            m = srv == s
+            if not m.any():
+                continue
+            local = routing.lookup(keys[m], NV, self.owner(s))
+            for j in range(self.local):
+                mm = local == j
+                if mm.any():
+                    sh = None if shows is None else shows[m][mm]
+                    self.tables[s][name][j].push(keys[m][mm], grads[m][mm], shows=sh)
+
+    def delete(self, name, keys):
+        for s in range(self.num_servers):
+            for shard in self.tables[s][name]:
+                shard.delete(keys)
+
+    def dump(self, name) -> dict:
+        out = {}
+        for s in range(self.num_servers):
+            for shard in self.tables[s][name]:
+                for b in shard.rows():
+                    d = b.to_pydict()
+                    for i, k in enumerate(d["key"]):
+                        row = [np.float32(v).tobytes() for v in d["values"][i]]
+                        row += [np.float32(v).tobytes() for v in d.get("state", [[]] * (i + 1))[i]]
+                        row += [np.float32(d["show"][i]).tobytes(), np.float32(d["click"][i]).tobytes(),
+                                d["last_seen"][i]]
+                        assert k not in out, "a key lives on two shards"
+                        out[k] = tuple(row)
+        return out
+
+    def storage(self, uri):
+        return hdfs_io.Storage.from_uri(uri, storage_options=self.storage_options)
+
+    def save(self, uri):
+        kind = kind_of_uri(uri)
+        for s in range(self.num_servers):
+            if s == self.fail_server:
+                raise OSError(f"server {s} killed mid-write")
+            dense = {"dense": self.dense[s]} if self.dense[s] is not None else {}
+            save_server_parts(self.storage(uri), kind=kind, server=s, num_servers=self.num_servers,
+                              num_vshards=NV, sparse=self.tables[s], dense=dense, groups=8)
+        return 0
+
+    def load(self, uri):
+        ckpt = self.storage(uri)
+        manifest = hdfs_io.read_manifest(ckpt, "")
+        n = 0
+        for s in range(self.num_servers):
+            if manifest["kind"] == "base":
+                for shards in self.tables[s].values():
+                    for sh in shards:
+                        sh.close()
+                self.tables[s] = self._fresh(s)
+            owns = (lambda name, b, s=s: b % self.num_servers == s)
+            rows, _, dense = load_server_parts(ckpt, num_vshards=NV, local_owner=self.owner(s),
+                                               sparse=self.tables[s], dense_owns=owns, manifest=manifest)
+            n += sum(rows.values())
+            if "dense" in dense:
+                size, blocks = dense["dense"]
+                self.dense[s] = DenseState(size, blocks)
+        return n
+
+    def close(self):
+        for t in self.tables:
+            for shards in t.values():
+                for sh in shards:
+                    sh.close()
+
+
+def _cfg(tmp_path, spill: bool):
+    return TableConfig(dim=4, optimizer="adagrad", learning_rate=0.1, memory_rows=300 if spill else 1_000_000,
+                       spill_path=str(tmp_path / "spill") if spill else None, num_threads=1)
+
+
+def _grads(rng, n, dim=4):
+    return rng.normal(size=(n, dim)).astype(np.float32)
+
+
+def _dense_blocks(cluster, rng):
+    for s in range(cluster.num_servers):
+        blocks = {b: DenseBlockState(rng.normal(size=5).astype(np.float32), rng.normal(size=5).astype(np.float32),
+                                     rng.random(5).astype(np.float32), 7 + b)
+                  for b in range(4) if b % cluster.num_servers == s}
+        cluster.dense[s] = DenseState(20, blocks)
+
+
+def _dense_all(cluster):
+    out = {}
+    for st in cluster.dense:
+        for b, blk in st.blocks.items():
+            out[b] = (blk.params.tobytes(), blk.m.tobytes(), blk.v.tobytes(), blk.t)
+    return out
+
+
+@pytest.fixture
+def mk(storage, tmp_path, request):
+    """(make_cluster(num_servers, spill=False), CheckpointManager) on the parametrized backend."""
+    opts = request.getfixturevalue("s3_storage_options") if storage.fs.type_name == "s3" else None
+    clusters = []
+
+    def make(num_servers, spill=False, **kw):
+        c = ShardCluster(num_servers, {"emb": _cfg(tmp_path / f"c{len(clusters)}", spill)},
+                         storage_options=opts, dense_size=20, **kw)
+        clusters.append(c)
+        return c
+
+    make.manager = lambda: CheckpointManager(storage.uri, "job", storage_options=opts, keep_bases=2, groups=8)
+    yield make, make.manager()
+    for c in clusters:
+        c.close()
+
+
+@pytest.mark.parametrize("spill", [False, True], ids=["ram", "spill"])
+def test_base_restore_bit_exact_and_resharded(mk, spill):
+    make, mgr = mk
+    rng = np.random.default_rng(0)
+    src = make(2, spill=spill)
+    keys = rng.choice(1 << 40, 2000, replace=False).astype(np.uint64)
+    for _ in range(3):
+        src.push("emb", keys, _grads(rng, len(keys)), shows=np.ones(len(keys), np.float32))
+    _dense_blocks(src, rng)
+    if spill:
+        assert sum(sh.stats()["rows_spilled"] for t in src.tables for sh in t["emb"]) > 0
+    m = mgr.save(src, "base", when=T0, step=42, sources={"train": {"file_index": 3, "batch_index": 7}})
+    assert m["tables"]["sparse"]["emb"]["rows"] == 2000 and m["num_servers"] == 2
+    want = src.dump("emb")
+    for n in (2, 3, 1):
+        dst = make(n, spill=spill)
+        got = mgr.restore(dst)
+        assert got["step"] == 42 and got["sources"]["train"]["batch_index"] == 7
+        assert dst.dump("emb") == want, f"restore onto {n} servers differs"
+        assert _dense_all(dst) == _dense_all(src)
+
+
+def test_deltas_restore_equals_live_state(mk):
+    make, mgr = mk
+    rng = np.random.default_rng(1)
+    live = make(2, spill=True)
+    keys = rng.choice(1 << 40, 1500, replace=False).astype(np.uint64)
+    live.push("emb", keys, _grads(rng, len(keys)))
+    mgr.save(live, "base", when=T0)
+    for h in range(1, 4):
+        touched = rng.choice(keys, 100, replace=False)
+        new = rng.choice(1 << 40, 50, replace=False).astype(np.uint64) + np.uint64(1 << 41)
+        keys = np.concatenate([keys, new])
+        live.push("emb", np.concatenate([touched, new]), _grads(rng, 150))
+        gone = rng.choice(keys, 20, replace=False)
+        live.delete("emb", gone)
+        _dense_blocks(live, rng)
+        m = mgr.save(live, "delta", when=T0 + dt.timedelta(hours=h))
+        assert m["kind"] == "delta" and m["chain_index"] == h
+        assert m["tables"]["sparse"]["emb"]["tombstones"] == 20
+        assert m["tables"]["sparse"]["emb"]["rows"] <= 150
+    want = live.dump("emb")
+    dst = make(3)
+    got = mgr.restore(dst)
+    assert got["name"] == "20240101/0300-delta"
+    assert dst.dump("emb") == want
+    assert _dense_all(dst) == _dense_all(live)
+    # restoring an older checkpoint of the chain gives the older state
+    assert mgr.restore(make(2), "20240101/0000-base")["kind"] == "base"
+
+
+def test_same_minute_names_and_listing(mk):
+    make, mgr = mk
+    c = make(1)
+    c.push("emb", np.arange(1, 10, dtype=np.uint64), _grads(np.random.default_rng(2), 9))
+    names = [mgr.save(c, k, when=T0)["name"] for k in ("base", "delta", "delta")]
+    assert names == ["20240101/0000-base", "20240101/0000-delta.1", "20240101/0000-delta.2"]
+    assert [r.name for r in mgr.list()] == names
+
+
+def test_damaged_checkpoints_name_the_file_and_fallback(mk):
+    make, mgr = mk
+    rng = np.random.default_rng(3)
+    c = make(2)
+    keys = rng.choice(1 << 40, 500, replace=False).astype(np.uint64)
+    c.push("emb", keys, _grads(rng, 500))
+    mgr.save(c, "base", when=T0)
+    before = c.dump("emb")
+    c.push("emb", keys[:100], _grads(rng, 100))
+    m = mgr.save(c, "delta", when=T0 + dt.timedelta(hours=1))
+    st = mgr.storage
+    part = sorted(n for n in m["files"] if n.startswith("sparse/"))[0]
+    path = f"{m['name']}/{part}"
+    raw = st.read_bytes(path)
+    for damage in ("missing", "corrupt", "truncated"):
+        if damage == "missing":
+            st.delete(path)
+        elif damage == "corrupt":
+            st.write_bytes(path, raw[:100] + bytes([raw[100] ^ 0xFF]) + raw[101:])
+        else:
+            st.write_bytes(path, raw[: len(raw) // 2])
+        with pytest.raises(CheckpointCorruptError) as ei:
+            mgr.restore(make(2))
+        assert part in str(ei.value), str(ei.value)
+        dst = make(3)
+        got = mgr.restore(dst, fallback=True)
+        assert got["name"] == "20240101/0000-base"
+        assert dst.dump("emb") == before
+        st.write_bytes(path, raw)
+    # a truncated Arrow file whose manifest entry matches (written so) still names the file
+    st.write_bytes(path, raw[: len(raw) // 2])
+    man = json.loads(st.read_bytes(f"{m['name']}/manifest.json"))
+    man["files"][part] = hdfs_io.FileEntry.of_bytes(raw[: len(raw) // 2]).to_json()
+    st.write_bytes(f"{m['name']}/manifest.json", json.dumps(man).encode())
+    with pytest.raises(CheckpointCorruptError, match="not a readable Arrow IPC file") as ei:
+        mgr.restore(make(2))
+    assert part in str(ei.value)
+
+
+def test_half_written_checkpoint_is_ignored(mk):
+    make, mgr = mk
+    rng = np.random.default_rng(4)
+    c = make(2)
+    keys = rng.choice(1 << 40, 300, replace=False).astype(np.uint64)
+    c.push("emb", keys, _grads(rng, 300))
+    mgr.save(c, "base", when=T0)
+    want = c.dump("emb")
+    c.push("emb", keys, _grads(rng, 300))
+    c.fail_server = 1                                   # server 0 wrote its parts, server 1 died
+    with pytest.raises(OSError, match="killed"):
+        mgr.save(c, "delta", when=T0 + dt.timedelta(hours=1))
+    assert mgr.storage.exists("20240101/0100-delta")   # the leftovers are there ...
+    assert [r.name for r in mgr.list()] == ["20240101/0000-base"]   # ... but do not exist for readers
+    dst = make(2)
+    assert make.manager().restore(dst)["name"] == "20240101/0000-base"
+    assert dst.dump("emb") == want
+    c.fail_server = None                                # server 0 already cleared its dirty rows:
+    m = mgr.save(c, "delta", when=T0 + dt.timedelta(hours=2))
+    assert m["kind"] == "base"                          # so the next checkpoint must be a base
+    make.manager().restore(dst)
+    assert dst.dump("emb") == c.dump("emb")
+
+
+def test_retention_keeps_last_bases_and_their_deltas(mk):
+    make, mgr = mk
+    c = make(1)
+    c.push("emb", np.arange(1, 50, dtype=np.uint64), _grads(np.random.default_rng(5), 49))
+    names = []
+    for day in range(4):
+        for h, kind in ((0, "base"), (1, "delta"), (2, "delta")):
+            names.append(mgr.save(c, kind, when=T0 + dt.timedelta(days=day, hours=h))["name"])
+    left = [r.name for r in mgr.list()]
+    assert left == names[-6:]
+    assert not mgr.storage.exists("20240101") and not mgr.storage.exists("20240102")
+    assert mgr.restore(make(1))["name"] == names[-1]
+
+
+def test_nothing_to_restore(mk):
+    _, mgr = mk
+    with pytest.raises(CheckpointNotFoundError):
+        mgr.restore(ShardCluster(1, {}))
