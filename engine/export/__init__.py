@@ -1,0 +1,28 @@
+"""Offline export for serving: bundles without optimizer state, a predictor, ONNX, word2vec.
+
+::
+
+    engine export CHECKPOINT OUT [--format bundle|onnx|word2vec] [--min-show N] [--dtype float16]
+                                 [--delta SINCE]
+    engine predict BUNDLE DATA [--out preds.arrow]
+
+Python API::
+
+    export_bundle(source, out_uri, min_show=, dtype=, since=)  -> model.json dict   (bundle)
+    export_onnx(source, out_uri, ...)                           bundle + model.onnx  (onnx_export)
+    export_word2vec(source, out_uri, vocab=...)                 word2vec text/binary (w2v)
+    load_bundle(uri) -> Bundle; Bundle.predict(record_batch) -> float32[B]; Bundle.apply_delta(uri)
+    ExportSource (interface), RowBatchSource, TableSource, PSSaveSource, save_from_client
+
+The bundle layout is documented in :mod:`engine.export.bundle`, the source interface in
+:mod:`engine.export.source`.
+"""
+from .bundle import FORMAT, BundleInfo, export_bundle, open_bundle, resolve_chain
+from .errors import BundleError, ExportError
+from .predictor import Bundle, load_bundle
+from .source import (ExportSource, PSSaveSource, RowBatchSource, TableSource, describe_model,
+                     open_source, save_from_client)
+
+__all__ = ["FORMAT", "BundleInfo", "export_bundle", "open_bundle", "resolve_chain", "BundleError",
+           "ExportError", "Bundle", "load_bundle", "ExportSource", "PSSaveSource", "RowBatchSource",
+           "TableSource", "describe_model", "open_source", "save_from_client"]

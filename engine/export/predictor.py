@@ -1,0 +1,340 @@
+"""Score Arrow record batches with a serving bundle alone: no servers, no checkpoint.
+
+::
+
+    bundle = load_bundle("s3://serve/ctr/base")        # base, or a delta (its chain is applied)
+    bundle.apply_delta("s3://serve/ctr/0100")           # hourly patch, in order
+    probs = bundle.predict(record_batch)                # float32[B]
+
+Per batch (``S`` = slots, ``w`` = row width, ``nnz`` = key occurrences, ``B*S`` for Criteo)::
+
+    columns C1..C26 (uint64 | list<uint64> | string)  ──▶ keys uint64[nnz], cells int32[nnz]
+                                                          (cell = example * S + slot)
+    keys ──hash index lookup──▶ rows of the bundle, float32[nnz, w] (unknown keys: zeros, as the
+                                                          trainer's inference pull)
+    model.predict(rows, arange(nnz), cells, dense float32[B, D]) ──▶ probabilities float32[B]
+
+The embedding lookup is an open-addressing hash index built when the bundle is loaded
+(:mod:`engine.export._kernels`); the forward pass is the ``models`` one, so predictions equal the
+trainer's on the same parameters.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from hdfs_io import StorageOptions
+
+from . import _kernels as K
+from .bundle import BundleInfo, chain_group, open_bundle, resolve_chain
+from .errors import BundleError
+
+__all__ = ["Bundle", "load_bundle"]
+
+log = logging.getLogger(__name__)
+
+_UINT64_LISTS = (pa.list_(pa.uint64()), pa.large_list(pa.uint64()))
+_STRINGS = (pa.string(), pa.binary(), pa.large_string(), pa.large_binary())
+
+
+class Bundle:
+    """A loaded bundle: embedding rows in memory behind a hash index, and the model.
+
+    Use :func:`load_bundle`. Calls are serialized by a lock (the model reuses scratch buffers); use
+    one ``Bundle`` per thread for parallel scoring.
+
+    Attributes
+    ----------
+    uri : str
+        The last bundle applied (base or delta).
+    meta : dict
+        Its ``model.json``.
+    export_id : str
+    model : models.CTRDNN or models.DeepFM
+        Dense parameters loaded.
+    slots : list of str
+        Input column of each model slot.
+    keys : uint64[N]
+        Keys held, in storage order (not sorted).
+    values : float32[N, w] or float16[N, w]
+        Their rows, in the bundle's dtype.
+    """
+
+    def __init__(self, chain: list[BundleInfo], *, max_batch: int = 8192):
+        from models import build_model
+        last = chain[-1]
+        self._set_meta(last)
+        cfg = dict(self.meta["model"])
+        kind = cfg.pop("kind")
+        cfg["dtype"] = "float32"
+        self.model = build_model(kind, **cfg)
+        if self.model.sparse_width != self.width:
+            raise BundleError(f"{last.uri}/model.json: embedding.width is {self.width}, the model needs "
+                              f"{self.model.sparse_width}")
+        self.model.set_dense(last.read_dense())
+        t0 = time.perf_counter()
+        parts = [chain_group(chain, g) for g in range(self.meta["embedding"]["vshard_groups"])]
+        self.keys = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.uint64)
+        self.values = np.concatenate([p[1] for p in parts]) if parts else np.empty((0, self.width))
+        del parts
+        self._index()
+        self.max_batch = int(max_batch)
+        self._lock = threading.Lock()
+        self.last_hits = 0
+        log.info("loaded bundle %s: %d rows of width %d (%s), %d bundle(s) applied, %.2f s", self.uri,
+                 len(self.keys), self.width, self.dtype, len(chain), time.perf_counter() - t0)
+
+    def _set_meta(self, info: BundleInfo) -> None:
+        self.uri, self.meta, self.export_id = info.uri, info.meta, info.export_id
+        inp, emb = self.meta["input"], self.meta["embedding"]
+        self.slots = list(inp["slots"])
+        self.slot_ids = dict(inp["slot_ids"])
+        self.dense_column = inp["dense_column"]
+        self.label_column = inp["label_column"]
+        self.hash_version = int(self.meta["hashing"]["hash_version"])
+        self.width = int(emb["width"])
+        self.dtype = emb["dtype"]
+
+    def _index(self) -> None:
+        cap = K.index_capacity(len(self.keys))
+        self._slot_keys = np.zeros(cap, np.uint64)
+        self._slot_rows = np.full(cap, -1, np.int64)
+        dup = K.build_index(self.keys, self._slot_keys, self._slot_rows)
+        if dup >= 0:
+            raise BundleError(f"{self.uri}: key {int(self.keys[dup])} is stored twice (corrupt bundle)")
+        self._raw = self.values.view(np.uint16) if self.dtype == "float16" else self.values
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        return f"Bundle({self.uri!r}, rows={len(self)}, model={self.model!r}, dtype={self.dtype})"
+
+    # -------------------------------------------------------------------------------------- lookup
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Embedding rows of ``keys : uint64[n]`` -> ``float32[n, w]``; unknown keys read zeros."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        out = np.empty((len(keys), self.width), self._raw.dtype)
+        self.last_hits = K.lookup_gather(keys, self._slot_keys, self._slot_rows, self._raw, out)
+        return out.view(np.float16).astype(np.float32) if self.dtype == "float16" else out
+
+    def state(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys uint64[N] sorted, values [N, w])``: the rows held, in key order (for comparisons)."""
+        order = np.argsort(self.keys, kind="stable")
+        return self.keys[order], self.values[order]
+
+    # -------------------------------------------------------------------------------------- input
+    def inputs(self, batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Model input of one record batch.
+
+        Parameters
+        ----------
+        batch : pyarrow.RecordBatch
+            One column per slot of ``self.slots`` (uint64 keys, ``list<uint64>`` for multi-valued
+            slots, or raw strings hashed with ``streaming.keys``; nulls mean no key) and, when the model
+            has dense features, ``self.dense_column`` as ``fixed_size_list<float32>[D]``.
+
+        Returns
+        -------
+        keys : uint64[nnz]
+        cells : int32[nnz]
+            ``example * S + slot`` of each key occurrence.
+        dense : float32[B, D]
+
+        Raises
+        ------
+        BundleError
+            A missing or mistyped column, or keys hashed with another ``hash_version`` (named).
+        """
+        if isinstance(batch, pa.Table):
+            batch = batch.combine_chunks().to_batches()[0] if batch.num_rows else \
+                pa.RecordBatch.from_pylist([], schema=batch.schema)
+        md = batch.schema.metadata or {}
+        hv = md.get(b"hash_version")
+        if hv is not None and int(hv) != self.hash_version:
+            raise BundleError(f"input keys use hash_version {int(hv)}, bundle {self.uri} was trained on "
+                              f"hash_version {self.hash_version}; re-convert the input")
+        n, S = batch.num_rows, len(self.slots)
+        names = batch.schema.names
+        cols = []
+        simple = True
+        for j, name in enumerate(self.slots):
+            if name not in names:
+                raise BundleError(f"input: missing slot column {name!r} (bundle slots {self.slots}); "
+                                  f"present: {names}")
+            col = batch.column(name)
+            if col.type == pa.uint64() and col.null_count == 0:
+                cols.append(col.to_numpy())
+            else:
+                simple = False
+                cols.append(self._slot_keys_of(col, j, n))
+        if simple:
+            keys = np.empty((n, S), np.uint64)
+            for j, c in enumerate(cols):
+                keys[:, j] = c
+            keys = keys.reshape(-1)
+            cells = np.arange(n * S, dtype=np.int32)
+        else:
+            ks, cs = [], []
+            for j, c in enumerate(cols):
+                if isinstance(c, tuple):
+                    ks.append(c[0])
+                    cs.append(c[1] * S + j)
+                else:
+                    ks.append(c)
+                    cs.append(np.arange(n, dtype=np.int64) * S + j)
+            keys = np.concatenate(ks).astype(np.uint64, copy=False)
+            cells = np.concatenate(cs).astype(np.int32)
+        return keys, cells, self._dense_of(batch, n)
+
+    def _slot_keys_of(self, col: pa.Array, j: int, n: int):
+        name = self.slots[j]
+        if isinstance(col, pa.ChunkedArray):
+            col = col.combine_chunks()
+        if col.type == pa.uint64():
+            valid = np.asarray(col.is_valid())
+            return col.fill_null(0).to_numpy()[valid], np.flatnonzero(valid)
+        if col.type in _UINT64_LISTS:
+            lengths = col.value_lengths().fill_null(0).to_numpy()
+            offs = col.offsets.to_numpy()
+            vals = col.values.to_numpy(zero_copy_only=False)[offs[0]:offs[-1]]
+            return np.ascontiguousarray(vals, np.uint64), np.repeat(np.arange(n), lengths)
+        if col.type in _STRINGS:
+            from streaming import keys as Kk
+            if Kk.HASH_VERSION != self.hash_version:
+                raise BundleError(f"input: column {name!r} holds raw strings, but this engine hashes with "
+                                  f"hash_version {Kk.HASH_VERSION} and the bundle expects {self.hash_version}")
+            valid = np.asarray(col.is_valid())
+            hashed = Kk.hash_array(int(self.slot_ids[name]), col.filter(pa.array(valid)))
+            return hashed, np.flatnonzero(valid)
+        raise BundleError(f"input: column {name!r}: expected uint64, list<uint64> or string keys, "
+                          f"got {col.type}")
+
+    def _dense_of(self, batch: pa.RecordBatch, n: int) -> np.ndarray:
+        D = self.model.dense_dim
+        if D == 0:
+            return np.zeros((n, 0), np.float32)
+        name = self.dense_column
+        if name not in batch.schema.names:
+            raise BundleError(f"input: missing dense column {name!r} (fixed_size_list<float32>[{D}])")
+        col = batch.column(name)
+        t = col.type
+        if not pa.types.is_fixed_size_list(t) or t.list_size != D or not pa.types.is_floating(t.value_type):
+            raise BundleError(f"input: column {name!r}: expected fixed_size_list<float32>[{D}], got {t}")
+        flat = col.flatten().to_numpy(zero_copy_only=False)
+        return np.ascontiguousarray(flat.reshape(n, D), np.float32)
+
+    # -------------------------------------------------------------------------------------- scoring
+    def pooled(self, batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
+        """The ONNX model's inputs for ``batch``.
+
+        Returns
+        -------
+        pooled : float32[B, S*w]
+            ``pooled[b, s*w + c] = sum over the keys k of example b in slot s of row(k)[c]``
+            (``w`` = ``sparse_width``: ``dim`` for CTR-DNN, ``dim + 1`` for DeepFM with column 0 the
+            first-order weight); an empty slot or unknown key adds zeros.
+        dense : float32[B, D]
+        """
+        keys, cells, dense = self.inputs(batch)
+        emb = self.lookup(keys)
+        n = dense.shape[0]
+        out = np.zeros((n * len(self.slots), self.width), np.float32)
+        np.add.at(out, cells, emb)
+        return out.reshape(n, len(self.slots) * self.width), dense
+
+    def predict(self, batch: pa.RecordBatch) -> np.ndarray:
+        """Click probabilities of a record batch, ``float32[B]``, in row order.
+
+        Parameters
+        ----------
+        batch : pyarrow.RecordBatch or Table
+            See :meth:`inputs`. Large batches are scored in chunks of ``max_batch`` rows.
+
+        Raises
+        ------
+        BundleError
+            Bad input columns (named).
+        """
+        n = batch.num_rows
+        out = np.empty(n, np.float32)
+        with self._lock:
+            for s in range(0, n, self.max_batch):
+                part = batch.slice(s, self.max_batch) if n > self.max_batch else batch
+                keys, cells, dense = self.inputs(part)
+                if dense.shape[0] == 0:
+                    continue
+                emb = self.lookup(keys)
+                rows = np.arange(len(keys), dtype=np.int32)
+                out[s:s + dense.shape[0]] = self.model.predict(emb, rows, cells, dense)
+        return out
+
+    # -------------------------------------------------------------------------------------- patches
+    def apply_delta(self, uri: str, storage_options: StorageOptions | None = None) -> None:
+        """Apply a delta bundle exported on top of the one currently loaded.
+
+        Raises
+        ------
+        BundleError
+            ``uri`` is not a delta, or its parent is not the bundle currently loaded (deltas must be
+            applied in order).
+        hdfs_io.NotPublishedError
+            The delta has no ``_SUCCESS`` marker.
+        """
+        info = open_bundle(uri, storage_options)
+        if not info.is_delta:
+            raise BundleError(f"{info.uri}: a full bundle, not a delta; load it with load_bundle")
+        parent = info.meta["parent"]["export_id"]
+        if parent != self.export_id:
+            raise BundleError(f"{info.uri}: a delta of export {parent}, but the loaded bundle is "
+                              f"{self.export_id} ({self.uri}); apply deltas in order")
+        emb = info.meta["embedding"]
+        if emb["width"] != self.width or emb["dtype"] != self.dtype:
+            raise BundleError(f"{info.uri}: embedding {emb['dtype']}[{emb['width']}] does not match the "
+                              f"loaded {self.dtype}[{self.width}]")
+        t0 = time.perf_counter()
+        parts = [info.read_group(g) for g in range(emb["vshard_groups"])]
+        up_k = np.concatenate([p[0] for p in parts])
+        up_v = np.concatenate([p[1] for p in parts])
+        drop = np.concatenate([info.read_deleted(), up_k])
+        rows = np.empty(len(drop), np.int64)
+        K.find_rows(drop, self._slot_keys, self._slot_rows, rows)
+        keep = np.ones(len(self.keys), bool)
+        keep[rows[rows >= 0]] = False
+        self.keys = np.concatenate([self.keys[keep], up_k])
+        self.values = np.concatenate([self.values[keep], up_v])
+        self.model.set_dense(info.read_dense())
+        self._index()
+        self._set_meta(info)
+        log.info("applied delta %s: %d rows upserted, %d deleted, %d rows now, %.2f s", info.uri,
+                 len(up_k), emb["deleted"], len(self.keys), time.perf_counter() - t0)
+
+
+def load_bundle(uri: str, storage_options: StorageOptions | None = None, *, max_batch: int = 8192) -> Bundle:
+    """Load a bundle for scoring; a delta URI loads its whole chain (base first).
+
+    Parameters
+    ----------
+    uri : str
+        Bundle directory on any :mod:`hdfs_io` backend.
+    max_batch : int
+        Rows per forward pass (bounds scratch memory).
+
+    Returns
+    -------
+    Bundle
+
+    Raises
+    ------
+    hdfs_io.NotPublishedError
+        No ``_SUCCESS``: the message names the marker's path.
+    hdfs_io.CheckpointCorruptError
+        A file is missing, truncated or fails its checksum (named).
+    BundleError
+        ``model.json`` malformed or of another format.
+    """
+    return Bundle(resolve_chain(uri, storage_options), max_batch=max_batch)

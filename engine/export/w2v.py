@@ -1,0 +1,87 @@
+"""``--format word2vec``: a Word2Vec input-vector table in the word2vec text/binary format.
+
+Keys of the table are word ids embedded in the key (``streaming.keys.make_keys(slot, ids)``); the
+vocabulary (``vocab.arrow`` of ``streaming.text``) maps id -> word. The file is written by
+``models.word2vec_io.save_word2vec_format`` in vocabulary order (descending count), so gensim's
+``KeyedVectors.load_word2vec_format`` reads it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import numpy as np
+
+from .errors import ExportError
+
+__all__ = ["export_word2vec"]
+
+log = logging.getLogger(__name__)
+
+
+def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, storage_options=None) -> dict:
+    """Write ``source``'s rows as word2vec vectors.
+
+    Parameters
+    ----------
+    source : ExportSource
+        Rows keyed by ``make_keys(slot, word_id)``; ``values`` = the input vectors ``float32[dim]``.
+    out_uri : str
+        Output file on any :mod:`hdfs_io` backend.
+    vocab : str
+        ``vocab.arrow`` or the converted-corpus directory holding it (local).
+    binary : bool
+        word2vec binary format instead of text.
+
+    Returns
+    -------
+    dict
+        ``{"words": V, "dim": dim, "missing": words without a row (written as zeros)}``.
+
+    Raises
+    ------
+    ExportError
+        A row whose word id is outside the vocabulary, or rows of mixed width.
+    """
+    from hdfs_io import Storage
+    from models.word2vec_io import save_word2vec_format
+    from streaming.keys import key_ids
+    from streaming.text import read_vocab
+    words, _ = read_vocab(vocab)
+    vecs = None
+    have = np.zeros(len(words), bool)
+    for rb in source.embedding_batches():
+        keys = np.ascontiguousarray(rb.column("key").to_numpy(), np.uint64)
+        col = rb.column("values")
+        dim = col.type.list_size
+        vals = col.flatten().to_numpy(zero_copy_only=False).reshape(len(keys), dim)
+        if vecs is None:
+            vecs = np.zeros((len(words), dim), np.float32)
+        elif vecs.shape[1] != dim:
+            raise ExportError(f"{source.source_uri}: rows of width {dim} after rows of width {vecs.shape[1]}")
+        ids = key_ids(keys).astype(np.int64)
+        bad = ids >= len(words)
+        if bad.any():
+            raise ExportError(f"{source.source_uri}: key {int(keys[bad][0])} has word id {int(ids[bad][0])}, "
+                              f"outside the vocabulary of {len(words)} words ({vocab})")
+        vecs[ids] = vals
+        have[ids] = True
+    if vecs is None:
+        raise ExportError(f"{source.source_uri}: no rows to export")
+    missing = int((~have).sum())
+    if missing:
+        log.warning("%d of %d vocabulary words have no row in %s; written as zero vectors", missing,
+                    len(words), source.source_uri)
+    storage, name = _parent(out_uri, storage_options)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "vectors")
+        save_word2vec_format(path, words, vecs, binary=binary)
+        with open(path, "rb") as f:
+            storage.write_bytes(name, f.read())
+    return {"words": len(words), "dim": int(vecs.shape[1]), "missing": missing}
+
+
+def _parent(uri, storage_options):
+    from .bundle import split_uri
+    return split_uri(uri, storage_options)
