@@ -450,19 +450,24 @@ class PSClient:
                                                         apply_pending=apply_pending, timeout_s=timeout))
                        for s in servers], idempotent=False, timeout=timeout + 5.0)
 
-    def save(self, path: str) -> int:
-        """Every server writes its tables under the local directory ``path``; returns sparse rows saved."""
+    def save(self, path: str, *, timeout: float = 3600.0) -> int:
+        """Every server writes its part files of the checkpoint directory ``path`` (a URI ending in
+        ``HHMM-base`` / ``HHMM-delta[.N]``), in parallel; returns sparse rows written. The part files do
+        not form a checkpoint until ``engine.checkpoint.CheckpointManager`` publishes the manifest and
+        ``_SUCCESS``; use ``CheckpointManager.save(client, ...)`` rather than this call."""
         rid = self._rid()
         return sum(r.count for r in self._fan_out(
             [(s, "Save", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
-             for s in range(self.num_servers)], idempotent=False))
+             for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
 
-    def load(self, path: str) -> int:
-        """Every server loads the rows it owns from ``path`` (saved by any number of servers)."""
+    def load(self, path: str, *, timeout: float = 3600.0) -> int:
+        """Every server loads the rows it owns of the published checkpoint at ``path`` (written by any
+        number of servers; a base replaces the tables, a delta is applied on top). Returns rows loaded.
+        ``CheckpointManager.restore(client)`` loads a whole base + deltas chain."""
         rid = self._rid()
         return sum(r.count for r in self._fan_out(
             [(s, "Load", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
-             for s in range(self.num_servers)], idempotent=False))
+             for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
 
     def shrink(self, table: str = "", now: float | None = None) -> int:
         """Expiry pass on every server (one table or all); returns rows deleted."""

@@ -12,15 +12,13 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from models.optim import SGD, Adam
 from sparse_tables import SparseTable, TableConfig, TableInputError
 
+from ..checkpoint.writer import DenseBlockState, DenseState
 from ..config import DenseTableConfig
 from . import _kernels, routing
 from .codec import DENSE_BLOCK
@@ -212,40 +210,14 @@ class SparseHost:
                      rows_per_shard=[p["rows"] for p in per])
         return total
 
-    # ------------------------------------------------------------------ save / load (local directory)
-    def save(self, root: Path) -> int:
-        """One Arrow IPC file per local shard: ``{root}/sparse/{table}/server{S}-shard{J}.arrow``."""
-        d = root / "sparse" / self.name
-        d.mkdir(parents=True, exist_ok=True)
-        rows = 0
-        for j, shard in enumerate(self.shards):
-            tmp = d / f".server{self.server:04d}-shard{j:03d}.arrow.tmp"
-            with pa.OSFile(str(tmp), "wb") as f, ipc.new_file(f, shard.schema) as w:
-                for batch in shard.rows():
-                    w.write_batch(batch)
-                    rows += batch.num_rows
-            tmp.replace(d / f"server{self.server:04d}-shard{j:03d}.arrow")
-        return rows
-
-    def load(self, root: Path) -> int:
-        """Load every file of the table written by any number of servers, keeping the rows this server
-        owns (so a save from N servers loads onto M)."""
-        d = root / "sparse" / self.name
-        if not d.is_dir():
-            raise HostError("NOT_FOUND", f"no saved rows for table {self.name!r} under {d}")
-        rows = 0
-        for path in sorted(d.glob("server*-shard*.arrow")):
-            with pa.memory_map(str(path), "r") as src:
-                reader = ipc.open_file(src)
-                for i in range(reader.num_record_batches):
-                    batch = reader.get_batch(i)
-                    keys = batch.column("key").to_numpy()
-                    local = routing.lookup(np.ascontiguousarray(keys), self.num_vshards, self.local_owner)
-                    for j in range(len(self.shards)):
-                        mask = local == j
-                        if mask.any():
-                            rows += self.shards[j].load_rows([batch.filter(pa.array(mask))])
-        return rows
+    # ------------------------------------------------------------------ checkpoints (engine.checkpoint)
+    def reset(self) -> None:
+        """Replace every local shard by an empty one (before a base checkpoint is loaded)."""
+        old, self.shards = self.shards, []
+        for j, shard in enumerate(old):
+            cfg = shard.config
+            shard.close()
+            self.shards.append(SparseTable(cfg))
 
     def close(self) -> None:
         for s in self.shards:
@@ -361,39 +333,40 @@ class DenseHost:
         return {"size": self.size, "num_blocks": self.num_blocks, "blocks_here": sorted(self.blocks),
                 "optimizer": self.config.optimizer}
 
-    def save(self, root: Path) -> int:
-        d = root / "dense" / self.name
-        d.mkdir(parents=True, exist_ok=True)
+    def snapshot(self) -> DenseState | None:
+        """Copies of this server's blocks with their optimizer state (None before init)."""
+        if self.size is None:
+            return None
+        state = DenseState(self.size)
         for bl, b in self.blocks.items():
             with b.lock:
-                state = {"params": b.params.copy(), "size": np.int64(self.size)}
                 if isinstance(b.opt, Adam):
                     st = b.opt.state_dict()
-                    state.update(m=st["m"], v=st["v"], t=np.int64(st["t"]))
-            tmp = d / f".block{bl:05d}.npz.tmp"
-            with open(tmp, "wb") as f:
-                np.savez(f, **state)
-            tmp.replace(d / f"block{bl:05d}.npz")
-        return len(self.blocks)
+                    state.blocks[bl] = DenseBlockState(b.params.copy(), np.array(st["m"], np.float32),
+                                                       np.array(st["v"], np.float32), int(st["t"]))
+                else:
+                    state.blocks[bl] = DenseBlockState(b.params.copy())
+        return state
 
-    def load(self, root: Path) -> int:
-        d = root / "dense" / self.name
-        files = sorted(d.glob("block*.npz")) if d.is_dir() else []
-        if not files:
-            raise HostError("NOT_FOUND", f"no saved blocks for dense table {self.name!r} under {d}")
-        with np.load(files[0]) as z:
-            size = int(z["size"])
+    def restore(self, size: int, blocks: dict) -> int:
+        """Set the blocks this server owns from a checkpoint (``DenseBlockState`` by block index).
+
+        Raises
+        ------
+        HostError
+            DATA_LOSS when a block this server owns is missing from the checkpoint.
+        """
         n = 0
-        for bl in range(-(-size // DENSE_BLOCK)):
+        for bl in range(max(1, -(-size // DENSE_BLOCK))):
             if self.owner(bl) != self.server:
                 continue
-            path = d / f"block{bl:05d}.npz"
-            if not path.is_file():
-                raise HostError("NOT_FOUND", f"dense table {self.name!r}: missing {path}")
-            with np.load(path) as z:
-                self.init(bl, size, z["params"], force=True)
-                b = self.blocks[bl]
-                if isinstance(b.opt, Adam) and "m" in z:
-                    b.opt.load_state_dict({"m": z["m"], "v": z["v"], "t": int(z["t"])})
+            st = blocks.get(bl)
+            if st is None:
+                raise HostError("DATA_LOSS", f"dense table {self.name!r}: block {bl} is missing from the "
+                                f"checkpoint")
+            self.init(bl, size, st.params, force=True)
+            b = self.blocks[bl]
+            if isinstance(b.opt, Adam) and st.m is not None:
+                b.opt.load_state_dict({"m": st.m, "v": st.v, "t": int(st.t)})
             n += 1
         return n

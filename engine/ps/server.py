@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -58,13 +57,20 @@ class PSServer:
     local_shards : int
         SparseTable shards per sparse table on this server (requests to different shards run in
         parallel; each shard serializes its own updates).
+    storage_options : hdfs_io.StorageOptions, optional
+        Where checkpoints live on S3 (default: the standard AWS environment variables).
+    checkpoint_groups, checkpoint_threads : int
+        Vshard groups per table in checkpoint part files; shards written / files read concurrently.
     """
 
     def __init__(self, sparse: dict, dense: dict | None = None, *, index: int = 0, num_servers: int = 1,
-                 num_vshards: int = DEFAULT_NUM_VSHARDS, local_shards: int = 4):
+                 num_vshards: int = DEFAULT_NUM_VSHARDS, local_shards: int = 4,
+                 storage_options=None, checkpoint_groups: int = 16, checkpoint_threads: int = 2):
         if not 0 <= index < num_servers:
             raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
         self.index, self.num_servers, self.num_vshards = index, num_servers, num_vshards
+        self.storage_options = storage_options            # checkpoint storage (None: AWS env vars)
+        self.checkpoint_groups, self.checkpoint_threads = checkpoint_groups, checkpoint_threads
         self._pool = ThreadPoolExecutor(max(2, local_shards), thread_name_prefix=f"ps{index}-shard")
         self.sparse = {name: SparseHost(name, cfg, server=index, num_servers=num_servers,
                                         num_vshards=num_vshards, num_local=local_shards, pool=self._pool)
@@ -215,22 +221,53 @@ class PSServer:
                 host.apply_pending(world)
 
     def Save(self, req: pb.PathRequest) -> pb.CountResponse:
-        root = Path(req.path)
-        rows = sum(h.save(root) for h in self.sparse.values())
-        for h in self.dense.values():
-            if h.size is not None:
-                h.save(root)
-        return pb.CountResponse(request_id=req.request_id, count=rows)
+        """Write this server's part files of the checkpoint directory ``req.path`` (a URI ending in
+        ``HHMM-base`` or ``HHMM-delta[.N]``; see ``engine.checkpoint.writer``). Returns the rows written."""
+        from ..checkpoint.manifest import kind_of_uri
+        from ..checkpoint.writer import save_server_parts
+        kind = kind_of_uri(req.path)
+        dense = {n: st for n, h in self.dense.items() if (st := h.snapshot()) is not None}
+        report = save_server_parts(self._checkpoint_storage(req.path), kind=kind, server=self.index,
+                                   num_servers=self.num_servers, num_vshards=self.num_vshards,
+                                   sparse={n: h.shards for n, h in self.sparse.items()}, dense=dense,
+                                   groups=self.checkpoint_groups, threads=self.checkpoint_threads)
+        return pb.CountResponse(request_id=req.request_id, count=sum(report["rows"].values()))
 
     def Load(self, req: pb.PathRequest) -> pb.CountResponse:
-        root = Path(req.path)
-        if not root.is_dir():
-            raise HostError("NOT_FOUND", f"no such directory: {root}")
-        rows = sum(h.load(root) for h in self.sparse.values())
-        for h in self.dense.values():
-            if (root / "dense" / h.name).is_dir():
-                h.load(root)
-        return pb.CountResponse(request_id=req.request_id, count=rows)
+        """Load this server's rows of the published checkpoint at ``req.path`` (a base resets the tables
+        first; a delta is applied on top). Damaged files fail with DATA_LOSS naming the file."""
+        from hdfs_io import CheckpointCorruptError, NotPublishedError
+        from ..checkpoint.manifest import read_checkpoint_manifest
+        from ..checkpoint.reader import CheckpointMismatchError, load_server_parts
+        from . import routing
+        ckpt = self._checkpoint_storage(req.path)
+        try:
+            manifest = read_checkpoint_manifest(ckpt, "")
+            if manifest["kind"] == "base":
+                for h in self.sparse.values():
+                    h.reset()
+            hosts = list(self.sparse.values())
+            owner = (routing.local_shard_owners(self.num_vshards, self.num_servers, self.index,
+                                                len(hosts[0].shards)) if hosts else None)
+            rows, _, dense = load_server_parts(
+                ckpt, num_vshards=self.num_vshards, local_owner=owner,
+                sparse={n: h.shards for n, h in self.sparse.items()},
+                dense_owns=lambda name, b: name in self.dense and self.dense[name].owner(b) == self.index,
+                manifest=manifest, threads=self.checkpoint_threads)
+        except NotPublishedError as e:
+            raise HostError("NOT_FOUND", str(e)) from None
+        except CheckpointCorruptError as e:
+            raise HostError("DATA_LOSS", str(e)) from None
+        except CheckpointMismatchError as e:
+            raise HostError("FAILED_PRECONDITION", str(e)) from None
+        for name, (size, blocks) in dense.items():
+            if name in self.dense:
+                self.dense[name].restore(size, blocks)
+        return pb.CountResponse(request_id=req.request_id, count=sum(rows.values()))
+
+    def _checkpoint_storage(self, uri: str):
+        from hdfs_io import Storage
+        return Storage.from_uri(uri, storage_options=self.storage_options)
 
     def Shrink(self, req: pb.ShrinkRequest) -> pb.CountResponse:
         hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())

@@ -232,9 +232,11 @@ def test_save_on_two_servers_loads_onto_three(tmp_path):
     keys = np.arange(3000, dtype=np.uint64)
     c2.push("emb", keys, np.random.default_rng(0).normal(size=(3000, DIM)).astype(np.float32))
     c2.init_dense("d", np.arange(5, dtype=np.float32))
-    assert c2.save(tmp_path) == 3000
+    from engine.checkpoint import CheckpointManager
+    m = CheckpointManager(str(tmp_path), "job").save(c2, "base")
+    assert m["tables"]["sparse"]["emb"]["rows"] == 3000
     _, c3 = cluster(3, {"emb": cfg}, dense)
-    assert c3.load(tmp_path) == 3000
+    assert CheckpointManager(str(tmp_path), "job").restore(c3)["name"] == m["name"]
     np.testing.assert_array_equal(c3.pull("emb", keys), c2.pull("emb", keys))
     np.testing.assert_array_equal(c3.pull_dense("d"), np.arange(5, dtype=np.float32))
 
