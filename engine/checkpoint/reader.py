@@ -21,7 +21,6 @@ import pyarrow as pa
 from hdfs_io import CheckpointCorruptError, FileEntry, Storage, file_entries, read_ipc_file
 from sparse_tables import SparseTable, TableInputError
 
-from ..ps import routing
 from .manifest import read_checkpoint_manifest
 from .writer import DenseBlockState
 
@@ -91,6 +90,7 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
     CheckpointMismatchError
         A checkpoint table is not hosted here, or has another dim / optimizer.
     """
+    from ..ps import routing     # here: engine.ps imports this package
     if manifest is None:
         manifest = read_checkpoint_manifest(ckpt, "")
     entries = file_entries(manifest)

@@ -38,7 +38,6 @@ import pyarrow as pa
 from hdfs_io import Storage, write_ipc_file
 from sparse_tables import SparseTable
 
-from ..ps import routing
 
 __all__ = ["DenseBlockState", "DenseState", "save_server_parts", "part_report_name", "group_of",
            "TABLE_NAME_RE", "TOMBSTONE_SCHEMA", "DENSE_SCHEMA"]
@@ -78,6 +77,7 @@ def part_report_name(server: int) -> str:
 
 def group_of(keys: np.ndarray, num_vshards: int, groups: int) -> np.ndarray:
     """Vshard group of keys : uint64[n] -> int64[n] in [0, groups)."""
+    from ..ps import routing     # here: engine.ps imports this package (dense state types)
     return routing.vshard_of(keys, num_vshards).astype(np.int64) * groups // num_vshards
 
 
