@@ -5,12 +5,14 @@ import argparse
 import sys
 
 from . import train_cmd
+from .export import cli as export_cli
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train_cmd.add_parser(sub)
+    export_cli.add_subparsers(sub)
     return parser
 
 
@@ -18,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "train":
         return train_cmd.run(args)
+    if args.command in ("export", "predict"):
+        return export_cli.run(args)
     return 2
 
 

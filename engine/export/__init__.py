@@ -12,7 +12,7 @@ Python API::
     export_onnx(source, out_uri, ...)                           bundle + model.onnx  (onnx_export)
     export_word2vec(source, out_uri, vocab=...)                 word2vec text/binary (w2v)
     load_bundle(uri) -> Bundle; Bundle.predict(record_batch) -> float32[B]; Bundle.apply_delta(uri)
-    ExportSource (interface), RowBatchSource, TableSource, PSSaveSource, save_from_client
+    ExportSource (interface), RowBatchSource, TableSource, CheckpointSource, snapshot_cluster
 
 The bundle layout is documented in :mod:`engine.export.bundle`, the source interface in
 :mod:`engine.export.source`.
@@ -20,9 +20,9 @@ The bundle layout is documented in :mod:`engine.export.bundle`, the source inter
 from .bundle import FORMAT, BundleInfo, export_bundle, open_bundle, resolve_chain
 from .errors import BundleError, ExportError
 from .predictor import Bundle, load_bundle
-from .source import (ExportSource, PSSaveSource, RowBatchSource, TableSource, describe_model,
-                     open_source, save_from_client)
+from .checkpoint_source import CheckpointSource
+from .source import ExportSource, RowBatchSource, TableSource, describe_model, open_source, snapshot_cluster
 
 __all__ = ["FORMAT", "BundleInfo", "export_bundle", "open_bundle", "resolve_chain", "BundleError",
-           "ExportError", "Bundle", "load_bundle", "ExportSource", "PSSaveSource", "RowBatchSource",
-           "TableSource", "describe_model", "open_source", "save_from_client"]
+           "ExportError", "Bundle", "load_bundle", "ExportSource", "CheckpointSource", "RowBatchSource",
+           "TableSource", "describe_model", "open_source", "snapshot_cluster"]

@@ -2,7 +2,7 @@
 
 ``engine export CHECKPOINT_URI OUT_URI [--format bundle|onnx|word2vec] [--min-show N]
 [--dtype float16] [--delta SINCE]``: CHECKPOINT_URI is a checkpoint directory, a job root (its newest
-complete checkpoint) or a PS save directory with ``model_description.json``. The last stdout line is
+complete checkpoint). The last stdout line is
 one JSON object ``{"event": "export", "format", "out", "bundle", "rows", "deleted", "export_id"}``.
 
 ``engine predict BUNDLE DATA [--out preds.arrow]``: DATA is Arrow (IPC files, a directory of them,
@@ -35,7 +35,7 @@ def add_subparsers(sub) -> None:
     """Register ``export`` and ``predict`` on the ``engine`` command's subparsers."""
     p = sub.add_parser("export", help="export a checkpoint for serving (bundle, ONNX, word2vec)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="checkpoint directory, job root, or PS save directory")
+    p.add_argument("checkpoint", help="checkpoint directory, or a job root (its newest complete checkpoint)")
     p.add_argument("out", help="output bundle directory (or word2vec file) on any storage URI")
     p.add_argument("--format", choices=("bundle", "onnx", "word2vec"), default="bundle")
     p.add_argument("--min-show", type=float, default=None, help="drop rows seen fewer than N times")

@@ -25,31 +25,25 @@ Model description (worked example, CTR-DNN on Criteo)::
 
 Implementations here: :class:`RowBatchSource` (row batches + dense + description: the tested
 reference, and what any other source reduces to), :class:`TableSource` (in-process
-``sparse_tables.SparseTable`` shards), :class:`PSSaveSource` (the directory ``PSClient.save``
-writes, plus ``model_description.json``; :func:`save_from_client` produces it from a live cluster)
-and :class:`~engine.export.checkpoint_source.CheckpointSource` (an ``engine.checkpoint`` chain
-replayed); :func:`open_source` picks one for a URI.
+``sparse_tables.SparseTable`` shards) and :class:`~engine.export.checkpoint_source.CheckpointSource`
+(an ``engine.checkpoint`` chain replayed; :func:`snapshot_cluster` makes one from a live cluster);
+:func:`open_source` picks one for a URI.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from .errors import ExportError
 
-__all__ = ["ExportSource", "RowBatchSource", "TableSource", "PSSaveSource", "describe_model",
-           "check_description", "save_from_client", "open_source", "DESCRIPTION_FILE"]
+__all__ = ["ExportSource", "RowBatchSource", "TableSource", "describe_model", "check_description",
+           "snapshot_cluster", "open_source"]
 
 log = logging.getLogger(__name__)
 
-DESCRIPTION_FILE = "model_description.json"
 _MODEL_KEYS = ("kind", "num_slots", "dim", "dense_dim", "hidden")
 
 
@@ -192,120 +186,45 @@ class TableSource(RowBatchSource):
         super().__init__(description, dense, lambda: (b for t in tables for b in t.rows()), source_uri)
 
 
-class PSSaveSource(RowBatchSource):
-    """The directory ``PSClient.save(path)`` writes (every server's ``sparse/{table}/*.arrow`` and
-    ``dense/{table}/block*.npz``), plus ``model_description.json`` (see :func:`save_from_client`).
-
-    Parameters
-    ----------
-    path : str or PathLike
-        Local directory.
-    description : dict, optional
-        Default: read from ``path/model_description.json``.
-    sparse_table, dense_table : str, optional
-        Default: ``description["tables"]["sparse"]`` / ``["dense"]``, else ``embedding`` / ``dense``.
-
-    Raises
-    ------
-    ExportError
-        Missing description, table directory or dense block (the path is named).
-    """
-
-    def __init__(self, path, description: Mapping | None = None, *, sparse_table: str | None = None,
-                 dense_table: str | None = None):
-        root = Path(path)
-        if description is None:
-            f = root / DESCRIPTION_FILE
-            if not f.is_file():
-                raise ExportError(f"{f}: missing (a PS save directory needs the model description; "
-                                  f"write it with engine.export.save_from_client)")
-            try:
-                description = json.loads(f.read_text())
-            except json.JSONDecodeError as e:
-                raise ExportError(f"{f}: not valid JSON: {e}") from None
-        tables = dict(description.get("tables") or {})
-        sparse_table = sparse_table or tables.get("sparse", "embedding")
-        dense_table = dense_table or tables.get("dense", "dense")
-        sdir, ddir = root / "sparse" / sparse_table, root / "dense" / dense_table
-        files = sorted(sdir.glob("server*-shard*.arrow")) if sdir.is_dir() else []
-        if not files:
-            raise ExportError(f"{sdir}: no saved rows of sparse table {sparse_table!r}")
-        dense = _read_dense_blocks(ddir)
-
-        def batches():
-            for p in files:
-                with pa.memory_map(str(p), "r") as src:
-                    reader = ipc.open_file(src)
-                    for i in range(reader.num_record_batches):
-                        yield reader.get_batch(i)
-
-        super().__init__(description, dense, batches, source_uri=os.path.abspath(root))
-
-
-def _read_dense_blocks(d: Path) -> np.ndarray:
-    blocks = sorted(d.glob("block*.npz")) if d.is_dir() else []
-    if not blocks:
-        raise ExportError(f"{d}: no saved dense blocks")
-    parts = []
-    size = None
-    for p in blocks:
-        with np.load(p) as z:
-            size = int(z["size"])
-            parts.append(np.asarray(z["params"], np.float32))
-    vec = np.concatenate(parts)
-    if len(vec) != size:
-        raise ExportError(f"{d}: dense blocks hold {len(vec)} values, the table size is {size} "
-                          f"(a block file is missing)")
-    return vec
-
-
-def save_from_client(client, path, description: Mapping, *, sparse_table: str = "embedding",
-                     dense_table: str = "dense") -> PSSaveSource:
-    """Snapshot a live cluster for export: every server saves its tables under the local directory
-    ``path`` (servers must share that filesystem with this process), then the description is written
-    beside them.
+def snapshot_cluster(client, root: str, job: str, config: Mapping, *, storage_options=None):
+    """Export source from a live cluster: the servers write a base checkpoint of their tables
+    (``engine.checkpoint.CheckpointManager.save``) under ``{root}/{job}``, which is then read back.
 
     Parameters
     ----------
     client : engine.ps.PSClient
-    path : str or PathLike
-    description : dict
-        Model description; the table names are added under ``tables``.
+        Any object with the checkpoint ``Cluster`` shape (``num_servers``, ``save(uri)``).
+    root, job : str
+        Checkpoint root URI (any :mod:`hdfs_io` backend the servers can write) and job name.
+    config : mapping
+        The engine config as a dict (``EngineConfig.to_dict()``): its ``model`` section describes the
+        model (see :func:`~engine.export.checkpoint_source.description_from_config`).
 
     Returns
     -------
-    PSSaveSource
+    engine.export.checkpoint_source.CheckpointSource
     """
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    rows = client.save(str(root))
-    desc = check_description(description)
-    desc["tables"] = {"sparse": sparse_table, "dense": dense_table}
-    (root / DESCRIPTION_FILE).write_text(json.dumps(desc, indent=1, sort_keys=True))
-    log.info("saved %d sparse rows from the cluster to %s for export", rows, root)
-    return PSSaveSource(root, desc)
+    from engine.checkpoint import CheckpointManager
+    from .checkpoint_source import CheckpointSource
+    mgr = CheckpointManager(root, job, storage_options=storage_options)
+    manifest = mgr.save(client, "base", config=dict(config))
+    return CheckpointSource(mgr.uri_of(manifest["name"]), storage_options=storage_options)
 
 
 def open_source(uri: str, *, storage_options=None) -> ExportSource:
     """The source behind ``engine export CHECKPOINT_URI``.
 
     ``uri`` is an ``engine.checkpoint`` checkpoint directory or job root (its newest complete
-    checkpoint; :class:`~engine.export.checkpoint_source.CheckpointSource`), or a local PS save
-    directory with ``model_description.json`` (:class:`PSSaveSource`).
+    checkpoint; :class:`~engine.export.checkpoint_source.CheckpointSource`).
 
     Raises
     ------
     ExportError
         Nothing exportable at ``uri`` (the message says what was expected).
     """
-    p = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
-    if "://" not in uri or uri.startswith("file://"):
-        if (p / DESCRIPTION_FILE).is_file() and (p / "sparse").is_dir():
-            return PSSaveSource(p)
     from .checkpoint_source import CheckpointSource, is_checkpoint_uri
     if is_checkpoint_uri(uri, storage_options):
         return CheckpointSource(uri, storage_options=storage_options)
     raise ExportError(
         f"{uri}: not an exportable checkpoint: expected a checkpoint directory "
-        f"(.../JOB/YYYYMMDD/HHMM-base|delta) or job root with a complete checkpoint, or a PS save "
-        f"directory (sparse/, dense/ and {DESCRIPTION_FILE}, written by engine.export.save_from_client)")
+        f"(.../JOB/YYYYMMDD/HHMM-base|delta) or a job root holding a complete checkpoint")
