@@ -11,6 +11,8 @@ Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
     cluster: {servers, workers, host, endpoints, local_shards, num_vshards, ...}
     client: {timeout_s, retries, backoff_s, threads, async_queue, barrier_timeout_s}
     geo: {k_steps, learning_rate, dense_learning_rate, evict_after_steps}
+    checkpoint: {root, job, delta_every, base_every, keep_bases, fallback, final, threads}
+                                (engine.checkpoint.schedule; root "" = no checkpoints)
     tables:
       sparse: {NAME: {sparse_tables.TableConfig fields}}
       dense:  {NAME: {optimizer, learning_rate, beta1, beta2, epsilon}}
@@ -32,6 +34,7 @@ import yaml
 
 from sparse_tables import TableConfig, TableConfigError
 
+from .checkpoint.schedule import CheckpointConfig
 from .errors import ConfigError
 
 MODES = ("sync", "async", "geo")
@@ -109,6 +112,7 @@ class EngineConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     geo: GeoConfig = field(default_factory=GeoConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sparse_tables: dict = field(default_factory=dict)   # name -> sparse_tables.TableConfig
     dense_tables: dict = field(default_factory=dict)    # name -> DenseTableConfig
     model: ModelConfig | None = None
@@ -116,7 +120,7 @@ class EngineConfig:
     def to_dict(self) -> dict:
         """The YAML mapping this config loads from (round-trips through ``from_dict``)."""
         out = {"mode": self.mode, "cluster": _plain(self.cluster), "client": _plain(self.client),
-               "geo": _plain(self.geo),
+               "geo": _plain(self.geo), "checkpoint": _plain(self.checkpoint),
                "tables": {"sparse": {k: _plain(v) for k, v in self.sparse_tables.items()},
                           "dense": {k: _plain(v) for k, v in self.dense_tables.items()}}}
         if self.model is not None:

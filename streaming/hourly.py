@@ -239,6 +239,8 @@ class HourlySource:
                     return
             if ready:
                 continue
+            if until is not None and last is not None and partition_time(last) + _dt.timedelta(hours=1) >= until:
+                return
             if not wait:
                 return
             log.debug("no complete partition after %s under %s; polling in %.1f s", last, self.storage.uri,

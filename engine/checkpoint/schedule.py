@@ -19,9 +19,8 @@ clock time spent training.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..config import knob
 from ..errors import ConfigError
 
 __all__ = ["CheckpointConfig", "Schedule", "parse_duration"]
@@ -54,10 +53,11 @@ class CheckpointConfig:
     job: str = ""
     delta_every: str = "1h"
     base_every: str = "24h"
-    keep_bases: int = knob(2, ge=1)
+    keep_bases: int = field(default=2, metadata={"ge": 1})
     fallback: bool = False
     final: bool = True
-    threads: int = knob(2, ge=1)
+    threads: int = field(default=2, metadata={"ge": 1})
+    restored: str = ""          # set by the launcher after --resume: the checkpoint the servers hold
 
     def __post_init__(self) -> None:
         if self.delta_every != "partition":
