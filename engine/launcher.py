@@ -213,8 +213,17 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def launch(cfg: EngineConfig, run_dir: str | Path | None = None) -> list[dict]:
+def launch(cfg: EngineConfig, run_dir: str | Path | None = None, *, on_servers_ready=None,
+           on_workers_done=None) -> list[dict]:
     """Run a whole training job locally; returns the workers' results (one dict per rank).
+
+    Parameters
+    ----------
+    on_servers_ready : callable(endpoints) -> EngineConfig or None, optional
+        Runs once the servers are up, before any worker starts (e.g. restore a checkpoint); a returned
+        config replaces the one the workers get.
+    on_workers_done : callable(endpoints, results), optional
+        Runs after every worker finished, before the servers stop (e.g. the final checkpoint).
 
     Raises
     ------
@@ -226,7 +235,14 @@ def launch(cfg: EngineConfig, run_dir: str | Path | None = None) -> list[dict]:
     with LocalCluster(cfg, run_dir) as cluster:
         log.info("run directory: %s", cluster.run_dir)
         cluster.start_servers()
+        if on_servers_ready is not None:
+            new = on_servers_ready(cluster.endpoints)
+            if new is not None:
+                cluster.cfg = new
+                dump_config(new, cluster.config_path)
         cluster.start_workers()
         results = cluster.wait_workers()
+        if on_workers_done is not None:
+            on_workers_done(cluster.endpoints, results)
         cluster.stop_servers()
         return results

@@ -4,7 +4,12 @@ Without ``--role``: launch ``cluster.servers`` servers and ``cluster.workers`` w
 (free ports), run the job, stop everything, print one JSON line ``{"event": "final", ...}`` on stdout.
 With ``--role``: run that one role in this process (multi-host; see ``engine.roles``).
 
-Exit codes: 0 success, 2 bad config or arguments, 1 a process failed, 130 interrupted.
+With ``checkpoint.root`` set, the end of the job writes a checkpoint (its URI is the final line's
+``checkpoint``); ``--resume [URI]`` restores one onto the servers before the workers start
+(``engine.checkpoint.job``).
+
+Exit codes: 0 success, 2 bad config or arguments, 1 a process failed or a checkpoint could not be
+restored, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import logging
 import os
 import sys
 
+from hdfs_io import CheckpointCorruptError, NotPublishedError
 from streaming.errors import DataFormatError, SchemaError
 
 from .errors import ConfigError, LaunchError
@@ -37,6 +43,13 @@ def add_parser(sub) -> None:
     p.add_argument("--ready-file", default=None, help="server: write host:port here once listening")
     p.add_argument("--result-file", default=None, help="worker: write the JSON summary here")
     p.add_argument("--run-dir", default=None, help="launcher: directory for logs and results")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="URI",
+                   help="restore a checkpoint before training: URI of a checkpoint directory or job root "
+                        "(default: the newest complete checkpoint under checkpoint.root)")
+    p.add_argument("--resume-fallback", action="store_true",
+                   help="with --resume: a damaged checkpoint falls back to the previous complete one")
+    p.add_argument("--until", default=None, metavar="YYYYMMDDHH",
+                   help="online jobs: stop before the first hourly partition at or after this hour")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -45,8 +58,9 @@ def run(args) -> int:
                         format=f"%(asctime)s {args.role or 'launcher'}{'' if not args.role else args.rank} "
                                f"%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from .config import load_config
+    overrides = list(args.overrides) + ([f"model.until={args.until}"] if args.until else [])
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"engine train: config error: {e}", file=sys.stderr)
         return 2
@@ -66,12 +80,29 @@ def run(args) -> int:
         program = load_program(cfg.model.kind)
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)
+        from .checkpoint import job as ckpt_job
+        state = {"cfg": cfg, "checkpoint": None}
+
+        def servers_ready(endpoints):
+            if args.resume is None:
+                return None
+            state["cfg"] = ckpt_job.resume(cfg, endpoints, args.resume or None, fallback=args.resume_fallback)
+            return state["cfg"]
+
+        def workers_done(endpoints, results):
+            if getattr(program, "WRITES_CHECKPOINTS", False):
+                state["checkpoint"] = next((r.get("checkpoint") for r in results if r.get("rank") == 0), None)
+                return
+            step = max([r.get("steps", 0) for r in results] + [0])
+            state["checkpoint"] = ckpt_job.final(state["cfg"], endpoints, step=step)
+
         with (program.follow(cfg) if hasattr(program, "follow") else contextlib.nullcontext()):
-            results = launch(cfg, args.run_dir)
+            results = launch(cfg, args.run_dir, on_servers_ready=servers_ready, on_workers_done=workers_done)
         if hasattr(program, "final"):
             final = program.final(cfg, results)
         else:
             final = {"event": "final", "model": cfg.model.kind, "mode": cfg.mode, "workers": results}
+        final["checkpoint"] = state["checkpoint"]
     except ConfigError as e:
         print(f"engine train: config error: {e}", file=sys.stderr)
         return 2
@@ -80,6 +111,9 @@ def run(args) -> int:
         return 2
     except LaunchError as e:
         print(f"engine train: failed: {e}", file=sys.stderr)
+        return 1
+    except (CheckpointCorruptError, NotPublishedError) as e:
+        print(f"engine train: cannot resume: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("engine train: interrupted; every process was stopped", file=sys.stderr)

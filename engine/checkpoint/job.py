@@ -1,0 +1,86 @@
+"""Checkpoints of an ``engine train`` job, seen from the launcher (the coordinator of a local job).
+
+* ``--resume [URI]``: after the servers are up and before any worker starts, ``resume`` loads the
+  newest complete checkpoint under ``checkpoint.root/job`` (or the one URI names) onto every server,
+  and records its name in ``checkpoint.restored`` so the workers (which get the updated config) know
+  what was restored: its step, source positions and consumed partitions.
+* at the end of a finite job, ``final`` writes one more checkpoint (a delta on top of the restored one,
+  else a base) unless the program writes its own (``WRITES_CHECKPOINTS = True``, e.g. online jobs).
+
+URI forms accepted by ``--resume``: a checkpoint directory (``s3://b/ckpt/ctr/20240101/0100-delta``)
+or a job root (``s3://b/ckpt/ctr``: its newest complete checkpoint); no URI: the config's root and job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..errors import ConfigError
+from .coordinator import CheckpointManager
+from .manifest import parse_name
+
+__all__ = ["job_name", "manager_for", "resume", "final"]
+
+log = logging.getLogger(__name__)
+
+
+def job_name(cfg) -> str:
+    return cfg.checkpoint.job or (cfg.model.kind if cfg.model is not None else "job")
+
+
+def manager_for(cfg, uri: str | None = None) -> tuple[CheckpointManager, str | None]:
+    """(manager, target name or None for the newest) for the config's root or a ``--resume`` URI.
+
+    Raises
+    ------
+    ConfigError
+        Neither a URI nor ``checkpoint.root`` is given.
+    """
+    ck = cfg.checkpoint
+    if uri:
+        parts = uri.rstrip("/").split("/")
+        if len(parts) >= 4 and parse_name("/".join(parts[-2:])) is not None:
+            return (CheckpointManager("/".join(parts[:-3]) or "/", parts[-3], keep_bases=ck.keep_bases),
+                    "/".join(parts[-2:]))
+        return CheckpointManager("/".join(parts[:-1]) or "/", parts[-1], keep_bases=ck.keep_bases), None
+    if not ck.root:
+        raise ConfigError("checkpoint.root: empty; set it (or pass --resume URI) to resume from a checkpoint")
+    return CheckpointManager(ck.root, job_name(cfg), keep_bases=ck.keep_bases), None
+
+
+def _client(cfg, endpoints):
+    from ..ps.client import PSClient
+    c = cfg.client
+    return PSClient(endpoints, timeout_s=c.timeout_s, retries=c.retries, backoff_s=c.backoff_s,
+                    max_backoff_s=c.max_backoff_s, threads=c.threads, name="launcher")
+
+
+def resume(cfg, endpoints: list[str], uri: str | None, *, fallback: bool = False):
+    """Restore onto the servers at ``endpoints``; returns the config with ``checkpoint.restored`` set.
+
+    Raises
+    ------
+    CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
+        Nothing to restore / damaged (the message names the file).
+    """
+    mgr, target = manager_for(cfg, uri)
+    with _client(cfg, endpoints) as client:
+        client.wait_ready(cfg.cluster.startup_timeout_s)
+        manifest = mgr.restore(client, target, fallback=fallback or cfg.checkpoint.fallback)
+    restored = mgr.uri_of(manifest["name"])
+    log.info("resumed from %s (step %s)", restored, manifest.get("step"))
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=restored))
+
+
+def final(cfg, endpoints: list[str], *, step: int = 0, extra: dict | None = None) -> str | None:
+    """Write the end-of-job checkpoint; returns its URI (None when checkpoints are off)."""
+    ck = cfg.checkpoint
+    if not ck.enabled or not ck.final:
+        return None
+    mgr, _ = manager_for(cfg)
+    if ck.restored and ck.restored.startswith(mgr.uri.rstrip("/") + "/"):
+        mgr.head = ck.restored[len(mgr.uri.rstrip("/")) + 1:]
+    with _client(cfg, endpoints) as client:
+        manifest = mgr.save(client, "delta" if mgr.head else "base", step=step, config=cfg.to_dict(),
+                            extra=extra or {})
+    return mgr.uri_of(manifest["name"])
