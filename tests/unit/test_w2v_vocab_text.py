@@ -110,6 +110,7 @@ def rows(out_dir):
     return toks, raw
 
 
+@pytest.mark.nojit
 @pytest.mark.parametrize("gz", [False, True])
 def test_convert_small(tmp_path, gz):
     src = write(tmp_path / ("c.txt.gz" if gz else "c.txt"), TEXT, gz)
@@ -142,6 +143,7 @@ def test_convert_small(tmp_path, gz):
     assert Vocab.from_arrow(tmp_path / "out").words == words
 
 
+@pytest.mark.nojit
 def test_convert_ties_max_vocab_and_staleness(tmp_path):
     src = write(tmp_path / "c.txt", "b a c b a c d\nd e\n")
     convert_text(src, tmp_path / "o", min_count=1, max_vocab=3, file_tokens=2, batch_tokens=1)
