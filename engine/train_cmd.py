@@ -58,7 +58,7 @@ def run(args) -> int:
                         format=f"%(asctime)s {args.role or 'launcher'}{'' if not args.role else args.rank} "
                                f"%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from .config import load_config
-    overrides = list(args.overrides) + ([f"model.until={args.until}"] if args.until else [])
+    overrides = list(args.overrides) + ([f"model.until='{args.until}'"] if args.until else [])
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

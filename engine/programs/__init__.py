@@ -28,6 +28,7 @@ PROGRAMS = {
     "logreg": "engine.programs.logreg",
     "ctr_dnn": "engine.programs.ctr",
     "deepfm": "engine.programs.ctr",
+    "ctr_online": "engine.programs.ctr_online",
 }
 
 

@@ -1,0 +1,237 @@
+"""``ctr_online``: streaming online learning of a CTR model (``network: ctr_dnn | deepfm``) on hourly
+partitions, with a checkpoint after every partition.
+
+For each new complete partition ``{partitions}/{YYYYMMDD}/{HH}/`` (``streaming.hourly``), in time order,
+waiting ``poll_interval_s`` between listings when none is ready::
+
+    1. progressive validation   every worker scores its share of the hour with the CURRENT model (pull
+                                without creating rows); the merged AUC / logloss is the model's quality
+                                on data it has not seen yet
+    2. train                    each worker trains on its share (record batches w::W of the hour)
+    3. checkpoint (rank 0)      after every worker's updates reached the servers: a delta recording the
+                                partition as consumed (manifest ``sources.train.partition`` and
+                                ``extra.consumed``); once per ``checkpoint.base_every`` of data time
+                                the expiry pass (shrink) runs first and a base is written instead
+
+Workers wait at a barrier until the checkpoint is published, so no update of the next hour leaks into
+it. Killed at any moment and restarted with ``engine train CONFIG --resume``, the job restores the newest
+complete checkpoint and continues with the first partition it does not record as consumed: a partition
+half-trained when the job died is trained again from the checkpoint taken before it, so every partition
+is consumed exactly once in the checkpointed model. The job runs forever, or until ``model.until``
+(``--until YYYYMMDDHH``) or ``model.max_partitions``.
+
+Metrics file events: ``{"event": "partition", "partition": "20240101/05", "rows", "progressive_auc",
+"progressive_logloss", "train_logloss", "checkpoint"}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from streaming.hourly import HourlySource, partition_time
+
+from ..checkpoint import CheckpointManager, Schedule
+from ..checkpoint.job import job_name
+from ..config import ModelConfig, knob
+from ..errors import ConfigError
+from ..metrics import BinaryMetrics
+from . import ctr
+from .ctr_data import expected_schema
+from .ctr_report import EVAL_BUCKETS, MetricsFile, merge_global, metrics_state_size, now_stamp
+
+log = logging.getLogger(__name__)
+
+#: the launcher does not add a final checkpoint: every partition already ends with one
+WRITES_CHECKPOINTS = True
+
+
+@dataclass(frozen=True)
+class Config(ctr.Config):
+    """The ``model`` section: every ``ctr_dnn``/``deepfm`` knob (``data`` is unused) plus the stream."""
+
+    network: str = knob("ctr_dnn", choices=("ctr_dnn", "deepfm"))
+    partitions: str = ""
+    poll_interval_s: float = knob(10.0, gt=0)
+    until: str = ""
+    max_partitions: int = knob(0, ge=0)
+
+
+def _until(p: Config) -> _dt.datetime | None:
+    if not p.until:
+        return None
+    for fmt in ("%Y%m%d%H", "%Y%m%d/%H", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H"):
+        try:
+            return _dt.datetime.strptime(str(p.until), fmt).replace(tzinfo=_dt.timezone.utc)
+        except ValueError:
+            continue
+    raise ConfigError(f"model.until must be an hour like 2024010105 (YYYYMMDDHH), got {p.until!r}")
+
+
+def _as_network(cfg):
+    """The config with ``model.kind`` = the network, as the CTR trainer expects."""
+    return dataclasses.replace(cfg, model=ModelConfig(cfg.model.params.network, cfg.model.params))
+
+
+def prepare(cfg):
+    """Launcher hook: check tables, stream root, mode and checkpoint root; pick the metrics file.
+
+    Raises
+    ------
+    ConfigError
+        Missing ``model.partitions`` or ``checkpoint.root``, sync mode, bad ``model.until``, or a table
+        that does not fit the network.
+    """
+    p: Config = cfg.model.params
+    ctr._check_tables(_as_network(cfg), p)
+    expected_schema(p.slots, p.dense_dim)
+    _until(p)
+    if not p.partitions:
+        raise ConfigError("model.partitions must name the hourly partition root (local path or s3://...)")
+    if not cfg.checkpoint.enabled:
+        raise ConfigError("checkpoint.root must be set for ctr_online: each partition ends with a checkpoint")
+    if cfg.mode == "sync":
+        raise ConfigError("mode must be async or geo for ctr_online (workers' shares of an hour differ in size)")
+    metrics_file = p.metrics_file or str(
+        os.path.abspath(p.metrics_dir) + f"/ctr_online-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl")
+    p = dataclasses.replace(p, metrics_file=metrics_file)
+    MetricsFile(metrics_file).write({"event": "start", "model": "ctr_online", "network": p.network,
+                                     "mode": cfg.mode, "partitions": p.partitions, "time": time.time()})
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params=p))
+
+
+def final(cfg, results: list[dict]) -> dict:
+    """Launcher hook: the last stdout line."""
+    r0 = next((r for r in results if r.get("rank") == 0), {})
+    return {"event": "final", "model": "ctr_online", "network": cfg.model.params.network, "mode": cfg.mode,
+            "partitions": r0.get("partitions", []), "last_partition": r0.get("last_partition"),
+            "progressive_auc": r0.get("progressive_auc"), "metrics_file": cfg.model.params.metrics_file,
+            "checkpoint": r0.get("checkpoint")}
+
+
+class OnlineTrainer(ctr.CTRTrainer):
+    """The online loop of one worker rank (see the module docstring)."""
+
+    def __init__(self, ctx):
+        self.full_config = ctx.config
+        super().__init__(dataclasses.replace(ctx, config=_as_network(ctx.config)))
+        self.p: Config = ctx.config.model.params
+        self.ck = ctx.config.checkpoint
+        self.mgr: CheckpointManager | None = None
+        self.last: str | None = None
+        self.consumed: list[str] = []          # partitions trained since the last checkpoint
+        resumed = None
+        if self.ck.restored:
+            mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases)
+            name = mgr.resolve(self.ck.restored)
+            resumed = mgr.manifest(name)
+            self.last = (resumed.get("sources", {}).get("train") or {}).get("partition")
+            self.steps = int(resumed.get("step", 0))
+        if self.rank == 0:
+            self.mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases)
+            if resumed is not None:
+                self.mgr.head = resumed["name"]
+        start = 0.0
+        if resumed is not None:
+            base = resumed["base"]
+            start = self._base_time(base)
+        self.schedule = Schedule(self.ck, start_s=start)
+        self.started = resumed is not None
+
+    @staticmethod
+    def _base_time(name: str) -> float:
+        day, rest = name.split("/")
+        return _dt.datetime.strptime(day + rest[:4], "%Y%m%d%H%M").replace(tzinfo=_dt.timezone.utc).timestamp()
+
+    def progressive(self, part) -> dict | None:
+        """Global AUC / logloss of the current model on this hour (before training on it)."""
+        local = BinaryMetrics(EVAL_BUCKETS)
+        self.model.set_dense(self.client.pull_dense(self.p.dense_table))
+        for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema):
+            batch = self.read(rb)
+            uniq, rows, segments, _, _ = self.dedup(batch)
+            emb = self.client.pull(self.p.sparse_table, uniq)
+            local.update(self.model.predict(emb, rows, segments, batch.dense), batch.labels)
+        return merge_global(self.client, self.mode, self.p.metrics_table, local, f"pv-{part.name}")
+
+    def train_partition(self, part) -> tuple[int, float]:
+        rows, loss, steps = 0, 0.0, 0
+        for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema):
+            batch = self.read(rb)
+            res = self.train_step(batch)
+            rows += batch.size
+            loss += res.loss
+            steps += 1
+        self.steps += steps
+        self.examples += rows
+        return rows, loss / max(1, steps)
+
+    def checkpoint(self, part) -> str | None:
+        """Rank 0: shrink + base when one is due, else a delta recording the partition as consumed."""
+        if self.mgr is None:
+            return None
+        now = part.end.timestamp()
+        if not self.started:                      # the first checkpoint of a fresh job is its base
+            self.schedule = Schedule(self.ck, start_s=now)
+            kind = "base"
+        else:
+            kind = self.schedule.due(now, partition_done=True) or "delta"
+        if kind == "base" and self.started:
+            deleted = self.client.shrink()
+            log.info("expiry pass before the base of %s: %d row(s) deleted", part.name, deleted)
+        pos = {"partition": part.name, "file_index": len(part.files), "batch_index": 0, "row": 0}
+        m = self.mgr.save(self.client, kind, when=part.end, step=self.steps, sources={"train": pos},
+                          config=self.full_config.to_dict(), extra={"consumed": list(self.consumed)})
+        self.schedule.done(m["kind"], now)
+        self.started = True
+        return self.mgr.uri_of(m["name"])
+
+    def run(self) -> dict:
+        p = self.p
+        self.mode.init_dense(p.dense_table, self.model.get_dense())
+        if self.rank == 0:
+            self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),
+                                   force=True)
+        self.mode.barrier("metrics-init")
+        src = HourlySource(p.partitions, poll_interval_s=p.poll_interval_s)
+        done, last_uri, auc = [], None, None
+        log.info("worker %d: online from after %s", self.rank, self.last or "the first partition")
+        for part in src.partitions(after=self.last, until=_until(p)):
+            pv = self.progressive(part)
+            rows, train_loss = self.train_partition(part)
+            self._drain()
+            self.mode.barrier(f"trained-{part.name}")
+            self.consumed.append(part.name)
+            last_uri = self.checkpoint(part)
+            self.consumed = []
+            self.mode.barrier(f"checkpointed-{part.name}")
+            done.append(part.name)
+            if pv is not None:
+                auc = pv["auc"]
+                self.metrics.write({"event": "partition", "partition": part.name, "rows": pv["count"],
+                                    "progressive_auc": pv["auc"], "progressive_logloss": pv["logloss"],
+                                    "train_logloss": train_loss, "step": self.steps, "checkpoint": last_uri,
+                                    "time": time.time()})
+                log.info("partition %s: progressive AUC %.4f logloss %.4f (%d rows); checkpoint %s",
+                         part.name, pv["auc"], pv["logloss"], pv["count"], last_uri)
+            if p.max_partitions and len(done) >= p.max_partitions:
+                break
+        self.mode.finish()
+        out = {"rank": self.rank, "partitions": done, "last_partition": done[-1] if done else self.last,
+               "steps": self.steps, "examples": self.examples}
+        if self.rank == 0:
+            out.update(checkpoint=last_uri, progressive_auc=auc)
+        return out
+
+
+def run(ctx) -> dict:
+    """Worker entry point (``engine.programs`` contract)."""
+    return OnlineTrainer(ctx).run()
+
+
+__all__ = ["Config", "prepare", "final", "run", "OnlineTrainer", "partition_time"]
