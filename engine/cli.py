@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import train_cmd
+from . import convert_cmd, train_cmd
 from .export import cli as export_cli
 
 
@@ -12,6 +12,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train_cmd.add_parser(sub)
+    convert_cmd.add_parser(sub)
     export_cli.add_subparsers(sub)
     return parser
 
@@ -20,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "train":
         return train_cmd.run(args)
+    if args.command == "convert":
+        return convert_cmd.run(args)
     if args.command in ("export", "predict"):
         return export_cli.run(args)
     return 2

@@ -1,0 +1,85 @@
+"""CLI bad-input contract: ``engine convert`` and ``engine train`` end with exit code 2 and one clear
+error line naming the path, key or column (run in-process through ``engine.cli.main``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from engine.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+CTR = str(REPO / "configs" / "ctr.yaml")
+
+
+def _err(capsys) -> str:
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("engine ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_convert_missing_input(tmp_path, capsys):
+    assert main(["convert", "criteo", str(tmp_path / "nope.txt"), str(tmp_path / "out")]) == 2
+    assert "nope.txt" in _err(capsys)
+
+
+def test_convert_malformed_line_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    good = "\t".join(["1"] + ["3"] * 13 + ["68fd1e64"] * 26)
+    bad.write_text(good + "\n" + "1\t2\n")
+    assert main(["convert", "criteo", str(bad), str(tmp_path / "out")]) == 2
+    msg = _err(capsys)
+    assert "bad.txt:2" in msg and "40 tab-separated fields" in msg
+
+
+def test_convert_skips_bad_rows_when_allowed(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    good = "\t".join(["1"] + ["3"] * 13 + ["68fd1e64"] * 26)
+    bad.write_text(good + "\n" + "1\t2\n" + good + "\n")
+    assert main(["convert", "criteo", str(bad), str(tmp_path / "out"), "--max-bad-rows", "1"]) == 0
+    assert '"rows": 2' in capsys.readouterr().out
+
+
+def test_convert_bad_argument(tmp_path, capsys):
+    assert main(["convert", "criteo", "x", str(tmp_path), "--batch-size", "0"]) == 2
+    assert "--batch-size" in _err(capsys)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.bogus=1", "model: unknown key(s) ['bogus']"),
+    ("model.batch_size=0", "model.batch_size must be >= 1, got 0"),
+    ("model.data.source=parquet", "model.data.source must be one of"),
+    ("mode=fast", "mode must be one of"),
+    ("tables.sparse.embedding.dim=7", "tables.sparse.embedding.dim must be 10"),
+    ("model.slots=[C1,X9]", "model.slots: unknown column(s) ['X9']"),
+])
+def test_train_bad_config(override, needle, capsys):
+    assert main(["train", CTR, "--set", override]) == 2
+    assert needle in _err(capsys)
+
+
+def test_train_missing_data_path(tmp_path, capsys):
+    assert main(["train", CTR, "--set", "model.data.source=criteo",
+                 "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
+    msg = _err(capsys)
+    assert "model.data.criteo_path" in msg and "missing.txt" in msg
+    assert main(["train", CTR, "--set", "model.data.source=arrow",
+                 "--set", f"model.data.train_path={tmp_path}/nodir"]) == 2
+    msg = _err(capsys)
+    assert "model.data.train_path" in msg and "nodir" in msg
+
+
+def test_train_wrong_schema_arrow(tmp_path, capsys):
+    path = tmp_path / "bad.arrow"
+    t = pa.table({"label": pa.array(np.zeros(4), pa.float32()),
+                  "dense": pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(52), pa.float32()), 13),
+                  **{f"C{j}": pa.array(np.arange(4), pa.uint64()) for j in range(1, 27) if j != 5},
+                  "C5": pa.array(["a", "b", "c", "d"])})
+    with pa.ipc.new_stream(str(path), t.schema) as w:
+        w.write_table(t)
+    assert main(["train", CTR, "--set", "model.data.source=arrow", "--set", f"model.data.train_path={path}",
+                 "--set", f"model.data.test_path={path}"]) == 2
+    msg = _err(capsys)
+    assert "'C5'" in msg and "uint64" in msg and "bad.arrow" in msg
