@@ -168,3 +168,36 @@ def test_malformed_requests_get_clear_errors_and_the_server_keeps_serving(cluste
     after = stub.Pull(pb.PullRequest(table="emb", request_id="p-1", keys=codec.encode(keys)), timeout=10)
     assert after.values.data == before.values.data    # no rejected request changed anything
     assert json.loads(stub.Health(pb.Empty(request_id="h"), timeout=10).json)["ready"]
+
+
+def test_truncated_raw_frames_get_invalid_argument_with_context(cluster, stub):
+    """Bytes that are not a whole message (cut inside an array, or garbage) reach the handler and get
+    INVALID_ARGUMENT naming the server, the table and the request id that could be read."""
+    keys = own_keys()
+    raw = grpc.insecure_channel(cluster.endpoints[0])
+    try:
+        push = raw.unary_unary("/engine.ps.ParameterServer/Push", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        pull = raw.unary_unary("/engine.ps.ParameterServer/Pull", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        before = stub.Pull(pb.PullRequest(table="emb", request_id="p-0", keys=codec.encode(keys)), timeout=10)
+        frame = codec.serialize(codec.Wire(pb.PushRequest(table="emb", request_id="cut-1"), keys=keys,
+                                           grads=np.ones((len(keys), 4), np.float32)))
+        for body, rid in ((frame[:-5], "cut-1"), (frame[:40], "cut-1"), (b"\xff" * 9, "-")):
+            with pytest.raises(grpc.RpcError) as ei:
+                push(body, timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, body[:20]
+            details = ei.value.details()
+            assert "server 0/2" in details and f"request {rid}" in details, details
+            if rid != "-":
+                assert "table 'emb'" in details and "truncated" in details, details
+        with pytest.raises(grpc.RpcError) as ei:
+            pull(codec.serialize(codec.Wire(pb.PullRequest(table="emb", request_id="cut-2"), keys=keys))[:-1],
+                 timeout=10)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cut-2" in ei.value.details()
+        after = stub.Pull(pb.PullRequest(table="emb", request_id="p-1", keys=codec.encode(keys)), timeout=10)
+        assert after.values.data == before.values.data
+        assert pull(codec.serialize(codec.Wire(pb.PullRequest(table="emb", request_id="ok"), keys=keys)),
+                    timeout=10)
+    finally:
+        raw.close()

@@ -245,3 +245,26 @@ def test_barrier_times_out_with_a_clear_error():
     _, client = cluster(1)
     with pytest.raises(RemoteError, match="only 1 of 2 callers arrived"):
         client.barrier("lonely", 2, timeout=0.2)
+
+
+@pytest.mark.parametrize("serialize", [True, False])
+@pytest.mark.parametrize("n_servers", [1, 2])
+def test_chunked_pull_push_reassemble_in_caller_order(monkeypatch, serialize, n_servers):
+    """Many chunks per server (slices with one server, index gathers with two), duplicates, and the
+    in-process transport with and without the wire codec all give the single-table answer."""
+    monkeypatch.setattr(codec, "CHUNK_BYTES", 1000)
+    cfg = TableConfig(dim=DIM, optimizer="adagrad", learning_rate=0.1, initializer="uniform", seed=5)
+    servers = [PSServer({"emb": cfg}, index=i, num_servers=n_servers, local_shards=3) for i in range(n_servers)]
+    client = PSClient(InProcessTransport(servers, serialize=serialize))
+    ref = SparseTable(cfg)
+    rng = np.random.default_rng(4)
+    for unique in (True, False):
+        keys = (rng.permutation(3000)[:1500] if unique else rng.integers(0, 800, 1500)).astype(np.uint64)
+        grads = rng.normal(size=(len(keys), DIM)).astype(np.float32)
+        shows = rng.integers(1, 4, len(keys)).astype(np.float32)
+        np.testing.assert_allclose(client.pull("emb", keys, init_missing=True),
+                                   ref.pull(keys, init_missing=True), rtol=1e-6, atol=1e-7)
+        client.push("emb", keys, grads, shows=shows)
+        ref.push(keys, grads, shows=shows)
+        np.testing.assert_allclose(client.pull("emb", keys), ref.pull(keys), rtol=1e-5, atol=1e-6)
+    client.close()
