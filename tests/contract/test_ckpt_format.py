@@ -9,7 +9,6 @@ import datetime as dt
 import json
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 import hdfs_io
