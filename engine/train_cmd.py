@@ -81,20 +81,23 @@ def run(args) -> int:
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)
         from .checkpoint import job as ckpt_job
-        state = {"cfg": cfg, "checkpoint": None}
+        state = {"cfg": cfg, "checkpoint": None, "periodic": None}
+        own_checkpoints = getattr(program, "WRITES_CHECKPOINTS", False)
 
         def servers_ready(endpoints):
-            if args.resume is None:
-                return None
-            state["cfg"] = ckpt_job.resume(cfg, endpoints, args.resume or None, fallback=args.resume_fallback)
-            return state["cfg"]
+            if args.resume is not None:
+                state["cfg"] = ckpt_job.resume(cfg, endpoints, args.resume or None, fallback=args.resume_fallback)
+            if state["cfg"].checkpoint.enabled and not own_checkpoints:
+                state["periodic"] = ckpt_job.Periodic(state["cfg"], endpoints)
+            return state["cfg"] if args.resume is not None else None
 
         def workers_done(endpoints, results):
-            if getattr(program, "WRITES_CHECKPOINTS", False):
+            if own_checkpoints:
                 state["checkpoint"] = next((r.get("checkpoint") for r in results if r.get("rank") == 0), None)
                 return
+            mgr = state["periodic"].stop() if state["periodic"] is not None else None
             step = max([r.get("steps", 0) for r in results] + [0])
-            state["checkpoint"] = ckpt_job.final(state["cfg"], endpoints, step=step)
+            state["checkpoint"] = ckpt_job.final(state["cfg"], endpoints, step=step, mgr=mgr)
 
         with (program.follow(cfg) if hasattr(program, "follow") else contextlib.nullcontext()):
             results = launch(cfg, args.run_dir, on_servers_ready=servers_ready, on_workers_done=workers_done)

@@ -4,6 +4,9 @@
   newest complete checkpoint under ``checkpoint.root/job`` (or the one URI names) onto every server,
   and records its name in ``checkpoint.restored`` so the workers (which get the updated config) know
   what was restored: its step, source positions and consumed partitions.
+* while a job trains, ``Periodic`` writes a delta every ``checkpoint.delta_every`` of training (wall)
+  time and a base every ``checkpoint.base_every``, from a background thread of the launcher (each
+  server snapshots its shards consistently while pushes go on);
 * at the end of a finite job, ``final`` writes one more checkpoint (a delta on top of the restored one,
   else a base) unless the program writes its own (``WRITES_CHECKPOINTS = True``, e.g. online jobs).
 
@@ -14,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 
 from ..errors import ConfigError
 from .coordinator import CheckpointManager
 from .manifest import parse_name
+from .schedule import Schedule
 
-__all__ = ["job_name", "manager_for", "resume", "final"]
+__all__ = ["job_name", "manager_for", "resume", "final", "Periodic"]
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +78,68 @@ def resume(cfg, endpoints: list[str], uri: str | None, *, fallback: bool = False
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=restored))
 
 
-def final(cfg, endpoints: list[str], *, step: int = 0, extra: dict | None = None) -> str | None:
+def _job_manager(cfg) -> CheckpointManager:
+    """The manager of the config's root/job, continuing the chain of a restored checkpoint there."""
+    mgr, _ = manager_for(cfg)
+    restored = cfg.checkpoint.restored
+    if restored and restored.startswith(mgr.uri.rstrip("/") + "/"):
+        mgr.head = restored[len(mgr.uri.rstrip("/")) + 1:]
+    return mgr
+
+
+class Periodic:
+    """Background checkpoints of a running job on the schedule of ``checkpoint`` (wall-clock time).
+
+    Parameters
+    ----------
+    cfg : EngineConfig
+    endpoints : list of str
+    poll_s : float, seconds
+        How often the schedule is checked.
+    """
+
+    def __init__(self, cfg, endpoints: list[str], *, poll_s: float = 5.0):
+        self.cfg, self.endpoints = cfg, endpoints
+        self.mgr = _job_manager(cfg)
+        self.schedule = Schedule(cfg.checkpoint, start_s=time.time())
+        self.written: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(poll_s,), name="checkpoint-schedule", daemon=True)
+        self._thread.start()
+
+    def _run(self, poll_s: float) -> None:
+        client = None
+        try:
+            while not self._stop.wait(poll_s):
+                now = time.time()
+                kind = self.schedule.due(now)
+                if kind is None:
+                    continue
+                client = client or _client(self.cfg, self.endpoints)
+                try:
+                    m = self.mgr.save(client, kind, when=now, config=self.cfg.to_dict())
+                    self.written.append(self.mgr.uri_of(m["name"]))
+                except Exception as e:  # noqa: BLE001 - training goes on; the next checkpoint is a base
+                    log.error("scheduled %s checkpoint failed: %s", kind, e)
+                self.schedule.done(kind, now)
+        finally:
+            if client is not None:
+                client.close()
+
+    def stop(self) -> CheckpointManager:
+        """Stop the thread (waits for a save in progress); returns the manager (its head continues)."""
+        self._stop.set()
+        self._thread.join()
+        return self.mgr
+
+
+def final(cfg, endpoints: list[str], *, step: int = 0, extra: dict | None = None,
+          mgr: CheckpointManager | None = None) -> str | None:
     """Write the end-of-job checkpoint; returns its URI (None when checkpoints are off)."""
     ck = cfg.checkpoint
     if not ck.enabled or not ck.final:
         return None
-    mgr, _ = manager_for(cfg)
-    if ck.restored and ck.restored.startswith(mgr.uri.rstrip("/") + "/"):
-        mgr.head = ck.restored[len(mgr.uri.rstrip("/")) + 1:]
+    mgr = mgr or _job_manager(cfg)
     with _client(cfg, endpoints) as client:
         manifest = mgr.save(client, "delta" if mgr.head else "base", step=step, config=cfg.to_dict(),
                             extra=extra or {})

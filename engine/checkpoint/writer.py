@@ -89,24 +89,25 @@ def _check_names(names: Iterable[str]) -> None:
 
 
 def _split_by_group(batches: list[pa.RecordBatch], num_vshards: int, groups: int) -> dict[int, list]:
+    """Rows of ``batches`` grouped by vshard group: {group: [RecordBatch, ...]} (O(n) counting sort)."""
+    from ..ps import _kernels
     out: dict[int, list] = {}
     for b in batches:
         if b.num_rows == 0:
             continue
         keys = np.ascontiguousarray(b.column(0).to_numpy())
-        g = group_of(keys, num_vshards, groups)
+        g = group_of(keys, num_vshards, groups).astype(np.int32)
         first = int(g[0])
         if (g == first).all():
             out.setdefault(first, []).append(b)
             continue
-        order = np.argsort(g, kind="stable")
-        sorted_g = g[order]
-        cuts = np.flatnonzero(np.diff(sorted_g)) + 1
-        starts = np.concatenate(([0], cuts))
-        ends = np.concatenate((cuts, [len(g)]))
+        order = np.empty(len(g), np.int64)
+        bounds = np.empty(groups + 1, np.int64)
+        _kernels.group(g, groups, order, bounds)
         taken = b.take(pa.array(order))
-        for s, e in zip(starts, ends):
-            out.setdefault(int(sorted_g[s]), []).append(taken.slice(int(s), int(e - s)))
+        for k in range(groups):
+            if bounds[k + 1] > bounds[k]:
+                out.setdefault(k, []).append(taken.slice(int(bounds[k]), int(bounds[k + 1] - bounds[k])))
     return out
 
 
