@@ -70,6 +70,7 @@ class Config:
     eval_batch_size: int = knob(4096, ge=1)
     log_every_s: float = knob(2.0, gt=0)
     prefetch: int = knob(4, ge=0)
+    blas_threads: int = knob(0, ge=0)
     metrics_dir: str = "runs/metrics"
     metrics_file: str = ""
     data: DataConfig = field(default_factory=DataConfig)
@@ -103,6 +104,23 @@ def _check_tables(cfg, p: Config) -> None:
                           f"histograms), got {m.optimizer!r}")
 
 
+BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _limit_blas_threads(threads: int, processes: int) -> None:
+    """Set the BLAS thread count the launched processes inherit (unless the environment sets it).
+
+    ``threads`` 0 = auto: the machine's cores shared by the local processes (at least 1). An
+    oversubscribed OpenBLAS (every worker starting one thread per core) is 8x slower on a busy 2-core
+    machine than one thread per worker.
+    """
+    n = threads or max(1, (os.cpu_count() or 1) // max(1, processes))
+    for var in BLAS_ENV:
+        if var not in os.environ:
+            os.environ[var] = str(n)
+            log.debug("%s=%d for the launched processes", var, n)
+
+
 def prepare(cfg):
     """Launcher hook, before any process starts: check the tables against the model, resolve the data
     (convert / generate, schema check), pick this run's metrics file and write its start event.
@@ -116,6 +134,7 @@ def prepare(cfg):
     """
     p: Config = cfg.model.params
     _check_tables(cfg, p)
+    _limit_blas_threads(p.blas_threads, cfg.cluster.workers + cfg.cluster.servers)
     schema = expected_schema(p.slots, p.dense_dim)
     data = prepare_data(p.data, schema)
     metrics_file = p.metrics_file or str(

@@ -1,0 +1,136 @@
+"""CTR training throughput through the parameter servers vs the MLP's own matrix-product roofline.
+
+A generated Criteo-shaped data set (default 1M rows: Zipf-distributed categorical values over the Criteo
+vocabulary sizes capped at 1M per slot, 26 slots, 13 dense features) is converted to Arrow once, then
+``engine train`` runs one epoch over it with 1 server + 2 workers (real processes, gRPC on loopback),
+batch 512, embedding dim 10, and reports ``examples_per_s`` from its final line (training examples of
+both workers / the longest worker's training time; reading, dedup, pull, compute and push included,
+evaluation excluded). In the same run, ``roofline_examples_per_s`` times the same MLP's forward + backward
+matrix products alone (numpy, same batch, no data, no PS) and ``ratio_vs_roofline`` divides the two.
+
+Measurements (one JSON object per line, each with a ``bench`` field): ``ctr_dnn_async``,
+``deepfm_async``, ``ctr_dnn_geo``. Reference: Paddle 2.6.2's parameter server (1 server + 2 trainers,
+same net, batch 512) trained about 22,000 examples/s on this kind of machine.
+
+    python bench/ctr_bench.py [--rows N] [--quick] [--only ctr_dnn_async,...] [--work DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from streaming.criteo import arrow_is_current, convert_criteo, generate_criteo  # noqa: E402
+
+RUNS = {
+    "ctr_dnn_async": ("configs/ctr.yaml", "ctr_dnn", "async"),
+    "deepfm_async": ("configs/deepfm.yaml", "deepfm", "async"),
+    "ctr_dnn_geo": ("configs/ctr.yaml", "ctr_dnn", "geo"),
+}
+
+
+def prepare(work: Path, rows: int, seed: int) -> tuple[Path, Path]:
+    """Generate + convert once (reused while current); returns (train dir, test dir)."""
+    work.mkdir(parents=True, exist_ok=True)
+    raw = work / f"criteo-{rows}-seed{seed}.txt"
+    if not raw.is_file():
+        t = time.perf_counter()
+        tmp = raw.with_suffix(".tmp")
+        generate_criteo(tmp, rows, seed)
+        os.replace(tmp, raw)
+        print(f"# generated {rows} rows in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    train = work / f"arrow-{rows}-seed{seed}"
+    if not arrow_is_current([raw], train):
+        t = time.perf_counter()
+        convert_criteo([raw], train, batch_size=8192, rows_per_file=max(8192, rows // 8), progress=False)
+        print(f"# converted in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    test = work / f"arrow-{rows}-seed{seed}-head"
+    if not test.is_dir():
+        first = sorted(train.glob("part-*.arrow"))[0]
+        with pa.memory_map(str(first)) as mm:
+            table = pa.ipc.open_stream(mm).read_all().slice(0, 20000)
+        test.mkdir()
+        with pa.ipc.new_stream(str(test / "part-00000.arrow"), table.schema) as w:
+            w.write_table(table)
+    return train, test
+
+
+def roofline(kind: str, batch: int, dim: int = 10, hidden=(400, 400, 400), slots: int = 26, dense: int = 13,
+             repeats: int = 30) -> float:
+    """examples/s of the MLP's forward + backward matrix products alone (best of ``repeats`` steps)."""
+    rng = np.random.default_rng(0)
+    sizes = [slots * dim + dense, *hidden, 1]
+    ws = [rng.standard_normal((a, b)).astype(np.float32) * 0.05 for a, b in zip(sizes[:-1], sizes[1:])]
+    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        hs = [x]
+        for w in ws:
+            hs.append(hs[-1] @ w)
+        g = np.ones((batch, 1), np.float32)
+        for i in range(len(ws) - 1, -1, -1):
+            _ = hs[i].T @ g             # weight gradient
+            g = g @ ws[i].T             # input gradient (the first one feeds the embedding scatter)
+        best = min(best, time.perf_counter() - t)
+    return batch / best
+
+
+def run(name: str, train: Path, test: Path, batch: int, work: Path) -> dict:
+    config, kind, mode = RUNS[name]
+    sets = [f"mode={mode}", "model.data.source=arrow", f"model.data.train_path={train}",
+            f"model.data.test_path={test}", f"model.batch_size={batch}", "model.epochs=1",
+            "model.dim=10", f"tables.sparse.embedding.dim={11 if kind == 'deepfm' else 10}",
+            "model.eval_every_epoch=false", "model.log_every_s=10", "model.shuffle_buffer=0",
+            f"model.metrics_dir={work / 'metrics'}", "checkpoint.root=", "cluster.servers=1", "cluster.workers=2"]
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / config)] + [a for s in sets for a in ("--set", s)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: engine train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    final = json.loads(proc.stdout.strip().splitlines()[-1])
+    roof = roofline(kind, batch)
+    return {"bench": name, "model": kind, "mode": mode, "servers": 1, "workers": 2, "batch_size": batch,
+            "dim": 10,
+            "examples_per_s": round(final["examples_per_s"], 1), "roofline_examples_per_s": round(roof, 1),
+            "ratio_vs_roofline": round(final["examples_per_s"] / roof, 3),
+            "reference_paddle_examples_per_s": 22000,
+            "ratio_vs_paddle": round(final["examples_per_s"] / 22000, 3),
+            "test_auc_on_head": final.get("test_auc"), "job_wall_s": round(wall, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--quick", action="store_true", help="a tenth of the rows")
+    ap.add_argument("--batch-size", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--only", default="", help="comma-separated measurement names")
+    ap.add_argument("--work", default=str(REPO / "runs" / "bench"), help="data cache (git-ignored)")
+    args = ap.parse_args(argv)
+    rows = args.rows // 10 if args.quick else args.rows
+    work = Path(args.work)
+    train, test = prepare(work, rows, args.seed)
+    names = [n for n in (args.only.split(",") if args.only else RUNS) if n]
+    for name in names:
+        if name not in RUNS:
+            raise SystemExit(f"--only: unknown measurement {name!r}; known: {sorted(RUNS)}")
+        out = run(name, train, test, args.batch_size, work)
+        out["rows"] = rows
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
