@@ -24,8 +24,10 @@ test: install
 bench: install
 	for b in bench/*_bench.py; do echo "== $$b"; $(PY) $$b $(BENCH_ARGS) || exit 1; done
 
+# The main job: trains CTR-DNN on ../shared/data/criteo/train.txt (or, when absent, on a generated
+# planted-model file; the job says which). TRAIN_ARGS="--set mode=geo" etc. pass through.
 train: install
-	$(VENV)/bin/engine train configs/ctr.yaml
+	$(VENV)/bin/engine train configs/ctr.yaml $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
