@@ -72,8 +72,11 @@ class PSServer:
         self.storage_options = storage_options            # checkpoint storage (None: AWS env vars)
         self.checkpoint_groups, self.checkpoint_threads = checkpoint_groups, checkpoint_threads
         self._pool = ThreadPoolExecutor(max(2, local_shards), thread_name_prefix=f"ps{index}-shard")
+        self._inflight = 0                       # Pull/Push requests being handled
+        self._inflight_lock = threading.Lock()
         self.sparse = {name: SparseHost(name, cfg, server=index, num_servers=num_servers,
-                                        num_vshards=num_vshards, num_local=local_shards, pool=self._pool)
+                                        num_vshards=num_vshards, num_local=local_shards, pool=self._pool,
+                                        busy=self._busy)
                        for name, cfg in sparse.items()}
         self.dense = {name: DenseHost(name, (dense or {})[name], ordinal=i, server=index,
                                       num_servers=num_servers)
@@ -86,6 +89,9 @@ class PSServer:
         self._requests = dict.fromkeys(METHODS, 0)
         self._errors = 0
         self._count_lock = threading.Lock()
+
+    def _busy(self) -> int:
+        return self._inflight
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, index: int, num_servers: int | None = None) -> "PSServer":
@@ -105,7 +111,15 @@ class PSServer:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
             if getattr(request, "error", None) is not None:     # codec.Received that did not parse
                 raise request.error
-            return getattr(self, method)(request)
+            if method not in ("Pull", "Push"):
+                return getattr(self, method)(request)
+            with self._inflight_lock:
+                self._inflight += 1
+            try:
+                return getattr(self, method)(request)
+            finally:
+                with self._inflight_lock:
+                    self._inflight -= 1
         except Exception as e:  # noqa: BLE001 - every failure must reach the caller with context
             if isinstance(e, HostError):
                 code, shard = e.code, ("all" if e.shard is None else e.shard)
