@@ -251,3 +251,22 @@ def test_negative_draws_follow_unigram_075():
     assert np.all(np.abs(freq - p) < 5 * np.sqrt(p * (1 - p) / n) + 1e-9)
     assert batch.reduced.max() == 0  # window 1 → b always 0
     assert math.isclose(len(batch.negs), (2 * 2001 - 2) * 50)
+
+
+def test_reference_trainer_deterministic_with_one_thread():
+    from models.word2vec_reference import TokenCorpus, train_reference
+
+    sg, docs, tokens, offsets = toy()
+    rng = np.random.default_rng(1)
+    lens = rng.integers(0, 40, 300)
+    toks = rng.integers(0, len(sg.vocab), int(lens.sum())).astype(np.uint32)
+    corpus = TokenCorpus(toks, np.r_[0, np.cumsum(lens)].astype(np.int64), lens + 1)
+    params = Word2VecParams(dim=8, window=3, negative=2, sample=0.05, epochs=2, batch_words=500, seed=4)
+    a = train_reference(corpus, sg.vocab, params, threads=1)
+    b = train_reference(corpus, sg.vocab, params, threads=1)
+    np.testing.assert_array_equal(a.syn0, b.syn0)
+    np.testing.assert_array_equal(a.syn1neg, b.syn1neg)
+    assert a.stats == b.stats and a.stats.raw_words == 2 * corpus.raw_words
+    c = train_reference(corpus, sg.vocab, params, threads=2)
+    assert c.stats.raw_words == a.stats.raw_words and c.stats.effective_words == a.stats.effective_words
+    assert np.all(np.isfinite(c.syn0))
