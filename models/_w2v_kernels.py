@@ -31,6 +31,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from sparse_tables._kernels import splitmix64  # one SplitMix64 for the whole code base
+
 __all__ = ["make_guide", "draw_negative", "GUIDE_SHIFT", "EXP_TABLE", "LOG_TABLE", "MAX_EXP", "EXP_TABLE_SIZE", "lcg_next", "prepare_sg_batch",
            "remap_sg_batch", "train_sg_batch", "init_input_rows", "splitmix64"]
 
@@ -321,15 +323,6 @@ def train_sg_batch(words_in, words_out, sent_offsets, reduced, negs, syn0, syn1n
                 for k in range(dim):
                     syn0[l1, k] += work[k]
     return pairs, loss
-
-
-@njit(cache=True, nogil=True, inline="always")
-def splitmix64(x):
-    """SplitMix64 finalizer of a ``uint64`` (Steele et al. 2014)."""
-    x = (x + np.uint64(0x9E3779B97F4A7C15))
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 @njit(cache=True, nogil=True)
