@@ -340,6 +340,10 @@ class CTRTrainer:
 
     def run(self) -> dict:
         p = self.cfg
+        if p.data.source != "arrow" or not p.data.train_path or not p.data.test_path:
+            raise ConfigError(f"model.data.source is {p.data.source!r}: a worker started with --role needs "
+                              f"source: arrow with train_path and test_path (convert first with `engine "
+                              f"convert criteo`), or launch the whole job with `engine train CONFIG`")
         self.mode.init_dense(p.dense_table, self.model.get_dense())
         if self.rank == 0:
             self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),
