@@ -126,6 +126,7 @@ REPLY = {"Pull": pb.PullResponse, "Push": pb.PushResponse, "Dense": pb.DenseResp
 _DATA_TAG = b"\x1a"       # Tensor.data: field 3, length-delimited
 _ALIGN_TAG = b"\x22"      # Tensor.align: field 4, length-delimited
 ALIGN = 8
+MAX_WALKED_FIELDS = 256   # top-level fields parse() walks before handing the message to protobuf
 
 
 def _tensor_fields(cls) -> dict[str, int]:
@@ -289,9 +290,11 @@ def parse(buf, cls):
         except Exception as e:  # noqa: BLE001 - reported by the handler with the request context
             return Received(cls(), {}, ProtocolError(f"malformed {cls.__name__}: {e}"))
     mv = memoryview(buf)
-    head, data, meta_of = [], {}, {}
+    head, data = [], {}
     try:
-        for fn, wt, f0, v0, v1 in _fields(mv, 0, len(mv)):
+        for count, (fn, wt, f0, v0, v1) in enumerate(_fields(mv, 0, len(mv))):
+            if count >= MAX_WALKED_FIELDS:
+                return _parse_slow(buf, cls)
             name = by_number.get(fn)
             if name is None or wt != 2:
                 head.append(mv[f0:v1])
@@ -315,12 +318,25 @@ def parse(buf, cls):
     return Received(msg, tensors)
 
 
+def _parse_slow(buf, cls):
+    """The protobuf runtime's parse (copies the arrays): for odd encodings with many fields, which the
+    Python wire walker would take long over."""
+    try:
+        msg = cls.FromString(bytes(buf))
+    except Exception as e:  # noqa: BLE001 - reported by the handler with the request context
+        return Received(_salvage(memoryview(buf), cls), {}, ProtocolError(f"malformed {cls.__name__}: {e}"))
+    return Received(msg, {name: RawTensor(getattr(msg, name).dtype, tuple(getattr(msg, name).shape),
+                                          getattr(msg, name).data) for name in _BY_NUMBER[cls].values()})
+
+
 def _salvage(mv, cls):
     """The string fields ``table`` and ``request_id`` read up to the first malformed byte."""
     want = {f.number: f.name for f in cls.DESCRIPTOR.fields if f.name in ("table", "request_id")}
     msg = cls()
     try:
-        for fn, wt, _, v0, v1 in _fields(mv, 0, len(mv)):
+        for count, (fn, wt, _, v0, v1) in enumerate(_fields(mv, 0, len(mv))):
+            if count >= MAX_WALKED_FIELDS:
+                break
             if fn in want and wt == 2:
                 setattr(msg, want[fn], bytes(mv[v0:v1]).decode("utf-8", "replace"))
     except ProtocolError:

@@ -179,3 +179,15 @@ def test_wire_mistyped_payload_is_rejected_by_decode():
 def test_wire_rejects_unknown_tensor_fields():
     with pytest.raises(TypeError, match="no Tensor field"):
         codec.Wire(pb.PullRequest(), values=np.zeros(1))
+
+
+def test_wire_many_fields_fall_back_to_the_protobuf_runtime():
+    """A legal but odd encoding (the request id repeated 1000 times: last one wins) parses the same."""
+    keys = np.arange(3, dtype=np.uint64)
+    buf = b"".join(pb.PullRequest(request_id=f"r{i}").SerializeToString() for i in range(1000))
+    buf += codec.serialize(codec.Wire(pb.PullRequest(table="emb", request_id="last"), keys=keys))
+    r = codec.parse(buf, pb.PullRequest)
+    assert r.error is None and r.request_id == "last" and r.table == "emb"
+    assert np.array_equal(codec.decode(r.keys, "keys", codec.U64, 1), keys)
+    bad = codec.parse(buf[:-1], pb.PullRequest)
+    assert bad.error is not None
