@@ -10,7 +10,7 @@ Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
     mode: async                 # sync | async | geo
     cluster: {servers, workers, host, endpoints, local_shards, num_vshards, ...}
     client: {timeout_s, retries, backoff_s, threads, async_queue, barrier_timeout_s}
-    geo: {k_steps, learning_rate, dense_learning_rate, evict_after_steps}
+    geo: {k_steps, learning_rate, dense_learning_rate, evict_after_steps, delta_scale}
     checkpoint: {root, job, delta_every, base_every, keep_bases, fallback, final, threads}
                                 (engine.checkpoint.schedule; root "" = no checkpoints)
     tables:
@@ -79,12 +79,14 @@ class ClientConfig:
 
 @dataclass(frozen=True)
 class GeoConfig:
-    """GEO-SGD: local plain-SGD learning rates, sync period, and the local cache's expiry."""
+    """GEO-SGD: local plain-SGD learning rates, sync period, the local cache's expiry, and whether
+    deltas are averaged over the workers (``mean``, Paddle's geo-SGD) or added in full (``sum``)."""
 
     k_steps: int = knob(10, ge=1)
     learning_rate: float = knob(0.05, gt=0)
     dense_learning_rate: float = knob(0.05, gt=0)
     evict_after_steps: int = knob(1000, ge=1)
+    delta_scale: str = knob("mean", choices=("mean", "sum"))
 
 
 @dataclass(frozen=True)

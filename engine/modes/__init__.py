@@ -25,7 +25,7 @@ def make_mode(cfg, client, *, rank: int, num_workers: int) -> Mode:
         g = cfg.geo
         return GeoMode(client, k_steps=g.k_steps, learning_rate=g.learning_rate,
                        dense_learning_rate=g.dense_learning_rate, evict_after_steps=g.evict_after_steps,
-                       **common)
+                       delta_scale=g.delta_scale, **common)
     raise ConfigError(f"mode must be one of ['sync', 'async', 'geo'], got {cfg.mode!r}")
 
 

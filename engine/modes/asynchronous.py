@@ -18,6 +18,10 @@ class AsyncMode(Mode):
     def push_sparse_grads(self, table, keys, grads, shows=None, clicks=None) -> None:
         self.client.push_async(table, keys, grads, shows=shows, clicks=clicks)
 
+    def push_sparse_delta(self, table, keys, deltas) -> None:
+        """Sent at once (``PSClient.push_delta``: the servers add it, no optimizer): Hogwild across workers."""
+        self.client.push_delta(table, keys, deltas)
+
     def pull_dense(self, table: str) -> np.ndarray:
         return self.client.pull_dense(table)
 

@@ -12,7 +12,14 @@ geo        the worker trains a bounded local copy with plain SGD; every ``k_step
            pushes ``(local - last_synced) / num_workers`` and pulls fresh values.
 =========  ==================================================================================
 
-Arrays: ``keys : uint64[n]``, ``values/grads : float32[n, dim]``, ``shows, clicks : float32[n]``,
+Models that update the rows they pulled in place (Word2Vec's kernel runs SGD itself) do not push
+gradients: they push the change they made, ``push_sparse_delta(table, keys, after - before)`` (GEO:
+added to the local copy; async: added on the servers at once, no optimizer; sync: refused). In GEO mode
+such a model may instead train on ``sparse_replica(table, keys)``: the local copy of a fixed key set (a
+vocabulary) as one dense array it updates in place, with no per-step pull or push at all; the mode finds
+the changed rows at each sync. Other modes return None there, and the model pulls and pushes deltas.
+
+Arrays: ``keys : uint64[n]``, ``values/grads/deltas : float32[n, dim]``, ``shows, clicks : float32[n]``,
 dense ``params/grad : float32[P]``.
 """
 from __future__ import annotations
@@ -21,6 +28,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..ps.client import PSClient
 
 
@@ -51,6 +59,25 @@ class Mode(ABC):
     def push_sparse_grads(self, table: str, keys: np.ndarray, grads: np.ndarray,
                           shows: np.ndarray | None = None, clicks: np.ndarray | None = None) -> None:
         """Gradients of this step for ``keys`` (duplicates summed)."""
+
+    def push_sparse_delta(self, table: str, keys: np.ndarray, deltas: np.ndarray) -> None:
+        """The change ``deltas : float32[n, dim]`` a model made in place to the values it pulled for
+        ``keys : uint64[n]`` (unique) this step; the rows become ``value + delta``, no optimizer.
+
+        Raises
+        ------
+        ConfigError
+            The mode cannot apply in-place updates (sync: its barrier merges gradients only).
+        """
+        raise ConfigError(f"mode {self.name} cannot apply rows a model updated in place (push_sparse_delta); "
+                          f"use mode geo or async")
+
+    def sparse_replica(self, table: str, keys: np.ndarray) -> np.ndarray | None:
+        """A local copy ``float32[n, dim]`` of the rows of ``keys : uint64[n]`` (unique, a fixed set such
+        as a vocabulary) for the model to train in place between syncs, or None when the mode keeps no
+        local copy (then: ``pull_sparse`` + ``push_sparse_delta`` every step). Row ``i`` is
+        ``keys[i]``; unknown keys start at the value the servers will create for them."""
+        return None
 
     @abstractmethod
     def pull_dense(self, table: str) -> np.ndarray:

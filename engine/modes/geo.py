@@ -16,6 +16,17 @@ not touched for ``geo.evict_after_steps`` steps are dropped (their deltas were a
 local copy holds only the working set of the last ``evict_after_steps`` steps.
 
 Dense parameters live on the worker between syncs (plain SGD at ``geo.dense_learning_rate``).
+
+``delta_scale``: ``mean`` (Paddle's geo-SGD: ``(local - synced) / num_workers``) or ``sum`` (each
+worker's change is added in full, as Hogwild threads on one table would: right for Word2Vec, where every
+worker trains a disjoint part of the corpus with the full per-word learning rate; ``mean`` would halve
+it with two workers).
+
+Replicas (``sparse_replica``): a model that updates rows in place (Word2Vec) may hold the local copy of a
+fixed key set as one dense array ``float32[n, dim]`` and train it directly. At each sync the rows whose
+value differs from their last synced value are the touched ones: their delta is pushed and their fresh
+values pulled, as above. Every ``evict_after_steps`` steps every row of the replica is refreshed from
+the servers (the replica's bound on staleness: rows only other workers train).
 """
 from __future__ import annotations
 
@@ -26,6 +37,7 @@ import pyarrow as pa
 
 from sparse_tables import SparseTable, TableConfig
 
+from ..errors import ConfigError
 from .base import Mode
 
 log = logging.getLogger(__name__)
@@ -50,6 +62,31 @@ class _LocalTable:
             t.load_rows([pa.RecordBatch.from_arrays(cols, schema=t.schema)])
 
 
+class _Replica:
+    """The local copy of a fixed key set as dense arrays: ``local`` (trained in place by the model) and
+    ``synced`` (values at the last sync), row ``i`` = ``keys[i]``."""
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray):
+        self.keys = keys
+        self.local = np.array(values, np.float32, order="C")   # own, writable (pulls may be read-only views)
+        self.synced = self.local.copy()
+        self._order = np.argsort(keys, kind="stable")
+        self._sorted = keys[self._order]
+
+    def positions(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of ``keys : uint64[n]`` -> int64[n]. Raises ConfigError for a key outside the set."""
+        pos = np.minimum(np.searchsorted(self._sorted, keys), len(self._sorted) - 1)
+        bad = self._sorted[pos] != keys
+        if bad.any():
+            raise ConfigError(f"key {int(keys[bad][0])} is not in the replica's key set "
+                              f"({len(self.keys)} keys)")
+        return self._order[pos]
+
+    def set_rows(self, rows: np.ndarray, values: np.ndarray) -> None:
+        self.local[rows] = values
+        self.synced[rows] = values
+
+
 class GeoMode(Mode):
     """GEO-SGD; see the module docstring.
 
@@ -60,18 +97,25 @@ class GeoMode(Mode):
     learning_rate, dense_learning_rate : float
         Local plain-SGD step sizes.
     evict_after_steps : int
-        Rows of the local copy untouched for this many steps are dropped after a sync.
+        Rows of the local copy untouched for this many steps are dropped after a sync (replicas: every
+        row is refreshed).
+    delta_scale : {"mean", "sum"}
+        Deltas are divided by ``num_workers`` (mean) or pushed in full (sum); see the module docstring.
     """
 
     name = "geo"
 
     def __init__(self, client, *, rank: int, num_workers: int, barrier_timeout_s: float = 600.0,
                  k_steps: int = 10, learning_rate: float = 0.05, dense_learning_rate: float = 0.05,
-                 evict_after_steps: int = 1000):
+                 evict_after_steps: int = 1000, delta_scale: str = "mean"):
         super().__init__(client, rank=rank, num_workers=num_workers, barrier_timeout_s=barrier_timeout_s)
+        if delta_scale not in ("mean", "sum"):
+            raise ConfigError(f"geo.delta_scale must be one of ['mean', 'sum'], got {delta_scale!r}")
         self.k_steps, self.lr, self.dense_lr = k_steps, learning_rate, dense_learning_rate
         self.evict_after = evict_after_steps
+        self.delta_scale = delta_scale
         self._tables: dict[str, _LocalTable] = {}
+        self._replicas: dict[str, _Replica] = {}
         self._dense: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._last_evict = 0
         self.syncs = 0
@@ -90,7 +134,33 @@ class GeoMode(Mode):
         """Rows currently in the local copy of ``table``."""
         return len(self._tables[table].local) if table in self._tables else 0
 
+    def sparse_replica(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """The replica of ``keys`` in ``table`` (module docstring); created on the first call with the
+        servers' values (unknown keys: their initial values), the same array afterwards.
+
+        Raises
+        ------
+        ConfigError
+            A second call with a different key set, or ``table`` already has a row-wise local copy.
+        """
+        keys = np.ascontiguousarray(keys, np.uint64)
+        r = self._replicas.get(table)
+        if r is not None:
+            if not np.array_equal(r.keys, keys):
+                raise ConfigError(f"geo: table {table!r} already has a replica of another key set")
+            return r.local
+        if table in self._tables:
+            raise ConfigError(f"geo: table {table!r} is already trained through pull_sparse; a replica "
+                              f"must be asked for before the first pull")
+        if len(np.unique(keys)) != len(keys):
+            raise ConfigError(f"geo: replica keys of table {table!r} must be unique")
+        r = self._replicas[table] = _Replica(keys, self.client.pull(table, keys, init_missing=True))
+        return r.local
+
     def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
+        r = self._replicas.get(table)
+        if r is not None:
+            return r.local[r.positions(keys)]
         t = self._table(table)
         if len(keys):
             missing = keys[~t.local.contains(keys)]
@@ -106,6 +176,19 @@ class GeoMode(Mode):
             if new.any():   # a push without a pull first: start those rows from the server's values
                 self.pull_sparse(table, keys[new])
         t.local.push(keys, grads, shows=shows, clicks=clicks)
+
+    def push_sparse_delta(self, table, keys, deltas) -> None:
+        """Added to the local copy (sent at the next sync)."""
+        r = self._replicas.get(table)
+        if r is not None:
+            r.local[r.positions(keys)] += deltas
+            return
+        t = self._table(table)
+        if len(keys):
+            new = ~t.local.contains(keys)
+            if new.any():
+                self.pull_sparse(table, keys[new])
+        t.local.push_delta(keys, deltas)
 
     def init_dense(self, table: str, params: np.ndarray) -> np.ndarray:
         self._dense.pop(table, None)
@@ -130,7 +213,10 @@ class GeoMode(Mode):
 
     def sync(self) -> None:
         """Push the deltas of every touched row and of the dense tables, then refresh them."""
-        scale = np.float32(1.0 / self.num_workers)
+        scale = np.float32(1.0 / self.num_workers if self.delta_scale == "mean" else 1.0)
+        refresh = self.step - self._last_evict >= self.evict_after
+        for name, r in self._replicas.items():
+            self._sync_replica(name, r, scale, refresh)
         for name, t in self._tables.items():
             batches, _ = t.local.dirty_rows(clear=True)
             batches = [b for b in batches if b.num_rows]
@@ -147,8 +233,20 @@ class GeoMode(Mode):
             fresh = self.client.pull_dense(name)
             self._dense[name] = (fresh, fresh.copy())
         self.syncs += 1
-        if self.step - self._last_evict >= self.evict_after:
+        if refresh:
             self._evict()
+
+    def _sync_replica(self, name: str, r: _Replica, scale: np.float32, refresh: bool) -> None:
+        changed = np.flatnonzero((r.local != r.synced).any(axis=1))
+        if len(changed):
+            delta = r.local[changed] - r.synced[changed]
+            if scale != 1:
+                delta *= scale
+            self.client.push_delta(name, r.keys[changed], delta)
+        if refresh:
+            r.set_rows(slice(None), self.client.pull(name, r.keys, init_missing=True))
+        elif len(changed):
+            r.set_rows(changed, self.client.pull(name, r.keys[changed], init_missing=True))
 
     def _evict(self) -> None:
         self._last_evict = self.step
