@@ -58,6 +58,12 @@ def _run_until_killed(cmd, env, mgr: CheckpointManager, after: int, log: Path) -
         proc.wait(30)
 
 
+def _logs(res, run_dir: Path) -> str:
+    tails = [f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+             for p in sorted(run_dir.glob("*.log"))]
+    return res.stderr[-3000:] + "\n" + "\n".join(tails)
+
+
 def _check_exactly_once(mgr: CheckpointManager, names: list[str]) -> dict:
     last = mgr.latest()
     chain = chain_of(mgr.storage, last.name)
@@ -87,7 +93,7 @@ def test_online_kill9_mid_hour_then_resume_consumes_each_partition_once(backend,
     assert 2 <= done < HOURS, "the job should have been killed before the last hour"
     res = subprocess.run(_cmd(parts, ckpt, tmp_path / "run2", "--resume"), env=env, capture_output=True,
                          text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, _logs(res, tmp_path / "run2")
     final = json.loads(res.stdout.strip().splitlines()[-1])
     assert final["partitions"] == names[done:]
     last = _check_exactly_once(mgr, names)
@@ -98,6 +104,6 @@ def test_online_kill9_mid_hour_then_resume_consumes_each_partition_once(backend,
     # resuming again with nothing new to do consumes nothing and keeps the chain
     res = subprocess.run(_cmd(parts, ckpt, tmp_path / "run3", "--resume"), env=env, capture_output=True,
                          text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, _logs(res, tmp_path / "run3")
     assert json.loads(res.stdout.strip().splitlines()[-1])["partitions"] == []
     _check_exactly_once(mgr, names)
