@@ -218,13 +218,15 @@ class SparseHost:
         return total
 
     # ------------------------------------------------------------------ checkpoints (engine.checkpoint)
-    def reset(self) -> None:
-        """Replace every local shard by an empty one (before a base checkpoint is loaded)."""
+    def reset(self, expected_rows: int = 0) -> None:
+        """Replace every local shard by an empty one (before a base checkpoint is loaded), sized for
+        ``expected_rows`` rows of the table on this server (no rehashing while the base loads)."""
+        per_shard = max(1024, int(expected_rows * 1.05) // max(1, len(self.shards)))
         old, self.shards = self.shards, []
-        for j, shard in enumerate(old):
+        for shard in old:
             cfg = shard.config
             shard.close()
-            self.shards.append(SparseTable(cfg))
+            self.shards.append(SparseTable(cfg, initial_rows=min(per_shard, cfg.memory_rows)))
 
     def close(self) -> None:
         for s in self.shards:

@@ -258,8 +258,9 @@ class PSServer:
         try:
             manifest = read_checkpoint_manifest(ckpt, "")
             if manifest["kind"] == "base":
-                for h in self.sparse.values():
-                    h.reset()
+                counts = manifest["tables"].get("sparse", {})
+                for name, h in self.sparse.items():
+                    h.reset(counts.get(name, {}).get("rows", 0) // self.num_servers)
             hosts = list(self.sparse.values())
             owner = (routing.local_shard_owners(self.num_vshards, self.num_servers, self.index,
                                                 len(hosts[0].shards)) if hosts else None)
