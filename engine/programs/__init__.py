@@ -29,6 +29,7 @@ PROGRAMS = {
     "ctr_dnn": "engine.programs.ctr",
     "deepfm": "engine.programs.ctr",
     "ctr_online": "engine.programs.ctr_online",
+    "word2vec": "engine.programs.word2vec",
 }
 
 

@@ -1,0 +1,389 @@
+"""``word2vec``: skip-gram with negative sampling trained through the parameter servers (GEO by default).
+
+Tables (declared in the config's ``tables`` section, checked by ``prepare``)::
+
+    sparse  model.input_table   input vectors, key make_keys(input_slot, word_id), dim = model.dim,
+                                initializer uniform, init_range 0.5 / dim (word2vec.c / gensim's init,
+                                a pure function of (table seed, key), created by the servers)
+    sparse  model.output_table  output (negative-sampling) vectors, key make_keys(output_slot, word_id),
+                                initializer zeros
+    dense   model.progress_table  one float: raw words trained by all workers (drives the learning rate)
+
+The data is a corpus converted by ``streaming.text`` (``engine convert text``); ``prepare`` converts
+``model.corpus`` into ``model.arrow_dir`` when the Arrow form is missing or stale. Workers split it: record
+batch ``i`` of the corpus parts (in order, about 100k tokens each) goes to worker ``i % num_workers``;
+each record batch is cut into steps of at most ``model.batch_words`` raw words (documents whole, as
+gensim's jobs).
+
+One worker step (``models.word2vec.SkipGramNS``; randomness ``new_state(seed, rank, epoch, step)``)::
+
+    read      record batch → tokens uint32[n], offsets int64[d + 1], raw words
+    prepare   subsampling, reduced windows, negatives (global word ids)
+    train     GEO: in place on the mode's replicas of both tables (local id = word id; no per-step
+              pull or push: the mode pushes the changed rows' deltas every geo.k_steps steps, summed
+              over workers with geo.delta_scale: sum, and refreshes them);
+              async: remap → pull the step's rows → train on the copies → push_sparse_delta(after - before)
+    progress  push this step's raw words to the progress table, pull the global total
+
+Learning rate: linear from ``alpha`` to ``min_alpha`` over the planned words = epochs × the corpus's raw
+words (all workers'); a step runs from ``alpha_at(done / planned)`` to
+``alpha_at((done + num_workers × its raw words) / planned)``, ``done`` being the global total pulled
+from the progress table (the other workers advance it meanwhile).
+
+Reports (metrics file ``model.metrics_file``, JSON lines; the launcher shows them live): ``train`` events
+per worker every ``log_every_s`` with raw and effective words/s (effective = after subsampling and the
+OOV drop, as gensim counts), loss per (center, context) pair and alpha; the ``final`` event (also the
+last stdout line) with ``words_per_s``, ``effective_words_per_s`` and, with ``eval_after_train``, the
+evaluation figures of rank 0 (``models.word2vec_eval.evaluate_all`` on the servers' input vectors).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from ..config import knob
+from ..errors import ConfigError
+from .ctr_report import Follower, MetricsFile, now_stamp
+
+log = logging.getLogger(__name__)
+
+EVAL_KEYS = ("analogy_accuracy", "analogy_evaluated", "analogy_skipped", "wordsim353_spearman",
+             "simlex999_spearman")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The ``model`` section of ``word2vec`` configs (every knob is commented in ``configs/word2vec.yaml``)."""
+
+    corpus: str = "../shared/data/text/corpus.txt.gz"
+    arrow_dir: str = "runs/cache/text-corpus"
+    min_count: int = knob(5, ge=1)
+    max_vocab: int = knob(0, ge=0)
+    dim: int = knob(100, ge=1)
+    window: int = knob(5, ge=1)
+    negative: int = knob(5, ge=1)
+    sample: float = knob(1e-3, ge=0)
+    alpha: float = knob(0.025, gt=0)
+    min_alpha: float = knob(1e-4, ge=0)
+    ns_exponent: float = 0.75
+    epochs: int = knob(5, ge=1)
+    seed: int = knob(1, ge=0)
+    batch_words: int = knob(50_000, ge=1)
+    input_table: str = "syn0"
+    output_table: str = "syn1neg"
+    progress_table: str = "progress"
+    input_slot: int = knob(1, ge=0, le=65535)
+    output_slot: int = knob(2, ge=0, le=65535)
+    log_every_s: float = knob(5.0, gt=0)
+    eval_after_train: bool = True
+    eval_data_dir: str = "../shared/data/text"
+    metrics_dir: str = "runs/metrics"
+    metrics_file: str = ""
+
+
+def params_of(p: Config):
+    """``models.word2vec.Word2VecParams`` of a model section.
+
+    Raises
+    ------
+    ConfigError
+        A combination the model refuses (e.g. ``min_alpha > alpha``).
+    """
+    from models import ModelConfigError
+    from models.word2vec import Word2VecParams
+    try:
+        return Word2VecParams(dim=p.dim, window=p.window, negative=p.negative, sample=p.sample, alpha=p.alpha,
+                              min_alpha=p.min_alpha, ns_exponent=p.ns_exponent, epochs=p.epochs, seed=p.seed,
+                              batch_words=p.batch_words)
+    except ModelConfigError as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+# ---------------------------------------------------------------------------------- launcher side
+def check_tables(cfg) -> None:
+    """The tables the program needs exist with the right shape and initializers.
+
+    Raises
+    ------
+    ConfigError
+        Naming the table key path.
+    """
+    p: Config = cfg.model.params
+    if p.input_slot == p.output_slot and p.input_table == p.output_table:
+        raise ConfigError("model.input_slot and model.output_slot must differ when both vectors share a table")
+    want = {p.input_table: ("uniform", 0.5 / p.dim), p.output_table: ("zeros", None)}
+    for name, (init, rng) in want.items():
+        t = cfg.sparse_tables.get(name)
+        kp = f"tables.sparse.{name}"
+        if t is None:
+            raise ConfigError(f"{kp}: missing (model names it); declared sparse tables: {sorted(cfg.sparse_tables)}")
+        if t.dim != p.dim:
+            raise ConfigError(f"{kp}.dim must be model.dim = {p.dim}, got {t.dim}")
+        if t.initializer != init:
+            raise ConfigError(f"{kp}.initializer must be {init} for word2vec, got {t.initializer!r}")
+        if rng is not None and not math.isclose(t.init_range, rng, rel_tol=1e-6):
+            raise ConfigError(f"{kp}.init_range must be 0.5 / model.dim = {rng:g} (word2vec.c's input "
+                              f"vectors), got {t.init_range!r}")
+        if t.min_count > 1 or t.admit_probability < 1:
+            raise ConfigError(f"{kp}: admission (min_count, admit_probability) must be off for word2vec")
+    if p.progress_table not in cfg.dense_tables:
+        raise ConfigError(f"tables.dense.{p.progress_table}: missing (model.progress_table names it; one "
+                          f"float summing the workers' words); declared dense tables: {sorted(cfg.dense_tables)}")
+    if cfg.mode == "sync":
+        raise ConfigError("mode must be geo or async for word2vec (its kernel updates rows in place), got sync")
+
+
+def prepare_data(p: Config) -> Config:
+    """Resolve the paths to absolute ones and convert ``corpus`` into ``arrow_dir`` when needed.
+
+    Raises
+    ------
+    ConfigError
+        Neither a corpus nor a finished conversion, or bad conversion knobs.
+    streaming.errors.DataFormatError
+        The corpus is not valid UTF-8 text.
+    """
+    from streaming.text import convert_text, text_arrow_is_current
+    arrow = os.path.abspath(p.arrow_dir)
+    corpus = os.path.abspath(p.corpus) if p.corpus else ""
+    max_vocab = p.max_vocab or None
+    if corpus:
+        if not os.path.isfile(corpus):
+            if not (Path(arrow) / "_meta.json").is_file():
+                raise ConfigError(f"model.corpus: {corpus} not found and model.arrow_dir {arrow} holds no "
+                                  f"converted corpus")
+            log.warning("model.corpus %s not found; training on the existing conversion in %s", corpus, arrow)
+        elif not text_arrow_is_current(corpus, arrow, min_count=p.min_count, max_vocab=max_vocab):
+            log.info("converting %s into %s (min_count %d, max_vocab %s)", corpus, arrow, p.min_count, max_vocab)
+            convert_text(corpus, arrow, min_count=p.min_count, max_vocab=max_vocab)
+    elif not (Path(arrow) / "_meta.json").is_file():
+        raise ConfigError(f"model.arrow_dir: {arrow} holds no converted corpus (run `engine convert text "
+                          f"CORPUS {p.arrow_dir}` or set model.corpus)")
+    eval_dir = os.path.abspath(p.eval_data_dir) if p.eval_data_dir else ""
+    return dataclasses.replace(p, arrow_dir=arrow, corpus=corpus, eval_data_dir=eval_dir)
+
+
+def corpus_meta(arrow_dir: str) -> dict:
+    """``_meta.json`` of a conversion (``total_tokens`` = raw words of one epoch)."""
+    return json.loads((Path(arrow_dir) / "_meta.json").read_text())
+
+
+def prepare(cfg):
+    """Launcher hook: check tables, convert the corpus if needed, pick the metrics file."""
+    check_tables(cfg)
+    p: Config = cfg.model.params
+    params_of(p)
+    p = prepare_data(p)
+    metrics_file = p.metrics_file or os.path.abspath(
+        os.path.join(p.metrics_dir, f"word2vec-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl"))
+    p = dataclasses.replace(p, metrics_file=metrics_file)
+    meta = corpus_meta(p.arrow_dir)
+    MetricsFile(metrics_file).write({
+        "event": "start", "model": "word2vec", "mode": cfg.mode, "workers": cfg.cluster.workers,
+        "servers": cfg.cluster.servers, "arrow_dir": p.arrow_dir, "vocab_size": meta.get("vocab_size"),
+        "raw_words_per_epoch": meta.get("total_tokens"), "epochs": p.epochs, "time": time.time()})
+    log.info("metrics file: %s", metrics_file)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params=p))
+
+
+class _W2VFollower(Follower):
+    """The metrics file live, counted in raw words."""
+
+    def _show(self, ev: dict) -> None:
+        if ev.get("event") != "train":
+            return
+        self._examples[ev.get("rank", 0)] = ev.get("words_total", 0)
+        if self._bar is not None:
+            self._bar.update(sum(self._examples.values()) - self._bar.n)
+            self._bar.set_postfix(loss=f"{ev.get('loss') or 0:.4f}", refresh=False)
+            return
+        log.info("train rank %s epoch %s: %.1f%% done, %.0f words/s, %.0f effective words/s, loss %.4f, "
+                 "alpha %.5f", ev.get("rank"), ev.get("epoch"), 100 * (ev.get("progress") or 0),
+                 ev.get("words_per_s") or 0, ev.get("effective_words_per_s") or 0, ev.get("loss") or 0,
+                 ev.get("alpha") or 0)
+
+
+def follow(cfg) -> Follower:
+    """Launcher hook: show the workers' progress while the job runs."""
+    p: Config = cfg.model.params
+    total = int(corpus_meta(p.arrow_dir).get("total_tokens", 0)) * p.epochs
+    return _W2VFollower(p.metrics_file, total)
+
+
+def final(cfg, results: list[dict]) -> dict:
+    """Launcher hook: the ``final`` event. Words/s = all workers' words / the longest training time."""
+    p: Config = cfg.model.params
+    raw = sum(r.get("raw_words", 0) for r in results)
+    eff = sum(r.get("effective_words", 0) for r in results)
+    pairs = sum(r.get("pairs", 0) for r in results)
+    loss = sum(r.get("loss_sum", 0.0) for r in results)
+    seconds = max([r.get("train_seconds", 0.0) for r in results] + [1e-9])
+    ev = next((r.get("eval") for r in results if r.get("rank") == 0), None) or {}
+    event = {"event": "final", "model": "word2vec", "mode": cfg.mode, "epochs": p.epochs,
+             "words": raw, "effective_words": eff, "train_seconds": seconds,
+             "words_per_s": raw / seconds, "effective_words_per_s": eff / seconds,
+             "loss": loss / max(pairs, 1), **{k: ev.get(k) for k in EVAL_KEYS},
+             "metrics_file": p.metrics_file, "checkpoint": None}
+    MetricsFile(p.metrics_file).write({**event, "analogy_sections": ev.get("analogy_sections")})
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
+
+
+# ---------------------------------------------------------------------------------- worker side
+def worker_steps(files, rank: int, num_workers: int, batch_words: int):
+    """This worker's steps: ``(tokens uint32[n], offsets int64[d + 1], raw_words)`` of at most
+    ``batch_words`` raw words each (a longer document is one step), from record batches
+    ``i % num_workers == rank`` of the corpus parts in order."""
+    from models.word2vec import batch_arrays
+    from models.word2vec_reference import _jobs
+    i = 0
+    for path in files:
+        with pa.memory_map(str(path), "r") as mm:
+            for rb in pa.ipc.open_stream(mm):
+                mine = i % num_workers == rank
+                i += 1
+                if not mine or rb.num_rows == 0:
+                    continue
+                tokens, offs, _ = batch_arrays(rb)
+                raw_len = rb.column("raw_tokens").to_numpy().astype(np.int64)
+                bounds = _jobs(raw_len, batch_words)
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    o = offs[a:b + 1]
+                    yield tokens[o[0]:o[-1]], o - o[0], int(raw_len[a:b].sum())
+
+
+class Word2VecTrainer:
+    """The worker loop of one rank (module docstring).
+
+    Parameters
+    ----------
+    ctx : engine.roles.WorkerContext
+    """
+
+    def __init__(self, ctx):
+        from models.word2vec import SkipGramNS, Vocab
+        from streaming.keys import make_keys
+        from streaming.text import corpus_files
+        self.ctx, self.mode, self.client = ctx, ctx.mode, ctx.client
+        self.cfg: Config = ctx.config.model.params
+        self.rank, self.num_workers = ctx.rank, ctx.num_workers
+        p = self.cfg
+        for t in (p.input_table, p.output_table):
+            if self.client.sparse_dim(t) != p.dim:
+                raise ConfigError(f"tables.sparse.{t}.dim is {self.client.sparse_dim(t)} on the servers, "
+                                  f"model.dim is {p.dim}")
+        self.vocab = Vocab.from_arrow(p.arrow_dir)
+        self.sg = SkipGramNS(self.vocab, params_of(p))
+        self.files = corpus_files(p.arrow_dir)
+        self.planned = max(1, int(corpus_meta(p.arrow_dir)["total_tokens"]) * p.epochs)
+        ids = np.arange(len(self.vocab), dtype=np.uint64)
+        self.keys_in, self.keys_out = make_keys(p.input_slot, ids), make_keys(p.output_slot, ids)
+        self.metrics = MetricsFile(p.metrics_file or os.path.join(p.metrics_dir, "word2vec.jsonl"))
+        self.work = np.empty(p.dim, np.float32)
+        self.scratch = None
+        self.global_done = 0.0
+        self.steps = 0
+
+    # -- the step ---------------------------------------------------------------------------------
+    def train_replica(self, batch, a0, a1, syn0, syn1):
+        """GEO: train on the replicas in place (local id = word id)."""
+        return self.sg.train(batch, batch.words, batch.words, batch.negs, syn0, syn1, a0, a1, self.work)
+
+    def train_pulled(self, batch, a0, a1):
+        """async: pull the step's rows, train copies, push ``after - before``."""
+        p = self.cfg
+        if self.scratch is None:
+            self.scratch = self.sg.new_scratch()
+        local = self.sg.remap(batch, self.scratch)
+        k_in, k_out = self.keys_in[local.in_ids], self.keys_out[local.out_ids]
+        syn0 = np.array(self.mode.pull_sparse(p.input_table, k_in), np.float32, order="C")
+        syn1 = np.array(self.mode.pull_sparse(p.output_table, k_out), np.float32, order="C")
+        b0, b1 = syn0.copy(), syn1.copy()
+        stats = self.sg.train(batch, local.words_in, local.words_out, local.negs_out, syn0, syn1, a0, a1, self.work)
+        self.mode.push_sparse_delta(p.input_table, k_in, syn0 - b0)
+        self.mode.push_sparse_delta(p.output_table, k_out, syn1 - b1)
+        return stats
+
+    def progress(self, raw_words: int) -> None:
+        """Add this step's raw words to the global count and read the total."""
+        self.client.push_dense_delta(self.cfg.progress_table, np.array([raw_words], np.float32))
+        self.global_done = float(self.client.pull_dense(self.cfg.progress_table)[0])
+
+    # -- loop -------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from models.word2vec import SGStats, new_state
+        p = self.cfg
+        if self.rank == 0:
+            self.client.init_dense(p.progress_table, np.zeros(1, np.float32), force=True)
+        self.mode.barrier("w2v-progress-init")
+        syn0 = self.mode.sparse_replica(p.input_table, self.keys_in)
+        syn1 = self.mode.sparse_replica(p.output_table, self.keys_out) if syn0 is not None else None
+        log.info("worker %d: %d words, %s, %d planned raw words (all workers)", self.rank, len(self.vocab),
+                 "training on GEO replicas" if syn0 is not None else f"pull/push per step ({self.mode.name})",
+                 self.planned)
+        total, window = SGStats(), SGStats()
+        train_s, t_win = 0.0, time.perf_counter()
+        for epoch in range(p.epochs):
+            for k, (tokens, offs, raw) in enumerate(worker_steps(self.files, self.rank, self.num_workers,
+                                                                 p.batch_words)):
+                t0 = time.perf_counter()
+                a0 = self.sg.alpha_at(self.global_done / self.planned)
+                a1 = self.sg.alpha_at((self.global_done + raw * self.num_workers) / self.planned)
+                batch = self.sg.prepare(tokens, offs, new_state(p.seed, self.rank, epoch, k))
+                st = (self.train_replica(batch, a0, a1, syn0, syn1) if syn0 is not None
+                      else self.train_pulled(batch, a0, a1))
+                st.raw_words = raw
+                self.mode.end_step()
+                self.progress(raw)
+                self.steps += 1
+                now = time.perf_counter()
+                train_s += now - t0
+                total, window = total + st, window + st
+                if now - t_win >= p.log_every_s:
+                    self._event(epoch, total, window, now - t_win, a1)
+                    window, t_win = SGStats(), now
+        t0 = time.perf_counter()
+        self.mode.finish()
+        train_s += time.perf_counter() - t0
+        if window.raw_words:
+            self._event(p.epochs - 1, total, window, max(time.perf_counter() - t_win, 1e-9), p.min_alpha)
+        log.info("worker %d: %d raw / %d effective words in %.1f s (%.0f / %.0f per s)", self.rank,
+                 total.raw_words, total.effective_words, train_s, total.raw_words / max(train_s, 1e-9),
+                 total.effective_words / max(train_s, 1e-9))
+        out = {"rank": self.rank, "steps": self.steps, "raw_words": total.raw_words,
+               "effective_words": total.effective_words, "pairs": total.pairs, "loss_sum": total.loss,
+               "train_seconds": train_s}
+        if self.rank == 0 and p.eval_after_train:
+            out["eval"] = self.evaluate()
+        return out
+
+    def _event(self, epoch, total, window, seconds, alpha) -> None:
+        self.metrics.write({"event": "train", "rank": self.rank, "epoch": epoch, "step": self.steps,
+                            "words_total": total.raw_words, "effective_words_total": total.effective_words,
+                            "progress": min(1.0, self.global_done / self.planned),
+                            "words_per_s": window.raw_words / seconds,
+                            "effective_words_per_s": window.effective_words / seconds,
+                            "loss": window.loss / max(window.pairs, 1), "alpha": alpha, "time": time.time()})
+
+    def evaluate(self) -> dict:
+        """Benchmarks of the servers' input vectors (every worker has finished: ``mode.finish``)."""
+        from models.word2vec_eval import evaluate_all
+        vecs = self.client.pull(self.cfg.input_table, self.keys_in, init_missing=True)
+        res = evaluate_all(self.vocab.words, vecs, self.cfg.eval_data_dir)
+        log.info("evaluation: analogy %.4f (%d evaluated, %d skipped), WordSim-353 %.4f, SimLex-999 %.4f",
+                 res["analogy_accuracy"], res["analogy_evaluated"], res["analogy_skipped"],
+                 res["wordsim353_spearman"], res["simlex999_spearman"])
+        return res
+
+
+def run(ctx) -> dict:
+    """Worker entry point (``engine.programs`` contract)."""
+    return Word2VecTrainer(ctx).run()
