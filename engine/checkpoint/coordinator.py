@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import math
 import time
 from typing import Any, Callable, Protocol
 
@@ -58,6 +59,18 @@ class Cluster(Protocol):
 
 class CheckpointNotFoundError(NotPublishedError):
     """No complete checkpoint exists where one was asked for."""
+
+
+def _json_safe(obj):
+    """The config snapshot as strict JSON: non-finite floats become their YAML spelling (".inf",
+    "-.inf", ".nan"), which ``yaml.safe_load`` reads back as floats."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return ".nan" if obj != obj else (".inf" if obj > 0 else "-.inf")
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 def _is_damage(exc: BaseException) -> bool:
@@ -155,7 +168,7 @@ class CheckpointManager:
         sources : dict, optional
             Input source name -> position (JSON-able), so a restart neither skips nor repeats data.
         config : dict, optional
-            Config snapshot (``EngineConfig.to_dict()``).
+            Config snapshot (``EngineConfig.to_dict()``; infinities stored as YAML's ``.inf``).
         extra : dict, optional
             More JSON-able metadata (e.g. ``{"consumed": [...partitions...]}``).
 
@@ -192,7 +205,7 @@ class CheckpointManager:
                 "parent": parent if kind == "delta" else None, "base": base, "chain_index": chain_index,
                 "hash_version": HASH_VERSION, "groups": self.groups, "num_servers": cluster.num_servers,
                 "step": int(step), "train_time": when.isoformat(), "sources": sources or {},
-                "config": config or {}, "extra": extra or {}}
+                "config": _json_safe(config or {}), "extra": _json_safe(extra or {})}
         t0 = time.perf_counter()
         self._force_base = True             # until this save is published
         with Publisher(self.storage, ref.name, manifest=meta) as pub:

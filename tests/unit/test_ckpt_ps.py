@@ -61,7 +61,9 @@ def test_rpc_roundtrip_base_deltas_and_resharding(tmp_path):
     client.init_dense("d", rng.normal(size=600_000).astype(np.float32))   # 2 blocks over 2 servers
     client.push_dense("d", rng.normal(size=600_000).astype(np.float32))
     assert sum(s.sparse["emb"].stats()["rows_spilled"] for s in servers) > 0
-    base = mgr.save(client, "base", when=0.0, step=1)
+    snapshot = {"tables": {"sparse": {"emb": {"min_bound": float("-inf"), "max_bound": float("inf")}}}}
+    base = mgr.save(client, "base", when=0.0, step=1, config=snapshot)
+    assert base["config"]["tables"]["sparse"]["emb"]["min_bound"] == "-.inf"
     assert base["tables"]["sparse"]["emb"]["rows"] == 1000
     client.push("emb", keys[:100], rng.normal(size=(100, DIM)).astype(np.float32))
     client.shrink("emb", now=time.time() + 1e6)         # everything expires: tombstones for all rows
