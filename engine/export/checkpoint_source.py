@@ -42,8 +42,11 @@ def description_from_config(config: Mapping[str, Any], *, hash_version: int, num
         raise ExportError("checkpoint manifest: config.model: missing; the checkpoint does not say which "
                           "model it holds")
     kind = model["kind"]
+    if kind == "word2vec":
+        return _word2vec_description(model, hash_version=hash_version, num_vshards=num_vshards,
+                                     checkpoint=checkpoint)
     if kind not in ("ctr_dnn", "deepfm"):
-        raise ExportError(f"checkpoint manifest: config.model.kind: expected ctr_dnn or deepfm for a bundle, "
+        raise ExportError(f"checkpoint manifest: config.model.kind: expected ctr_dnn, deepfm or word2vec, "
                           f"got {kind!r}")
     slots = list(model.get("slots") or [])
     desc = {"model": {"kind": kind, "num_slots": len(slots), "dim": int(model.get("dim", 10)),
@@ -55,6 +58,24 @@ def description_from_config(config: Mapping[str, Any], *, hash_version: int, num
             "num_vshards": int(num_vshards), "checkpoint": dict(checkpoint) if checkpoint else None,
             "tables": {"sparse": model.get("sparse_table", "embedding"),
                        "dense": model.get("dense_table", "dense")}}
+    return check_description(desc, "checkpoint manifest: config")
+
+
+def _word2vec_description(model: Mapping[str, Any], *, hash_version: int, num_vshards: int,
+                          checkpoint: Mapping[str, Any] | None) -> dict:
+    """Word2Vec (``engine.programs.word2vec``): the input-vector table is the one exported; ``vocab`` is
+    the ``vocab.arrow`` of the converted corpus the run trained on (``model.arrow_dir``), which maps a
+    key's word id (``streaming.keys.key_ids``) to its word; no dense table."""
+    arrow = model.get("arrow_dir")
+    if not isinstance(arrow, str) or not arrow:
+        raise ExportError("checkpoint manifest: config.model.arrow_dir: missing; cannot map word ids to words")
+    desc = {"model": {"kind": "word2vec", "num_slots": 1, "dim": int(model.get("dim", 100)), "dense_dim": 0,
+                      "hidden": [], "seed": int(model.get("seed", 1)), "dtype": "float32"},
+            "slots": [], "slot_ids": {"input": int(model.get("input_slot", 1))},
+            "hash_version": int(hash_version), "num_vshards": int(num_vshards),
+            "checkpoint": dict(checkpoint) if checkpoint else None,
+            "tables": {"sparse": model.get("input_table", "syn0"), "dense": None},
+            "vocab": f"{arrow.rstrip('/')}/vocab.arrow"}
     return check_description(desc, "checkpoint manifest: config")
 
 

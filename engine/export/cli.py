@@ -44,7 +44,8 @@ def add_subparsers(sub) -> None:
                    help="write a delta against this earlier export (rows changed since + deleted keys)")
     p.add_argument("--groups", type=int, default=None, help="vshard groups = embedding files (default 16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
-    p.add_argument("--vocab", default=None, help="word2vec: vocab.arrow (or its directory)")
+    p.add_argument("--vocab", default=None,
+                   help="word2vec: vocab.arrow (or its directory); default: the one a word2vec checkpoint records")
     p.add_argument("--binary", action="store_true", help="word2vec: binary format")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(run=run_export)
@@ -83,11 +84,13 @@ def run_export(args) -> int:
         opts = dict(min_show=args.min_show, dtype=args.dtype, since=args.delta, groups=args.groups,
                     overwrite=args.overwrite)
         if args.format == "word2vec":
-            if not args.vocab:
-                print("engine export: --format word2vec needs --vocab (vocab.arrow of the corpus)", file=sys.stderr)
+            vocab = args.vocab or source.model_description().get("vocab")
+            if not vocab:
+                print("engine export: --format word2vec needs --vocab (vocab.arrow of the corpus): the "
+                      "checkpoint does not record one", file=sys.stderr)
                 return 2
             from .w2v import export_word2vec
-            res = export_word2vec(source, args.out, vocab=args.vocab, binary=args.binary)
+            res = export_word2vec(source, args.out, vocab=vocab, binary=args.binary)
             out = {"event": "export", "format": "word2vec", "out": args.out, **res}
         else:
             if args.format == "onnx":
