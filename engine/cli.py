@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import convert_cmd, train_cmd
+from . import convert_cmd, eval_cmd, train_cmd
 from .export import cli as export_cli
 
 
@@ -13,6 +13,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train_cmd.add_parser(sub)
     convert_cmd.add_parser(sub)
+    eval_cmd.add_parser(sub)
     export_cli.add_subparsers(sub)
     return parser
 
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_cmd.run(args)
     if args.command == "convert":
         return convert_cmd.run(args)
+    if args.command == "eval":
+        return eval_cmd.run(args)
     if args.command in ("export", "predict"):
         return export_cli.run(args)
     return 2

@@ -1,7 +1,9 @@
-"""``engine convert criteo INPUT... OUT_DIR [--split train|test] [--max-bad-rows N] [--batch-size N]``.
+"""``engine convert criteo INPUT... OUT_DIR [--split train|test] [--max-bad-rows N] [--batch-size N]``
+``engine convert text CORPUS OUT_DIR [--min-count N] [--max-vocab N]``.
 
-Raw files → Arrow IPC stream files (see ``streaming.criteo``). Prints one JSON summary line on stdout
-(``{"event": "converted", "rows": ..., "bad_rows": ..., "files": [...]}``); progress on a terminal.
+Raw files → Arrow IPC stream files (see ``streaming.criteo``, ``streaming.text``). Prints one JSON summary
+line on stdout (``{"event": "converted", "rows": ..., "bad_rows": ..., "files": [...]}``; text: also
+``vocab_size``, ``tokens``, ``oov_tokens``); progress on a terminal.
 
 Exit codes: 0 success, 2 bad input (missing file, malformed line beyond ``--max-bad-rows``, bad
 argument) with one ``engine convert: ...`` line on stderr.
@@ -32,11 +34,52 @@ def add_parser(sub) -> None:
     c.add_argument("--batch-size", type=int, default=8192, metavar="N", help="rows per record batch")
     c.add_argument("--rows-per-file", type=int, default=1 << 20, metavar="N", help="rows per part file")
     c.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    t = fmt.add_parser("text", help="text corpus (one document per line; gzip accepted) → vocab + token ids",
+                       description="A plain or gzip text corpus (one document per line, whitespace tokens) → "
+                                   "OUT_DIR/vocab.arrow (word, count) + OUT_DIR/corpus/part-*.arrow "
+                                   "(tokens: list<uint32> per document chunk of <= 10,000 tokens), the "
+                                   "Word2Vec input.")
+    t.add_argument("corpus", metavar="CORPUS", help="input text file (plain or gzip)")
+    t.add_argument("out_dir", metavar="OUT_DIR", help="output directory")
+    t.add_argument("--min-count", type=int, default=5, metavar="N",
+                   help="words seen fewer than N times are out of vocabulary (default 5)")
+    t.add_argument("--max-vocab", type=int, default=None, metavar="N",
+                   help="keep only the N most frequent words (default: no limit)")
+    t.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def run_text(args) -> int:
+    from streaming.errors import DataFormatError
+    from streaming.text import convert_text
+    if args.min_count < 1:
+        print(f"engine convert: --min-count must be >= 1, got {args.min_count}", file=sys.stderr)
+        return 2
+    if args.max_vocab is not None and args.max_vocab < 1:
+        print(f"engine convert: --max-vocab must be >= 1, got {args.max_vocab}", file=sys.stderr)
+        return 2
+    try:
+        r = convert_text(args.corpus, args.out_dir, min_count=args.min_count, max_vocab=args.max_vocab)
+    except FileNotFoundError as e:
+        print(f"engine convert: {e}", file=sys.stderr)
+        return 2
+    except DataFormatError as e:
+        print(f"engine convert: bad input: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, IsADirectoryError) as e:
+        print(f"engine convert: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"event": "converted", "format": "text", "out_dir": r.out_dir, "lines": r.lines,
+                      "rows": r.rows, "vocab_size": r.vocab_size, "tokens": r.total_tokens,
+                      "retained_tokens": r.retained_tokens, "oov_tokens": r.oov_tokens, "files": r.files,
+                      "seconds": round(r.seconds, 3)}), flush=True)
+    return 0
 
 
 def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.format == "text":
+        return run_text(args)
     from streaming.criteo import convert_criteo
     from streaming.errors import DataFormatError, SchemaError
 

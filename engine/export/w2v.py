@@ -15,37 +15,34 @@ import numpy as np
 
 from .errors import ExportError
 
-__all__ = ["export_word2vec"]
+__all__ = ["export_word2vec", "word_vectors"]
 
 log = logging.getLogger(__name__)
 
 
-def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, storage_options=None) -> dict:
-    """Write ``source``'s rows as word2vec vectors.
+def word_vectors(source, vocab: str):
+    """The input vectors of ``source`` in vocabulary order.
 
     Parameters
     ----------
     source : ExportSource
         Rows keyed by ``make_keys(slot, word_id)``; ``values`` = the input vectors ``float32[dim]``.
-    out_uri : str
-        Output file on any :mod:`hdfs_io` backend.
     vocab : str
         ``vocab.arrow`` or the converted-corpus directory holding it (local).
-    binary : bool
-        word2vec binary format instead of text.
 
     Returns
     -------
-    dict
-        ``{"words": V, "dim": dim, "missing": words without a row (written as zeros)}``.
+    words : list of str, length V
+    vectors : float32[V, dim]
+        Words without a row are zero vectors.
+    missing : int
+        Words without a row.
 
     Raises
     ------
     ExportError
-        A row whose word id is outside the vocabulary, or rows of mixed width.
+        No rows, a row whose word id is outside the vocabulary, or rows of mixed width.
     """
-    from hdfs_io import Storage
-    from models.word2vec_io import save_word2vec_format
     from streaming.keys import key_ids
     from streaming.text import read_vocab
     words, _ = read_vocab(vocab)
@@ -73,6 +70,35 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
     if missing:
         log.warning("%d of %d vocabulary words have no row in %s; written as zero vectors", missing,
                     len(words), source.source_uri)
+    return words, vecs, missing
+
+
+def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, storage_options=None) -> dict:
+    """Write ``source``'s rows as word2vec vectors.
+
+    Parameters
+    ----------
+    source : ExportSource
+        Rows keyed by ``make_keys(slot, word_id)``; ``values`` = the input vectors ``float32[dim]``.
+    out_uri : str
+        Output file on any :mod:`hdfs_io` backend.
+    vocab : str
+        ``vocab.arrow`` or the converted-corpus directory holding it (local).
+    binary : bool
+        word2vec binary format instead of text.
+
+    Returns
+    -------
+    dict
+        ``{"words": V, "dim": dim, "missing": words without a row (written as zeros)}``.
+
+    Raises
+    ------
+    ExportError
+        A row whose word id is outside the vocabulary, or rows of mixed width.
+    """
+    from models.word2vec_io import save_word2vec_format
+    words, vecs, missing = word_vectors(source, vocab)
     storage, name = _parent(out_uri, storage_options)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "vectors")

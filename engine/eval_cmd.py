@@ -1,0 +1,111 @@
+"""``engine eval CONFIG.yaml --checkpoint URI [--set key=value ...]``: evaluate a trained checkpoint.
+
+Word2Vec configs (``model.kind: word2vec``): the checkpoint's input vectors (words from the
+``vocab.arrow`` the run recorded, else the config's ``model.arrow_dir``) are scored with gensim's
+protocols (``models.word2vec_eval``) on the files of ``model.eval_data_dir``: analogy accuracy on
+``questions-words.txt`` (3CosAdd, 300,000 most frequent words, case-insensitive), Spearman on
+``wordsim353.tsv`` and ``simlex999.txt``. Prints one line per analogy section and the overall, then, as
+the last stdout line, one JSON object::
+
+    {"event": "eval", "model": "word2vec", "checkpoint": ..., "analogy_accuracy": 0.2046,
+     "analogy_evaluated": 13986, "analogy_skipped": 5558, "wordsim353_spearman": 0.66,
+     "simlex999_spearman": 0.37, ...}
+
+``URI`` is a checkpoint directory or a job root (its newest complete checkpoint), as ``engine export``
+takes. Exit codes: 0 success, 2 bad config, checkpoint or evaluation files, 1 other failures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+
+log = logging.getLogger("engine.eval")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint (word2vec: analogy accuracy, WordSim/SimLex Spearman)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config of the run")
+    p.add_argument("--checkpoint", required=True, metavar="URI",
+                   help="checkpoint directory or job root (the final line's 'checkpoint' of engine train)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set model.eval_data_dir=DIR")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _bad_input_errors():
+    import hdfs_io
+    from models.errors import ModelInputError
+    from .checkpoint import CheckpointNotFoundError
+    from .errors import ConfigError
+    from .export.errors import ExportError
+    return (ConfigError, ExportError, ModelInputError, hdfs_io.NotPublishedError, hdfs_io.CheckpointCorruptError,
+            CheckpointNotFoundError, FileNotFoundError)
+
+
+def evaluate_word2vec(cfg, uri: str) -> dict:
+    """Scores of a word2vec checkpoint (module docstring); ``analogy_sections`` included.
+
+    Raises
+    ------
+    ExportError, CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
+        No readable checkpoint at ``uri``.
+    FileNotFoundError
+        A vocabulary or benchmark file is missing.
+    """
+    from models.word2vec_eval import evaluate_all
+    from .export.source import open_source
+    from .export.w2v import word_vectors
+    p = cfg.model.params
+    source = open_source(uri)
+    try:
+        vocab = source.model_description().get("vocab") or os.path.join(p.arrow_dir, "vocab.arrow")
+        if not os.path.isfile(vocab):
+            raise FileNotFoundError(f"vocabulary {vocab} not found (the corpus conversion the run trained on)")
+        words, vectors, missing = word_vectors(source, vocab)
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+    data_dir = p.eval_data_dir or "."
+    for name in ("questions-words.txt", "wordsim353.tsv", "simlex999.txt"):
+        if not os.path.isfile(os.path.join(data_dir, name)):
+            raise FileNotFoundError(f"{os.path.join(data_dir, name)} not found (model.eval_data_dir)")
+    res = evaluate_all(words, vectors, data_dir)
+    return {"event": "eval", "model": "word2vec", "checkpoint": source.source_uri, "words": len(words),
+            "missing": missing, **res}
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .config import load_config
+    bad = _bad_input_errors()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.model is None or cfg.model.kind != "word2vec":
+            kind = None if cfg.model is None else cfg.model.kind
+            print(f"engine eval: model.kind {kind!r}: only word2vec configs are evaluated here (CTR "
+                  f"models: engine export CHECKPOINT BUNDLE, then engine predict BUNDLE TEST_DATA for "
+                  f"AUC/logloss)", file=sys.stderr)
+            return 2
+        out = evaluate_word2vec(cfg, args.checkpoint)
+    except bad as e:
+        print(f"engine eval: {e}", file=sys.stderr)
+        return 2
+    for s in out["analogy_sections"]:
+        acc = s["accuracy"]
+        print(f"{s['section']:<30} {100 * acc if acc == acc else float('nan'):6.2f}%  "
+              f"({s['correct']}/{s['evaluated']})")
+    print(f"{'overall':<30} {100 * out['analogy_accuracy']:6.2f}%  ({out['analogy_correct']}/"
+          f"{out['analogy_evaluated']}, {out['analogy_skipped']} skipped)")
+    print(f"{'wordsim353 spearman':<30} {out['wordsim353_spearman']:.4f}")
+    print(f"{'simlex999 spearman':<30} {out['simlex999_spearman']:.4f}")
+    out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()
+           if k != "analogy_sections"}
+    print(json.dumps(out), flush=True)
+    return 0
