@@ -12,7 +12,7 @@ Measurements (one JSON object per line, each with a ``bench`` field): ``ctr_dnn_
 ``deepfm_async``, ``ctr_dnn_geo``. Reference: Paddle 2.6.2's parameter server (1 server + 2 trainers,
 same net, batch 512) trained about 22,000 examples/s on this kind of machine.
 
-    python bench/ctr_bench.py [--rows N] [--quick] [--only ctr_dnn_async,...] [--work DIR]
+    python bench/ctr_bench.py [--rows N] [--quick] [--only ctr_dnn_async,...] [--work DIR] [--set K=V]
 """
 from __future__ import annotations
 
@@ -87,13 +87,14 @@ def roofline(kind: str, batch: int, dim: int = 10, hidden=(400, 400, 400), slots
     return batch / best
 
 
-def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before: dict) -> dict:
+def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before: dict,
+        extra: list[str] = ()) -> dict:
     config, kind, mode = RUNS[name]
     sets = [f"mode={mode}", "model.data.source=arrow", f"model.data.train_path={train}",
             f"model.data.test_path={test}", f"model.batch_size={batch}", "model.epochs=1",
             "model.dim=10", f"tables.sparse.embedding.dim={11 if kind == 'deepfm' else 10}",
             "model.eval_every_epoch=false", "model.log_every_s=10", "model.shuffle_buffer=0",
-            f"model.metrics_dir={work / 'metrics'}", "checkpoint.root=", "cluster.servers=1", "cluster.workers=2"]
+            f"model.metrics_dir={work / 'metrics'}", "checkpoint.root=", "cluster.servers=1", "cluster.workers=2", *extra]
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / config)] + [a for s in sets for a in ("--set", s)]
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -101,6 +102,13 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
     if proc.returncode != 0:
         raise SystemExit(f"{name}: engine train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     final = json.loads(proc.stdout.strip().splitlines()[-1])
+    profile = {}
+    for line in Path(final["metrics_file"]).read_text().splitlines():
+        ev = json.loads(line)
+        if ev.get("event") == "profile":
+            steps = max(1, ev.get("steps", 0))
+            profile[f"rank{ev['rank']}_ms_per_step"] = {k: round(1000 * v / steps, 2)
+                                                        for k, v in ev["phase_seconds"].items()}
     # the machine may be shared: the best of the measurements before the jobs and right after this one
     roof = max(roof_before[kind], roofline(kind, batch, repeats=100))
     return {"bench": name, "model": kind, "mode": mode, "servers": 1, "workers": 2, "batch_size": batch,
@@ -109,7 +117,7 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
             "ratio_vs_roofline": round(final["examples_per_s"] / roof, 3),
             "reference_paddle_examples_per_s": 22000,
             "ratio_vs_paddle": round(final["examples_per_s"] / 22000, 3),
-            "test_auc_on_head": final.get("test_auc"), "job_wall_s": round(wall, 1)}
+            "test_auc_on_head": final.get("test_auc"), "job_wall_s": round(wall, 1), **profile}
 
 
 def main(argv=None) -> int:
@@ -120,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--only", default="", help="comma-separated measurement names")
     ap.add_argument("--work", default=str(REPO / "runs" / "bench"), help="data cache (git-ignored)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra engine train overrides (e.g. model.pipeline=false), repeatable")
     args = ap.parse_args(argv)
     rows = args.rows // 10 if args.quick else args.rows
     work = Path(args.work)
@@ -129,8 +139,10 @@ def main(argv=None) -> int:
     for name in names:
         if name not in RUNS:
             raise SystemExit(f"--only: unknown measurement {name!r}; known: {sorted(RUNS)}")
-        out = run(name, train, test, args.batch_size, work, roof_before)
+        out = run(name, train, test, args.batch_size, work, roof_before, args.set)
         out["rows"] = rows
+        if args.set:
+            out["set"] = args.set
         print(json.dumps(out), flush=True)
     return 0
 

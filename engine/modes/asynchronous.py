@@ -28,6 +28,10 @@ class AsyncMode(Mode):
     def push_dense_grads(self, table: str, grad: np.ndarray) -> None:
         self.client.push_dense(table, grad)
 
+    def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
+        """Adam step on the servers and the fresh parameters in one round trip (DENSE_STEP)."""
+        return self.client.push_pull_dense(table, grad)
+
     def finish(self) -> None:
         self.client.flush()
         super().finish()

@@ -87,6 +87,11 @@ class Mode(ABC):
     def push_dense_grads(self, table: str, grad: np.ndarray) -> None:
         """Dense gradient ``grad : float32[P]`` of this step."""
 
+    def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
+        """``push_dense_grads`` then ``pull_dense`` (async overrides it with one round trip)."""
+        self.push_dense_grads(table, grad)
+        return self.pull_dense(table)
+
     def init_dense(self, table: str, params: np.ndarray) -> np.ndarray:
         """Rank 0 sets the initial dense parameters; everyone waits for it and gets the server's copy."""
         if self.rank == 0:

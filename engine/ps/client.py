@@ -418,6 +418,30 @@ class PSClient:
         """Optimizer step on the servers with ``grad : float32[P]`` (``accumulate``: sync mode)."""
         self._dense_op(table, grad, pb.DENSE_GRAD, accumulate)
 
+    def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
+        """Async mode in one round trip: optimizer step on the servers with ``grad : float32[P]``, then
+        the fresh parameters -> float32[P] (each block's values right after its own update; what
+        ``push_dense`` followed by ``pull_dense`` gives without concurrent writers).
+
+        Raises
+        ------
+        ProtocolError
+            ``grad`` is not float32[P] or not finite (nothing sent).
+        RequestRejectedError, ShardUnavailableError, PSTimeoutError
+        """
+        size = self._dense_size(table)
+        grad = _check_array(grad, (size,), "grad")
+        rid = self._rid()
+        blocks = self._blocks(table, size)
+        replies = self._fan_out([(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}",
+                                                                         block=b, op=pb.DENSE_STEP),
+                                                         values=grad[a:z]))
+                                 for b, s, a, z in blocks], idempotent=False)
+        out = np.empty(size, np.float32)
+        for (b, s, a, z), r in zip(blocks, replies):
+            out[a:z] = codec.decode(r.values, "values", codec.F32, 1, shape=(z - a,))
+        return out
+
     def push_dense_delta(self, table: str, delta: np.ndarray) -> None:
         """GEO: ``params += delta : float32[P]`` on the servers."""
         self._dense_op(table, delta, pb.DENSE_DELTA, False)

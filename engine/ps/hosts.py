@@ -325,6 +325,13 @@ class DenseHost:
             else:
                 b.opt.step(b.params, np.ascontiguousarray(grad, dtype=np.float32))
 
+    def step(self, block: int, grad: np.ndarray) -> np.ndarray:
+        """Optimizer step with ``grad`` (async mode), then a copy of the block's fresh parameters."""
+        b = self._check(block, grad, "grad")
+        with b.lock:
+            b.opt.step(b.params, np.ascontiguousarray(grad, dtype=np.float32))
+            return b.params.copy()
+
     def delta(self, block: int, delta: np.ndarray) -> None:
         b = self._check(block, delta, "delta")
         with b.lock:

@@ -182,17 +182,22 @@ class PSServer:
             length = min(codec.DENSE_BLOCK, req.size - req.block * codec.DENSE_BLOCK)
             if not 0 <= req.block < n:
                 raise ProtocolError(f"block {req.block} out of range for size {req.size}")
-            values = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
-            resp.applied = host.init(req.block, int(req.size), values, req.force)
+            init = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
+            resp.applied = host.init(req.block, int(req.size), init, req.force)
         elif req.op == pb.DENSE_PULL:
             values = host.pull(req.block)
-        elif req.op in (pb.DENSE_GRAD, pb.DENSE_DELTA):
+        elif req.op in (pb.DENSE_GRAD, pb.DENSE_DELTA, pb.DENSE_STEP):
             length = host.block_length(req.block) if host.size else None
-            values = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
-            if req.op == pb.DENSE_GRAD:
-                host.grad(req.block, values, req.accumulate)
+            update = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
+            if req.op == pb.DENSE_STEP:
+                if req.accumulate:
+                    raise ProtocolError("DENSE_STEP cannot accumulate: sync mode pushes DENSE_GRAD with "
+                                        "accumulate and pulls after the applying barrier")
+                values = host.step(req.block, update)
+            elif req.op == pb.DENSE_GRAD:
+                host.grad(req.block, update, req.accumulate)
             else:
-                host.delta(req.block, values)
+                host.delta(req.block, update)
         else:
             raise ProtocolError(f"unknown dense op {req.op}")
         resp.size = host.size or 0
