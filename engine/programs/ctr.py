@@ -19,8 +19,8 @@ sparse gradients and pulls t+1's rows. Step t+1 starts when both are done, so it
 include all of this worker's updates, as the sequential loop does; every push is applied on arrival.
 ``stale``: the communicator pulls batch t+1 while t computes and pushes t while t+1 computes (Paddle's
 async communicator style), so a step sees this worker's own updates one step later; fastest, but on the
-16k shared Criteo rows it cost ~0.005 test AUC (seeds 0-1: 0.7528/0.7472 vs 0.7614/0.7492). ``off``: one
-step after the other. Sync and GEO always run sequentially.
+16k shared Criteo rows it cost ~0.005 test AUC (seeds 0-1: 0.7528/0.7472 vs 0.7614/0.7492).
+``sequential``: one step after the other. Sync and GEO always run sequentially.
 
 Gradient scaling (batch-size independence). ``grad_emb`` is the gradient of the MEAN batch loss, i.e.
 ``(1/B) Σ_occurrences g``. The worker pushes the gradient of the SUMMED loss, ``B * grad_emb``, with
@@ -86,7 +86,7 @@ class Config:
     eval_batch_size: int = knob(4096, ge=1)
     log_every_s: float = knob(2.0, gt=0)
     prefetch: int = knob(4, ge=0)
-    pipeline: str = knob("exact", choices=("exact", "stale", "off"))
+    pipeline: str = knob("exact", choices=("exact", "stale", "sequential"))
     blas_threads: int = knob(0, ge=0)
     metrics_dir: str = "runs/metrics"
     metrics_file: str = ""
@@ -226,7 +226,7 @@ class CTRTrainer:
         self.phases = dict.fromkeys(PHASES, 0.0)
         self._fresh_dense: np.ndarray | None = None    # async: parameters the last DENSE_STEP returned
         self._dense_lock = threading.Lock()
-        self.pipelined = p.pipeline != "off" and self.mode.name == "async"
+        self.pipelined = p.pipeline != "sequential" and self.mode.name == "async"
 
     # -- the step ---------------------------------------------------------------------------------
     def read(self, rb) -> CTRBatch:
