@@ -11,6 +11,11 @@ the last stdout line, one JSON object::
      "analogy_evaluated": 13986, "analogy_skipped": 5558, "wordsim353_spearman": 0.66,
      "simlex999_spearman": 0.37, ...}
 
+CTR configs (``ctr_dnn``, ``deepfm``): the checkpoint is exported to a temporary serving bundle
+(``engine.export``) and scores the config's test split (``model.data``, resolved and converted as
+``engine train`` does); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
+..., "copc": ..., "rows": ...}``.
+
 ``URI`` is a checkpoint directory or a job root (its newest complete checkpoint), as ``engine export``
 takes. Exit codes: 0 success, 2 bad config, checkpoint or evaluation files, 1 other failures.
 """
@@ -27,7 +32,7 @@ log = logging.getLogger("engine.eval")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate a checkpoint (word2vec: analogy accuracy, WordSim/SimLex Spearman)",
+    p = sub.add_parser("eval", help="evaluate a checkpoint (word2vec: analogy, WordSim/SimLex; CTR: test AUC/logloss)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="YAML config of the run")
     p.add_argument("--checkpoint", required=True, metavar="URI",
@@ -43,8 +48,11 @@ def _bad_input_errors():
     from .checkpoint import CheckpointNotFoundError
     from .errors import ConfigError
     from .export.errors import ExportError
-    return (ConfigError, ExportError, ModelInputError, hdfs_io.NotPublishedError, hdfs_io.CheckpointCorruptError,
-            CheckpointNotFoundError, FileNotFoundError)
+    from streaming.errors import DataFormatError, SchemaError
+    from .export.errors import BundleError
+    return (ConfigError, ExportError, BundleError, ModelInputError, hdfs_io.NotPublishedError,
+            hdfs_io.CheckpointCorruptError, CheckpointNotFoundError, FileNotFoundError, DataFormatError,
+            SchemaError)
 
 
 def evaluate_word2vec(cfg, uri: str) -> dict:
@@ -80,6 +88,42 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
             "missing": missing, **res}
 
 
+def evaluate_ctr(cfg, uri: str) -> dict:
+    """AUC / logloss / COPC of a CTR checkpoint on the config's test split (module docstring).
+
+    Raises
+    ------
+    ConfigError, ExportError, CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
+        Bad data section or no readable checkpoint at ``uri``.
+    """
+    import tempfile
+    from streaming.source import ArrowSource
+    from .export.bundle import export_bundle
+    from .export.predictor import load_bundle
+    from .export.source import open_source
+    from .metrics import BinaryMetrics
+    from .programs.ctr_data import expected_schema, prepare_data
+    p = cfg.model.params
+    data = prepare_data(p.data, expected_schema(p.slots, p.dense_dim))
+    source = open_source(uri)
+    with tempfile.TemporaryDirectory(prefix="engine-eval-") as tmp:
+        try:
+            export_bundle(source, os.path.join(tmp, "bundle"))
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+        bundle = load_bundle(os.path.join(tmp, "bundle"))
+        metrics, rows = BinaryMetrics(), 0
+        for rb in ArrowSource(data.test_path, batch_size=8192).batches(0):
+            metrics.update(bundle.predict(rb), rb.column(bundle.label_column).to_numpy(zero_copy_only=False))
+            rows += rb.num_rows
+    s = metrics.summary()
+    return {"event": "eval", "model": cfg.model.kind, "checkpoint": source.source_uri,
+            "test_path": data.test_path, "rows": rows, "auc": s["auc"], "logloss": s["logloss"],
+            "copc": s["copc"]}
+
+
 def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -87,16 +131,23 @@ def run(args) -> int:
     bad = _bad_input_errors()
     try:
         cfg = load_config(args.config, args.overrides)
-        if cfg.model is None or cfg.model.kind != "word2vec":
-            kind = None if cfg.model is None else cfg.model.kind
-            print(f"engine eval: model.kind {kind!r}: only word2vec configs are evaluated here (CTR "
-                  f"models: engine export CHECKPOINT BUNDLE, then engine predict BUNDLE TEST_DATA for "
-                  f"AUC/logloss)", file=sys.stderr)
+        kind = None if cfg.model is None else cfg.model.kind
+        if kind in ("ctr_dnn", "deepfm"):
+            out = evaluate_ctr(cfg, args.checkpoint)
+        elif kind == "word2vec":
+            out = evaluate_word2vec(cfg, args.checkpoint)
+        else:
+            print(f"engine eval: model.kind must be word2vec, ctr_dnn or deepfm, got {kind!r}", file=sys.stderr)
             return 2
-        out = evaluate_word2vec(cfg, args.checkpoint)
     except bad as e:
         print(f"engine eval: {e}", file=sys.stderr)
         return 2
+    if kind != "word2vec":
+        print(f"{kind} test AUC {out['auc']:.4f}  logloss {out['logloss']:.4f}  COPC {out['copc']:.3f}  "
+              f"({out['rows']} rows)")
+        out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+        print(json.dumps(out), flush=True)
+        return 0
     for s in out["analogy_sections"]:
         acc = s["accuracy"]
         print(f"{s['section']:<30} {100 * acc if acc == acc else float('nan'):6.2f}%  "
