@@ -19,7 +19,7 @@ import pyarrow as pa
 from .errors import ModelConfigError
 from .word2vec import SGStats, SkipGramNS, Vocab, Word2VecParams, batch_arrays, new_state
 
-__all__ = ["TokenCorpus", "load_corpus", "train_reference", "ReferenceResult"]
+__all__ = ["TokenCorpus", "load_corpus", "job_bounds", "train_reference", "ReferenceResult"]
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,10 @@ def load_corpus(paths, max_raw_words: int | None = None) -> TokenCorpus:
     return TokenCorpus(tokens.astype(np.uint32, copy=False), offsets, raw)
 
 
-def _jobs(raw_len: np.ndarray, batch_words: int) -> np.ndarray:
-    """Document boundaries ``int64[J + 1]`` of gensim's jobs: add a document while the job's raw words
-    stay <= ``batch_words``, else start a new job with it."""
+def job_bounds(raw_len: np.ndarray, batch_words: int) -> np.ndarray:
+    """Document boundaries ``int64[J + 1]`` of gensim's jobs over documents of ``raw_len : int[d]`` raw
+    words: add a document while the job's raw words stay <= ``batch_words``, else start a new job with it
+    (a longer document is a job alone)."""
     bounds, size = [0], 0
     for d, n in enumerate(raw_len.tolist()):
         if d > bounds[-1] and size + n > batch_words:
@@ -88,6 +89,9 @@ def _jobs(raw_len: np.ndarray, batch_words: int) -> np.ndarray:
     if bounds[-1] != len(raw_len):
         bounds.append(len(raw_len))
     return np.asarray(bounds, np.int64)
+
+
+_jobs = job_bounds   # former private name
 
 
 @dataclasses.dataclass
@@ -129,7 +133,7 @@ def train_reference(corpus: TokenCorpus, vocab: Vocab, params: Word2VecParams = 
     V, dim = len(vocab), params.dim
     syn0 = sg.init_input_vectors(np.arange(V, dtype=np.uint64))
     syn1neg = np.zeros((V, dim), np.float32)
-    bounds = _jobs(corpus.raw_len, params.batch_words)
+    bounds = job_bounds(corpus.raw_len, params.batch_words)
     raw_cum = np.concatenate([[0], np.cumsum(corpus.raw_len)])
     planned = max(params.epochs * corpus.raw_words, 1)
     n_jobs = len(bounds) - 1

@@ -243,7 +243,7 @@ def worker_steps(files, rank: int, num_workers: int, batch_words: int):
     ``batch_words`` raw words each (a longer document is one step), from record batches
     ``i % num_workers == rank`` of the corpus parts in order."""
     from models.word2vec import batch_arrays
-    from models.word2vec_reference import _jobs
+    from models.word2vec_reference import job_bounds
     i = 0
     for path in files:
         with pa.memory_map(str(path), "r") as mm:
@@ -254,7 +254,7 @@ def worker_steps(files, rank: int, num_workers: int, batch_words: int):
                     continue
                 tokens, offs, _ = batch_arrays(rb)
                 raw_len = rb.column("raw_tokens").to_numpy().astype(np.int64)
-                bounds = _jobs(raw_len, batch_words)
+                bounds = job_bounds(raw_len, batch_words)
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     o = offs[a:b + 1]
                     yield tokens[o[0]:o[-1]], o - o[0], int(raw_len[a:b].sum())
