@@ -333,13 +333,13 @@ def sketch_counts(sketch, keys, out):
 
 # ------------------------------------------------------------------------------------ batch dedup
 @njit(nogil=True, cache=True)
-def dedup_sum(keys, grads, shows, clicks, ukeys, ugrads, ushows, uclicks, ucounts):
-    """Combine duplicate keys of one push: sum grads, shows and clicks, count occurrences.
+def dedup_index(keys, grads, shows, clicks, inverse):
+    """Number the distinct keys of one push in first-occurrence order and validate the payload.
 
-    keys : uint64[n]; grads : float32[n, dim]; shows, clicks : float32[n] (or length 0 when absent).
-    Outputs are filled in first-occurrence order; returns the number of unique keys, or ``-(i + 1)``
-    when ``grads[i]``, ``shows[i]`` or ``clicks[i]`` is NaN/Inf or a count is negative (nothing else is
-    touched, so a rejected push leaves the table unchanged).
+    keys : uint64[n]; grads : float32[n, dim]; shows, clicks : float32[n] (or length 0 when absent);
+    inverse : int64[n] gets the unique number of each key. Returns the number of unique keys, or
+    ``-(i + 1)`` when ``grads[i]``, ``shows[i]`` or ``clicks[i]`` is NaN/Inf or a count is negative
+    (nothing else is touched, so a rejected push leaves the table unchanged).
     """
     n = keys.shape[0]
     dim = grads.shape[1]
@@ -349,46 +349,61 @@ def dedup_sum(keys, grads, shows, clicks, ukeys, ugrads, ushows, uclicks, ucount
         m *= 2
     mask = U64(m - 1)
     slots = np.full(m, -1, np.int64)
+    first = np.empty(n, np.int64)
     nu = 0
     for i in range(n):
-        bad = False
         for j in range(dim):
             g = grads[i, j]
             if not (g - g == 0.0):
-                bad = True
+                return -(i + 1)
         if has_counts:
             if not (shows[i] - shows[i] == 0.0) or not (clicks[i] - clicks[i] == 0.0):
-                bad = True
+                return -(i + 1)
             if shows[i] < 0 or clicks[i] < 0:
-                bad = True
-        if bad:
-            return -(i + 1)
+                return -(i + 1)
         key = keys[i]
         s = index_hash(key) & mask
         while True:
             u = slots[s]
             if u < 0:
-                u = nu
+                slots[s] = nu
+                first[nu] = i
+                inverse[i] = nu
                 nu += 1
-                slots[s] = u
-                ukeys[u] = key
-                for j in range(dim):
-                    ugrads[u, j] = grads[i, j]
-                ucounts[u] = 1
-                if has_counts:
-                    ushows[u] = shows[i]
-                    uclicks[u] = clicks[i]
                 break
-            if ukeys[u] == key:
-                for j in range(dim):
-                    ugrads[u, j] += grads[i, j]
-                ucounts[u] += 1
-                if has_counts:
-                    ushows[u] += shows[i]
-                    uclicks[u] += clicks[i]
+            if keys[first[u]] == key:
+                inverse[i] = u
                 break
             s = (s + U64(1)) & mask
     return nu
+
+
+@njit(nogil=True, cache=True)
+def dedup_sum(keys, grads, shows, clicks, inverse, ukeys, ugrads, ushows, uclicks, ucounts):
+    """Sum grads, shows and clicks per unique key (numbered by ``dedup_index``) in occurrence order
+    and count occurrences. Outputs have one row per unique key."""
+    n = keys.shape[0]
+    dim = grads.shape[1]
+    has_counts = shows.shape[0] == n and n > 0
+    seen = np.zeros(ukeys.shape[0], np.bool_)
+    for i in range(n):
+        u = inverse[i]
+        if not seen[u]:
+            seen[u] = True
+            ukeys[u] = keys[i]
+            for j in range(dim):
+                ugrads[u, j] = grads[i, j]
+            ucounts[u] = 1
+            if has_counts:
+                ushows[u] = shows[i]
+                uclicks[u] = clicks[i]
+        else:
+            for j in range(dim):
+                ugrads[u, j] += grads[i, j]
+            ucounts[u] += 1
+            if has_counts:
+                ushows[u] += shows[i]
+                uclicks[u] += clicks[i]
 
 
 # ------------------------------------------------------------------------------------ pull / push

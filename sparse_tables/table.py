@@ -381,22 +381,26 @@ class SparseTable:
     def _apply(self, keys, grads, shows, clicks, mode: int) -> None:
         n = len(keys)
         has_shows = shows is not None
-        ukeys = np.empty(n, np.uint64)
-        ugrads = np.empty((n, self.layout.dim), np.float32)
-        ushows = np.empty(n if has_shows else 0, np.float32)
-        uclicks = np.empty(n if has_shows else 0, np.float32)
-        ucounts = np.empty(n, np.int64)
         empty = np.empty(0, np.float32)
-        nu = K.dedup_sum(keys, grads, shows if has_shows else empty, clicks if has_shows else empty,
-                         ukeys, ugrads, ushows, uclicks, ucounts)
+        if not has_shows:
+            shows = clicks = empty
+        inverse = np.empty(n, np.int64)
+        nu = K.dedup_index(keys, grads, shows, clicks, inverse)
         if nu < 0:
             i = -nu - 1
             what = "deltas" if mode else "grads"
             raise TableInputError(f"{what}[{i}] (key {int(keys[i])}): expected finite values and "
                                   f"non-negative shows/clicks, got a NaN, Inf or negative count")
-        ukeys, ugrads, ucounts = ukeys[:nu], ugrads[:nu], ucounts[:nu]
-        if has_shows:
-            ushows, uclicks = ushows[:nu], uclicks[:nu]
+        if nu == n:  # no duplicates (the usual case after a client's dedup): use the inputs as they are
+            ukeys, ugrads, ushows, uclicks = keys, grads, shows, clicks
+            ucounts = np.ones(n, np.int64)
+        else:
+            ukeys = np.empty(nu, np.uint64)
+            ugrads = np.empty((nu, self.layout.dim), np.float32)
+            ushows = np.empty(nu if has_shows else 0, np.float32)
+            uclicks = np.empty(nu if has_shows else 0, np.float32)
+            ucounts = np.empty(nu, np.int64)
+            K.dedup_sum(keys, grads, shows, clicks, inverse, ukeys, ugrads, ushows, uclicks, ucounts)
         cfg = self.config
         with self._lock.exclusive():
             self._next_tick()

@@ -97,18 +97,22 @@ def test_dedup_sums_duplicates_in_first_occurrence_order():
     grads = np.arange(12, dtype=np.float32).reshape(6, 2)
     shows = np.array([1, 2, 3, 4, 5, 6], np.float32)
     clicks = np.array([0, 1, 0, 1, 1, 0], np.float32)
-    uk, ug = np.empty(6, np.uint64), np.empty((6, 2), np.float32)
-    us, uc, cnt = np.empty(6, np.float32), np.empty(6, np.float32), np.empty(6, np.int64)
-    nu = K.dedup_sum(keys, grads, shows, clicks, uk, ug, us, uc, cnt)
-    assert nu == 3
-    assert uk[:3].tolist() == [5, 3, 9]
-    np.testing.assert_array_equal(ug[:3], [grads[[0, 2, 5]].sum(0), grads[[1, 4]].sum(0), grads[3]])
-    assert us[:3].tolist() == [10, 7, 4] and uc[:3].tolist() == [0, 2, 1] and cnt[:3].tolist() == [3, 2, 1]
+    inverse = np.empty(6, np.int64)
+    nu = K.dedup_index(keys, grads, shows, clicks, inverse)
+    assert nu == 3 and inverse.tolist() == [0, 1, 0, 2, 1, 0]
+    uk, ug = np.empty(3, np.uint64), np.empty((3, 2), np.float32)
+    us, uc, cnt = np.empty(3, np.float32), np.empty(3, np.float32), np.empty(3, np.int64)
+    K.dedup_sum(keys, grads, shows, clicks, inverse, uk, ug, us, uc, cnt)
+    assert uk.tolist() == [5, 3, 9]
+    np.testing.assert_array_equal(ug, [grads[[0, 2, 5]].sum(0), grads[[1, 4]].sum(0), grads[3]])
+    assert us.tolist() == [10, 7, 4] and uc.tolist() == [0, 2, 1] and cnt.tolist() == [3, 2, 1]
     grads[4, 1] = np.nan
-    assert K.dedup_sum(keys, grads, shows, clicks, uk, ug, us, uc, cnt) == -5
+    assert K.dedup_index(keys, grads, shows, clicks, inverse) == -5
     grads[4, 1] = 0
     shows[2] = -1
-    assert K.dedup_sum(keys, grads, shows, clicks, uk, ug, us, uc, cnt) == -3
+    assert K.dedup_index(keys, grads, shows, clicks, inverse) == -3
+    no_counts = np.empty(0, np.float32)
+    assert K.dedup_index(np.array([1, 2], np.uint64), grads[:2], no_counts, no_counts, inverse) == 2
 
 
 def test_admission_sketch_counts_and_probability():
