@@ -2,7 +2,8 @@
 
 Each rule reads the row's values ``w = arena_f[r, voff:voff+dim]`` and optimizer state
 ``s = arena_f[r, soff:...]``, and a gradient ``g = grads[gi] * scale`` (scale is 1/show when the push
-carried show counts). Arithmetic is float64, stored back as float32. After every update values are
+carried show counts). Arithmetic is float64, stored back as float32, except row-wise
+Adagrad's per-dimension loops, which run in float32 (the hottest rule; vectorized at twice the width). After every update values are
 clipped to ``[hp[HP_MIN], hp[HP_MAX]]`` (Paddle's weight_bounds).
 
 sgd          w -= lr * g
