@@ -444,8 +444,8 @@ def pull_rows(index, arena_u, arena_f, lay, keys, out, tick, track_lru, miss_idx
 @njit(nogil=True, cache=True)
 def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclicks, ucounts, has_shows,
               mode, opt, hp, now_s, tick, seed, init_kind, init_scale, sketch, min_count, admit_p,
-              out_rows):
-    """Apply one deduplicated push. Returns (rows created, keys rejected by admission, arena full).
+              max_rows, out_rows):
+    """Apply one deduplicated push. Returns (rows created, keys rejected by admission, keys done).
 
     mode 0: optimizer update with gradient ``ugrads[i] / ushows[i]`` when ``has_shows`` (Paddle's
     CtrCommonAccessor scales by the pushed show count), else ``ugrads[i]``;
@@ -453,8 +453,11 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
     Missing keys become rows when admitted (``sketch`` of shape (0, 0) disables admission). Show grows
     by ``ushows[i]`` (or the occurrence count), click by ``uclicks[i]``; last_seen, tick and the dirty
     flag are set. out_rows : int64[u] gets each key's row or -1 when not admitted.
-    The caller reserves arena and index room for ``u`` new rows beforehand; keys are unique, so each
-    row is updated right after its lookup, while the record is still in L1.
+    Keys are unique, so each row is updated right after its lookup, while the record is still in L1.
+    A new row needs a free arena row and ``rows in RAM < max_rows`` (the index's load limit); when
+    either runs out at key i, the kernel returns with keys done = i, keys i.. untouched, and the caller
+    grows the arena or index and calls again with the rest. So room is made only for rows really
+    created, not for every key a push might create.
     """
     u = ukeys.shape[0]
     dim = lay[L_DIM]
@@ -473,14 +476,14 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
         key = ukeys[i]
         r = index_find(index, arena_u, key)
         if r < 0:
+            if state[S_NRAM] >= max_rows or (state[S_FREE_HEAD] < 0 and state[S_NEXT] >= arena_u.shape[0]):
+                return created, rejected, i
             if use_admission and not admit(sketch, key, np.int64(ucounts[i]), min_count, admit_p, seed):
                 out_rows[i] = -1
                 rejected += 1
                 continue
             r = new_row(index, arena_u, arena_f, state, lay, key, now_s, tick, opt, hp, seed,
                         init_kind, init_scale)
-            if r < 0:
-                return created, rejected, True
             created += 1
         out_rows[i] = r
         if mode == 0:
@@ -499,7 +502,7 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
         arena_u[r, moff + M_SEEN] = now_s
         arena_u[r, moff + M_TICK] = tick
         arena_u[r, moff + M_FLAGS] = (arena_u[r, moff + M_FLAGS] | F_DIRTY) & ~F_SYNCED
-    return created, rejected, False
+    return created, rejected, u
 
 
 # ------------------------------------------------------------------------------------ records

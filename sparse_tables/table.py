@@ -402,19 +402,26 @@ class SparseTable:
             ucounts = np.empty(nu, np.int64)
             K.dedup_sum(keys, grads, shows, clicks, inverse, ukeys, ugrads, ushows, uclicks, ucounts)
         cfg = self.config
+        created = rejected = 0
         with self._lock.exclusive():
             self._next_tick()
-            self._reserve(nu)
             if self._spill is not None:
                 self._promote(ukeys)
             out_rows = np.empty(nu, np.int64)
-            created, rejected, full = K.push_rows(
-                self._index, self._arena_u, self._arena_f, self._state, self._lay, ukeys, ugrads,
-                ushows, uclicks, ucounts, has_shows, mode, self._opt, self._hp, self._now_s(),
-                self._tick, self._seed, self._init_kind, cfg.init_range, self._sketch, cfg.min_count,
-                cfg.admit_probability, out_rows)
-            if full:
-                raise RuntimeError("arena full after reserve: internal capacity error")
+            now_s = self._now_s()
+            done = 0
+            while done < nu:
+                rest = slice(done, nu)
+                c, rj, k = K.push_rows(
+                    self._index, self._arena_u, self._arena_f, self._state, self._lay, ukeys[rest],
+                    ugrads[rest], ushows[rest] if has_shows else ushows,
+                    uclicks[rest] if has_shows else uclicks, ucounts[rest], has_shows, mode,
+                    self._opt, self._hp, now_s, self._tick, self._seed, self._init_kind,
+                    cfg.init_range, self._sketch, cfg.min_count, cfg.admit_probability,
+                    int(MAX_LOAD * len(self._index)), out_rows[rest])
+                created, rejected, done = created + c, rejected + rj, done + k
+                if done < nu:  # out of room at key `done`: grow (doubling), then go on from there
+                    self._reserve(nu - done)
             self._maybe_evict()
         self._count(push_keys=n, created=created, rejected=rejected)
 
