@@ -31,12 +31,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from numba import njit
 
 from streaming.criteo import SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema, generate_criteo
 from streaming.source import ArrowSource, list_files
 
 from ..config import knob
+from ..ps import _kernels as ps_kernels
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -107,45 +107,6 @@ def to_batch(rb: pa.RecordBatch, slots, dense_dim: int) -> CTRBatch:
     return CTRBatch(labels, np.ascontiguousarray(dense), keys)
 
 
-_MUL = np.uint64(0x9E3779B97F4A7C15)
-_S32 = np.uint64(32)
-
-
-@njit(cache=True, nogil=True)
-def _dedup_batch(keys, labels, num_slots, uniq, rows, shows, clicks):
-    """One pass over ``keys : uint64[B*S]`` (open addressing, first-occurrence order): fills ``uniq``,
-    ``rows : int32[B*S]`` (index into uniq), ``shows`` (occurrences) and ``clicks`` (label sums of the
-    occurrences' examples, float64 like np.bincount). Returns the number of unique keys."""
-    n = keys.shape[0]
-    cap = 16
-    while cap < 2 * n:
-        cap *= 2
-    mask = np.uint64(cap - 1)
-    slots = np.full(cap, -1, np.int64)
-    nu = 0
-    for i in range(n):
-        k = keys[i]
-        h = k * _MUL
-        s = (h ^ (h >> _S32)) & mask
-        while True:
-            j = slots[s]
-            if j < 0:
-                slots[s] = nu
-                uniq[nu] = k
-                shows[nu] = 0.0
-                clicks[nu] = 0.0
-                j = nu
-                nu += 1
-                break
-            if uniq[j] == k:
-                break
-            s = (s + np.uint64(1)) & mask
-        rows[i] = j
-        shows[j] += 1.0
-        clicks[j] += labels[i // num_slots]
-    return nu
-
-
 def dedup_batch(batch: CTRBatch):
     """Unique keys of a batch and the sparse index into them, in O(B*S) (no sort).
 
@@ -166,12 +127,15 @@ def dedup_batch(batch: CTRBatch):
     flat = np.ascontiguousarray(batch.keys.reshape(-1))
     n = len(flat)
     uniq = np.empty(n, np.uint64)
-    rows = np.empty(n, np.int32)
-    shows = np.empty(n, np.float64)
-    clicks = np.empty(n, np.float64)
-    nu = _dedup_batch(flat, batch.labels, max(1, batch.keys.shape[1]), uniq, rows, shows, clicks)
+    inverse = np.empty(n, np.int64)
+    nu = ps_kernels.dedup(flat, uniq, inverse)  # the PS client's O(n) first-occurrence dedup
+    shows = np.empty(nu, np.float32)
+    clicks = np.empty(nu, np.float32)
+    ps_kernels.segment_sum_1d(np.ones(n, np.float32), inverse, shows)  # integer counts: exact
+    per_key_labels = np.repeat(batch.labels.astype(np.float32), max(1, batch.keys.shape[1]))
+    ps_kernels.segment_sum_1d(per_key_labels, inverse, clicks)
     segments = np.arange(n, dtype=np.int32)
-    return uniq[:nu], rows, segments, shows[:nu].astype(np.float32), clicks[:nu].astype(np.float32)
+    return uniq[:nu], inverse.astype(np.int32), segments, shows, clicks
 
 
 def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num_workers: int,
