@@ -47,7 +47,8 @@ def load_rows(criteo: Path, batch_size: int, generated_rows: int, work: Path) ->
 
 
 def publish_hours(table: pa.Table, out_uri: str, *, hours: int, start: dt.datetime, pace_s: float = 0.0,
-                  batch_size: int = 512, storage_options=None, first: int = 0, emit=None) -> list[str]:
+                  batch_size: int = 512, storage_options=None, first: int = 0, stop: int | None = None,
+                  emit=None) -> list[str]:
     """Publish ``hours`` partitions of ``table``'s rows under ``out_uri``; returns their names.
 
     Parameters
@@ -61,6 +62,8 @@ def publish_hours(table: pa.Table, out_uri: str, *, hours: int, start: dt.dateti
         Sleep between partitions.
     first : int
         Publish partitions ``first .. hours-1`` only (resume a replay).
+    stop : int, optional
+        Publish no partition from ``stop`` on (the names of all ``hours`` are still returned).
     emit : callable(dict), optional
         Called with one record per published hour.
     """
@@ -70,7 +73,7 @@ def publish_hours(table: pa.Table, out_uri: str, *, hours: int, start: dt.dateti
     for h in range(hours):
         name = partition_name(start + dt.timedelta(hours=h))
         names.append(name)
-        if h < first:
+        if h < first or (stop is not None and h >= stop):
             continue
         lo, hi = h * n // hours, (h + 1) * n // hours
         part = table.slice(lo, hi - lo).combine_chunks()
