@@ -2,7 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# OpenBLAS's worker threads busy-wait about 2^28 cycles (~0.1 s) after every call before they sleep.
+# The engine alternates BLAS products with Numba kernels (predict: hash lookup + pooling between
+# forward passes) and runs several processes on one machine, so a spinning BLAS thread steals a core
+# from them (measured: the predictor's fused lookup ran 2x slower right after a matmul). 2^4 cycles
+# unless the environment says otherwise; it must be set before numpy loads OpenBLAS.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from . import convert_cmd, eval_cmd, train_cmd
 from .export import cli as export_cli

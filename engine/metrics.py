@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._kernels import binary_metrics_update
+
 LOG_EPS = 1e-7
 
 
@@ -47,20 +49,20 @@ class BinaryMetrics:
         ValueError
             Shapes differ, or a probability is outside [0, 1] or NaN.
         """
-        probs = np.asarray(probs, np.float64).ravel()
-        labels = np.asarray(labels, np.float64).ravel()
+        probs = np.ascontiguousarray(probs).ravel()
+        labels = np.ascontiguousarray(labels).ravel()
+        if probs.dtype not in (np.float32, np.float64):
+            probs = probs.astype(np.float64)
+        if labels.dtype not in (np.float32, np.float64):
+            labels = labels.astype(np.float64)
         if probs.shape != labels.shape:
             raise ValueError(f"probs and labels: expected equal lengths, got {len(probs)} and {len(labels)}")
-        if len(probs) and not (np.all(probs >= 0) and np.all(probs <= 1)):
-            raise ValueError("probs: expected probabilities in [0, 1], got values outside or NaN")
-        b = np.minimum((probs * self.num_buckets).astype(np.int64), self.num_buckets - 1)
-        is_pos = labels > 0.5
-        self.pos += np.bincount(b[is_pos], minlength=self.num_buckets)
-        self.neg += np.bincount(b[~is_pos], minlength=self.num_buckets)
-        p = np.clip(probs, LOG_EPS, 1 - LOG_EPS)
-        self.loss_sum += float(-np.sum(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
-        self.pred_sum += float(probs.sum())
-        self.label_sum += float(labels.sum())
+        bad, loss, psum, ysum = binary_metrics_update(probs, labels, self.pos, self.neg, LOG_EPS)
+        if bad >= 0:
+            raise ValueError(f"probs: expected probabilities in [0, 1], got {probs[bad]} at index {bad}")
+        self.loss_sum += loss
+        self.pred_sum += psum
+        self.label_sum += ysum
         self.count += len(probs)
 
     def merge(self, other: "BinaryMetrics") -> "BinaryMetrics":

@@ -306,6 +306,51 @@ class CTRModelBase:
         sigmoid(s.z[:, 0], probs)
         return probs
 
+    def pooled_input(self, batch: int) -> np.ndarray:
+        """A buffer to fill with one batch's pooled slot rows for :meth:`predict_pooled`.
+
+        Returns
+        -------
+        float[B, num_slots * sparse_width]
+            Possibly a (strided) view of the model's scratch input: filling it in place saves a copy.
+            Valid until the next call on this model with the same batch size.
+        """
+        return self._pooled_buffer(self._buffers(_pos_int("batch", batch)))
+
+    def predict_pooled(self, pooled: np.ndarray, dense_x: np.ndarray) -> np.ndarray:
+        """Click probabilities from already pooled slot rows, ``float32[B]``.
+
+        The serving path (``engine.export``) pools while it looks keys up; this is :meth:`predict`
+        after the pooling step, with the same arithmetic.
+
+        Parameters
+        ----------
+        pooled : float[B, num_slots * sparse_width]
+            ``pooled[b, s*w + c]`` = sum of column ``c`` of the rows of example ``b``'s keys in slot
+            ``s`` (``w`` = :attr:`sparse_width`), the layout of the exported ONNX model's input; from
+            :meth:`pooled_input` or any array of that shape.
+        dense_x : float[B, dense_dim]
+
+        Raises
+        ------
+        ModelInputError
+            On a wrong dtype or shape.
+        """
+        dt = self.dtype
+        if not isinstance(dense_x, np.ndarray) or dense_x.ndim != 2 or dense_x.dtype != dt \
+                or dense_x.shape[1] != self.dense_dim or dense_x.shape[0] == 0:
+            raise ModelInputError(
+                f"dense_x: expected {dt}[B, {self.dense_dim}] with B >= 1, got {_desc(dense_x)}")
+        batch = dense_x.shape[0]
+        cols = self.num_slots * self.sparse_width
+        if not isinstance(pooled, np.ndarray) or pooled.dtype != dt or pooled.shape != (batch, cols):
+            raise ModelInputError(f"pooled: expected {dt}[{batch}, {cols}], got {_desc(pooled)}")
+        s = self._buffers(batch)
+        self._forward_pooled(s, pooled, dense_x)
+        probs = np.empty(batch, dt)
+        sigmoid(s.z[:, 0], probs)
+        return probs
+
     # ----------------------------------------------------------------- helpers for subclasses
     def _pool(self, emb, rows, segments, src_col, width, out, dst_col, batch) -> None:
         bad = pool_sum(emb, rows, segments, src_col, width, self.num_slots, out, dst_col)

@@ -11,6 +11,8 @@ Loss: sigmoid cross-entropy on the logit, mean over the batch. Sparse row width 
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ._base import CTRModelBase, _Scratch
 
 
@@ -69,6 +71,16 @@ class CTRDNN(CTRModelBase):
     def _forward(self, s: _Scratch, emb, rows, segments, dense_x) -> None:
         batch = dense_x.shape[0]
         self._pool(emb, rows, segments, 0, self.dim, s.x0, 0, batch)
+        s.x0[:, self.emb_cols:] = dense_x
+        self.tower.forward(s.x0, self._p, s.hs, s.z)
+
+    def _pooled_buffer(self, s: _Scratch):
+        return s.x0[:, :self.emb_cols]
+
+    def _forward_pooled(self, s: _Scratch, pooled, dense_x) -> None:
+        emb_block = s.x0[:, :self.emb_cols]
+        if not np.shares_memory(pooled, emb_block):
+            emb_block[...] = pooled
         s.x0[:, self.emb_cols:] = dense_x
         self.tower.forward(s.x0, self._p, s.hs, s.z)
 

@@ -75,12 +75,28 @@ class DeepFM(CTRModelBase):
         s.sum_v = np.empty((batch, self.dim), self.dtype)
         s.fm = np.empty(batch, self.dtype)
         s.lin = np.empty((batch, 1), self.dtype)
+        s.pooled = np.empty((batch, self.num_slots * (self.dim + 1)), self.dtype)
 
     def _forward(self, s: _Scratch, emb, rows, segments, dense_x) -> None:
         batch = dense_x.shape[0]
         self._pool(emb, rows, segments, 1, self.dim, s.x0, 0, batch)
         s.x0[:, self.emb_cols:] = dense_x
         self._pool(emb, rows, segments, 0, 1, s.first, 0, batch)
+        self._head(s, dense_x)
+
+    def _pooled_buffer(self, s: _Scratch):
+        return s.pooled
+
+    def _forward_pooled(self, s: _Scratch, pooled, dense_x) -> None:
+        batch, S, w = dense_x.shape[0], self.num_slots, self.dim + 1
+        p3 = pooled.reshape(batch, S, w)
+        s.first[...] = p3[:, :, 0]
+        s.x0[:, :self.emb_cols] = p3[:, :, 1:].reshape(batch, S * self.dim)
+        s.x0[:, self.emb_cols:] = dense_x
+        self._head(s, dense_x)
+
+    def _head(self, s: _Scratch, dense_x) -> None:
+        """Logits into ``s.z`` from the pooled embeddings in ``s.x0`` and first-order sums in ``s.first``."""
         self.tower.forward(s.x0, self._p, s.hs, s.z)
         fm_forward(s.x0, self.num_slots, self.dim, 0, s.sum_v, s.fm)
         p = self._p

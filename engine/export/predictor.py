@@ -84,6 +84,7 @@ class Bundle:
         self._index()
         self.max_batch = int(max_batch)
         self._lock = threading.Lock()
+        self._rows_scratch = np.empty(0, np.int64)
         self.last_hits = 0
         log.info("loaded bundle %s: %d rows of width %d (%s), %d bundle(s) applied, %.2f s", self.uri,
                  len(self.keys), self.width, self.dtype, len(chain), time.perf_counter() - t0)
@@ -100,10 +101,8 @@ class Bundle:
         self.dtype = emb["dtype"]
 
     def _index(self) -> None:
-        cap = K.index_capacity(len(self.keys))
-        self._slot_keys = np.zeros(cap, np.uint64)
-        self._slot_rows = np.full(cap, -1, np.int64)
-        dup = K.build_index(self.keys, self._slot_keys, self._slot_rows)
+        self._slots = K.new_index(len(self.keys))
+        dup = K.build_index(self.keys, self._slots)
         if dup >= 0:
             raise BundleError(f"{self.uri}: key {int(self.keys[dup])} is stored twice (corrupt bundle)")
         self._raw = self.values.view(np.uint16) if self.dtype == "float16" else self.values
@@ -119,7 +118,7 @@ class Bundle:
         """Embedding rows of ``keys : uint64[n]`` -> ``float32[n, w]``; unknown keys read zeros."""
         keys = np.ascontiguousarray(keys, np.uint64)
         out = np.empty((len(keys), self.width), self._raw.dtype)
-        self.last_hits = K.lookup_gather(keys, self._slot_keys, self._slot_rows, self._raw, out)
+        self.last_hits = K.lookup_gather(keys, self._slots, self._raw, out)
         return out.view(np.float16).astype(np.float32) if self.dtype == "float16" else out
 
     def state(self) -> tuple[np.ndarray, np.ndarray]:
@@ -150,6 +149,28 @@ class Bundle:
         BundleError
             A missing or mistyped column, or keys hashed with another ``hash_version`` (named).
         """
+        batch, cols, simple = self._slot_columns(batch)
+        n, S = batch.num_rows, len(self.slots)
+        if simple:
+            keys = self._fixed_keys(cols, n)
+            cells = np.arange(n * S, dtype=np.int32)
+        else:
+            ks, cs = [], []
+            for j, c in enumerate(cols):
+                if isinstance(c, tuple):
+                    ks.append(c[0])
+                    cs.append(c[1] * S + j)
+                else:
+                    ks.append(c)
+                    cs.append(np.arange(n, dtype=np.int64) * S + j)
+            keys = np.concatenate(ks).astype(np.uint64, copy=False)
+            cells = np.concatenate(cs).astype(np.int32)
+        return keys, cells, self._dense_of(batch, n)
+
+    def _slot_columns(self, batch):
+        """(batch as a RecordBatch, per-slot keys, simple): ``simple`` when every slot column is uint64
+        without nulls (one key per cell), the per-slot entries then being uint64[B] arrays; otherwise
+        an entry is uint64[B] or (keys, example index) for multi-valued / nullable / string slots."""
         if isinstance(batch, pa.Table):
             batch = batch.combine_chunks().to_batches()[0] if batch.num_rows else \
                 pa.RecordBatch.from_pylist([], schema=batch.schema)
@@ -172,24 +193,15 @@ class Bundle:
             else:
                 simple = False
                 cols.append(self._slot_keys_of(col, j, n))
-        if simple:
-            keys = np.empty((n, S), np.uint64)
-            for j, c in enumerate(cols):
-                keys[:, j] = c
-            keys = keys.reshape(-1)
-            cells = np.arange(n * S, dtype=np.int32)
-        else:
-            ks, cs = [], []
-            for j, c in enumerate(cols):
-                if isinstance(c, tuple):
-                    ks.append(c[0])
-                    cs.append(c[1] * S + j)
-                else:
-                    ks.append(c)
-                    cs.append(np.arange(n, dtype=np.int64) * S + j)
-            keys = np.concatenate(ks).astype(np.uint64, copy=False)
-            cells = np.concatenate(cs).astype(np.int32)
-        return keys, cells, self._dense_of(batch, n)
+        return batch, cols, simple
+
+    @staticmethod
+    def _fixed_keys(cols, n: int) -> np.ndarray:
+        """uint64[B*S] example-major keys of one-key-per-cell slot columns."""
+        keys = np.empty((n, len(cols)), np.uint64)
+        for j, c in enumerate(cols):
+            keys[:, j] = c
+        return keys.reshape(-1)
 
     def _slot_keys_of(self, col: pa.Array, j: int, n: int):
         name = self.slots[j]
@@ -265,12 +277,24 @@ class Bundle:
         with self._lock:
             for s in range(0, n, self.max_batch):
                 part = batch.slice(s, self.max_batch) if n > self.max_batch else batch
-                keys, cells, dense = self.inputs(part)
-                if dense.shape[0] == 0:
+                part, cols, simple = self._slot_columns(part)
+                m = part.num_rows
+                if m == 0:
                     continue
-                emb = self.lookup(keys)
-                rows = np.arange(len(keys), dtype=np.int32)
-                out[s:s + dense.shape[0]] = self.model.predict(emb, rows, cells, dense)
+                dense = self._dense_of(part, m)
+                if simple:   # one key per cell: look up and pool straight into the model's input
+                    keys = self._fixed_keys(cols, m)
+                    if len(self._rows_scratch) < len(keys):
+                        self._rows_scratch = np.empty(len(keys), np.int64)
+                    x = self.model.pooled_input(m)
+                    self.last_hits = K.lookup_pool_fixed(keys, len(self.slots), self._slots, self._raw,
+                                                         self.dtype == "float16", x, self._rows_scratch)
+                    out[s:s + m] = self.model.predict_pooled(x, dense)
+                else:
+                    keys, cells, dense = self.inputs(part)
+                    emb = self.lookup(keys)
+                    rows = np.arange(len(keys), dtype=np.int32)
+                    out[s:s + m] = self.model.predict(emb, rows, cells, dense)
         return out
 
     # -------------------------------------------------------------------------------------- patches
@@ -302,7 +326,7 @@ class Bundle:
         up_v = np.concatenate([p[1] for p in parts])
         drop = np.concatenate([info.read_deleted(), up_k])
         rows = np.empty(len(drop), np.int64)
-        K.find_rows(drop, self._slot_keys, self._slot_rows, rows)
+        K.find_rows(drop, self._slots, rows)
         keep = np.ones(len(self.keys), bool)
         keep[rows[rows >= 0]] = False
         self.keys = np.concatenate([self.keys[keep], up_k])

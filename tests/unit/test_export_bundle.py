@@ -202,3 +202,30 @@ def test_bad_sources_are_named(rows, tmp_path):
         {"hash_version": "99"})
     with pytest.raises(BundleError, match="hash_version 99"):
         b.predict(bad_hash)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kind", ["ctr_dnn", "deepfm"])
+def test_one_key_per_cell_fast_path_equals_general_path(rows, tmp_path, kind, dtype):
+    """uint64 slot columns without nulls take the fused lookup + pooling path; the same keys as
+    one-element lists take the general gather + pool path: identical probabilities, unknown keys too."""
+    keys, _, _ = rows
+    m = _model(kind)
+    rng = np.random.default_rng(9)
+    vals = rng.normal(size=(len(keys), m.sparse_width)).astype(np.float32)
+    export_bundle(_source(m, keys, vals), str(tmp_path / "b"), dtype=dtype)
+    b = load_bundle(str(tmp_path / "b"), max_batch=64)                  # several chunks per batch
+    n = 300
+    pick = keys[rng.integers(0, len(keys), (n, 3))]
+    pick[rng.random((n, 3)) < 0.1] = 12345                              # unknown to the bundle
+    dense = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(n * 2).astype(np.float32)), 2)
+    flat = pa.RecordBatch.from_arrays([pa.array(pick[:, j]) for j in range(3)] + [dense],
+                                      names=SLOTS + ["dense"])
+    lists = pa.RecordBatch.from_arrays(
+        [pa.array([[int(k)] for k in pick[:, j]], pa.list_(pa.uint64())) for j in range(3)] + [dense],
+        names=SLOTS + ["dense"])
+    fast, general = b.predict(flat), b.predict(lists)
+    np.testing.assert_array_equal(fast, general)
+    emb = b.lookup(pick.reshape(-1))                                    # and both are the model's forward
+    cells = np.arange(n * 3, dtype=np.int32)
+    np.testing.assert_array_equal(fast, b.model.predict(emb, cells, cells, b._dense_of(flat, n)))
