@@ -10,7 +10,8 @@ slot, about 5% of the occurrences unknown to the bundle) as Arrow IPC files.
    excluded and reported as ``load_s``), ``peak_rss_mb`` of the process (getrusage of children).
 2. ``forward_roofline``: the same model's ``predict`` on pre-gathered embeddings, same batch size, in
    this process: the dense tower's cost alone; ``ratio_vs_roofline`` = (1) / (2).
-3. ``lookup``: the predictor's input decoding + hash-index lookup alone (no forward), rows/s.
+3. ``lookup``: the predictor's input decoding + fused hash-index lookup and pooling alone (``Bundle.pooled``:
+   what ``predict`` runs before the forward pass), rows/s.
 
     python bench/predict_bench.py [--keys 10000000] [--rows 1000000] [--batch-size 8192] [--float16]
 """
@@ -128,12 +129,11 @@ def lookup_rate(bundle_uri: str, data: str, batch: int) -> tuple[float, float]:
     rows, secs, hits, occ = 0, 0.0, 0, 0
     for rb in ArrowSource(data, batch_size=batch, prefetch=0).batches(0):
         t = time.perf_counter()
-        keys, cells, dense = b.inputs(rb)
-        b.lookup(keys)
+        b.pooled(rb)
         secs += time.perf_counter() - t
         rows += rb.num_rows
         hits += b.last_hits
-        occ += len(keys)
+        occ += rb.num_rows * len(b.slots)
         if rows >= 262_144:
             break
     return rows / secs, hits / max(occ, 1)

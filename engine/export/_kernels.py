@@ -13,8 +13,6 @@ came from), so keys of one file still spread over the whole index.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
@@ -134,19 +132,9 @@ def lookup_gather(keys, slots, values, out):
     return hits
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _half_bits_to_float(h):
-    """IEEE 754 binary16 bits (uint16) -> the same value as a float (exact: every half is a float32)."""
-    h = np.int64(h)
-    mant = h & 0x3FF
-    exp = (h >> 10) & 0x1F
-    if exp == 0:
-        v = math.ldexp(np.float64(mant), int(-24))              # zero or subnormal
-    elif exp == 31:
-        v = np.inf if mant == 0 else np.nan
-    else:
-        v = math.ldexp(np.float64(mant + 1024), int(exp - 25))   # (1 + mant/1024) * 2^(exp-15)
-    return -v if h & 0x8000 else v
+def half_table() -> np.ndarray:
+    """float32[65536]: the value of every float16 bit pattern (exact), indexed by its uint16 bits."""
+    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 # keys per block of the fixed-cell lookup: the block's index lines, then its rows, are requested
@@ -155,7 +143,7 @@ FIXED_BLOCK = 2048
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def lookup_pool_fixed(keys, num_slots, slots, values, half, out, rows_scratch):
+def lookup_pool_fixed(keys, num_slots, slots, values, half_values, out, rows_scratch):
     """Fused lookup + pooling for inputs with exactly one key per (example, slot) cell (Criteo's shape).
 
     ``out[b, s*w + c] = values[row(keys[b*S + s]), c]`` as float32, zeros where the key is unknown (as the
@@ -172,8 +160,8 @@ def lookup_pool_fixed(keys, num_slots, slots, values, half, out, rows_scratch):
         The index (module docstring).
     values : float32[N, w] or uint16[N, w]
         The bundle's rows; uint16 holds float16 bits.
-    half : bool
-        ``values`` holds float16 bits (uint16), converted exactly to float32.
+    half_values : float32[65536] or float32[0]
+        For uint16 ``values``: :func:`half_table` (float16 bits -> float32, exact); else empty.
     out : float32[B, >= S*w]
         Written in columns ``0 .. S*w - 1`` (may be a strided view, e.g. the model's input buffer).
     rows_scratch : int64[B*S]
@@ -217,9 +205,9 @@ def lookup_pool_fixed(keys, num_slots, slots, values, half, out, rows_scratch):
             c0 = (i - b * S) * w
             r = rows_scratch[i]
             if r >= 0:
-                if half:
+                if len(half_values):
                     for c in range(w):
-                        out[b, c0 + c] = _half_bits_to_float(values[r, c])
+                        out[b, c0 + c] = half_values[np.int64(values[r, c])]  # (types for float32 too)
                 else:
                     for c in range(w):
                         out[b, c0 + c] = values[r, c]

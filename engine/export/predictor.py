@@ -106,6 +106,7 @@ class Bundle:
         if dup >= 0:
             raise BundleError(f"{self.uri}: key {int(self.keys[dup])} is stored twice (corrupt bundle)")
         self._raw = self.values.view(np.uint16) if self.dtype == "float16" else self.values
+        self._half = K.half_table() if self.dtype == "float16" else np.empty(0, np.float32)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -252,12 +253,23 @@ class Bundle:
             first-order weight); an empty slot or unknown key adds zeros.
         dense : float32[B, D]
         """
-        keys, cells, dense = self.inputs(batch)
-        emb = self.lookup(keys)
-        n = dense.shape[0]
-        out = np.zeros((n * len(self.slots), self.width), np.float32)
-        np.add.at(out, cells, emb)
-        return out.reshape(n, len(self.slots) * self.width), dense
+        batch, cols, simple = self._slot_columns(batch)
+        n = batch.num_rows
+        out = np.zeros((n, len(self.slots) * self.width), np.float32)
+        if simple and n:
+            self._lookup_pool(self._fixed_keys(cols, n), out)
+        elif n:
+            keys, cells, _ = self.inputs(batch)
+            np.add.at(out.reshape(n * len(self.slots), self.width), cells, self.lookup(keys))
+        return out, self._dense_of(batch, n)
+
+    def _lookup_pool(self, keys: np.ndarray, out: np.ndarray) -> None:
+        """Fused lookup + pooling of one-key-per-cell ``keys : uint64[B*S]`` (example-major) into
+        ``out : float32[B, >= S*w]`` (columns ``0 .. S*w - 1``)."""
+        if len(self._rows_scratch) < len(keys):
+            self._rows_scratch = np.empty(len(keys), np.int64)
+        self.last_hits = K.lookup_pool_fixed(keys, len(self.slots), self._slots, self._raw, self._half,
+                                             out, self._rows_scratch)
 
     def predict(self, batch: pa.RecordBatch) -> np.ndarray:
         """Click probabilities of a record batch, ``float32[B]``, in row order.
@@ -283,12 +295,8 @@ class Bundle:
                     continue
                 dense = self._dense_of(part, m)
                 if simple:   # one key per cell: look up and pool straight into the model's input
-                    keys = self._fixed_keys(cols, m)
-                    if len(self._rows_scratch) < len(keys):
-                        self._rows_scratch = np.empty(len(keys), np.int64)
                     x = self.model.pooled_input(m)
-                    self.last_hits = K.lookup_pool_fixed(keys, len(self.slots), self._slots, self._raw,
-                                                         self.dtype == "float16", x, self._rows_scratch)
+                    self._lookup_pool(self._fixed_keys(cols, m), x)
                     out[s:s + m] = self.model.predict_pooled(x, dense)
                 else:
                     keys, cells, dense = self.inputs(part)

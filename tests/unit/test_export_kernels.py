@@ -45,7 +45,8 @@ def test_lookup_pool_fixed_matches_naive(half):
     slots = _index(table_keys)
     out = np.full((B, S * 4 + 2), 7.0, np.float32)       # extra columns must stay untouched
     raw = values.view(np.uint16) if half else values
-    hits = K.lookup_pool_fixed(keys, S, slots, raw, half, out, np.empty(B * S, np.int64))
+    table = K.half_table() if half else np.empty(0, np.float32)
+    hits = K.lookup_pool_fixed(keys, S, slots, raw, table, out, np.empty(B * S, np.int64))
     np.testing.assert_array_equal(out[:, :S * 4], _naive_pool(keys, S, table_keys, values))
     assert np.all(out[:, S * 4:] == 7.0)
     assert hits == int(np.isin(keys, table_keys).sum())
@@ -71,10 +72,9 @@ def test_build_index_reports_duplicate_key():
     assert K.build_index(keys, K.new_index(3)) == 2
 
 
-def test_half_bits_to_float_every_pattern():
-    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    want = bits.view(np.float16).astype(np.float32)
-    got = np.array([K._half_bits_to_float(b) for b in bits], np.float32)
+def test_half_table_every_pattern():
+    want = np.array([float(np.uint16(b).view(np.float16)) for b in range(1 << 16)], np.float32)
+    got = K.half_table()
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # signed zeros too
