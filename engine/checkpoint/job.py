@@ -25,7 +25,7 @@ from .coordinator import CheckpointManager
 from .manifest import parse_name
 from .schedule import Schedule
 
-__all__ = ["job_name", "manager_for", "resume", "final", "Periodic"]
+__all__ = ["job_name", "manager_for", "job_manager", "resume", "final", "Periodic"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def resume(cfg, endpoints: list[str], uri: str | None, *, fallback: bool = False
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=restored))
 
 
-def _job_manager(cfg) -> CheckpointManager:
+def job_manager(cfg) -> CheckpointManager:
     """The manager of the config's root/job, continuing the chain of a restored checkpoint there."""
     mgr, _ = manager_for(cfg)
     restored = cfg.checkpoint.restored
@@ -100,7 +100,7 @@ class Periodic:
 
     def __init__(self, cfg, endpoints: list[str], *, poll_s: float = 5.0):
         self.cfg, self.endpoints = cfg, endpoints
-        self.mgr = _job_manager(cfg)
+        self.mgr = job_manager(cfg)
         self.schedule = Schedule(cfg.checkpoint, start_s=time.time())
         self.written: list[str] = []
         self._stop = threading.Event()
@@ -139,7 +139,7 @@ def final(cfg, endpoints: list[str], *, step: int = 0, extra: dict | None = None
     ck = cfg.checkpoint
     if not ck.enabled or not ck.final:
         return None
-    mgr = mgr or _job_manager(cfg)
+    mgr = mgr or job_manager(cfg)
     with _client(cfg, endpoints) as client:
         manifest = mgr.save(client, "delta" if mgr.head else "base", step=step, config=cfg.to_dict(),
                             extra=extra or {})

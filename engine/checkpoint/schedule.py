@@ -12,6 +12,9 @@
       fallback: false         # restore: a damaged checkpoint falls back to the previous complete one
       final: true             # write a checkpoint when a finite job ends
       threads: 2              # local shards written / files read concurrently per server
+      align_steps: 256        # offline jobs: every this many steps of an epoch the workers meet (drained)
+                              # and rank 0 writes a checkpoint if one is due, recording each worker's
+                              # exact data position; 0 = only at epoch ends
 
 Training time is the data's time where the data has one (an hourly partition's hour), else the wall
 clock time spent training.
@@ -57,6 +60,7 @@ class CheckpointConfig:
     fallback: bool = False
     final: bool = True
     threads: int = field(default=2, metadata={"ge": 1})
+    align_steps: int = field(default=256, metadata={"ge": 0})
     restored: str = ""          # set by the launcher after --resume: the checkpoint the servers hold
 
     def __post_init__(self) -> None:

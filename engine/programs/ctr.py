@@ -37,6 +37,9 @@ planted-model file is generated when they are absent. Each worker reads its shar
 (shuffled within ``shuffle_buffer`` rows, a new order every epoch), evaluates its shard of the test
 split after each epoch, and the histograms are merged on the servers into the global AUC
 (``ctr_report``). Metrics go to one JSON-lines file per run (``model.metrics_file``).
+
+Checkpoints (``checkpoint.root`` set) are written by rank 0 at step-aligned meetings of the workers, with
+every worker's data position, so ``--resume`` continues at the next unread batch (``ctr_positions``).
 """
 from __future__ import annotations
 
@@ -57,11 +60,13 @@ from ..config import knob
 from ..errors import ConfigError
 from ..metrics import BinaryMetrics
 from .ctr_data import DataConfig, CTRBatch, dedup_batch, expected_schema, make_source, prepare_data, shard_rows, to_batch
+from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, merge_global, metrics_state_size, now_stamp
 
 log = logging.getLogger(__name__)
 
 ALL_SLOTS = tuple(f"C{j}" for j in range(1, 27))
+WRITES_CHECKPOINTS = True    # rank 0 writes them at aligned points with exact data positions (ctr_positions)
 PHASES = ("read", "dedup", "pull_sparse", "pull_dense", "compute", "push_sparse", "push_dense", "end_step",
           "wait")   # seconds per step phase (profile)
 
@@ -310,7 +315,12 @@ class CTRTrainer:
         return res
 
     # -- loops ------------------------------------------------------------------------------------
-    def train_epoch(self, epoch: int, max_steps: int | None) -> None:
+    def train_epoch(self, epoch: int, max_steps: int | None, *, skip: int = 0, min_batches: int = 0) -> None:
+        """One pass over this worker's shard of the train split.
+
+        ``skip``: batches of the epoch already trained (a resumed position). ``min_batches``: batches
+        every worker's shard holds; the aligned checkpoint points (``ctr_positions``) lie below it.
+        """
         p = self.cfg
         src = make_source(p.data.train_path, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
                           num_workers=self.num_workers, shuffle_buffer=p.shuffle_buffer, seed=p.seed,
@@ -320,21 +330,36 @@ class CTRTrainer:
         t_epoch = t_win = time.perf_counter()
         steps = 0
         it = src.batches(epoch)
+        for _ in range(skip):                      # trained before the checkpoint this job resumed
+            if next(it, None) is None:
+                break
         stepper = self._pipelined_steps if self.pipelined else self._steps
+        done = skip
+        # segments end at the aligned checkpoint points; each drains its pipeline before returning
+        ends = self.checkpoints.points(skip, min_batches if max_steps is None else min(min_batches, max_steps))
         try:
-            for batch, res in stepper(it, max_steps):
-                steps += 1
-                w_steps += 1
-                w_loss += res.loss
-                w_examples += batch.size
-                self.examples += batch.size
-                self.loss_sum += res.loss
-                window.update(res.probs, batch.labels)
-                now = time.perf_counter()
-                if now - t_win >= p.log_every_s:
-                    self._train_event(epoch, window, w_loss / w_steps, w_examples / (now - t_win))
-                    window = BinaryMetrics(1 << 12)
-                    w_steps, w_loss, w_examples, t_win = 0, 0.0, 0, now
+            for end in ends + [None]:
+                limit = None if end is None else end - done
+                if max_steps is not None:
+                    limit = max_steps - done if limit is None else min(limit, max_steps - done)
+                for batch, res in stepper(it, limit):
+                    steps += 1
+                    done += 1
+                    w_steps += 1
+                    w_loss += res.loss
+                    w_examples += batch.size
+                    self.examples += batch.size
+                    self.loss_sum += res.loss
+                    window.update(res.probs, batch.labels)
+                    now = time.perf_counter()
+                    if now - t_win >= p.log_every_s:
+                        self._train_event(epoch, window, w_loss / w_steps, w_examples / (now - t_win))
+                        window = BinaryMetrics(1 << 12)
+                        w_steps, w_loss, w_examples, t_win = 0, 0.0, 0, now
+                if end is not None:
+                    self.steps += steps
+                    steps = 0
+                    self.checkpoints.meet(Position(epoch, end))
         finally:
             it.close()
         now = time.perf_counter()
@@ -342,15 +367,16 @@ class CTRTrainer:
             self._train_event(epoch, window, w_loss / w_steps, w_examples / max(now - t_win, 1e-9))
         self.steps += steps
         self.train_seconds += now - t_epoch
-        log.info("worker %d: epoch %d: %d steps, %d examples in %.1f s", self.rank, epoch, steps,
+        log.info("worker %d: epoch %d: %d steps, %d examples in %.1f s", self.rank, epoch, done - skip,
                  self.examples, now - t_epoch)
 
     def _steps(self, it, max_steps: int | None):
         """One step after the other: yields (batch, StepResult)."""
         steps = 0
         t_read = time.perf_counter()
-        for rb in it:
-            if max_steps is not None and steps >= max_steps:
+        while max_steps is None or steps < max_steps:    # never read a batch past the limit
+            rb = next(it, None)
+            if rb is None:
                 break
             batch = self.read(rb)
             self.phases["read"] += time.perf_counter() - t_read   # waiting for the batch + read
@@ -510,23 +536,32 @@ class CTRTrainer:
             self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),
                                    force=True)
         self.mode.barrier("metrics-init")
+        self.checkpoints = AlignedCheckpoints(self)
+        start, self.steps = self.checkpoints.restored()
         max_steps = None
+        need_min = self.mode.name == "sync" or (self.checkpoints.enabled and self.checkpoints.ck.align_steps > 0)
+        min_batches = min(shard_rows(p.data.train_path, self.num_workers)) // p.batch_size if need_min else 0
         if self.mode.name == "sync":   # every worker must run the same number of steps
-            max_steps = min(shard_rows(p.data.train_path, self.num_workers)) // p.batch_size
+            max_steps = min_batches
             log.info("sync mode: %d steps per epoch on every worker", max_steps)
-        summary = None
-        for epoch in range(p.epochs):
-            self.train_epoch(epoch, max_steps)
+        for epoch in range(start.epoch, p.epochs):
+            self.train_epoch(epoch, max_steps, skip=start.batch if epoch == start.epoch else 0,
+                             min_batches=min_batches)
             if p.eval_every_epoch and epoch < p.epochs - 1:
                 self.evaluate(f"epoch{epoch}", epoch)
+            if epoch < p.epochs - 1:
+                self.checkpoints.meet(Position(epoch + 1, 0))
         self.mode.finish()
         summary = self.evaluate("final", p.epochs - 1)
+        if self.checkpoints.ck.final:
+            self.checkpoints.meet(Position(p.epochs, 0), force=True)
         self.metrics.write({"event": "profile", "rank": self.rank, "steps": self.steps,
                             "train_seconds": self.train_seconds,
                             "phase_seconds": {k: round(v, 3) for k, v in self.phases.items()}})
         log.info("worker %d: seconds per phase over %d steps: %s", self.rank, self.steps,
                  ", ".join(f"{k} {v:.2f}" for k, v in self.phases.items()))
         out = {"rank": self.rank, "steps": self.steps, "examples": self.examples,
+               "checkpoint": self.checkpoints.last_uri,
                "train_seconds": self.train_seconds,
                "train_logloss": self.loss_sum / max(1, self.steps)}
         if summary is not None:

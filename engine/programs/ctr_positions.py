@@ -1,0 +1,127 @@
+"""Checkpoints of offline CTR jobs with exact data positions: a restart neither skips nor repeats data.
+
+A worker's data position is ``(epoch, batch)``: the number of record batches of its shard of the train
+split it has trained in ``epoch``. Its shard is read in a deterministic order (files or record batches
+split by rank, shuffled with a seed of ``model.seed``, the rank and the epoch; see ``ctr_data``), so the
+position names the next batch exactly; with ``model.shuffle_buffer: 0`` it is the file and record-batch
+offset.
+
+Under async training a snapshot taken while pushes are in flight cannot say which batches it holds, so
+the workers meet at step-aligned points instead of the launcher saving on its own clock (Paddle's
+parameter server likewise saves between passes)::
+
+    every checkpoint.align_steps steps of an epoch (while every worker still has data) and at the end
+    of every epoch:
+        every worker: finish the in-flight step, flush its pushes (async) / send its deltas (GEO)
+        barrier ckpt-{epoch}-{batch}                      all updates of batches < batch are applied
+        rank 0: a delta or base if the schedule says one is due (checkpoint.delta_every / base_every,
+                wall clock), with sources.train = {epoch, batch, workers, batch_size, ...}
+        barrier ckpt-{epoch}-{batch}-done
+
+Every worker is at the same ``batch`` at an aligned point (the points stop at the smallest shard's
+batch count), so one position serves all. ``engine train --resume`` restores the model and each worker
+skips the first ``batch`` batches of epoch ``epoch`` of its shard. Resuming with another number of
+workers, batch size, shuffle buffer, seed or train split cannot map the position: the worker logs a
+warning and restarts that epoch from its first batch. A finished job records ``(epochs, 0)``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ..checkpoint import job as ckpt_job
+from ..checkpoint.schedule import Schedule
+
+log = logging.getLogger(__name__)
+
+SAVE_TIMEOUT_S = 3600.0   # the other workers wait this long for rank 0's save
+
+
+@dataclass(frozen=True)
+class Position:
+    """``epoch``, and ``batch``: batches of that epoch already trained (the next one to read)."""
+
+    epoch: int = 0
+    batch: int = 0
+
+
+class AlignedCheckpoints:
+    """Rank 0 writes the job's checkpoints at aligned points; every rank takes part in the meetings.
+
+    Parameters
+    ----------
+    trainer : engine.programs.ctr.CTRTrainer
+        Its ``ctx`` (config, rank, client, mode), ``cfg`` (model params), ``steps`` and ``_drain``.
+    """
+
+    def __init__(self, trainer):
+        self.t = trainer
+        self.ck = trainer.ctx.config.checkpoint
+        self.enabled = self.ck.enabled
+        self.mgr = ckpt_job.job_manager(trainer.ctx.config) if self.enabled and trainer.rank == 0 else None
+        self.schedule = Schedule(self.ck, start_s=time.time())
+        self.last_uri: str | None = None
+
+    # -------------------------------------------------------------------------------- positions
+    def _identity(self) -> dict:
+        p, t = self.t.cfg, self.t
+        return {"workers": t.num_workers, "batch_size": p.batch_size, "shuffle_buffer": p.shuffle_buffer,
+                "seed": p.seed, "train_path": p.data.train_path}
+
+    def sources(self, pos: Position) -> dict:
+        """The manifest's ``sources``."""
+        return {"train": {"epoch": pos.epoch, "batch": pos.batch, **self._identity()}}
+
+    def restored(self) -> tuple[Position, int]:
+        """(position, step) of the checkpoint ``--resume`` restored; ``(Position(), 0)`` without one."""
+        uri = self.ck.restored
+        if not uri:
+            return Position(), 0
+        mgr, target = ckpt_job.manager_for(self.t.ctx.config, uri)
+        manifest = mgr.manifest(mgr.resolve(target))
+        step = int(manifest.get("step", 0))
+        train = (manifest.get("sources") or {}).get("train") or {}
+        if "epoch" not in train or "batch" not in train:
+            log.warning("worker %d: checkpoint %s records no data position; training restarts from the "
+                        "first batch of epoch 0", self.t.rank, uri)
+            return Position(), step
+        pos = Position(int(train["epoch"]), int(train["batch"]))
+        changed = {k: (train.get(k), v) for k, v in self._identity().items() if train.get(k) != v}
+        if changed and pos.batch:
+            log.warning("worker %d: resumed at epoch %d batch %d of checkpoint %s, but %s changed (was, now); "
+                        "the position cannot be mapped: epoch %d restarts from its first batch", self.t.rank,
+                        pos.epoch, pos.batch, uri, changed, pos.epoch)
+            pos = Position(pos.epoch, 0)
+        log.info("worker %d: resuming at epoch %d, batch %d (checkpoint %s)", self.t.rank, pos.epoch,
+                 pos.batch, uri)
+        return pos, step
+
+    # -------------------------------------------------------------------------------- meetings
+    def points(self, start: int, min_batches: int) -> list[int]:
+        """Aligned batch offsets after ``start`` at which every worker is still inside its shard."""
+        a = self.ck.align_steps
+        if not self.enabled or a <= 0:
+            return []
+        return list(range((start // a + 1) * a, min_batches + 1, a))
+
+    def meet(self, pos: Position, *, force: bool = False) -> None:
+        """Drain, meet, and (rank 0) write a checkpoint when due or ``force``d (the final one)."""
+        if not self.enabled:
+            return
+        t = self.t
+        t._drain()
+        name = f"ckpt-{pos.epoch}-{pos.batch}"
+        t.mode.barrier(name)
+        if t.rank == 0:
+            now = time.time()
+            kind = self.schedule.due(now) or ("delta" if force else None)
+            if kind is not None:
+                if not self.mgr.head:
+                    kind = "base"
+                m = self.mgr.save(t.client, kind, when=now, step=t.steps, sources=self.sources(pos),
+                                  config=t.ctx.config.to_dict())
+                self.schedule.done(kind, now)
+                self.last_uri = self.mgr.uri_of(m["name"])
+                log.info("checkpoint %s at epoch %d batch %d", self.last_uri, pos.epoch, pos.batch)
+        t.client.barrier(f"{t.mode.name}:{name}-done", t.num_workers, timeout=SAVE_TIMEOUT_S)
