@@ -11,8 +11,9 @@ Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
     cluster: {servers, workers, host, endpoints, local_shards, num_vshards, ...}
     client: {timeout_s, retries, backoff_s, threads, async_queue, barrier_timeout_s}
     geo: {k_steps, learning_rate, dense_learning_rate, evict_after_steps, delta_scale}
-    checkpoint: {root, job, delta_every, base_every, keep_bases, fallback, final, threads}
+    checkpoint: {root, job, delta_every, base_every, keep_bases, fallback, final, threads, align_steps}
                                 (engine.checkpoint.schedule; root "" = no checkpoints)
+    storage: {endpoint, region, scheme, access_key_env, secret_key_env, ...}   (StorageConfig: s3/hdfs)
     tables:
       sparse: {NAME: {sparse_tables.TableConfig fields}}
       dense:  {NAME: {optimizer, learning_rate, beta1, beta2, epsilon}}
@@ -101,6 +102,70 @@ class DenseTableConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """Connection settings of remote storage (``s3://``, ``hdfs://``) for every process of a job: the
+    servers writing checkpoint parts, the workers reading hourly partitions and writing manifests.
+
+    Empty fields fall back to the standard AWS environment variables (``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``) and the SDK's defaults. Keep secrets
+    out of config files: ``access_key_env`` / ``secret_key_env`` / ``session_token_env`` name environment
+    variables that hold them, read in each process. Inline ``access_key`` / ``secret_key`` also work;
+    checkpoint manifests never record them.
+    """
+
+    endpoint: str = ""          # S3 endpoint: "host:port" or a URL "http://host:port"
+    region: str = ""            # e.g. us-east-1
+    scheme: str = knob("", choices=("", "http", "https"))
+    access_key: str = ""
+    secret_key: str = ""
+    access_key_env: str = ""    # name of the environment variable holding the access key
+    secret_key_env: str = ""
+    session_token_env: str = ""
+    anonymous: bool = False     # S3 without credentials (public buckets)
+    connect_timeout_s: float = knob(0.0, ge=0)   # 0 = the SDK's default
+    request_timeout_s: float = knob(0.0, ge=0)
+    hdfs_user: str = ""
+    hdfs_kerb_ticket: str = ""  # path of a Kerberos ticket cache for hdfs://
+
+    SECRETS = ("access_key", "secret_key")
+
+    def options(self):
+        """``hdfs_io.StorageOptions`` of these settings (None when every field is empty).
+
+        Raises
+        ------
+        ConfigError
+            An ``*_env`` field names an unset variable, or only one of the access/secret key is given.
+        """
+        from hdfs_io import StorageOptions
+
+        def secret(inline: str, env_key: str, kp: str) -> str | None:
+            if env_key:
+                import os
+                value = os.environ.get(env_key)
+                if not value:
+                    raise ConfigError(f"storage.{kp}_env names the environment variable {env_key!r}, which "
+                                      f"is not set in this process")
+                return value
+            return inline or None
+
+        access = secret(self.access_key, self.access_key_env, "access_key")
+        secret_key = secret(self.secret_key, self.secret_key_env, "secret_key")
+        token = secret("", self.session_token_env, "session_token")
+        if (access is None) != (secret_key is None):
+            raise ConfigError("storage: access_key (or access_key_env) and secret_key (or secret_key_env) "
+                              "must be given together")
+        fields = dict(endpoint_override=self.endpoint or None, region=self.region or None,
+                      scheme=self.scheme or None, access_key=access, secret_key=secret_key, session_token=token,
+                      connect_timeout_s=self.connect_timeout_s or None,
+                      request_timeout_s=self.request_timeout_s or None, anonymous=self.anonymous,
+                      hdfs_user=self.hdfs_user or None, hdfs_kerb_ticket=self.hdfs_kerb_ticket or None)
+        if not any(v for v in fields.values()):
+            return None
+        return StorageOptions(**fields)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """``kind`` picks the worker program; ``params`` is that program's own Config dataclass."""
 
@@ -115,6 +180,7 @@ class EngineConfig:
     client: ClientConfig = field(default_factory=ClientConfig)
     geo: GeoConfig = field(default_factory=GeoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     sparse_tables: dict = field(default_factory=dict)   # name -> sparse_tables.TableConfig
     dense_tables: dict = field(default_factory=dict)    # name -> DenseTableConfig
     model: ModelConfig | None = None
@@ -122,7 +188,7 @@ class EngineConfig:
     def to_dict(self) -> dict:
         """The YAML mapping this config loads from (round-trips through ``from_dict``)."""
         out = {"mode": self.mode, "cluster": _plain(self.cluster), "client": _plain(self.client),
-               "geo": _plain(self.geo), "checkpoint": _plain(self.checkpoint),
+               "geo": _plain(self.geo), "checkpoint": _plain(self.checkpoint), "storage": _plain(self.storage),
                "tables": {"sparse": {k: _plain(v) for k, v in self.sparse_tables.items()},
                           "dense": {k: _plain(v) for k, v in self.dense_tables.items()}}}
         if self.model is not None:

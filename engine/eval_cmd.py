@@ -69,7 +69,7 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
     from .export.source import open_source
     from .export.w2v import word_vectors
     p = cfg.model.params
-    source = open_source(uri)
+    source = open_source(uri, storage_options=cfg.storage.options())
     try:
         vocab = source.model_description().get("vocab") or os.path.join(p.arrow_dir, "vocab.arrow")
         if not os.path.isfile(vocab):
@@ -105,7 +105,7 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     from .programs.ctr_data import expected_schema, prepare_data
     p = cfg.model.params
     data = prepare_data(p.data, expected_schema(p.slots, p.dense_dim))
-    source = open_source(uri)
+    source = open_source(uri, storage_options=cfg.storage.options())
     with tempfile.TemporaryDirectory(prefix="engine-eval-") as tmp:
         try:
             export_bundle(source, os.path.join(tmp, "bundle"))

@@ -73,6 +73,15 @@ def _json_safe(obj):
     return obj
 
 
+def _redacted(config: dict) -> dict:
+    """The config snapshot without inline storage secrets (``storage.access_key`` / ``secret_key`` become
+    empty: a reader falls back to its own environment)."""
+    storage = config.get("storage") if isinstance(config, dict) else None
+    if not isinstance(storage, dict) or not any(storage.get(k) for k in ("access_key", "secret_key")):
+        return config
+    return {**config, "storage": {**storage, "access_key": "", "secret_key": ""}}
+
+
 def _is_damage(exc: BaseException) -> bool:
     """A restore error that means "this checkpoint is unusable" (as opposed to a dead cluster)."""
     if isinstance(exc, (CheckpointCorruptError, NotPublishedError)):
@@ -205,7 +214,7 @@ class CheckpointManager:
                 "parent": parent if kind == "delta" else None, "base": base, "chain_index": chain_index,
                 "hash_version": HASH_VERSION, "groups": self.groups, "num_servers": cluster.num_servers,
                 "step": int(step), "train_time": when.isoformat(), "sources": sources or {},
-                "config": _json_safe(config or {}), "extra": _json_safe(extra or {})}
+                "config": _json_safe(_redacted(config or {})), "extra": _json_safe(extra or {})}
         t0 = time.perf_counter()
         self._force_base = True             # until this save is published
         with Publisher(self.storage, ref.name, manifest=meta) as pub:

@@ -43,15 +43,17 @@ def manager_for(cfg, uri: str | None = None) -> tuple[CheckpointManager, str | N
         Neither a URI nor ``checkpoint.root`` is given.
     """
     ck = cfg.checkpoint
+    opts = cfg.storage.options()
     if uri:
         parts = uri.rstrip("/").split("/")
         if len(parts) >= 4 and parse_name("/".join(parts[-2:])) is not None:
-            return (CheckpointManager("/".join(parts[:-3]) or "/", parts[-3], keep_bases=ck.keep_bases),
-                    "/".join(parts[-2:]))
-        return CheckpointManager("/".join(parts[:-1]) or "/", parts[-1], keep_bases=ck.keep_bases), None
+            return (CheckpointManager("/".join(parts[:-3]) or "/", parts[-3], keep_bases=ck.keep_bases,
+                                      storage_options=opts), "/".join(parts[-2:]))
+        return CheckpointManager("/".join(parts[:-1]) or "/", parts[-1], keep_bases=ck.keep_bases,
+                                 storage_options=opts), None
     if not ck.root:
         raise ConfigError("checkpoint.root: empty; set it (or pass --resume URI) to resume from a checkpoint")
-    return CheckpointManager(ck.root, job_name(cfg), keep_bases=ck.keep_bases), None
+    return CheckpointManager(ck.root, job_name(cfg), keep_bases=ck.keep_bases, storage_options=opts), None
 
 
 def _client(cfg, endpoints):

@@ -127,13 +127,15 @@ class OnlineTrainer(ctr.CTRTrainer):
         self.consumed: list[str] = []          # partitions trained since the last checkpoint
         resumed = None
         if self.ck.restored:
-            mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases)
+            mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases,
+                                    storage_options=ctx.config.storage.options())
             name = mgr.resolve(self.ck.restored)
             resumed = mgr.manifest(name)
             self.last = (resumed.get("sources", {}).get("train") or {}).get("partition")
             self.steps = int(resumed.get("step", 0))
         if self.rank == 0:
-            self.mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases)
+            self.mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases,
+                                    storage_options=ctx.config.storage.options())
             if resumed is not None:
                 self.mgr.head = resumed["name"]
         start = 0.0
@@ -198,7 +200,8 @@ class OnlineTrainer(ctr.CTRTrainer):
             self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),
                                    force=True)
         self.mode.barrier("metrics-init")
-        src = HourlySource(p.partitions, poll_interval_s=p.poll_interval_s)
+        src = HourlySource(p.partitions, poll_interval_s=p.poll_interval_s,
+                           storage_options=self.full_config.storage.options())
         done, last_uri, auc = [], None, None
         log.info("worker %d: online from after %s", self.rank, self.last or "the first partition")
         for part in src.partitions(after=self.last, until=_until(p)):

@@ -97,7 +97,8 @@ class PSServer:
     def from_config(cls, cfg: EngineConfig, index: int, num_servers: int | None = None) -> "PSServer":
         return cls(cfg.sparse_tables, cfg.dense_tables, index=index,
                    num_servers=num_servers or cfg.cluster.servers, num_vshards=cfg.cluster.num_vshards,
-                   local_shards=cfg.cluster.local_shards, checkpoint_threads=cfg.checkpoint.threads)
+                   local_shards=cfg.cluster.local_shards, checkpoint_threads=cfg.checkpoint.threads,
+                   storage_options=cfg.storage.options())
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, method: str, request):
