@@ -117,7 +117,7 @@ class StorageConfig:
     region: str = ""            # e.g. us-east-1
     scheme: str = knob("", choices=("", "http", "https"))
     access_key: str = ""
-    secret_key: str = ""
+    secret_key: str = field(default="", repr=False)
     access_key_env: str = ""    # name of the environment variable holding the access key
     secret_key_env: str = ""
     session_token_env: str = ""
