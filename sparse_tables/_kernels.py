@@ -468,13 +468,22 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
     created = 0
     rejected = 0
     homes = np.empty(min(u, PIPELINE_BLOCK), np.uint64)
+    found = np.empty(min(u, PIPELINE_BLOCK), np.int64)
     for i in range(u):
         b = i % PIPELINE_BLOCK
         if b == 0:
-            prefetch_homes(index, ukeys, i, min(u, i + PIPELINE_BLOCK), homes)
-        prefetch_row(index, arena_u, homes, b, min(u - i + b, PIPELINE_BLOCK))
+            # phase 1 of the block: every lookup (memory-bound, overlapped by prefetching), so the
+            # update loop below does not crowd the out-of-order window the misses need
+            m = min(u, i + PIPELINE_BLOCK) - i
+            prefetch_homes(index, ukeys, i, i + m, homes)
+            for q in range(m):
+                prefetch_row(index, arena_u, homes, q, m)
+                found[q] = index_find(index, arena_u, ukeys[i + q])
+        if b + PREFETCH_AHEAD < m and found[b + PREFETCH_AHEAD] >= 0:
+            prefetch(arena_f, found[b + PREFETCH_AHEAD])
+            prefetch_last(arena_f, found[b + PREFETCH_AHEAD])
         key = ukeys[i]
-        r = index_find(index, arena_u, key)
+        r = found[b]
         if r < 0:
             if state[S_NRAM] >= max_rows or (state[S_FREE_HEAD] < 0 and state[S_NEXT] >= arena_u.shape[0]):
                 return created, rejected, i
