@@ -38,6 +38,7 @@ import pyarrow as pa
 from sparse_tables import SparseTable, TableConfig
 
 from ..errors import ConfigError
+from ._kernels import replica_deltas, set_replica_rows
 from .base import Mode
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class _Replica:
         self.synced = self.local.copy()
         self._order = np.argsort(keys, kind="stable")
         self._sorted = keys[self._order]
+        self._changed = self._deltas = None
 
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """Rows of ``keys : uint64[n]`` -> int64[n]. Raises ConfigError for a key outside the set."""
@@ -82,9 +84,21 @@ class _Replica:
                               f"({len(self.keys)} keys)")
         return self._order[pos]
 
-    def set_rows(self, rows: np.ndarray, values: np.ndarray) -> None:
-        self.local[rows] = values
-        self.synced[rows] = values
+    def set_rows(self, rows, values: np.ndarray) -> None:
+        if isinstance(rows, slice):
+            self.local[rows] = values
+            self.synced[rows] = values
+        else:
+            set_replica_rows(self.local, self.synced, rows, values)
+
+    def deltas(self, scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
+        """(changed rows int64[n], their deltas float32[n, dim] scaled) since the last sync; views of
+        scratch arrays reused by the next call."""
+        if self._changed is None:
+            self._changed = np.empty(len(self.keys), np.int64)
+            self._deltas = np.empty_like(self.local)
+        n = replica_deltas(self.local, self.synced, np.float32(scale), self._changed, self._deltas)
+        return self._changed[:n], self._deltas[:n]
 
 
 class GeoMode(Mode):
@@ -237,11 +251,8 @@ class GeoMode(Mode):
             self._evict()
 
     def _sync_replica(self, name: str, r: _Replica, scale: np.float32, refresh: bool) -> None:
-        changed = np.flatnonzero((r.local != r.synced).any(axis=1))
+        changed, delta = r.deltas(scale)
         if len(changed):
-            delta = r.local[changed] - r.synced[changed]
-            if scale != 1:
-                delta *= scale
             self.client.push_delta(name, r.keys[changed], delta)
         if refresh:
             r.set_rows(slice(None), self.client.pull(name, r.keys, init_missing=True))
