@@ -240,8 +240,8 @@ class GeoMode(Mode):
             values = np.concatenate([b.column("values").flatten().to_numpy().reshape(-1, t.dim)
                                      for b in batches])
             delta = (values - t.synced.pull(keys)) * scale
-            self.client.push_delta(name, keys, np.ascontiguousarray(delta, np.float32))
-            t.set_rows(keys, self.client.pull(name, keys, init_missing=True), self.step)
+            fresh = self.client.push_delta(name, keys, np.ascontiguousarray(delta, np.float32), return_values=True)
+            t.set_rows(keys, fresh, self.step)
         for name, (local, synced) in self._dense.items():
             self.client.push_dense_delta(name, (local - synced) * scale)
             fresh = self.client.pull_dense(name)
@@ -252,12 +252,13 @@ class GeoMode(Mode):
 
     def _sync_replica(self, name: str, r: _Replica, scale: np.float32, refresh: bool) -> None:
         changed, delta = r.deltas(scale)
-        if len(changed):
-            self.client.push_delta(name, r.keys[changed], delta)
+        fresh = None
+        if len(changed):   # one round trip: the servers add the deltas and reply with the rows' values
+            fresh = self.client.push_delta(name, r.keys[changed], delta, return_values=True)
         if refresh:
             r.set_rows(slice(None), self.client.pull(name, r.keys, init_missing=True))
-        elif len(changed):
-            r.set_rows(changed, self.client.pull(name, r.keys[changed], init_missing=True))
+        elif fresh is not None:
+            r.set_rows(changed, fresh)
 
     def _evict(self) -> None:
         self._last_evict = self.step

@@ -201,6 +201,11 @@ class PSClient:
                                                        init_missing=init_missing), keys=_take(uniq, pos)))
                  for i, (s, pos) in enumerate(plan)]
         replies = self._fan_out(calls, idempotent=True)
+        return self._assemble(plan, replies, uniq, inverse, len(keys), dim)
+
+    @staticmethod
+    def _assemble(plan, replies, uniq, inverse, n_keys: int, dim: int) -> np.ndarray:
+        """float32[n_keys, dim] in the caller's key order from the per-chunk ``values`` of replies."""
         if len(plan) == 1:
             out = codec.decode(replies[0].values, "values", codec.F32, 2, shape=(len(uniq), dim))
         else:
@@ -214,7 +219,7 @@ class PSClient:
                     _kernels.put_rows(v, pos, out)
         if inverse is None:
             return out
-        full = np.empty((len(keys), dim), np.float32)
+        full = np.empty((n_keys, dim), np.float32)
         _kernels.take_rows(out, inverse, full)
         return full
 
@@ -232,12 +237,17 @@ class PSClient:
         """
         self._push(table, keys, grads, shows, clicks, pb.GRAD, accumulate)
 
-    def push_delta(self, table: str, keys: np.ndarray, deltas: np.ndarray) -> None:
+    def push_delta(self, table: str, keys: np.ndarray, deltas: np.ndarray, *,
+                   return_values: bool = False) -> np.ndarray | None:
         """GEO: ``value += delta`` on the servers for ``keys : uint64[n]``, ``deltas : float32[n, dim]``
-        (duplicates summed; no optimizer). Raises as ``push``."""
-        self._push(table, keys, deltas, None, None, pb.DELTA, False)
+        (duplicates summed; no optimizer). Raises as ``push``.
 
-    def _push(self, table, keys, grads, shows, clicks, kind, accumulate) -> None:
+        ``return_values``: the same round trip brings back the rows' values after the update (as
+        ``pull(table, keys, init_missing=True)`` right after it would): ``float32[n, dim]`` in the order
+        of ``keys``; a GEO sync needs one round trip instead of two."""
+        return self._push(table, keys, deltas, None, None, pb.DELTA, False, return_values)
+
+    def _push(self, table, keys, grads, shows, clicks, kind, accumulate, return_values=False):
         keys = _check_keys(keys)
         dim = self._sparse(table)["dim"]
         what = "deltas" if kind == pb.DELTA else "grads"
@@ -249,7 +259,7 @@ class PSClient:
             clicks = (np.zeros(len(keys), np.float32) if clicks is None
                       else _check_array(clicks, (len(keys),), "clicks"))
         if len(keys) == 0:
-            return
+            return np.empty((0, dim), np.float32) if return_values else None
         uniq, inverse = _unique(keys)
         if inverse is not None:   # sum duplicates
             grads = _segment_sum(grads, inverse, len(uniq))
@@ -260,10 +270,14 @@ class PSClient:
         rid = self._rid()
         calls = []
         for i, (s, pos) in enumerate(plan):
-            req = pb.PushRequest(table=table, request_id=f"{rid}.{i}", kind=kind, accumulate=accumulate)
+            req = pb.PushRequest(table=table, request_id=f"{rid}.{i}", kind=kind, accumulate=accumulate,
+                                 return_values=return_values)
             calls.append((s, "Push", codec.Wire(req, keys=_take(uniq, pos), grads=_take(grads, pos),
                                                 shows=_take(shows, pos), clicks=_take(clicks, pos))))
-        self._fan_out(calls, idempotent=False)
+        replies = self._fan_out(calls, idempotent=False)
+        if return_values:
+            return self._assemble(plan, replies, uniq, inverse, len(keys), dim)
+        return None
 
     # ------------------------------------------------------------------ async pushes
     def push_async(self, table: str, keys: np.ndarray, grads: np.ndarray, *, shows=None, clicks=None) -> None:

@@ -168,10 +168,15 @@ class PSServer:
                                                                         shape=(n,))
         if delta and (shows is not None or req.accumulate):
             raise ProtocolError("a DELTA push takes no shows/clicks and cannot accumulate")
+        if req.accumulate and req.return_values:
+            raise ProtocolError("an accumulated push is applied at the barrier: it cannot return values")
         if req.accumulate:
             host.accumulate(keys, grads, shows, clicks)
         else:
             host.push(keys, grads, shows, clicks, delta=delta)
+        if req.return_values:   # the rows after this update (and any other that landed since)
+            return codec.Wire(pb.PushResponse(request_id=req.request_id, keys=n),
+                              values=host.pull(keys, True))
         return pb.PushResponse(request_id=req.request_id, keys=n)
 
     def Dense(self, req: pb.DenseRequest) -> codec.Wire:

@@ -268,3 +268,31 @@ def test_chunked_pull_push_reassemble_in_caller_order(monkeypatch, serialize, n_
         ref.push(keys, grads, shows=shows)
         np.testing.assert_allclose(client.pull("emb", keys), ref.pull(keys), rtol=1e-5, atol=1e-6)
     client.close()
+
+
+@pytest.mark.parametrize("serialize", [False, True])
+@pytest.mark.parametrize("n_servers", [1, 2])
+def test_push_delta_returning_values_equals_push_then_pull(monkeypatch, serialize, n_servers):
+    """One round trip (GEO sync): the reply holds every key's value after the update, in the caller's
+    order, duplicates included, across chunks and servers; new rows start from their initial value."""
+    monkeypatch.setattr(codec, "CHUNK_BYTES", 1000)
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="uniform", seed=2)
+    servers = [PSServer({"emb": cfg}, index=i, num_servers=n_servers, local_shards=3) for i in range(n_servers)]
+    client = PSClient(InProcessTransport(servers, serialize=serialize))
+    ref = SparseTable(cfg)
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        keys = rng.integers(0, 700, 900).astype(np.uint64)
+        deltas = rng.normal(size=(len(keys), DIM)).astype(np.float32)
+        got = client.push_delta("emb", keys, deltas, return_values=True)
+        ref.push_delta(keys, deltas)
+        assert got.shape == (len(keys), DIM)
+        np.testing.assert_allclose(got, ref.pull(keys), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got, client.pull("emb", keys))
+    assert client.push_delta("emb", np.empty(0, np.uint64), np.empty((0, DIM), np.float32),
+                             return_values=True).shape == (0, DIM)
+    with pytest.raises(RemoteError, match="cannot return values"):
+        client.transport.call(0, "Push", pb.PushRequest(
+            table="emb", request_id="r-acc", keys=codec.encode(np.arange(3, dtype=np.uint64)),
+            grads=codec.encode(np.ones((3, DIM), np.float32)), accumulate=True, return_values=True), 5.0)
+    client.close()
