@@ -42,12 +42,14 @@ def description_from_config(config: Mapping[str, Any], *, hash_version: int, num
         raise ExportError("checkpoint manifest: config.model: missing; the checkpoint does not say which "
                           "model it holds")
     kind = model["kind"]
+    if kind == "ctr_online":            # the online job trains its model.network
+        kind = model.get("network", "ctr_dnn")
     if kind == "word2vec":
         return _word2vec_description(model, hash_version=hash_version, num_vshards=num_vshards,
                                      checkpoint=checkpoint)
     if kind not in ("ctr_dnn", "deepfm"):
-        raise ExportError(f"checkpoint manifest: config.model.kind: expected ctr_dnn, deepfm or word2vec, "
-                          f"got {kind!r}")
+        raise ExportError(f"checkpoint manifest: config.model.kind: expected ctr_dnn, deepfm, ctr_online or "
+                          f"word2vec, got {kind!r}")
     slots = list(model.get("slots") or [])
     desc = {"model": {"kind": kind, "num_slots": len(slots), "dim": int(model.get("dim", 10)),
                       "dense_dim": int(model.get("dense_dim", 13)),

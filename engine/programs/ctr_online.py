@@ -60,6 +60,9 @@ class Config(ctr.Config):
     poll_interval_s: float = knob(10.0, gt=0)
     until: str = ""
     max_partitions: int = knob(0, ge=0)
+    export_root: str = ""        # serving bundles after every checkpoint ("" = none): full after a base
+    export_dtype: str = knob("float32", choices=("float32", "float16"))
+    export_min_show: float = knob(0.0, ge=0)
 
 
 def _until(p: Config) -> _dt.datetime | None:
@@ -125,6 +128,7 @@ class OnlineTrainer(ctr.CTRTrainer):
         self.mgr: CheckpointManager | None = None
         self.last: str | None = None
         self.consumed: list[str] = []          # partitions trained since the last checkpoint
+        self.last_export: str | None = None    # this process's previous serving export (delta base)
         resumed = None
         if self.ck.restored:
             mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases,
@@ -191,7 +195,25 @@ class OnlineTrainer(ctr.CTRTrainer):
                           config=self.full_config.to_dict(), extra={"consumed": list(self.consumed)})
         self.schedule.done(m["kind"], now)
         self.started = True
-        return self.mgr.uri_of(m["name"])
+        uri = self.mgr.uri_of(m["name"])
+        if self.p.export_root:
+            self.export(uri, m["name"], m["kind"])
+        return uri
+
+    def export(self, ckpt_uri: str, name: str, kind: str) -> None:
+        """Rank 0: a serving bundle of the checkpoint just written, under ``model.export_root`` with the
+        checkpoint's name: a full bundle after a base (or the first export of this process), else a delta
+        against the previous export, so serving applies hourly patches (``Bundle.apply_delta``)."""
+        from ..export import CheckpointSource, export_bundle
+        p, opts = self.p, self.full_config.storage.options()
+        out = f"{p.export_root.rstrip('/')}/{name}"
+        since = self.last_export if kind != "base" else None
+        meta = export_bundle(CheckpointSource(ckpt_uri, storage_options=opts), out, dtype=p.export_dtype,
+                             min_show=p.export_min_show if since is None else None, since=since,
+                             storage_options=opts, overwrite=True)
+        self.last_export = out
+        log.info("exported %s bundle %s: %d row(s), %d deleted", meta["bundle"], out, meta["embedding"]["rows"],
+                 meta["embedding"]["deleted"])
 
     def run(self) -> dict:
         p = self.p

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import hdfs_io
@@ -112,3 +113,35 @@ def test_online_kill9_mid_hour_then_resume_consumes_each_partition_once(backend,
     assert res.returncode == 0, _logs(res, tmp_path / "run3")
     assert json.loads(res.stdout.strip().splitlines()[-1])["partitions"] == []
     _check_exactly_once(mgr, names)
+
+
+def test_online_job_exports_a_bundle_after_every_checkpoint(rows, tmp_path):
+    """``model.export_root``: the first export is full, the later ones deltas; applying them in order to
+    the first gives exactly the full export of the last checkpoint."""
+    from engine.export import load_bundle
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parts, ckpt, exports = str(tmp_path / "hours"), str(tmp_path / "ckpt"), tmp_path / "exports"
+    names = replay_hours.publish_hours(rows, parts, hours=3, start=START, batch_size=256)
+    cmd = _cmd(parts, ckpt, tmp_path / "run", "--set", f"model.export_root={exports}")
+    cmd[cmd.index("2024010105")] = "2024010103"
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    mgr = CheckpointManager(ckpt, "ctr_online")
+    ckpts = [ref.name for ref in mgr.list()]
+    assert len(ckpts) == len(names) == 3
+    bundles = [str(exports / n) for n in ckpts]
+    served = load_bundle(bundles[0])
+    assert served.meta["bundle"] == "full"
+    for b in bundles[1:]:
+        served.apply_delta(b)
+        assert served.meta["bundle"] == "delta"
+    assert main_export(mgr.uri_of(ckpts[-1]), str(tmp_path / "full")) == 0
+    full = load_bundle(str(tmp_path / "full"))
+    for x, y in zip(served.state(), full.state()):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(served.model.get_dense(), full.model.get_dense())
+
+
+def main_export(ckpt_uri: str, out: str) -> int:
+    from engine.cli import main
+    return main(["export", ckpt_uri, out])
