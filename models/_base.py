@@ -6,6 +6,7 @@ their dense parameters and the model-specific forward and backward passes over a
 """
 from __future__ import annotations
 
+import abc
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -60,7 +61,7 @@ class _Scratch:
     """Buffers for one batch size; attributes are added by the model."""
 
 
-class CTRModelBase:
+class CTRModelBase(abc.ABC):
     """Common part of CTR-DNN and DeepFM; not instantiated directly.
 
     An instance is not safe for concurrent calls (it reuses scratch buffers); use one instance per
@@ -104,28 +105,38 @@ class CTRModelBase:
 
     # ----------------------------------------------------------------- subclass hooks
     @property
+    @abc.abstractmethod
     def sparse_width(self) -> int:
         """Row width the PS sparse table must have for this model."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _layout_entries(self) -> list[tuple[str, tuple[int, ...]]]:
-        raise NotImplementedError
+        """(name, shape) of every dense parameter, in the flat vector's order."""
 
+    @abc.abstractmethod
     def _init_dense(self, p: dict[str, np.ndarray], rng: np.random.Generator) -> None:
-        raise NotImplementedError
+        """Initialize the dense parameter views ``p`` in place."""
 
     def _alloc_extra(self, s: _Scratch, batch: int) -> None:
         pass
 
+    @abc.abstractmethod
     def _forward(self, s: _Scratch, emb, rows, segments, dense_x) -> None:
         """Fill ``s.z : float[B, 1]`` with logits, keeping what backward needs in ``s``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _backward(self, s: _Scratch, emb, rows, segments, dense_x, grad_emb,
                   g: dict[str, np.ndarray]) -> None:
         """With ``s.g : float[B, 1]`` = dL/dlogit, fill ``grad_emb`` (zeroed) and the gradient
         views ``g``."""
-        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _pooled_buffer(self, s: _Scratch) -> np.ndarray:
+        """The float[B, S * sparse_width] buffer :meth:`pooled_input` hands out."""
+
+    @abc.abstractmethod
+    def _forward_pooled(self, s: _Scratch, pooled, dense_x) -> None:
+        """:meth:`_forward` from already pooled rows (``pooled_input``'s layout)."""
 
     # ----------------------------------------------------------------- dense parameters
     @property

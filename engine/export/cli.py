@@ -184,5 +184,5 @@ def run_predict(args) -> int:
 
 
 def run(args) -> int:
-    """Dispatch for ``engine/cli.py``: ``args.run`` was set by :func:`add_subparsers`."""
+    """Dispatch for ``engine.cli``: ``args.run`` was set by :func:`add_subparsers`."""
     return args.run(args)

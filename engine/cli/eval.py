@@ -45,11 +45,11 @@ def add_parser(sub) -> None:
 def _bad_input_errors():
     import hdfs_io
     from models.errors import ModelInputError
-    from .checkpoint import CheckpointNotFoundError
-    from .errors import ConfigError
-    from .export.errors import ExportError
+    from ..checkpoint import CheckpointNotFoundError
+    from ..errors import ConfigError
+    from ..export.errors import ExportError
     from streaming.errors import DataFormatError, SchemaError
-    from .export.errors import BundleError
+    from ..export.errors import BundleError
     return (ConfigError, ExportError, BundleError, ModelInputError, hdfs_io.NotPublishedError,
             hdfs_io.CheckpointCorruptError, CheckpointNotFoundError, FileNotFoundError, DataFormatError,
             SchemaError)
@@ -66,8 +66,8 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
         A vocabulary or benchmark file is missing.
     """
     from models.word2vec_eval import evaluate_all
-    from .export.source import open_source
-    from .export.w2v import word_vectors
+    from ..export.source import open_source
+    from ..export.w2v import word_vectors
     p = cfg.model.params
     source = open_source(uri, storage_options=cfg.storage.options())
     try:
@@ -98,11 +98,11 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     """
     import tempfile
     from streaming.source import ArrowSource
-    from .export.bundle import export_bundle
-    from .export.predictor import load_bundle
-    from .export.source import open_source
-    from .metrics import BinaryMetrics
-    from .programs.ctr_data import expected_schema, prepare_data
+    from ..export.bundle import export_bundle
+    from ..export.predictor import load_bundle
+    from ..export.source import open_source
+    from ..metrics import BinaryMetrics
+    from ..programs.ctr_data import expected_schema, prepare_data
     p = cfg.model.params
     data = prepare_data(p.data, expected_schema(p.slots, p.dense_dim))
     source = open_source(uri, storage_options=cfg.storage.options())
@@ -127,7 +127,7 @@ def evaluate_ctr(cfg, uri: str) -> dict:
 def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .config import load_config
+    from ..config import load_config
     bad = _bad_input_errors()
     try:
         cfg = load_config(args.config, args.overrides)

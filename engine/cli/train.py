@@ -23,7 +23,7 @@ import sys
 from hdfs_io import CheckpointCorruptError, NotPublishedError
 from streaming.errors import DataFormatError, SchemaError
 
-from .errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError
 
 log = logging.getLogger("engine.train")
 
@@ -57,14 +57,14 @@ def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"%(asctime)s {args.role or 'launcher'}{'' if not args.role else args.rank} "
                                f"%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from .config import load_config
+    from ..config import load_config
     overrides = list(args.overrides) + ([f"model.until='{args.until}'"] if args.until else [])
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"engine train: config error: {e}", file=sys.stderr)
         return 2
-    from . import roles
+    from .. import roles
     try:
         if args.role == "server":
             roles.guard_parent()
@@ -75,12 +75,12 @@ def run(args) -> int:
             return 0
         if cfg.model is None:
             raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
-        from .launcher import launch
-        from .programs import load_program
+        from ..launcher import launch
+        from ..programs import load_program
         program = load_program(cfg.model.kind)
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)
-        from .checkpoint import job as ckpt_job
+        from ..checkpoint import job as ckpt_job
         state = {"cfg": cfg, "checkpoint": None, "periodic": None}
         own_checkpoints = getattr(program, "WRITES_CHECKPOINTS", False)
 

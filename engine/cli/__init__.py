@@ -1,4 +1,7 @@
-"""The `engine` command line. The CLI owns the console: library code logs, this module prints."""
+"""The `engine` command line. The CLI owns the console: library code logs, this package prints.
+
+One module per command: ``train``, ``convert``, ``eval`` here, ``export``/``predict`` in
+``engine.export.cli``."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +15,8 @@ import sys
 # unless the environment says otherwise; it must be set before numpy loads OpenBLAS.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from . import convert_cmd, eval_cmd, train_cmd
-from .export import cli as export_cli
+from ..export import cli as export_cli
+from . import convert as convert_cmd, eval as eval_cmd, train as train_cmd
 
 
 def _build_parser() -> argparse.ArgumentParser:
