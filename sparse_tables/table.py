@@ -311,7 +311,10 @@ class SparseTable:
             keys = _record_keys(records)
             with self._lock.exclusive():
                 self._next_tick()
-                self._reserve(len(records))
+                # room for the rows not in RAM yet (new, or promoted from RocksDB); overwrites need none
+                rows = np.empty(len(keys), np.int64)
+                K.find_rows(self._index, self._arena_u, keys, rows)
+                self._reserve(int(np.count_nonzero(rows < 0)))
                 if self._spill is not None:
                     self._promote(np.unique(keys))
                 ok = K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,

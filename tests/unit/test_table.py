@@ -251,3 +251,19 @@ def test_contains_and_delete_cover_both_tiers(tmp_path):
     assert deleted.tolist() == [0, 1, 48, 49]
     assert sorted(snapshot(t)) == list(range(2, 48))
     t.close()
+
+
+def test_load_rows_overwriting_a_full_table_does_not_grow_it():
+    """Loading rows the table already holds (a delta checkpoint's changed rows) needs no new room."""
+    t = SparseTable(TableConfig(dim=4, optimizer="adagrad"), initial_rows=1000)
+    keys = np.arange(1000, dtype=np.uint64)
+    t.push(keys, np.ones((1000, 4), np.float32))
+    cap, slots = t._arena_u.shape[0], len(t._index)
+    assert cap == 1000
+    dump = list(t.rows(chunk_rows=300))
+    assert t.load_rows(dump) == 1000 and len(t) == 1000
+    assert (t._arena_u.shape[0], len(t._index)) == (cap, slots)
+    fresh = SparseTable(TableConfig(dim=4, optimizer="adagrad"))
+    fresh.push(np.array([5000], np.uint64), np.ones((1, 4), np.float32))
+    assert t.load_rows(fresh.rows()) == 1 and len(t) == 1001          # a new row does grow it
+    assert t._arena_u.shape[0] > cap
