@@ -441,6 +441,45 @@ def pull_rows(index, arena_u, arena_f, lay, keys, out, tick, track_lru, miss_idx
     return nm
 
 
+
+@njit(nogil=True, cache=True)
+def pull_rows_at(index, arena_u, arena_f, lay, keys, pos, out, tick, track_lru, miss_idx):
+    """``pull_rows`` of the keys ``keys[pos]`` written to ``out[pos]``: a parameter server's shard
+    fills its part of a request's reply in place (no gather of its keys, no scatter of its rows).
+
+    keys : uint64[n]; pos : int64[m] (distinct positions into keys and out); out : float32[n, dim];
+    miss_idx : int64[m] gets the positions (values of pos) of missing keys. Returns the number of
+    misses. Same pipeline as ``pull_rows``: each block's keys are gathered into a small buffer first.
+    """
+    m = pos.shape[0]
+    dim = lay[L_DIM]
+    voff = lay[L_VAL]
+    tick_w = lay[L_META] + M_TICK
+    block = min(m, PIPELINE_BLOCK)
+    homes = np.empty(block, np.uint64)
+    kbuf = np.empty(block, np.uint64)
+    nm = 0
+    for start in range(0, m, PIPELINE_BLOCK):
+        stop = min(m, start + PIPELINE_BLOCK)
+        for b in range(stop - start):
+            kbuf[b] = keys[pos[start + b]]
+        prefetch_homes(index, kbuf, 0, stop - start, homes)
+        for b in range(stop - start):
+            prefetch_row(index, arena_u, homes, b, stop - start)
+            i = pos[start + b]
+            r = index_find(index, arena_u, kbuf[b])
+            if r < 0:
+                miss_idx[nm] = i
+                nm += 1
+                for j in range(dim):
+                    out[i, j] = 0.0
+            else:
+                for j in range(dim):
+                    out[i, j] = arena_f[r, voff + j]
+                if track_lru:
+                    arena_u[r, tick_w] = tick
+    return nm
+
 @njit(nogil=True, cache=True)
 def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclicks, ucounts, has_shows,
               mode, opt, hp, now_s, tick, seed, init_kind, init_scale, sketch, min_count, admit_p,

@@ -95,7 +95,8 @@ class SparseTable:
                               rejected=0, deleted=0, evictions=0, promotions=0, spill_writes=0)
 
     # ------------------------------------------------------------------------------ public API
-    def pull(self, keys: np.ndarray, *, init_missing: bool = False) -> np.ndarray:
+    def pull(self, keys: np.ndarray, *, init_missing: bool = False, out: np.ndarray | None = None,
+             rows: np.ndarray | None = None) -> np.ndarray:
         """Values of keys.
 
         Parameters
@@ -106,11 +107,17 @@ class SparseTable:
             Training pulls: keys without a row read the initial value a push would create for them
             (a pure function of seed and key), so a worker starts from the value the server will hold.
             Ignored when admission is on (not-yet-admitted keys read zeros). Nothing is created.
+        out : float32[n, dim], optional
+            Written in place instead of a new array (a server writes straight into its reply).
+        rows : int64[m], optional
+            Pull only ``keys[rows]`` into ``out[rows]`` (distinct positions; the keys of this shard in
+            a request spanning several shards); ``out`` is then required and other rows are untouched.
 
         Returns
         -------
         float32[n, dim]
-            Unknown keys read zeros (or their initial value with ``init_missing``).
+            ``out`` (or a new array). Unknown keys read zeros (or their initial value with
+            ``init_missing``).
 
         Raises
         ------
@@ -118,11 +125,29 @@ class SparseTable:
             keys is not a 1-D uint64 array.
         """
         keys = _check_keys(keys)
-        out = np.empty((len(keys), self.layout.dim), np.float32)
+        dim = self.layout.dim
+        if out is None:
+            if rows is not None:
+                raise TableInputError("pull: rows needs out (the array the rows are written to)")
+            out = np.empty((len(keys), dim), np.float32)
+        elif out.shape != (len(keys), dim) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise TableInputError(f"pull: out must be a C-contiguous float32[{len(keys)}, {dim}] array, "
+                                  f"got {out.dtype}{list(out.shape)}")
         track = self._spill is not None
+        if rows is not None:
+            rows = np.ascontiguousarray(rows, np.int64)
+            if len(rows) and (rows.min() < 0 or rows.max() >= len(keys)):
+                raise TableInputError(f"pull: rows must be positions in [0, {len(keys)}), got "
+                                      f"[{rows.min()}, {rows.max()}]")
+        n = len(keys) if rows is None else len(rows)
         with self._lock.shared():
-            miss = self._pull_ram(keys, out, self._tick, track)
-        hits = len(keys) - len(miss)
+            if rows is None:
+                miss = self._pull_ram(keys, out, self._tick, track)
+            else:
+                miss = np.empty(len(rows), np.int64)
+                miss = miss[:K.pull_rows_at(self._index, self._arena_u, self._arena_f, self._lay, keys, rows,
+                                            out, self._tick, track, miss)]
+        hits = n - len(miss)
         if len(miss) and self._spill is not None:
             with self._lock.exclusive():
                 self._next_tick()
@@ -135,7 +160,7 @@ class SparseTable:
                 self._maybe_evict()
         if init_missing and len(miss) and not self.config.uses_admission:
             out[miss] = self.initial_values(keys[miss])
-        self._count(pull_keys=len(keys), pull_hits=hits, pull_misses=len(keys) - hits)
+        self._count(pull_keys=n, pull_hits=hits, pull_misses=n - hits)
         return out
 
     def push(self, keys: np.ndarray, grads: np.ndarray, *, shows: np.ndarray | None = None,

@@ -36,6 +36,10 @@ are set to ``MAX_MESSAGE_BYTES``, comfortably above one chunk plus the message o
 """
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+
 import numpy as np
 
 from ..errors import ProtocolError
@@ -147,6 +151,35 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+def _writable_bytes(n: int):
+    """(bytes object of n bytes, writable uint8[n] numpy view of its contents).
+
+    gRPC's Python API sends ``bytes`` only, so a reply that is to be filled in place must be a bytes
+    object created uninitialized with ``PyBytes_FromStringAndSize(NULL, n)`` and written before anyone
+    else sees it, the C-API's documented way to build a bytes object (the filled object is never
+    hashed or shared before it is complete). Off CPython the view is a bytearray and ``bytes`` is made
+    by copying it when the message is serialized."""
+    if _PYBYTES_NEW is not None:
+        b = _PYBYTES_NEW(None, n)
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(id(b) + _BYTES_DATA_OFFSET))
+        return b, arr
+    buf = bytearray(n)
+    return buf, np.frombuffer(buf, np.uint8)
+
+
+def _bytes_constructor():
+    if sys.implementation.name != "cpython" or os.environ.get("ENGINE_PS_INPLACE_REPLY", "1") == "0":
+        return None
+    fn = ctypes.pythonapi.PyBytes_FromStringAndSize
+    fn.restype = ctypes.py_object
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+    return fn
+
+
+_PYBYTES_NEW = _bytes_constructor()
+_BYTES_DATA_OFFSET = bytes.__basicsize__ - 1     # offsetof(PyBytesObject, ob_sval)
+
+
 class RawTensor:
     """A received Tensor: ``dtype`` (str), ``shape`` (tuple), ``data`` (memoryview of the message bytes,
     or ``b""``). Duck-types ``pb.Tensor`` for ``decode`` and ``is_absent``."""
@@ -169,7 +202,7 @@ class Wire:
     """An outgoing message: protobuf ``msg`` (Tensor fields left unset) plus arrays for Tensor fields
     (None: absent). Reads like the message: ``w.request_id``, ``w.values`` (a RawTensor view)."""
 
-    __slots__ = ("msg", "arrays")
+    __slots__ = ("msg", "arrays", "encoded")
 
     def __init__(self, msg, **arrays):
         fields = _TENSORS.get(type(msg))
@@ -180,6 +213,34 @@ class Wire:
                 raise TypeError(f"{type(msg).__name__} has no Tensor field {name!r}")
         self.msg = msg
         self.arrays = {k: v for k, v in arrays.items() if v is not None}
+        self.encoded = None
+
+    @classmethod
+    def allocate(cls, msg, name: str, dtype: np.dtype, shape: tuple) -> "Wire":
+        """A message whose one Tensor field ``name`` is filled in place: the final encoding is
+        allocated once and ``w.arrays[name]`` is a writable ``dtype[shape]`` view of its data bytes.
+        A pull reply is written by the table kernels straight into the bytes handed to gRPC, with no
+        serialization copy (6.4 MB per 100k-key pull of dim 16). Write the array before ``serialize``.
+
+        Raises
+        ------
+        TypeError
+            ``name`` is not a Tensor field of ``msg``.
+        """
+        fields = _TENSORS.get(type(msg))
+        if fields is None or name not in fields:
+            raise TypeError(f"{type(msg).__name__} has no Tensor field {name!r}")
+        dtype = np.dtype(dtype).newbyteorder("<")
+        shape = tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        head = msg.SerializeToString()
+        prefix = head + _tensor_prefix(fields[name], dtype, shape, nbytes, len(head))
+        encoded, view = _writable_bytes(len(prefix) + nbytes)
+        view[:len(prefix)] = np.frombuffer(prefix, np.uint8)
+        w = cls(msg)
+        w.arrays[name] = view[len(prefix):].view(dtype).reshape(shape)
+        w.encoded = encoded
+        return w
 
     def __getattr__(self, name):
         if name in _TENSORS[type(self.msg)]:
@@ -214,27 +275,35 @@ def _le_contiguous(arr) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def _tensor_prefix(field: int, dtype: np.dtype, shape: tuple, nbytes: int, pos: int) -> bytes:
+    """Encoding of Tensor field ``field`` up to its ``data`` bytes, padded (``align``) so that the data
+    starts at a multiple of ALIGN from the message start when the prefix is written at ``pos``."""
+    meta = pb.Tensor(dtype=dtype.str, shape=shape).SerializeToString()
+    tag = _varint(field << 3 | 2)
+    dlen = _DATA_TAG + _varint(nbytes)
+    for pad in (0,) + tuple(range(2, 2 * ALIGN + 2)):   # no align field, or one of 2.. bytes
+        fill = _ALIGN_TAG + _varint(pad - 2) + bytes(pad - 2) if pad else b""
+        body = meta + fill + dlen
+        prefix = tag + _varint(len(body) + nbytes) + body
+        if (pos + len(prefix)) % ALIGN == 0:
+            return prefix
+    return prefix   # not reached in practice; a misaligned payload is still valid (decode copies it)
+
+
 def serialize(obj) -> bytes:
-    """``Wire`` or protobuf message -> its protobuf encoding (a ``Wire``'s arrays copied once)."""
+    """``Wire`` or protobuf message -> its protobuf encoding (a ``Wire``'s arrays copied once; a
+    ``Wire.allocate`` reply is already its encoding and is returned as it is)."""
     if not isinstance(obj, Wire):
         return obj.SerializeToString()
+    if obj.encoded is not None:
+        return obj.encoded if isinstance(obj.encoded, bytes) else bytes(obj.encoded)
     head = obj.msg.SerializeToString()
     parts = [head]
     pos = len(head)
     fields = _TENSORS[type(obj.msg)]
     for name, arr in obj.arrays.items():
         arr = _le_contiguous(arr)
-        meta = pb.Tensor(dtype=arr.dtype.str, shape=arr.shape).SerializeToString()
-        tag = _varint(fields[name] << 3 | 2)
-        dlen = _DATA_TAG + _varint(arr.nbytes)
-        for pad in range(ALIGN + 2):             # no align field, or one of 2..ALIGN+1 bytes
-            fill = b"" if pad == 0 else (_ALIGN_TAG + _varint(pad - 2) + bytes(pad - 2)) if pad >= 2 else None
-            if fill is None:
-                continue
-            body = meta + fill + dlen
-            prefix = tag + _varint(len(body) + arr.nbytes) + body
-            if (pos + len(prefix)) % ALIGN == 0:
-                break
+        prefix = _tensor_prefix(fields[name], arr.dtype, arr.shape, arr.nbytes, pos)
         parts.append(prefix)
         parts.append(memoryview(arr.reshape(-1).view(np.uint8)))
         pos += len(prefix) + arr.nbytes

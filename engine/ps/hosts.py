@@ -119,16 +119,17 @@ class SparseHost:
                 fn(j, pos)
 
     # ------------------------------------------------------------------ operations
-    def pull(self, keys: np.ndarray, init_missing: bool) -> np.ndarray:
-        """keys : uint64[n] -> float32[n, dim]."""
+    def pull(self, keys: np.ndarray, init_missing: bool, out: np.ndarray | None = None) -> np.ndarray:
+        """keys : uint64[n] -> float32[n, dim], written into ``out`` when given (the reply buffer).
+        Each local shard reads its keys in place and writes its rows straight to their positions."""
         parts = self._split(keys)
+        if out is None:
+            out = np.empty((len(keys), self.dim), np.float32)
         if len(parts) == 1 and len(parts[0][1]) == len(keys):
-            return self._shard_call(parts[0][0], "pull", keys, init_missing=init_missing)
-        out = np.empty((len(keys), self.dim), np.float32)
+            return self._shard_call(parts[0][0], "pull", keys, init_missing=init_missing, out=out)
 
         def one(j, pos):
-            rows = self._shard_call(j, "pull", _take(keys, pos), init_missing=init_missing)
-            _kernels.put_rows(rows, pos, out)
+            self._shard_call(j, "pull", keys, init_missing=init_missing, out=out, rows=pos)
         self._each(parts, one, len(keys))
         return out
 

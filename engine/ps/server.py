@@ -153,8 +153,10 @@ class PSServer:
     def Pull(self, req: pb.PullRequest) -> codec.Wire:
         host = self._sparse(req.table)
         keys = codec.decode(req.keys, "keys", codec.U64, 1)
-        values = host.pull(keys, req.init_missing)
-        return codec.Wire(pb.PullResponse(request_id=req.request_id), values=values)
+        reply = codec.Wire.allocate(pb.PullResponse(request_id=req.request_id), "values", codec.F32,
+                                    (len(keys), host.dim))
+        host.pull(keys, req.init_missing, out=reply.arrays["values"])
+        return reply
 
     def Push(self, req: pb.PushRequest) -> pb.PushResponse:
         host = self._sparse(req.table)
@@ -175,8 +177,10 @@ class PSServer:
         else:
             host.push(keys, grads, shows, clicks, delta=delta)
         if req.return_values:   # the rows after this update (and any other that landed since)
-            return codec.Wire(pb.PushResponse(request_id=req.request_id, keys=n),
-                              values=host.pull(keys, True))
+            reply = codec.Wire.allocate(pb.PushResponse(request_id=req.request_id, keys=n), "values",
+                                        codec.F32, (n, host.dim))
+            host.pull(keys, True, out=reply.arrays["values"])
+            return reply
         return pb.PushResponse(request_id=req.request_id, keys=n)
 
     def Dense(self, req: pb.DenseRequest) -> codec.Wire:

@@ -117,6 +117,31 @@ def test_wire_round_trip_every_dtype_aligned_and_protobuf_compatible(dtype, shap
     assert np.array_equal(codec.decode(r2.values, "values", arr.dtype, len(shape)), arr)
 
 
+
+@pytest.mark.parametrize("rid", ["", "r", "x" * 120, "y" * 300])
+@pytest.mark.parametrize("shape", [(0, 4), (3, 4), (1000, 16), (40_000, 10)])
+def test_wire_allocate_gives_the_bytes_serialize_would_write(rid, shape):
+    """A reply filled in place is byte-identical to serializing the same array, stays aligned, and is
+    an ordinary immutable bytes object once serialized (hashable, equal to a copy)."""
+    arr = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) * 0.5
+    msg = pb.PushResponse(request_id=rid, keys=shape[0])
+    w = codec.Wire.allocate(msg, "values", codec.F32, shape)
+    view = w.arrays["values"]
+    assert view.shape == shape and view.dtype == codec.F32 and view.flags.writeable
+    view[...] = arr
+    np.testing.assert_array_equal(codec.decode(w.values, "values", codec.F32, 2), arr)  # reads as a Wire
+    buf = codec.serialize(w)
+    assert type(buf) is bytes and buf == codec.serialize(codec.Wire(msg, values=arr))
+    assert hash(buf) == hash(bytes(bytearray(buf)))
+    r = codec.parse(buf, pb.PushResponse)
+    assert r.request_id == rid and r.keys == shape[0]
+    back = codec.decode(r.values, "values", codec.F32, 2, shape=shape)
+    np.testing.assert_array_equal(back, arr)
+    assert back.flags.aligned and not back.flags.owndata
+    with pytest.raises(TypeError, match="no Tensor field 'keys'"):
+        codec.Wire.allocate(pb.PullResponse(), "keys", codec.U64, (1,))
+
+
 def test_wire_push_request_with_every_array_and_absent_ones():
     keys = np.array([7, 9, 1 << 63], np.uint64)
     grads = np.random.default_rng(2).random((3, 4)).astype(np.float32)

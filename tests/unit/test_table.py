@@ -267,3 +267,40 @@ def test_load_rows_overwriting_a_full_table_does_not_grow_it():
     fresh.push(np.array([5000], np.uint64), np.ones((1, 4), np.float32))
     assert t.load_rows(fresh.rows()) == 1 and len(t) == 1001          # a new row does grow it
     assert t._arena_u.shape[0] > cap
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_pull_into_rows_of_a_shared_reply_matches_a_plain_pull(spill, tmp_path):
+    """A server shard writes its keys' rows in place: pull(keys, out=, rows=) equals pull(keys[rows])
+    at those positions (RAM rows, rows on disk, missing keys with init_missing) and leaves the others."""
+    cfg = TableConfig(dim=5, optimizer="adagrad", seed=4, memory_rows=300 if spill else 1 << 20,
+                      spill_path=str(tmp_path / "s") if spill else None)
+    t = SparseTable(cfg)
+    rng = np.random.default_rng(8)
+    known = rng.integers(0, 2**64, 1000, dtype=np.uint64)
+    t.push(known, rng.normal(size=(1000, 5)).astype(np.float32))
+    keys = np.concatenate([known[:600], rng.integers(0, 2**64, 200, dtype=np.uint64)])
+    rng.shuffle(keys)
+    rows = np.sort(rng.choice(len(keys), 500, replace=False)).astype(np.int64)
+    for init in (False, True):
+        want = t.pull(keys[rows], init_missing=init)
+        out = np.full((len(keys), 5), 7.0, np.float32)
+        assert t.pull(keys, init_missing=init, out=out, rows=rows) is out
+        np.testing.assert_array_equal(out[rows], want)
+        others = np.setdiff1d(np.arange(len(keys)), rows)
+        assert (out[others] == 7.0).all()
+    full = np.empty((len(keys), 5), np.float32)
+    np.testing.assert_array_equal(t.pull(keys, out=full), t.pull(keys))
+    t.close()
+
+
+def test_pull_into_rejects_a_bad_out_or_rows():
+    t = SparseTable(TableConfig(dim=3))
+    keys = u64(1, 2, 3)
+    with pytest.raises(TableInputError, match="rows needs out"):
+        t.pull(keys, rows=np.arange(2))
+    with pytest.raises(TableInputError, match=r"out must be a C-contiguous float32\[3, 3\]"):
+        t.pull(keys, out=np.empty((3, 4), np.float32))
+    with pytest.raises(TableInputError, match=r"rows must be positions in \[0, 3\)"):
+        t.pull(keys, out=np.empty((3, 3), np.float32), rows=np.array([0, 3]))
+    t.close()
