@@ -9,6 +9,13 @@
    median of the per-repeat ratios.
 2. ``pull_latency``: 2 server processes, one client, p50 / p99 milliseconds of a CTR-sized pull
    (26 slots x 512 rows = 13,312 keys drawn from the filled key space).
+``cpu_ms_per_batch`` (medians over repeats) splits the CPU one 100k-key batch costs: the server process,
+both client processes, and the in-process reference; on 2 cores the ratio cannot beat
+in_process / (server + clients).
+3. ``pull_transport_floor``: what gRPC alone allows. A bare gRPC server (no table, no codec) answers
+   each 800 KB request (100k keys) with a prebuilt 6.4 MB reply (100k rows of dim 16), to 2 client
+   processes that only call it: ``keys_per_s`` is the pull rate of a parameter server whose table and
+   client cost nothing, and ``ratio_vs_in_process`` puts it against the same in-process figure as 1.
 
     python bench/ps_bench.py [--rounds 20] [--rows 1000000] [--repeats 3]
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -47,6 +55,16 @@ def fill(push, rows: int) -> None:
         push(k, np.full((len(k), DIM), 0.01, np.float32))
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (or of process ``pid``, all its threads)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def client_main(args) -> None:
     """One client process: per repeat and operation, wait at a barrier (with the other client and the
     bench process), time its batches, and meet again when done."""
@@ -61,10 +79,10 @@ def client_main(args) -> None:
         times = {}
         for op in ("pull", "push"):
             c.barrier(f"bench-{rep}-{op}", 3, timeout=600)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             for keys in data:
                 c.pull("emb", keys) if op == "pull" else c.push("emb", keys, grads)
-            times[op] = (t0, time.perf_counter())
+            times[op] = (t0, time.perf_counter(), cpu_seconds() - c0)
             c.barrier(f"bench-{rep}-{op}-done", 3, timeout=600)
         out.append(times)
     c.close()
@@ -82,19 +100,21 @@ class InProcess:
         self.grads = np.full((BATCH, DIM), 0.001, np.float32)
         self.run("pull")                                     # warm-up (JIT, caches)
 
-    def run(self, op: str) -> float:
+    def run(self, op: str) -> tuple[float, float]:
+        """(keys/s, CPU ms per 100k keys) of both threads' batches."""
         t, grads = self.t, self.grads
 
         def work(r):
             for keys in self.data[r]:
                 t.pull(keys) if op == "pull" else t.push(keys, grads)
         threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        return sum(len(d) for d in self.data) * BATCH / (time.perf_counter() - t0)
+        n = sum(len(d) for d in self.data)
+        return n * BATCH / (time.perf_counter() - t0), 1e3 * (cpu_seconds() - c0) / n
 
 
 def throughput(args) -> None:
@@ -110,11 +130,18 @@ def throughput(args) -> None:
                                        "--repeats", str(args.repeats)],
                                       stdout=subprocess.PIPE, text=True) for r in range(2)]
             local = {"pull": [], "push": []}
+            local_cpu = {"pull": [], "push": []}
+            server_cpu = {"pull": [], "push": []}
+            server_pid = cl.pids()[0]
             for rep in range(args.repeats):
                 for op in ("pull", "push"):
-                    local[op].append(ref.run(op))
+                    kps, cpu = ref.run(op)
+                    local[op].append(kps)
+                    local_cpu[op].append(cpu)
                     c.barrier(f"bench-{rep}-{op}", 3, timeout=600)       # clients run now
+                    c0 = cpu_seconds(server_pid)
                     c.barrier(f"bench-{rep}-{op}-done", 3, timeout=600)
+                    server_cpu[op].append(cpu_seconds(server_pid) - c0)
             outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
         cl.stop_servers()
     ref.t.close()
@@ -125,11 +152,18 @@ def throughput(args) -> None:
             end = max(o[rep][op][1] for o in outs)
             remote.append(2 * args.rounds * BATCH / (end - start))
         kps, ip = max(remote), max(local[op])
+        batches_run = 2 * args.rounds
+        server_ms = 1e3 * float(np.median(server_cpu[op])) / batches_run
+        client_ms = 1e3 * float(np.median([sum(o[rep][op][2] for o in outs) for rep in range(args.repeats)])
+                                ) / batches_run
         print(json.dumps({"bench": op, "servers": 1, "clients": 2, "dim": DIM, "batch_keys": BATCH,
                           "rounds_per_client": args.rounds, "repeats": args.repeats, "keys_per_s": round(kps),
                           "in_process_keys_per_s": round(ip), "ratio_vs_in_process": round(kps / ip, 3),
-                          "ratio_median": round(float(np.median(np.array(remote) / np.array(local[op]))), 3)}),
+                          "ratio_median": round(float(np.median(np.array(remote) / np.array(local[op]))), 3),
+                          "cpu_ms_per_batch": {"server": round(server_ms, 2), "clients": round(client_ms, 2),
+                                               "in_process": round(float(np.median(local_cpu[op])), 2)}}),
               flush=True)
+    return max(local["pull"])
 
 
 def latency(args) -> None:
@@ -154,6 +188,71 @@ def latency(args) -> None:
                       "p99_ms": round(float(np.percentile(s, 99)), 3)}), flush=True)
 
 
+def echo_server_main(args) -> None:
+    """The bare gRPC server of ``pull_transport_floor``: prints its port, serves until killed."""
+    import grpc
+    from concurrent.futures import ThreadPoolExecutor
+    from engine.ps import _malloc, codec
+    _malloc.tune()
+    reply = np.random.default_rng(0).random((BATCH, DIM), np.float32).tobytes()
+    opts = [("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES)]
+    server = grpc.server(ThreadPoolExecutor(8), options=opts)
+    handler = grpc.unary_unary_rpc_method_handler(lambda req, ctx: reply, request_deserializer=None,
+                                                  response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("Echo", {"Pull": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(port, flush=True)
+    server.wait_for_termination()
+
+
+def echo_client_main(args) -> None:
+    """One client of ``pull_transport_floor``: from a common start time, ``rounds`` calls."""
+    import grpc
+    from engine.ps import _malloc, codec
+    _malloc.tune()
+    ch = grpc.insecure_channel(args.endpoints, options=[("grpc.max_receive_message_length",
+                                                         codec.MAX_MESSAGE_BYTES)])
+    call = ch.unary_unary("/Echo/Pull")
+    request = batches(args.rows, 1, seed=100 + args.rank)[0].tobytes()
+    for _ in range(3):
+        call(request)
+    time.sleep(max(0.0, args.start_at - time.time()))
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    for _ in range(args.rounds):
+        assert len(call(request)) == BATCH * DIM * 4
+    print(json.dumps([args.start_at, args.start_at + time.perf_counter() - t0, cpu_seconds() - c0]))
+
+
+def transport_floor(args, in_process_keys_per_s: float) -> None:
+    server = subprocess.Popen([sys.executable, __file__, "--echo-server"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        best, cpus = 0.0, []
+        for _ in range(args.repeats):
+            start_at = time.time() + 3.0
+            s0 = cpu_seconds(server.pid)
+            procs = [subprocess.Popen([sys.executable, __file__, "--echo-client", "--rank", str(r),
+                                       "--endpoints", f"127.0.0.1:{port}", "--rows", str(args.rows),
+                                       "--rounds", str(args.rounds), "--start-at", str(start_at)],
+                                      stdout=subprocess.PIPE, text=True) for r in range(2)]
+            spans = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+            best = max(best, 2 * args.rounds * BATCH / (max(e for _, e, _ in spans) - min(s for s, _, _ in spans)))
+            cpus.append((cpu_seconds(server.pid) - s0, sum(c for _, _, c in spans)))
+    finally:
+        server.kill()
+        server.wait()
+    print(json.dumps({"bench": "pull_transport_floor", "servers": 1, "clients": 2, "dim": DIM,
+                      "batch_keys": BATCH, "reply_bytes": BATCH * DIM * 4, "keys_per_s": round(best),
+                      "in_process_keys_per_s": round(in_process_keys_per_s),
+                      "ratio_vs_in_process": round(best / in_process_keys_per_s, 3),
+                      "cpu_ms_per_batch": {"server": round(1e3 * float(np.median([c[0] for c in cpus])) /
+                                                           (2 * args.rounds), 2),
+                                           "clients": round(1e3 * float(np.median([c[1] for c in cpus])) /
+                                                            (2 * args.rounds), 2)}}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20, help="100k-key batches per client and operation")
@@ -163,13 +262,17 @@ def main() -> None:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--echo-client", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if args.client:
-        client_main(args)
+    if args.client or args.echo_client or args.echo_server:
+        (client_main if args.client else echo_client_main if args.echo_client else echo_server_main)(args)
         return
-    throughput(args)
+    in_process = throughput(args)
     latency(args)
+    transport_floor(args, in_process)
 
 
 if __name__ == "__main__":
