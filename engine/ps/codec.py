@@ -165,10 +165,19 @@ def _writable_bytes(n: int):
     by copying it when the message is serialized."""
     if _PYBYTES_NEW is not None:
         b = _PYBYTES_NEW(None, n)
-        arr = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(id(b) + _BYTES_DATA_OFFSET))
-        return b, arr
+        return b, np.asarray(_BytesView(b))     # the view's base holds the bytes object alive
     buf = bytearray(n)
     return buf, np.frombuffer(buf, np.uint8)
+
+
+class _BytesView:
+    """Exposes the contents of a fresh bytes object as a writable uint8 array and keeps it alive (a
+    numpy array made from this object has it as its base)."""
+
+    def __init__(self, b: bytes):
+        self.owner = b
+        self.__array_interface__ = {"shape": (len(b),), "typestr": "|u1", "version": 3,
+                                    "data": (id(b) + _BYTES_DATA_OFFSET, False)}
 
 
 def _bytes_constructor():

@@ -142,6 +142,22 @@ def test_wire_allocate_gives_the_bytes_serialize_would_write(rid, shape):
         codec.Wire.allocate(pb.PullResponse(), "keys", codec.U64, (1,))
 
 
+def test_wire_allocate_view_keeps_its_bytes_alive():
+    """The in-process transport hands the reply's array itself to the client: it must own a reference
+    to the bytes it views, or the values would dangle once the reply is dropped."""
+    w = codec.Wire.allocate(pb.PullResponse(request_id="r"), "values", codec.F32, (1000, 16))
+    view = w.arrays["values"]
+    view[...] = 2.5
+    encoded = w.encoded
+    chain, base = [], view
+    while base is not None:
+        chain.append(base)
+        base = getattr(base, "base", None)
+    assert any(getattr(b, "owner", None) is encoded for b in chain)
+    del w, encoded
+    assert float(view.sum()) == 2.5 * 16_000
+
+
 def test_wire_push_request_with_every_array_and_absent_ones():
     keys = np.array([7, 9, 1 << 63], np.uint64)
     grads = np.random.default_rng(2).random((3, 4)).astype(np.float32)
