@@ -101,3 +101,20 @@ def put_rows(src, idx, out):
         r = idx[i]
         for j in range(d):
             out[r, j] = src[i, j]
+
+
+@njit(cache=True, nogil=True)
+def first_non_finite(values):
+    """Index of the first NaN or Inf of ``values : float32[n]`` (a flat view), or -1 when all are finite.
+    One pass without the bool temporary of ``np.isfinite(values).all()`` (430k-float dense gradients
+    arrive every step)."""
+    for i in range(values.shape[0]):
+        if not np.isfinite(values[i]):
+            return i
+    return -1
+
+
+def all_finite(arr: np.ndarray) -> bool:
+    """True when a float32 array (any shape, C-contiguous or not) holds no NaN or Inf."""
+    flat = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
+    return first_non_finite(flat) < 0 if flat.dtype == np.float32 else bool(np.isfinite(flat).all())

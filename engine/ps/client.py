@@ -601,7 +601,7 @@ def _check_array(arr, shape: tuple, name: str) -> np.ndarray:
         got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
         want = "[" + ", ".join("P" if w is None else str(w) for w in shape) + "]"
         raise ProtocolError(f"{name}: expected float32{want}, got {got}")
-    if not np.isfinite(arr).all():
+    if not _kernels.all_finite(arr):
         raise ProtocolError(f"{name}: contains NaN or Inf; nothing was sent")
     return np.ascontiguousarray(arr)
 

@@ -139,7 +139,7 @@ class SparseHost:
         if grads.shape != (len(keys), self.dim):
             raise invalid(f"{what}: expected float32[{len(keys)}, {self.dim}] (one row of dim {self.dim} "
                           f"per key), got float32{list(grads.shape)}")
-        if not np.isfinite(grads).all():
+        if not _kernels.all_finite(grads):
             i = int(np.flatnonzero(~np.isfinite(grads).all(axis=1))[0])
             raise invalid(f"{what}[{i}] (key {int(keys[i])}) is not finite (NaN or Inf); "
                           f"the request was rejected and no row changed")
@@ -284,12 +284,16 @@ class DenseHost:
             raise invalid(f"block {block} lives on server {self.owner(block)}, not on this one")
         return self.blocks[block]
 
+    def check_block(self, block: int) -> None:
+        """Raise HostError unless the table is initialized and ``block`` exists and lives here."""
+        self._block(block)
+
     def _check(self, block: int, values: np.ndarray, what: str) -> _Block:
         b = self._block(block)
         if values.shape != b.params.shape:
             raise invalid(f"{what}: expected float32[{len(b.params)}] for block {block}, "
                           f"got float32{list(values.shape)}")
-        if not np.isfinite(values).all():
+        if not _kernels.all_finite(values):
             raise invalid(f"{what} of block {block} is not finite (NaN or Inf); nothing changed")
         return b
 
@@ -312,10 +316,14 @@ class DenseHost:
             b.initialized = True
             return True
 
-    def pull(self, block: int) -> np.ndarray:
+    def pull(self, block: int, out: np.ndarray | None = None) -> np.ndarray:
+        """A copy of the block's parameters (into ``out``, e.g. the reply buffer, when given)."""
         b = self._block(block)
         with b.lock:
-            return b.params.copy()
+            if out is None:
+                return b.params.copy()
+            out[:] = b.params
+            return out
 
     def grad(self, block: int, grad: np.ndarray, accumulate: bool) -> None:
         b = self._check(block, grad, "grad")
@@ -326,12 +334,16 @@ class DenseHost:
             else:
                 b.opt.step(b.params, np.ascontiguousarray(grad, dtype=np.float32))
 
-    def step(self, block: int, grad: np.ndarray) -> np.ndarray:
-        """Optimizer step with ``grad`` (async mode), then a copy of the block's fresh parameters."""
+    def step(self, block: int, grad: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Optimizer step with ``grad`` (async mode), then a copy of the block's fresh parameters (into
+        ``out`` when given)."""
         b = self._check(block, grad, "grad")
         with b.lock:
             b.opt.step(b.params, np.ascontiguousarray(grad, dtype=np.float32))
-            return b.params.copy()
+            if out is None:
+                return b.params.copy()
+            out[:] = b.params
+            return out
 
     def delta(self, block: int, delta: np.ndarray) -> None:
         b = self._check(block, delta, "delta")

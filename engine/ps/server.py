@@ -186,7 +186,13 @@ class PSServer:
     def Dense(self, req: pb.DenseRequest) -> codec.Wire:
         host = self._dense(req.table)
         resp = pb.DenseResponse(request_id=req.request_id)
-        values = None
+        reply = None
+
+        def reply_buffer() -> np.ndarray:   # the fresh parameters go straight into the reply's bytes
+            nonlocal reply
+            resp.size, resp.num_blocks, resp.block_size = host.size or 0, host.num_blocks, codec.DENSE_BLOCK
+            reply = codec.Wire.allocate(resp, "values", codec.F32, (host.block_length(req.block),))
+            return reply.arrays["values"]
         if req.op == pb.DENSE_INIT:
             n = -(-req.size // codec.DENSE_BLOCK) if req.size > 0 else 1
             length = min(codec.DENSE_BLOCK, req.size - req.block * codec.DENSE_BLOCK)
@@ -195,25 +201,28 @@ class PSServer:
             init = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
             resp.applied = host.init(req.block, int(req.size), init, req.force)
         elif req.op == pb.DENSE_PULL:
-            values = host.pull(req.block)
+            host.check_block(req.block)                 # errors before a reply is allocated
+            host.pull(req.block, out=reply_buffer())
         elif req.op in (pb.DENSE_GRAD, pb.DENSE_DELTA, pb.DENSE_STEP):
-            length = host.block_length(req.block) if host.size else None
-            update = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
+            host.check_block(req.block)
+            update = codec.decode(req.values, "values", codec.F32, 1, shape=(host.block_length(req.block),))
             if req.op == pb.DENSE_STEP:
                 if req.accumulate:
                     raise ProtocolError("DENSE_STEP cannot accumulate: sync mode pushes DENSE_GRAD with "
                                         "accumulate and pulls after the applying barrier")
-                values = host.step(req.block, update)
+                host.step(req.block, update, out=reply_buffer())
             elif req.op == pb.DENSE_GRAD:
                 host.grad(req.block, update, req.accumulate)
             else:
                 host.delta(req.block, update)
         else:
             raise ProtocolError(f"unknown dense op {req.op}")
+        if reply is not None:
+            return reply
         resp.size = host.size or 0
         resp.num_blocks = host.num_blocks
         resp.block_size = codec.DENSE_BLOCK
-        return codec.Wire(resp, values=values)
+        return codec.Wire(resp)
 
     def Barrier(self, req: pb.BarrierRequest) -> pb.BarrierResponse:
         """Wait for ``world`` arrivals at ``name``; the last one applies held sync updates if asked."""

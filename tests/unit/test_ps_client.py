@@ -296,3 +296,46 @@ def test_push_delta_returning_values_equals_push_then_pull(monkeypatch, serializ
             table="emb", request_id="r-acc", keys=codec.encode(np.arange(3, dtype=np.uint64)),
             grads=codec.encode(np.ones((3, DIM), np.float32)), accumulate=True, return_values=True), 5.0)
     client.close()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_dense_step_with_a_non_finite_gradient_is_rejected_and_changes_nothing(bad):
+    """DENSE_STEP writes the fresh parameters straight into its reply: a rejected step (a non-finite
+    gradient anywhere, a block out of range) must still leave the table and the reply path untouched."""
+    dense = {"mlp": DenseTableConfig(optimizer="adam", learning_rate=0.01)}
+    servers, client = cluster(2, dense=dense)
+    size = codec.DENSE_BLOCK + 1000                        # two blocks, one per server
+    params = np.linspace(-1, 1, size).astype(np.float32)
+    client.init_dense("mlp", params)
+    fresh = client.push_pull_dense("mlp", np.full(size, 0.5, np.float32))
+    assert fresh.shape == (size,) and (fresh < params).all()
+    for pos in (0, codec.DENSE_BLOCK - 1, size - 1):
+        grad = np.full(size, 0.5, np.float32)
+        grad[pos] = bad
+        with pytest.raises(ProtocolError, match="NaN or Inf"):          # the client checks first ...
+            client.push_pull_dense("mlp", grad)
+        block = pos // codec.DENSE_BLOCK
+        length = codec.DENSE_BLOCK if block == 0 else 1000
+        g = np.full(length, 0.5, np.float32)
+        g[pos - block * codec.DENSE_BLOCK] = bad
+        req = pb.DenseRequest(table="mlp", request_id="r-bad", op=pb.DENSE_STEP, block=block,
+                              values=codec.encode(g))
+        with pytest.raises(RemoteError, match="not finite"):             # ... and so does the server
+            client.transport.call(block % 2, "Dense", req, 5.0)
+    req = pb.DenseRequest(table="mlp", request_id="r-range", op=pb.DENSE_STEP, block=7,
+                          values=codec.encode(np.ones(10, np.float32)))
+    with pytest.raises(RemoteError, match="block 7 out of range: the table has 2 blocks"):
+        client.transport.call(0, "Dense", req, 5.0)
+    np.testing.assert_array_equal(client.pull_dense("mlp"), fresh)
+
+
+def test_all_finite_kernel_finds_any_nan_or_inf():
+    from engine.ps import _kernels
+    a = np.ones((300, 7), np.float32)
+    assert _kernels.all_finite(a) and _kernels.all_finite(a[:, ::2]) and _kernels.all_finite(a[:0])
+    for bad in (np.nan, np.inf, -np.inf):
+        for i, j in ((0, 0), (150, 3), (299, 6)):
+            b = a.copy()
+            b[i, j] = bad
+            assert not _kernels.all_finite(b) and not _kernels.all_finite(b.T)
+            assert _kernels.first_non_finite(b.reshape(-1)) == i * 7 + j
