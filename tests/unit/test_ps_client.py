@@ -329,6 +329,7 @@ def test_dense_step_with_a_non_finite_gradient_is_rejected_and_changes_nothing(b
     np.testing.assert_array_equal(client.pull_dense("mlp"), fresh)
 
 
+@pytest.mark.nojit
 def test_all_finite_kernel_finds_any_nan_or_inf():
     from engine.ps import _kernels
     a = np.ones((300, 7), np.float32)

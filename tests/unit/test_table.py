@@ -269,6 +269,7 @@ def test_load_rows_overwriting_a_full_table_does_not_grow_it():
     assert t._arena_u.shape[0] > cap
 
 
+@pytest.mark.nojit
 @pytest.mark.parametrize("spill", [False, True])
 def test_pull_into_rows_of_a_shared_reply_matches_a_plain_pull(spill, tmp_path):
     """A server shard writes its keys' rows in place: pull(keys, out=, rows=) equals pull(keys[rows])
