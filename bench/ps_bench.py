@@ -11,7 +11,8 @@
    (26 slots x 512 rows = 13,312 keys drawn from the filled key space).
 ``cpu_ms_per_batch`` (medians over repeats) splits the CPU one 100k-key batch costs: the server process,
 both client processes, and the in-process reference; on 2 cores the ratio cannot beat
-in_process / (server + clients).
+in_process / (server + clients). ``ratio_vs_in_process_transport`` is the same measurement against the
+PS itself without gRPC (PSClient and PSServer over the in-process transport, 2 threads): what gRPC costs.
 3. ``pull_transport_floor``: what gRPC alone allows. A bare gRPC server (no table, no codec) answers
    each 800 KB request (100k keys) with a prebuilt 6.4 MB reply (100k rows of dim 16), to 2 client
    processes that only call it: ``keys_per_s`` is the pull rate of a parameter server whose table and
@@ -90,11 +91,20 @@ def client_main(args) -> None:
 
 
 class InProcess:
-    """The reference: one SparseTable with the server's table config, 2 threads, no RPC."""
+    """A reference in this process, 2 threads, no RPC. ``via="table"`` (the ratio of issue 3): one
+    SparseTable with the server's table config. ``via="transport"``: PSClient over the in-process
+    transport (no serialization) to a PSServer with the bench cluster's config, i.e. the same client
+    (dedup, routing) and server (local shards) as the gRPC run minus gRPC."""
 
-    def __init__(self, rows: int, rounds: int):
-        from sparse_tables import SparseTable, TableConfig
-        self.t = SparseTable(TableConfig(**TABLE))
+    def __init__(self, rows: int, rounds: int, via: str = "table"):
+        if via == "table":
+            from sparse_tables import SparseTable, TableConfig
+            self.t = SparseTable(TableConfig(**TABLE))
+        else:
+            from engine.ps import InProcessTransport, PSClient, PSServer
+            self.server = PSServer.from_config(cluster_config(1), 0)
+            client = PSClient(InProcessTransport([self.server], serialize=False), name="bench-inproc")
+            self.t = _ClientAsTable(client)
         fill(self.t.push, rows)
         self.data = [batches(rows, rounds, seed=100 + r) for r in range(2)]
         self.grads = np.full((BATCH, DIM), 0.001, np.float32)
@@ -117,10 +127,25 @@ class InProcess:
         return n * BATCH / (time.perf_counter() - t0), 1e3 * (cpu_seconds() - c0) / n
 
 
+class _ClientAsTable:
+    def __init__(self, client):
+        self.client = client
+
+    def pull(self, keys):
+        return self.client.pull("emb", keys)
+
+    def push(self, keys, grads):
+        self.client.push("emb", keys, grads)
+
+    def close(self):
+        self.client.close()
+
+
 def throughput(args) -> None:
     from engine.launcher import LocalCluster
     from engine.ps import PSClient
     ref = InProcess(args.rows, args.rounds)
+    ref_ps = InProcess(args.rows, args.rounds, via="transport")
     with LocalCluster(cluster_config(1), tempfile.mkdtemp(prefix="ps-bench-")) as cl:
         eps = cl.start_servers()
         with PSClient(eps) as c:
@@ -131,6 +156,8 @@ def throughput(args) -> None:
                                       stdout=subprocess.PIPE, text=True) for r in range(2)]
             local = {"pull": [], "push": []}
             local_cpu = {"pull": [], "push": []}
+            local_ps = {"pull": [], "push": []}
+            local_ps_cpu = {"pull": [], "push": []}
             server_cpu = {"pull": [], "push": []}
             server_pid = cl.pids()[0]
             for rep in range(args.repeats):
@@ -138,6 +165,9 @@ def throughput(args) -> None:
                     kps, cpu = ref.run(op)
                     local[op].append(kps)
                     local_cpu[op].append(cpu)
+                    kps, cpu = ref_ps.run(op)
+                    local_ps[op].append(kps)
+                    local_ps_cpu[op].append(cpu)
                     c.barrier(f"bench-{rep}-{op}", 3, timeout=600)       # clients run now
                     c0 = cpu_seconds(server_pid)
                     c.barrier(f"bench-{rep}-{op}-done", 3, timeout=600)
@@ -145,6 +175,7 @@ def throughput(args) -> None:
             outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
         cl.stop_servers()
     ref.t.close()
+    ref_ps.t.close()
     for op in ("pull", "push"):
         remote = []
         for rep in range(args.repeats):
@@ -160,8 +191,12 @@ def throughput(args) -> None:
                           "rounds_per_client": args.rounds, "repeats": args.repeats, "keys_per_s": round(kps),
                           "in_process_keys_per_s": round(ip), "ratio_vs_in_process": round(kps / ip, 3),
                           "ratio_median": round(float(np.median(np.array(remote) / np.array(local[op]))), 3),
+                          "in_process_transport_keys_per_s": round(max(local_ps[op])),
+                          "ratio_vs_in_process_transport": round(kps / max(local_ps[op]), 3),
                           "cpu_ms_per_batch": {"server": round(server_ms, 2), "clients": round(client_ms, 2),
-                                               "in_process": round(float(np.median(local_cpu[op])), 2)}}),
+                                               "in_process": round(float(np.median(local_cpu[op])), 2),
+                                               "in_process_transport": round(float(np.median(local_ps_cpu[op])),
+                                                                             2)}}),
               flush=True)
     return max(local["pull"])
 
