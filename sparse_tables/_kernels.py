@@ -407,18 +407,31 @@ def dedup_sum(keys, grads, shows, clicks, inverse, ukeys, ugrads, ushows, uclick
 
 
 # ------------------------------------------------------------------------------------ pull / push
+@njit(inline="always")
+def read_row(index, arena_u, arena_f, key, out, i, voff, dim, track_lru, tick_w, tick):
+    """out[i] = the value of key (zeros when missing; then returns False). Copies right after the key
+    check, while the record is still in L1; with ``track_lru`` sets the row's LRU tick."""
+    r = index_find(index, arena_u, key)
+    if r < 0:
+        for j in range(dim):
+            out[i, j] = 0.0
+        return False
+    for j in range(dim):
+        out[i, j] = arena_f[r, voff + j]
+    if track_lru:
+        arena_u[r, tick_w] = tick
+    return True
+
+
 @njit(nogil=True, cache=True)
 def pull_rows(index, arena_u, arena_f, lay, keys, out, tick, track_lru, miss_idx):
     """Gather values of keys into out; missing keys read zeros and their positions go to miss_idx.
 
     keys : uint64[n]; out : float32[n, dim]; miss_idx : int64[n]. Returns the number of misses.
-    With ``track_lru`` the LRU tick of every row read is set to ``tick``. Each row is copied right
-    after its key check, while the record is still in L1.
+    With ``track_lru`` the LRU tick of every row read is set to ``tick``.
     """
     n = keys.shape[0]
-    dim = lay[L_DIM]
-    voff = lay[L_VAL]
-    tick_w = lay[L_META] + M_TICK
+    dim, voff, tick_w = lay[L_DIM], lay[L_VAL], lay[L_META] + M_TICK
     homes = np.empty(min(n, PIPELINE_BLOCK), np.uint64)
     nm = 0
     for start in range(0, n, PIPELINE_BLOCK):
@@ -426,20 +439,11 @@ def pull_rows(index, arena_u, arena_f, lay, keys, out, tick, track_lru, miss_idx
         prefetch_homes(index, keys, start, stop, homes)
         for b in range(stop - start):
             prefetch_row(index, arena_u, homes, b, stop - start)
-            i = start + b
-            r = index_find(index, arena_u, keys[i])
-            if r < 0:
-                miss_idx[nm] = i
+            if not read_row(index, arena_u, arena_f, keys[start + b], out, start + b, voff, dim, track_lru,
+                            tick_w, tick):
+                miss_idx[nm] = start + b
                 nm += 1
-                for j in range(dim):
-                    out[i, j] = 0.0
-            else:
-                for j in range(dim):
-                    out[i, j] = arena_f[r, voff + j]
-                if track_lru:
-                    arena_u[r, tick_w] = tick
     return nm
-
 
 
 @njit(nogil=True, cache=True)
@@ -452,9 +456,7 @@ def pull_rows_at(index, arena_u, arena_f, lay, keys, pos, out, tick, track_lru, 
     misses. Same pipeline as ``pull_rows``: each block's keys are gathered into a small buffer first.
     """
     m = pos.shape[0]
-    dim = lay[L_DIM]
-    voff = lay[L_VAL]
-    tick_w = lay[L_META] + M_TICK
+    dim, voff, tick_w = lay[L_DIM], lay[L_VAL], lay[L_META] + M_TICK
     block = min(m, PIPELINE_BLOCK)
     homes = np.empty(block, np.uint64)
     kbuf = np.empty(block, np.uint64)
@@ -466,19 +468,12 @@ def pull_rows_at(index, arena_u, arena_f, lay, keys, pos, out, tick, track_lru, 
         prefetch_homes(index, kbuf, 0, stop - start, homes)
         for b in range(stop - start):
             prefetch_row(index, arena_u, homes, b, stop - start)
-            i = pos[start + b]
-            r = index_find(index, arena_u, kbuf[b])
-            if r < 0:
-                miss_idx[nm] = i
+            if not read_row(index, arena_u, arena_f, kbuf[b], out, pos[start + b], voff, dim, track_lru,
+                            tick_w, tick):
+                miss_idx[nm] = pos[start + b]
                 nm += 1
-                for j in range(dim):
-                    out[i, j] = 0.0
-            else:
-                for j in range(dim):
-                    out[i, j] = arena_f[r, voff + j]
-                if track_lru:
-                    arena_u[r, tick_w] = tick
     return nm
+
 
 @njit(nogil=True, cache=True)
 def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclicks, ucounts, has_shows,
