@@ -435,7 +435,8 @@ class PSClient:
     def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
         """Async mode in one round trip: optimizer step on the servers with ``grad : float32[P]``, then
         the fresh parameters -> float32[P] (each block's values right after its own update; what
-        ``push_dense`` followed by ``pull_dense`` gives without concurrent writers).
+        ``push_dense`` followed by ``pull_dense`` gives without concurrent writers). A table of one
+        block (up to DENSE_BLOCK floats) comes back as a read-only view of the reply, not a copy.
 
         Raises
         ------
@@ -451,6 +452,8 @@ class PSClient:
                                                                          block=b, op=pb.DENSE_STEP),
                                                          values=grad[a:z]))
                                  for b, s, a, z in blocks], idempotent=False)
+        if len(blocks) == 1:
+            return codec.decode(replies[0].values, "values", codec.F32, 1, shape=(size,))
         out = np.empty(size, np.float32)
         for (b, s, a, z), r in zip(blocks, replies):
             out[a:z] = codec.decode(r.values, "values", codec.F32, 1, shape=(z - a,))
