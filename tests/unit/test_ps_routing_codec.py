@@ -118,11 +118,15 @@ def test_wire_round_trip_every_dtype_aligned_and_protobuf_compatible(dtype, shap
 
 
 
+@pytest.mark.parametrize("inplace", [True, False])
 @pytest.mark.parametrize("rid", ["", "r", "x" * 120, "y" * 300])
 @pytest.mark.parametrize("shape", [(0, 4), (3, 4), (1000, 16), (40_000, 10)])
-def test_wire_allocate_gives_the_bytes_serialize_would_write(rid, shape):
+def test_wire_allocate_gives_the_bytes_serialize_would_write(rid, shape, inplace, monkeypatch):
     """A reply filled in place is byte-identical to serializing the same array, stays aligned, and is
-    an ordinary immutable bytes object once serialized (hashable, equal to a copy)."""
+    an ordinary immutable bytes object once serialized (hashable, equal to a copy); also through the
+    bytearray fallback used off CPython (or with ENGINE_PS_INPLACE_REPLY=0)."""
+    if not inplace:
+        monkeypatch.setattr(codec, "_PYBYTES_NEW", None)
     arr = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) * 0.5
     msg = pb.PushResponse(request_id=rid, keys=shape[0])
     w = codec.Wire.allocate(msg, "values", codec.F32, shape)
@@ -153,7 +157,7 @@ def test_wire_allocate_view_keeps_its_bytes_alive():
     while base is not None:
         chain.append(base)
         base = getattr(base, "base", None)
-    assert any(getattr(b, "owner", None) is encoded for b in chain)
+    assert any(b is encoded or getattr(b, "owner", getattr(b, "obj", None)) is encoded for b in chain)
     del w, encoded
     assert float(view.sum()) == 2.5 * 16_000
 
