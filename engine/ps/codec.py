@@ -19,6 +19,10 @@ Fast path (what the client and server use; the bytes are plain protobuf, see ``p
   field whose ``data`` is the array memory, appended last (one copy, into the bytes handed to gRPC;
   the protobuf runtime would copy 3 times: ``tobytes``, field assignment, serialization). An ``align``
   field pads ``data`` to a multiple of 8 bytes from the message start.
+- ``Wire.allocate(msg, name, dtype, shape)`` is a reply built in place: its final bytes are allocated
+  first and the server's kernels write the array (pull rows, dense parameters) straight into them, so
+  ``serialize`` has nothing to copy. ``ENGINE_PS_INPLACE_REPLY=0`` (or a Python other than CPython)
+  uses a bytearray and one copy instead.
 - ``parse(buf, cls)`` walks the wire format of a ``cls`` message: everything except the ``data`` of
   Tensor fields goes to the protobuf runtime (a few dozen bytes), ``data`` stays a memoryview of
   ``buf``. It returns a ``Received``: attribute access as on the message, Tensor fields are
