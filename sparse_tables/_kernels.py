@@ -65,7 +65,7 @@ M_TICK = 3
 M_FLAGS = 4
 
 PREFETCH_AHEAD = 16
-PIPELINE_BLOCK = 4096
+PIPELINE_BLOCK = 1024
 
 
 # --------------------------------------------------------------------------------------- hashing
@@ -187,8 +187,9 @@ def prefetch_homes(index, keys, start, stop, homes):
     Lookups run as a software pipeline over blocks of PIPELINE_BLOCK keys: first every home slot of
     the block is requested (independent loads overlap), then ``prefetch_row`` requests the row a home
     slot points to PREFETCH_AHEAD keys ahead, so the key check of ``index_find`` mostly hits cache.
-    Blocks keep the prefetched index lines in L2 (4096 x 64 B); measured 2-3x faster than probing key
-    by key, and 2x faster than one block of 100k keys when other processes share the L3."""
+    Blocks keep the prefetched index lines in L1/L2 (1024 x 64 B); measured 2-3x faster than probing
+    key by key, 2x faster than one block of 100k keys when other processes share the L3, and 5-10%
+    faster (push and pull, 10M rows) than blocks of 4096 keys on a host with slower memory."""
     mask = U64(index.shape[0] - 1)
     for i in range(stop - start):
         h = index_hash(keys[start + i]) & mask
