@@ -115,11 +115,18 @@ class PSClient:
         if len(calls) == 1:
             s, m, r = calls[0]
             return [self._call(s, m, r, idempotent=idempotent, timeout=timeout)]
+        # the others on the pool, the first on this thread (one thread hand-off less per fan-out)
         futures = [self._pool.submit(self._call, s, m, r, idempotent=idempotent, timeout=timeout)
-                   for s, m, r in calls]
+                   for s, m, r in calls[1:]]
         wait_s = (self.timeout_s if timeout is None else timeout) * (self.retries + 1) + 5.0
         deadline = time.monotonic() + wait_s
-        out = []
+        s, m, r = calls[0]
+        try:
+            out = [self._call(s, m, r, idempotent=idempotent, timeout=timeout)]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
         for f in futures:
             try:
                 out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
