@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ._jit import borrowed
 from ._optimizers import apply_update, init_state
 from ._prefetch import prefetch, prefetch_last
 
@@ -103,12 +104,12 @@ def uniform01(seed, key, j):
 
 
 # ------------------------------------------------------------------------------------ the index
-@njit(inline="always")
+@borrowed
 def row_key(arena_u, r):
     return U64(arena_u[r, 0]) | (U64(arena_u[r, 1]) << U64(32))
 
 
-@njit(inline="always")
+@borrowed
 def index_find(index, arena_u, key):
     """Row holding ``key``, or -1."""
     mask = U64(index.shape[0] - 1)
@@ -126,7 +127,7 @@ def index_find(index, arena_u, key):
         i = (i + U64(1)) & mask
 
 
-@njit(inline="always")
+@borrowed
 def index_insert(index, key, r):
     """Insert ``key -> r``; the caller guarantees the key is absent and a free slot exists."""
     mask = U64(index.shape[0] - 1)
@@ -137,7 +138,7 @@ def index_insert(index, key, r):
     index[i] = ((h >> U64(32)) << U64(32)) | U64(r)
 
 
-@njit(inline="always")
+@borrowed
 def index_remove(index, arena_u, key):
     """Remove ``key`` by backward-shift deletion (Knuth 6.4 Algorithm R). Returns False if absent."""
     mask = U64(index.shape[0] - 1)
@@ -180,7 +181,7 @@ def rebuild_index(index, arena_u, lay, state):
         index_insert(index, row_key(arena_u, r), r)
 
 
-@njit(inline="always")
+@borrowed
 def prefetch_homes(index, keys, start, stop, homes):
     """homes[i] = home slot of keys[start + i] for i < stop - start, prefetching each.
 
@@ -197,7 +198,7 @@ def prefetch_homes(index, keys, start, stop, homes):
         prefetch(index, h)
 
 
-@njit(inline="always")
+@borrowed
 def prefetch_row(index, arena_u, homes, i, m):
     """Prefetch both cache lines of the row that home slot homes[i + PREFETCH_AHEAD] points to."""
     if i + PREFETCH_AHEAD < m:
@@ -222,7 +223,7 @@ def find_rows(index, arena_u, keys, out_rows):
 
 
 # ------------------------------------------------------------------------------------ the arena
-@njit(inline="always")
+@borrowed
 def alloc_row(arena_u, state):
     head = state[S_FREE_HEAD]
     if head >= 0:
@@ -237,7 +238,7 @@ def alloc_row(arena_u, state):
     return r
 
 
-@njit(inline="always")
+@borrowed
 def free_row(arena_u, state, r, flags_w):
     head = state[S_FREE_HEAD]
     arena_u[r, 0] = NO_ROW if head < 0 else np.uint32(head)
@@ -247,7 +248,7 @@ def free_row(arena_u, state, r, flags_w):
     state[S_NFREE] += 1
 
 
-@njit(inline="always")
+@borrowed
 def init_values(arena_f, r, voff, dim, key, seed, kind, scale):
     """Initial values: 0 uniform(-scale, scale), 1 normal(0, scale) by Box-Muller, 2 zeros."""
     for j in range(dim):
@@ -269,7 +270,7 @@ def initial_values(keys, dim, seed, kind, scale, out):
         init_values(out, i, 0, dim, keys[i], U64(seed), kind, scale)
 
 
-@njit(inline="always")
+@borrowed
 def new_row(index, arena_u, arena_f, state, lay, key, now_s, tick, opt, hp, seed, init_kind, init_scale):
     r = alloc_row(arena_u, state)
     if r < 0:
@@ -296,7 +297,7 @@ def sketch_slot(key, d, width):
     return np.int64(fmix64((key + U64(d) * GOLDEN) ^ SKETCH_SALT) % U64(width))
 
 
-@njit(inline="always")
+@borrowed
 def admit(sketch, key, inc, min_count, admit_p, seed):
     """Count ``inc`` more pushes of a not-yet-admitted key in a count-min sketch (conservative update,
     Estan & Varghese 2002) and decide admission: count >= min_count, then with probability admit_p
@@ -408,7 +409,7 @@ def dedup_sum(keys, grads, shows, clicks, inverse, ukeys, ugrads, ushows, uclick
 
 
 # ------------------------------------------------------------------------------------ pull / push
-@njit(inline="always")
+@borrowed
 def read_row(index, arena_u, arena_f, key, out, i, voff, dim, track_lru, tick_w, tick):
     """out[i] = the value of key (zeros when missing; then returns False). Copies right after the key
     check, while the record is still in L1; with ``track_lru`` sets the row's LRU tick."""
@@ -667,7 +668,7 @@ def rebase_ticks(arena_u, state, lay, shift):
 
 
 # ------------------------------------------------------------------------------------ expiry
-@njit(inline="always")
+@borrowed
 def shrink_record(rec_u, rec_f, i, moff, now_s, expire_s, decay, threshold, nonclk, clk):
     """Decay show/click of one record; True if the row must be deleted (Paddle CtrCommonAccessor::Shrink)."""
     show = rec_f[i, moff + M_SHOW] * np.float32(decay)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ._jit import borrowed
+
 OPT_SGD = 0
 OPT_ADAGRAD = 1
 OPT_STD_ADAGRAD = 2
@@ -40,7 +42,7 @@ HP_MAX = 9
 HP_SIZE = 10
 
 
-@njit(inline="always")
+@borrowed
 def init_state(arena_f, r, soff, dim, opt, hp):
     """Optimizer state of a new row: accumulators at hp[HP_INIT_ACC], moments 0, beta powers 1."""
     if opt == OPT_ADAGRAD:
@@ -58,7 +60,7 @@ def init_state(arena_f, r, soff, dim, opt, hp):
             arena_f[r, soff + j] = 0.0
 
 
-@njit(inline="always")
+@borrowed
 def _clip(w, hp):
     if w < hp[HP_MIN]:
         return hp[HP_MIN]
@@ -67,7 +69,7 @@ def _clip(w, hp):
     return w
 
 
-@njit(inline="always")
+@borrowed
 def apply_update(arena_f, r, voff, soff, dim, grads, gi, scale, opt, hp):
     """Apply one optimizer step to row r with gradient grads[gi] * scale."""
     lr = hp[HP_LR]
