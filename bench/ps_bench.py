@@ -141,7 +141,8 @@ class _ClientAsTable:
         self.client.close()
 
 
-def throughput(args) -> None:
+def throughput(args) -> float:
+    """Measurements 1; returns the best in-process table pull rate (keys/s) for the floor."""
     from engine.launcher import LocalCluster
     from engine.ps import PSClient
     ref = InProcess(args.rows, args.rounds)

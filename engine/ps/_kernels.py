@@ -116,5 +116,4 @@ def first_non_finite(values):
 
 def all_finite(arr: np.ndarray) -> bool:
     """True when a float32 array (any shape, C-contiguous or not) holds no NaN or Inf."""
-    flat = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
-    return first_non_finite(flat) < 0 if flat.dtype == np.float32 else bool(np.isfinite(flat).all())
+    return first_non_finite(np.ascontiguousarray(arr, np.float32).reshape(-1)) < 0

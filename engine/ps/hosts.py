@@ -38,6 +38,14 @@ def _take(arr: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return out
 
 
+def _copy_out(params: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """A copy of ``params``: into ``out`` (a reply buffer) when given, else a new array."""
+    if out is None:
+        return params.copy()
+    out[:] = params
+    return out
+
+
 class HostError(Exception):
     """A request failed; ``code`` is a gRPC status code name, ``shard`` the local shard or None (all)."""
 
@@ -320,10 +328,7 @@ class DenseHost:
         """A copy of the block's parameters (into ``out``, e.g. the reply buffer, when given)."""
         b = self._block(block)
         with b.lock:
-            if out is None:
-                return b.params.copy()
-            out[:] = b.params
-            return out
+            return _copy_out(b.params, out)
 
     def grad(self, block: int, grad: np.ndarray, accumulate: bool) -> None:
         b = self._check(block, grad, "grad")
@@ -340,10 +345,7 @@ class DenseHost:
         b = self._check(block, grad, "grad")
         with b.lock:
             b.opt.step(b.params, np.ascontiguousarray(grad, dtype=np.float32))
-            if out is None:
-                return b.params.copy()
-            out[:] = b.params
-            return out
+            return _copy_out(b.params, out)
 
     def delta(self, block: int, delta: np.ndarray) -> None:
         b = self._check(block, delta, "delta")

@@ -188,10 +188,13 @@ class PSServer:
         resp = pb.DenseResponse(request_id=req.request_id)
         reply = None
 
+        def sized(resp):
+            resp.size, resp.num_blocks, resp.block_size = host.size or 0, host.num_blocks, codec.DENSE_BLOCK
+            return resp
+
         def reply_buffer() -> np.ndarray:   # the fresh parameters go straight into the reply's bytes
             nonlocal reply
-            resp.size, resp.num_blocks, resp.block_size = host.size or 0, host.num_blocks, codec.DENSE_BLOCK
-            reply = codec.Wire.allocate(resp, "values", codec.F32, (host.block_length(req.block),))
+            reply = codec.Wire.allocate(sized(resp), "values", codec.F32, (host.block_length(req.block),))
             return reply.arrays["values"]
         if req.op == pb.DENSE_INIT:
             n = -(-req.size // codec.DENSE_BLOCK) if req.size > 0 else 1
@@ -217,12 +220,7 @@ class PSServer:
                 host.delta(req.block, update)
         else:
             raise ProtocolError(f"unknown dense op {req.op}")
-        if reply is not None:
-            return reply
-        resp.size = host.size or 0
-        resp.num_blocks = host.num_blocks
-        resp.block_size = codec.DENSE_BLOCK
-        return codec.Wire(resp)
+        return reply if reply is not None else codec.Wire(sized(resp))
 
     def Barrier(self, req: pb.BarrierRequest) -> pb.BarrierResponse:
         """Wait for ``world`` arrivals at ``name``; the last one applies held sync updates if asked."""
