@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import njit
 
 
@@ -298,26 +299,35 @@ def fm_backward(g, x, num_slots, dim, col0, sum_v, dx):
 
 @njit(cache=True, nogil=True)
 def adam_update(params, grad, m, v, step_size, inv_sqrt_bc2, beta1, beta2, eps):
-    """One Adam step in place (PyTorch's formulation).
+    """One Adam step in place (PyTorch's formulation), with float32 arithmetic.
 
     ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``;
     ``params -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)`` where the caller passes
     ``step_size = lr / (1 - b1**t)`` and ``inv_sqrt_bc2 = 1 / sqrt(1 - b2**t)``.
+
+    The scalars are rounded to float32 once and every element is computed in float32, as PyTorch's
+    Adam does for float32 parameters; mixing in the float64 scalars made each element convert to
+    float64 and back, and the 430k-parameter CTR-DNN step took 1.4 ms instead of 0.8 ms.
 
     Parameters
     ----------
     params, grad, m, v : float32[n]
     step_size, inv_sqrt_bc2, beta1, beta2, eps : float
     """
-    c1 = 1.0 - beta1
-    c2 = 1.0 - beta2
+    b1 = np.float32(beta1)
+    b2 = np.float32(beta2)
+    c1 = np.float32(1.0 - beta1)
+    c2 = np.float32(1.0 - beta2)
+    ss = np.float32(step_size)
+    ib = np.float32(inv_sqrt_bc2)
+    e = np.float32(eps)
     for i in range(params.shape[0]):
         gi = grad[i]
-        mi = beta1 * m[i] + c1 * gi
-        vi = beta2 * v[i] + c2 * gi * gi
+        mi = b1 * m[i] + c1 * gi
+        vi = b2 * v[i] + c2 * gi * gi
         m[i] = mi
         v[i] = vi
-        params[i] -= step_size * mi / (math.sqrt(vi) * inv_sqrt_bc2 + eps)
+        params[i] -= ss * mi / (np.sqrt(vi) * ib + e)
 
 
 @njit(cache=True, nogil=True)
