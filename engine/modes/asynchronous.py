@@ -32,6 +32,15 @@ class AsyncMode(Mode):
         """Adam step on the servers and the fresh parameters in one round trip (DENSE_STEP)."""
         return self.client.push_pull_dense(table, grad)
 
+    def push_pull(self, table, keys, grads, shows, clicks, pull_keys, dense_table, dense_grad):
+        """The sparse push, the dense step and the next pull in one Step request per server
+        (``PSClient.push_pull``): the same updates and values as the three calls, in one round trip.
+        With a background push queue the pushes go through it, and the calls are separate."""
+        if self.client.queues_pushes:
+            return super().push_pull(table, keys, grads, shows, clicks, pull_keys, dense_table, dense_grad)
+        return self.client.push_pull(table, keys, grads, pull_keys, shows=shows, clicks=clicks,
+                                     dense_table=dense_table, dense_grad=dense_grad)
+
     def finish(self) -> None:
         self.client.flush()
         super().finish()

@@ -92,6 +92,16 @@ class Mode(ABC):
         self.push_dense_grads(table, grad)
         return self.pull_dense(table)
 
+    def push_pull(self, table: str, keys: np.ndarray, grads: np.ndarray, shows: np.ndarray | None,
+                  clicks: np.ndarray | None, pull_keys: np.ndarray, dense_table: str,
+                  dense_grad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One step's pushes and the next step's pull: ``push_sparse_grads``, ``push_pull_dense``, then
+        ``pull_sparse(table, pull_keys)`` -> (rows float32[m, dim], fresh dense float32[P]). Async
+        overrides it with one Step request per server."""
+        self.push_sparse_grads(table, keys, grads, shows, clicks)
+        fresh = self.push_pull_dense(dense_table, dense_grad)
+        return self.pull_sparse(table, pull_keys), fresh
+
     def init_dense(self, table: str, params: np.ndarray) -> np.ndarray:
         """Rank 0 sets the initial dense parameters; everyone waits for it and gets the server's copy."""
         if self.rank == 0:

@@ -14,9 +14,11 @@ One worker step, as named methods (TorchRec's ``input_dist → compute → outpu
 Async mode (``model.pipeline``): the dense gradient travels as DENSE_STEP (the servers apply Adam and
 reply with the fresh parameters: one round trip instead of a push and a pull), and the network works
 next to the matrix products. ``exact`` (default): while batch t computes, a communicator thread reads
-and dedups batch t+1; then t's dense step runs on a second thread while the communicator pushes t's
-sparse gradients and pulls t+1's rows. Step t+1 starts when both are done, so it trains on values that
-include all of this worker's updates, as the sequential loop does; every push is applied on arrival.
+and dedups batch t+1; then it sends t's sparse gradients, t's dense gradient and t+1's keys in one Step
+request per server (``Mode.push_pull``: push, dense step, then pull, applied in that order), which
+replies with t+1's rows and the fresh dense parameters. Step t+1 starts when that is done, so it trains
+on values that include all of this worker's updates, as the sequential loop does; every push is applied
+on arrival. One request instead of three saves ~1 ms of gRPC CPU per call on each side.
 ``stale``: the communicator pulls batch t+1 while t computes and pushes t while t+1 computes (Paddle's
 async communicator style), so a step sees this worker's own updates one step later; fastest, but on the
 16k shared Criteo rows it cost ~0.005 test AUC (seeds 0-1: 0.7528/0.7472 vs 0.7614/0.7492).
@@ -67,8 +69,8 @@ log = logging.getLogger(__name__)
 
 ALL_SLOTS = tuple(f"C{j}" for j in range(1, 27))
 WRITES_CHECKPOINTS = True    # rank 0 writes them at aligned points with exact data positions (ctr_positions)
-PHASES = ("read", "dedup", "pull_sparse", "pull_dense", "compute", "push_sparse", "push_dense", "end_step",
-          "wait")   # seconds per step phase (profile)
+PHASES = ("read", "dedup", "pull_sparse", "pull_dense", "compute", "push_sparse", "push_dense", "push_pull",
+          "end_step", "wait")   # seconds per step phase (profile); push_pull: the fused exact-pipeline call
 
 
 @dataclass(frozen=True)
@@ -390,9 +392,9 @@ class CTRTrainer:
         ``_steps`` while the network works next to the matrix products (see the module docstring).
 
         ``exact``: while batch t computes, the communicator thread reads and dedups batch t+1; after
-        it, the dense DENSE_STEP of t runs on a second thread while the communicator pushes t's sparse
-        gradients and then pulls t+1's rows; step t+1 starts when both are done, so it sees every update
-        of this worker (as the sequential loop). ``stale``: the communicator pulls t+1 while t
+        it, the communicator sends t's sparse and dense gradients with t+1's keys (``Mode.push_pull``,
+        one Step request per server) and step t+1 starts with the rows and dense parameters it returns,
+        so it sees every update of this worker (as the sequential loop). ``stale``: the communicator pulls t+1 while t
         computes, then pushes t while t+1 computes (queue order pull(t+1), push(t), pull(t+2), ...), so
         step t+1 sees this worker's own updates up to t-1 only."""
         clock, ph = time.perf_counter, self.phases
@@ -425,33 +427,36 @@ class CTRTrainer:
             ph["pull_sparse"] += clock() - t0
             return item + (emb,)
 
-        def push_sparse_then_pull(uniq, res, shows, clicks, size, read):
+        def push_then_pull(uniq, res, shows, clicks, size, read):
+            """exact: t's sparse and dense pushes and t+1's pull, one Step request per server ->
+            (t+1's item with its rows or None, t's fresh dense parameters)."""
+            item = read.result()             # read on this thread just before: already done
             t0 = clock()
             grads = res.grad_emb
             grads *= np.float32(size)
-            self.mode.push_sparse_grads(table, uniq, grads, shows=shows, clicks=clicks)
-            ph["push_sparse"] += clock() - t0
-            return pull_next(read)
-
-        def dense_step(grad):
-            t0 = clock()
-            fresh = self.mode.push_pull_dense(dense_table, grad)
-            ph["push_dense"] += clock() - t0
-            return fresh
+            pull_keys = item[1][0] if item is not None else np.empty(0, np.uint64)
+            emb, fresh = self.mode.push_pull(table, uniq, grads, shows, clicks, pull_keys, dense_table,
+                                             res.grad_dense)
+            ph["push_pull"] += clock() - t0
+            return (item + (emb,) if item is not None else None), fresh
 
         comm = ThreadPoolExecutor(1, thread_name_prefix=f"ctr-comm{self.rank}")
-        dense = ThreadPoolExecutor(1, thread_name_prefix=f"ctr-dense{self.rank}")
         pushes: deque = deque()
         try:
             t0 = clock()
             self.refresh_dense()
             ph["pull_dense"] += clock() - t0
             nxt = comm.submit(pull_next, None)
-            fresh_f = None
+            first = True
             while True:
                 t0 = clock()
-                item = nxt.result()
+                got = nxt.result()
+                item, fresh = (got, None) if stale or first else got
+                first = False
                 if item is None:
+                    if fresh is not None:            # the last step's parameters, for evaluation
+                        with self._dense_lock:
+                            self._fresh_dense = fresh
                     break
                 if stale:
                     nxt = comm.submit(pull_next, None)
@@ -461,7 +466,6 @@ class CTRTrainer:
                         fresh, self._fresh_dense = self._fresh_dense, None
                 else:
                     read = comm.submit(read_next)
-                    fresh = fresh_f.result() if fresh_f is not None else None
                 if fresh is not None:
                     self.model.set_dense(fresh)
                 t1 = clock()
@@ -471,20 +475,15 @@ class CTRTrainer:
                 if stale:
                     pushes.append(comm.submit(self.push, uniq, res, shows, clicks, batch.size))
                 else:
-                    fresh_f = dense.submit(dense_step, res.grad_dense)
-                    nxt = comm.submit(push_sparse_then_pull, uniq, res, shows, clicks, batch.size, read)
+                    nxt = comm.submit(push_then_pull, uniq, res, shows, clicks, batch.size, read)
                 self.mode.end_step()
                 ph["wait"] += t1 - t0
                 ph["compute"] += t2 - t1
                 yield batch, res
             while pushes:
                 pushes.popleft().result()
-            if fresh_f is not None:
-                with self._dense_lock:
-                    self._fresh_dense = fresh_f.result()
         finally:
             comm.shutdown(wait=True, cancel_futures=True)   # before the caller closes the iterator
-            dense.shutdown(wait=True, cancel_futures=True)
 
     def _train_event(self, epoch, window: BinaryMetrics, loss: float, eps: float) -> None:
         s = window.summary()

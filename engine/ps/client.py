@@ -175,14 +175,21 @@ class PSClient:
         step = codec.chunk_keys(dim)
         if self.num_servers == 1:
             return [(0, slice(i, min(i + step, len(keys)))) for i in range(0, len(keys), step)]
+        return [(s, pos[i:i + step]) for s, pos in self._route(keys).items() for i in range(0, len(pos), step)]
+
+    def _route(self, keys: np.ndarray) -> dict:
+        """{server: positions into keys} for the servers with keys (a slice with one server, else
+        int64 indices)."""
+        if len(keys) == 0:
+            return {}
+        if self.num_servers == 1:
+            return {0: slice(0, len(keys))}
         info = self.info()
         srv = routing.lookup(keys, info["num_vshards"], info["owner"])
         order = np.empty(len(keys), np.int64)
         bounds = np.empty(self.num_servers + 1, np.int64)
         _kernels.group(srv, self.num_servers, order, bounds)
-        groups = [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.num_servers)
-                  if bounds[s + 1] > bounds[s]]
-        return [(s, pos[i:i + step]) for s, pos in groups for i in range(0, len(pos), step)]
+        return {s: order[bounds[s]:bounds[s + 1]] for s in range(self.num_servers) if bounds[s + 1] > bounds[s]}
 
     # ------------------------------------------------------------------ sparse
     def pull(self, table: str, keys: np.ndarray, *, init_missing: bool = False) -> np.ndarray:
@@ -287,6 +294,11 @@ class PSClient:
         return None
 
     # ------------------------------------------------------------------ async pushes
+    @property
+    def queues_pushes(self) -> bool:
+        """True when ``push_async`` queues pushes for the background sender (``async_queue > 0``)."""
+        return self._async_cap > 0
+
     def push_async(self, table: str, keys: np.ndarray, grads: np.ndarray, *, shows=None, clicks=None) -> None:
         """Queue a push for the background sender (merged with other queued pushes of the table).
         Without an async queue (``async_queue=0``) this is ``push``. The arrays are copied.
@@ -466,6 +478,101 @@ class PSClient:
             out[a:z] = codec.decode(r.values, "values", codec.F32, 1, shape=(z - a,))
         return out
 
+    # ------------------------------------------------------------------ fused async step
+    def push_pull(self, table: str, keys: np.ndarray, grads: np.ndarray, pull_keys: np.ndarray, *,
+                  shows: np.ndarray | None = None, clicks: np.ndarray | None = None,
+                  dense_table: str | None = None, dense_grad: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One async training step in one round trip per server (the Step RPC): ``push`` of
+        ``grads : float32[n, dim]`` for ``keys : uint64[n]`` (with optional ``shows, clicks :
+        float32[n]``), then, with ``dense_table``, ``push_pull_dense`` of ``dense_grad : float32[P]``,
+        then ``pull(table, pull_keys, init_missing=True)`` of ``pull_keys : uint64[m]`` after both.
+
+        Returns ``(rows float32[m, dim] in the order of pull_keys, fresh dense float32[P] or None)``:
+        what those three calls give one after the other, with one RPC per server instead of three (each
+        gRPC call costs ~1 ms of CPU before its payload). Duplicate keys are summed (push) or
+        repeated (pull) as in the separate calls. When a server's part would exceed ``CHUNK_BYTES``,
+        the three calls are made separately, in that order.
+
+        Raises
+        ------
+        ProtocolError
+            Wrong dtype/shape, NaN/Inf (checked here before anything is sent).
+        RequestRejectedError, ShardUnavailableError, PSTimeoutError
+        """
+        keys, pull_keys = _check_keys(keys), _check_keys(pull_keys)
+        dim = self._sparse(table)["dim"]
+        grads = _check_array(grads, (len(keys), dim), "grads")
+        if clicks is not None and shows is None:
+            raise ProtocolError("clicks given without shows: pass shows too")
+        if shows is not None:
+            shows = _check_array(shows, (len(keys),), "shows")
+            clicks = (np.zeros(len(keys), np.float32) if clicks is None
+                      else _check_array(clicks, (len(keys),), "clicks"))
+        blocks = []
+        if dense_table is not None:
+            size = self._dense_size(dense_table)
+            dense_grad = _check_array(dense_grad, (size,), "dense_grad")
+            blocks = self._blocks(dense_table, size)
+        uniq, inverse = _unique(keys)
+        if inverse is not None:   # sum duplicates
+            grads = _segment_sum(grads, inverse, len(uniq))
+            if shows is not None:
+                shows = _segment_sum(shows, inverse, len(uniq))
+                clicks = _segment_sum(clicks, inverse, len(uniq))
+        puniq, pinverse = _unique(pull_keys)
+        push_at, pull_at = self._route(uniq), self._route(puniq)
+        servers = sorted(set(push_at) | set(pull_at) | {s for _, s, _, _ in blocks})
+        too_big = any(_count(push_at.get(s)) * (8 + 4 * dim + 8) + _count(pull_at.get(s)) * max(8, 4 * dim)
+                      + 4 * sum(z - a for _, o, a, z in blocks if o == s) > codec.CHUNK_BYTES for s in servers)
+        if too_big:
+            return self._push_pull_separately(table, uniq, grads, shows, clicks, pull_keys, dense_table,
+                                              dense_grad)
+        if not servers:
+            return np.empty((0, dim), np.float32), None
+        rid = self._rid()
+        calls = []
+        for i, s in enumerate(servers):
+            mine = [(b, a, z) for b, o, a, z in blocks if o == s]
+            req = pb.StepRequest(table=table, request_id=f"{rid}.{i}", blocks=[b for b, _, _ in mine])
+            dg = None
+            if mine:
+                req.dense_table = dense_table
+                dg = (dense_grad[mine[0][1]:mine[0][2]] if len(mine) == 1
+                      else np.concatenate([dense_grad[a:z] for _, a, z in mine]))
+            pos, ppos = push_at.get(s), pull_at.get(s)
+            calls.append((s, "Step", codec.Wire(
+                req, keys=_take(uniq, pos) if pos is not None else None,
+                grads=_take(grads, pos) if pos is not None else None,
+                shows=_take(shows, pos) if pos is not None else None,
+                clicks=_take(clicks, pos) if pos is not None else None,
+                pull_keys=_take(puniq, ppos) if ppos is not None else None, dense_grads=dg)))
+        replies = dict(zip(servers, self._fan_out(calls, idempotent=False)))
+        plan = [(s, pull_at[s]) for s in servers if s in pull_at]
+        if plan:
+            rows = self._assemble(plan, [replies[s] for s, _ in plan], puniq, pinverse, len(pull_keys), dim)
+        else:
+            rows = np.empty((len(pull_keys), dim), np.float32)
+        fresh = None
+        if blocks:
+            size = len(dense_grad)
+            if len(blocks) == 1:
+                fresh = codec.decode(replies[blocks[0][1]].dense, "dense", codec.F32, 1, shape=(size,))
+            else:
+                fresh = np.empty(size, np.float32)
+                offset = {s: 0 for s in servers}
+                for b, s, a, z in blocks:
+                    got = codec.decode(replies[s].dense, "dense", codec.F32, 1)
+                    fresh[a:z] = got[offset[s]:offset[s] + z - a]
+                    offset[s] += z - a
+        return rows, fresh
+
+    def _push_pull_separately(self, table, uniq, grads, shows, clicks, pull_keys, dense_table, dense_grad):
+        """``push_pull`` as three calls (a part too large for one request)."""
+        self._push(table, uniq, grads, shows, clicks, pb.GRAD, False)
+        fresh = self.push_pull_dense(dense_table, dense_grad) if dense_table is not None else None
+        return self.pull(table, pull_keys, init_missing=True), fresh
+
     def push_dense_delta(self, table: str, delta: np.ndarray) -> None:
         """GEO: ``params += delta : float32[P]`` on the servers."""
         self._dense_op(table, delta, pb.DENSE_DELTA, False)
@@ -626,6 +733,12 @@ def _take(arr: np.ndarray | None, pos) -> np.ndarray | None:
     else:
         _kernels.take_rows(arr, pos, out)
     return out
+
+
+def _count(pos) -> int:
+    if pos is None:
+        return 0
+    return pos.stop - pos.start if isinstance(pos, slice) else len(pos)
 
 
 def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

@@ -128,10 +128,10 @@ def _fmt(shape) -> str:
 
 
 # ---------------------------------------------------------------------------- zero-copy wire codec
-REQUEST = {"Pull": pb.PullRequest, "Push": pb.PushRequest, "Dense": pb.DenseRequest,
+REQUEST = {"Pull": pb.PullRequest, "Push": pb.PushRequest, "Dense": pb.DenseRequest, "Step": pb.StepRequest,
            "Barrier": pb.BarrierRequest, "Save": pb.PathRequest, "Load": pb.PathRequest,
            "Shrink": pb.ShrinkRequest, "Stats": pb.Empty, "Health": pb.Empty, "Stop": pb.Empty}
-REPLY = {"Pull": pb.PullResponse, "Push": pb.PushResponse, "Dense": pb.DenseResponse,
+REPLY = {"Pull": pb.PullResponse, "Push": pb.PushResponse, "Dense": pb.DenseResponse, "Step": pb.StepResponse,
          "Barrier": pb.BarrierResponse, "Save": pb.CountResponse, "Load": pb.CountResponse,
          "Shrink": pb.CountResponse, "Stats": pb.JsonResponse, "Health": pb.JsonResponse,
          "Stop": pb.Empty}
@@ -244,18 +244,40 @@ class Wire:
         TypeError
             ``name`` is not a Tensor field of ``msg``.
         """
+        return cls.allocate_fields(msg, {name: (dtype, shape)})
+
+    @classmethod
+    def allocate_fields(cls, msg, specs: dict) -> "Wire":
+        """``allocate`` for several Tensor fields: ``specs`` maps field name -> (dtype, shape); each
+        ``w.arrays[name]`` is a writable view of its data bytes in the one final encoding (a Step
+        reply carries the pulled rows and the fresh dense parameters this way).
+
+        Raises
+        ------
+        TypeError
+            A name is not a Tensor field of ``msg``.
+        """
         fields = _TENSORS.get(type(msg))
-        if fields is None or name not in fields:
-            raise TypeError(f"{type(msg).__name__} has no Tensor field {name!r}")
-        dtype = np.dtype(dtype).newbyteorder("<")
-        shape = tuple(int(d) for d in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        for name in specs:
+            if fields is None or name not in fields:
+                raise TypeError(f"{type(msg).__name__} has no Tensor field {name!r}")
         head = msg.SerializeToString()
-        prefix = head + _tensor_prefix(fields[name], dtype, shape, nbytes, len(head))
-        encoded, view = _writable_bytes(len(prefix) + nbytes)
-        view[:len(prefix)] = np.frombuffer(prefix, np.uint8)
+        pos = len(head)
+        chunks, layout = [(0, head)], []
+        for name, (dtype, shape) in specs.items():
+            dtype = np.dtype(dtype).newbyteorder("<")
+            shape = tuple(int(d) for d in shape)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            prefix = _tensor_prefix(fields[name], dtype, shape, nbytes, pos)
+            chunks.append((pos, prefix))
+            layout.append((name, dtype, shape, pos + len(prefix), nbytes))
+            pos += len(prefix) + nbytes
+        encoded, view = _writable_bytes(pos)
+        for at, part in chunks:
+            view[at:at + len(part)] = np.frombuffer(part, np.uint8)
         w = cls(msg)
-        w.arrays[name] = view[len(prefix):].view(dtype).reshape(shape)
+        for name, dtype, shape, start, nbytes in layout:
+            w.arrays[name] = view[start:start + nbytes].view(dtype).reshape(shape)
         w.encoded = encoded
         return w
 

@@ -127,10 +127,18 @@ class SparseHost:
                 fn(j, pos)
 
     # ------------------------------------------------------------------ operations
-    def pull(self, keys: np.ndarray, init_missing: bool, out: np.ndarray | None = None) -> np.ndarray:
+    def check_keys(self, keys: np.ndarray) -> list:
+        """Raise HostError unless every key of ``keys : uint64[n]`` is routed to this server; returns
+        the local shard split that ``pull`` and ``push`` take as ``parts``."""
+        return self._split(keys)
+
+    def pull(self, keys: np.ndarray, init_missing: bool, out: np.ndarray | None = None,
+             parts: list | None = None) -> np.ndarray:
         """keys : uint64[n] -> float32[n, dim], written into ``out`` when given (the reply buffer).
-        Each local shard reads its keys in place and writes its rows straight to their positions."""
-        parts = self._split(keys)
+        Each local shard reads its keys in place and writes its rows straight to their positions.
+        ``parts``: the split ``check_keys`` returned for these keys (computed when None)."""
+        if parts is None:
+            parts = self._split(keys)
         if out is None:
             out = np.empty((len(keys), self.dim), np.float32)
         if len(parts) == 1 and len(parts[0][1]) == len(keys):
@@ -305,6 +313,10 @@ class DenseHost:
             raise invalid(f"{what} of block {block} is not finite (NaN or Inf); nothing changed")
         return b
 
+    def check_grad(self, block: int, grad: np.ndarray) -> None:
+        """Raise HostError unless ``grad`` fits ``block`` (which lives here) and is finite."""
+        self._check(block, grad, "grad")
+
     def init(self, block: int, size: int, values: np.ndarray, force: bool) -> bool:
         with self._lock:
             if size < 1:
@@ -339,10 +351,11 @@ class DenseHost:
             else:
                 b.opt.step(b.params, np.ascontiguousarray(grad, dtype=np.float32))
 
-    def step(self, block: int, grad: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def step(self, block: int, grad: np.ndarray, out: np.ndarray | None = None, *,
+             checked: bool = False) -> np.ndarray:
         """Optimizer step with ``grad`` (async mode), then a copy of the block's fresh parameters (into
-        ``out`` when given)."""
-        b = self._check(block, grad, "grad")
+        ``out`` when given). ``checked``: ``check_grad`` already passed for this gradient."""
+        b = self._block(block) if checked else self._check(block, grad, "grad")
         with b.lock:
             b.opt.step(b.params, np.ascontiguousarray(grad, dtype=np.float32))
             return _copy_out(b.params, out)

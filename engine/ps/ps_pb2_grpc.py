@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=engine_dot_ps_dot_ps__pb2.DenseRequest.SerializeToString,
                 response_deserializer=engine_dot_ps_dot_ps__pb2.DenseResponse.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/engine.ps.ParameterServer/Step',
+                request_serializer=engine_dot_ps_dot_ps__pb2.StepRequest.SerializeToString,
+                response_deserializer=engine_dot_ps_dot_ps__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Barrier = channel.unary_unary(
                 '/engine.ps.ParameterServer/Barrier',
                 request_serializer=engine_dot_ps_dot_ps__pb2.BarrierRequest.SerializeToString,
@@ -102,6 +107,12 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Dense(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +177,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Dense,
                     request_deserializer=engine_dot_ps_dot_ps__pb2.DenseRequest.FromString,
                     response_serializer=engine_dot_ps_dot_ps__pb2.DenseResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=engine_dot_ps_dot_ps__pb2.StepRequest.FromString,
+                    response_serializer=engine_dot_ps_dot_ps__pb2.StepResponse.SerializeToString,
             ),
             'Barrier': grpc.unary_unary_rpc_method_handler(
                     servicer.Barrier,
@@ -284,6 +300,33 @@ class ParameterServer:
             '/engine.ps.ParameterServer/Dense',
             engine_dot_ps_dot_ps__pb2.DenseRequest.SerializeToString,
             engine_dot_ps_dot_ps__pb2.DenseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.ps.ParameterServer/Step',
+            engine_dot_ps_dot_ps__pb2.StepRequest.SerializeToString,
+            engine_dot_ps_dot_ps__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,7 @@
 """The parameter-server process: ``PSServer`` (transport-free request handling) and ``serve`` (gRPC).
 
 ``PSServer`` hosts the sparse tables (each split into local SparseTable shards) and the dense-table
-blocks of one server rank. Its RPC methods (``Pull``, ``Push``, ``Dense``, ``Barrier``, ``Save``,
+blocks of one server rank. Its RPC methods (``Pull``, ``Push``, ``Dense``, ``Step``, ``Barrier``, ``Save``,
 ``Load``, ``Shrink``, ``Stats``, ``Health``, ``Stop``) take and return the protobuf messages of
 ``ps.proto``; ``handle(method, request)`` wraps them so every failure becomes a ``ServerError`` with a
 gRPC status code and a message naming the server, table, shard and request id, e.g.::
@@ -33,7 +33,7 @@ from .routing import DEFAULT_NUM_VSHARDS
 
 log = logging.getLogger(__name__)
 
-METHODS = ("Pull", "Push", "Dense", "Barrier", "Save", "Load", "Shrink", "Stats", "Health", "Stop")
+METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink", "Stats", "Health", "Stop")
 
 
 class ServerError(Exception):
@@ -112,7 +112,7 @@ class PSServer:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
             if getattr(request, "error", None) is not None:     # codec.Received that did not parse
                 raise request.error
-            if method not in ("Pull", "Push"):
+            if method not in ("Pull", "Push", "Step"):
                 return getattr(self, method)(request)
             with self._inflight_lock:
                 self._inflight += 1
@@ -221,6 +221,47 @@ class PSServer:
         else:
             raise ProtocolError(f"unknown dense op {req.op}")
         return reply if reply is not None else codec.Wire(sized(resp))
+
+    def Step(self, req: pb.StepRequest) -> codec.Wire:
+        """Sparse push, dense step, then sparse pull in one request (see ps.proto); everything is
+        validated before the first change, so a rejected request leaves every table as it was."""
+        host = self._sparse(req.table)
+        keys = _keys_or_empty(req.keys, "keys")
+        n = len(keys)
+        grads = (np.empty((0, host.dim), np.float32) if n == 0 and codec.is_absent(req.grads) else
+                 codec.decode(req.grads, "grads", codec.F32, 2, shape=(n, host.dim)))
+        shows = None if codec.is_absent(req.shows) else codec.decode(req.shows, "shows", codec.F32, 1,
+                                                                      shape=(n,))
+        clicks = None if codec.is_absent(req.clicks) else codec.decode(req.clicks, "clicks", codec.F32, 1,
+                                                                        shape=(n,))
+        pull_keys = _keys_or_empty(req.pull_keys, "pull_keys")
+        push_parts = host.check_push(keys, grads, shows, clicks, delta=False) if n else None
+        pull_parts = host.check_keys(pull_keys) if len(pull_keys) else None
+        blocks = list(req.blocks)
+        dense = spans = None
+        if blocks or not codec.is_absent(req.dense_grads):
+            dense = self._dense(req.dense_table)
+            if len(set(blocks)) != len(blocks):
+                raise ProtocolError(f"blocks {blocks}: a block may be stepped once per request")
+            spans, total = [], 0
+            for b in blocks:
+                dense.check_block(b)
+                spans.append((b, total, total + dense.block_length(b)))
+                total += dense.block_length(b)
+            dgrads = codec.decode(req.dense_grads, "dense_grads", codec.F32, 1, shape=(total,))
+            for b, a, z in spans:
+                dense.check_grad(b, dgrads[a:z])
+        specs = {"values": (codec.F32, (len(pull_keys), host.dim))}
+        if spans is not None:
+            specs["dense"] = (codec.F32, (spans[-1][2] if spans else 0,))
+        reply = codec.Wire.allocate_fields(pb.StepResponse(request_id=req.request_id), specs)
+        if n:
+            host.push(keys, grads, shows, clicks, delta=False, parts=push_parts)
+        for b, a, z in spans or ():
+            dense.step(b, dgrads[a:z], out=reply.arrays["dense"][a:z], checked=True)
+        if len(pull_keys):
+            host.pull(pull_keys, True, out=reply.arrays["values"], parts=pull_parts)
+        return reply
 
     def Barrier(self, req: pb.BarrierRequest) -> pb.BarrierResponse:
         """Wait for ``world`` arrivals at ``name``; the last one applies held sync updates if asked."""
@@ -340,6 +381,10 @@ class PSServer:
         for h in self.sparse.values():
             h.close()
         self._pool.shutdown(wait=False)
+
+
+def _keys_or_empty(t, name: str) -> np.ndarray:
+    return np.empty(0, np.uint64) if codec.is_absent(t) else codec.decode(t, name, codec.U64, 1)
 
 
 def _make_handler(core: PSServer, method: str):

@@ -49,3 +49,17 @@ def test_train_prints_final_line_and_writes_metrics(config, mode, tmp_path):
     assert all(e["count"] == 800 for e in evals)
     assert evals[-1]["auc"] == pytest.approx(final["test_auc"])
     assert events[-1]["examples"] > 0 and events[-1]["train_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_exact_pipeline_trains_the_same_model_as_the_sequential_loop(tmp_path):
+    """With one worker, async mode's ``exact`` pipeline (reading ahead, then t's sparse push, dense step
+    and t+1's pull in one Step request) applies the same updates in the same order as one step after the
+    other, so the trained model scores the test split identically; ``stale`` (t+1 pulled before t's
+    push) does not, which shows the comparison can tell."""
+    common = ("mode=async", "cluster.workers=1", "model.batch_size=64", "model.epochs=1", "checkpoint.root=")
+    out = {p: _train("configs/ctr.yaml", tmp_path / p, *common, f"model.pipeline={p}")[0]
+           for p in ("exact", "sequential", "stale")}
+    assert out["exact"]["test_logloss"] == out["sequential"]["test_logloss"]
+    assert out["exact"]["test_auc"] == out["sequential"]["test_auc"]
+    assert out["stale"]["test_logloss"] != out["sequential"]["test_logloss"]
