@@ -165,8 +165,26 @@ def test_malformed_requests_get_clear_errors_and_the_server_keeps_serving(cluste
         stub.Pull(pb.PullRequest(table="emb", request_id="bad-pull", keys=pb.Tensor(dtype="<u8", shape=[2],
                                                                                      data=b"short")), timeout=10)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    step = {"nan": (pb.StepRequest(table="emb", request_id="bad-step-nan", keys=good.keys,
+                                   grads=codec.encode(nan), pull_keys=good.keys), "not finite"),
+            "routed": (pb.StepRequest(table="emb", request_id="bad-step-route", keys=good.keys, grads=good.grads,
+                                      pull_keys=codec.encode(np.arange(10_000, 10_050, dtype=np.uint64))),
+                       "not routed to this server"),
+            "dense": (pb.StepRequest(table="emb", request_id="bad-step-dense", keys=good.keys, grads=good.grads,
+                                     dense_table="nope", blocks=[0],
+                                     dense_grads=codec.encode(np.ones(3, np.float32))), "unknown dense table")}
+    for name, (req, text) in step.items():     # the push part of each is valid: nothing may be applied
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Step(req, timeout=10)
+        assert ei.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), name
+        assert text in ei.value.details() and req.request_id in ei.value.details(), ei.value.details()
     after = stub.Pull(pb.PullRequest(table="emb", request_id="p-1", keys=codec.encode(keys)), timeout=10)
     assert after.values.data == before.values.data    # no rejected request changed anything
+    got = stub.Step(pb.StepRequest(table="emb", request_id="ok-step", keys=good.keys, grads=good.grads,
+                                   pull_keys=good.keys), timeout=10)
+    assert got.values.data != before.values.data      # a good Step pushes, then pulls what it pushed
+    np.testing.assert_array_equal(np.frombuffer(got.values.data, np.float32).reshape(-1, 4),
+                                  np.frombuffer(before.values.data, np.float32).reshape(-1, 4) - 1.0)
     assert json.loads(stub.Health(pb.Empty(request_id="h"), timeout=10).json)["ready"]
 
 
