@@ -261,10 +261,11 @@ class PSClient:
         of ``keys``; a GEO sync needs one round trip instead of two."""
         return self._push(table, keys, deltas, None, None, pb.DELTA, False, return_values)
 
-    def _push(self, table, keys, grads, shows, clicks, kind, accumulate, return_values=False):
+    def _merged_push(self, table, keys, grads, shows, clicks, what: str):
+        """Check a push's arrays and sum duplicate keys -> (dim, keys, inverse or None, grads, shows,
+        clicks) with unique keys; clicks default to zeros when shows are given."""
         keys = _check_keys(keys)
         dim = self._sparse(table)["dim"]
-        what = "deltas" if kind == pb.DELTA else "grads"
         grads = _check_array(grads, (len(keys), dim), what)
         if clicks is not None and shows is None:
             raise ProtocolError("clicks given without shows: pass shows too")
@@ -272,14 +273,20 @@ class PSClient:
             shows = _check_array(shows, (len(keys),), "shows")
             clicks = (np.zeros(len(keys), np.float32) if clicks is None
                       else _check_array(clicks, (len(keys),), "clicks"))
-        if len(keys) == 0:
-            return np.empty((0, dim), np.float32) if return_values else None
         uniq, inverse = _unique(keys)
         if inverse is not None:   # sum duplicates
             grads = _segment_sum(grads, inverse, len(uniq))
             if shows is not None:
                 shows = _segment_sum(shows, inverse, len(uniq))
                 clicks = _segment_sum(clicks, inverse, len(uniq))
+        return dim, uniq, inverse, grads, shows, clicks
+
+    def _push(self, table, keys, grads, shows, clicks, kind, accumulate, return_values=False):
+        n_keys = len(keys) if isinstance(keys, np.ndarray) else 0
+        dim, uniq, inverse, grads, shows, clicks = self._merged_push(
+            table, keys, grads, shows, clicks, "deltas" if kind == pb.DELTA else "grads")
+        if len(uniq) == 0:
+            return np.empty((0, dim), np.float32) if return_values else None
         plan = self._plan(uniq, dim)
         rid = self._rid()
         calls = []
@@ -290,7 +297,7 @@ class PSClient:
                                                 shows=_take(shows, pos), clicks=_take(clicks, pos))))
         replies = self._fan_out(calls, idempotent=False)
         if return_values:
-            return self._assemble(plan, replies, uniq, inverse, len(keys), dim)
+            return self._assemble(plan, replies, uniq, inverse, n_keys, dim)
         return None
 
     # ------------------------------------------------------------------ async pushes
@@ -500,26 +507,13 @@ class PSClient:
             Wrong dtype/shape, NaN/Inf (checked here before anything is sent).
         RequestRejectedError, ShardUnavailableError, PSTimeoutError
         """
-        keys, pull_keys = _check_keys(keys), _check_keys(pull_keys)
-        dim = self._sparse(table)["dim"]
-        grads = _check_array(grads, (len(keys), dim), "grads")
-        if clicks is not None and shows is None:
-            raise ProtocolError("clicks given without shows: pass shows too")
-        if shows is not None:
-            shows = _check_array(shows, (len(keys),), "shows")
-            clicks = (np.zeros(len(keys), np.float32) if clicks is None
-                      else _check_array(clicks, (len(keys),), "clicks"))
+        pull_keys = _check_keys(pull_keys)
+        dim, uniq, _, grads, shows, clicks = self._merged_push(table, keys, grads, shows, clicks, "grads")
         blocks = []
         if dense_table is not None:
             size = self._dense_size(dense_table)
             dense_grad = _check_array(dense_grad, (size,), "dense_grad")
             blocks = self._blocks(dense_table, size)
-        uniq, inverse = _unique(keys)
-        if inverse is not None:   # sum duplicates
-            grads = _segment_sum(grads, inverse, len(uniq))
-            if shows is not None:
-                shows = _segment_sum(shows, inverse, len(uniq))
-                clicks = _segment_sum(clicks, inverse, len(uniq))
         puniq, pinverse = _unique(pull_keys)
         push_at, pull_at = self._route(uniq), self._route(puniq)
         servers = sorted(set(push_at) | set(pull_at) | {s for _, s, _, _ in blocks})
@@ -560,10 +554,12 @@ class PSClient:
                 fresh = codec.decode(replies[blocks[0][1]].dense, "dense", codec.F32, 1, shape=(size,))
             else:
                 fresh = np.empty(size, np.float32)
-                offset = {s: 0 for s in servers}
+                got = {s: codec.decode(replies[s].dense, "dense", codec.F32, 1,
+                                       shape=(sum(z - a for _, o, a, z in blocks if o == s),))
+                       for s in {o for _, o, _, _ in blocks}}
+                offset = dict.fromkeys(got, 0)
                 for b, s, a, z in blocks:
-                    got = codec.decode(replies[s].dense, "dense", codec.F32, 1)
-                    fresh[a:z] = got[offset[s]:offset[s] + z - a]
+                    fresh[a:z] = got[s][offset[s]:offset[s] + z - a]
                     offset[s] += z - a
         return rows, fresh
 
