@@ -20,6 +20,13 @@ Async pushes (``push_async``, enabled with ``async_queue > 0``): a background se
 pushes from a bounded queue, merges everything queued for a table (duplicates summed, as Paddle's
 client does) and sends one push; ``push_async`` blocks when the queue is full; ``flush()`` waits for
 the queue to drain and re-raises the first failed send.
+
+A whole async training step (``push_pull``): this step's sparse gradients and dense gradient and the
+next step's keys in one ``Step`` request per server, which applies the push, then the dense optimizer
+step, then replies with the next step's rows and the fresh dense parameters::
+
+    >>> rows, fresh = client.push_pull("emb", keys, grads, next_keys, shows=shows, clicks=clicks,
+    ...                                dense_table="mlp", dense_grad=g)   # float32[m, dim], float32[P]
 """
 from __future__ import annotations
 
