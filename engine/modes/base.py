@@ -93,13 +93,13 @@ class Mode(ABC):
         return self.pull_dense(table)
 
     def push_pull(self, table: str, keys: np.ndarray, grads: np.ndarray, shows: np.ndarray | None,
-                  clicks: np.ndarray | None, pull_keys: np.ndarray, dense_table: str,
-                  dense_grad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One step's pushes and the next step's pull: ``push_sparse_grads``, ``push_pull_dense``, then
-        ``pull_sparse(table, pull_keys)`` -> (rows float32[m, dim], fresh dense float32[P]). Async
-        overrides it with one Step request per server."""
+                  clicks: np.ndarray | None, pull_keys: np.ndarray, dense_table: str | None,
+                  dense_grad: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One step's pushes and the next step's pull: ``push_sparse_grads``, ``push_pull_dense`` (when
+        ``dense_table`` is given), then ``pull_sparse(table, pull_keys)`` -> (rows float32[m, dim], fresh
+        dense float32[P] or None). Async overrides it with one Step request per server."""
         self.push_sparse_grads(table, keys, grads, shows, clicks)
-        fresh = self.push_pull_dense(dense_table, dense_grad)
+        fresh = self.push_pull_dense(dense_table, dense_grad) if dense_table is not None else None
         return self.pull_sparse(table, pull_keys), fresh
 
     def init_dense(self, table: str, params: np.ndarray) -> np.ndarray:

@@ -19,6 +19,16 @@ request per server (``Mode.push_pull``: push, dense step, then pull, applied in 
 replies with t+1's rows and the fresh dense parameters. Step t+1 starts when that is done, so it trains
 on values that include all of this worker's updates, as the sequential loop does; every push is applied
 on arrival. One request instead of three saves ~1 ms of gRPC CPU per call on each side.
+
+Merged dense steps (``model.dense_merge_steps`` k, async only): the dense gradients of k steps are
+averaged and sent once (``merge_dense``), and the worker keeps its dense parameters between those steps
+(gradient accumulation for the MLP; sparse rows are still pushed and pulled every step). The dense
+exchange (1.7 MB each way for CTR-DNN) is most of a step's non-matrix CPU, so k = 4 (the shipped
+configs) trained 1.4x faster on a 2-core machine (``bench/ctr_bench.py``: 36.6k vs 26.3k examples/s).
+On the shared Criteo rows (mean of 3 seeds) the test AUC held: CTR-DNN 0.7550 (k=1: 0.7557; k=8 fell to
+0.7517), DeepFM 0.7607 (k=1: 0.7592); CTR-DNN's test logloss rose from 0.459 to 0.468 (fewer Adam steps
+on 16k rows), DeepFM's fell from 0.459 to 0.454. Every segment end (epoch, aligned checkpoint point,
+evaluation) sends what was summed, so no gradient is lost or carried over.
 ``stale``: the communicator pulls batch t+1 while t computes and pushes t while t+1 computes (Paddle's
 async communicator style), so a step sees this worker's own updates one step later; fastest, but on the
 16k shared Criteo rows it cost ~0.005 test AUC (seeds 0-1: 0.7528/0.7472 vs 0.7614/0.7492).
@@ -94,6 +104,7 @@ class Config:
     log_every_s: float = knob(2.0, gt=0)
     prefetch: int = knob(4, ge=0)
     pipeline: str = knob("exact", choices=("exact", "stale", "sequential"))
+    dense_merge_steps: int = knob(1, ge=1)
     blas_threads: int = knob(0, ge=0)
     metrics_dir: str = "runs/metrics"
     metrics_file: str = ""
@@ -232,6 +243,10 @@ class CTRTrainer:
         self.loss_sum = 0.0
         self.phases = dict.fromkeys(PHASES, 0.0)
         self._fresh_dense: np.ndarray | None = None    # async: parameters the last DENSE_STEP returned
+        self._dense_stale = True      # the model's dense parameters must be pulled before the next step
+        self._dense_sum: np.ndarray | None = None      # async: dense gradients summed, not sent yet
+        self._dense_n = 0
+        self.dense_steps = 0          # dense gradients sent (async)
         self._dense_lock = threading.Lock()
         self.pipelined = p.pipeline != "sequential" and self.mode.name == "async"
 
@@ -270,11 +285,52 @@ class CTRTrainer:
         return emb
 
     def refresh_dense(self) -> None:
-        """Load the dense parameters into the model: the ones a fused push returned (async), once, or
-        else pulled now."""
+        """Load the dense parameters into the model: the ones a dense step returned (async), once; else
+        pulled now, except in async mode between two merged dense steps (nothing changed them)."""
         with self._dense_lock:
             fresh, self._fresh_dense = self._fresh_dense, None
-        self.model.set_dense(fresh if fresh is not None else self.mode.pull_dense(self.cfg.dense_table))
+        if fresh is not None:
+            self.model.set_dense(fresh)
+        elif self._dense_stale or self.mode.name != "async":
+            self.model.set_dense(self.mode.pull_dense(self.cfg.dense_table))
+        self._dense_stale = False
+
+    def _flush_dense(self) -> None:
+        """Async: send the dense gradients merged so far (a segment ends); the next step loads the
+        parameters the dense step returned."""
+        grad = self.merge_dense(None, flush=True) if self.mode.name == "async" else None
+        if grad is not None:
+            fresh = self.mode.push_pull_dense(self.cfg.dense_table, grad)
+            with self._dense_lock:
+                self._fresh_dense = fresh
+
+    def merge_dense(self, grad: np.ndarray | None, flush: bool = False) -> np.ndarray | None:
+        """Async mode: the dense gradient to send after this step, or None to send nothing yet.
+
+        With ``dense_merge_steps`` k > 1 the gradients ``grad : float32[P]`` of k steps are summed and
+        their mean is sent once, so the servers take one Adam step per k worker steps and the worker
+        keeps its dense parameters between them (gradient accumulation; Paddle's async communicator
+        likewise merges queued dense gradients before sending). ``flush`` (a segment or epoch end, a
+        drain) sends the mean of what was summed; ``grad`` None adds nothing. k = 1 returns ``grad``.
+        """
+        k = self.cfg.dense_merge_steps
+        if k <= 1 and self._dense_n == 0:
+            if grad is not None:
+                self.dense_steps += 1
+            return grad
+        if grad is not None:
+            if self._dense_sum is None:
+                self._dense_sum = np.array(grad, np.float32)
+            else:
+                self._dense_sum += grad
+            self._dense_n += 1
+        if self._dense_n == 0 or (self._dense_n < k and not flush):
+            return None
+        out, n = self._dense_sum, self._dense_n
+        self._dense_sum, self._dense_n = None, 0
+        out *= np.float32(1.0 / n)
+        self.dense_steps += 1
+        return out
 
     def forward_backward(self, emb, rows, segments, batch: CTRBatch):
         """``models.StepResult`` of the batch (gradients of the mean loss)."""
@@ -291,9 +347,11 @@ class CTRTrainer:
         self.mode.push_sparse_grads(self.cfg.sparse_table, uniq, grads, shows=shows, clicks=clicks)
         t1 = time.perf_counter()
         if self.mode.name == "async":
-            fresh = self.mode.push_pull_dense(self.cfg.dense_table, res.grad_dense)
-            with self._dense_lock:
-                self._fresh_dense = fresh
+            grad = self.merge_dense(res.grad_dense)
+            if grad is not None:
+                fresh = self.mode.push_pull_dense(self.cfg.dense_table, grad)
+                with self._dense_lock:
+                    self._fresh_dense = fresh
         else:
             self.mode.push_dense_grads(self.cfg.dense_table, res.grad_dense)
         self.phases["push_sparse"] += t1 - t0
@@ -386,6 +444,7 @@ class CTRTrainer:
             steps += 1
             yield batch, res
             t_read = time.perf_counter()
+        self._flush_dense()                # a segment ends with every dense gradient sent
 
     def _pipelined_steps(self, it, max_steps: int | None):
         """Async mode with ``model.pipeline`` ``exact`` or ``stale``: yields (batch, StepResult) like
@@ -435,8 +494,9 @@ class CTRTrainer:
             grads = res.grad_emb
             grads *= np.float32(size)
             pull_keys = item[1][0] if item is not None else np.empty(0, np.uint64)
-            emb, fresh = self.mode.push_pull(table, uniq, grads, shows, clicks, pull_keys, dense_table,
-                                             res.grad_dense)
+            dense_grad = self.merge_dense(res.grad_dense, flush=item is None)
+            emb, fresh = self.mode.push_pull(table, uniq, grads, shows, clicks, pull_keys,
+                                             dense_table if dense_grad is not None else None, dense_grad)
             ph["push_pull"] += clock() - t0
             return (item + (emb,) if item is not None else None), fresh
 
@@ -482,6 +542,8 @@ class CTRTrainer:
                 yield batch, res
             while pushes:
                 pushes.popleft().result()
+            if stale:
+                self._flush_dense()
         finally:
             comm.shutdown(wait=True, cancel_futures=True)   # before the caller closes the iterator
 
@@ -493,9 +555,11 @@ class CTRTrainer:
                             "examples_per_s": eps, "time": time.time()})
 
     def _drain(self) -> None:
-        """Make every update of this worker visible on the servers (async queue, GEO deltas); the next
-        step pulls the dense parameters afresh."""
+        """Make every update of this worker visible on the servers (merged dense gradients, async
+        queue, GEO deltas); the next step pulls the dense parameters afresh."""
+        self._flush_dense()
         self._fresh_dense = None
+        self._dense_stale = True
         if self.mode.name == "geo":
             self.mode.sync()
         elif self.mode.name == "async":
@@ -555,6 +619,7 @@ class CTRTrainer:
         if self.checkpoints.ck.final:
             self.checkpoints.meet(Position(p.epochs, 0), force=True)
         self.metrics.write({"event": "profile", "rank": self.rank, "steps": self.steps,
+                            "dense_steps": self.dense_steps,
                             "train_seconds": self.train_seconds,
                             "phase_seconds": {k: round(v, 3) for k, v in self.phases.items()}})
         log.info("worker %d: seconds per phase over %d steps: %s", self.rank, self.steps,

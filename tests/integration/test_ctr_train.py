@@ -55,11 +55,19 @@ def test_train_prints_final_line_and_writes_metrics(config, mode, tmp_path):
 def test_exact_pipeline_trains_the_same_model_as_the_sequential_loop(tmp_path):
     """With one worker, async mode's ``exact`` pipeline (reading ahead, then t's sparse push, dense step
     and t+1's pull in one Step request) applies the same updates in the same order as one step after the
-    other, so the trained model scores the test split identically; ``stale`` (t+1 pulled before t's
-    push) does not, which shows the comparison can tell."""
+    other, so the trained model scores the test split identically, with a dense step after every batch
+    and with merged dense steps; ``stale`` (t+1 pulled before t's push) does not, which shows the
+    comparison can tell. Merging sends one dense gradient per 3 steps (the last one partial)."""
     common = ("mode=async", "cluster.workers=1", "model.batch_size=64", "model.epochs=1", "checkpoint.root=")
-    out = {p: _train("configs/ctr.yaml", tmp_path / p, *common, f"model.pipeline={p}")[0]
-           for p in ("exact", "sequential", "stale")}
-    assert out["exact"]["test_logloss"] == out["sequential"]["test_logloss"]
-    assert out["exact"]["test_auc"] == out["sequential"]["test_auc"]
-    assert out["stale"]["test_logloss"] != out["sequential"]["test_logloss"]
+    out = {}
+    for merge in (1, 3):
+        for p in ("exact", "sequential", "stale"):
+            final, events = _train("configs/ctr.yaml", tmp_path / f"{p}{merge}", *common, f"model.pipeline={p}",
+                                   f"model.dense_merge_steps={merge}")
+            (profile,) = [e for e in events if e["event"] == "profile"]
+            out[p, merge] = final["test_logloss"], profile["steps"], profile["dense_steps"]
+        assert out["exact", merge] == out["sequential", merge]
+        assert out["stale", merge][0] != out["sequential", merge][0]
+        steps = out["exact", merge][1]
+        assert steps >= 30 and out["exact", merge][2] == -(-steps // merge)
+    assert out["exact", 1][0] != out["exact", 3][0]
