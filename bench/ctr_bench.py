@@ -9,9 +9,9 @@ evaluation excluded). In the same run, ``roofline_examples_per_s`` times the sam
 matrix products alone (numpy, same batch, no data, no PS) and ``ratio_vs_roofline`` divides the two.
 
 Measurements (one JSON object per line, each with a ``bench`` field): ``ctr_dnn_async``,
-``deepfm_async``, ``ctr_dnn_geo`` (the shipped configs: async merges the dense gradients of
-``model.dense_merge_steps`` = 4 steps), and ``ctr_dnn_async_dense_every_step`` (a dense step after every
-batch, ``dense_merge_steps=1``). Reference: Paddle 2.6.2's parameter server (1 server + 2 trainers,
+``deepfm_async``, ``ctr_dnn_geo`` (the shipped configs: a dense step after every batch), and
+``ctr_dnn_async_dense_merge4`` (the dense gradients of 4 steps averaged and sent once,
+``model.dense_merge_steps=4``; see ``engine/programs/ctr.py`` for what it costs in AUC). Reference: Paddle 2.6.2's parameter server (1 server + 2 trainers,
 same net, batch 512) trained about 22,000 examples/s on this kind of machine.
 
     python bench/ctr_bench.py [--rows N] [--quick] [--only ctr_dnn_async,...] [--work DIR] [--set K=V]
@@ -38,7 +38,7 @@ RUNS = {   # name: (config, model, mode, extra overrides)
     "ctr_dnn_async": ("configs/ctr.yaml", "ctr_dnn", "async", ()),
     "deepfm_async": ("configs/deepfm.yaml", "deepfm", "async", ()),
     "ctr_dnn_geo": ("configs/ctr.yaml", "ctr_dnn", "geo", ()),
-    "ctr_dnn_async_dense_every_step": ("configs/ctr.yaml", "ctr_dnn", "async", ("model.dense_merge_steps=1",)),
+    "ctr_dnn_async_dense_merge4": ("configs/ctr.yaml", "ctr_dnn", "async", ("model.dense_merge_steps=4",)),
 }
 
 

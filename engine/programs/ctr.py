@@ -20,15 +20,17 @@ replies with t+1's rows and the fresh dense parameters. Step t+1 starts when tha
 on values that include all of this worker's updates, as the sequential loop does; every push is applied
 on arrival. One request instead of three saves ~1 ms of gRPC CPU per call on each side.
 
-Merged dense steps (``model.dense_merge_steps`` k, async only): the dense gradients of k steps are
-averaged and sent once (``merge_dense``), and the worker keeps its dense parameters between those steps
-(gradient accumulation for the MLP; sparse rows are still pushed and pulled every step). The dense
-exchange (1.7 MB each way for CTR-DNN) is most of a step's non-matrix CPU, so k = 4 (the shipped
-configs) trained 1.4x faster on a 2-core machine (``bench/ctr_bench.py``: 36.6k vs 26.3k examples/s).
-On the shared Criteo rows (mean of 3 seeds) the test AUC held: CTR-DNN 0.7550 (k=1: 0.7557; k=8 fell to
-0.7517), DeepFM 0.7607 (k=1: 0.7592); CTR-DNN's test logloss rose from 0.459 to 0.468 (fewer Adam steps
-on 16k rows), DeepFM's fell from 0.459 to 0.454. Every segment end (epoch, aligned checkpoint point,
-evaluation) sends what was summed, so no gradient is lost or carried over.
+Merged dense steps (``model.dense_merge_steps`` k, async only; 1 in the shipped configs): the dense
+gradients of k steps are averaged and sent once (``merge_dense``), and the worker keeps its dense
+parameters between those steps (gradient accumulation for the MLP, as Paddle's async communicator merges
+queued dense gradients; sparse rows are still pushed and pulled every step). The dense exchange (1.7 MB
+each way for CTR-DNN) is most of a step's non-matrix CPU, so k = 4 trained 1.4x faster on a 2-core
+machine (``bench/ctr_bench.py``: 36.6k vs 26.3k examples/s). On the shared Criteo rows (mean of 3
+seeds) k = 4 held the test AUC when the workers started warm (CTR-DNN 0.7550 vs 0.7557, DeepFM 0.7607 vs
+0.7592; CTR-DNN logloss 0.468 vs 0.459), but CTR-DNN dropped to ~0.747 (k = 2: ~0.753) when they started
+cold, compiling their kernels, where k = 1 stayed at 0.759: with 64 steps per worker, fewer dense steps
+make the result sensitive to how the workers interleave. Hence 1 by default. Every segment end (epoch,
+aligned checkpoint point, evaluation) sends what was summed, so no gradient is lost or carried over.
 ``stale``: the communicator pulls batch t+1 while t computes and pushes t while t+1 computes (Paddle's
 async communicator style), so a step sees this worker's own updates one step later; fastest, but on the
 16k shared Criteo rows it cost ~0.005 test AUC (seeds 0-1: 0.7528/0.7472 vs 0.7614/0.7492).
