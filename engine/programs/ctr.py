@@ -297,14 +297,18 @@ class CTRTrainer:
             self.model.set_dense(self.mode.pull_dense(self.cfg.dense_table))
         self._dense_stale = False
 
-    def _flush_dense(self) -> None:
-        """Async: send the dense gradients merged so far (a segment ends); the next step loads the
-        parameters the dense step returned."""
-        grad = self.merge_dense(None, flush=True) if self.mode.name == "async" else None
+    def _send_dense(self, grad: np.ndarray | None) -> None:
+        """Async: one dense step with ``grad`` (None: nothing to send); the next step loads the
+        parameters it returned."""
         if grad is not None:
             fresh = self.mode.push_pull_dense(self.cfg.dense_table, grad)
             with self._dense_lock:
                 self._fresh_dense = fresh
+
+    def _flush_dense(self) -> None:
+        """Async: send the dense gradients merged so far (a segment ends)."""
+        if self.mode.name == "async":
+            self._send_dense(self.merge_dense(None, flush=True))
 
     def merge_dense(self, grad: np.ndarray | None, flush: bool = False) -> np.ndarray | None:
         """Async mode: the dense gradient to send after this step, or None to send nothing yet.
@@ -349,11 +353,7 @@ class CTRTrainer:
         self.mode.push_sparse_grads(self.cfg.sparse_table, uniq, grads, shows=shows, clicks=clicks)
         t1 = time.perf_counter()
         if self.mode.name == "async":
-            grad = self.merge_dense(res.grad_dense)
-            if grad is not None:
-                fresh = self.mode.push_pull_dense(self.cfg.dense_table, grad)
-                with self._dense_lock:
-                    self._fresh_dense = fresh
+            self._send_dense(self.merge_dense(res.grad_dense))
         else:
             self.mode.push_dense_grads(self.cfg.dense_table, res.grad_dense)
         self.phases["push_sparse"] += t1 - t0
@@ -455,9 +455,9 @@ class CTRTrainer:
         ``exact``: while batch t computes, the communicator thread reads and dedups batch t+1; after
         it, the communicator sends t's sparse and dense gradients with t+1's keys (``Mode.push_pull``,
         one Step request per server) and step t+1 starts with the rows and dense parameters it returns,
-        so it sees every update of this worker (as the sequential loop). ``stale``: the communicator pulls t+1 while t
-        computes, then pushes t while t+1 computes (queue order pull(t+1), push(t), pull(t+2), ...), so
-        step t+1 sees this worker's own updates up to t-1 only."""
+        so it sees every update of this worker (as the sequential loop). ``stale``: the communicator
+        pulls t+1 while t computes, then pushes t while t+1 computes (queue order pull(t+1), push(t),
+        pull(t+2), ...), so step t+1 sees this worker's own updates up to t-1 only."""
         clock, ph = time.perf_counter, self.phases
         table, dense_table = self.cfg.sparse_table, self.cfg.dense_table
         stale = self.cfg.pipeline == "stale"

@@ -289,7 +289,6 @@ class PSClient:
         return dim, uniq, inverse, grads, shows, clicks
 
     def _push(self, table, keys, grads, shows, clicks, kind, accumulate, return_values=False):
-        n_keys = len(keys) if isinstance(keys, np.ndarray) else 0
         dim, uniq, inverse, grads, shows, clicks = self._merged_push(
             table, keys, grads, shows, clicks, "deltas" if kind == pb.DELTA else "grads")
         if len(uniq) == 0:
@@ -304,6 +303,7 @@ class PSClient:
                                                 shows=_take(shows, pos), clicks=_take(clicks, pos))))
         replies = self._fan_out(calls, idempotent=False)
         if return_values:
+            n_keys = len(uniq) if inverse is None else len(inverse)
             return self._assemble(plan, replies, uniq, inverse, n_keys, dim)
         return None
 
@@ -541,13 +541,10 @@ class PSClient:
                 req.dense_table = dense_table
                 dg = (dense_grad[mine[0][1]:mine[0][2]] if len(mine) == 1
                       else np.concatenate([dense_grad[a:z] for _, a, z in mine]))
-            pos, ppos = push_at.get(s), pull_at.get(s)
+            pos = push_at.get(s)
             calls.append((s, "Step", codec.Wire(
-                req, keys=_take(uniq, pos) if pos is not None else None,
-                grads=_take(grads, pos) if pos is not None else None,
-                shows=_take(shows, pos) if pos is not None else None,
-                clicks=_take(clicks, pos) if pos is not None else None,
-                pull_keys=_take(puniq, ppos) if ppos is not None else None, dense_grads=dg)))
+                req, keys=_take(uniq, pos), grads=_take(grads, pos), shows=_take(shows, pos),
+                clicks=_take(clicks, pos), pull_keys=_take(puniq, pull_at.get(s)), dense_grads=dg)))
         replies = dict(zip(servers, self._fan_out(calls, idempotent=False)))
         plan = [(s, pull_at[s]) for s in servers if s in pull_at]
         if plan:
@@ -727,9 +724,12 @@ def _check_array(arr, shape: tuple, name: str) -> np.ndarray:
 
 
 def _take(arr: np.ndarray | None, pos) -> np.ndarray | None:
-    """arr[pos] for a slice (a view) or int64 positions (a Numba gather)."""
-    if arr is None or isinstance(pos, slice):
-        return arr if arr is None or (pos.start == 0 and pos.stop >= len(arr)) else arr[pos]
+    """arr[pos] for a slice (a view) or int64 positions (a Numba gather); None for no positions
+    (a server without a part of a Step request) or no array."""
+    if arr is None or pos is None:
+        return None
+    if isinstance(pos, slice):
+        return arr if pos.start == 0 and pos.stop >= len(arr) else arr[pos]
     out = np.empty((len(pos),) + arr.shape[1:], arr.dtype)
     if arr.ndim == 1:
         _kernels.take_1d(arr, pos, out)

@@ -160,14 +160,9 @@ class PSServer:
 
     def Push(self, req: pb.PushRequest) -> pb.PushResponse:
         host = self._sparse(req.table)
-        keys = codec.decode(req.keys, "keys", codec.U64, 1)
-        n = len(keys)
         delta = req.kind == pb.DELTA
-        grads = codec.decode(req.grads, "deltas" if delta else "grads", codec.F32, 2, shape=(n, host.dim))
-        shows = None if codec.is_absent(req.shows) else codec.decode(req.shows, "shows", codec.F32, 1,
-                                                                      shape=(n,))
-        clicks = None if codec.is_absent(req.clicks) else codec.decode(req.clicks, "clicks", codec.F32, 1,
-                                                                        shape=(n,))
+        keys, grads, shows, clicks = _push_arrays(req, host.dim, "deltas" if delta else "grads")
+        n = len(keys)
         if delta and (shows is not None or req.accumulate):
             raise ProtocolError("a DELTA push takes no shows/clicks and cannot accumulate")
         if req.accumulate and req.return_values:
@@ -226,14 +221,8 @@ class PSServer:
         """Sparse push, dense step, then sparse pull in one request (see ps.proto); everything is
         validated before the first change, so a rejected request leaves every table as it was."""
         host = self._sparse(req.table)
-        keys = _keys_or_empty(req.keys, "keys")
+        keys, grads, shows, clicks = _push_arrays(req, host.dim, "grads", may_be_empty=True)
         n = len(keys)
-        grads = (np.empty((0, host.dim), np.float32) if n == 0 and codec.is_absent(req.grads) else
-                 codec.decode(req.grads, "grads", codec.F32, 2, shape=(n, host.dim)))
-        shows = None if codec.is_absent(req.shows) else codec.decode(req.shows, "shows", codec.F32, 1,
-                                                                      shape=(n,))
-        clicks = None if codec.is_absent(req.clicks) else codec.decode(req.clicks, "clicks", codec.F32, 1,
-                                                                        shape=(n,))
         pull_keys = _keys_or_empty(req.pull_keys, "pull_keys")
         push_parts = host.check_push(keys, grads, shows, clicks, delta=False) if n else None
         pull_parts = host.check_keys(pull_keys) if len(pull_keys) else None
@@ -385,6 +374,21 @@ class PSServer:
 
 def _keys_or_empty(t, name: str) -> np.ndarray:
     return np.empty(0, np.uint64) if codec.is_absent(t) else codec.decode(t, name, codec.U64, 1)
+
+
+def _push_arrays(req, dim: int, what: str, *, may_be_empty: bool = False):
+    """(keys uint64[n], grads float32[n, dim], shows float32[n] or None, clicks float32[n] or None) of
+    the push part of a Push or Step request; ``may_be_empty`` (Step): absent keys and grads are an
+    empty push. Raises ProtocolError naming the field on a wrong dtype, shape or size."""
+    keys = _keys_or_empty(req.keys, "keys") if may_be_empty else codec.decode(req.keys, "keys", codec.U64, 1)
+    n = len(keys)
+    if may_be_empty and n == 0 and codec.is_absent(req.grads):
+        grads = np.empty((0, dim), np.float32)
+    else:
+        grads = codec.decode(req.grads, what, codec.F32, 2, shape=(n, dim))
+    shows, clicks = (None if codec.is_absent(t) else codec.decode(t, name, codec.F32, 1, shape=(n,))
+                     for name, t in (("shows", req.shows), ("clicks", req.clicks)))
+    return keys, grads, shows, clicks
 
 
 def _make_handler(core: PSServer, method: str):
