@@ -52,7 +52,9 @@ def knob(default, *, ge=None, gt=None, le=None, choices=None, doc: str = ""):
 @dataclass(frozen=True)
 class ClusterConfig:
     """Processes and addresses. ``endpoints`` (``host:port`` of every server, in rank order) is for
-    multi-host runs; empty means the launcher starts ``servers`` servers on ``host`` with free ports."""
+    multi-host runs; empty means the launcher starts ``servers`` servers on ``host`` with free ports.
+    ``warm_up``: every process compiles its Numba kernels (or loads them from the cache) before it
+    serves or trains (``engine.ps.warmup``), so no request or step of the job compiles."""
 
     servers: int = knob(1, ge=1)
     workers: int = knob(1, ge=1)
@@ -63,6 +65,7 @@ class ClusterConfig:
     num_vshards: int = knob(1024, ge=1)
     startup_timeout_s: float = knob(120.0, gt=0)
     stop_timeout_s: float = knob(10.0, gt=0)
+    warm_up: bool = True
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,9 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     if port is None and cfg.cluster.endpoints:
         port = int(cfg.cluster.endpoints[rank].rsplit(":", 1)[1])
     host = host or cfg.cluster.host
+    if cfg.cluster.warm_up:        # before listening: no request of the job compiles a kernel
+        from .ps.warmup import warm_up
+        warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
     core = PSServer.from_config(cfg, rank)
     server, bound = serve(core, host, port or 0, cfg.cluster.server_threads)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -135,6 +138,10 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
     try:
         client.wait_ready(cfg.cluster.startup_timeout_s)
         mode = make_mode(cfg, client, rank=rank, num_workers=workers)
+        if cfg.cluster.warm_up:    # the client's kernels (the servers' ones load from the cache they wrote)
+            from .ps.warmup import warm_up
+            warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
+            mode.warm_up(c.dim for c in cfg.sparse_tables.values())
         result = program.run(WorkerContext(cfg, rank, workers, client, mode))
     finally:
         client.close()

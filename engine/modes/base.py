@@ -109,6 +109,10 @@ class Mode(ABC):
         self.barrier(f"init-dense-{table}")
         return self.pull_dense(table)
 
+    def warm_up(self, dims) -> None:
+        """Compile the kernels of the mode's own local state (GEO's local copy) for the sparse row widths
+        ``dims`` (iterable of int), on throwaway data; nothing is sent. Modes without local state: no-op."""
+
     def end_step(self) -> None:
         """Called once after every batch's pushes."""
         self.step += 1

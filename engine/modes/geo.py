@@ -44,6 +44,12 @@ from .base import Mode
 log = logging.getLogger(__name__)
 
 
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    out = arr.copy()
+    out.flags.writeable = False
+    return out
+
+
 class _LocalTable:
     def __init__(self, dim: int, lr: float, evict_after: int, clock):
         base = dict(dim=dim, optimizer="sgd", initializer="zeros", expire_after=float(evict_after),
@@ -133,6 +139,32 @@ class GeoMode(Mode):
         self._dense: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._last_evict = 0
         self.syncs = 0
+
+    def warm_up(self, dims) -> None:
+        """Run what the local copy does in training and at a sync (SGD pushes, dirty rows, expiry, replica
+        deltas) on throwaway tables of each width in ``dims``, with writable and read-only inputs (a pull
+        reply or an Arrow column is read-only, and Numba compiles the two apart), so the job's steps
+        compile nothing."""
+        rng = np.random.default_rng(0)
+        for dim in sorted(set(dims)):
+            t = _LocalTable(dim, self.lr, self.evict_after, lambda: 0.0)
+            keys = rng.integers(1, 2**63, 64, dtype=np.uint64)
+            values = rng.standard_normal((64, dim)).astype(np.float32)
+            for k, v in ((keys, values), (_read_only(keys), _read_only(values))):
+                t.set_rows(k, v, 0)
+                t.local.contains(k)
+                t.local.pull(k)
+                t.synced.pull(k)
+                t.local.push(k, v, shows=np.ones(64, np.float32), clicks=np.zeros(64, np.float32))
+                t.local.push_delta(k, v)
+                t.local.dirty_rows(clear=True)
+                r = _Replica(k, v)
+                r.local += 1.0
+                r.deltas(np.float32(0.5))
+                r.set_rows(np.arange(8), v[:8])
+            for table in (t.local, t.synced):
+                table.shrink(now=float(self.evict_after + 1))
+                table.clear_dirty()
 
     def _clock(self) -> float:
         return float(self.step)

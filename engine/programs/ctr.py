@@ -26,10 +26,11 @@ parameters between those steps (gradient accumulation for the MLP, as Paddle's a
 queued dense gradients; sparse rows are still pushed and pulled every step). The dense exchange (1.7 MB
 each way for CTR-DNN) is most of a step's non-matrix CPU, so k = 4 trained 1.4x faster on a 2-core
 machine (``bench/ctr_bench.py``: 36.6k vs 26.3k examples/s). On the shared Criteo rows (mean of 3
-seeds) k = 4 held the test AUC when the workers started warm (CTR-DNN 0.7550 vs 0.7557, DeepFM 0.7607 vs
-0.7592; CTR-DNN logloss 0.468 vs 0.459), but CTR-DNN dropped to ~0.747 (k = 2: ~0.753) when they started
-cold, compiling their kernels, where k = 1 stayed at 0.759: with 64 steps per worker, fewer dense steps
-make the result sensitive to how the workers interleave. Hence 1 by default. Every segment end (epoch,
+seeds, both workers starting together after the JIT warm-up) k = 4 cost CTR-DNN 0.009 test AUC (0.7465
+vs 0.7557; logloss 0.468 vs 0.459): with 16k rows at batch 128, a quarter of the dense steps is too few.
+(Before the warm-up existed one worker, loading a kernel in its first step, started ~0.3 s after the other,
+and k = 4 then held 0.7550 warm but not cold: how the workers' merged steps interleave matters at this
+size.) Hence 1 by default. Every segment end (epoch,
 aligned checkpoint point, evaluation) sends what was summed, so no gradient is lost or carried over.
 ``stale``: the communicator pulls batch t+1 while t computes and pushes t while t+1 computes (Paddle's
 async communicator style), so a step sees this worker's own updates one step later; fastest, but on the
@@ -67,6 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 from models import ModelConfigError, build_model
 
@@ -251,6 +253,33 @@ class CTRTrainer:
         self.dense_steps = 0          # dense gradients sent (async)
         self._dense_lock = threading.Lock()
         self.pipelined = p.pipeline != "sequential" and self.mode.name == "async"
+
+    def warm_up(self) -> float:
+        """Compile this worker's kernels (read, dedup, forward/backward, predict, metrics) on one
+        synthetic batch of ``batch_size`` rows, so that no step of the job compiles (``engine.ps.warmup``
+        does the same for the PS kernels). Only gradients are computed (the parameters stay as they are)
+        and nothing reaches the servers. Returns seconds."""
+        t0 = time.perf_counter()
+        p, rng = self.cfg, np.random.default_rng(0)
+        n = p.batch_size
+        cols = {"label": pa.array((rng.random(n) < 0.25).astype(np.float32))}
+        if p.dense_dim:
+            cols["dense"] = pa.FixedSizeListArray.from_arrays(
+                pa.array(rng.random(n * p.dense_dim, np.float32)), p.dense_dim)
+        for s in p.slots:
+            cols[s] = pa.array(rng.integers(1, 1000, n, dtype=np.uint64))
+        rb = pa.RecordBatch.from_arrays([cols[f.name] for f in self.schema], schema=self.schema)
+        batch = self.read(rb)
+        uniq, rows, segments, _, _ = self.dedup(batch)
+        emb = rng.uniform(-0.01, 0.01, (len(uniq), self.model.sparse_width)).astype(np.float32)
+        frozen = emb.copy()
+        frozen.flags.writeable = False   # rows viewing a pull reply's bytes (Numba compiles them apart)
+        for rows_in in (emb, frozen):
+            res = self.model.forward_backward(rows_in, rows, segments, batch.dense, batch.labels)
+            self.model.predict(rows_in, rows, segments, batch.dense)
+        for buckets in (1 << 12, EVAL_BUCKETS):
+            BinaryMetrics(buckets).update(res.probs, batch.labels)
+        return time.perf_counter() - t0
 
     # -- the step ---------------------------------------------------------------------------------
     def read(self, rb) -> CTRBatch:
@@ -596,6 +625,8 @@ class CTRTrainer:
             raise ConfigError(f"model.data.source is {p.data.source!r}: a worker started with --role needs "
                               f"source: arrow with train_path and test_path (convert first with `engine "
                               f"convert criteo`), or launch the whole job with `engine train CONFIG`")
+        if self.ctx.config.cluster.warm_up:      # every worker starts its first step compiled
+            log.info("worker %d: kernels ready in %.1f s", self.rank, self.warm_up())
         self.mode.init_dense(p.dense_table, self.model.get_dense())
         if self.rank == 0:
             self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),

@@ -217,6 +217,8 @@ class OnlineTrainer(ctr.CTRTrainer):
 
     def run(self) -> dict:
         p = self.p
+        if self.ctx.config.cluster.warm_up:      # the first hour's steps start compiled
+            log.info("worker %d: kernels ready in %.1f s", self.rank, self.warm_up())
         self.mode.init_dense(p.dense_table, self.model.get_dense())
         if self.rank == 0:
             self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),
