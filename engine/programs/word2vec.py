@@ -292,6 +292,23 @@ class Word2VecTrainer:
         self.global_done = 0.0
         self.steps = 0
 
+    def warm_up(self) -> float:
+        """Compile this worker's kernels (subsampling and negatives, the SGNS step on replicas and on
+        pulled copies, the remap) on a synthetic batch of vocabulary words, with throwaway vectors and
+        read-only tokens as the corpus reader gives them; nothing reaches the servers. Returns seconds."""
+        from models.word2vec import new_state
+        t0 = time.perf_counter()
+        dim, words = self.cfg.dim, len(self.vocab)
+        tokens = np.random.default_rng(0).integers(0, min(words, 64), 256).astype(np.uint32)
+        tokens.flags.writeable = False
+        batch = self.sg.prepare(tokens, np.array([0, 128, 256], np.int64), new_state(0, 0))
+        syn = [np.zeros((words, dim), np.float32) for _ in range(2)]
+        self.sg.train(batch, batch.words, batch.words, batch.negs, *syn, 0.025, 0.02, self.work)
+        local = self.sg.remap(batch, self.sg.new_scratch())
+        syn = [np.zeros((len(ids), dim), np.float32) for ids in (local.in_ids, local.out_ids)]
+        self.sg.train(batch, local.words_in, local.words_out, local.negs_out, *syn, 0.025, 0.02, self.work)
+        return time.perf_counter() - t0
+
     # -- the step ---------------------------------------------------------------------------------
     def train_replica(self, batch, a0, a1, syn0, syn1):
         """GEO: train on the replicas in place (local id = word id)."""
@@ -321,6 +338,8 @@ class Word2VecTrainer:
     def run(self) -> dict:
         from models.word2vec import SGStats, new_state
         p = self.cfg
+        if self.ctx.config.cluster.warm_up:      # every worker starts its first step compiled
+            log.info("worker %d: kernels ready in %.1f s", self.rank, self.warm_up())
         if self.rank == 0:
             self.client.init_dense(p.progress_table, np.zeros(1, np.float32), force=True)
         self.mode.barrier("w2v-progress-init")
