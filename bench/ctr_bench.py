@@ -15,7 +15,8 @@ Measurements (one JSON object per line, each with a ``bench`` field): ``ctr_dnn_
 DeepFM: the dense gradients of 4 steps averaged and sent once, ``model.dense_merge_steps: 4``), and the
 other setting of each async model: ``ctr_dnn_async_dense_merge4`` and ``deepfm_async_dense_every_step``
 (at this data size the test AUC is the same; on the 16k shared Criteo rows CTR-DNN loses with merged
-steps, see ``engine/programs/ctr.py``). Reference: Paddle 2.6.2's parameter
+steps, see ``engine/programs/ctr.py``), and ``ctr_dnn_async_stale_merge4``: Paddle's async communicator
+semantics (merged dense steps and the ``stale`` pipeline: a step does not wait for its own push). Reference: Paddle 2.6.2's parameter
 server (1 server + 2 trainers, same net, batch 512) trained about 22,000 examples/s on this kind of
 machine.
 
@@ -44,6 +45,8 @@ RUNS = {   # name: (config, model, mode, extra overrides)
     "ctr_dnn_geo": ("configs/ctr.yaml", "ctr_dnn", "geo", ()),
     "ctr_dnn_async_dense_merge4": ("configs/ctr.yaml", "ctr_dnn", "async", ("model.dense_merge_steps=4",)),
     "deepfm_async_dense_every_step": ("configs/deepfm.yaml", "deepfm", "async", ("model.dense_merge_steps=1",)),
+    "ctr_dnn_async_stale_merge4": ("configs/ctr.yaml", "ctr_dnn", "async",
+                                   ("model.dense_merge_steps=4", "model.pipeline=stale")),
 }
 
 
