@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -20,16 +22,18 @@ log = logging.getLogger(__name__)
 
 _KEYS = 256    # keys per warm-up request: enough to reach every local shard of both throwaway servers
 _GROW = 16384  # keys of one push that outgrows the shards' initial hash index (compiles the rehash)
+_SPILL_ROWS = 512  # RAM rows per shard of a throwaway table that spills: the growth push spills to RocksDB
 
 
 def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
     """Run each request kind of training and evaluation once on a throwaway cluster.
 
     Two in-process ``PSServer`` ranks (so client routing and reply assembly run as with a real cluster)
-    hold copies of the tables (RocksDB spill off) in ``local_shards`` shards each, as the real servers
-    (one shard and several take different paths); requests go through the wire codec, so the kernels
-    compile for the array types a real request brings (Numba compiles read-only views of received
-    bytes apart from writable arrays). Nothing of the real tables is touched.
+    hold copies of the tables in ``local_shards`` shards each, as the real servers (one shard and several
+    take different paths); a table that spills gets a temporary RocksDB directory and ``memory_rows`` so
+    small that the warm-up spills rows and reads them back. Requests go through the wire codec, so the
+    kernels compile for the array types a real request brings (Numba compiles read-only views of
+    received bytes apart from writable arrays). Nothing of the real tables is touched.
 
     Parameters
     ----------
@@ -48,7 +52,9 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
     from .transport import InProcessTransport
 
     t0 = time.perf_counter()
-    sparse = {n: dataclasses.replace(c, spill_path=None) for n, c in sparse.items()}
+    spill_dir = tempfile.TemporaryDirectory(prefix="engine-warm-up-")
+    sparse = {n: dataclasses.replace(c, spill_path=os.path.join(spill_dir.name, n), memory_rows=_SPILL_ROWS)
+              if c.spill_path else c for n, c in sparse.items()}
     servers = [PSServer(sparse, dense, index=i, num_servers=2, num_vshards=64,
                         local_shards=local_shards)
                for i in range(2)]
@@ -77,6 +83,8 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
             client.push(name, keys, grads, shows=shows, clicks=clicks)
             grow = rng.integers(1, 2**63, _GROW, dtype=np.uint64)
             client.push(name, grow, np.zeros((_GROW, cfg.dim), np.float32), shows=np.ones(_GROW, np.float32))
+            client.pull(name, keys)                              # rows a spilling table moved to disk
+            client.pull(name, keys, init_missing=True)
             client.push(name, np.concatenate([keys, keys[:8]]), np.concatenate([grads, grads[:8]]),
                         shows=np.concatenate([shows, shows[:8]]), accumulate=True)   # sync, duplicates
             client.push_delta(name, keys, grads)                # GEO
@@ -91,6 +99,7 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
         client.close()
         for s in servers:
             s.close()
+        spill_dir.cleanup()
     seconds = time.perf_counter() - t0
     log.info("parameter-server kernels ready in %.1f s", seconds)
     return seconds

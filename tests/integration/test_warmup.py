@@ -30,7 +30,7 @@ from engine.ps.warmup import warm_up
 from engine.roles import WorkerContext
 from streaming.criteo import generate_criteo
 
-repo, tmp, program, mode, pipeline = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:6]
+repo, tmp, program, mode, pipeline, spill = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:7]
 
 def specializations():
     out = {}
@@ -42,6 +42,8 @@ def specializations():
     return out
 
 common = [f"mode={mode}", "checkpoint.root=", "cluster.workers=1", f"model.metrics_dir={tmp}/m"]
+if spill == "spill":    # a table that moves rows to RocksDB past 2,000 rows per shard
+    common += [f"tables.sparse.embedding.spill_path={tmp}/spill", "tables.sparse.embedding.memory_rows=2000"]
 if program == "ctr":
     g = generate_criteo(tmp / "gen.txt", 3000, 5)
     cfg = ctr.prepare(load_config(repo / "configs" / "ctr.yaml", common + [
@@ -70,20 +72,24 @@ out = trainer.run()
 after = specializations()
 client.close()
 server.close()
-print(json.dumps({"steps": out["steps"],
+spilled = sum(h.stats()["evictions"] for h in server.sparse.values()) if spill == "spill" else None
+print(json.dumps({"steps": out["steps"], "spilled": spilled,
                   "compiled_in_job": {k: after[k] - before.get(k, 0) for k in after
                                       if after[k] != before.get(k, 0)}}))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("program,mode,pipeline", [
-    ("ctr", "async", "exact"), ("ctr", "async", "sequential"), ("ctr", "sync", "exact"), ("ctr", "geo", "exact"),
-    ("word2vec", "geo", "-"), ("word2vec", "async", "-")])
-def test_no_kernel_compiles_after_the_warm_up(tmp_path, program, mode, pipeline):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO), str(tmp_path), program, mode, pipeline],
+@pytest.mark.parametrize("program,mode,pipeline,spill", [
+    ("ctr", "async", "exact", "-"), ("ctr", "async", "sequential", "-"), ("ctr", "sync", "exact", "-"),
+    ("ctr", "geo", "exact", "-"), ("ctr", "async", "exact", "spill"),
+    ("word2vec", "geo", "-", "-"), ("word2vec", "async", "-", "-")])
+def test_no_kernel_compiles_after_the_warm_up(tmp_path, program, mode, pipeline, spill):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO), str(tmp_path), program, mode, pipeline, spill],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["steps"] > 3, res
+    if spill == "spill":
+        assert res["spilled"] > 0, res       # the job did move rows to RocksDB
     assert res["compiled_in_job"] == {}, res["compiled_in_job"]
