@@ -16,9 +16,9 @@ DeepFM: the dense gradients of 4 steps averaged and sent once, ``model.dense_mer
 other setting of each async model: ``ctr_dnn_async_dense_merge4`` and ``deepfm_async_dense_every_step``
 (at this data size the test AUC is the same; on the 16k shared Criteo rows CTR-DNN loses with merged
 steps, see ``engine/programs/ctr.py``), and ``ctr_dnn_async_stale_merge4``: Paddle's async communicator
-semantics (merged dense steps and the ``stale`` pipeline: a step does not wait for its own push). Reference: Paddle 2.6.2's parameter
-server (1 server + 2 trainers, same net, batch 512) trained about 22,000 examples/s on this kind of
-machine.
+semantics (merged dense steps and the ``stale`` pipeline: a step does not wait for its own push).
+Reference: Paddle 2.6.2's parameter server (1 server + 2 trainers, same net, batch 512) trained about
+22,000 examples/s on this kind of machine.
 
     python bench/ctr_bench.py [--rows N] [--quick] [--only ctr_dnn_async,...] [--work DIR] [--set K=V]
 """
@@ -37,7 +37,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from streaming.criteo import arrow_is_current, convert_criteo, generate_criteo  # noqa: E402
+from engine.programs.ctr_data import DataConfig, expected_schema, prepare_data  # noqa: E402
+from streaming.criteo import SPARSE_COLUMNS as SLOTS, generate_criteo  # noqa: E402
 
 RUNS = {   # name: (config, model, mode, extra overrides)
     "ctr_dnn_async": ("configs/ctr.yaml", "ctr_dnn", "async", ()),
@@ -51,9 +52,10 @@ RUNS = {   # name: (config, model, mode, extra overrides)
 
 
 def prepare(work: Path, rows: int, seed: int) -> tuple[Path, Path]:
-    """Generate ``rows * 5 / 4`` rows once and convert them with the canonical split (row i is test when
-    ``i % 5 == 4``): ``rows`` train rows and a held-out quarter as many test rows, both drawn from the
-    same planted model (reused while current). Returns (train dir, test dir)."""
+    """Generate ``rows * 5 / 4`` rows once and convert them as ``engine train`` does (``prepare_data``:
+    the canonical split, row i is test when ``i % 5 == 4``, reused while current): ``rows`` train rows
+    and a held-out quarter as many test rows, both drawn from the same planted model. Returns (train
+    dir, test dir)."""
     work.mkdir(parents=True, exist_ok=True)
     total = rows * 5 // 4
     raw = work / f"criteo-{total}-seed{seed}.txt"
@@ -63,16 +65,9 @@ def prepare(work: Path, rows: int, seed: int) -> tuple[Path, Path]:
         generate_criteo(tmp, total, seed)
         os.replace(tmp, raw)
         print(f"# generated {total} rows in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    dirs = []
-    for split in ("train", "test"):
-        out = work / f"arrow-{total}-seed{seed}-{split}"
-        if not arrow_is_current([raw], out, split=split):
-            t = time.perf_counter()
-            convert_criteo([raw], out, split=split, batch_size=8192, rows_per_file=max(8192, rows // 8),
-                           progress=False)
-            print(f"# converted the {split} split in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-        dirs.append(out)
-    return dirs[0], dirs[1]
+    data = prepare_data(DataConfig(source="criteo", criteo_path=str(raw), cache_dir=str(work / "cache"),
+                                   convert_batch_size=8192), expected_schema(SLOTS, 13))
+    return Path(data.train_path), Path(data.test_path)
 
 
 def roofline(kind: str, batch: int, dim: int = 10, hidden=(400, 400, 400), slots: int = 26, dense: int = 13,

@@ -38,16 +38,11 @@ import pyarrow as pa
 from sparse_tables import SparseTable, TableConfig
 
 from ..errors import ConfigError
+from ..ps.warmup import read_only
 from ._kernels import replica_deltas, set_replica_rows
 from .base import Mode
 
 log = logging.getLogger(__name__)
-
-
-def _read_only(arr: np.ndarray) -> np.ndarray:
-    out = arr.copy()
-    out.flags.writeable = False
-    return out
 
 
 class _LocalTable:
@@ -150,7 +145,7 @@ class GeoMode(Mode):
             t = _LocalTable(dim, self.lr, self.evict_after, lambda: 0.0)
             keys = rng.integers(1, 2**63, 64, dtype=np.uint64)
             values = rng.standard_normal((64, dim)).astype(np.float32)
-            for k, v in ((keys, values), (_read_only(keys), _read_only(values))):
+            for k, v in ((keys, values), (read_only(keys), read_only(values))):
                 t.set_rows(k, v, 0)
                 t.local.contains(k)
                 t.local.pull(k)

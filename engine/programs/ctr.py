@@ -78,6 +78,7 @@ from models import ModelConfigError, build_model
 from ..config import knob
 from ..errors import ConfigError
 from ..metrics import BinaryMetrics
+from ..ps.warmup import read_only
 from .ctr_data import DataConfig, CTRBatch, dedup_batch, expected_schema, make_source, prepare_data, shard_rows, to_batch
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, merge_global, metrics_state_size, now_stamp
@@ -275,13 +276,10 @@ class CTRTrainer:
         batch = self.read(rb)
         uniq, rows, segments, _, _ = self.dedup(batch)
         emb = rng.uniform(-0.01, 0.01, (len(uniq), self.model.sparse_width)).astype(np.float32)
-        frozen = emb.copy()
-        frozen.flags.writeable = False   # rows viewing a pull reply's bytes (Numba compiles them apart)
-        for rows_in in (emb, frozen):
+        for rows_in in (emb, read_only(emb)):      # rows a multi-server assembly or a pull reply gives
             res = self.model.forward_backward(rows_in, rows, segments, batch.dense, batch.labels)
             self.model.predict(rows_in, rows, segments, batch.dense)
-        for buckets in (1 << 12, EVAL_BUCKETS):
-            BinaryMetrics(buckets).update(res.probs, batch.labels)
+        BinaryMetrics(EVAL_BUCKETS).update(res.probs, batch.labels)
         return time.perf_counter() - t0
 
     # -- the step ---------------------------------------------------------------------------------

@@ -228,11 +228,12 @@ class PSServer:
         pull_parts = host.check_keys(pull_keys) if len(pull_keys) else None
         blocks = list(req.blocks)
         dense = spans = None
+        total = 0
         if blocks or not codec.is_absent(req.dense_grads):
             dense = self._dense(req.dense_table)
             if len(set(blocks)) != len(blocks):
                 raise ProtocolError(f"blocks {blocks}: a block may be stepped once per request")
-            spans, total = [], 0
+            spans = []
             for b in blocks:
                 dense.check_block(b)
                 spans.append((b, total, total + dense.block_length(b)))
@@ -242,7 +243,7 @@ class PSServer:
                 dense.check_grad(b, dgrads[a:z])
         specs = {"values": (codec.F32, (len(pull_keys), host.dim))}
         if spans is not None:
-            specs["dense"] = (codec.F32, (spans[-1][2] if spans else 0,))
+            specs["dense"] = (codec.F32, (total,))
         reply = codec.Wire.allocate_fields(pb.StepResponse(request_id=req.request_id), specs)
         if n:
             host.push(keys, grads, shows, clicks, delta=False, parts=push_parts)

@@ -25,6 +25,14 @@ _GROW = 16384  # keys of one push that outgrows the shards' initial hash index (
 _SPILL_ROWS = 512  # RAM rows per shard of a throwaway table that spills: the growth push spills to RocksDB
 
 
+def read_only(arr: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``arr``, as a pull reply or an Arrow column arrives (Numba compiles read-only
+    arrays apart from writable ones, so a warm-up feeds both)."""
+    out = arr.copy()
+    out.flags.writeable = False
+    return out
+
+
 def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
     """Run each request kind of training and evaluation once on a throwaway cluster.
 
@@ -61,7 +69,7 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
     client = PSClient(InProcessTransport(servers), threads=2, name="warm-up")
     rng = np.random.default_rng(0)
     try:
-        dense_table = None
+        dense_table = next(iter(dense), None)     # Step's dense part (each optimizer ran in DENSE_STEP)
         for name in dense:
             size = 2 * _KEYS
             client.init_dense(name, np.zeros(size, np.float32))
@@ -71,8 +79,6 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
             client.push_dense(name, grad)
             client.push_dense_delta(name, grad)                 # GEO
             client.pull_dense(name)
-            if dense_table is None and dense[name].optimizer == "adam":
-                dense_table = name
         for name, cfg in sparse.items():
             keys = rng.integers(1, 2**63, _KEYS, dtype=np.uint64)
             grads = rng.standard_normal((_KEYS, cfg.dim)).astype(np.float32)
@@ -105,4 +111,4 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
     return seconds
 
 
-__all__ = ["warm_up"]
+__all__ = ["read_only", "warm_up"]
