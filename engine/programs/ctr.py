@@ -482,15 +482,18 @@ class CTRTrainer:
         """Async mode with ``model.pipeline`` ``exact`` or ``stale``: yields (batch, StepResult) like
         ``_steps`` while the network works next to the matrix products (see the module docstring).
 
-        ``exact``: while batch t computes, the communicator thread reads and dedups batch t+1; after
-        it, the communicator sends t's sparse and dense gradients with t+1's keys (``Mode.push_pull``,
-        one Step request per server) and step t+1 starts with the rows and dense parameters it returns,
-        so it sees every update of this worker (as the sequential loop). ``stale``: the communicator
-        pulls t+1 while t computes, then pushes t while t+1 computes (queue order pull(t+1), push(t),
-        pull(t+2), ...), so step t+1 sees this worker's own updates up to t-1 only."""
+        One communicator thread does, in this order, every read, dedup and round trip. After step t
+        computes it sends t's sparse and dense gradients with the keys of the next unread batch
+        (``Mode.push_pull``: push, dense step, then pull, one Step request per server), which replies
+        with that batch's rows and the fresh dense parameters. ``exact`` keeps one such request in
+        flight: step t+1 starts with what t's request returned, so it sees every update of this worker
+        (as the sequential loop). ``stale`` keeps two: batches 0 and 1 are pulled first, then step
+        t+1 starts with what t-1's request returned while t's request runs beside it, so it sees this
+        worker's own updates up to t-1 only (Paddle's async communicator does not wait for a step's
+        own push either). Both apply the same updates in the same order run after run."""
         clock, ph = time.perf_counter, self.phases
         table, dense_table = self.cfg.sparse_table, self.cfg.dense_table
-        stale = self.cfg.pipeline == "stale"
+        depth = 2 if self.cfg.pipeline == "stale" else 1
         count = 0
 
         def read_next():
@@ -509,72 +512,62 @@ class CTRTrainer:
             ph["dedup"] += clock() - t1
             return batch, d
 
-        def pull_next(read):
-            item = read.result() if read is not None else read_next()
+        def pull_first():
+            """(item with its rows or None, None): the batches the pipeline starts with."""
+            item = read_next()
             if item is None:
-                return None
+                return None, None
             t0 = clock()
             emb = self.mode.pull_sparse(table, item[1][0])
             ph["pull_sparse"] += clock() - t0
-            return item + (emb,)
+            return item + (emb,), None
 
         def push_then_pull(uniq, res, shows, clicks, size, read):
-            """exact: t's sparse and dense pushes and t+1's pull, one Step request per server ->
-            (t+1's item with its rows or None, t's fresh dense parameters)."""
+            """t's sparse and dense pushes and the next batch's pull, one Step request per server ->
+            (that batch's item with its rows or None, the fresh dense parameters or None)."""
             item = read.result()             # read on this thread just before: already done
             t0 = clock()
             grads = res.grad_emb
             grads *= np.float32(size)
             pull_keys = item[1][0] if item is not None else np.empty(0, np.uint64)
-            dense_grad = self.merge_dense(res.grad_dense, flush=item is None)
+            # exact: the last push flushes the merged dense gradients; stale: after the drain below
+            dense_grad = self.merge_dense(res.grad_dense, flush=item is None and depth == 1)
             emb, fresh = self.mode.push_pull(table, uniq, grads, shows, clicks, pull_keys,
                                              dense_table if dense_grad is not None else None, dense_grad)
             ph["push_pull"] += clock() - t0
             return (item + (emb,) if item is not None else None), fresh
 
         comm = ThreadPoolExecutor(1, thread_name_prefix=f"ctr-comm{self.rank}")
-        pushes: deque = deque()
+        inflight: deque = deque()
         try:
             t0 = clock()
             self.refresh_dense()
             ph["pull_dense"] += clock() - t0
-            nxt = comm.submit(pull_next, None)
-            first = True
+            inflight.extend(comm.submit(pull_first) for _ in range(depth))
             while True:
                 t0 = clock()
-                got = nxt.result()
-                item, fresh = (got, None) if stale or first else got
-                first = False
+                item, fresh = inflight.popleft().result()
                 if item is None:
+                    while inflight:                  # stale: the last step's request is still out
+                        last = inflight.popleft().result()[1]
+                        fresh = last if last is not None else fresh
                     if fresh is not None:            # the last step's parameters, for evaluation
                         with self._dense_lock:
                             self._fresh_dense = fresh
                     break
-                if stale:
-                    nxt = comm.submit(pull_next, None)
-                    while pushes and pushes[0].done():
-                        pushes.popleft().result()          # a failed push surfaces here
-                    with self._dense_lock:
-                        fresh, self._fresh_dense = self._fresh_dense, None
-                else:
-                    read = comm.submit(read_next)
+                read = comm.submit(read_next)
                 if fresh is not None:
                     self.model.set_dense(fresh)
                 t1 = clock()
                 batch, (uniq, rows, segments, shows, clicks), emb = item
                 res = self.forward_backward(emb, rows, segments, batch)
                 t2 = clock()
-                if stale:
-                    pushes.append(comm.submit(self.push, uniq, res, shows, clicks, batch.size))
-                else:
-                    nxt = comm.submit(push_then_pull, uniq, res, shows, clicks, batch.size, read)
+                inflight.append(comm.submit(push_then_pull, uniq, res, shows, clicks, batch.size, read))
                 self.mode.end_step()
                 ph["wait"] += t1 - t0
                 ph["compute"] += t2 - t1
                 yield batch, res
-            while pushes:
-                pushes.popleft().result()
-            if stale:
+            if depth > 1:
                 self._flush_dense()
         finally:
             comm.shutdown(wait=True, cancel_futures=True)   # before the caller closes the iterator

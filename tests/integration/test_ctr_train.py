@@ -57,17 +57,21 @@ def test_exact_pipeline_trains_the_same_model_as_the_sequential_loop(tmp_path):
     and t+1's pull in one Step request) applies the same updates in the same order as one step after the
     other, so the trained model scores the test split identically, with a dense step after every batch
     and with merged dense steps; ``stale`` (t+1 pulled before t's push) does not, which shows the
-    comparison can tell. Merging sends one dense gradient per 3 steps (the last one partial)."""
+    comparison can tell, but it too applies the same updates run after run (its requests go out in a
+    fixed order). Merging sends one dense gradient per 3 steps (the last one partial), in every pipeline."""
     common = ("mode=async", "cluster.workers=1", "model.batch_size=64", "model.epochs=1", "checkpoint.root=")
     out = {}
     for merge in (1, 3):
-        for p in ("exact", "sequential", "stale"):
-            final, events = _train("configs/ctr.yaml", tmp_path / f"{p}{merge}", *common, f"model.pipeline={p}",
-                                   f"model.dense_merge_steps={merge}")
+        for p in ("exact", "sequential", "stale", "stale-again"):
+            final, events = _train("configs/ctr.yaml", tmp_path / f"{p}{merge}", *common,
+                                   f"model.pipeline={p.split('-')[0]}", f"model.dense_merge_steps={merge}")
             (profile,) = [e for e in events if e["event"] == "profile"]
             out[p, merge] = final["test_logloss"], profile["steps"], profile["dense_steps"]
         assert out["exact", merge] == out["sequential", merge]
         assert out["stale", merge][0] != out["sequential", merge][0]
+        assert out["stale", merge] == out["stale-again", merge]
         steps = out["exact", merge][1]
-        assert steps >= 30 and out["exact", merge][2] == -(-steps // merge)
+        assert steps >= 30
+        for p in ("exact", "sequential", "stale"):
+            assert out[p, merge][1:] == (steps, -(-steps // merge))
     assert out["exact", 1][0] != out["exact", 3][0]
