@@ -11,12 +11,15 @@ dedup, pull, compute and push included, evaluation excluded) and the held-out ``
 matrix products alone (numpy, same batch, no data, no PS) and ``ratio_vs_roofline`` divides the two.
 
 Measurements (one JSON object per line, each with a ``bench`` field): ``ctr_dnn_async``,
-``deepfm_async`` and ``ctr_dnn_geo`` with the shipped configs (CTR-DNN: a dense step after every batch;
-DeepFM: the dense gradients of 4 steps averaged and sent once, ``model.dense_merge_steps: 4``), and the
-other setting of each async model: ``ctr_dnn_async_dense_merge4`` and ``deepfm_async_dense_every_step``
-(at this data size the test AUC is the same; on the 16k shared Criteo rows CTR-DNN loses with merged
-steps, see ``engine/programs/ctr.py``), and ``ctr_dnn_async_stale_merge4``: Paddle's async communicator
-semantics (merged dense steps and the ``stale`` pipeline: a step does not wait for its own push).
+``deepfm_async`` and ``ctr_dnn_geo`` run the configs for data of this size, ``configs/ctr_bigdata.yaml``
+and ``configs/deepfm_bigdata.yaml``: Paddle's async semantics, the dense gradients of 4 steps averaged and
+sent once (``model.dense_merge_steps: 4``) and a step that does not wait for its own push
+(``model.pipeline: stale``). The stricter settings are measured beside them: ``ctr_dnn_async_exact``
+(merged steps, but step t+1 waits for t's push, ``model.pipeline: exact``), and the configs for the 16k
+shared Criteo rows, where every update counts: ``ctr_dnn_async_shared_config`` (``configs/ctr.yaml``:
+exact, a dense step after every batch) and ``deepfm_async_shared_config`` (``configs/deepfm.yaml``:
+exact, merged by 4). Besides batch size, dim, one epoch, the data and the cluster size, the bench only turns
+off shuffling (the generated rows are in random order), per-epoch evaluation and checkpoints.
 Reference: Paddle 2.6.2's parameter server (1 server + 2 trainers, same net, batch 512) trained about
 22,000 examples/s on this kind of machine.
 
@@ -41,13 +44,12 @@ from engine.programs.ctr_data import DataConfig, expected_schema, prepare_data  
 from streaming.criteo import SPARSE_COLUMNS as SLOTS, generate_criteo  # noqa: E402
 
 RUNS = {   # name: (config, model, mode, extra overrides)
-    "ctr_dnn_async": ("configs/ctr.yaml", "ctr_dnn", "async", ()),
-    "deepfm_async": ("configs/deepfm.yaml", "deepfm", "async", ()),
-    "ctr_dnn_geo": ("configs/ctr.yaml", "ctr_dnn", "geo", ()),
-    "ctr_dnn_async_dense_merge4": ("configs/ctr.yaml", "ctr_dnn", "async", ("model.dense_merge_steps=4",)),
-    "deepfm_async_dense_every_step": ("configs/deepfm.yaml", "deepfm", "async", ("model.dense_merge_steps=1",)),
-    "ctr_dnn_async_stale_merge4": ("configs/ctr.yaml", "ctr_dnn", "async",
-                                   ("model.dense_merge_steps=4", "model.pipeline=stale")),
+    "ctr_dnn_async": ("configs/ctr_bigdata.yaml", "ctr_dnn", "async", ()),
+    "deepfm_async": ("configs/deepfm_bigdata.yaml", "deepfm", "async", ()),
+    "ctr_dnn_geo": ("configs/ctr_bigdata.yaml", "ctr_dnn", "geo", ()),
+    "ctr_dnn_async_exact": ("configs/ctr_bigdata.yaml", "ctr_dnn", "async", ("model.pipeline=exact",)),
+    "ctr_dnn_async_shared_config": ("configs/ctr.yaml", "ctr_dnn", "async", ()),
+    "deepfm_async_shared_config": ("configs/deepfm.yaml", "deepfm", "async", ()),
 }
 
 

@@ -52,6 +52,22 @@ def test_train_prints_final_line_and_writes_metrics(config, mode, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("config, model", [("configs/ctr_bigdata.yaml", "ctr_dnn"),
+                                           ("configs/deepfm_bigdata.yaml", "deepfm")])
+def test_bigdata_configs_train_with_merged_dense_steps(config, model, tmp_path):
+    """The configs for large data (what bench/ctr_bench.py measures) run as shipped, but on 20k generated
+    rows and a small tower: async, batch 512, each worker sends one dense gradient per 4 steps (the last
+    one partial), and the test split is scored."""
+    final, events = _train(config, tmp_path, "model.data.generated_rows=20000")
+    assert final["model"] == model and final["mode"] == "async"
+    assert 0.55 < final["test_auc"] <= 1.0
+    profiles = [e for e in events if e["event"] == "profile"]
+    assert sorted(e["rank"] for e in profiles) == [0, 1]
+    for e in profiles:      # 16,000 train rows: 8,000 per worker, 16 batches of up to 512
+        assert 15 <= e["steps"] <= 17 and e["dense_steps"] == -(-e["steps"] // 4)
+
+
+@pytest.mark.slow
 def test_exact_pipeline_trains_the_same_model_as_the_sequential_loop(tmp_path):
     """With one worker, async mode's ``exact`` pipeline (reading ahead, then t's sparse push, dense step
     and t+1's pull in one Step request) applies the same updates in the same order as one step after the
