@@ -55,6 +55,11 @@ class Mode(ABC):
     def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Training values of ``keys : uint64[n]`` -> float32[n, dim] (unknown keys: initial values)."""
 
+    def prefetch_sparse(self, table: str, keys: np.ndarray):
+        """Fetch ahead what a later ``pull_sparse(table, keys)`` will need, or None when a mode's pull
+        must see the pushes made in between (async and sync pull at the step; GEO overrides it)."""
+        return None
+
     @abstractmethod
     def push_sparse_grads(self, table: str, keys: np.ndarray, grads: np.ndarray,
                           shows: np.ndarray | None = None, clicks: np.ndarray | None = None) -> None:

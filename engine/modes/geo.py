@@ -198,7 +198,25 @@ class GeoMode(Mode):
         r = self._replicas[table] = _Replica(keys, self.client.pull(table, keys, init_missing=True))
         return r.local
 
-    def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
+    def prefetch_sparse(self, table: str, keys: np.ndarray):
+        """The servers' values of the keys of ``keys : uint64[n]`` that are not in the local copy now,
+        for a later ``pull_sparse(table, keys, prefetched=...)`` (the CTR worker fetches batch t+1's
+        while step t computes). Safe to call beside the training thread: it only reads the local copy.
+        Returns (keys uint64[m] sorted unique, values float32[m, dim]) or None (nothing to fetch, or a
+        replica table)."""
+        if table in self._replicas or not len(keys):
+            return None
+        t = self._tables.get(table)
+        missing = keys if t is None else keys[~t.local.contains(keys)]
+        if not len(missing):
+            return None
+        missing = np.unique(missing)
+        return missing, self.client.pull(table, missing, init_missing=True)
+
+    def pull_sparse(self, table: str, keys: np.ndarray, prefetched=None) -> np.ndarray:
+        """Local values of ``keys : uint64[n]`` -> float32[n, dim]; a key missing from the local copy
+        enters it with the servers' value, taken from ``prefetched`` (``prefetch_sparse``'s result)
+        when it holds the key, else fetched now (a row evicted since the prefetch)."""
         r = self._replicas.get(table)
         if r is not None:
             return r.local[r.positions(keys)]
@@ -207,7 +225,16 @@ class GeoMode(Mode):
             missing = keys[~t.local.contains(keys)]
             if len(missing):
                 missing = np.unique(missing)
-                t.set_rows(missing, self.client.pull(table, missing, init_missing=True), self.step)
+                values = np.empty((len(missing), t.dim), np.float32)
+                have = np.zeros(len(missing), np.bool_)
+                if prefetched is not None and len(prefetched[0]):
+                    pkeys, pvalues = prefetched
+                    pos = np.minimum(np.searchsorted(pkeys, missing), len(pkeys) - 1)
+                    have = pkeys[pos] == missing
+                    values[have] = pvalues[pos[have]]
+                if not have.all():
+                    values[~have] = self.client.pull(table, missing[~have], init_missing=True)
+                t.set_rows(missing, values, self.step)
         return t.local.pull(keys)
 
     def push_sparse_grads(self, table, keys, grads, shows=None, clicks=None) -> None:

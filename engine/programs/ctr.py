@@ -20,7 +20,7 @@ replies with t+1's rows and the fresh dense parameters. Step t+1 starts when tha
 on values that include all of this worker's updates, as the sequential loop does; every push is applied
 on arrival. One request instead of three saves ~1 ms of gRPC CPU per call on each side.
 
-Merged dense steps (``model.dense_merge_steps`` k, async only; shipped: 1 for CTR-DNN, 4 for DeepFM): the dense
+Merged dense steps (``model.dense_merge_steps`` k, async only; 1 in configs/ctr.yaml, 4 in the others): the dense
 gradients of k steps are averaged and sent once (``merge_dense``), and the worker keeps its dense
 parameters between those steps (gradient accumulation for the MLP, as Paddle's async communicator merges
 queued dense gradients; sparse rows are still pushed and pulled every step). The dense exchange (1.7 MB
@@ -35,10 +35,16 @@ and k = 4 then held 0.7550 warm but not cold: how the workers' merged steps inte
 size.) Hence 1 in ``configs/ctr.yaml``; DeepFM lost nothing at k = 4 (0.7593 vs 0.7590 on the shared
 rows), so ``configs/deepfm.yaml`` merges 4. Every segment end (epoch,
 aligned checkpoint point, evaluation) sends what was summed, so no gradient is lost or carried over.
-``stale``: the communicator pulls batch t+1 while t computes and pushes t while t+1 computes (Paddle's
-async communicator style), so a step sees this worker's own updates one step later; fastest, but on the
-16k shared Criteo rows it cost ~0.005 test AUC (seeds 0-1: 0.7528/0.7472 vs 0.7614/0.7492).
-``sequential``: one step after the other. Sync and GEO always run sequentially.
+``stale`` (``configs/ctr_bigdata.yaml``, ``configs/deepfm_bigdata.yaml``): the same Step requests, two in
+flight instead of one, so a step trains on what the request before its predecessor's returned and sees
+this worker's own updates one step later (Paddle's async communicator does not wait for a step's own
+push either). With 4 merged dense steps it is the fastest async setting (ctr_bench: ~1.8x the
+examples/s of the shipped CTR-DNN config, the same held-out AUC on 1M generated rows), but on the 16k
+shared Criteo rows it costs CTR-DNN AUC (mean of seeds 0-2: 0.7478 at k = 1, 0.7360 at k = 4, against
+0.7560 exact at k = 1) and DeepFM a little (0.7576 against 0.7593, k = 4).
+``sequential``: one step after the other. Sync always runs so (a pull must see the step's pushes). GEO
+with ``exact`` or ``stale`` reads batch t+1 and fetches its rows missing from the local copy while t
+computes (``_prefetched_steps``); the local copy's values are those of the sequential loop.
 
 Gradient scaling (batch-size independence). ``grad_emb`` is the gradient of the MEAN batch loss, i.e.
 ``(1/B) Σ_occurrences g``. The worker pushes the gradient of the SUMMED loss, ``B * grad_emb``, with
@@ -88,7 +94,8 @@ log = logging.getLogger(__name__)
 ALL_SLOTS = tuple(f"C{j}" for j in range(1, 27))
 WRITES_CHECKPOINTS = True    # rank 0 writes them at aligned points with exact data positions (ctr_positions)
 PHASES = ("read", "dedup", "pull_sparse", "pull_dense", "compute", "push_sparse", "push_dense", "push_pull",
-          "end_step", "wait")   # seconds per step phase (profile); push_pull: the fused exact-pipeline call
+          "end_step", "wait", "prefetch")   # seconds per step phase (profile); push_pull: the fused async
+                                            # call; prefetch: GEO's fetch of the next batch's missing rows
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,7 @@ class CTRTrainer:
         self.dense_steps = 0          # dense gradients sent (async)
         self._dense_lock = threading.Lock()
         self.pipelined = p.pipeline != "sequential" and self.mode.name == "async"
+        self.prefetching = p.pipeline != "sequential" and self.mode.name == "geo"
 
     def warm_up(self) -> float:
         """Compile this worker's kernels (read, dedup, forward/backward, predict, metrics) on one
@@ -425,7 +433,8 @@ class CTRTrainer:
         for _ in range(skip):                      # trained before the checkpoint this job resumed
             if next(it, None) is None:
                 break
-        stepper = self._pipelined_steps if self.pipelined else self._steps
+        stepper = (self._pipelined_steps if self.pipelined
+                   else self._prefetched_steps if self.prefetching else self._steps)
         done = skip
         # segments end at the aligned checkpoint points; each drains its pipeline before returning
         ends = self.checkpoints.points(skip, min_batches if max_steps is None else min(min_batches, max_steps))
@@ -477,6 +486,66 @@ class CTRTrainer:
             yield batch, res
             t_read = time.perf_counter()
         self._flush_dense()                # a segment ends with every dense gradient sent
+
+    def _prefetched_steps(self, it, max_steps: int | None):
+        """GEO mode with ``model.pipeline`` ``exact`` or ``stale``: yields (batch, StepResult) like
+        ``_steps``. While step t computes, a communicator thread reads and dedups batch t+1 and fetches
+        from the servers the rows of its keys missing from the local copy (``GeoMode.prefetch_sparse``);
+        step t+1 then pulls from the local copy, taking the prefetched rows for what is still missing.
+        The local copy is trained and synced on this thread only, so every step sees the same local
+        values as in the sequential loop; a row entering the copy may carry the servers' value from
+        one step earlier (other workers' deltas arrive a sync later anyway)."""
+        clock, ph = time.perf_counter, self.phases
+        table = self.cfg.sparse_table
+        count = 0
+
+        def read_next():
+            nonlocal count
+            if max_steps is not None and count >= max_steps:
+                return None
+            t0 = clock()
+            rb = next(it, None)
+            if rb is None:
+                return None
+            count += 1
+            batch = self.read(rb)
+            t1 = clock()
+            d = self.dedup(batch)
+            t2 = clock()
+            pre = self.mode.prefetch_sparse(table, d[0])
+            ph["read"] += t1 - t0
+            ph["dedup"] += t2 - t1
+            ph["prefetch"] += clock() - t2
+            return batch, d, pre
+
+        comm = ThreadPoolExecutor(1, thread_name_prefix=f"ctr-prefetch{self.rank}")
+        try:
+            nxt = comm.submit(read_next)
+            while True:
+                t0 = clock()
+                item = nxt.result()
+                if item is None:
+                    break
+                nxt = comm.submit(read_next)
+                batch, (uniq, rows, segments, shows, clicks), pre = item
+                t1 = clock()
+                emb = self.mode.pull_sparse(table, uniq, prefetched=pre)
+                t2 = clock()
+                self.refresh_dense()
+                t3 = clock()
+                res = self.forward_backward(emb, rows, segments, batch)
+                t4 = clock()
+                self.push(uniq, res, shows, clicks, batch.size)
+                t5 = clock()
+                self.mode.end_step()
+                ph["wait"] += t1 - t0
+                ph["pull_sparse"] += t2 - t1
+                ph["pull_dense"] += t3 - t2
+                ph["compute"] += t4 - t3
+                ph["end_step"] += clock() - t5
+                yield batch, res
+        finally:
+            comm.shutdown(wait=True, cancel_futures=True)   # before the caller closes the iterator
 
     def _pipelined_steps(self, it, max_steps: int | None):
         """Async mode with ``model.pipeline`` ``exact`` or ``stale``: yields (batch, StepResult) like
