@@ -44,7 +44,8 @@ shared Criteo rows it costs CTR-DNN AUC (mean of seeds 0-2: 0.7478 at k = 1, 0.7
 0.7560 exact at k = 1) and DeepFM a little (0.7576 against 0.7593, k = 4).
 ``sequential``: one step after the other. Sync always runs so (a pull must see the step's pushes). GEO
 with ``exact`` or ``stale`` reads batch t+1 and fetches its rows missing from the local copy while t
-computes (``_prefetched_steps``); the local copy's values are those of the sequential loop.
+computes (``_prefetched_steps``): with one worker it trains the sequential loop's model; with several, a
+row entering the local copy may carry the servers' value of one step earlier.
 
 Gradient scaling (batch-size independence). ``grad_emb`` is the gradient of the MEAN batch loss, i.e.
 ``(1/B) Σ_occurrences g``. The worker pushes the gradient of the SUMMED loss, ``B * grad_emb``, with
@@ -492,9 +493,10 @@ class CTRTrainer:
         ``_steps``. While step t computes, a communicator thread reads and dedups batch t+1 and fetches
         from the servers the rows of its keys missing from the local copy (``GeoMode.prefetch_sparse``);
         step t+1 then pulls from the local copy, taking the prefetched rows for what is still missing.
-        The local copy is trained and synced on this thread only, so every step sees the same local
-        values as in the sequential loop; a row entering the copy may carry the servers' value from
-        one step earlier (other workers' deltas arrive a sync later anyway)."""
+        The local copy is trained and synced on this thread only, and a row missing from it has no
+        unsent delta of this worker, so with one worker every step sees the sequential loop's values;
+        with several, a row entering the copy may carry the servers' value of one step earlier (other
+        workers' deltas reach it a sync later anyway)."""
         clock, ph = time.perf_counter, self.phases
         table = self.cfg.sparse_table
         count = 0
