@@ -89,6 +89,8 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
             client.push(name, keys, grads, shows=shows, clicks=clicks)
             grow = rng.integers(1, 2**63, _GROW, dtype=np.uint64)
             client.push(name, grow, np.zeros((_GROW, cfg.dim), np.float32), shows=np.ones(_GROW, np.float32))
+            if cfg.uses_admission:
+                _grow_without_admission(cfg, grow)
             client.pull(name, keys)                              # rows a spilling table moved to disk
             client.pull(name, keys, init_missing=True)
             client.push(name, np.concatenate([keys, keys[:8]]), np.concatenate([grads, grads[:8]]),
@@ -109,6 +111,19 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
     seconds = time.perf_counter() - t0
     log.info("parameter-server kernels ready in %.1f s", seconds)
     return seconds
+
+
+def _grow_without_admission(cfg, keys: np.ndarray) -> None:
+    """Feature admission keeps the growth push from creating rows (a key needs ``min_count``
+    occurrences), so the shards never outgrow their first index; grow a throwaway table of the same
+    layout without admission instead, which compiles the rehash and arena growth the job will run."""
+    from sparse_tables import SparseTable
+
+    table = SparseTable(dataclasses.replace(cfg, min_count=1, admit_probability=1.0, spill_path=None))
+    try:
+        table.push(keys, np.zeros((len(keys), cfg.dim), np.float32), shows=np.ones(len(keys), np.float32))
+    finally:
+        table.close()
 
 
 __all__ = ["read_only", "warm_up"]
