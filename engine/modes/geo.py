@@ -227,7 +227,7 @@ class GeoMode(Mode):
                 missing = np.unique(missing)
                 values = np.empty((len(missing), t.dim), np.float32)
                 have = np.zeros(len(missing), np.bool_)
-                if prefetched is not None and len(prefetched[0]):
+                if prefetched is not None:            # never empty: prefetch_sparse gives None then
                     pkeys, pvalues = prefetched
                     pos = np.minimum(np.searchsorted(pkeys, missing), len(pkeys) - 1)
                     have = pkeys[pos] == missing

@@ -314,11 +314,14 @@ class CTRTrainer:
         """
         return dedup_batch(batch)
 
-    def pull(self, uniq: np.ndarray) -> np.ndarray:
+    def pull(self, uniq: np.ndarray, prefetched=None) -> np.ndarray:
         """Training values of the batch's keys -> float32[u, width]; refreshes the dense parameters
-        (async: the parameters the previous step's DENSE_STEP returned, when there is one)."""
+        (async: the parameters the previous step's DENSE_STEP returned, when there is one).
+        ``prefetched``: what ``Mode.prefetch_sparse`` fetched ahead for these keys (GEO)."""
         t0 = time.perf_counter()
-        emb = self.mode.pull_sparse(self.cfg.sparse_table, uniq)
+        table = self.cfg.sparse_table
+        emb = (self.mode.pull_sparse(table, uniq) if prefetched is None
+               else self.mode.pull_sparse(table, uniq, prefetched=prefetched))
         t1 = time.perf_counter()
         self.refresh_dense()
         self.phases["pull_sparse"] += t1 - t0
@@ -398,12 +401,14 @@ class CTRTrainer:
         self.phases["push_sparse"] += t1 - t0
         self.phases["push_dense"] += time.perf_counter() - t1
 
-    def train_step(self, batch: CTRBatch):
+    def train_step(self, batch: CTRBatch, deduped=None, prefetched=None):
+        """One sequential step: dedup (unless ``deduped``, ``dedup``'s result, is given), pull (with
+        ``prefetched``, see ``pull``), forward/backward, push, end of step -> StepResult."""
         clock, ph = time.perf_counter, self.phases
         t0 = clock()
-        uniq, rows, segments, shows, clicks = self.dedup(batch)
+        uniq, rows, segments, shows, clicks = deduped if deduped is not None else self.dedup(batch)
         t1 = clock()
-        emb = self.pull(uniq)
+        emb = self.pull(uniq, prefetched)
         t2 = clock()
         res = self.forward_backward(emb, rows, segments, batch)
         t3 = clock()
@@ -488,17 +493,11 @@ class CTRTrainer:
             t_read = time.perf_counter()
         self._flush_dense()                # a segment ends with every dense gradient sent
 
-    def _prefetched_steps(self, it, max_steps: int | None):
-        """GEO mode with ``model.pipeline`` ``exact`` or ``stale``: yields (batch, StepResult) like
-        ``_steps``. While step t computes, a communicator thread reads and dedups batch t+1 and fetches
-        from the servers the rows of its keys missing from the local copy (``GeoMode.prefetch_sparse``);
-        step t+1 then pulls from the local copy, taking the prefetched rows for what is still missing.
-        The local copy is trained and synced on this thread only, and a row missing from it has no
-        unsent delta of this worker, so with one worker every step sees the sequential loop's values;
-        with several, a row entering the copy may carry the servers' value of one step earlier (other
-        workers' deltas reach it a sync later anyway)."""
+    def _batch_reader(self, it, max_steps: int | None):
+        """A function that reads and dedups the next batch of ``it`` -> (CTRBatch, ``dedup``'s result),
+        or None at its end or once ``max_steps`` batches were read (never reads past the limit); the
+        pipelines call it on their communicator thread. Read and dedup time go to the profile."""
         clock, ph = time.perf_counter, self.phases
-        table = self.cfg.sparse_table
         count = 0
 
         def read_next():
@@ -513,39 +512,46 @@ class CTRTrainer:
             batch = self.read(rb)
             t1 = clock()
             d = self.dedup(batch)
-            t2 = clock()
-            pre = self.mode.prefetch_sparse(table, d[0])
             ph["read"] += t1 - t0
-            ph["dedup"] += t2 - t1
-            ph["prefetch"] += clock() - t2
-            return batch, d, pre
+            ph["dedup"] += clock() - t1
+            return batch, d
+
+        return read_next
+
+    def _prefetched_steps(self, it, max_steps: int | None):
+        """GEO mode with ``model.pipeline`` ``exact`` or ``stale``: yields (batch, StepResult) like
+        ``_steps``. While step t computes, a communicator thread reads and dedups batch t+1 and fetches
+        from the servers the rows of its keys missing from the local copy (``GeoMode.prefetch_sparse``);
+        step t+1 then pulls from the local copy, taking the prefetched rows for what is still missing.
+        The local copy is trained and synced on this thread only, and a row missing from it has no
+        unsent delta of this worker, so with one worker every step sees the sequential loop's values;
+        with several, a row entering the copy may carry the servers' value of one step earlier (other
+        workers' deltas reach it a sync later anyway)."""
+        clock, ph = time.perf_counter, self.phases
+        table = self.cfg.sparse_table
+        read = self._batch_reader(it, max_steps)
+
+        def read_and_prefetch():
+            item = read()
+            if item is None:
+                return None
+            t0 = clock()
+            pre = self.mode.prefetch_sparse(table, item[1][0])
+            ph["prefetch"] += clock() - t0
+            return item + (pre,)
 
         comm = ThreadPoolExecutor(1, thread_name_prefix=f"ctr-prefetch{self.rank}")
         try:
-            nxt = comm.submit(read_next)
+            nxt = comm.submit(read_and_prefetch)
             while True:
                 t0 = clock()
                 item = nxt.result()
                 if item is None:
                     break
-                nxt = comm.submit(read_next)
-                batch, (uniq, rows, segments, shows, clicks), pre = item
-                t1 = clock()
-                emb = self.mode.pull_sparse(table, uniq, prefetched=pre)
-                t2 = clock()
-                self.refresh_dense()
-                t3 = clock()
-                res = self.forward_backward(emb, rows, segments, batch)
-                t4 = clock()
-                self.push(uniq, res, shows, clicks, batch.size)
-                t5 = clock()
-                self.mode.end_step()
-                ph["wait"] += t1 - t0
-                ph["pull_sparse"] += t2 - t1
-                ph["pull_dense"] += t3 - t2
-                ph["compute"] += t4 - t3
-                ph["end_step"] += clock() - t5
-                yield batch, res
+                nxt = comm.submit(read_and_prefetch)
+                ph["wait"] += clock() - t0
+                batch, deduped, pre = item
+                yield batch, self.train_step(batch, deduped, pre)
         finally:
             comm.shutdown(wait=True, cancel_futures=True)   # before the caller closes the iterator
 
@@ -565,23 +571,7 @@ class CTRTrainer:
         clock, ph = time.perf_counter, self.phases
         table, dense_table = self.cfg.sparse_table, self.cfg.dense_table
         depth = 2 if self.cfg.pipeline == "stale" else 1
-        count = 0
-
-        def read_next():
-            nonlocal count
-            if max_steps is not None and count >= max_steps:
-                return None
-            t0 = clock()
-            rb = next(it, None)
-            if rb is None:
-                return None
-            count += 1
-            batch = self.read(rb)
-            t1 = clock()
-            d = self.dedup(batch)
-            ph["read"] += t1 - t0
-            ph["dedup"] += clock() - t1
-            return batch, d
+        read_next = self._batch_reader(it, max_steps)
 
         def pull_first():
             """(item with its rows or None, None): the batches the pipeline starts with."""
