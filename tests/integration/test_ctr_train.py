@@ -55,16 +55,17 @@ def test_train_prints_final_line_and_writes_metrics(config, mode, tmp_path):
 @pytest.mark.parametrize("config, model", [("configs/ctr_bigdata.yaml", "ctr_dnn"),
                                            ("configs/deepfm_bigdata.yaml", "deepfm")])
 def test_bigdata_configs_train_with_merged_dense_steps(config, model, tmp_path):
-    """The configs for large data (what bench/ctr_bench.py measures) run as shipped, but on 20k generated
+    """The configs for large data (what bench/ctr_bench.py measures) run as shipped, but on 40k generated
     rows and a small tower: async, batch 512, each worker sends one dense gradient per 4 steps (the last
-    one partial), and the test split is scored."""
-    final, events = _train(config, tmp_path, "model.data.generated_rows=20000")
+    one partial), and the test split is scored. (With 40k rows DeepFM reached 0.597-0.600 test AUC and
+    CTR-DNN 0.663; with 20k, DeepFM's 16 steps per worker gave 0.550, too close to a bound.)"""
+    final, events = _train(config, tmp_path, "model.data.generated_rows=40000")
     assert final["model"] == model and final["mode"] == "async"
-    assert 0.55 < final["test_auc"] <= 1.0
+    assert 0.57 < final["test_auc"] <= 1.0
     profiles = [e for e in events if e["event"] == "profile"]
     assert sorted(e["rank"] for e in profiles) == [0, 1]
-    for e in profiles:      # 16,000 train rows: 8,000 per worker, 16 batches of up to 512
-        assert 15 <= e["steps"] <= 17 and e["dense_steps"] == -(-e["steps"] // 4)
+    for e in profiles:      # 32,000 train rows: 16,000 per worker, 32 batches of up to 512
+        assert 31 <= e["steps"] <= 33 and e["dense_steps"] == -(-e["steps"] // 4)
 
 
 @pytest.mark.slow
