@@ -1,15 +1,23 @@
 """The engine config: one frozen dataclass tree loaded from YAML.
 
-Unknown keys and bad values are rejected with the key path named
-(``cluster.servers must be >= 1, got 0``). ``--set a.b=c`` overrides are applied to the YAML mapping
-before it is checked; the value is parsed with ``yaml.safe_load`` (``--set cluster.workers=3``,
-``--set mode=geo``, ``--set tables.sparse.emb.learning_rate=0.1``).
+Every section is a frozen pydantic dataclass (``engine.config_base.section``) with its bounds and
+choices declared on the fields; unknown keys, wrong types and bad values are rejected with the key path,
+the value and what is allowed (``cluster.servers must be >= 1, got 0``, ``mode must be one of ['sync',
+'async', 'geo'], got 'x'``, ``cluster: unknown key(s) ['foo']; known keys: [...]``).
+
+Files are read as YAML 1.2 (``engine.config_yaml``): ``yes``/``no`` are strings, ``0100`` is 100.
+``--set a.b=c`` overrides are applied to the YAML mapping before it is checked; the value is read as
+YAML (``--set cluster.workers=3`` an int, ``--set cluster.warm_up=false`` a bool, ``--set
+cluster.endpoints=[h:1,h:2]`` a list), except that a string field always gets the text as written, in
+files and in ``--set`` alike: ``--set model.until=2024010108`` and ``until: 0100`` give the strings
+``"2024010108"`` and ``"0100"``.
 
 Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
 
     mode: async                 # sync | async | geo
     cluster: {servers, workers, host, endpoints, local_shards, num_vshards, ...}
     client: {timeout_s, retries, backoff_s, threads, async_queue, barrier_timeout_s}
+    server: {max_barrier_wait_s, max_concurrent_rpcs, reply_window_bytes}
     geo: {k_steps, learning_rate, dense_learning_rate, evict_after_steps, delta_scale}
     checkpoint: {root, job, delta_every, base_every, keep_bases, fallback, final, threads, align_steps}
                                 (engine.checkpoint.schedule; root "" = no checkpoints)
@@ -20,91 +28,115 @@ Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
     model: {kind: logreg, ...the worker program's own fields}
 
 The ``model`` section is owned by the worker program that ``model.kind`` selects (see
-``engine.programs``): its fields are that program's ``Config`` dataclass.
+``engine.programs``): its fields are that program's ``Config`` section, declared in
+``engine.program_configs`` (so reading a config imports no program).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-import math
+import os
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import Field
 
 from sparse_tables import TableConfig, TableConfigError
 
 from .checkpoint.schedule import CheckpointConfig
+from .config_base import Nested, StrTuple, build, section, with_texts
+from .config_yaml import Source, load_yaml, parse_value
 from .errors import ConfigError
+from .program_configs import program_config_class
 
-MODES = ("sync", "async", "geo")
+Mode = Literal["sync", "async", "geo"]
+MODES = typing.get_args(Mode)
 
-
-def knob(default, *, ge=None, gt=None, le=None, choices=None, doc: str = ""):
-    """A dataclass field with bounds checked by ``build``."""
-    meta = {"ge": ge, "gt": gt, "le": le, "choices": choices, "doc": doc}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
+#: inline storage secrets -> the environment variable that carries each to the launcher's children
+SECRET_ENV = {"access_key": "ENGINE_STORAGE_ACCESS_KEY", "secret_key": "ENGINE_STORAGE_SECRET_KEY"}
 
 
-@dataclass(frozen=True)
+@section
 class ClusterConfig:
     """Processes and addresses. ``endpoints`` (``host:port`` of every server, in rank order) is for
     multi-host runs; empty means the launcher starts ``servers`` servers on ``host`` with free ports.
     ``warm_up``: every process compiles its Numba kernels (or loads them from the cache) before it
     serves or trains (``engine.ps.warmup``), so no request or step of the job compiles."""
 
-    servers: int = knob(1, ge=1)
-    workers: int = knob(1, ge=1)
+    servers: Annotated[int, Field(ge=1)] = 1
+    workers: Annotated[int, Field(ge=1)] = 1
     host: str = "127.0.0.1"
-    endpoints: tuple = ()
-    server_threads: int = knob(8, ge=1)
-    local_shards: int = knob(4, ge=1)
-    num_vshards: int = knob(1024, ge=1)
-    startup_timeout_s: float = knob(120.0, gt=0)
-    stop_timeout_s: float = knob(10.0, gt=0)
+    endpoints: StrTuple = ()
+    server_threads: Annotated[int, Field(ge=1)] = 8
+    local_shards: Annotated[int, Field(ge=1)] = 4
+    num_vshards: Annotated[int, Field(ge=1)] = 1024
+    startup_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    stop_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     warm_up: bool = True
 
 
-@dataclass(frozen=True)
+@section
 class ClientConfig:
     """PS client behaviour (timeouts in seconds)."""
 
-    timeout_s: float = knob(60.0, gt=0)
-    retries: int = knob(5, ge=0)
-    backoff_s: float = knob(0.05, gt=0)
-    max_backoff_s: float = knob(2.0, gt=0)
-    threads: int = knob(8, ge=1)
-    async_queue: int = knob(0, ge=0)
-    barrier_timeout_s: float = knob(600.0, gt=0)
+    timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    retries: Annotated[int, Field(ge=0)] = 5
+    backoff_s: Annotated[float, Field(gt=0)] = 0.05
+    max_backoff_s: Annotated[float, Field(gt=0)] = 2.0
+    threads: Annotated[int, Field(ge=1)] = 8
+    async_queue: Annotated[int, Field(ge=0)] = 0
+    barrier_timeout_s: Annotated[float, Field(gt=0)] = 600.0
 
 
-@dataclass(frozen=True)
+@section
+class ServerConfig:
+    """Limits a parameter server enforces whatever its clients ask.
+
+    Attributes
+    ----------
+    max_barrier_wait_s : float, seconds, > 0
+        Longest a barrier waits on the server; a client's own barrier timeout
+        (``client.barrier_timeout_s``) is capped by it.
+    max_concurrent_rpcs : int, >= 0
+        RPCs a server handles at once (gRPC's ``maximum_concurrent_rpcs``); calls beyond it fail at
+        once with ``RESOURCE_EXHAUSTED``. 0 = unlimited.
+    reply_window_bytes : int, bytes, >= 0
+        Bytes of recent replies a server keeps to answer a retried request without applying it twice
+        (64 MiB by default; 0 keeps none).
+    """
+
+    max_barrier_wait_s: Annotated[float, Field(gt=0)] = 600.0
+    max_concurrent_rpcs: Annotated[int, Field(ge=0)] = 256
+    reply_window_bytes: Annotated[int, Field(ge=0)] = 64 << 20
+
+
+@section
 class GeoConfig:
     """GEO-SGD: local plain-SGD learning rates, sync period, the local cache's expiry, and whether
     deltas are averaged over the workers (``mean``, Paddle's geo-SGD) or added in full (``sum``)."""
 
-    k_steps: int = knob(10, ge=1)
-    learning_rate: float = knob(0.05, gt=0)
-    dense_learning_rate: float = knob(0.05, gt=0)
-    evict_after_steps: int = knob(1000, ge=1)
-    delta_scale: str = knob("mean", choices=("mean", "sum"))
+    k_steps: Annotated[int, Field(ge=1)] = 10
+    learning_rate: Annotated[float, Field(gt=0)] = 0.05
+    dense_learning_rate: Annotated[float, Field(gt=0)] = 0.05
+    evict_after_steps: Annotated[int, Field(ge=1)] = 1000
+    delta_scale: Literal["mean", "sum"] = "mean"
 
 
-@dataclass(frozen=True)
+@section
 class DenseTableConfig:
     """A dense table: a flat float32 vector updated on the servers by Adam or SGD."""
 
-    optimizer: str = knob("adam", choices=("adam", "sgd"))
-    learning_rate: float = knob(1e-3, gt=0)
-    beta1: float = knob(0.9, ge=0, le=0.999999)
-    beta2: float = knob(0.999, ge=0, le=0.999999)
-    epsilon: float = knob(1e-8, gt=0)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    learning_rate: Annotated[float, Field(gt=0)] = 1e-3
+    beta1: Annotated[float, Field(ge=0, le=0.999999)] = 0.9
+    beta2: Annotated[float, Field(ge=0, le=0.999999)] = 0.999
+    epsilon: Annotated[float, Field(gt=0)] = 1e-8
 
 
-@dataclass(frozen=True)
+@section
 class StorageConfig:
     """Connection settings of remote storage (``s3://``, ``hdfs://``) for every process of a job: the
     servers writing checkpoint parts, the workers reading hourly partitions and writing manifests.
@@ -113,20 +145,21 @@ class StorageConfig:
     ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``) and the SDK's defaults. Keep secrets
     out of config files: ``access_key_env`` / ``secret_key_env`` / ``session_token_env`` name environment
     variables that hold them, read in each process. Inline ``access_key`` / ``secret_key`` also work;
-    checkpoint manifests never record them.
+    checkpoint manifests never record them, and the launcher hands them to its children through their
+    environment, not the config file it writes (``dump_config``, ``restore_secrets``).
     """
 
     endpoint: str = ""          # S3 endpoint: "host:port" or a URL "http://host:port"
     region: str = ""            # e.g. us-east-1
-    scheme: str = knob("", choices=("", "http", "https"))
+    scheme: Literal["", "http", "https"] = ""
     access_key: str = ""
     secret_key: str = field(default="", repr=False)
     access_key_env: str = ""    # name of the environment variable holding the access key
     secret_key_env: str = ""
     session_token_env: str = ""
     anonymous: bool = False     # S3 without credentials (public buckets)
-    connect_timeout_s: float = knob(0.0, ge=0)   # 0 = the SDK's default
-    request_timeout_s: float = knob(0.0, ge=0)
+    connect_timeout_s: Annotated[float, Field(ge=0)] = 0.0   # 0 = the SDK's default
+    request_timeout_s: Annotated[float, Field(ge=0)] = 0.0
     hdfs_user: str = ""
     hdfs_kerb_ticket: str = ""  # path of a Kerberos ticket cache for hdfs://
 
@@ -144,7 +177,6 @@ class StorageConfig:
 
         def secret(inline: str, env_key: str, kp: str) -> str | None:
             if env_key:
-                import os
                 value = os.environ.get(env_key)
                 if not value:
                     raise ConfigError(f"storage.{kp}_env names the environment variable {env_key!r}, which "
@@ -168,30 +200,32 @@ class StorageConfig:
         return StorageOptions(**fields)
 
 
-@dataclass(frozen=True)
+@section
 class ModelConfig:
-    """``kind`` picks the worker program; ``params`` is that program's own Config dataclass."""
+    """``kind`` picks the worker program; ``params`` is that program's own ``Config`` section."""
 
     kind: str
     params: Any
 
 
-@dataclass(frozen=True)
+@section
 class EngineConfig:
-    mode: str = knob("async", choices=MODES)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    client: ClientConfig = field(default_factory=ClientConfig)
-    geo: GeoConfig = field(default_factory=GeoConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    storage: StorageConfig = field(default_factory=StorageConfig)
-    sparse_tables: dict = field(default_factory=dict)   # name -> sparse_tables.TableConfig
-    dense_tables: dict = field(default_factory=dict)    # name -> DenseTableConfig
-    model: ModelConfig | None = None
+    mode: Mode = "async"
+    cluster: Annotated[ClusterConfig, Nested] = field(default_factory=ClusterConfig)
+    client: Annotated[ClientConfig, Nested] = field(default_factory=ClientConfig)
+    server: Annotated[ServerConfig, Nested] = field(default_factory=ServerConfig)
+    geo: Annotated[GeoConfig, Nested] = field(default_factory=GeoConfig)
+    checkpoint: Annotated[CheckpointConfig, Nested] = field(default_factory=CheckpointConfig)
+    storage: Annotated[StorageConfig, Nested] = field(default_factory=StorageConfig)
+    sparse_tables: dict[str, Any] = field(default_factory=dict)   # name -> sparse_tables.TableConfig
+    dense_tables: dict[str, DenseTableConfig] = field(default_factory=dict)
+    model: Annotated[ModelConfig, Nested] | None = None
 
     def to_dict(self) -> dict:
         """The YAML mapping this config loads from (round-trips through ``from_dict``)."""
         out = {"mode": self.mode, "cluster": _plain(self.cluster), "client": _plain(self.client),
-               "geo": _plain(self.geo), "checkpoint": _plain(self.checkpoint), "storage": _plain(self.storage),
+               "server": _plain(self.server), "geo": _plain(self.geo), "checkpoint": _plain(self.checkpoint),
+               "storage": _plain(self.storage),
                "tables": {"sparse": {k: _plain(v) for k, v in self.sparse_tables.items()},
                           "dense": {k: _plain(v) for k, v in self.dense_tables.items()}}}
         if self.model is not None:
@@ -199,87 +233,19 @@ class EngineConfig:
         return out
 
 
-def build(cls, data: Any, path: str):
-    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and out-of-range values.
-
-    Raises
-    ------
-    ConfigError
-        Naming the key path: ``{path}: unknown key(s) [...]``, ``{path}.x must be >= 1, got 0``,
-        ``{path}.x must be an int, got 'a'``.
-    """
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must be a mapping, got {type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
-    kwargs = {}
-    for name, value in data.items():
-        f, kp = fields[name], f"{path}.{name}" if path else name
-        kwargs[name] = _check(kp, _coerce(kp, hints[name], value), f.metadata)
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{path}: {e}") from None
-
-
-def _coerce(kp: str, typ, value):
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if origin is typing.Union or str(origin) == "types.UnionType":
-        if value is None and type(None) in args:
-            return None
-        typ = next(a for a in args if a is not type(None))
-    if dataclasses.is_dataclass(typ):
-        return build(typ, value, kp)
-    if typ is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{kp} must be true or false, got {value!r}")
-        return value
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{kp} must be an int, got {value!r}")
-        return value
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{kp} must be a number, got {value!r}")
-        return float(value)
-    if typ is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{kp} must be a string, got {value!r}")
-        return value
-    if typ is tuple or origin is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{kp} must be a list, got {value!r}")
-        return tuple(value)
-    return value
-
-
-def _check(kp: str, value, meta) -> Any:
-    if value is None or not meta:
-        return value
-    if meta.get("choices") is not None and value not in meta["choices"]:
-        raise ConfigError(f"{kp} must be one of {list(meta['choices'])}, got {value!r}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, float) and math.isnan(value):
-            raise ConfigError(f"{kp} must be a number, got nan")
-        if meta.get("ge") is not None and not value >= meta["ge"]:
-            raise ConfigError(f"{kp} must be >= {meta['ge']}, got {value!r}")
-        if meta.get("gt") is not None and not value > meta["gt"]:
-            raise ConfigError(f"{kp} must be > {meta['gt']}, got {value!r}")
-        if meta.get("le") is not None and not value <= meta["le"]:
-            raise ConfigError(f"{kp} must be <= {meta['le']}, got {value!r}")
-    return value
+#: the keys of the top level of a config file
+TOP_KEYS = sorted({f.name for f in dataclasses.fields(EngineConfig)} - {"sparse_tables", "dense_tables"}
+                  | {"tables"})
 
 
 def from_dict(data: dict) -> EngineConfig:
     """Build an EngineConfig from the YAML mapping.
+
+    Parameters
+    ----------
+    data : dict
+        The mapping; a ``engine.config_yaml.Source`` (what ``load_config`` and ``apply_overrides``
+        give) also carries the source text of its scalars, which string fields take.
 
     Raises
     ------
@@ -289,10 +255,14 @@ def from_dict(data: dict) -> EngineConfig:
     """
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping at the top level, got {type(data).__name__}")
+    texts = getattr(data, "texts", None)
     data = dict(data)
     tables = data.pop("tables", None) or {}
     model = data.pop("model", None)
-    cfg = build(EngineConfig, data, "")
+    unknown = sorted(str(k) for k in set(data) - set(TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {unknown}; known keys: {TOP_KEYS}")
+    cfg = build(EngineConfig, data, "", texts=texts)
     if not isinstance(tables, dict):
         raise ConfigError(f"tables must be a mapping with 'sparse' and 'dense', got {tables!r}")
     unknown = sorted(set(tables) - {"sparse", "dense"})
@@ -303,13 +273,15 @@ def from_dict(data: dict) -> EngineConfig:
         kp = f"tables.sparse.{name}"
         if not isinstance(spec, dict):
             raise ConfigError(f"{kp} must be a mapping of TableConfig fields, got {spec!r}")
+        spec = with_texts(TableConfig, spec, ("tables", "sparse", name), texts)
         try:
             sparse[str(name)] = TableConfig.from_dict(spec, kp)
         except TableConfigError as e:
             raise ConfigError(str(e).replace("TableConfig.", kp + ".")) from None
         except TypeError as e:
             raise ConfigError(f"{kp}: {e}") from None
-    dense = {str(name): build(DenseTableConfig, spec, f"tables.dense.{name}")
+    dense = {str(name): build(DenseTableConfig, spec, f"tables.dense.{name}", texts=texts,
+                              at=("tables", "dense", name))
              for name, spec in _mapping(tables.get("dense"), "tables.dense").items()}
     clash = sorted(set(sparse) & set(dense))
     if clash:
@@ -318,10 +290,11 @@ def from_dict(data: dict) -> EngineConfig:
     if model is not None:
         if not isinstance(model, dict) or "kind" not in model:
             raise ConfigError(f"model must be a mapping with a 'kind', got {model!r}")
-        from .programs import program_config_class
         params = dict(model)
         kind = params.pop("kind")
-        model_cfg = ModelConfig(kind, build(program_config_class(kind), params, "model"))
+        if not isinstance(kind, str):
+            raise ConfigError(f"model.kind must be the name of a worker program, got {kind!r}")
+        model_cfg = ModelConfig(kind, build(program_config_class(kind), params, "model", texts=texts))
     cfg = dataclasses.replace(cfg, sparse_tables=sparse, dense_tables=dense, model=model_cfg)
     if cfg.cluster.endpoints and len(cfg.cluster.endpoints) != cfg.cluster.servers:
         raise ConfigError(f"cluster.endpoints lists {len(cfg.cluster.endpoints)} servers but "
@@ -329,31 +302,36 @@ def from_dict(data: dict) -> EngineConfig:
     if cfg.cluster.num_vshards < cfg.cluster.servers:
         raise ConfigError(f"cluster.num_vshards must be >= cluster.servers ({cfg.cluster.servers}), "
                           f"got {cfg.cluster.num_vshards}")
+    for name, t in cfg.sparse_tables.items():
+        if 0 < t.max_rows < cfg.cluster.local_shards:    # each local shard needs a share of at least 1
+            raise ConfigError(f"tables.sparse.{name}.max_rows must be 0 (no limit) or >= cluster.local_shards "
+                              f"({cfg.cluster.local_shards}), got {t.max_rows}")
     return cfg
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
+def apply_overrides(data: dict, overrides: list[str]) -> Source:
     """Apply ``a.b=c`` overrides to a YAML mapping (a deep copy is returned).
+
+    Each value is read as YAML 1.2 and its raw text (after ``=``) kept for string fields
+    (``engine.config_yaml.parse_value``); the source texts ``data`` carries (a ``Source``) are kept
+    for every key not overridden.
 
     Raises
     ------
     ConfigError
-        An override without ``=``, or a path through a non-mapping value.
+        An override without ``=``, an empty key, a value that is not YAML, or a path through a
+        non-mapping value.
     """
-    import copy
-    data = copy.deepcopy(data) if data else {}
+    out = Source(copy.deepcopy(dict(data)) if data else {}, getattr(data, "texts", None))
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE")
         path, raw = item.split("=", 1)
-        keys = [k for k in path.strip().split(".")]
+        keys = path.strip().split(".")
         if not all(keys):
             raise ConfigError(f"--set {item!r}: empty key in path {path!r}")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: value is not valid YAML: {e}") from None
-        node = data
+        value, texts = parse_value(raw, f"--set {item!r}")
+        node = out
         for i, k in enumerate(keys[:-1]):
             nxt = node.setdefault(k, {})
             if nxt is None:
@@ -362,7 +340,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"--set {item!r}: {'.'.join(keys[:i + 1])} is {nxt!r}, not a mapping")
             node = nxt
         node[keys[-1]] = value
-    return data
+        at = tuple(keys)
+        out.texts = {p: t for p, t in out.texts.items() if p[:len(at)] != at}
+        out.texts.update({at + p: t for p, t in texts.items()})
+    return out
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> EngineConfig:
@@ -376,16 +357,64 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> EngineC
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    return from_dict(apply_overrides(data, overrides or []))
+    return from_dict(apply_overrides(load_yaml(p.read_text(), str(p)), overrides or []))
 
 
+# ------------------------------------------------------------------------------- the resolved file
 def dump_config(cfg: EngineConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML (the launcher hands this file to every child process)."""
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write the resolved config as YAML (the launcher hands this file to every child process).
+
+    The file is created readable and writable by its owner only (mode 0600; written to a new file and
+    renamed over ``path``), and holds no inline storage secret: ``storage.access_key`` and
+    ``storage.secret_key`` are written empty. The launcher passes them to its children in their
+    environment (``secret_env``), where ``restore_secrets`` finds them again.
+    """
+    path = Path(path)
+    text = yaml.safe_dump(redact_secrets(cfg).to_dict(), sort_keys=False)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def redact_secrets(cfg: EngineConfig) -> EngineConfig:
+    """``cfg`` with the inline storage secrets (``StorageConfig.SECRETS``) emptied."""
+    if not any(getattr(cfg.storage, k) for k in StorageConfig.SECRETS):
+        return cfg
+    return dataclasses.replace(cfg, storage=dataclasses.replace(
+        cfg.storage, **{k: "" for k in StorageConfig.SECRETS}))
+
+
+def secret_env(cfg: EngineConfig) -> dict[str, str]:
+    """The environment variables (``SECRET_ENV``) that carry ``cfg``'s inline storage secrets to a
+    child process: ``{"ENGINE_STORAGE_SECRET_KEY": "...", ...}``, empty without inline secrets."""
+    return {SECRET_ENV[k]: getattr(cfg.storage, k) for k in StorageConfig.SECRETS if getattr(cfg.storage, k)}
+
+
+def restore_secrets(cfg: EngineConfig, environ: typing.Mapping[str, str] | None = None) -> EngineConfig:
+    """``cfg`` with each empty inline storage secret taken from its ``SECRET_ENV`` variable.
+
+    A child of the launcher reads the config file ``dump_config`` wrote, then calls this (see
+    ``engine.roles``). A secret the config holds is kept; variables that are unset or empty change
+    nothing.
+
+    Parameters
+    ----------
+    environ : mapping, optional
+        Default ``os.environ``.
+    """
+    environ = os.environ if environ is None else environ
+    found = {k: environ.get(var, "") for k, var in SECRET_ENV.items() if not getattr(cfg.storage, k)}
+    found = {k: v for k, v in found.items() if v}
+    if not found:
+        return cfg
+    return dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, **found))
 
 
 def _mapping(value, kp: str) -> dict:

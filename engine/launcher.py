@@ -1,7 +1,9 @@
 """The local launcher behind ``engine train CONFIG.yaml``: servers and workers as child processes.
 
-``LocalCluster`` writes the resolved config to its run directory, starts ``cluster.servers`` server
-processes (``python -m engine train RESOLVED.yaml --role server --rank i --port 0 --ready-file ..``),
+``LocalCluster`` writes the resolved config to its run directory (mode 0600; inline storage secrets
+travel in the children's environment instead, see ``engine.config.dump_config``), starts
+``cluster.servers`` server processes (``python -m engine train RESOLVED.yaml --role server --rank i
+--port 0 --ready-file ..``),
 waits until each wrote its ``host:port`` (a free port it bound itself), starts ``cluster.workers``
 worker processes with ``ENGINE_SERVERS`` set, waits for them, then stops the servers.
 
@@ -23,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import EngineConfig, dump_config
+from .config import SECRET_ENV, EngineConfig, dump_config, secret_env
 from .errors import LaunchError
 
 log = logging.getLogger(__name__)
@@ -72,18 +74,28 @@ class LocalCluster:
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="engine-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.run_dir / "config.yaml"
-        dump_config(cfg, self.config_path)
+        self._secret_env: dict[str, str] = {}
+        self.write_config(cfg)
         self.python = python
         self.servers: list[Child] = []
         self.workers: list[Child] = []
         self.endpoints: list[str] = []
+
+    def write_config(self, cfg: EngineConfig) -> None:
+        """Write ``cfg`` as the children's config file (mode 0600, no inline storage secrets: those
+        go into the environment of every child started afterwards, see ``engine.config.dump_config``)."""
+        self.cfg = cfg
+        dump_config(cfg, self.config_path)
+        self._secret_env = secret_env(cfg)
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, role: str, rank: int, extra: list[str], env: dict) -> Child:
         log_path = self.run_dir / f"{role}-{rank}.log"
         cmd = [self.python, "-m", "engine", "train", str(self.config_path), "--role", role,
                "--rank", str(rank), *extra]
-        full_env = {**os.environ, "ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1", **env}
+        inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV.values()}
+        full_env = {**inherited, "ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+                    **self._secret_env, **env}
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True)
@@ -238,8 +250,7 @@ def launch(cfg: EngineConfig, run_dir: str | Path | None = None, *, on_servers_r
         if on_servers_ready is not None:
             new = on_servers_ready(cluster.endpoints)
             if new is not None:
-                cluster.cfg = new
-                dump_config(new, cluster.config_path)
+                cluster.write_config(new)
         cluster.start_workers()
         results = cluster.wait_workers()
         if on_workers_done is not None:

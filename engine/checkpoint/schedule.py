@@ -22,8 +22,11 @@ clock time spent training.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from typing import Annotated
 
+from pydantic import Field
+
+from ..config_base import section
 from ..errors import ConfigError
 
 __all__ = ["CheckpointConfig", "Schedule", "parse_duration"]
@@ -48,7 +51,7 @@ def parse_duration(text, key: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-@dataclass(frozen=True)
+@section
 class CheckpointConfig:
     """The ``checkpoint`` section (see the module docstring)."""
 
@@ -56,11 +59,11 @@ class CheckpointConfig:
     job: str = ""
     delta_every: str = "1h"
     base_every: str = "24h"
-    keep_bases: int = field(default=2, metadata={"ge": 1})
+    keep_bases: Annotated[int, Field(ge=1)] = 2
     fallback: bool = False
     final: bool = True
-    threads: int = field(default=2, metadata={"ge": 1})
-    align_steps: int = field(default=256, metadata={"ge": 0})
+    threads: Annotated[int, Field(ge=1)] = 2
+    align_steps: Annotated[int, Field(ge=0)] = 256
     restored: str = ""          # set by the launcher after --resume: the checkpoint the servers hold
 
     def __post_init__(self) -> None:

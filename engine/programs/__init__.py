@@ -3,7 +3,8 @@
 A program is a module with
 
 - ``Config``: a frozen dataclass of its own knobs (the ``model`` section minus ``kind``; unknown keys
-  are rejected by ``engine.config.build``), and
+  are rejected by ``engine.config.build``), declared in ``engine.program_configs`` (which the config
+  loader reads without importing any program) and re-exported by the program module, and
 - ``run(ctx: engine.worker.WorkerContext) -> dict``: the training loop. It talks to the servers only
   through ``ctx.mode`` (``engine.modes``) and ``ctx.client``, and returns a JSON-able summary; the
   launcher collects the summaries of every rank.
@@ -16,7 +17,8 @@ Optional launcher-side hooks (run by ``engine train`` in the launching process o
 - ``final(cfg, results) -> dict``: the ``{"event": "final", ...}`` object printed as the last stdout
   line (default: model, mode and the workers' summaries).
 
-Register a program by adding its module path to ``PROGRAMS``.
+Register a program by adding its module path to ``PROGRAMS`` and its Config class to
+``engine.program_configs.PROGRAM_CONFIGS``.
 """
 from __future__ import annotations
 
@@ -45,6 +47,3 @@ def load_program(kind: str):
         raise ConfigError(f"model.kind must be one of {sorted(PROGRAMS)}, got {kind!r}")
     return importlib.import_module(PROGRAMS[kind])
 
-
-def program_config_class(kind: str):
-    return load_program(kind).Config

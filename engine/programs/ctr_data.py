@@ -35,29 +35,11 @@ import pyarrow as pa
 from streaming.criteo import SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema, generate_criteo
 from streaming.source import ArrowSource, list_files
 
-from ..config import knob
+from ..program_configs import DataConfig
 from ..ps import _kernels as ps_kernels
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-SOURCES = ("shared_criteo", "criteo", "generated", "arrow")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """The ``model.data`` section (see the module docstring)."""
-
-    source: str = knob("shared_criteo", choices=SOURCES)
-    criteo_path: str = "../shared/data/criteo/train.txt"
-    fallback: str = knob("generated", choices=("generated", "none"))
-    train_path: str = ""
-    test_path: str = ""
-    cache_dir: str = "runs/cache"
-    generated_rows: int = knob(20000, ge=10)
-    generated_seed: int = knob(20240, ge=0)
-    convert_batch_size: int = knob(512, ge=1)
-    max_bad_rows: int = knob(0, ge=0)
 
 
 @dataclass

@@ -14,29 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import knob
+from ..program_configs import LogregConfig as Config
 
 log = logging.getLogger(__name__)
 
 KEY_BASE = 1 << 40   # feature f has key KEY_BASE + f
-
-
-@dataclass(frozen=True)
-class Config:
-    table: str = "weights"
-    dense_table: str = "bias"
-    num_features: int = knob(100, ge=1)
-    keys_per_example: int = knob(8, ge=1)
-    examples_per_worker: int = knob(8000, ge=1)
-    batch_size: int = knob(64, ge=1)
-    epochs: int = knob(3, ge=1)
-    seed: int = 7
-    weight_scale: float = knob(1.0, gt=0)
-    planted_bias: float = -0.5
 
 
 def planted(cfg: Config) -> tuple[np.ndarray, float]:

@@ -44,13 +44,12 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from ..config import knob
+from ..program_configs import Word2VecConfig as Config
 from ..errors import ConfigError
 from .ctr_report import Follower, MetricsFile, now_stamp
 
@@ -58,36 +57,6 @@ log = logging.getLogger(__name__)
 
 EVAL_KEYS = ("analogy_accuracy", "analogy_evaluated", "analogy_skipped", "wordsim353_spearman",
              "simlex999_spearman")
-
-
-@dataclass(frozen=True)
-class Config:
-    """The ``model`` section of ``word2vec`` configs (every knob is commented in ``configs/word2vec.yaml``)."""
-
-    corpus: str = "../shared/data/text/corpus.txt.gz"
-    arrow_dir: str = "runs/cache/text-corpus"
-    min_count: int = knob(5, ge=1)
-    max_vocab: int = knob(0, ge=0)
-    dim: int = knob(100, ge=1)
-    window: int = knob(5, ge=1)
-    negative: int = knob(5, ge=1)
-    sample: float = knob(1e-3, ge=0)
-    alpha: float = knob(0.025, gt=0)
-    min_alpha: float = knob(1e-4, ge=0)
-    ns_exponent: float = 0.75
-    epochs: int = knob(5, ge=1)
-    seed: int = knob(1, ge=0)
-    batch_words: int = knob(50_000, ge=1)
-    input_table: str = "syn0"
-    output_table: str = "syn1neg"
-    progress_table: str = "progress"
-    input_slot: int = knob(1, ge=0, le=65535)
-    output_slot: int = knob(2, ge=0, le=65535)
-    log_every_s: float = knob(5.0, gt=0)
-    eval_after_train: bool = True
-    eval_data_dir: str = "../shared/data/text"
-    metrics_dir: str = "runs/metrics"
-    metrics_file: str = ""
 
 
 def params_of(p: Config):

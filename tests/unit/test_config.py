@@ -1,12 +1,22 @@
 """Config loading: key paths in errors, --set overrides, round trip through the resolved YAML."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import stat
+import sys
 from pathlib import Path
 
 import pytest
 
-from engine.config import apply_overrides, dump_config, from_dict, load_config
+from engine.config import (SECRET_ENV, ClusterConfig, ServerConfig, apply_overrides, dump_config, from_dict,
+                           load_config, restore_secrets, secret_env)
+from engine.config_yaml import load_yaml
 from engine.errors import ConfigError
+from engine.launcher import LocalCluster
+from engine.program_configs import PROGRAM_CONFIGS, program_config_class
+from engine.programs import PROGRAMS, load_program
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "logreg_demo.yaml"
@@ -65,3 +75,266 @@ def test_config_is_frozen_and_round_trips(tmp_path):
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+# ----------------------------------------------------------------------------- field kinds (issue 15)
+ONLINE = REPO / "configs" / "ctr_online.yaml"
+
+
+def _yaml(tmp_path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+ONLINE_BASE = """
+cluster: {servers: 2, workers: 3}
+tables:
+  sparse: {emb: {dim: 4}}
+  dense: {d: {optimizer: sgd}}
+model:
+  kind: ctr_online
+  sparse_table: emb
+  dense_table: d
+"""
+
+
+@pytest.mark.parametrize("written, expected", [
+    ("2024010108", "2024010108"),    # an int to YAML
+    ("0100", "0100"),                # an int (100) to YAML 1.2, octal 64 to YAML 1.1
+    ("yes", "yes"),                  # a bool to YAML 1.1
+    ("true", "true"),
+    ("2024-01-01", "2024-01-01"),    # a date to YAML
+    ("1e3", "1e3"),
+    ("'0100'", "0100"),              # quoted: a string anyway
+])
+def test_string_fields_get_the_text_as_written_in_files_and_set(tmp_path, written, expected):
+    from_file = load_config(_yaml(tmp_path, ONLINE_BASE + f"  until: {written}\n"))
+    assert from_file.model.params.until == expected
+    from_set = load_config(_yaml(tmp_path, ONLINE_BASE), [f"model.until={written}"])
+    assert from_set.model.params.until == expected
+    # a sparse table's string fields (sparse_tables.TableConfig) too
+    cfg = load_config(_yaml(tmp_path, ONLINE_BASE), [f"tables.sparse.emb.spill_path={written}"])
+    assert cfg.sparse_tables["emb"].spill_path == expected
+
+
+def test_until_and_other_strings_from_the_shipped_config():
+    cfg = load_config(ONLINE, ["model.until=2024010108", "model.partitions=0100", "checkpoint.base_every=3600"])
+    p = cfg.model.params
+    assert (p.until, p.partitions, cfg.checkpoint.base_every) == ("2024010108", "0100", "3600")
+    assert load_config(ONLINE, ["model.until=0100"]).model.params.until == "0100"
+    assert load_config(ONLINE).model.params.until == ""
+    assert load_config(ONLINE).sparse_tables["embedding"].spill_path is None      # spill_path: null
+
+
+def test_null_and_empty_for_a_string_field(tmp_path):
+    assert load_config(_yaml(tmp_path, ONLINE_BASE + "  until:\n")).model.params.until == ""
+    assert load_config(_yaml(tmp_path, ONLINE_BASE), ["model.until="]).model.params.until == ""
+    with pytest.raises(ConfigError, match="model.until must be a string, got None"):
+        load_config(_yaml(tmp_path, ONLINE_BASE + "  until: null\n"))
+    with pytest.raises(ConfigError, match=r"model.until must be a string, got \[1, 2\]"):
+        load_config(_yaml(tmp_path, ONLINE_BASE), ["model.until=[1, 2]"])
+
+
+def test_every_field_kind_through_a_file_and_through_set(tmp_path):
+    text = """
+cluster: {servers: 2, workers: 3, warm_up: false, endpoints: [h:1, h:2], startup_timeout_s: 5}
+geo: {learning_rate: 1, delta_scale: sum}
+server: {max_concurrent_rpcs: 0, reply_window_bytes: 1024, max_barrier_wait_s: 1.5}
+model:
+  kind: ctr_dnn
+  hidden: [8, 4]
+  slots: [C1, 0100]
+  data: {source: generated, generated_rows: 100}
+"""
+    sets = ["cluster.servers=2", "cluster.workers=3", "cluster.warm_up=false", "cluster.endpoints=[h:1, h:2]",
+            "cluster.startup_timeout_s=5", "geo.learning_rate=1", "geo.delta_scale=sum",
+            "server.max_concurrent_rpcs=0", "server.reply_window_bytes=1024", "server.max_barrier_wait_s=1.5",
+            "model.kind=ctr_dnn", "model.hidden=[8, 4]", "model.slots=[C1, 0100]", "model.data.source=generated",
+            "model.data.generated_rows=100"]
+    for cfg in (load_config(_yaml(tmp_path, text)), load_config(_yaml(tmp_path, "{}"), sets)):
+        assert cfg.cluster.workers == 3 and type(cfg.cluster.workers) is int                     # int
+        assert cfg.cluster.warm_up is False                                                      # bool
+        assert cfg.cluster.endpoints == ("h:1", "h:2")                                           # list -> tuple
+        assert cfg.cluster.startup_timeout_s == 5.0 and type(cfg.cluster.startup_timeout_s) is float
+        assert cfg.geo.learning_rate == 1.0 and cfg.geo.delta_scale == "sum"                     # float, choice
+        assert (cfg.server.max_concurrent_rpcs, cfg.server.reply_window_bytes,
+                cfg.server.max_barrier_wait_s) == (0, 1024, 1.5)                                 # new section
+        p = cfg.model.params
+        assert p.hidden == (8, 4) and p.slots == ("C1", "0100")                                  # tuples
+        assert p.data.source == "generated" and p.data.generated_rows == 100                     # nested section
+    # a comma-separated string for a list field; each piece read as YAML for non-string items
+    cfg = load_config(_yaml(tmp_path, "model: {kind: ctr_dnn}\n"), ["model.slots=C1,0100", "model.hidden=16,8"])
+    assert cfg.model.params.slots == ("C1", "0100") and cfg.model.params.hidden == (16, 8)
+
+
+def test_yaml_1_2_numbers_and_booleans(tmp_path):
+    cfg = load_config(_yaml(tmp_path, "cluster: {num_vshards: 0100, warm_up: true}\n"))
+    assert cfg.cluster.num_vshards == 100                    # not octal 64 (YAML 1.1)
+    with pytest.raises(ConfigError, match="cluster.warm_up must be true or false, got 'yes'"):
+        load_config(_yaml(tmp_path, "cluster: {warm_up: yes}\n"))
+
+
+@pytest.mark.parametrize("override, message", [
+    # strict booleans and ints
+    ("cluster.warm_up=1", "cluster.warm_up must be true or false, got 1"),
+    ("cluster.warm_up=yes", "cluster.warm_up must be true or false, got 'yes'"),
+    ("cluster.warm_up='true'", "cluster.warm_up must be true or false, got 'true'"),
+    ("cluster.workers=true", "cluster.workers must be an int, got True"),
+    ("cluster.workers=3.0", "cluster.workers must be an int, got 3.0"),
+    ("cluster.workers='3'", "cluster.workers must be an int, got '3'"),
+    ("geo.learning_rate=fast", "geo.learning_rate must be a number, got 'fast'"),
+    ("geo.learning_rate=.nan", "geo.learning_rate must be a finite number, got nan"),
+    ("cluster.host=[a]", "cluster.host must be a string, got ['a']"),
+    ("cluster.endpoints={a: 1}", "cluster.endpoints must be a list, got {'a': 1}"),
+    ("model.hidden=[8, x]", "model.hidden[1] must be an int, got 'x'"),
+    ("cluster=5", "cluster must be a mapping, got 5"),
+    ("model.data=5", "model.data must be a mapping, got 5"),
+    # bounds and choices
+    ("server.max_barrier_wait_s=0", "server.max_barrier_wait_s must be > 0, got 0.0"),
+    ("server.max_concurrent_rpcs=-1", "server.max_concurrent_rpcs must be >= 0, got -1"),
+    ("server.reply_window_bytes=-1", "server.reply_window_bytes must be >= 0, got -1"),
+    ("tables.dense.d.beta1=1", "tables.dense.d.beta1 must be <= 0.999999, got 1.0"),
+    ("model.data.generated_rows=5", "model.data.generated_rows must be >= 10, got 5"),
+    ("geo.delta_scale=max", "geo.delta_scale must be one of ['mean', 'sum'], got 'max'"),
+    ("model.pipeline=0100", "model.pipeline must be one of ['exact', 'stale', 'sequential'], got '0100'"),
+    ("checkpoint.keep_bases=0", "checkpoint.keep_bases must be >= 1, got 0"),
+    ("checkpoint.delta_every=soon", "checkpoint.delta_every must be a duration like 30m, 1h, 3600s, got 'soon'"),
+    # unknown keys, in nested sections too, with the known keys listed
+    ("model.data.colour=red", "model.data: unknown key(s) ['colour']; known keys: ['cache_dir',"),
+    ("server.threads=4", "server: unknown key(s) ['threads']; known keys: ['max_barrier_wait_s', "
+                         "'max_concurrent_rpcs', 'reply_window_bytes']"),
+    ("tables.views=1", "tables: unknown key(s) ['views']"),
+    ("sparse_tables.emb.dim=4", "config: unknown key(s) ['sparse_tables']"),
+])
+def test_bad_values_name_key_value_and_what_is_allowed(override, message):
+    data = base()
+    data["model"] = {"kind": "ctr_dnn", "sparse_table": "emb", "dense_table": "d"}
+    with pytest.raises(ConfigError) as ei:
+        from_dict(apply_overrides(data, [override]))
+    assert message in str(ei.value)
+
+
+def test_every_error_of_a_section_is_reported_at_once():
+    with pytest.raises(ConfigError) as ei:
+        from_dict(apply_overrides(base(), ["cluster.servers=0", "cluster.workers=x", "cluster.a=1", "cluster.b=2"]))
+    msg = str(ei.value)
+    assert "cluster.servers must be >= 1, got 0" in msg and "cluster.workers must be an int, got 'x'" in msg
+    assert "cluster: unknown key(s) ['a', 'b']; known keys: [" in msg
+
+
+def test_sections_built_in_code_are_checked_too():
+    with pytest.raises(ConfigError, match="ClusterConfig.servers must be >= 1, got 0"):
+        ClusterConfig(servers=0)
+    with pytest.raises(ConfigError, match="ServerConfig.max_concurrent_rpcs must be an int, got '8'"):
+        dataclasses.replace(ServerConfig(), max_concurrent_rpcs="8")
+    with pytest.raises(ConfigError, match="unknown key"):
+        ClusterConfig(nope=1)
+    s = ServerConfig(max_barrier_wait_s=5)
+    assert s.max_barrier_wait_s == 5.0 and [f.name for f in dataclasses.fields(s)] == [
+        "max_barrier_wait_s", "max_concurrent_rpcs", "reply_window_bytes"]
+
+
+def test_server_section_defaults_and_round_trip(tmp_path):
+    assert ServerConfig() == ServerConfig(600.0, 256, 64 << 20)
+    cfg = load_config(DEMO)
+    assert cfg.server == ServerConfig()             # the demo documents every knob with its default
+    assert from_dict(base()).server == ServerConfig()
+    cfg = load_config(DEMO, ["server.max_concurrent_rpcs=4"])
+    assert cfg.to_dict()["server"] == {"max_barrier_wait_s": 600.0, "max_concurrent_rpcs": 4,
+                                       "reply_window_bytes": 64 << 20}
+    dump_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
+def test_yaml_reader_keeps_texts_through_anchors_and_rejects_duplicates(tmp_path):
+    text = "common: &c {until: 0100}\n"
+    doc = load_yaml(text + "model:\n  <<: *c\n  kind: ctr_online\n", "x.yaml")
+    doc.pop("common")
+    assert from_dict(doc).model.params.until == "0100"
+    with pytest.raises(ConfigError, match="duplicate key cluster.workers"):
+        load_config(_yaml(tmp_path, "cluster:\n  workers: 1\n  workers: 2\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_yaml(tmp_path, "cluster: [\n"))
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(_yaml(tmp_path, "- 1\n"))
+    with pytest.raises(ConfigError, match="value is not valid YAML"):
+        apply_overrides({}, ["cluster.endpoints=[a"])
+
+
+def test_a_replaced_value_does_not_take_a_stale_text(tmp_path):
+    doc = apply_overrides(load_yaml(ONLINE_BASE + "  until: 0100\n", "x.yaml"), [])
+    doc["model"]["until"] = 7                       # edited in code after reading: no text for 7
+    with pytest.raises(ConfigError, match="model.until must be a string, got 7"):
+        from_dict(doc)
+
+
+def test_the_program_registries_agree():
+    assert set(PROGRAM_CONFIGS) == set(PROGRAMS)
+    for kind in PROGRAMS:
+        assert load_program(kind).Config is program_config_class(kind), kind
+    with pytest.raises(ConfigError, match=r"model.kind must be one of \['ctr_dnn'"):
+        program_config_class("gpt")
+
+
+# ----------------------------------------------------------------------------- secrets on disk (issue 15)
+def _with_inline_keys():
+    data = base()
+    data["storage"] = {"endpoint": "h:9000", "scheme": "http", "access_key": "AKIA-INLINE-1",
+                       "secret_key": "s3cr3t-INLINE-2"}
+    return from_dict(data)
+
+
+def test_dumped_config_is_private_and_holds_no_inline_secret(tmp_path):
+    cfg = _with_inline_keys()
+    path = tmp_path / "config.yaml"
+    path.write_text("old")
+    path.chmod(0o644)                                # an older file is replaced, not reused
+    dump_config(cfg, path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    text = path.read_text()
+    assert "AKIA-INLINE-1" not in text and "s3cr3t-INLINE-2" not in text
+    env = secret_env(cfg)
+    assert env == {SECRET_ENV["access_key"]: "AKIA-INLINE-1", SECRET_ENV["secret_key"]: "s3cr3t-INLINE-2"}
+    # the child: reads the file, then takes the secrets from its environment
+    child = load_config(path)
+    assert child.storage.access_key == "" and child.storage.secret_key == ""
+    restored = restore_secrets(child, env)
+    assert restored == cfg
+    opts = restored.storage.options()
+    assert (opts.access_key, opts.secret_key) == ("AKIA-INLINE-1", "s3cr3t-INLINE-2")
+    assert restore_secrets(child, {}) == child
+    assert restore_secrets(cfg, {SECRET_ENV["access_key"]: "other"}) == cfg     # a config's own key wins
+    assert secret_env(from_dict(base())) == {}
+
+
+def test_launcher_hands_inline_secrets_to_children_in_their_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_STORAGE_ACCESS_KEY", "from-the-launchers-own-env")
+    fake = tmp_path / "fake-python"                  # stands in for the interpreter: records its environment
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"open(sys.argv[sys.argv.index('--rank') + 1] + '.env', 'w').write(json.dumps(dict(os.environ)))\n")
+    fake.chmod(0o755)
+    cfg = _with_inline_keys()
+    cluster = LocalCluster(cfg, tmp_path / "run", python=str(fake))
+    assert stat.S_IMODE(os.stat(cluster.config_path).st_mode) == 0o600
+    assert "s3cr3t-INLINE-2" not in cluster.config_path.read_text()
+    monkeypatch.chdir(tmp_path)
+    child = cluster._spawn("server", 0, [], {})
+    assert child.proc.wait(timeout=60) == 0
+    env = json.loads((tmp_path / "0.env").read_text())
+    assert env["ENGINE_STORAGE_SECRET_KEY"] == "s3cr3t-INLINE-2"
+    assert env["ENGINE_STORAGE_ACCESS_KEY"] == "AKIA-INLINE-1"
+    assert restore_secrets(load_config(cluster.config_path), env) == cfg
+    # without inline secrets nothing is handed down, not even the launcher's own variables
+    plain = LocalCluster(from_dict(base()), tmp_path / "run2", python=str(fake))
+    assert plain._spawn("server", 1, [], {}).proc.wait(timeout=60) == 0
+    env = json.loads((tmp_path / "1.env").read_text())
+    assert "ENGINE_STORAGE_ACCESS_KEY" not in env and "ENGINE_STORAGE_SECRET_KEY" not in env
+
+
+def test_max_rows_below_the_local_shard_count_is_a_config_error():
+    from engine.config import from_dict
+    with pytest.raises(ConfigError, match=r"tables.sparse.emb.max_rows must be 0 \(no limit\) or >= "
+                                          r"cluster.local_shards \(4\), got 3"):
+        from_dict({"cluster": {"local_shards": 4}, "tables": {"sparse": {"emb": {"dim": 2, "max_rows": 3}}}})
+    assert from_dict({"tables": {"sparse": {"emb": {"dim": 2, "max_rows": 4}}}}).sparse_tables["emb"].max_rows == 4
