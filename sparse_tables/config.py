@@ -61,7 +61,15 @@ class TableConfig:
         an eviction pass writes least-recently-used rows to RocksDB until
         ``spill_low_watermark * memory_rows`` rows remain. Ignored without ``spill_path``.
     spill_path : str or None
-        RocksDB directory for cold rows; None keeps every row in RAM.
+        RocksDB directory for cold rows; None keeps every row in RAM. The directory is claimed, never
+        taken: it must be new, empty, or one this engine left (see ``sparse_tables.spill``).
+    max_rows : int
+        RAM-only tables (no ``spill_path``): at most this many rows; 0 means no limit. Past it a new
+        key is refused as a key that admission does not admit (a pull reads it without creating a row,
+        a push of it is dropped) and counted in ``stats()["rows_refused_full"]``; rows of keys already
+        present still update. Must be 0 with ``spill_path`` (``memory_rows`` bounds RAM there, the disk
+        the rest). A parameter server's ``SparseHost`` reads it per server and divides it among its
+        local shards.
     initial_accumulator, epsilon : float
         Adagrad accumulator start value and denominator epsilon (also Adam's epsilon).
     beta1, beta2 : float
@@ -97,6 +105,7 @@ class TableConfig:
     seed: int = 0
     memory_rows: int = 1_000_000
     spill_path: str | None = None
+    max_rows: int = 0
     initial_accumulator: float = 0.0
     epsilon: float = 1e-8
     beta1: float = 0.9
@@ -142,6 +151,11 @@ class TableConfig:
             raise bad("min_bound", f"< max_bound ({self.max_bound})")
         if not isinstance(self.memory_rows, int) or self.memory_rows < 1:
             raise bad("memory_rows", "an int >= 1")
+        if not isinstance(self.max_rows, int) or isinstance(self.max_rows, bool) or self.max_rows < 0:
+            raise bad("max_rows", "an int >= 0 (0: no limit)")
+        if self.max_rows and self.spill_path:
+            raise bad("max_rows", f"0 when spill_path is set (memory_rows={self.memory_rows} bounds RAM and "
+                      f"RocksDB at {self.spill_path!r} holds the rest; the disk is the bound)")
         if not isinstance(self.min_count, int) or self.min_count < 0:
             raise bad("min_count", "an int >= 0")
         if not 0 < self.admit_probability <= 1:

@@ -17,3 +17,23 @@ class TableInputError(TableError, ValueError):
 
 class SpillError(TableError, RuntimeError):
     """The RocksDB tier failed or holds a record that cannot be decoded."""
+
+
+class SpillDirError(TableConfigError):
+    """A spill directory cannot be used: it holds files this engine did not create (they are left
+    untouched), or another table or process holds its lock. ``path`` is the directory; the message
+    names it and says what to do."""
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
+class TableFullError(TableError, RuntimeError):
+    """Loading rows would take a table past its ``max_rows``; the rows of that call were not applied.
+    ``limit`` and ``rows`` (the row count the load would reach, at least) are attributes."""
+
+    def __init__(self, message: str, limit: int = 0, rows: int = 0):
+        super().__init__(message)
+        self.limit = limit
+        self.rows = rows

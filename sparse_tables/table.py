@@ -3,9 +3,11 @@
 A uint64 key maps to a row of ``dim`` float32 values plus optimizer state and metadata (show, click,
 last_seen, LRU tick, flags). Rows live in a contiguous arena indexed by a Numba open-addressing hash
 index; with ``spill_path`` set, least-recently-used rows move to RocksDB past ``memory_rows`` and come
-back on the next pull or push that needs them. Every public method is thread-safe: pulls share a
-readers-writer lock (and a large pull is split across threads, the kernels releasing the GIL); pushes,
-shrink and loads take it exclusively, so no reader ever sees a torn row.
+back on the next pull or push that needs them. Without ``spill_path``, ``max_rows`` (when set) caps the
+rows: past it a new key is refused like a key admission does not admit, and counted. Every public
+method is thread-safe: pulls share a readers-writer lock (and a large pull is split across threads, the
+kernels releasing the GIL); pushes, shrink and loads take it exclusively, so no reader ever sees a torn
+row.
 
 Example::
 
@@ -20,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import threading
 import time
@@ -32,7 +35,7 @@ import pyarrow as pa
 from . import _kernels as K
 from ._optimizers import HP_SIZE
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
-from .errors import TableInputError
+from .errors import TableFullError, TableInputError
 from .keysets import KeySet
 from .rows import batch_to_records, records_to_batch, row_schema
 from .rwlock import RWLock
@@ -43,6 +46,30 @@ log = logging.getLogger(__name__)
 MAX_LOAD = 0.8            # index load factor that triggers a rehash into twice the slots
 PARALLEL_PULL_MIN = 16384  # keys per thread below which a pull runs on the calling thread
 TICK_REBASE = 1 << 31
+FULL_WARNING_INTERVAL_S = 60.0   # a full table (max_rows) logs at most one warning per interval and name
+
+
+class _WarnGate:
+    """At most one warning per interval for one table name; counts what happened in between."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.last = -math.inf
+        self.pending = 0
+
+    def add(self, n: int, interval_s: float) -> int:
+        """Count n events; returns the events to report now (0: stay quiet)."""
+        now = time.monotonic()
+        with self.lock:
+            self.pending += n
+            if now - self.last < interval_s:
+                return 0
+            self.last, out, self.pending = now, self.pending, 0
+            return out
+
+
+_WARN_GATES: dict[str, _WarnGate] = {}   # table name -> gate, shared by the shards of one table
+_WARN_GATES_LOCK = threading.Lock()
 
 
 class SparseTable:
@@ -56,11 +83,22 @@ class SparseTable:
         resolution as uint32.
     initial_rows : int
         Arena rows allocated up front (grows by doubling; untouched pages cost no RAM).
+    name : str, optional
+        Names the table in log messages; the shards of one table pass the same name, so a full table
+        (``max_rows``) warns once per ``FULL_WARNING_INTERVAL_S`` for all of them.
+
+    Raises
+    ------
+    SpillDirError
+        ``spill_path`` holds files this engine did not create, or another table or process uses it.
+    SpillError
+        RocksDB cannot open its database there.
     """
 
     def __init__(self, config: TableConfig, *, clock: Callable[[], float] = time.time,
-                 initial_rows: int = 1024):
+                 initial_rows: int = 1024, name: str | None = None):
         self.config = config
+        self.name = name or "sparse table"
         self.layout = RowLayout.of(config)
         self.schema = row_schema(self.layout, config.optimizer)
         self._clock = clock
@@ -92,7 +130,13 @@ class SparseTable:
         self._stats_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._counters = dict(pull_keys=0, pull_hits=0, pull_misses=0, push_keys=0, created=0,
-                              rejected=0, deleted=0, evictions=0, promotions=0, spill_writes=0)
+                              rejected=0, rows_refused_full=0, deleted=0, evictions=0, promotions=0,
+                              spill_writes=0)
+        if name:
+            with _WARN_GATES_LOCK:
+                self._full_gate = _WARN_GATES.setdefault(name, _WarnGate())
+        else:
+            self._full_gate = _WarnGate()
 
     # ------------------------------------------------------------------------------ public API
     def pull(self, keys: np.ndarray, *, init_missing: bool = False, out: np.ndarray | None = None,
@@ -165,7 +209,11 @@ class SparseTable:
 
     def push(self, keys: np.ndarray, grads: np.ndarray, *, shows: np.ndarray | None = None,
              clicks: np.ndarray | None = None) -> None:
-        """Apply the optimizer to the rows of keys, creating rows subject to admission.
+        """Apply the optimizer to the rows of keys, creating rows subject to admission and ``max_rows``.
+
+        A key admission does not admit, or a new key once the table holds ``max_rows`` rows, gets no
+        row: its update is dropped and counted (``stats()["rejected"]``, ``stats()["rows_refused_full"]``;
+        a full table also logs a warning at most once a minute). Keys with rows are updated regardless.
 
         Parameters
         ----------
@@ -284,7 +332,8 @@ class SparseTable:
         Keys: ``rows`` (all), ``rows_in_ram``, ``rows_spilled`` (authoritative in RocksDB),
         ``ram_bytes`` (arena rows in use, index, sketch, filters), ``disk_bytes``, ``pull_keys``,
         ``pull_hits``/``pull_misses`` (RAM), ``push_keys``, ``created``, ``rejected`` (not admitted),
-        ``deleted``, ``evictions``, ``promotions``, ``spill_writes``.
+        ``rows_refused_full`` (new keys refused because the table held ``max_rows`` rows), ``max_rows``
+        (0: no limit), ``deleted``, ``evictions``, ``promotions``, ``spill_writes``.
         """
         with self._stats_lock:
             out = dict(self._counters)
@@ -297,7 +346,8 @@ class SparseTable:
             ram += self._spill.bloom_bytes
             disk = self._spill.disk_bytes()
         out.update(rows=nram + spilled, rows_in_ram=nram, rows_spilled=spilled, ram_bytes=ram,
-                   disk_bytes=disk, index_slots=len(self._index), row_bytes=self.layout.row_bytes)
+                   disk_bytes=disk, index_slots=len(self._index), row_bytes=self.layout.row_bytes,
+                   max_rows=self.config.max_rows)
         return out
 
     def rows(self, chunk_rows: int = 65536) -> Iterator[pa.RecordBatch]:
@@ -329,8 +379,12 @@ class SparseTable:
         ------
         TableInputError
             A batch misses a column, has a wrong type or width, or nulls (that batch is not applied).
+        TableFullError
+            A batch would take the table past ``max_rows`` (that batch is not applied; earlier ones are).
+            A checkpoint reader counts the rows it will load before it loads them.
         """
         total = 0
+        limit = self.config.max_rows
         for batch in batches:
             records = batch_to_records(batch, self.layout)
             keys = _record_keys(records)
@@ -339,7 +393,13 @@ class SparseTable:
                 # room for the rows not in RAM yet (new, or promoted from RocksDB); overwrites need none
                 rows = np.empty(len(keys), np.int64)
                 K.find_rows(self._index, self._arena_u, keys, rows)
-                self._reserve(int(np.count_nonzero(rows < 0)))
+                n_new = int(np.count_nonzero(rows < 0))
+                if limit and int(self._state[K.S_NRAM]) + n_new > limit:   # RAM-only: rows < 0 are new
+                    have = int(self._state[K.S_NRAM])
+                    raise TableFullError(f"{self.name}: loading {len(keys)} row(s) ({n_new} new) into "
+                                         f"{have} would exceed max_rows={limit}; nothing of this batch "
+                                         f"was loaded", limit=limit, rows=have + n_new)
+                self._reserve(n_new)
                 if self._spill is not None:
                     self._promote(np.unique(keys))
                 ok = K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,
@@ -389,6 +449,32 @@ class SparseTable:
         with self._lock.exclusive():
             self._clear_dirty_locked()
 
+    def release_ram(self) -> int:
+        """Spilled tables: write every row in RAM to RocksDB and give the arena and index memory back
+        (the big arrays are their own mappings, so the pages return to the OS at once). Rows come back
+        on the next pull or push that needs them, as after any eviction; nothing is lost. A server
+        calls this on the old shards before it loads a base into fresh ones, so the old table costs
+        disk rather than RAM while the new one fills. RAM-only tables: nothing happens.
+
+        Returns
+        -------
+        int : rows moved out of RAM
+        """
+        if self._spill is None:
+            return 0
+        with self._lock.exclusive():
+            n = int(self._state[K.S_NRAM])
+            if n:
+                self._evict(n)
+            stride = self.layout.stride
+            self._arena_u = _big_array((16, stride), np.uint32)
+            self._arena_f = self._arena_u.view(np.float32)
+            self._index = _big_array((16,), np.uint64)
+            self._index.fill(K.EMPTY)
+            self._state[:] = 0
+            self._state[K.S_FREE_HEAD] = -1
+        return n
+
     def close(self) -> None:
         """Release the RocksDB tier (its directory is removed) and the pull threads."""
         with self._lock.exclusive():
@@ -429,29 +515,67 @@ class SparseTable:
             uclicks = np.empty(nu if has_shows else 0, np.float32)
             ucounts = np.empty(nu, np.int64)
             K.dedup_sum(keys, grads, shows, clicks, inverse, ukeys, ugrads, ushows, uclicks, ucounts)
-        cfg = self.config
-        created = rejected = 0
+        created = rejected = refused = 0
+        limit = self.config.max_rows
         with self._lock.exclusive():
             self._next_tick()
             if self._spill is not None:
                 self._promote(ukeys)
-            out_rows = np.empty(nu, np.int64)
             now_s = self._now_s()
+            args = (ukeys, ugrads, ushows, uclicks, ucounts, has_shows, mode, now_s)
             done = 0
             while done < nu:
-                rest = slice(done, nu)
-                c, rj, k = K.push_rows(
-                    self._index, self._arena_u, self._arena_f, self._state, self._lay, ukeys[rest],
-                    ugrads[rest], ushows[rest] if has_shows else ushows,
-                    uclicks[rest] if has_shows else uclicks, ucounts[rest], has_shows, mode,
-                    self._opt, self._hp, now_s, self._tick, self._seed, self._init_kind,
-                    cfg.init_range, self._sketch, cfg.min_count, cfg.admit_probability,
-                    int(MAX_LOAD * len(self._index)), out_rows[rest])
+                # the kernel stops at the first new key past its row cap (the index's load limit, or
+                # max_rows): keys done.. are untouched
+                cap = int(MAX_LOAD * len(self._index))
+                c, rj, k = self._push_rows(args, slice(done, nu), min(cap, limit) if limit else cap)
                 created, rejected, done = created + c, rejected + rj, done + k
-                if done < nu:  # out of room at key `done`: grow (doubling), then go on from there
-                    self._reserve(nu - done)
+                if done == nu:
+                    break
+                nram = int(self._state[K.S_NRAM])
+                if limit and nram >= limit:
+                    # full: the rest's present keys are updated, its new keys refused as not admitted
+                    refused = self._push_present(args, done)
+                    break
+                self._reserve(min(nu - done, limit - nram) if limit else nu - done)   # grow, go on
             self._maybe_evict()
-        self._count(push_keys=n, created=created, rejected=rejected)
+        self._count(push_keys=n, created=created, rejected=rejected, rows_refused_full=refused)
+        if refused:
+            self._warn_full(refused)
+
+    def _push_rows(self, args, pick, cap: int) -> tuple[int, int, int]:
+        """One ``K.push_rows`` call on the unique keys ``args[0][pick]`` of a deduplicated push
+        (``pick``: a slice, taken as views, or int64 positions); a new row is made only while the rows
+        in RAM are below ``cap``. Returns (created, rejected by admission, keys done). Lock held."""
+        ukeys, ugrads, ushows, uclicks, ucounts, has_shows, mode, now_s = args
+        cfg = self.config
+        keys = ukeys[pick]
+        return K.push_rows(
+            self._index, self._arena_u, self._arena_f, self._state, self._lay, keys, ugrads[pick],
+            ushows[pick] if has_shows else ushows, uclicks[pick] if has_shows else uclicks, ucounts[pick],
+            has_shows, mode, self._opt, self._hp, now_s, self._tick, self._seed, self._init_kind,
+            cfg.init_range, self._sketch, cfg.min_count, cfg.admit_probability, cap,
+            np.empty(len(keys), np.int64))
+
+    def _push_present(self, args, start: int) -> int:
+        """The table is full (``max_rows``): update the rows of the keys ``args[0][start:]`` that have
+        one and refuse the others (no row, no sketch count: as keys admission does not admit).
+        Returns the keys refused. Lock held exclusively."""
+        tail = args[0][start:]
+        rows = np.empty(len(tail), np.int64)
+        K.find_rows(self._index, self._arena_u, tail, rows)
+        have = start + np.flatnonzero(rows >= 0)
+        if len(have):
+            self._push_rows(args, have, int(MAX_LOAD * len(self._index)))   # all present: creates none
+        return len(tail) - len(have)
+
+    def _warn_full(self, refused: int) -> None:
+        n = self._full_gate.add(refused, FULL_WARNING_INTERVAL_S)
+        if n:
+            log.warning("%s is full (a shard reached its max_rows=%d): %d new key(s) refused since the "
+                        "last warning; their pushes are dropped and pulls read them as not admitted. "
+                        "Training goes on; raise max_rows, add servers, or expire rows (expire_after / "
+                        "delete_threshold with shrink) to make room", self.name, self.config.max_rows, n)
 
     def _pull_ram(self, keys, out, tick, track) -> np.ndarray:
         """Gather RAM rows (parallel for large pulls); returns positions of misses (int64)."""
@@ -499,7 +623,12 @@ class SparseTable:
         nram = int(self._state[K.S_NRAM])
         if nram <= self.config.memory_rows:
             return
-        k = nram - int(self.config.memory_rows * self.config.spill_low_watermark)
+        self._evict(nram - int(self.config.memory_rows * self.config.spill_low_watermark))
+
+    def _evict(self, k: int) -> None:
+        """Write the k least recently used RAM rows to RocksDB (only rows not already there unchanged)
+        and drop them from RAM. Lock held exclusively; spill tier present; 0 < k <= rows in RAM."""
+        nram = int(self._state[K.S_NRAM])
         rows = np.empty(nram, np.int64)
         ticks = np.empty(nram, np.uint32)
         K.lru_ticks(self._arena_u, self._state, self._lay, rows, ticks)

@@ -1,30 +1,48 @@
 """Server side of a restore: one server loads the rows it owns from one published checkpoint.
 
-The coordinator calls this once per checkpoint of the chain, base first (with the server's tables
-reset), then each delta in order. A server reads only the part files whose vshard group overlaps its
-own vshard range (every file when the checkpoint was cut with another ``num_vshards``), keeps the rows
-routed to it and hands each local shard its rows: a checkpoint written by N servers loads onto M.
+The coordinator calls this once per checkpoint of the chain, base first, then each delta in order. A
+server reads only the part files whose vshard group overlaps its own vshard range (every file when the
+checkpoint was cut with another ``num_vshards``), keeps the rows routed to it and hands each local
+shard its rows: a checkpoint written by N servers loads onto M.
 
-Every file is checked against its manifest entry (size and CRC-32) before it is parsed; a missing,
-short, corrupt or truncated file raises ``hdfs_io.CheckpointCorruptError`` naming the file.
+Every file is checked against its manifest entry (size and CRC-32) before it is parsed, then its
+columns against the table's row schema; a missing, short, corrupt, truncated or misfit file raises
+``hdfs_io.CheckpointCorruptError`` naming the file. When a server reads every file of a table, their
+rows must add up to the manifest's count.
+
+All or nothing:
+
+* a **base** goes into empty shards the caller made for it (``SparseHost.fresh_shards``) and swaps in
+  only when this returns; on any error the caller drops them and its live tables never changed;
+* a **delta** applies on top of the live shards, so it is verified completely first (every file read
+  and checked, the row count each shard would reach compared with its ``max_rows``) and only then read
+  again and applied: a damaged or oversized delta changes no row.
+
+Row limits. A shard with ``TableConfig.max_rows`` never receives more rows than that: a base stops
+filling a table once a shard's share is exceeded (and keeps counting, so the error gives the row count
+the checkpoint would have reached), a delta is refused before it applies. Both raise
+``CheckpointCapacityError`` naming the table, the limit and the row count.
 """
 from __future__ import annotations
 
 import logging
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
 from hdfs_io import CheckpointCorruptError, FileEntry, Storage, file_entries, read_ipc_file
-from sparse_tables import SparseTable, TableInputError
+from sparse_tables import SparseTable, TableFullError, TableInputError
 
+from ..sharding import routing
 from .manifest import read_checkpoint_manifest
-from .writer import DenseBlockState
+from .writer import DENSE_SCHEMA, TOMBSTONE_SCHEMA, DenseBlockState
 
-__all__ = ["load_server_parts", "CheckpointMismatchError"]
+__all__ = ["load_server_parts", "CheckpointMismatchError", "CheckpointCapacityError"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +56,34 @@ class CheckpointMismatchError(ValueError):
     other hash version). The message names the table and both values."""
 
 
+class CheckpointCapacityError(CheckpointMismatchError):
+    """Loading the checkpoint would take a table past its ``max_rows``. ``table``, ``limit`` (this
+    server's, summed over its shards) and ``rows`` (what the table would hold) are attributes."""
+
+    def __init__(self, message: str, table: str = "", limit: int = 0, rows: int = 0):
+        super().__init__(message)
+        self.table, self.limit, self.rows = table, limit, rows
+
+
+@dataclass
+class _Plan:
+    """What one server reads of one checkpoint."""
+
+    ckpt: Storage
+    manifest: dict
+    num_vshards: int
+    local_owner: np.ndarray
+    sparse: dict
+    sparse_files: list = field(default_factory=list)    # (table, file name, FileEntry)
+    tomb_files: list = field(default_factory=list)
+    dense_files: list = field(default_factory=list)
+    tables: list = field(default_factory=list)          # sparse tables of the checkpoint hosted here
+    every_file: set = field(default_factory=set)        # ... of which this server reads every file
+
+    def uri(self, fname: str) -> str:
+        return self.ckpt.uri_of(fname)
+
+
 def _read(ckpt: Storage, name: str, entry: FileEntry) -> pa.Table:
     try:
         return read_ipc_file(ckpt, name, expected=entry)
@@ -46,54 +92,28 @@ def _read(ckpt: Storage, name: str, entry: FileEntry) -> pa.Table:
         raise CheckpointCorruptError(f"{uri}: listed in the manifest but missing", uri=uri) from exc
 
 
+def _check_columns(table: pa.Table, schema: pa.Schema, uri: str, what: str) -> None:
+    """Raise CheckpointCorruptError unless ``table`` has every column of ``schema`` with its type and
+    no nulls where the schema forbids them."""
+    for f in schema:
+        i = table.schema.get_field_index(f.name)
+        if i < 0:
+            raise CheckpointCorruptError(f"{uri}: {what}: missing column {f.name!r} (expected {f.type})", uri=uri)
+        col = table.column(i)
+        if not col.type.equals(f.type):
+            raise CheckpointCorruptError(f"{uri}: {what}: column {f.name!r}: expected {f.type}, got {col.type}",
+                                         uri=uri)
+        if not f.nullable and col.null_count:
+            raise CheckpointCorruptError(f"{uri}: {what}: column {f.name!r} has {col.null_count} nulls", uri=uri)
+
+
 def _group_overlaps(g: int, groups: int, ckpt_vshards: int, local_owner: np.ndarray) -> bool:
     lo, hi = g * ckpt_vshards // groups, (g + 1) * ckpt_vshards // groups
     return bool((local_owner[lo:hi] >= 0).any())
 
 
-def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarray,
-                      sparse: dict[str, list[SparseTable]],
-                      dense_owns: Callable[[str, int], bool] | None = None,
-                      manifest: dict | None = None, threads: int = 2) -> tuple[int, dict, dict]:
-    """Load this server's rows of one checkpoint (base or delta) into its local shards.
-
-    Parameters
-    ----------
-    ckpt : Storage
-        Rooted at the checkpoint directory.
-    num_vshards : int
-        This cluster's vshard count.
-    local_owner : int32[num_vshards]
-        Local shard of each vshard on this server, -1 where another server owns it
-        (``routing.local_shard_owners``).
-    sparse : dict of str -> list of SparseTable
-        This server's shards. For a base they should be empty (the caller resets them).
-    dense_owns : callable (table, block) -> bool, optional
-        Whether this server holds a dense block; None skips dense tables.
-    manifest : dict, optional
-        Already read manifest of ``ckpt`` (read here otherwise).
-    threads : int
-        Files read concurrently.
-
-    Returns
-    -------
-    (rows, tombstones, dense)
-        rows : dict table -> rows loaded; tombstones : dict table -> keys deleted;
-        dense : dict table -> (size, {block: DenseBlockState}) of the blocks this server owns.
-
-    Raises
-    ------
-    hdfs_io.NotPublishedError
-        The checkpoint has no ``_SUCCESS``.
-    hdfs_io.CheckpointCorruptError
-        A file is missing, has the wrong size or checksum, or is not a readable Arrow file (named).
-    CheckpointMismatchError
-        A checkpoint table is not hosted here, or has another dim / optimizer.
-    """
-    from ..ps import routing     # here: engine.ps imports this package
-    if manifest is None:
-        manifest = read_checkpoint_manifest(ckpt, "")
-    entries = file_entries(manifest)
+def _plan(ckpt: Storage, manifest: dict, num_vshards: int, local_owner: np.ndarray, sparse: dict) -> _Plan:
+    """Check the checkpoint's tables against this server's and list the files to read."""
     ck_tables = manifest["tables"].get("sparse", {})
     for name, meta in ck_tables.items():
         if name not in sparse:
@@ -107,29 +127,107 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
                                           f"{want}, this server's table has {have}")
     for name in sparse:
         if name not in ck_tables:
-            log.warning("sparse table %r is not in checkpoint %s; it stays as it is", name, ckpt.uri)
+            log.warning("sparse table %r is not in checkpoint %s; no rows of it are loaded", name, ckpt.uri)
+    plan = _Plan(ckpt, manifest, num_vshards, local_owner, sparse)
     same_cut = manifest["num_vshards"] == num_vshards
     groups = manifest["groups"]
-    sparse_files, tomb_files, dense_files = [], [], []
-    for fname, entry in entries.items():
+    plan.tables = [name for name in ck_tables if name in sparse]
+    plan.every_file = set(plan.tables)
+    for fname, entry in file_entries(manifest).items():
         if m := _SPARSE_RE.match(fname):
-            if m.group(1) in sparse and (not same_cut or _group_overlaps(int(m.group(2)), groups,
-                                                                       num_vshards, local_owner)):
-                sparse_files.append((m.group(1), fname, entry))
+            name = m.group(1)
+            if name not in sparse:
+                continue
+            if not same_cut or _group_overlaps(int(m.group(2)), groups, num_vshards, local_owner):
+                plan.sparse_files.append((name, fname, entry))
+            else:
+                plan.every_file.discard(name)
         elif m := _TOMB_RE.match(fname):
             if m.group(1) in sparse:
-                tomb_files.append((m.group(1), fname, entry))
+                plan.tomb_files.append((m.group(1), fname, entry))
         elif m := _DENSE_RE.match(fname):
-            dense_files.append((m.group(1), fname, entry))
+            plan.dense_files.append((m.group(1), fname, entry))
+    return plan
+
+
+def _read_rows(plan: _Plan, name: str, fname: str, entry: FileEntry) -> pa.Table:
+    table = _read(plan.ckpt, fname, entry)
+    _check_columns(table, plan.sparse[name][0].schema, plan.uri(fname), f"rows do not fit table {name!r}")
+    return table
+
+
+def _read_tombstones(plan: _Plan, name: str, fname: str, entry: FileEntry) -> np.ndarray:
+    table = _read(plan.ckpt, fname, entry)
+    _check_columns(table, TOMBSTONE_SCHEMA, plan.uri(fname), f"tombstones of table {name!r}")
+    return np.ascontiguousarray(table.column("key").to_numpy())
+
+
+def _check_row_counts(plan: _Plan, rows_read: dict, tombs_read: dict) -> None:
+    """Where this server read every file of a table, the files' rows must add up to the manifest's."""
+    meta = plan.manifest["tables"].get("sparse", {})
+    for name in plan.every_file:
+        for what, got in (("rows", rows_read.get(name, 0)), ("tombstones", tombs_read.get(name, 0))):
+            want = meta.get(name, {}).get(what)
+            if want is not None and int(want) != got:
+                uri = plan.ckpt.uri_of("manifest.json")
+                raise CheckpointCorruptError(f"{uri}: table {name!r}: the manifest counts {want} {what}, its "
+                                             f"files hold {got}", uri=uri)
+
+
+def _limits(shards: list[SparseTable]) -> np.ndarray:
+    return np.array([sh.config.max_rows for sh in shards], np.int64)
+
+
+def _capacity_error(plan: _Plan, name: str, rows: np.ndarray, state: str) -> CheckpointCapacityError:
+    limits = _limits(plan.sparse[name])
+    total, limit = int(rows.sum()), int(limits.sum())
+    j = int(np.argmax(rows - limits))
+    return CheckpointCapacityError(
+        f"sparse table {name!r}: checkpoint {plan.ckpt.uri} would leave {total} rows on this server, past "
+        f"its max_rows of {limit} (local shard {j} would hold {int(rows[j])} rows, its share is "
+        f"{int(limits[j])}); {state}. Raise max_rows or restore onto more servers",
+        table=name, limit=limit, rows=total)
+
+
+class _BaseBudget:
+    """A base into empty shards: counts the rows routed to each shard of the tables with ``max_rows``
+    and stops loading a table once one of its shards would pass its share; counting goes on, so the
+    error can give the row count the whole checkpoint reaches."""
+
+    def __init__(self, sparse: dict):
+        self.limits = {n: _limits(s) for n, s in sparse.items() if _limits(s).any()}
+        self.rows = {n: np.array([len(sh) for sh in sparse[n]], np.int64) for n in self.limits}
+        self.over: set[str] = set()
+        self._lock = threading.Lock()
+
+    def take(self, name: str, local: np.ndarray) -> bool:
+        """Count rows routed to shards (``local : int32[n]``, -1: another server); False once the table
+        is over its limit (load nothing more of it)."""
+        if name not in self.limits:
+            return True
+        counts = np.bincount(local[local >= 0], minlength=len(self.limits[name]))
+        with self._lock:
+            self.rows[name] += counts
+            lim = self.limits[name]
+            if ((lim > 0) & (self.rows[name] > lim)).any():
+                self.over.add(name)
+            return name not in self.over
+
+
+def _load_rows(plan: _Plan, threads: int, budget: _BaseBudget | None) -> tuple[dict, dict]:
+    """Read the sparse files and load the rows routed here into the shards. Returns (rows loaded,
+    rows read) by table."""
 
     def load_one(item):
         name, fname, entry = item
-        table = _read(ckpt, fname, entry)
-        shards = sparse[name]
+        table = _read_rows(plan, name, fname, entry)
+        shards = plan.sparse[name]
         n = 0
         for batch in table.to_batches():
             keys = np.ascontiguousarray(batch.column(0).to_numpy())
-            local = routing.lookup(keys, num_vshards, local_owner)
+            local = routing.lookup(keys, plan.num_vshards, plan.local_owner)
+            if budget is not None and not budget.take(name, local):
+                continue
             first = int(local[0]) if len(local) else -1
             try:
                 if first >= 0 and (local == first).all():
@@ -140,38 +238,166 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
                     if mask.any():
                         n += shards[j].load_rows([batch.filter(pa.array(mask))])
             except TableInputError as exc:
-                uri = ckpt.uri_of(fname)
+                uri = plan.uri(fname)
                 raise CheckpointCorruptError(f"{uri}: rows do not fit table {name!r}: {exc}", uri=uri) from exc
-        return name, n
+            except TableFullError as exc:      # only when rows arrived meanwhile (the counts were checked)
+                raise CheckpointCapacityError(f"sparse table {name!r}: loading {plan.ckpt.uri} stopped at "
+                                              f"{plan.uri(fname)}: {exc}; the table holds part of it",
+                                              table=name, limit=exc.limit, rows=exc.rows) from exc
+        return name, n, table.num_rows
 
-    rows = {name: 0 for name in ck_tables if name in sparse}
+    rows = {name: 0 for name in plan.tables}
+    read = dict(rows)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-load") as pool:
-        for name, n in pool.map(load_one, sparse_files):
+        for name, n, m in pool.map(load_one, plan.sparse_files):
             rows[name] += n
+            read[name] += m
+    return rows, read
+
+
+def _verify_delta(plan: _Plan, threads: int) -> None:
+    """Read and check every file of a delta (checksums, columns, row counts) and the row count each
+    limited shard would reach; raises before anything changes."""
+    limited = {n for n, s in plan.sparse.items() if _limits(s).any()}
+    new = {n: np.zeros(len(plan.sparse[n]), np.int64) for n in limited}
+
+    def per_shard(name, keys, present: bool) -> np.ndarray:
+        """Keys routed to each shard of ``name`` that are (present=True) or are not in it now."""
+        local = routing.lookup(keys, plan.num_vshards, plan.local_owner)
+        out = np.zeros(len(plan.sparse[name]), np.int64)
+        for j, shard in enumerate(plan.sparse[name]):
+            mine = keys[local == j]
+            if len(mine):
+                have = shard.contains(mine)
+                out[j] = int(np.count_nonzero(have if present else ~have))
+        return out
+
+    def check_one(item):
+        name, fname, entry = item
+        table = _read_rows(plan, name, fname, entry)
+        fresh = None
+        if name in limited:
+            keys = np.ascontiguousarray(table.column("key").to_numpy())
+            fresh = per_shard(name, keys, present=False)
+        return name, table.num_rows, fresh
+
+    read = {name: 0 for name in plan.tables}
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-verify") as pool:
+        for name, m, fresh in pool.map(check_one, plan.sparse_files):
+            read[name] += m
+            if fresh is not None:
+                new[name] += fresh
+    tombs = {name: 0 for name in plan.tables}
+    for name, fname, entry in plan.tomb_files:
+        keys = _read_tombstones(plan, name, fname, entry)
+        tombs[name] = tombs.get(name, 0) + len(keys)
+        if name in limited:
+            new[name] -= per_shard(name, keys, present=True)
+    _check_row_counts(plan, read, tombs)
+    for name in sorted(limited):
+        after = np.array([len(sh) for sh in plan.sparse[name]], np.int64) + new[name]
+        lim = _limits(plan.sparse[name])
+        if ((lim > 0) & (after > lim)).any():
+            raise _capacity_error(plan, name, after, "nothing was loaded, the table is unchanged")
+
+
+def _read_dense(plan: _Plan, dense_owns: Callable[[str, int], bool]) -> dict:
+    dense: dict = {}
+    for name, fname, entry in plan.dense_files:
+        table = _read(plan.ckpt, fname, entry)
+        uri = plan.uri(fname)
+        _check_columns(table, DENSE_SCHEMA, uri, f"dense table {name!r}")
+        try:
+            size = int((table.schema.metadata or {}).get(b"size", b"0"))
+        except ValueError:
+            raise CheckpointCorruptError(f"{uri}: dense table {name!r}: schema metadata 'size' is not an "
+                                         f"integer", uri=uri) from None
+        got = dense.setdefault(name, (size, {}))[1]
+        cols = table.to_pydict()
+        for i, block in enumerate(cols["block"]):
+            if not dense_owns(name, int(block)):
+                continue
+            arr = lambda v: None if v is None else np.asarray(v, np.float32)  # noqa: E731
+            got[int(block)] = DenseBlockState(arr(cols["params"][i]), arr(cols["m"][i]), arr(cols["v"][i]),
+                                              cols["t"][i])
+    return dense
+
+
+def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarray,
+                      sparse: dict[str, list[SparseTable]],
+                      dense_owns: Callable[[str, int], bool] | None = None,
+                      manifest: dict | None = None, threads: int = 2) -> tuple[dict, dict, dict]:
+    """Load this server's rows of one checkpoint (base or delta) into its local shards.
+
+    A base is read once, straight into ``sparse`` (which should be empty shards made for it; on an
+    error they hold part of the base and the caller drops them). A delta is read twice: a verifying
+    pass that changes nothing, then the applying pass (the checksums are checked again; a file that
+    changed in between, which a published checkpoint never should, leaves the delta partly applied
+    and raises). See the module docstring.
+
+    Parameters
+    ----------
+    ckpt : Storage
+        Rooted at the checkpoint directory.
+    num_vshards : int
+        This cluster's vshard count.
+    local_owner : int32[num_vshards]
+        Local shard of each vshard on this server, -1 where another server owns it
+        (``engine.sharding.routing.local_shard_owners``).
+    sparse : dict of str -> list of SparseTable
+        This server's shards: empty ones for a base, the live ones for a delta.
+    dense_owns : callable (table, block) -> bool, optional
+        Whether this server holds a dense block; None skips dense tables.
+    manifest : dict, optional
+        Already read manifest of ``ckpt`` (read here otherwise).
+    threads : int
+        Files read concurrently.
+
+    Returns
+    -------
+    (rows, tombstones, dense)
+        rows : dict table -> rows loaded; tombstones : dict table -> keys deleted;
+        dense : dict table -> (size, {block: DenseBlockState}) of the blocks this server owns (read and
+        column-checked; the caller installs them).
+
+    Raises
+    ------
+    hdfs_io.NotPublishedError
+        The checkpoint has no ``_SUCCESS``.
+    hdfs_io.CheckpointCorruptError
+        A file is missing, has the wrong size or checksum, is not a readable Arrow file, lacks a
+        column or has the wrong type (named); or the files' rows do not add up to the manifest's.
+    CheckpointMismatchError
+        A checkpoint table is not hosted here, or has another dim / optimizer.
+    CheckpointCapacityError
+        A table would pass its ``max_rows`` (names the table, the limit and the row count).
+    """
+    if manifest is None:
+        manifest = read_checkpoint_manifest(ckpt, "")
+    plan = _plan(ckpt, manifest, num_vshards, local_owner, sparse)
+    base = manifest["kind"] == "base"
+    dense = _read_dense(plan, dense_owns) if dense_owns is not None else {}
+    if base:
+        budget = _BaseBudget(sparse)
+        rows, read = _load_rows(plan, threads, budget)
+        for name in sorted(budget.over):
+            raise _capacity_error(plan, name, budget.rows[name], "the tables in use were not changed")
+        tomb_keys = [(name, _read_tombstones(plan, name, fname, entry)) for name, fname, entry in plan.tomb_files]
+        _check_row_counts(plan, read, {n: sum(len(k) for t, k in tomb_keys if t == n) for n in plan.every_file})
+    else:
+        _verify_delta(plan, threads)
+        rows, _ = _load_rows(plan, threads, None)
+        tomb_keys = [(name, _read_tombstones(plan, name, fname, entry)) for name, fname, entry in plan.tomb_files]
     tombs = {name: 0 for name in rows}
-    for name, fname, entry in tomb_files:
-        keys = np.ascontiguousarray(_read(ckpt, fname, entry).column("key").to_numpy())
+    for name, keys in tomb_keys:
         local = routing.lookup(keys, num_vshards, local_owner)
         for j, shard in enumerate(sparse[name]):
             mine = keys[local == j]
             if len(mine):
-                tombs[name] += shard.delete(mine)
+                tombs[name] = tombs.get(name, 0) + shard.delete(mine)
     for shards in sparse.values():     # restored state is the new "clean" point for the next delta
         for shard in shards:
             shard.clear_dirty()
-    dense: dict = {}
-    if dense_owns is not None:
-        for name, fname, entry in dense_files:
-            table = _read(ckpt, fname, entry)
-            size = int((table.schema.metadata or {}).get(b"size", b"0"))
-            got = dense.setdefault(name, (size, {}))[1]
-            cols = table.to_pydict()
-            for i, block in enumerate(cols["block"]):
-                if not dense_owns(name, int(block)):
-                    continue
-                arr = lambda v: None if v is None else np.asarray(v, np.float32)  # noqa: E731
-                got[int(block)] = DenseBlockState(arr(cols["params"][i]), arr(cols["m"][i]), arr(cols["v"][i]),
-                                                  cols["t"][i])
     log.info("loaded %s %s: rows %s, tombstones %s, dense %s", manifest["kind"], ckpt.uri, rows, tombs,
              {k: len(v[1]) for k, v in dense.items()})
     return rows, tombs, dense

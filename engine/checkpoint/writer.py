@@ -38,6 +38,8 @@ import pyarrow as pa
 from hdfs_io import Storage, write_ipc_file
 from sparse_tables import SparseTable
 
+from ..sharding import routing
+from ..sharding._kernels import group as _group
 
 __all__ = ["DenseBlockState", "DenseState", "save_server_parts", "part_report_name", "group_of",
            "TABLE_NAME_RE", "TOMBSTONE_SCHEMA", "DENSE_SCHEMA"]
@@ -77,7 +79,6 @@ def part_report_name(server: int) -> str:
 
 def group_of(keys: np.ndarray, num_vshards: int, groups: int) -> np.ndarray:
     """Vshard group of keys : uint64[n] -> int64[n] in [0, groups)."""
-    from ..ps import routing     # here: engine.ps imports this package (dense state types)
     return routing.vshard_of(keys, num_vshards).astype(np.int64) * groups // num_vshards
 
 
@@ -90,7 +91,6 @@ def _check_names(names: Iterable[str]) -> None:
 
 def _split_by_group(batches: list[pa.RecordBatch], num_vshards: int, groups: int) -> dict[int, list]:
     """Rows of ``batches`` grouped by vshard group: {group: [RecordBatch, ...]} (O(n) counting sort)."""
-    from ..ps import _kernels
     out: dict[int, list] = {}
     for b in batches:
         if b.num_rows == 0:
@@ -103,7 +103,7 @@ def _split_by_group(batches: list[pa.RecordBatch], num_vshards: int, groups: int
             continue
         order = np.empty(len(g), np.int64)
         bounds = np.empty(groups + 1, np.int64)
-        _kernels.group(g, groups, order, bounds)
+        _group(g, groups, order, bounds)
         taken = b.take(pa.array(order))
         for k in range(groups):
             if bounds[k + 1] > bounds[k]:

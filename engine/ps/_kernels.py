@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..sharding._kernels import group  # noqa: F401  (grouping by label; shared with engine.checkpoint)
+
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 _S32 = np.uint64(32)
 
@@ -57,22 +59,6 @@ def segment_sum_1d(values, inverse, out):
     out[:] = 0
     for i in range(values.shape[0]):
         out[inverse[i]] += values[i]
-
-
-@njit(cache=True, nogil=True)
-def group(labels, n_groups, order, bounds):
-    """Counting sort: positions of labels int32[n] grouped by label (stable) into order int64[n];
-    group g is order[bounds[g]:bounds[g + 1]] (bounds int64[n_groups + 1])."""
-    bounds[:] = 0
-    for i in range(labels.shape[0]):
-        bounds[labels[i] + 1] += 1
-    for g in range(n_groups):
-        bounds[g + 1] += bounds[g]
-    fill = bounds[:-1].copy()
-    for i in range(labels.shape[0]):
-        g = labels[i]
-        order[fill[g]] = i
-        fill[g] += 1
 
 
 @njit(cache=True, nogil=True)

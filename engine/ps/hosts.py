@@ -16,26 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from models.optim import SGD, Adam
-from sparse_tables import SparseTable, TableConfig, TableInputError
+from sparse_tables import SparseTable, TableConfig, TableConfigError, TableInputError
 
 from ..checkpoint.writer import DenseBlockState, DenseState
 from ..config import DenseTableConfig
-from . import _kernels, routing
+from . import _arrays, _kernels, routing
 from .codec import DENSE_BLOCK
 
 log = logging.getLogger(__name__)
 
 PARALLEL_SHARDS_MIN = 8192   # keys in a request above which local shards are worked in parallel
-
-
-def _take(arr: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """arr[pos] along the first axis with a Numba gather (numpy's fancy indexing of rows is ~5x slower)."""
-    out = np.empty((len(pos),) + arr.shape[1:], arr.dtype)
-    if arr.ndim == 1:
-        _kernels.take_1d(arr, pos, out)
-    else:
-        _kernels.take_rows(arr, pos, out)
-    return out
 
 
 def _copy_out(params: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -66,13 +56,22 @@ class SparseHost:
     ----------
     name : str
     config : TableConfig
-        Every local shard gets this config (with ``spill_path`` made unique per shard).
+        Every local shard gets this config, with ``spill_path`` made unique per shard
+        (``{spill_path}/{name}-server{S}-shard{J}``, or ``...-shard{J}.1`` for the shards a base load
+        fills while the old ones still serve) and ``max_rows`` (per server) divided among the shards.
     server, num_servers, num_vshards, num_local : int
     pool : ThreadPoolExecutor
         Shared by the server; large requests work their local shards in parallel on it.
     busy : callable, optional
         Number of sparse requests the server is running (this one included); shards are worked in
         parallel only when it is 1.
+
+    Raises
+    ------
+    TableConfigError
+        ``max_rows`` is below ``num_local`` (every shard needs a share of at least one row), or a
+        spill directory cannot be claimed (``SpillDirError``: foreign files there, or in use by
+        another table or process, e.g. another job with the same ``spill_path`` and table names).
     """
 
     def __init__(self, name: str, config: TableConfig, *, server: int, num_servers: int,
@@ -83,13 +82,14 @@ class SparseHost:
         self.server, self.num_servers, self.num_vshards = server, num_servers, num_vshards
         self.local_owner = routing.local_shard_owners(num_vshards, num_servers, server, num_local)
         self.server_owner = routing.vshard_owners(num_vshards, num_servers)
-        self.shards = []
-        for j in range(num_local):
-            cfg = config
-            if config.spill_path:
-                cfg = dataclasses.replace(config, spill_path=os.path.join(
-                    config.spill_path, f"{name}-server{server}-shard{j}"))
-            self.shards.append(SparseTable(cfg))
+        if 0 < config.max_rows < num_local:
+            raise TableConfigError(f"table {name!r}: max_rows={config.max_rows} is below the {num_local} local "
+                                   f"shards of a server; max_rows counts the rows of one server and is "
+                                   f"divided among its local shards, each needing at least one")
+        self.max_rows = config.max_rows
+        self.num_local = num_local
+        self._slot = 0                  # which of the two spill directory names the live shards use
+        self.shards = self._new_shards(self._slot)
         self._pool = pool
         self.busy = busy or (lambda: 0)
         self._pending: list[tuple] = []
@@ -175,13 +175,13 @@ class SparseHost:
 
         def one(j, pos):
             whole = len(pos) == len(keys)
-            k = keys if whole else _take(keys, pos)
-            g = np.ascontiguousarray(grads) if whole else _take(grads, pos)
+            k = keys if whole else _arrays.take(keys, pos)
+            g = np.ascontiguousarray(grads) if whole else _arrays.take(grads, pos)
             if delta:
                 self._shard_call(j, "push_delta", k, g)
             else:
-                s = None if shows is None else (shows if whole else _take(shows, pos))
-                c = None if clicks is None else (clicks if whole else _take(clicks, pos))
+                s = None if shows is None else (shows if whole else _arrays.take(shows, pos))
+                c = None if clicks is None else (clicks if whole else _arrays.take(clicks, pos))
                 self._shard_call(j, "push", k, g, shows=s, clicks=c)
         self._each(parts, one, len(keys))
 
@@ -228,22 +228,78 @@ class SparseHost:
         return sum(s.shrink(now) for s in self.shards)
 
     def stats(self) -> dict:
+        """Sums over the local shards (``rows``, ``rows_refused_full``, ...; ``max_rows`` is the
+        server's limit, 0: none), plus ``rows_per_shard``."""
         per = [s.stats() for s in self.shards]
         total = {k: sum(p[k] for p in per) for k in per[0] if isinstance(per[0][k], (int, float))}
         total.update(dim=self.dim, local_shards=len(self.shards), optimizer=self.config.optimizer,
-                     rows_per_shard=[p["rows"] for p in per])
+                     rows_per_shard=[p["rows"] for p in per], max_rows=self.max_rows)
         return total
 
-    # ------------------------------------------------------------------ checkpoints (engine.checkpoint)
-    def reset(self, expected_rows: int = 0) -> None:
-        """Replace every local shard by an empty one (before a base checkpoint is loaded), sized for
-        ``expected_rows`` rows of the table on this server (no rehashing while the base loads)."""
-        per_shard = max(1024, int(expected_rows * 1.05) // max(1, len(self.shards)))
-        old, self.shards = self.shards, []
-        for shard in old:
-            cfg = shard.config
-            shard.close()
-            self.shards.append(SparseTable(cfg, initial_rows=min(per_shard, cfg.memory_rows)))
+    # ------------------------------------------------------------------ shards and checkpoints
+    def _new_shards(self, slot: int, expected_rows: int = 0) -> list[SparseTable]:
+        """Empty local shards whose spill directories use name ``slot`` (0 or 1), sized for
+        ``expected_rows`` rows of the table on this server. On failure the shards made so far are
+        closed (their directories removed) and the error raised."""
+        config, n = self.config, self.num_local
+        per_shard = max(1024, int(expected_rows * 1.05) // n)
+        shards: list[SparseTable] = []
+        try:
+            for j in range(n):
+                cfg = config
+                if config.spill_path:
+                    suffix = "" if slot == 0 else f".{slot}"
+                    cfg = dataclasses.replace(config, spill_path=os.path.join(
+                        config.spill_path, f"{self.name}-server{self.server}-shard{j}{suffix}"))
+                if config.max_rows:     # shard j's share of the server's limit (sizes differ by <= 1)
+                    cfg = dataclasses.replace(cfg, max_rows=(j + 1) * config.max_rows // n
+                                              - j * config.max_rows // n)
+                rows = min(per_shard, cfg.memory_rows)
+                if cfg.max_rows:
+                    rows = min(rows, cfg.max_rows)
+                shards.append(SparseTable(cfg, initial_rows=rows,
+                                          name=f"sparse table {self.name!r} on server {self.server}"))
+        except BaseException:
+            for sh in shards:
+                sh.close()
+            raise
+        return shards
+
+    def fresh_shards(self, expected_rows: int = 0) -> list[SparseTable]:
+        """Empty shards to load a base checkpoint into while the live ones keep their rows: same
+        configs, spill directories under the other slot name. Hand them to ``adopt`` once every file
+        verified, or to ``discard`` on failure. For spilled tables the live shards first move their
+        RAM rows to RocksDB (``SparseTable.release_ram``), so during the load RAM holds at most the new
+        shards' ``memory_rows`` each (the old ones page rows back in only if something reads them).
+
+        Parameters
+        ----------
+        expected_rows : int
+            Rows of this table expected on this server (arenas are sized for it: no rehash while
+            loading; RAM-only pages are only touched when written).
+
+        Raises
+        ------
+        TableConfigError
+            A spill directory cannot be claimed (``SpillDirError``, naming it).
+        """
+        for sh in self.shards:
+            sh.release_ram()
+        return self._new_shards(1 - self._slot, expected_rows)
+
+    def adopt(self, shards: list[SparseTable]) -> None:
+        """Swap ``shards`` (from ``fresh_shards``) in and close the old ones (their spill directories
+        are removed)."""
+        old, self.shards = self.shards, shards
+        self._slot = 1 - self._slot
+        for sh in old:
+            sh.close()
+
+    @staticmethod
+    def discard(shards: list[SparseTable]) -> None:
+        """Close shards from ``fresh_shards`` that will not be used (their spill directories go)."""
+        for sh in shards:
+            sh.close()
 
     def close(self) -> None:
         for s in self.shards:
@@ -392,15 +448,21 @@ class DenseHost:
                     state.blocks[bl] = DenseBlockState(b.params.copy())
         return state
 
-    def restore(self, size: int, blocks: dict) -> int:
-        """Set the blocks this server owns from a checkpoint (``DenseBlockState`` by block index).
+    def check_restore(self, size: int, blocks: dict) -> None:
+        """Raise unless ``restore(size, blocks)`` would succeed; changes nothing.
 
         Raises
         ------
         HostError
-            DATA_LOSS when a block this server owns is missing from the checkpoint.
+            DATA_LOSS when a block this server owns is missing or has the wrong length (params, or
+            Adam's m / v); FAILED_PRECONDITION when the table was initialized with another size.
         """
-        n = 0
+        if size < 1:
+            raise HostError("DATA_LOSS", f"dense table {self.name!r}: the checkpoint gives size {size}")
+        if self.size is not None and size != self.size:
+            raise HostError("FAILED_PRECONDITION", f"dense table {self.name!r}: the checkpoint's table has "
+                            f"{size} values, this server's has {self.size}; nothing was restored")
+        adam = self.config.optimizer == "adam"
         for bl in range(max(1, -(-size // DENSE_BLOCK))):
             if self.owner(bl) != self.server:
                 continue
@@ -408,6 +470,29 @@ class DenseHost:
             if st is None:
                 raise HostError("DATA_LOSS", f"dense table {self.name!r}: block {bl} is missing from the "
                                 f"checkpoint")
+            length = min(DENSE_BLOCK, size - bl * DENSE_BLOCK)
+            parts = [("params", st.params)] + ([("m", st.m), ("v", st.v)] if adam and st.m is not None else [])
+            for what, arr in parts:
+                if arr is None or np.shape(arr) != (length,):
+                    got = None if arr is None else list(np.shape(arr))
+                    raise HostError("DATA_LOSS", f"dense table {self.name!r}: block {bl} {what}: expected "
+                                    f"float32[{length}], the checkpoint has {got}")
+
+    def restore(self, size: int, blocks: dict) -> int:
+        """Set the blocks this server owns from a checkpoint (``DenseBlockState`` by block index).
+        Everything is checked first (``check_restore``), so a failure changes nothing.
+
+        Raises
+        ------
+        HostError
+            As ``check_restore``.
+        """
+        self.check_restore(size, blocks)
+        n = 0
+        for bl in range(max(1, -(-size // DENSE_BLOCK))):
+            if self.owner(bl) != self.server:
+                continue
+            st = blocks[bl]
             self.init(bl, size, st.params, force=True)
             b = self.blocks[bl]
             if isinstance(b.opt, Adam) and st.m is not None:
