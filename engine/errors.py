@@ -49,6 +49,11 @@ class RequestRejectedError(RemoteError, ValueError):
     its tables are unchanged. Retrying the same request will fail the same way."""
 
 
+class MessageTooLargeError(RequestRejectedError):
+    """A request or its reply is over a gRPC message size limit (RESOURCE_EXHAUSTED "larger than max");
+    the message names the limit and the size. Never retried: the same request fails the same way."""
+
+
 class ShardUnavailableError(RemoteError):
     """A server stayed unreachable (UNAVAILABLE) through every retry."""
 

@@ -77,19 +77,35 @@ class BinaryMetrics:
         self.label_sum += other.label_sum
         return self
 
-    def to_array(self) -> np.ndarray:
-        """float64[2 * num_buckets + 4]: the whole state as one vector (to ship between processes)."""
-        head = np.array([self.count, self.loss_sum, self.pred_sum, self.label_sum], np.float64)
-        return np.concatenate([head, self.pos.astype(np.float64), self.neg.astype(np.float64)])
+    def to_parts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The whole state, exactly, for shipping between processes: ``counts : int64[1 + 2 *
+        num_buckets]`` (``[count, pos..., neg...]``) and ``sums : float64[3]`` (logloss, predicted and
+        actual label sums). Integer counts never round (a float32 sum stops counting at 2^24 examples)."""
+        counts = np.empty(1 + 2 * self.num_buckets, np.int64)
+        counts[0] = self.count
+        counts[1:1 + self.num_buckets] = self.pos
+        counts[1 + self.num_buckets:] = self.neg
+        return counts, np.array([self.loss_sum, self.pred_sum, self.label_sum], np.float64)
 
     @classmethod
-    def from_array(cls, vec: np.ndarray) -> "BinaryMetrics":
-        nb = (len(vec) - 4) // 2
+    def from_parts(cls, counts: np.ndarray, sums: np.ndarray) -> "BinaryMetrics":
+        """Inverse of ``to_parts``.
+
+        Raises
+        ------
+        ValueError
+            ``counts`` is not int64[1 + 2 * nb] or ``sums`` not float64[3].
+        """
+        if counts.dtype != np.int64 or counts.ndim != 1 or len(counts) < 3 or len(counts) % 2 != 1:
+            raise ValueError(f"counts: expected int64[1 + 2 * num_buckets], got {counts.dtype}{list(counts.shape)}")
+        if sums.shape != (3,):
+            raise ValueError(f"sums: expected float64[3], got {sums.dtype}{list(sums.shape)}")
+        nb = (len(counts) - 1) // 2
         m = cls(nb)
-        m.count = int(vec[0])
-        m.loss_sum, m.pred_sum, m.label_sum = (float(x) for x in vec[1:4])
-        m.pos = np.rint(vec[4:4 + nb]).astype(np.int64)
-        m.neg = np.rint(vec[4 + nb:]).astype(np.int64)
+        m.count = int(counts[0])
+        m.pos = counts[1:1 + nb].copy()
+        m.neg = counts[1 + nb:].copy()
+        m.loss_sum, m.pred_sum, m.label_sum = (float(x) for x in sums)
         return m
 
     def auc(self) -> float:

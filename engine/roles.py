@@ -9,6 +9,10 @@ Server endpoints come from ``cluster.endpoints`` or ``ENGINE_SERVERS`` (which wi
 workers from ``ENGINE_NUM_WORKERS`` or ``cluster.workers``; ``ENGINE_ROLE`` and ``ENGINE_RANK`` stand
 in for ``--role``/``--rank``. A child of the local launcher (``ENGINE_PARENT_PID`` set) dies with it:
 PR_SET_PDEATHSIG on Linux plus a watchdog thread polling the parent pid.
+
+The config file the launcher writes holds no inline storage secret; a role takes each empty
+``storage.access_key`` / ``storage.secret_key`` from ``ENGINE_STORAGE_ACCESS_KEY`` /
+``ENGINE_STORAGE_SECRET_KEY``, which the launcher sets for its children (``engine.config.restore_secrets``).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import EngineConfig
+from .config import EngineConfig, restore_secrets
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -95,6 +99,7 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     """Serve until a Stop RPC, SIGTERM or SIGINT. Writes ``host:port`` to ready_file once listening."""
     from .ps.server import PSServer, serve
 
+    cfg = restore_secrets(cfg)
     if not 0 <= rank < cfg.cluster.servers:
         raise ConfigError(f"--rank must be in [0, cluster.servers={cfg.cluster.servers}), got {rank}")
     if port is None and cfg.cluster.endpoints:
@@ -104,7 +109,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         from .ps.warmup import warm_up
         warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
     core = PSServer.from_config(cfg, rank)
-    server, bound = serve(core, host, port or 0, cfg.cluster.server_threads)
+    server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
+                          max_concurrent_rpcs=cfg.server.max_concurrent_rpcs)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: core.stopped.set())
     if ready_file:
@@ -127,6 +133,7 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
 
     if cfg.model is None:
         raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
+    cfg = restore_secrets(cfg)
     workers = num_workers(cfg)
     if not 0 <= rank < workers:
         raise ConfigError(f"--rank must be in [0, {workers}) workers, got {rank}")

@@ -5,7 +5,6 @@ GIL on the calling thread. Not parallel: a row is written by exactly one iterati
 """
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
 

@@ -75,56 +75,26 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
 from models import ModelConfigError, build_model
 
-from ..config import knob
 from ..errors import ConfigError
 from ..metrics import BinaryMetrics
+from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
-from .ctr_data import DataConfig, CTRBatch, dedup_batch, expected_schema, make_source, prepare_data, shard_rows, to_batch
+from .ctr_data import CTRBatch, dedup_batch, expected_schema, make_source, prepare_data, shard_rows, to_batch
 from .ctr_positions import AlignedCheckpoints, Position
-from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, merge_global, metrics_state_size, now_stamp
+from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, merge_global, now_stamp, reset_metrics
 
 log = logging.getLogger(__name__)
 
-ALL_SLOTS = tuple(f"C{j}" for j in range(1, 27))
 WRITES_CHECKPOINTS = True    # rank 0 writes them at aligned points with exact data positions (ctr_positions)
 PHASES = ("read", "dedup", "pull_sparse", "pull_dense", "compute", "push_sparse", "push_dense", "push_pull",
           "end_step", "wait", "prefetch")   # seconds per step phase (profile); push_pull: the fused async
                                             # call; prefetch: GEO's fetch of the next batch's missing rows
-
-
-@dataclass(frozen=True)
-class Config:
-    """The ``model`` section of ``ctr_dnn`` / ``deepfm`` configs (every knob is commented in
-    ``configs/ctr.yaml``)."""
-
-    sparse_table: str = "embedding"
-    dense_table: str = "dense"
-    metrics_table: str = "metrics"
-    slots: tuple = ALL_SLOTS
-    dense_dim: int = knob(13, ge=0)
-    dim: int = knob(10, ge=1)
-    hidden: tuple = (400, 400, 400)
-    batch_size: int = knob(256, ge=1)
-    epochs: int = knob(1, ge=1)
-    seed: int = knob(0, ge=0)
-    shuffle_buffer: int = knob(65536, ge=0)
-    eval_every_epoch: bool = True
-    eval_batch_size: int = knob(4096, ge=1)
-    log_every_s: float = knob(2.0, gt=0)
-    prefetch: int = knob(4, ge=0)
-    pipeline: str = knob("exact", choices=("exact", "stale", "sequential"))
-    dense_merge_steps: int = knob(1, ge=1)
-    blas_threads: int = knob(0, ge=0)
-    metrics_dir: str = "runs/metrics"
-    metrics_file: str = ""
-    data: DataConfig = field(default_factory=DataConfig)
 
 
 # ---------------------------------------------------------------------------------- launcher side
@@ -145,14 +115,9 @@ def _check_tables(cfg, p: Config) -> None:
         extra = " (deepfm rows hold the first-order weight + the embedding: dim + 1)" if kind == "deepfm" else ""
         raise ConfigError(f"tables.sparse.{p.sparse_table}.dim must be {model.sparse_width} for {kind} with "
                           f"model.dim={p.dim}{extra}, got {t.dim}")
-    for key, name in (("dense_table", p.dense_table), ("metrics_table", p.metrics_table)):
-        if name not in cfg.dense_tables:
-            raise ConfigError(f"tables.dense.{name}: missing (model.{key} names it); declared dense "
-                              f"tables: {sorted(cfg.dense_tables)}")
-    m = cfg.dense_tables[p.metrics_table]
-    if m.optimizer != "sgd":
-        raise ConfigError(f"tables.dense.{p.metrics_table}.optimizer must be sgd (it only sums metric "
-                          f"histograms), got {m.optimizer!r}")
+    if p.dense_table not in cfg.dense_tables:
+        raise ConfigError(f"tables.dense.{p.dense_table}: missing (model.dense_table names it); declared "
+                          f"dense tables: {sorted(cfg.dense_tables)}")
 
 
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -683,10 +648,7 @@ class CTRTrainer:
         if self.ctx.config.cluster.warm_up:      # every worker starts its first step compiled
             log.info("worker %d: kernels ready in %.1f s", self.rank, self.warm_up())
         self.mode.init_dense(p.dense_table, self.model.get_dense())
-        if self.rank == 0:
-            self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),
-                                   force=True)
-        self.mode.barrier("metrics-init")
+        reset_metrics(self.client, self.mode, p.metrics_table)
         self.checkpoints = AlignedCheckpoints(self)
         start, self.steps = self.checkpoints.restored()
         max_steps = None

@@ -30,20 +30,19 @@ import datetime as _dt
 import logging
 import os
 import time
-from dataclasses import dataclass
 
-import numpy as np
 
 from streaming.hourly import HourlySource, partition_time
 
 from ..checkpoint import CheckpointManager, Schedule
-from ..checkpoint.job import job_name
-from ..config import ModelConfig, knob
+from ..job_checkpoints import job_name
+from ..config import ModelConfig
 from ..errors import ConfigError
 from ..metrics import BinaryMetrics
+from ..program_configs import CTROnlineConfig as Config
 from . import ctr
 from .ctr_data import expected_schema
-from .ctr_report import EVAL_BUCKETS, MetricsFile, merge_global, metrics_state_size, now_stamp
+from .ctr_report import EVAL_BUCKETS, MetricsFile, merge_global, now_stamp, reset_metrics
 
 log = logging.getLogger(__name__)
 
@@ -51,26 +50,12 @@ log = logging.getLogger(__name__)
 WRITES_CHECKPOINTS = True
 
 
-@dataclass(frozen=True)
-class Config(ctr.Config):
-    """The ``model`` section: every ``ctr_dnn``/``deepfm`` knob (``data`` is unused) plus the stream."""
-
-    network: str = knob("ctr_dnn", choices=("ctr_dnn", "deepfm"))
-    partitions: str = ""
-    poll_interval_s: float = knob(10.0, gt=0)
-    until: str = ""
-    max_partitions: int = knob(0, ge=0)
-    export_root: str = ""        # serving bundles after every checkpoint ("" = none): full after a base
-    export_dtype: str = knob("float32", choices=("float32", "float16"))
-    export_min_show: float = knob(0.0, ge=0)
-
-
 def _until(p: Config) -> _dt.datetime | None:
     if not p.until:
         return None
     for fmt in ("%Y%m%d%H", "%Y%m%d/%H", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H"):
         try:
-            return _dt.datetime.strptime(str(p.until), fmt).replace(tzinfo=_dt.timezone.utc)
+            return _dt.datetime.strptime(p.until, fmt).replace(tzinfo=_dt.timezone.utc)
         except ValueError:
             continue
     raise ConfigError(f"model.until must be an hour like 2024010105 (YYYYMMDDHH), got {p.until!r}")
@@ -220,10 +205,7 @@ class OnlineTrainer(ctr.CTRTrainer):
         if self.ctx.config.cluster.warm_up:      # the first hour's steps start compiled
             log.info("worker %d: kernels ready in %.1f s", self.rank, self.warm_up())
         self.mode.init_dense(p.dense_table, self.model.get_dense())
-        if self.rank == 0:
-            self.client.init_dense(p.metrics_table, np.zeros(metrics_state_size(EVAL_BUCKETS), np.float32),
-                                   force=True)
-        self.mode.barrier("metrics-init")
+        reset_metrics(self.client, self.mode, p.metrics_table)
         src = HourlySource(p.partitions, poll_interval_s=p.poll_interval_s,
                            storage_options=self.full_config.storage.options())
         done, last_uri, auc = [], None, None

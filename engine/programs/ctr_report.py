@@ -12,7 +12,8 @@ The metrics file (one per run, ``model.metrics_file``) holds one JSON object per
      "test_copc": ..., "examples_per_s": ..., "metrics_file": ..., "checkpoint": null}
 
 Global evaluation: every worker scores its shard of the test split into a ``BinaryMetrics`` histogram,
-adds it into the dense table ``model.metrics_table`` (``push_dense_delta``: a plain sum on the servers),
+adds it into the servers' metric accumulator ``model.metrics_table`` (``PSClient.add_metric``: int64
+counts and float64 sums, exact),
 waits at a barrier; rank 0 pulls the sum and computes AUC/logloss/COPC from the merged counts (never an
 average of per-worker AUCs), resets the table and releases everyone at a second barrier.
 """
@@ -27,7 +28,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 from ..metrics import BinaryMetrics
 
@@ -62,23 +62,19 @@ class MetricsFile:
             os.close(fd)
 
 
-def metrics_state_size(num_buckets: int = EVAL_BUCKETS) -> int:
-    """Length of ``BinaryMetrics.to_array()`` for ``num_buckets``."""
-    return 2 * num_buckets + 4
-
-
-def merge_global(client, mode, table: str, local: BinaryMetrics, tag: str) -> dict | None:
+def merge_global(client, mode, name: str, local: BinaryMetrics, tag: str) -> dict | None:
     """Sum every worker's histogram on the servers; rank 0 gets the global summary, others None.
 
-    Every worker must call this with the same ``tag`` (it names the barriers).
+    Every worker must call this with the same ``tag`` (it names the barriers). The sums are exact:
+    int64 counts and float64 sums (``PSClient.add_metric``), whatever the number of examples.
 
     Parameters
     ----------
     client : engine.ps.PSClient
     mode : engine.modes.Mode
         Supplies rank, number of workers and the barrier.
-    table : str
-        Dense table of ``metrics_state_size()`` floats, initialized to zeros.
+    name : str
+        The servers' metric accumulator (``model.metrics_table``); empty before the call (``reset_metrics``).
     local : BinaryMetrics
         This worker's counts (``EVAL_BUCKETS`` buckets).
     tag : str
@@ -88,16 +84,22 @@ def merge_global(client, mode, table: str, local: BinaryMetrics, tag: str) -> di
     dict or None
         ``BinaryMetrics.summary()`` of the merged counts on rank 0.
     """
-    vec = local.to_array().astype(np.float32)
-    client.push_dense_delta(table, vec)
+    client.add_metric(name, *local.to_parts())
     mode.barrier(f"metrics-pushed-{tag}")
     summary = None
     if mode.rank == 0:
-        merged = BinaryMetrics.from_array(client.pull_dense(table).astype(np.float64))
-        summary = merged.summary()
-        client.init_dense(table, np.zeros_like(vec), force=True)
+        summary = BinaryMetrics.from_parts(*client.read_metric(name)).summary()
+        client.reset_metric(name)
     mode.barrier(f"metrics-reset-{tag}")
     return summary
+
+
+def reset_metrics(client, mode, name: str) -> None:
+    """Start with an empty accumulator ``name`` (rank 0 clears what an earlier run left; everybody
+    meets at a barrier afterwards)."""
+    if mode.rank == 0:
+        client.reset_metric(name)
+    mode.barrier("metrics-init")
 
 
 class Follower:

@@ -11,10 +11,19 @@ per server and chunk concurrently on a thread pool, and reassembles replies in t
     >>> client.flush()                                               # wait for queued async pushes
 
 Every call blocks until all servers answered or ``timeout_s`` passed. UNAVAILABLE is retried with
-exponential backoff (``retries`` times); DEADLINE_EXCEEDED is retried for reads only (pulls, stats,
-health), which are idempotent. Errors are typed: ``RequestRejectedError`` (the server refused the
-request; nothing changed), ``ShardUnavailableError``, ``PSTimeoutError``, ``ProtocolError`` (bad
-arguments, raised before anything is sent).
+exponential backoff (``retries`` times; over gRPC by gRPC's own retry policy, see ``transport``);
+DEADLINE_EXCEEDED is retried for reads only (pulls, stats, health). Every retry resends the same
+request id, and the servers answer a repeated id of a write from their reply window without applying
+it again, so a write whose reply was lost is applied exactly once. Request ids are
+``{name}@{incarnation}:{seq}``: ``incarnation`` is unique to this process and client object, so a
+restarted worker never reuses its former self's ids. RESOURCE_EXHAUSTED from an overloaded server
+(``server.max_concurrent_rpcs``) is backed off and retried for up to ``timeout_s``; a message over a
+size limit is never retried (``MessageTooLargeError`` names the limit and the size). Errors are typed:
+``RequestRejectedError`` (the server refused the request; nothing changed), ``ShardUnavailableError``,
+``PSTimeoutError``, ``ProtocolError`` (bad arguments, raised before anything is sent).
+
+Barriers cost the servers no thread while callers wait: ``barrier`` arrives, then polls with the same
+request id until released (see ``engine.ps.barrier``).
 
 Async pushes (``push_async``, enabled with ``async_queue > 0``): a background sender takes queued
 pushes from a bounded queue, merges everything queued for a table (duplicates summed, as Paddle's
@@ -30,22 +39,25 @@ step, then replies with the next step's rows and the fresh dense parameters::
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
 import os
-import queue
+import random
 import socket
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import (ProtocolError, PSTimeoutError, RemoteError, RequestRejectedError,
-                      ShardUnavailableError)
-from . import _kernels, codec, routing
+from ..errors import (MessageTooLargeError, ProtocolError, PSTimeoutError, RemoteError,
+                      RequestRejectedError, ShardUnavailableError)
+from . import _arrays, _kernels, codec, routing
 from . import ps_pb2 as pb
+from .async_push import AsyncPusher
 from .transport import GrpcTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,11 @@ log = logging.getLogger(__name__)
 _REJECTED = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ALREADY_EXISTS", "OUT_OF_RANGE",
              "UNIMPLEMENTED"}
 _ids = itertools.count()
+#: this process's incarnation: start time and random bits, so request ids of a restarted process (even
+#: with the same pid and worker rank) never repeat an earlier process's ids within a server's window
+_INCARNATION = f"{int(time.time() * 1000):x}{os.urandom(3).hex()}"
+#: longest pause between two polls of a barrier (seconds)
+BARRIER_POLL_MAX_S = 0.02
 
 
 class PSClient:
@@ -81,55 +98,71 @@ class PSClient:
                  max_backoff_s: float = 2.0, threads: int = 8, async_queue: int = 0,
                  name: str | None = None):
         self.transport: Transport = endpoints if isinstance(endpoints, Transport) else GrpcTransport(
-            list(endpoints))
+            list(endpoints), retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
         self.num_servers = self.transport.num_servers
         self.timeout_s, self.retries = float(timeout_s), int(retries)
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
-        self.name = name or f"{socket.gethostname()}/{os.getpid()}/{next(_ids)}"
+        self.name = name or f"{socket.gethostname()}/{os.getpid()}"
+        self.client_id = f"{self.name}@{_INCARNATION}.{next(_ids)}"
         self._seq = itertools.count()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ps-client")
         self._info: dict | None = None
         self._info_lock = threading.Lock()
         self._async_cap = int(async_queue)
-        self._queue: queue.Queue | None = None
-        self._sender: threading.Thread | None = None
-        self._async_error: BaseException | None = None
+        self._pusher: AsyncPusher | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ plumbing
     def _rid(self) -> str:
-        return f"{self.name}:{next(self._seq)}"
+        return f"{self.client_id}:{next(self._seq)}"
 
     def _call(self, server: int, method: str, request, *, idempotent: bool, timeout: float | None = None):
+        """One request to one server, retried with the same request id (see the module docstring).
+
+        Raises
+        ------
+        MessageTooLargeError
+            The request or its reply is over a gRPC message limit (never retried).
+        RequestRejectedError, ShardUnavailableError, PSTimeoutError, RemoteError
+        """
         timeout = self.timeout_s if timeout is None else timeout
         delay = self.backoff_s
-        for attempt in range(self.retries + 1):
+        attempts = 0
+        started = time.monotonic()
+        while True:
             try:
                 return self.transport.call(server, method, request, timeout)
             except RemoteError as e:
-                retry = e.code == "UNAVAILABLE" or (idempotent and e.code == "DEADLINE_EXCEEDED")
-                if retry and attempt < self.retries:
-                    log.debug("%s to server %d: %s; retry %d in %.2fs", method, server, e.code,
-                              attempt + 1, delay)
-                    time.sleep(delay)
-                    delay = min(2 * delay, self.max_backoff_s)
-                    continue
-                raise _typed(e, attempt) from None
-        raise AssertionError("unreachable")
+                if e.code == "RESOURCE_EXHAUSTED":
+                    if _too_large(e.message):
+                        raise _too_large_error(e, method, server) from None
+                    attempts += 1          # overloaded: not applied; back off for up to timeout_s
+                    retry = time.monotonic() - started < self.timeout_s
+                else:
+                    attempts += self.transport.attempts_per_call if e.code == "UNAVAILABLE" else 1
+                    retry = (e.code == "UNAVAILABLE" or (idempotent and e.code == "DEADLINE_EXCEEDED")) \
+                        and attempts <= self.retries
+                if not retry:
+                    raise _typed(e, attempts - 1) from None
+                log.debug("%s to server %d: %s; retry %d in %.2fs", method, server, e.code, attempts, delay)
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(2 * delay, self.max_backoff_s)
 
     def _fan_out(self, calls: list[tuple], *, idempotent: bool, timeout: float | None = None) -> list:
         """Run [(server, method, request)] concurrently; results in order. Raises the first error."""
-        if len(calls) == 1:
-            s, m, r = calls[0]
-            return [self._call(s, m, r, idempotent=idempotent, timeout=timeout)]
-        # the others on the pool, the first on this thread (one thread hand-off less per fan-out)
-        futures = [self._pool.submit(self._call, s, m, r, idempotent=idempotent, timeout=timeout)
-                   for s, m, r in calls[1:]]
         wait_s = (self.timeout_s if timeout is None else timeout) * (self.retries + 1) + 5.0
+        return self._parallel([functools.partial(self._call, s, m, r, idempotent=idempotent, timeout=timeout)
+                               for s, m, r in calls], wait_s)
+
+    def _parallel(self, fns: list, wait_s: float) -> list:
+        """Run the callables concurrently (the first on this thread, one thread hand-off less); results
+        in order. Raises the first error, or PSTimeoutError after ``wait_s`` seconds."""
+        if len(fns) == 1:
+            return [fns[0]()]
+        futures = [self._pool.submit(fn) for fn in fns[1:]]
         deadline = time.monotonic() + wait_s
-        s, m, r = calls[0]
         try:
-            out = [self._call(s, m, r, idempotent=idempotent, timeout=timeout)]
+            out = [fns[0]()]
         except BaseException:
             for f in futures:
                 f.cancel()
@@ -211,29 +244,40 @@ class PSClient:
             keys is not uint64[n].
         RequestRejectedError, ShardUnavailableError, PSTimeoutError
         """
-        keys = _check_keys(keys)
+        keys = _arrays.check_keys(keys)
         dim = self._sparse(table)["dim"]
         if len(keys) == 0:
             return np.empty((0, dim), np.float32)
-        uniq, inverse = _unique(keys)
+        uniq, inverse = _arrays.unique(keys)
         plan = self._plan(uniq, dim)
         rid = self._rid()
         calls = [(s, "Pull", codec.Wire(pb.PullRequest(table=table, request_id=f"{rid}.{i}",
-                                                       init_missing=init_missing), keys=_take(uniq, pos)))
+                                                       init_missing=init_missing), keys=_arrays.take(uniq, pos)))
                  for i, (s, pos) in enumerate(plan)]
         replies = self._fan_out(calls, idempotent=True)
-        return self._assemble(plan, replies, uniq, inverse, len(keys), dim)
+        return self._assemble(plan, replies, uniq, inverse, len(keys), dim, table, init_missing)
 
-    @staticmethod
-    def _assemble(plan, replies, uniq, inverse, n_keys: int, dim: int) -> np.ndarray:
-        """float32[n_keys, dim] in the caller's key order from the per-chunk ``values`` of replies."""
+    def _assemble(self, plan, replies, uniq, inverse, n_keys: int, dim: int, table: str,
+                  init_missing: bool = True) -> np.ndarray:
+        """float32[n_keys, dim] in the caller's key order from the per-chunk ``values`` of replies. A
+        server cuts a reply that would exceed its message limit to the first rows that fit; the rest
+        are pulled again (``init_missing`` as the original request)."""
+        def rows(r, pos) -> np.ndarray:
+            n = _arrays.count(pos)
+            v = codec.decode(r.values, "values", codec.F32, 2, shape=(None, dim))
+            if len(v) > n or len(v) == 0 < n:
+                raise ProtocolError(f"values: expected up to {n} rows (at least one), got {len(v)}")
+            if len(v) == n:
+                return v
+            rest = _arrays.take(uniq, pos)[len(v):]
+            log.debug("pull of %d rows of %s was cut to %d by the server's message limit", n, table, len(v))
+            return np.concatenate([v, self.pull(table, rest, init_missing=init_missing)])
         if len(plan) == 1:
-            out = codec.decode(replies[0].values, "values", codec.F32, 2, shape=(len(uniq), dim))
+            out = rows(replies[0], plan[0][1])
         else:
             out = np.empty((len(uniq), dim), np.float32)
             for (s, pos), r in zip(plan, replies):
-                n = pos.stop - pos.start if isinstance(pos, slice) else len(pos)
-                v = codec.decode(r.values, "values", codec.F32, 2, shape=(n, dim))
+                v = rows(r, pos)
                 if isinstance(pos, slice):
                     out[pos] = v
                 else:
@@ -271,21 +315,21 @@ class PSClient:
     def _merged_push(self, table, keys, grads, shows, clicks, what: str):
         """Check a push's arrays and sum duplicate keys -> (dim, keys, inverse or None, grads, shows,
         clicks) with unique keys; clicks default to zeros when shows are given."""
-        keys = _check_keys(keys)
+        keys = _arrays.check_keys(keys)
         dim = self._sparse(table)["dim"]
-        grads = _check_array(grads, (len(keys), dim), what)
+        grads = _arrays.check_array(grads, (len(keys), dim), what)
         if clicks is not None and shows is None:
             raise ProtocolError("clicks given without shows: pass shows too")
         if shows is not None:
-            shows = _check_array(shows, (len(keys),), "shows")
+            shows = _arrays.check_array(shows, (len(keys),), "shows")
             clicks = (np.zeros(len(keys), np.float32) if clicks is None
-                      else _check_array(clicks, (len(keys),), "clicks"))
-        uniq, inverse = _unique(keys)
+                      else _arrays.check_array(clicks, (len(keys),), "clicks"))
+        uniq, inverse = _arrays.unique(keys)
         if inverse is not None:   # sum duplicates
-            grads = _segment_sum(grads, inverse, len(uniq))
+            grads = _arrays.segment_sum(grads, inverse, len(uniq))
             if shows is not None:
-                shows = _segment_sum(shows, inverse, len(uniq))
-                clicks = _segment_sum(clicks, inverse, len(uniq))
+                shows = _arrays.segment_sum(shows, inverse, len(uniq))
+                clicks = _arrays.segment_sum(clicks, inverse, len(uniq))
         return dim, uniq, inverse, grads, shows, clicks
 
     def _push(self, table, keys, grads, shows, clicks, kind, accumulate, return_values=False):
@@ -299,12 +343,12 @@ class PSClient:
         for i, (s, pos) in enumerate(plan):
             req = pb.PushRequest(table=table, request_id=f"{rid}.{i}", kind=kind, accumulate=accumulate,
                                  return_values=return_values)
-            calls.append((s, "Push", codec.Wire(req, keys=_take(uniq, pos), grads=_take(grads, pos),
-                                                shows=_take(shows, pos), clicks=_take(clicks, pos))))
+            calls.append((s, "Push", codec.Wire(req, keys=_arrays.take(uniq, pos), grads=_arrays.take(grads, pos),
+                                                shows=_arrays.take(shows, pos), clicks=_arrays.take(clicks, pos))))
         replies = self._fan_out(calls, idempotent=False)
         if return_values:
             n_keys = len(uniq) if inverse is None else len(inverse)
-            return self._assemble(plan, replies, uniq, inverse, n_keys, dim)
+            return self._assemble(plan, replies, uniq, inverse, n_keys, dim, table)
         return None
 
     # ------------------------------------------------------------------ async pushes
@@ -314,74 +358,31 @@ class PSClient:
         return self._async_cap > 0
 
     def push_async(self, table: str, keys: np.ndarray, grads: np.ndarray, *, shows=None, clicks=None) -> None:
-        """Queue a push for the background sender (merged with other queued pushes of the table).
-        Without an async queue (``async_queue=0``) this is ``push``. The arrays are copied.
+        """Queue a push for the background sender (merged with other queued pushes of the table; see
+        ``async_push.AsyncPusher``). Without an async queue (``async_queue=0``) this is ``push``. The
+        arrays are copied.
 
         Raises
         ------
         ProtocolError
             Bad arguments; also any error of an earlier background send (re-raised once).
+        PSTimeoutError
+            The queue stayed full for ``timeout_s``.
         """
         if self._async_cap <= 0:
             return self.push(table, keys, grads, shows=shows, clicks=clicks)
-        self._raise_async_error()
-        keys = _check_keys(keys)
+        if self._pusher is not None:
+            self._pusher.raise_error()
+        keys = _arrays.check_keys(keys)
         dim = self._sparse(table)["dim"]
-        grads = _check_array(grads, (len(keys), dim), "grads")
+        grads = _arrays.check_array(grads, (len(keys), dim), "grads")
         if shows is not None:
-            shows = _check_array(shows, (len(keys),), "shows")
-            clicks = np.zeros(len(keys), np.float32) if clicks is None else _check_array(
+            shows = _arrays.check_array(shows, (len(keys),), "shows")
+            clicks = np.zeros(len(keys), np.float32) if clicks is None else _arrays.check_array(
                 clicks, (len(keys),), "clicks")
-        if self._sender is None:
-            self._queue = queue.Queue(self._async_cap)
-            self._sender = threading.Thread(target=self._send_loop, name="ps-async-push", daemon=True)
-            self._sender.start()
-        item = (table, keys.copy(), grads.copy(), None if shows is None else shows.copy(),
-                None if clicks is None else clicks.copy())
-        try:
-            self._queue.put(item, timeout=self.timeout_s)
-        except queue.Full:
-            raise PSTimeoutError("DEADLINE_EXCEEDED", f"async push queue stayed full for {self.timeout_s}s") from None
-
-    def _send_loop(self) -> None:
-        q = self._queue
-        while True:
-            first = q.get()
-            if first is None:
-                q.task_done()
-                return
-            items = [first]
-            while True:   # merge whatever else is queued
-                try:
-                    nxt = q.get_nowait()
-                except queue.Empty:
-                    break
-                items.append(nxt)
-            stop = items[-1] is None
-            if stop:
-                items.pop()
-            try:
-                for table in dict.fromkeys(it[0] for it in items):
-                    mine = [it for it in items if it[0] == table]
-                    keys = np.concatenate([it[1] for it in mine])
-                    grads = np.concatenate([it[2] for it in mine])
-                    has_shows = [it[3] is not None for it in mine]
-                    shows = clicks = None
-                    if any(has_shows):
-                        shows = np.concatenate([it[3] if it[3] is not None else np.ones(len(it[1]), np.float32)
-                                                for it in mine])
-                        clicks = np.concatenate([it[4] if it[4] is not None else np.zeros(len(it[1]), np.float32)
-                                                 for it in mine])
-                    if self._async_error is None:
-                        self.push(table, keys, grads, shows=shows, clicks=clicks)
-            except BaseException as e:  # noqa: BLE001 - surfaced by flush()/push_async()
-                log.error("async push failed: %s", e)
-                self._async_error = e
-            finally:
-                for _ in range(len(items) + (1 if stop else 0)):
-                    q.task_done()
-            if stop:
-                return
+        if self._pusher is None:
+            self._pusher = AsyncPusher(self.push, self._async_cap, self.timeout_s)
+        self._pusher.put(table, keys, grads, shows, clicks)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued async push was sent; re-raise a failed send.
@@ -391,19 +392,8 @@ class PSClient:
         PSTimeoutError
             The queue did not drain within ``timeout`` seconds (default ``timeout_s`` x (retries + 1)).
         """
-        if self._queue is not None:
-            limit = timeout if timeout is not None else self.timeout_s * (self.retries + 1)
-            deadline = time.monotonic() + limit
-            while self._queue.unfinished_tasks:
-                if time.monotonic() > deadline:
-                    raise PSTimeoutError("DEADLINE_EXCEEDED", f"flush: queued pushes not sent within {limit}s")
-                time.sleep(0.001)
-        self._raise_async_error()
-
-    def _raise_async_error(self) -> None:
-        if self._async_error is not None:
-            e, self._async_error = self._async_error, None
-            raise e
+        if self._pusher is not None:
+            self._pusher.flush(timeout if timeout is not None else self.timeout_s * (self.retries + 1))
 
     # ------------------------------------------------------------------ dense
     def _dense(self, table: str) -> dict:
@@ -432,7 +422,7 @@ class PSClient:
     def init_dense(self, table: str, params: np.ndarray, *, force: bool = False) -> bool:
         """Set a dense table's initial ``params : float32[P]`` unless already set (first writer wins;
         ``force`` overwrites). Returns True if every block was set by this call."""
-        params = _check_array(params, (None,), "params")
+        params = _arrays.check_array(params, (None,), "params")
         rid = self._rid()
         calls = [(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b,
                                                          op=pb.DENSE_INIT, size=len(params), force=force),
@@ -478,7 +468,7 @@ class PSClient:
         RequestRejectedError, ShardUnavailableError, PSTimeoutError
         """
         size = self._dense_size(table)
-        grad = _check_array(grad, (size,), "grad")
+        grad = _arrays.check_array(grad, (size,), "grad")
         rid = self._rid()
         blocks = self._blocks(table, size)
         replies = self._fan_out([(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}",
@@ -514,17 +504,18 @@ class PSClient:
             Wrong dtype/shape, NaN/Inf (checked here before anything is sent).
         RequestRejectedError, ShardUnavailableError, PSTimeoutError
         """
-        pull_keys = _check_keys(pull_keys)
+        pull_keys = _arrays.check_keys(pull_keys)
         dim, uniq, _, grads, shows, clicks = self._merged_push(table, keys, grads, shows, clicks, "grads")
         blocks = []
         if dense_table is not None:
             size = self._dense_size(dense_table)
-            dense_grad = _check_array(dense_grad, (size,), "dense_grad")
+            dense_grad = _arrays.check_array(dense_grad, (size,), "dense_grad")
             blocks = self._blocks(dense_table, size)
-        puniq, pinverse = _unique(pull_keys)
+        puniq, pinverse = _arrays.unique(pull_keys)
         push_at, pull_at = self._route(uniq), self._route(puniq)
         servers = sorted(set(push_at) | set(pull_at) | {s for _, s, _, _ in blocks})
-        too_big = any(_count(push_at.get(s)) * (8 + 4 * dim + 8) + _count(pull_at.get(s)) * max(8, 4 * dim)
+        n = _arrays.count
+        too_big = any(n(push_at.get(s)) * (8 + 4 * dim + 8) + n(pull_at.get(s)) * max(8, 4 * dim)
                       + 4 * sum(z - a for _, o, a, z in blocks if o == s) > codec.CHUNK_BYTES for s in servers)
         if too_big:
             return self._push_pull_separately(table, uniq, grads, shows, clicks, pull_keys, dense_table,
@@ -543,12 +534,13 @@ class PSClient:
                       else np.concatenate([dense_grad[a:z] for _, a, z in mine]))
             pos = push_at.get(s)
             calls.append((s, "Step", codec.Wire(
-                req, keys=_take(uniq, pos), grads=_take(grads, pos), shows=_take(shows, pos),
-                clicks=_take(clicks, pos), pull_keys=_take(puniq, pull_at.get(s)), dense_grads=dg)))
+                req, keys=_arrays.take(uniq, pos), grads=_arrays.take(grads, pos), shows=_arrays.take(shows, pos),
+                clicks=_arrays.take(clicks, pos), pull_keys=_arrays.take(puniq, pull_at.get(s)), dense_grads=dg)))
         replies = dict(zip(servers, self._fan_out(calls, idempotent=False)))
         plan = [(s, pull_at[s]) for s in servers if s in pull_at]
         if plan:
-            rows = self._assemble(plan, [replies[s] for s, _ in plan], puniq, pinverse, len(pull_keys), dim)
+            rows = self._assemble(plan, [replies[s] for s, _ in plan], puniq, pinverse, len(pull_keys), dim,
+                                  table)
         else:
             rows = np.empty((len(pull_keys), dim), np.float32)
         fresh = None
@@ -579,7 +571,7 @@ class PSClient:
 
     def _dense_op(self, table, values, op, accumulate) -> None:
         size = self._dense_size(table)
-        values = _check_array(values, (size,), "grad" if op == pb.DENSE_GRAD else "delta")
+        values = _arrays.check_array(values, (size,), "grad" if op == pb.DENSE_GRAD else "delta")
         rid = self._rid()
         self._fan_out([(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b,
                                                                op=op, accumulate=accumulate),
@@ -593,17 +585,37 @@ class PSClient:
         ``all_servers``). ``apply_pending`` (sync mode, implies all_servers): the last arrival on each
         server applies the held updates, averaged over ``world``, before anyone is released.
 
+        Waiting holds no server thread: the first call arrives, the same request (same id) is sent
+        again until the server says released; a server may hold a poll for a short linger, else the
+        client pauses up to ``BARRIER_POLL_MAX_S`` between polls.
+
         Raises
         ------
         PSTimeoutError
-            Not everybody arrived within ``timeout`` seconds (default 600).
+            Not everybody arrived within ``timeout`` seconds (default 600; the server caps it by its
+            ``server.max_barrier_wait_s``).
         """
         timeout = 600.0 if timeout is None else float(timeout)
         servers = range(self.num_servers) if (all_servers or apply_pending) else [0]
         rid = self._rid()
-        self._fan_out([(s, "Barrier", pb.BarrierRequest(request_id=f"{rid}.{s}", name=name, world=world,
-                                                        apply_pending=apply_pending, timeout_s=timeout))
-                       for s in servers], idempotent=False, timeout=timeout + 5.0)
+
+        def wait(s: int):
+            req = pb.BarrierRequest(request_id=f"{rid}.{s}", name=name, world=world,
+                                    apply_pending=apply_pending, timeout_s=timeout)
+            deadline = time.monotonic() + timeout + 5.0
+            pause = 0.0005
+            while True:
+                # not idempotent for DEADLINE_EXCEEDED: the server's deadline answer is final
+                r = self._call(s, "Barrier", req, idempotent=False, timeout=min(self.timeout_s, 30.0))
+                if r.released:
+                    return r
+                if time.monotonic() > deadline:
+                    raise PSTimeoutError("DEADLINE_EXCEEDED", f"barrier {name!r}: {r.arrived} of {world} "
+                                         f"callers arrived on server {s} within {timeout:g}s")
+                if not r.waited:
+                    time.sleep(pause * (0.5 + random.random()))
+                    pause = min(2 * pause, BARRIER_POLL_MAX_S)
+        self._parallel([functools.partial(wait, s) for s in servers], timeout + 10.0)
 
     def save(self, path: str, *, timeout: float = 3600.0) -> int:
         """Every server writes its part files of the checkpoint directory ``path`` (a URI ending in
@@ -631,6 +643,44 @@ class PSClient:
             [(s, "Shrink", pb.ShrinkRequest(table=table, request_id=f"{rid}.{s}", has_now=now is not None,
                                             now=now or 0.0)) for s in range(self.num_servers)],
             idempotent=False))
+
+    # ------------------------------------------------------------------ exact metric sums
+    def _metric_server(self, name: str) -> int:
+        return zlib.crc32(name.encode()) % self.num_servers
+
+    def add_metric(self, name: str, counts: np.ndarray, sums: np.ndarray) -> None:
+        """Add ``counts : int64[c]`` and ``sums : float64[s]`` into the accumulator ``name`` on its
+        server (created by the first add; every add must use the same c and s). Exact: integer counts
+        never round, whatever their total (a float32 sum stops counting at 2^24).
+
+        Raises
+        ------
+        ProtocolError
+            Wrong dtypes or non-finite sums (nothing sent).
+        RequestRejectedError
+            The shapes differ from the accumulator's.
+        """
+        if not isinstance(counts, np.ndarray) or counts.dtype != np.int64 or counts.ndim != 1:
+            raise ProtocolError(f"counts: expected int64[c], got {getattr(counts, 'dtype', type(counts))}")
+        if not isinstance(sums, np.ndarray) or sums.dtype != np.float64 or sums.ndim != 1:
+            raise ProtocolError(f"sums: expected float64[s], got {getattr(sums, 'dtype', type(sums))}")
+        if not np.isfinite(sums).all():
+            raise ProtocolError("sums: contains NaN or Inf; nothing was sent")
+        req = pb.MetricRequest(table=name, request_id=self._rid(), op=pb.METRIC_ADD)
+        self._call(self._metric_server(name), "Metric", codec.Wire(req, counts=counts, sums=sums),
+                   idempotent=False)
+
+    def read_metric(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The accumulator ``name`` -> ``(counts int64[c], sums float64[s])`` (empty when absent)."""
+        r = self._call(self._metric_server(name), "Metric",
+                       pb.MetricRequest(table=name, request_id=self._rid(), op=pb.METRIC_READ), idempotent=True)
+        return (codec.decode(r.counts, "counts", codec.I64, 1).copy(),
+                codec.decode(r.sums, "sums", codec.F64, 1).copy())
+
+    def reset_metric(self, name: str) -> None:
+        """Remove the accumulator ``name`` (the next ``add_metric`` starts from zero)."""
+        self._call(self._metric_server(name), "Metric",
+                   pb.MetricRequest(table=name, request_id=self._rid(), op=pb.METRIC_RESET), idempotent=False)
 
     def stats(self) -> list[dict]:
         """Per-server counters and table statistics."""
@@ -680,10 +730,9 @@ class PSClient:
             return
         self._closed = True
         try:
-            if self._sender is not None:
+            if self._pusher is not None:
                 self.flush()
-                self._queue.put(None, timeout=self.timeout_s)
-                self._sender.join(timeout=self.timeout_s)
+                self._pusher.close()
         finally:
             self._pool.shutdown(wait=False)
             self.transport.close()
@@ -695,6 +744,20 @@ class PSClient:
         self.close()
 
 
+def _too_large(details: str) -> bool:
+    """gRPC's own RESOURCE_EXHAUSTED for a message over a size limit ("Sent/Received message larger
+    than max (N vs. M)"), as opposed to an overloaded server (retried)."""
+    return "larger than max" in details
+
+
+def _too_large_error(e: RemoteError, method: str, server: int) -> MessageTooLargeError:
+    side = "request" if "Sent" in e.message else "message"
+    return MessageTooLargeError(e.code, f"{method} to server {server}: the {side} is over a gRPC message "
+                                f"size limit (gRPC: {e.message}); the limit is the max_message_bytes of "
+                                f"both ends (the servers' server.max_message_bytes, default "
+                                f"{codec.MAX_MESSAGE_BYTES} bytes); not retried", e.endpoint)
+
+
 def _typed(e: RemoteError, attempts: int) -> RemoteError:
     if e.code in _REJECTED:
         return RequestRejectedError(e.code, e.message, e.endpoint)
@@ -703,63 +766,3 @@ def _typed(e: RemoteError, attempts: int) -> RemoteError:
     if e.code == "DEADLINE_EXCEEDED":
         return PSTimeoutError(e.code, e.message, e.endpoint)
     return e
-
-
-def _check_keys(keys) -> np.ndarray:
-    if not isinstance(keys, np.ndarray) or keys.dtype != np.uint64 or keys.ndim != 1:
-        got = f"{keys.dtype}{list(keys.shape)}" if isinstance(keys, np.ndarray) else type(keys).__name__
-        raise ProtocolError(f"keys: expected a uint64[n] array, got {got}")
-    return keys
-
-
-def _check_array(arr, shape: tuple, name: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.ndim != len(shape) or any(
-            w is not None and w != g for w, g in zip(shape, arr.shape)):
-        got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
-        want = "[" + ", ".join("P" if w is None else str(w) for w in shape) + "]"
-        raise ProtocolError(f"{name}: expected float32{want}, got {got}")
-    if not _kernels.all_finite(arr):
-        raise ProtocolError(f"{name}: contains NaN or Inf; nothing was sent")
-    return np.ascontiguousarray(arr)
-
-
-def _take(arr: np.ndarray | None, pos) -> np.ndarray | None:
-    """arr[pos] for a slice (a view) or int64 positions (a Numba gather); None for no positions
-    (a server without a part of a Step request) or no array."""
-    if arr is None or pos is None:
-        return None
-    if isinstance(pos, slice):
-        return arr if pos.start == 0 and pos.stop >= len(arr) else arr[pos]
-    out = np.empty((len(pos),) + arr.shape[1:], arr.dtype)
-    if arr.ndim == 1:
-        _kernels.take_1d(arr, pos, out)
-    else:
-        _kernels.take_rows(arr, pos, out)
-    return out
-
-
-def _count(pos) -> int:
-    if pos is None:
-        return 0
-    return pos.stop - pos.start if isinstance(pos, slice) else len(pos)
-
-
-def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """(unique keys in first-occurrence order, inverse int64[n]); inverse is None when keys are
-    already unique (then the keys are returned as given). O(n), no sort."""
-    uniq = np.empty(len(keys), np.uint64)
-    inverse = np.empty(len(keys), np.int64)
-    nu = _kernels.dedup(np.ascontiguousarray(keys), uniq, inverse)
-    if nu == len(keys):
-        return keys, None
-    return uniq[:nu], inverse
-
-
-def _segment_sum(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
-    """Sum rows of values with the same inverse index -> float32 of shape (n, ...)."""
-    out = np.empty((n,) + values.shape[1:], np.float32)
-    if values.ndim == 1:
-        _kernels.segment_sum_1d(values, inverse, out)
-    else:
-        _kernels.segment_sum_2d(values, inverse, out)
-    return out

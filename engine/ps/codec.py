@@ -59,6 +59,9 @@ MAX_MESSAGE_BYTES = 16 << 20   # gRPC max send/receive message length
 
 U64 = np.dtype("<u8")
 F32 = np.dtype("<f4")
+I64 = np.dtype("<i8")
+F64 = np.dtype("<f8")
+REPLY_OVERHEAD_BYTES = 4096    # a reply's bytes beyond its arrays (ids, shapes, tags), generously
 
 
 def encode(arr: np.ndarray | None) -> pb.Tensor:
@@ -130,11 +133,12 @@ def _fmt(shape) -> str:
 # ---------------------------------------------------------------------------- zero-copy wire codec
 REQUEST = {"Pull": pb.PullRequest, "Push": pb.PushRequest, "Dense": pb.DenseRequest, "Step": pb.StepRequest,
            "Barrier": pb.BarrierRequest, "Save": pb.PathRequest, "Load": pb.PathRequest,
-           "Shrink": pb.ShrinkRequest, "Stats": pb.Empty, "Health": pb.Empty, "Stop": pb.Empty}
+           "Shrink": pb.ShrinkRequest, "Stats": pb.Empty, "Health": pb.Empty, "Stop": pb.Empty,
+           "Metric": pb.MetricRequest}
 REPLY = {"Pull": pb.PullResponse, "Push": pb.PushResponse, "Dense": pb.DenseResponse, "Step": pb.StepResponse,
          "Barrier": pb.BarrierResponse, "Save": pb.CountResponse, "Load": pb.CountResponse,
          "Shrink": pb.CountResponse, "Stats": pb.JsonResponse, "Health": pb.JsonResponse,
-         "Stop": pb.Empty}
+         "Stop": pb.Empty, "Metric": pb.MetricResponse}
 _DATA_TAG = b"\x1a"       # Tensor.data: field 3, length-delimited
 _ALIGN_TAG = b"\x22"      # Tensor.align: field 4, length-delimited
 ALIGN = 8

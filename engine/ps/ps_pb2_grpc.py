@@ -89,6 +89,11 @@ class ParameterServerStub:
                 request_serializer=engine_dot_ps_dot_ps__pb2.Empty.SerializeToString,
                 response_deserializer=engine_dot_ps_dot_ps__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Metric = channel.unary_unary(
+                '/engine.ps.ParameterServer/Metric',
+                request_serializer=engine_dot_ps_dot_ps__pb2.MetricRequest.SerializeToString,
+                response_deserializer=engine_dot_ps_dot_ps__pb2.MetricResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -160,6 +165,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Metric(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +228,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=engine_dot_ps_dot_ps__pb2.Empty.FromString,
                     response_serializer=engine_dot_ps_dot_ps__pb2.Empty.SerializeToString,
+            ),
+            'Metric': grpc.unary_unary_rpc_method_handler(
+                    servicer.Metric,
+                    request_deserializer=engine_dot_ps_dot_ps__pb2.MetricRequest.FromString,
+                    response_serializer=engine_dot_ps_dot_ps__pb2.MetricResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +532,33 @@ class ParameterServer:
             '/engine.ps.ParameterServer/Stop',
             engine_dot_ps_dot_ps__pb2.Empty.SerializeToString,
             engine_dot_ps_dot_ps__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Metric(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.ps.ParameterServer/Metric',
+            engine_dot_ps_dot_ps__pb2.MetricRequest.SerializeToString,
+            engine_dot_ps_dot_ps__pb2.MetricResponse.FromString,
             options,
             channel_credentials,
             insecure,

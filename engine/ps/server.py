@@ -2,7 +2,7 @@
 
 ``PSServer`` hosts the sparse tables (each split into local SparseTable shards) and the dense-table
 blocks of one server rank. Its RPC methods (``Pull``, ``Push``, ``Dense``, ``Step``, ``Barrier``, ``Save``,
-``Load``, ``Shrink``, ``Stats``, ``Health``, ``Stop``) take and return the protobuf messages of
+``Load``, ``Shrink``, ``Stats``, ``Health``, ``Stop``, ``Metric``) take and return the protobuf messages of
 ``ps.proto``; ``handle(method, request)`` wraps them so every failure becomes a ``ServerError`` with a
 gRPC status code and a message naming the server, table, shard and request id, e.g.::
 
@@ -12,6 +12,12 @@ gRPC status code and a message naming the server, table, shard and request id, e
 The same object serves gRPC (``serve``) and the in-process transport, so a whole cluster can live in
 one pytest process. A rejected request changes nothing: everything is validated before any shard is
 touched.
+
+Exactly once: every mutating request (``MUTATING``) runs through a ``dedup.ReplyWindow``, so a retry
+with the same request id whose first attempt was applied gets the remembered reply and changes nothing.
+Barriers (``barrier.Barriers``) cost no RPC thread while they wait. Replies never exceed the message
+limit: a pull part that would is cut to the rows that fit (the reply says how many) and the client asks
+for the rest; nothing is allocated before its size is checked.
 """
 from __future__ import annotations
 
@@ -24,16 +30,32 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
+from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
+from sparse_tables import TableConfigError
+from sparse_tables.rwlock import RWLock
+
+from ..checkpoint.manifest import kind_of_uri, read_checkpoint_manifest
+from ..checkpoint.reader import CheckpointMismatchError, load_server_parts
+from ..checkpoint.writer import save_server_parts
 from ..config import EngineConfig
 from ..errors import ProtocolError
+from ..sharding import routing
 from . import _malloc, codec
 from . import ps_pb2 as pb
+from .barrier import BarrierError, Barriers
+from .dedup import InProgress, ReplyWindow
 from .hosts import DenseHost, HostError, SparseHost
 from .routing import DEFAULT_NUM_VSHARDS
 
 log = logging.getLogger(__name__)
 
-METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink", "Stats", "Health", "Stop")
+METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink", "Stats", "Health", "Stop",
+           "Metric")
+#: methods that change server state; answered at most once per request id (see dedup.ReplyWindow).
+#: Dense pulls and metric reads do not change anything and are not remembered (``_mutating``).
+MUTATING = frozenset({"Push", "Dense", "Step", "Save", "Load", "Shrink", "Metric"})
+#: methods that read or change the tables (they never overlap a Load)
+_ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink"})
 
 
 class ServerError(Exception):
@@ -61,11 +83,20 @@ class PSServer:
         Where checkpoints live on S3 (default: the standard AWS environment variables).
     checkpoint_groups, checkpoint_threads : int
         Vshard groups per table in checkpoint part files; shards written / files read concurrently.
+    max_barrier_wait_s : float, seconds
+        Cap of any client-given barrier timeout (``server.max_barrier_wait_s``).
+    reply_window_bytes : int, bytes
+        Replies of recent mutating requests kept to answer retries (``server.reply_window_bytes``;
+        0 turns deduplication off).
+    max_message_bytes : int, bytes
+        The largest reply this server sends (gRPC's max send length); larger pull parts are cut.
     """
 
     def __init__(self, sparse: dict, dense: dict | None = None, *, index: int = 0, num_servers: int = 1,
                  num_vshards: int = DEFAULT_NUM_VSHARDS, local_shards: int = 4,
-                 storage_options=None, checkpoint_groups: int = 16, checkpoint_threads: int = 2):
+                 storage_options=None, checkpoint_groups: int = 16, checkpoint_threads: int = 2,
+                 max_barrier_wait_s: float = 600.0, reply_window_bytes: int = 64 << 20,
+                 max_message_bytes: int = codec.MAX_MESSAGE_BYTES):
         if not 0 <= index < num_servers:
             raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
         self.index, self.num_servers, self.num_vshards = index, num_servers, num_vshards
@@ -82,9 +113,14 @@ class PSServer:
                                       num_servers=num_servers)
                       for i, name in enumerate(sorted(dense or {}))}
         self.stopped = threading.Event()
-        self._barrier_cond = threading.Condition()
-        self._barriers: dict[str, list] = {}      # name -> [arrived, generation, world]
+        self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
+        self.window = ReplyWindow(reply_window_bytes)
+        self.max_message_bytes = int(max_message_bytes)
+        self._metrics: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # name -> (int64 counts, float64 sums)
+        self._metrics_lock = threading.Lock()
         self._apply_lock = threading.Lock()
+        # requests that read or change the tables share it; Load holds it alone while it swaps them
+        self._tables_lock = RWLock()
         self._started = time.time()
         self._requests = dict.fromkeys(METHODS, 0)
         self._errors = 0
@@ -98,7 +134,9 @@ class PSServer:
         return cls(cfg.sparse_tables, cfg.dense_tables, index=index,
                    num_servers=num_servers or cfg.cluster.servers, num_vshards=cfg.cluster.num_vshards,
                    local_shards=cfg.cluster.local_shards, checkpoint_threads=cfg.checkpoint.threads,
-                   storage_options=cfg.storage.options())
+                   storage_options=cfg.storage.options(),
+                   max_barrier_wait_s=cfg.server.max_barrier_wait_s,
+                   reply_window_bytes=cfg.server.reply_window_bytes)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, method: str, request):
@@ -112,18 +150,16 @@ class PSServer:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
             if getattr(request, "error", None) is not None:     # codec.Received that did not parse
                 raise request.error
-            if method not in ("Pull", "Push", "Step"):
-                return getattr(self, method)(request)
-            with self._inflight_lock:
-                self._inflight += 1
-            try:
-                return getattr(self, method)(request)
-            finally:
-                with self._inflight_lock:
-                    self._inflight -= 1
+            if _mutating(method, request):
+                return self.window.run(request.request_id, lambda: self._run(method, request))
+            return self._run(method, request)
         except Exception as e:  # noqa: BLE001 - every failure must reach the caller with context
             if isinstance(e, HostError):
                 code, shard = e.code, ("all" if e.shard is None else e.shard)
+            elif isinstance(e, BarrierError):
+                code, shard = e.code, "all"
+            elif isinstance(e, InProgress):
+                code, shard = "UNAVAILABLE", "all"     # the client retries with the same id later
             elif isinstance(e, (ProtocolError, ValueError)):
                 code, shard = "INVALID_ARGUMENT", "all"
             else:
@@ -134,6 +170,43 @@ class PSServer:
             msg = (f"[server {self.index}/{self.num_servers}, table {table!r}, shard {shard}, "
                    f"request {rid}] {e}")
             raise ServerError(code, msg) from None
+
+    def _run(self, method: str, request):
+        if method == "Load":    # alone: no request may run on shards that Load swaps out
+            with self._tables_lock.exclusive():
+                reply = self.Load(request)
+                self.window.clear()     # remembered replies were computed from the tables just replaced
+            return reply
+        if method not in _ON_TABLES:
+            return getattr(self, method)(request)
+        with self._tables_lock.shared():
+            if method not in ("Pull", "Push", "Step"):
+                return getattr(self, method)(request)
+            with self._inflight_lock:
+                self._inflight += 1
+            try:
+                return getattr(self, method)(request)
+            finally:
+                with self._inflight_lock:
+                    self._inflight -= 1
+
+    def _fits(self, n: int, row_bytes: int, other_bytes: int = 0) -> int:
+        """How many of ``n`` rows of ``row_bytes`` fit in one reply beside ``other_bytes`` of other
+        arrays (at least 1 when n > 0, so a reply always makes progress).
+
+        Raises
+        ------
+        HostError
+            RESOURCE_EXHAUSTED: ``other_bytes`` alone exceed the message limit.
+        """
+        budget = self.max_message_bytes - codec.REPLY_OVERHEAD_BYTES - other_bytes
+        if budget < row_bytes:
+            if other_bytes and budget < 0:
+                raise HostError("RESOURCE_EXHAUSTED", f"the dense part of this reply ({other_bytes} bytes) "
+                                f"exceeds the message limit max_message_bytes={self.max_message_bytes}: "
+                                f"step fewer blocks per request")
+            return min(n, 1)
+        return min(n, budget // max(1, row_bytes))
 
     def _sparse(self, name: str) -> SparseHost:
         host = self.sparse.get(name)
@@ -151,8 +224,11 @@ class PSServer:
 
     # ------------------------------------------------------------------ RPCs
     def Pull(self, req: pb.PullRequest) -> codec.Wire:
+        """Rows of ``keys : uint64[n]`` -> ``values : float32[m, dim]`` for keys[0:m], m < n only when
+        n rows would exceed the message limit (checked before anything is allocated)."""
         host = self._sparse(req.table)
         keys = codec.decode(req.keys, "keys", codec.U64, 1)
+        keys = keys[:self._fits(len(keys), 4 * host.dim)]
         reply = codec.Wire.allocate(pb.PullResponse(request_id=req.request_id), "values", codec.F32,
                                     (len(keys), host.dim))
         host.pull(keys, req.init_missing, out=reply.arrays["values"])
@@ -172,9 +248,10 @@ class PSServer:
         else:
             host.push(keys, grads, shows, clicks, delta=delta)
         if req.return_values:   # the rows after this update (and any other that landed since)
+            m = self._fits(n, 4 * host.dim)
             reply = codec.Wire.allocate(pb.PushResponse(request_id=req.request_id, keys=n), "values",
-                                        codec.F32, (n, host.dim))
-            host.pull(keys, True, out=reply.arrays["values"])
+                                        codec.F32, (m, host.dim))
+            host.pull(keys[:m], True, out=reply.arrays["values"])
             return reply
         return pb.PushResponse(request_id=req.request_id, keys=n)
 
@@ -225,7 +302,6 @@ class PSServer:
         n = len(keys)
         pull_keys = _keys_or_empty(req.pull_keys, "pull_keys")
         push_parts = host.check_push(keys, grads, shows, clicks, delta=False) if n else None
-        pull_parts = host.check_keys(pull_keys) if len(pull_keys) else None
         blocks = list(req.blocks)
         dense = spans = None
         total = 0
@@ -241,6 +317,8 @@ class PSServer:
             dgrads = codec.decode(req.dense_grads, "dense_grads", codec.F32, 1, shape=(total,))
             for b, a, z in spans:
                 dense.check_grad(b, dgrads[a:z])
+        pull_keys = pull_keys[:self._fits(len(pull_keys), 4 * host.dim, 4 * total)]
+        pull_parts = host.check_keys(pull_keys) if len(pull_keys) else None
         specs = {"values": (codec.F32, (len(pull_keys), host.dim))}
         if spans is not None:
             specs["dense"] = (codec.F32, (total,))
@@ -254,34 +332,16 @@ class PSServer:
         return reply
 
     def Barrier(self, req: pb.BarrierRequest) -> pb.BarrierResponse:
-        """Wait for ``world`` arrivals at ``name``; the last one applies held sync updates if asked."""
-        if req.world < 1:
-            raise ProtocolError(f"world must be >= 1, got {req.world}")
-        timeout = req.timeout_s if req.timeout_s > 0 else 600.0
-        with self._barrier_cond:
-            state = self._barriers.setdefault(req.name, [0, 0, req.world])
-            if state[2] != req.world:
-                raise ProtocolError(f"barrier {req.name!r}: world {req.world} differs from the "
-                                    f"{state[2]} other callers use")
-            gen = state[1]
-            state[0] += 1
-            if state[0] == req.world:
-                if req.apply_pending:
-                    self._apply_pending(req.world)
-                state[0] = 0
-                state[1] += 1
-                self._barrier_cond.notify_all()
-                return pb.BarrierResponse(request_id=req.request_id, generation=gen)
-            if not self._barrier_cond.wait_for(lambda: state[1] != gen or self.stopped.is_set(), timeout):
-                state[0] -= 1
-                raise HostError("DEADLINE_EXCEEDED", f"barrier {req.name!r}: only {state[0] + 1} of "
-                                f"{req.world} callers arrived within {timeout:g}s")
-            if state[1] == gen:
-                raise HostError("UNAVAILABLE", f"barrier {req.name!r}: server is stopping")
-        return pb.BarrierResponse(request_id=req.request_id, generation=gen)
+        """Arrive at (or poll) barrier ``name`` with the request id as token; answers at once or after
+        a short linger (``barrier.Barriers``). The last arrival applies held sync updates if asked."""
+        world = req.world
+        on_open = (lambda: self._apply_pending(world)) if req.apply_pending else None
+        r = self.barriers.arrive(req.name, req.request_id, world, req.timeout_s, on_open)
+        return pb.BarrierResponse(request_id=req.request_id, generation=r.generation, released=r.released,
+                                  arrived=r.arrived, waited=r.waited)
 
     def _apply_pending(self, world: int) -> None:
-        with self._apply_lock:
+        with self._tables_lock.shared(), self._apply_lock:
             for host in self.sparse.values():
                 host.apply_pending(world)
             for host in self.dense.values():
@@ -290,8 +350,6 @@ class PSServer:
     def Save(self, req: pb.PathRequest) -> pb.CountResponse:
         """Write this server's part files of the checkpoint directory ``req.path`` (a URI ending in
         ``HHMM-base`` or ``HHMM-delta[.N]``; see ``engine.checkpoint.writer``). Returns the rows written."""
-        from ..checkpoint.manifest import kind_of_uri
-        from ..checkpoint.writer import save_server_parts
         kind = kind_of_uri(req.path)
         dense = {n: st for n, h in self.dense.items() if (st := h.snapshot()) is not None}
         report = save_server_parts(self._checkpoint_storage(req.path), kind=kind, server=self.index,
@@ -301,40 +359,67 @@ class PSServer:
         return pb.CountResponse(request_id=req.request_id, count=sum(report["rows"].values()))
 
     def Load(self, req: pb.PathRequest) -> pb.CountResponse:
-        """Load this server's rows of the published checkpoint at ``req.path`` (a base resets the tables
-        first; a delta is applied on top). Damaged files fail with DATA_LOSS naming the file."""
-        from hdfs_io import CheckpointCorruptError, NotPublishedError
-        from ..checkpoint.manifest import read_checkpoint_manifest
-        from ..checkpoint.reader import CheckpointMismatchError, load_server_parts
-        from . import routing
+        """Load this server's rows of the published checkpoint at ``req.path``: all or nothing.
+
+        A base is read into fresh shards (``SparseHost.fresh_shards``, under the other spill directory
+        name) while the live shards keep their rows; only when every file has been verified (size and
+        CRC-32, columns, row counts, ``max_rows``) and the dense blocks checked are the fresh shards
+        swapped in and the old ones closed, and the dense blocks set. A delta is verified completely
+        (every file read and checked, ``max_rows`` counted) before any live row changes, then applied
+        on top (``engine.checkpoint.reader``). On any failure the sparse and dense tables are as they
+        were and the fresh shards, with their spill directories, are gone.
+
+        Peak memory of a base load: a RAM-only table holds its old rows and the new ones until the
+        swap, up to twice its size (each side at most ``max_rows`` when set). A spilled table first
+        moves its RAM rows to RocksDB (``SparseTable.release_ram``), so RAM holds about one RAM tier,
+        the new shards' (``memory_rows`` each), plus the old shards' Bloom filters; disk holds both
+        databases until the swap. Reading costs one part file per ``checkpoint_threads`` thread on top.
+        A delta costs no second copy of the table, only those files and the delta's tombstone keys.
+
+        Raises
+        ------
+        HostError
+            DATA_LOSS naming the file (missing, damaged, misfit, or the row counts disagree with the
+            manifest); NOT_FOUND (not published); FAILED_PRECONDITION (a table that does not fit, a
+            table that would pass ``max_rows``: the table, the limit and the row count are named, or a
+            spill directory that cannot be claimed).
+        """
         ckpt = self._checkpoint_storage(req.path)
+        fresh: dict = {}
         try:
             manifest = read_checkpoint_manifest(ckpt, "")
             if manifest["kind"] == "base":
                 counts = manifest["tables"].get("sparse", {})
                 for name, h in self.sparse.items():
-                    h.reset(counts.get(name, {}).get("rows", 0) // self.num_servers)
+                    fresh[name] = h.fresh_shards(counts.get(name, {}).get("rows", 0) // self.num_servers)
+            target = fresh if fresh else {n: h.shards for n, h in self.sparse.items()}
             hosts = list(self.sparse.values())
             owner = (routing.local_shard_owners(self.num_vshards, self.num_servers, self.index,
-                                                len(hosts[0].shards)) if hosts else None)
+                                                hosts[0].num_local) if hosts else None)
             rows, _, dense = load_server_parts(
-                ckpt, num_vshards=self.num_vshards, local_owner=owner,
-                sparse={n: h.shards for n, h in self.sparse.items()},
+                ckpt, num_vshards=self.num_vshards, local_owner=owner, sparse=target,
                 dense_owns=lambda name, b: name in self.dense and self.dense[name].owner(b) == self.index,
                 manifest=manifest, threads=self.checkpoint_threads)
-        except NotPublishedError as e:
-            raise HostError("NOT_FOUND", str(e)) from None
-        except CheckpointCorruptError as e:
-            raise HostError("DATA_LOSS", str(e)) from None
-        except CheckpointMismatchError as e:
-            raise HostError("FAILED_PRECONDITION", str(e)) from None
+            dense = {n: v for n, v in dense.items() if n in self.dense}
+            for name, (size, blocks) in dense.items():
+                self.dense[name].check_restore(size, blocks)
+        except BaseException as e:
+            for shards in fresh.values():
+                SparseHost.discard(shards)
+            if isinstance(e, NotPublishedError):
+                raise HostError("NOT_FOUND", str(e)) from None
+            if isinstance(e, CheckpointCorruptError):
+                raise HostError("DATA_LOSS", str(e)) from None
+            if isinstance(e, (CheckpointMismatchError, TableConfigError)):
+                raise HostError("FAILED_PRECONDITION", str(e)) from None
+            raise
+        for name, shards in fresh.items():
+            self.sparse[name].adopt(shards)
         for name, (size, blocks) in dense.items():
-            if name in self.dense:
-                self.dense[name].restore(size, blocks)
+            self.dense[name].restore(size, blocks)
         return pb.CountResponse(request_id=req.request_id, count=sum(rows.values()))
 
-    def _checkpoint_storage(self, uri: str):
-        from hdfs_io import Storage
+    def _checkpoint_storage(self, uri: str) -> Storage:
         return Storage.from_uri(uri, storage_options=self.storage_options)
 
     def Shrink(self, req: pb.ShrinkRequest) -> pb.CountResponse:
@@ -342,11 +427,48 @@ class PSServer:
         now = req.now if req.has_now else None
         return pb.CountResponse(request_id=req.request_id, count=sum(h.shrink(now) for h in hosts))
 
+    def Metric(self, req: pb.MetricRequest) -> pb.MetricResponse | codec.Wire:
+        """Exact metric sums: ADD ``counts : int64[c]`` and ``sums : float64[s]`` into accumulator
+        ``table`` (created by the first ADD), READ them, or RESET (remove) it."""
+        name = req.table
+        if not name:
+            raise ProtocolError("table: a metric accumulator needs a name")
+        resp = pb.MetricResponse(request_id=req.request_id)
+        if req.op == pb.METRIC_ADD:
+            counts = codec.decode(req.counts, "counts", codec.I64, 1)
+            sums = codec.decode(req.sums, "sums", codec.F64, 1)
+            if not np.isfinite(sums).all():
+                raise ProtocolError("sums: contains NaN or Inf; nothing changed")
+            with self._metrics_lock:
+                acc = self._metrics.get(name)
+                if acc is None:
+                    self._metrics[name] = (counts.astype(np.int64), sums.astype(np.float64))
+                elif acc[0].shape != counts.shape or acc[1].shape != sums.shape:
+                    raise ProtocolError(f"metric {name!r} holds int64[{len(acc[0])}] counts and "
+                                        f"float64[{len(acc[1])}] sums, got int64[{len(counts)}] and "
+                                        f"float64[{len(sums)}]")
+                else:
+                    acc[0][:] += counts
+                    acc[1][:] += sums
+            return resp
+        if req.op == pb.METRIC_READ:
+            with self._metrics_lock:
+                acc = self._metrics.get(name)
+                counts, sums = ((acc[0].copy(), acc[1].copy()) if acc is not None
+                                else (np.zeros(0, np.int64), np.zeros(0, np.float64)))
+            return codec.Wire(resp, counts=counts, sums=sums)
+        if req.op == pb.METRIC_RESET:
+            with self._metrics_lock:
+                self._metrics.pop(name, None)
+            return resp
+        raise ProtocolError(f"unknown metric op {req.op}")
+
     def Stats(self, req: pb.Empty) -> pb.JsonResponse:
         with self._count_lock:
             reqs, errors = dict(self._requests), self._errors
         out = {"server": self.index, "num_servers": self.num_servers, "requests": reqs, "errors": errors,
-               "uptime_s": time.time() - self._started,
+               "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
+               "barriers": self.barriers.stats(),
                "sparse": {n: h.stats() for n, h in self.sparse.items()},
                "dense": {n: h.stats() for n, h in self.dense.items()}}
         return pb.JsonResponse(request_id=req.request_id, json=json.dumps(out))
@@ -362,15 +484,24 @@ class PSServer:
     def Stop(self, req: pb.Empty) -> pb.Empty:
         log.info("server %d: stop requested (request %s)", self.index, req.request_id)
         self.stopped.set()
-        with self._barrier_cond:
-            self._barrier_cond.notify_all()
+        self.barriers.stop()
         return pb.Empty(request_id=req.request_id)
 
     def close(self) -> None:
         self.stopped.set()
+        self.barriers.stop()
         for h in self.sparse.values():
             h.close()
         self._pool.shutdown(wait=False)
+
+
+def _mutating(method: str, request) -> bool:
+    """Whether ``request`` may change server state (and so must be applied at most once)."""
+    if method == "Dense":
+        return request.op != pb.DENSE_PULL
+    if method == "Metric":
+        return request.op != pb.METRIC_READ
+    return method in MUTATING
 
 
 def _keys_or_empty(t, name: str) -> np.ndarray:
@@ -415,8 +546,14 @@ def generic_handler(core: PSServer) -> grpc.GenericRpcHandler:
         for m in METHODS})
 
 
-def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int = 8) -> tuple[grpc.Server, int]:
+def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int = 8,
+          max_concurrent_rpcs: int = 0) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``core`` on host:port (port 0: a free port). Returns (server, port).
+
+    ``threads`` RPC threads serve the calls; at most half of them linger in barrier polls, so arrivals
+    and other requests always find one. ``max_concurrent_rpcs`` (``server.max_concurrent_rpcs``; 0 =
+    unlimited) bounds the calls accepted at once: gRPC answers the excess RESOURCE_EXHAUSTED, which
+    clients back off from and retry.
 
     Raises
     ------
@@ -424,10 +561,12 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
         The address could not be bound.
     """
     _malloc.tune()
+    core.barriers.max_lingering = max(0, threads // 2)
     server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix=f"ps{core.index}-rpc"),
-                         options=[("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-                                  ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-                                  ("grpc.so_reuseport", 0)])
+                         options=[("grpc.max_send_message_length", core.max_message_bytes),
+                                  ("grpc.max_receive_message_length", core.max_message_bytes),
+                                  ("grpc.so_reuseport", 0)],
+                         maximum_concurrent_rpcs=max_concurrent_rpcs or None)
     server.add_generic_rpc_handlers((generic_handler(core),))
     try:
         bound = server.add_insecure_port(f"{host}:{port}")

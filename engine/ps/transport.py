@@ -9,12 +9,16 @@ with arrays (Pull, Dense) come back as ``codec.Received``, read like the message
 ``codec.decode`` views without copying.
 
 - ``GrpcTransport(endpoints)``: real servers at ``host:port`` (one channel per server), with the
-  zero-copy codec (``codec.serialize`` / ``codec.parse``) as gRPC (de)serializers.
+  zero-copy codec (``codec.serialize`` / ``codec.parse``) as gRPC (de)serializers. UNAVAILABLE is
+  retried by gRPC itself (the channel's service-config retry policy, exponential back-off, up to
+  ``GRPC_MAX_ATTEMPTS`` attempts), resending the same bytes, so a retry keeps its request id and the
+  server's reply window answers it without applying it twice.
 - ``InProcessTransport(servers)``: ``PSServer`` objects in this process, no sockets; requests and
   replies go through the same codec by default, so unit tests exercise the same bytes.
 """
 from __future__ import annotations
 
+import json
 import threading
 from abc import ABC, abstractmethod
 
@@ -25,13 +29,28 @@ from . import _malloc, codec
 from . import ps_pb2 as pb
 from .server import METHODS, PSServer, ServerError
 
-_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name + "/"
+_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+_SERVICE = "/" + _SERVICE_NAME + "/"
+#: gRPC refuses retry policies of more than 5 attempts
+GRPC_MAX_ATTEMPTS = 5
+
+
+def retry_service_config(attempts: int, backoff_s: float, max_backoff_s: float) -> str:
+    """The channel's service config (JSON): retry UNAVAILABLE ``attempts`` times in all (2..5), with
+    exponential back-off from ``backoff_s`` to ``max_backoff_s`` seconds (gRPC's A6 retry design)."""
+    policy = {"maxAttempts": max(2, min(GRPC_MAX_ATTEMPTS, attempts)),
+              "initialBackoff": f"{max(backoff_s, 0.001):.3f}s",
+              "maxBackoff": f"{max(max_backoff_s, backoff_s, 0.001):.3f}s",
+              "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+    return json.dumps({"methodConfig": [{"name": [{"service": _SERVICE_NAME}], "retryPolicy": policy}]})
 
 
 class Transport(ABC):
-    """Reaches the servers of one cluster, addressed by rank."""
+    """Reaches the servers of one cluster, addressed by rank. ``attempts_per_call``: how many attempts
+    one ``call`` already makes on UNAVAILABLE (gRPC's own retries), so callers retry only beyond it."""
 
     endpoints: list[str]
+    attempts_per_call: int = 1
 
     @property
     def num_servers(self) -> int:
@@ -46,15 +65,28 @@ class Transport(ABC):
 
 
 class GrpcTransport(Transport):
-    """gRPC channels to ``endpoints`` (``["host:port", ...]`` in server-rank order)."""
+    """gRPC channels to ``endpoints`` (``["host:port", ...]`` in server-rank order).
 
-    def __init__(self, endpoints: list[str], *, max_message_bytes: int = codec.MAX_MESSAGE_BYTES):
+    ``retries`` (UNAVAILABLE), ``backoff_s`` and ``max_backoff_s`` (seconds) set gRPC's retry policy;
+    gRPC makes at most ``GRPC_MAX_ATTEMPTS`` attempts per call (``attempts_per_call``)."""
+
+    def __init__(self, endpoints: list[str], *, max_message_bytes: int = codec.MAX_MESSAGE_BYTES,
+                 retries: int = 4, backoff_s: float = 0.05, max_backoff_s: float = 2.0):
         if not endpoints:
             raise ValueError("GrpcTransport: expected at least one endpoint host:port")
         self.endpoints = list(endpoints)
         _malloc.tune()
+        self.attempts_per_call = max(1, min(GRPC_MAX_ATTEMPTS, retries + 1))
         opts = [("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes)]
+                ("grpc.max_receive_message_length", max_message_bytes),
+                # a request is retried only while gRPC still holds its bytes: hold whole messages
+                ("grpc.per_rpc_retry_buffer_size", max_message_bytes + (1 << 20))]
+        if self.attempts_per_call > 1:
+            opts += [("grpc.enable_retries", 1),
+                     ("grpc.service_config", retry_service_config(self.attempts_per_call, backoff_s,
+                                                                  max_backoff_s))]
+        else:
+            opts.append(("grpc.enable_retries", 0))
         self._channels = [grpc.insecure_channel(ep, options=opts) for ep in self.endpoints]
         self._calls = [{m: ch.unary_unary(_SERVICE + m, request_serializer=codec.serialize,
                                           response_deserializer=codec.parser(codec.REPLY[m]))

@@ -94,3 +94,16 @@ def test_killing_a_worker_fails_the_job_quickly_and_leaves_no_process(tmp_path):
     while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_mentioning(str(tmp_path))
+
+
+def test_sync_job_of_12_workers_finishes(tmp_path):
+    """12 workers meet at a barrier every sync step on servers with 2 RPC threads each (waiters used
+    to hold one thread each, so with more workers than threads the job hung at its first step)."""
+    proc = engine("--set", "mode=sync", "--set", "cluster.workers=12", "--set", "cluster.server_threads=2",
+                  "--set", "cluster.warm_up=false", "--set", "model.examples_per_worker=1024",
+                  "--set", "model.epochs=1", "--set", "client.barrier_timeout_s=120", run_dir=tmp_path)
+    out, err = finish(proc, 300)
+    assert proc.returncode == 0, err[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["event"] == "final" and final["mode"] == "sync" and len(final["workers"]) == 12
+    assert not processes_mentioning(str(tmp_path))

@@ -56,8 +56,8 @@ def test_merged_workers_equal_one_accumulator():
     parts = [BinaryMetrics(4096) for _ in range(3)]
     for i, p in enumerate(parts):
         p.update(probs[i::3], labels[i::3])
-    merged = BinaryMetrics.from_array(parts[0].to_array())
-    merged.merge(parts[1]).merge(BinaryMetrics.from_array(parts[2].to_array()))
+    merged = BinaryMetrics.from_parts(*parts[0].to_parts())
+    merged.merge(parts[1]).merge(BinaryMetrics.from_parts(*parts[2].to_parts()))
     assert merged.auc() == pytest.approx(whole.auc(), abs=1e-12)
     assert merged.summary()["logloss"] == pytest.approx(whole.summary()["logloss"])
     # the mean of per-worker AUCs is not the global AUC in general; merging must not do that

@@ -1,0 +1,168 @@
+"""Barriers whose waiting costs no server thread: arrive, then poll.
+
+A caller arrives at barrier ``name`` with a token (its request id) and gets an answer at once; until
+the reply says ``released`` it sends the same request again (a poll). The token makes an arrival
+idempotent: a retried or repeated arrival is never counted twice. The last of ``world`` arrivals opens
+the barrier (after running ``on_open``, e.g. the sync-mode apply) and bumps its generation; every
+token of that generation is then answered ``released``.
+
+A gRPC server has a fixed pool of RPC threads (``cluster.server_threads``). Today's waiters each held
+one until the barrier opened, so with more callers than threads nobody else could arrive. Here a poll
+may linger on the server for at most ``linger_s`` (to release a waiter the moment the barrier opens,
+as a blocking barrier would), and only while fewer than ``max_lingering`` calls linger: the rest are
+answered at once and poll again after a short back-off. With ``max_lingering`` at most half the RPC
+threads, arrivals and other requests always find a free thread.
+
+Bounds: a waiter's arrival is withdrawn after ``min(timeout_s, max_wait_s)`` seconds (its next poll
+fails DEADLINE_EXCEEDED), and an arrival not polled for ``lease_s`` seconds (a dead caller) is dropped.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+class BarrierError(Exception):
+    """``code`` is a gRPC status code name (INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class BarrierReply:
+    generation: int
+    released: bool
+    arrived: int
+    waited: bool = False
+
+
+@dataclass
+class _State:
+    world: int
+    generation: int = 0
+    arrived: dict = field(default_factory=dict)     # token -> [first arrival, last poll] (monotonic s)
+    released: dict = field(default_factory=dict)    # token -> generation it was released at
+
+
+class Barriers:
+    """Every named barrier of one server.
+
+    Parameters
+    ----------
+    max_wait_s : float, seconds
+        Cap of any caller-given timeout (``server.max_barrier_wait_s``).
+    linger_s : float, seconds
+        Longest time one poll waits on the server for the release.
+    max_lingering : int
+        Polls allowed to linger at once (``0``: every poll is answered at once).
+    lease_s : float, seconds
+        An arrival not polled for this long is withdrawn (its caller is gone).
+    """
+
+    def __init__(self, *, max_wait_s: float = 600.0, linger_s: float = 0.5, max_lingering: int = 1 << 30,
+                 lease_s: float = 30.0):
+        self.max_wait_s, self.linger_s = float(max_wait_s), float(linger_s)
+        self.max_lingering, self.lease_s = int(max_lingering), float(lease_s)
+        self._cond = threading.Condition()
+        self._states: dict[str, _State] = {}
+        self._lingering = 0
+        self._stopped = False
+
+    def arrive(self, name: str, token: str, world: int, timeout_s: float, on_open=None) -> BarrierReply:
+        """Arrive at (or poll) barrier ``name`` as ``token``. ``on_open()`` runs once, under the
+        barrier's lock, when the last arrival opens it (before anyone is released).
+
+        Raises
+        ------
+        BarrierError
+            INVALID_ARGUMENT (world < 1, no token, or a world that differs from the other callers'),
+            DEADLINE_EXCEEDED (not everybody arrived within the capped timeout; the arrival is
+            withdrawn), UNAVAILABLE (the server is stopping).
+        """
+        if world < 1:
+            raise BarrierError("INVALID_ARGUMENT", f"world must be >= 1, got {world}")
+        if not token:
+            raise BarrierError("INVALID_ARGUMENT", f"barrier {name!r}: a request id is required (it is "
+                               f"the arrival's token)")
+        limit = min(timeout_s if timeout_s > 0 else self.max_wait_s, self.max_wait_s)
+        with self._cond:
+            if self._stopped:
+                raise BarrierError("UNAVAILABLE", f"barrier {name!r}: server is stopping")
+            st = self._states.get(name)
+            if st is None:
+                st = self._states[name] = _State(world)
+            if token in st.released:
+                return BarrierReply(st.released[token], True, st.world)
+            if st.world != world:
+                if st.arrived:
+                    raise BarrierError("INVALID_ARGUMENT", f"barrier {name!r}: world {world} differs from "
+                                       f"the {st.world} other callers use")
+                st.world = world
+            now = time.monotonic()
+            self._drop_stale(st, now)
+            times = st.arrived.get(token)
+            if times is None:
+                times = st.arrived[token] = [now, now]
+                if len(st.arrived) >= st.world:
+                    return self._open(st, token, on_open)
+            times[1] = now
+            reply = self._wait(st, name, token, limit)
+        return reply
+
+    def _drop_stale(self, st: _State, now: float) -> None:
+        for tok in [t for t, (_, last) in st.arrived.items() if now - last > self.lease_s]:
+            del st.arrived[tok]
+
+    def _open(self, st: _State, token: str, on_open) -> BarrierReply:
+        if on_open is not None:
+            on_open()
+        gen = st.generation
+        # keep only this generation's tokens: a caller released at g cannot arrive at g + 1 before it
+        # saw its release, so older tokens are never polled again
+        st.released = dict.fromkeys(st.arrived, gen)
+        st.arrived = {}
+        st.generation += 1
+        self._cond.notify_all()
+        return BarrierReply(gen, True, st.world)
+
+    def _wait(self, st: _State, name: str, token: str, limit: float) -> BarrierReply:
+        """Linger for the release if allowed (caller holds the lock); enforce the caller's deadline."""
+        gen = st.generation
+        waited = False
+        if self._lingering < self.max_lingering and self.linger_s > 0:
+            self._lingering += 1
+            try:
+                waited = True
+                self._cond.wait_for(lambda: token in st.released or self._stopped or token not in st.arrived,
+                                    self.linger_s)
+            finally:
+                self._lingering -= 1
+        if token in st.released:
+            return BarrierReply(st.released[token], True, st.world, waited)
+        if self._stopped:
+            raise BarrierError("UNAVAILABLE", f"barrier {name!r}: server is stopping")
+        times = st.arrived.get(token)
+        if times is None:
+            raise BarrierError("DEADLINE_EXCEEDED", f"barrier {name!r}: this arrival was withdrawn (not "
+                               f"polled for {self.lease_s:g}s); arrive again")
+        now = time.monotonic()
+        times[1] = now
+        if now - times[0] > limit:
+            del st.arrived[token]
+            raise BarrierError("DEADLINE_EXCEEDED", f"barrier {name!r}: only {len(st.arrived) + 1} of "
+                               f"{st.world} callers arrived within {limit:g}s")
+        return BarrierReply(gen, False, len(st.arrived), waited)
+
+    def stop(self) -> None:
+        """Fail every waiting and later call with UNAVAILABLE."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {n: {"world": s.world, "generation": s.generation, "arrived": len(s.arrived)}
+                    for n, s in self._states.items()}

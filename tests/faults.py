@@ -1,0 +1,70 @@
+"""Fault injection for the PS protocol: a real gRPC proxy on 127.0.0.1 that forwards every call to a
+server and, for calls chosen by a rule, throws the server's reply away and answers UNAVAILABLE, as a
+connection lost after the server applied the request would. The request bytes reach the server
+unchanged, so a retry carries the same request id."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from engine.ps import codec
+from engine.ps import ps_pb2 as pb
+from engine.ps.server import METHODS
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+def _identity(b):
+    return b
+
+
+class DroppingProxy:
+    """Forward ``engine.ps.ParameterServer`` calls to ``target`` (``host:port``).
+
+    ``drop(method, n)`` -> bool is asked after the server answered the ``n``-th call (0-based, all
+    methods counted) of ``method``; True drops the reply (the caller gets UNAVAILABLE). ``dropped``
+    counts the replies thrown away, ``forwarded`` every call that reached the server, by method.
+    """
+
+    def __init__(self, target: str, drop, threads: int = 16):
+        self.drop = drop
+        self.dropped: dict[str, int] = {}
+        self.forwarded: dict[str, int] = {}
+        self._lock = threading.Lock()
+        opts = [("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES), ("grpc.enable_retries", 0)]
+        self._channel = grpc.insecure_channel(target, options=opts)
+        self._server = grpc.server(ThreadPoolExecutor(threads), options=opts)
+        handlers = {m: grpc.unary_unary_rpc_method_handler(self._forwarder(m), request_deserializer=_identity,
+                                                           response_serializer=_identity) for m in METHODS}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def _forwarder(self, method: str):
+        call = self._channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=_identity,
+                                         response_deserializer=_identity)
+
+        def forward(request: bytes, context):
+            try:
+                reply = call(request, timeout=60)
+            except grpc.RpcError as e:
+                context.abort(e.code(), e.details() or "")
+            with self._lock:
+                n = self.forwarded.get(method, 0)
+                self.forwarded[method] = n + 1
+                drop = self.drop(method, n)
+                if drop:
+                    self.dropped[method] = self.dropped.get(method, 0) + 1
+            if drop:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "fault injection: reply dropped after the "
+                              "server applied the request")
+            return reply
+        return forward
+
+    def close(self) -> None:
+        self._server.stop(0).wait(5)
+        self._channel.close()
