@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from sparse_tables._kernels import splitmix64  # one SplitMix64 for the whole code base
+from sparse_tables.kernels import splitmix64  # one SplitMix64 for the whole code base (public module)
 
 __all__ = ["make_guide", "draw_negative", "GUIDE_SHIFT", "EXP_TABLE", "LOG_TABLE", "MAX_EXP", "EXP_TABLE_SIZE", "lcg_next", "prepare_sg_batch",
            "remap_sg_batch", "train_sg_batch", "init_input_rows", "splitmix64"]

@@ -6,7 +6,7 @@ With ``--role``: run that one role in this process (multi-host; see ``engine.rol
 
 With ``checkpoint.root`` set, the end of the job writes a checkpoint (its URI is the final line's
 ``checkpoint``); ``--resume [URI]`` restores one onto the servers before the workers start
-(``engine.checkpoint.job``).
+(``engine.job_checkpoints``).
 
 Exit codes: 0 success, 2 bad config or arguments, 1 a process failed or a checkpoint could not be
 restored, 130 interrupted.
@@ -21,6 +21,7 @@ import os
 import sys
 
 from hdfs_io import CheckpointCorruptError, NotPublishedError
+from sparse_tables import TableConfigError
 from streaming.errors import DataFormatError, SchemaError
 
 from ..errors import ConfigError, LaunchError
@@ -49,7 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resume-fallback", action="store_true",
                    help="with --resume: a damaged checkpoint falls back to the previous complete one")
     p.add_argument("--until", default=None, metavar="YYYYMMDDHH",
-                   help="online jobs: stop before the first hourly partition at or after this hour")
+                   help="online jobs: stop before the first hourly partition at or after this hour "
+                        "(the same as --set model.until=YYYYMMDDHH)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -58,7 +60,7 @@ def run(args) -> int:
                         format=f"%(asctime)s {args.role or 'launcher'}{'' if not args.role else args.rank} "
                                f"%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from ..config import load_config
-    overrides = list(args.overrides) + ([f"model.until='{args.until}'"] if args.until else [])
+    overrides = list(args.overrides) + ([f"model.until={args.until}"] if args.until else [])
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -80,7 +82,7 @@ def run(args) -> int:
         program = load_program(cfg.model.kind)
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)
-        from ..checkpoint import job as ckpt_job
+        from .. import job_checkpoints as ckpt_job
         state = {"cfg": cfg, "checkpoint": None, "periodic": None}
         own_checkpoints = getattr(program, "WRITES_CHECKPOINTS", False)
 
@@ -111,6 +113,9 @@ def run(args) -> int:
         return 2
     except (DataFormatError, SchemaError) as e:
         print(f"engine train: bad input data: {e}", file=sys.stderr)
+        return 2
+    except TableConfigError as e:       # e.g. a spill directory that is not ours, or in use
+        print(f"engine train: table error: {e}", file=sys.stderr)
         return 2
     except LaunchError as e:
         print(f"engine train: failed: {e}", file=sys.stderr)

@@ -15,13 +15,14 @@ Python API::
     ExportSource (interface), RowBatchSource, TableSource, CheckpointSource, snapshot_cluster
 
 The bundle layout is documented in :mod:`engine.export.bundle`, the source interface in
-:mod:`engine.export.source`.
+:mod:`engine.export.base` (``source`` opens a source for a URI; ``checkpoint_source`` replays a checkpoint).
 """
 from .bundle import FORMAT, BundleInfo, export_bundle, open_bundle, resolve_chain
 from .errors import BundleError, ExportError
 from .predictor import Bundle, load_bundle
+from .base import ExportSource, RowBatchSource, TableSource, describe_model
 from .checkpoint_source import CheckpointSource
-from .source import ExportSource, RowBatchSource, TableSource, describe_model, open_source, snapshot_cluster
+from .source import open_source, snapshot_cluster
 
 __all__ = ["FORMAT", "BundleInfo", "export_bundle", "open_bundle", "resolve_chain", "BundleError",
            "ExportError", "Bundle", "load_bundle", "ExportSource", "CheckpointSource", "RowBatchSource",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from sparse_tables._prefetch import prefetch
+from sparse_tables.kernels import prefetch
 
 _SALT = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xFF51AFD7ED558CCD)

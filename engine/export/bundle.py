@@ -1,4 +1,4 @@
-"""The serving bundle: write one from an :class:`~engine.export.source.ExportSource`, read one back.
+"""The serving bundle: write one from an :class:`~engine.export.base.ExportSource`, read one back.
 
 Layout of a full bundle (published atomically through :class:`hdfs_io.Publisher`)::
 
@@ -61,7 +61,7 @@ import hdfs_io
 from hdfs_io import Publisher, Storage, StorageOptions
 
 from .errors import BundleError, ExportError
-from .source import ExportSource, check_description
+from .base import ExportSource, check_description
 
 __all__ = ["FORMAT", "MODEL_FILE", "DENSE_FILE", "DELETED_FILE", "export_bundle", "open_bundle",
            "BundleInfo", "resolve_chain", "apply_rows", "chain_group", "emb_schema", "split_uri",

@@ -1,4 +1,4 @@
-"""An :class:`~engine.export.source.ExportSource` backed by an ``engine.checkpoint`` checkpoint.
+"""An :class:`~engine.export.base.ExportSource` backed by an ``engine.checkpoint`` checkpoint.
 
 The checkpoint's chain (its base, then each delta in order: ``engine.checkpoint.chain_of``) is replayed
 with the checkpoint reader (``engine.checkpoint.load_server_parts``) into in-process
@@ -20,7 +20,7 @@ import numpy as np
 from hdfs_io import StorageOptions
 
 from .errors import ExportError
-from .source import TableSource, check_description
+from .base import TableSource, check_description
 
 __all__ = ["CheckpointSource", "description_from_config", "is_checkpoint_uri"]
 

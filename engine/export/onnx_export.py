@@ -129,7 +129,7 @@ def export_onnx(source, out_uri: str, **bundle_options) -> dict:
         The ``model.json`` written (``extra_files`` lists ``model.onnx``).
     """
     from .bundle import _build
-    from .source import check_description
+    from .base import check_description
     desc = check_description(source.model_description())
     model = _build(desc)
     dense = np.asarray(source.dense())

@@ -30,7 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..checkpoint import job as ckpt_job
+from .. import job_checkpoints as ckpt_job
 from ..checkpoint.schedule import Schedule
 
 log = logging.getLogger(__name__)

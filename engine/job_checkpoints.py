@@ -1,4 +1,6 @@
 """Checkpoints of an ``engine train`` job, seen from the launcher (the coordinator of a local job).
+It composes the checkpoint package with a PS client, so it lives above both (``engine.checkpoint``
+never imports ``engine.ps``).
 
 * ``--resume [URI]``: after the servers are up and before any worker starts, ``resume`` loads the
   newest complete checkpoint under ``checkpoint.root/job`` (or the one URI names) onto every server,
@@ -20,10 +22,11 @@ import logging
 import threading
 import time
 
-from ..errors import ConfigError
-from .coordinator import CheckpointManager
-from .manifest import parse_name
-from .schedule import Schedule
+from .checkpoint.coordinator import CheckpointManager
+from .checkpoint.manifest import parse_name
+from .checkpoint.schedule import Schedule
+from .errors import ConfigError
+from .ps.client import PSClient
 
 __all__ = ["job_name", "manager_for", "job_manager", "resume", "final", "Periodic"]
 
@@ -57,7 +60,6 @@ def manager_for(cfg, uri: str | None = None) -> tuple[CheckpointManager, str | N
 
 
 def _client(cfg, endpoints):
-    from ..ps.client import PSClient
     c = cfg.client
     return PSClient(endpoints, timeout_s=c.timeout_s, retries=c.retries, backoff_s=c.backoff_s,
                     max_backoff_s=c.max_backoff_s, threads=c.threads, name="launcher")
