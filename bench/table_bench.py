@@ -1,7 +1,21 @@
 """Sparse-table benchmark: one JSON object per measurement on stdout, each with a ``bench`` field.
 
-    pull           10M rows of dim 16 in RAM, pulls of 100k random existing keys: keys_per_s and
-                   ratio_vs_numpy_gather (ours / ``arena[row_ids]`` on a plain float32[10M, 16] array)
+    machine        what the machine grants: os.cpu_count, the CPUs this process may run on
+                   (sched_getaffinity), transparent huge pages (/sys/kernel/mm/transparent_hugepage),
+                   whether numpy asks for huge pages, the load average when the bench started
+    pull           10M rows of dim 16 in RAM, pulls of 100k random existing keys, against a numpy gather
+                   of the same number of rows from a plain float32[10M, 16] array, thread count for thread
+                   count:
+                     ratio_per_thread  (headline) table pull on 1 thread / numpy's fancy-index gather
+                                       ``arena[row_ids]`` on 1 thread (the reference issue 15 defines)
+                     ratio_2_threads   table pull on 2 threads / the same gather split over 2 threads
+                   Each of a 2-thread pool gathers half the ids (the split the table's own pull uses);
+                   numpy releases the GIL inside the gather. Whether the 2 threads really ran in parallel
+                   is reported as the CPU time / wall time of the fastest 2-thread call
+                   (``*_cpu_per_wall_2_threads``, 2.0 = both cores busy) beside the speedups.
+                   A faster numpy gather is reported beside it: ``np.take(arena, row_ids, axis=0, out=out,
+                   mode="clip")`` into a fresh float32[100k, 16] per call (about 3x the fancy index here:
+                   no per-row iterator), as ``ratio_per_thread_vs_take`` / ``ratio_2_threads_vs_take``.
     push           the same table, Adagrad pushes of 100k random existing keys on one thread: keys_per_s
     spill          20M distinct keys drawn Zipf(1.05), pushes of 100k keys, memory_rows = 2M:
                    keys_per_s, ratio_vs_in_memory (same draws, memory_rows large enough for all),
@@ -9,8 +23,11 @@
     bytes_per_row  RAM per row beyond its value and optimizer floats, measured as RSS growth while
                    inserting 10M rows (and the table's own accounting, for comparison)
 
-Each measurement runs in a fresh subprocess so its peak RSS is its own. ``--quick`` divides sizes by 10.
-Usage: python bench/table_bench.py [--quick] [--only pull,push,spill,bytes_per_row]
+Rates are the best of 20 timed calls (pull: 40; timeit's convention: on a shared machine interference
+only adds time); the pull variants are timed in interleaved rounds, so a burst of load from elsewhere
+hits all of them alike. Each measurement runs in a fresh subprocess so its peak RSS is its own.
+``--quick`` divides sizes by 10.
+Usage: python bench/table_bench.py [--quick] [--only machine,pull,push,spill,bytes_per_row]
 """
 from __future__ import annotations
 
@@ -23,11 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 BATCH = 100_000
 DIM = 16
+THREADS = 2  # the 2-thread figures: table pull and numpy gather on this many threads each
 
 
 def rss_bytes() -> int:
@@ -60,36 +79,128 @@ def best_rate(fn, n_keys: int, repeats: int) -> float:
     return n_keys / float(np.min(times))
 
 
+def interleaved_rates(fns: dict, n_keys: int, repeats: int) -> dict:
+    """Best rate (keys/s) of each of ``fns``, timed round by round, and its CPU time / wall time.
+
+    Parameters
+    ----------
+    fns : dict name -> (setup, call)
+        ``setup()`` runs untimed before each ``call()``.
+    n_keys : int
+        Keys per call.
+
+    Returns
+    -------
+    dict name -> (keys_per_s, cpu_per_wall)
+        ``cpu_per_wall`` is the process CPU time over the wall time of the fastest call (the one the rate
+        comes from): about 1 for one busy thread, about 2 when two threads ran in parallel throughout.
+        Over all calls it would mostly measure how often other processes took a core away.
+    """
+    for setup, call in fns.values():  # warm-up (JIT, caches, thread pools)
+        setup()
+        call()
+    best = {name: (float("inf"), 0.0) for name in fns}
+    for _ in range(repeats):
+        for name, (setup, call) in fns.items():
+            setup()
+            c0, t0 = time.process_time(), time.perf_counter()
+            call()
+            dt = time.perf_counter() - t0
+            if dt < best[name][0]:
+                best[name] = (dt, (time.process_time() - c0) / dt)
+    return {name: (n_keys / dt, cpu) for name, (dt, cpu) in best.items()}
+
+
+def machine() -> dict:
+    """What the machine grants this process."""
+    def read(path):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            return None
+        # "always [madvise] never": the bracketed word is the setting in force
+        return text[text.index("[") + 1:text.index("]")] if "[" in text else text
+
+    try:
+        from numpy._core.multiarray import _get_madvise_hugepage
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _get_madvise_hugepage
+    return {"bench": "machine", "os_cpu_count": os.cpu_count(),
+            "sched_getaffinity_cpus": len(os.sched_getaffinity(0)),
+            "transparent_hugepage_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "transparent_hugepage_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
+            "numpy_madvise_hugepage": bool(_get_madvise_hugepage()),
+            "loadavg_1min": round(os.getloadavg()[0], 2), "numpy": np.__version__}
+
+
 def bench_pull_push(scale: int) -> list[dict]:
     from sparse_tables import SparseTable, TableConfig
 
     n_rows = 10_000_000 // scale
     keys = random_keys(n_rows, 1)
-    table = SparseTable(TableConfig(dim=DIM, optimizer="adagrad", num_threads=os.cpu_count() or 2),
-                        initial_rows=n_rows)
+    table = SparseTable(TableConfig(dim=DIM, optimizer="adagrad", num_threads=THREADS), initial_rows=n_rows)
     fill(table, keys)
     rng = np.random.default_rng(2)
     batches = [keys[rng.integers(0, n_rows, BATCH)] for _ in range(8)]
-    it = iter(range(10**9))
-
-    def pull():
-        table.pull(batches[next(it) % len(batches)])
-
-    ours = best_rate(pull, BATCH, 20)
-    threads = table.config.num_threads
-    config = table.config
-    table.config = dataclasses.replace(config, num_threads=1)  # same rows, calling thread only
-    ours_1 = best_rate(pull, BATCH, 20)
-    table.config = config
     arena = np.random.default_rng(3).random((n_rows, DIM), dtype=np.float32)
     row_ids = [rng.integers(0, n_rows, BATCH) for _ in range(8)]
+    one, two = (dataclasses.replace(table.config, num_threads=t) for t in (1, THREADS))
+    pool = ThreadPoolExecutor(THREADS, thread_name_prefix="numpy-gather")
+    it = iter(range(10**9))
+    cur = {}
 
-    def gather():
-        arena[row_ids[next(it) % len(row_ids)]]
+    def pick():
+        i = next(it)
+        cur["keys"], cur["ids"] = batches[i % len(batches)], row_ids[i % len(row_ids)]
 
-    ref = best_rate(gather, BATCH, 20)
-    del arena
-    table.config  # keep the table alive for push
+    def table_on(cfg):
+        def setup():
+            table.config = cfg  # same rows and index; only the number of pulling threads changes
+            pick()
+        return setup
+
+    def take(ids, out):
+        np.take(arena, ids, axis=0, out=out, mode="clip")
+
+    def gather(threads):
+        def call():
+            ids = cur["ids"]
+            out = np.empty((len(ids), DIM), np.float32)
+            if threads == 1:
+                take(ids, out)
+                return out
+            bounds = np.linspace(0, len(ids), threads + 1).astype(np.int64)   # the table's split
+            futures = [pool.submit(take, ids[a:b], out[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+            for f in futures:
+                f.result()
+            return out
+        return call
+
+    def fancy(threads):
+        def call():
+            ids = cur["ids"]
+            if threads == 1:
+                return arena[ids]
+            bounds = np.linspace(0, len(ids), threads + 1).astype(np.int64)
+            futures = [pool.submit(arena.__getitem__, ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+            return [f.result() for f in futures]
+        return call
+
+    rates = interleaved_rates({
+        "table_1": (table_on(one), lambda: table.pull(cur["keys"])),
+        "numpy_1": (pick, gather(1)),
+        "fancy_1": (pick, fancy(1)),
+        "fancy_2": (pick, fancy(THREADS)),
+        "table_2": (table_on(two), lambda: table.pull(cur["keys"])),
+        "numpy_2": (pick, gather(THREADS)),
+    }, BATCH, 40)
+    pool.shutdown()
+    table.config = one
+    arena = None  # free the 640 MB before the push measurement (the closures above share this variable)
+    (t1, _), (t2, t2_cpu) = rates["table_1"], rates["table_2"]
+    (n1, _), (n2, n2_cpu) = rates["numpy_1"], rates["numpy_2"]
+    (f1, _), (f2, f2_cpu) = rates["fancy_1"], rates["fancy_2"]
     grads = np.random.default_rng(4).standard_normal((BATCH, DIM)).astype(np.float32) * 0.01
     unique_batches = [np.unique(b) for b in batches]
 
@@ -99,10 +210,18 @@ def bench_pull_push(scale: int) -> list[dict]:
 
     push_rate = best_rate(push, int(np.mean([len(b) for b in unique_batches])), 20)
     return [
-        {"bench": "pull", "rows": n_rows, "dim": DIM, "batch": BATCH, "keys_per_s": round(ours),
-         "numpy_gather_keys_per_s": round(ref), "ratio_vs_numpy_gather": round(ours / ref, 3),
-         "threads": threads, "keys_per_s_1_thread": round(ours_1),
-         "thread_speedup": round(ours / ours_1, 3), "target_ratio": 1.0},
+        {"bench": "pull", "rows": n_rows, "dim": DIM, "batch": BATCH,
+         "ratio_per_thread": round(t1 / f1, 3), "ratio_2_threads": round(t2 / f2, 3),
+         "keys_per_s_1_thread": round(t1), "keys_per_s_2_threads": round(t2),
+         "numpy_gather": "arena[row_ids] (fancy index, fresh result per call)",
+         "numpy_keys_per_s_1_thread": round(f1), "numpy_keys_per_s_2_threads": round(f2),
+         "table_thread_speedup": round(t2 / t1, 3), "numpy_thread_speedup": round(f2 / f1, 3),
+         "table_cpu_per_wall_2_threads": round(t2_cpu, 2), "numpy_cpu_per_wall_2_threads": round(f2_cpu, 2),
+         "take_gather": "np.take(arena, row_ids, axis=0, out=out, mode='clip'), out fresh per call",
+         "take_keys_per_s_1_thread": round(n1), "take_keys_per_s_2_threads": round(n2),
+         "take_cpu_per_wall_2_threads": round(n2_cpu, 2),
+         "ratio_per_thread_vs_take": round(t1 / n1, 3), "ratio_2_threads_vs_take": round(t2 / n2, 3),
+         "cpus_granted": len(os.sched_getaffinity(0))},
         {"bench": "push", "rows": n_rows, "dim": DIM, "batch": BATCH, "optimizer": "adagrad",
          "threads": 1, "keys_per_s": round(push_rate), "target_keys_per_s": 5_000_000},
     ]
@@ -118,7 +237,6 @@ def zipf_ranks(n: int, universe: int, s: float, rng: np.random.Generator) -> np.
 
 def bench_spill_run(scale: int, in_memory: bool) -> dict:
     from sparse_tables import SparseTable, TableConfig
-    from sparse_tables._kernels import splitmix64
 
     universe = 20_000_000 // scale
     memory_rows = 2_000_000 // scale
@@ -187,7 +305,7 @@ def spawn(name: str, scale: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="sizes / 10")
-    ap.add_argument("--only", default="pull,push,spill,bytes_per_row")
+    ap.add_argument("--only", default="machine,pull,push,spill,bytes_per_row")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -197,6 +315,8 @@ def main() -> None:
         return
     scale = 10 if args.quick else 1
     only = set(args.only.split(","))
+    if "machine" in only:
+        print(json.dumps(machine()), flush=True)
     if only & {"pull", "push"}:
         for rec in spawn("pull_push", scale):
             if rec["bench"] in only:
