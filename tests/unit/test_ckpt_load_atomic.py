@@ -190,3 +190,27 @@ def test_delta_past_max_rows_is_refused_before_anything_changes(trained, tmp_pat
     assert_same(state(lclient, limited, all_keys), before)
     for s in servers + limited:
         s.close()
+
+
+def test_a_checkpoint_with_the_old_float32_metrics_table_still_loads(tmp_path):
+    """Before exact metric sums, CTR configs declared a float32 ``metrics`` dense table and every
+    checkpoint saved it; a config without that table restores such a checkpoint, ignoring it."""
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros")
+    keys = np.arange(1, 301, dtype=np.uint64)
+    old = PSServer({"emb": cfg}, {"d": DenseTableConfig(optimizer="adam"),
+                                  "metrics": DenseTableConfig(optimizer="sgd", learning_rate=1.0)},
+                   num_vshards=64, local_shards=2)
+    with PSClient(InProcessTransport([old])) as c:
+        c.push("emb", keys, np.ones((300, DIM), np.float32))
+        c.init_dense("d", np.arange(10, dtype=np.float32))
+        c.init_dense("metrics", np.full(2 * 65536 + 4, 3.0, np.float32))
+        mgr = CheckpointManager(str(tmp_path / "ckpt"), "job")
+        base = mgr.save(c, "base", when=0.0)
+        assert any(n.startswith("dense/metrics/") for n in base["files"])
+    new = PSServer({"emb": cfg}, {"d": DenseTableConfig(optimizer="adam")}, num_vshards=64, local_shards=2)
+    with PSClient(InProcessTransport([new])) as c:
+        assert c.load(mgr.uri_of(base["name"])) == 300
+        np.testing.assert_array_equal(c.pull("emb", keys), -np.ones((300, DIM), np.float32))
+        np.testing.assert_array_equal(c.pull_dense("d"), np.arange(10, dtype=np.float32))
+    old.close()
+    new.close()
