@@ -164,7 +164,22 @@ class SpillDir:
             return
         try:
             if remove and self._owned:
-                shutil.rmtree(self.path, ignore_errors=True)
+                # the database first and the marker last: a directory whose removal fails half-way
+                # keeps its marker, so the next run recognises it as ours instead of refusing it
+                shutil.rmtree(self.db_path, ignore_errors=True)
+                for name in os.listdir(self.path):
+                    if name not in (MARKER_NAME, LOCK_NAME):
+                        p = self.path / name
+                        if p.is_dir() and not p.is_symlink():
+                            shutil.rmtree(p, ignore_errors=True)
+                        else:
+                            p.unlink(missing_ok=True)
+                (self.path / MARKER_NAME).unlink(missing_ok=True)
+                (self.path / LOCK_NAME).unlink(missing_ok=True)
+                try:
+                    self.path.rmdir()
+                except OSError:
+                    log.warning("spill directory %s could not be removed completely", self.path)
             elif remove:
                 shutil.rmtree(self.db_path, ignore_errors=True)
                 for name in (MARKER_NAME, LOCK_NAME):

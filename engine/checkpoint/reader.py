@@ -326,7 +326,8 @@ def _read_dense(plan: _Plan, dense_owns: Callable[[str, int], bool]) -> dict:
 def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarray,
                       sparse: dict[str, list[SparseTable]],
                       dense_owns: Callable[[str, int], bool] | None = None,
-                      manifest: dict | None = None, threads: int = 2) -> tuple[dict, dict, dict]:
+                      manifest: dict | None = None, threads: int = 2,
+                      check_dense: Callable[[dict], None] | None = None) -> tuple[dict, dict, dict]:
     """Load this server's rows of one checkpoint (base or delta) into its local shards.
 
     A base is read once, straight into ``sparse`` (which should be empty shards made for it; on an
@@ -352,6 +353,9 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
         Already read manifest of ``ckpt`` (read here otherwise).
     threads : int
         Files read concurrently.
+    check_dense : callable (dense) -> None, optional
+        Called with the dense part (as returned) once it is read and, for a delta, the sparse files
+        are verified, before any live row changes: whatever it raises leaves every table unchanged.
 
     Returns
     -------
@@ -377,6 +381,8 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
     plan = _plan(ckpt, manifest, num_vshards, local_owner, sparse)
     base = manifest["kind"] == "base"
     dense = _read_dense(plan, dense_owns) if dense_owns is not None else {}
+    if check_dense is not None:
+        check_dense(dense)
     if base:
         budget = _BaseBudget(sparse)
         rows, read = _load_rows(plan, threads, budget)

@@ -14,7 +14,13 @@ answered at once and poll again after a short back-off. With ``max_lingering`` a
 threads, arrivals and other requests always find a free thread.
 
 Bounds: a waiter's arrival is withdrawn after ``min(timeout_s, max_wait_s)`` seconds (its next poll
-fails DEADLINE_EXCEEDED), and an arrival not polled for ``lease_s`` seconds (a dead caller) is dropped.
+fails DEADLINE_EXCEEDED), an arrival not polled for ``lease_s`` seconds (a dead caller) is dropped, and
+a barrier nobody waits at for ``prune_after_s`` seconds is forgotten (names with a tag per evaluation
+or partition would otherwise pile up in a job that runs for weeks).
+
+``on_open`` (the sync-mode apply) runs outside the lock that every barrier of the server shares, so
+a slow apply delays only its own barrier. If it fails, the barrier's waiters are all answered ABORTED
+with its error (nobody is left waiting for an opening that will not come).
 """
 from __future__ import annotations
 
@@ -45,6 +51,9 @@ class _State:
     generation: int = 0
     arrived: dict = field(default_factory=dict)     # token -> [first arrival, last poll] (monotonic s)
     released: dict = field(default_factory=dict)    # token -> generation it was released at
+    failed: dict = field(default_factory=dict)      # token -> message: the apply at the opening failed
+    opening: bool = False                           # the last arrival is running on_open
+    touched: float = field(default_factory=time.monotonic)   # last arrival or opening
 
 
 class Barriers:
@@ -63,13 +72,15 @@ class Barriers:
     """
 
     def __init__(self, *, max_wait_s: float = 600.0, linger_s: float = 0.5, max_lingering: int = 1 << 30,
-                 lease_s: float = 30.0):
+                 lease_s: float = 30.0, prune_after_s: float = 600.0):
         self.max_wait_s, self.linger_s = float(max_wait_s), float(linger_s)
         self.max_lingering, self.lease_s = int(max_lingering), float(lease_s)
+        self.prune_after_s = float(prune_after_s)
         self._cond = threading.Condition()
         self._states: dict[str, _State] = {}
         self._lingering = 0
         self._stopped = False
+        self._calls = 0
 
     def arrive(self, name: str, token: str, world: int, timeout_s: float, on_open=None) -> BarrierReply:
         """Arrive at (or poll) barrier ``name`` as ``token``. ``on_open()`` runs once, under the
@@ -80,7 +91,7 @@ class Barriers:
         BarrierError
             INVALID_ARGUMENT (world < 1, no token, or a world that differs from the other callers'),
             DEADLINE_EXCEEDED (not everybody arrived within the capped timeout; the arrival is
-            withdrawn), UNAVAILABLE (the server is stopping).
+            withdrawn), UNAVAILABLE (the server is stopping), ABORTED (``on_open`` failed).
         """
         if world < 1:
             raise BarrierError("INVALID_ARGUMENT", f"world must be >= 1, got {world}")
@@ -91,39 +102,73 @@ class Barriers:
         with self._cond:
             if self._stopped:
                 raise BarrierError("UNAVAILABLE", f"barrier {name!r}: server is stopping")
+            self._calls += 1
+            if self._calls % 1024 == 0:
+                self._prune(time.monotonic())
             st = self._states.get(name)
             if st is None:
                 st = self._states[name] = _State(world)
             if token in st.released:
                 return BarrierReply(st.released[token], True, st.world)
+            if token in st.failed:
+                raise BarrierError("ABORTED", st.failed[token])
             if st.world != world:
                 if st.arrived:
                     raise BarrierError("INVALID_ARGUMENT", f"barrier {name!r}: world {world} differs from "
                                        f"the {st.world} other callers use")
                 st.world = world
             now = time.monotonic()
-            self._drop_stale(st, now)
+            st.touched = now
+            if not st.opening:
+                self._drop_stale(st, now)
             times = st.arrived.get(token)
+            opener = False
             if times is None:
                 times = st.arrived[token] = [now, now]
-                if len(st.arrived) >= st.world:
-                    return self._open(st, token, on_open)
+                if len(st.arrived) >= st.world and not st.opening:
+                    st.opening = opener = True
             times[1] = now
-            reply = self._wait(st, name, token, limit)
-        return reply
+            if not opener:
+                return self._wait(st, name, token, limit)
+        return self._open(st, name, on_open)
 
     def _drop_stale(self, st: _State, now: float) -> None:
         for tok in [t for t, (_, last) in st.arrived.items() if now - last > self.lease_s]:
             del st.arrived[tok]
 
-    def _open(self, st: _State, token: str, on_open) -> BarrierReply:
-        if on_open is not None:
-            on_open()
+    def _prune(self, now: float) -> None:
+        """Forget barriers nobody waits at that were last used ``prune_after_s`` ago (caller holds the
+        lock)."""
+        for name in [n for n, st in self._states.items()
+                     if not st.arrived and not st.opening and now - st.touched > self.prune_after_s]:
+            del self._states[name]
+
+    def _open(self, st: _State, name: str, on_open) -> BarrierReply:
+        """The last arrival: run ``on_open`` outside the lock, then release everybody (or, if it
+        failed, answer everybody ABORTED with its error)."""
+        try:
+            if on_open is not None:
+                on_open()
+        except Exception as e:  # noqa: BLE001 - every waiter must learn of it
+            msg = f"barrier {name!r}: the apply at the last arrival failed: {e}"
+            with self._cond:
+                st.opening = False
+                st.failed = dict.fromkeys(st.arrived, msg)
+                st.arrived = {}
+                st.touched = time.monotonic()
+                self._cond.notify_all()
+            raise BarrierError("ABORTED", msg) from e
+        with self._cond:
+            st.opening = False
+            st.touched = time.monotonic()
+            return self._release(st)
+
+    def _release(self, st: _State) -> BarrierReply:
         gen = st.generation
         # keep only this generation's tokens: a caller released at g cannot arrive at g + 1 before it
         # saw its release, so older tokens are never polled again
         st.released = dict.fromkeys(st.arrived, gen)
-        st.arrived = {}
+        st.arrived, st.failed = {}, {}
         st.generation += 1
         self._cond.notify_all()
         return BarrierReply(gen, True, st.world)
@@ -136,12 +181,14 @@ class Barriers:
             self._lingering += 1
             try:
                 waited = True
-                self._cond.wait_for(lambda: token in st.released or self._stopped or token not in st.arrived,
-                                    self.linger_s)
+                self._cond.wait_for(lambda: token in st.released or token in st.failed or self._stopped
+                                    or token not in st.arrived, self.linger_s)
             finally:
                 self._lingering -= 1
         if token in st.released:
             return BarrierReply(st.released[token], True, st.world, waited)
+        if token in st.failed:
+            raise BarrierError("ABORTED", st.failed[token])
         if self._stopped:
             raise BarrierError("UNAVAILABLE", f"barrier {name!r}: server is stopping")
         times = st.arrived.get(token)
@@ -150,7 +197,7 @@ class Barriers:
                                f"polled for {self.lease_s:g}s); arrive again")
         now = time.monotonic()
         times[1] = now
-        if now - times[0] > limit:
+        if now - times[0] > limit and not st.opening:
             del st.arrived[token]
             raise BarrierError("DEADLINE_EXCEEDED", f"barrier {name!r}: only {len(st.arrived) + 1} of "
                                f"{st.world} callers arrived within {limit:g}s")

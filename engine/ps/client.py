@@ -258,14 +258,15 @@ class PSClient:
         return self._assemble(plan, replies, uniq, inverse, len(keys), dim, table, init_missing)
 
     def _assemble(self, plan, replies, uniq, inverse, n_keys: int, dim: int, table: str,
-                  init_missing: bool = True) -> np.ndarray:
+                  init_missing: bool = True, beside: bool = False) -> np.ndarray:
         """float32[n_keys, dim] in the caller's key order from the per-chunk ``values`` of replies. A
         server cuts a reply that would exceed its message limit to the first rows that fit; the rest
-        are pulled again (``init_missing`` as the original request)."""
+        are pulled again (``init_missing`` as the original request). ``beside``: the rows came beside
+        other arrays (a Step's dense part), so a reply may hold none of them."""
         def rows(r, pos) -> np.ndarray:
             n = _arrays.count(pos)
             v = codec.decode(r.values, "values", codec.F32, 2, shape=(None, dim))
-            if len(v) > n or len(v) == 0 < n:
+            if len(v) > n or (len(v) == 0 < n and not beside):
                 raise ProtocolError(f"values: expected up to {n} rows (at least one), got {len(v)}")
             if len(v) == n:
                 return v
@@ -540,7 +541,7 @@ class PSClient:
         plan = [(s, pull_at[s]) for s in servers if s in pull_at]
         if plan:
             rows = self._assemble(plan, [replies[s] for s, _ in plan], puniq, pinverse, len(pull_keys), dim,
-                                  table)
+                                  table, beside=bool(blocks))
         else:
             rows = np.empty((len(pull_keys), dim), np.float32)
         fresh = None
@@ -605,8 +606,14 @@ class PSClient:
             deadline = time.monotonic() + timeout + 5.0
             pause = 0.0005
             while True:
-                # not idempotent for DEADLINE_EXCEEDED: the server's deadline answer is final
-                r = self._call(s, "Barrier", req, idempotent=False, timeout=min(self.timeout_s, 30.0))
+                # not idempotent for DEADLINE_EXCEEDED: the server's deadline answer is final; a poll
+                # that itself timed out on the way (a busy server) is sent again until our deadline
+                try:
+                    r = self._call(s, "Barrier", req, idempotent=False, timeout=min(self.timeout_s, 30.0))
+                except PSTimeoutError as e:
+                    if f"barrier {name!r}" in e.message or time.monotonic() > deadline:
+                        raise
+                    continue
                 if r.released:
                     return r
                 if time.monotonic() > deadline:

@@ -11,10 +11,15 @@ Request ids carry the client's identity and a per-process incarnation (``PSClien
 ``{name}@{incarnation}:{seq}[.{part}]``), so a restarted worker never collides with its former self.
 
 The window is bounded in bytes (a ``Step`` reply can be 16 MiB): when the replies held exceed
-``max_bytes``, the oldest completed entries are dropped. A retry comes within seconds of its first
-attempt, so the window only has to cover the last few requests of every client; entries in progress
-are never dropped. ``clear()`` empties it (a ``Load`` replaces the tables every remembered reply was
-computed from). Used by ``engine.ps.server.PSServer.handle``.
+``max_bytes``, the oldest completed entries leave it, but their request ids are not forgotten: a
+count-bounded record (``max_ids``) keeps every evicted id with its outcome when that is small (an
+error, a count) and a mark "applied, reply dropped" otherwise. A repeat of such an id is never applied
+again: ``run`` calls ``replay()``, which answers from the current tables without changing them (the
+server re-reads the rows or parameters a ``Step`` or a push with values would have returned; they may
+include later updates, as an async reply may anyway). Entries in progress are never dropped. Stored
+errors keep their message only (no traceback, so no request arrays stay alive). ``clear()`` empties
+it (a ``Load`` replaces the tables every remembered reply was computed from). Used by
+``engine.ps.server.PSServer.handle``.
 """
 from __future__ import annotations
 
@@ -26,10 +31,34 @@ from . import codec
 #: bytes charged per entry on top of its reply's arrays (id, bookkeeping), so a window of tiny replies
 #: is bounded too
 ENTRY_OVERHEAD_BYTES = 256
+#: an evicted reply up to this size stays in the id record (it costs no more than the id itself)
+SMALL_REPLY_BYTES = 1024
+#: the id record's mark for an applied request whose (large) reply was dropped
+DROPPED = object()
 
 
 class InProgress(Exception):
     """A retry waited ``wait_s`` seconds for the first attempt of its request id, which still runs."""
+
+
+class Expired(Exception):
+    """A repeat of a request that was applied, whose reply was dropped and cannot be replayed."""
+
+
+_MISSING = object()
+
+
+def _bare(e: BaseException) -> BaseException:
+    """A copy of ``e`` (same type, message and attributes) without traceback or chained exceptions:
+    a remembered error must not keep the frames (and with them the request's arrays) of the attempt
+    that raised it alive. ``e`` itself propagates with its traceback."""
+    cls = type(e)
+    c = cls.__new__(cls, *e.args)       # no __init__: exception classes take different arguments
+    c.args = e.args
+    c.__dict__.update(e.__dict__)
+    c.__traceback__ = None
+    c.__context__ = c.__cause__ = None
+    return c
 
 
 class _Entry:
@@ -63,21 +92,27 @@ class ReplyWindow:
         Longest wait of a retry for its first attempt; then ``InProgress`` (the client retries later).
     """
 
-    def __init__(self, max_bytes: int, wait_s: float = 60.0):
-        self.max_bytes, self.wait_s = int(max_bytes), float(wait_s)
+    def __init__(self, max_bytes: int, wait_s: float = 60.0, max_ids: int = 1 << 18):
+        self.max_bytes, self.wait_s, self.max_ids = int(max_bytes), float(wait_s), int(max_ids)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._evicted: OrderedDict[str, object] = OrderedDict()   # id -> small reply, error or DROPPED
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0            # requests answered from the window (retries not applied again)
+        self.replays = 0         # of them, answered by replay() (their reply had been dropped)
 
-    def run(self, request_id: str, fn):
+    def run(self, request_id: str, fn, replay=None):
         """The outcome of ``fn()`` for ``request_id``, computed at most once while the id is in the
-        window: returns its reply or raises its error, for the first attempt and every repeat.
+        window or its record: returns its reply or raises its error, for the first attempt and every
+        repeat. A repeat whose reply was dropped gets ``replay()`` (read-only), or, without one,
+        ``Expired``.
 
         Raises
         ------
         InProgress
             The first attempt is still running after ``wait_s`` seconds.
+        Expired
+            The request was applied, its reply dropped, and no ``replay`` was given.
         Exception
             Whatever ``fn`` raised (remembered and raised again for a repeat).
         """
@@ -86,11 +121,24 @@ class ReplyWindow:
         with self._lock:
             entry = self._entries.get(request_id)
             first = entry is None
-            if first:
+            old = self._evicted.get(request_id, _MISSING) if first else _MISSING
+            if old is not _MISSING:
+                self.hits += 1
+            elif first:
                 entry = self._entries[request_id] = _Entry()
                 self._bytes += entry.nbytes
             else:
                 self.hits += 1
+        if old is not _MISSING:
+            if old is DROPPED:
+                if replay is None:
+                    raise Expired(f"request {request_id} was applied; its reply left the reply window")
+                with self._lock:
+                    self.replays += 1
+                return replay()
+            if isinstance(old, BaseException):
+                raise old
+            return old
         if not first:
             if not entry.done.wait(self.wait_s):
                 raise InProgress(f"request {request_id} is still being applied after {self.wait_s:g}s")
@@ -100,7 +148,7 @@ class ReplyWindow:
         try:
             entry.reply = fn()
         except BaseException as e:
-            entry.error = e
+            entry.error = _bare(e)
             raise
         finally:
             extra = reply_bytes(entry.reply) if entry.reply is not None else 0
@@ -123,14 +171,19 @@ class ReplyWindow:
             if e.done.is_set():
                 del self._entries[rid]
                 self._bytes -= e.nbytes
+                small = e.error is not None or e.nbytes <= ENTRY_OVERHEAD_BYTES + SMALL_REPLY_BYTES
+                self._evicted[rid] = (e.error if e.error is not None else e.reply) if small else DROPPED
+                while len(self._evicted) > self.max_ids:
+                    self._evicted.popitem(last=False)
 
     def clear(self) -> None:
         """Forget every completed entry (entries in progress stay until they finish)."""
         with self._lock:
+            self._evicted.clear()
             for rid in [r for r, e in self._entries.items() if e.done.is_set()]:
                 self._bytes -= self._entries.pop(rid).nbytes
 
     def stats(self) -> dict:
         with self._lock:
             return {"entries": len(self._entries), "bytes": self._bytes, "max_bytes": self.max_bytes,
-                    "hits": self.hits}
+                    "evicted_ids": len(self._evicted), "hits": self.hits, "replays": self.replays}

@@ -477,6 +477,12 @@ class DenseHost:
                     got = None if arr is None else list(np.shape(arr))
                     raise HostError("DATA_LOSS", f"dense table {self.name!r}: block {bl} {what}: expected "
                                     f"float32[{length}], the checkpoint has {got}")
+                if not np.isfinite(arr).all():
+                    raise HostError("DATA_LOSS", f"dense table {self.name!r}: block {bl} {what}: the "
+                                    f"checkpoint holds NaN or Inf")
+            if adam and st.m is not None and st.t is None:
+                raise HostError("DATA_LOSS", f"dense table {self.name!r}: block {bl}: Adam moments without "
+                                f"their step count t")
 
     def restore(self, size: int, blocks: dict) -> int:
         """Set the blocks this server owns from a checkpoint (``DenseBlockState`` by block index).

@@ -43,8 +43,8 @@ from ..sharding import routing
 from . import _malloc, codec
 from . import ps_pb2 as pb
 from .barrier import BarrierError, Barriers
-from .dedup import InProgress, ReplyWindow
-from .hosts import DenseHost, HostError, SparseHost
+from .dedup import Expired, InProgress, ReplyWindow
+from .hosts import DenseHost, HostError, SparseHost, invalid
 from .routing import DEFAULT_NUM_VSHARDS
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,8 @@ class PSServer:
             if getattr(request, "error", None) is not None:     # codec.Received that did not parse
                 raise request.error
             if _mutating(method, request):
-                return self.window.run(request.request_id, lambda: self._run(method, request))
+                return self.window.run(request.request_id, lambda: self._run(method, request),
+                                       replay=lambda: self._reread(method, request))
             return self._run(method, request)
         except Exception as e:  # noqa: BLE001 - every failure must reach the caller with context
             if isinstance(e, HostError):
@@ -160,6 +161,8 @@ class PSServer:
                 code, shard = e.code, "all"
             elif isinstance(e, InProgress):
                 code, shard = "UNAVAILABLE", "all"     # the client retries with the same id later
+            elif isinstance(e, Expired):
+                code, shard = "ABORTED", "all"         # applied once; never applied again
             elif isinstance(e, (ProtocolError, ValueError)):
                 code, shard = "INVALID_ARGUMENT", "all"
             else:
@@ -192,21 +195,62 @@ class PSServer:
 
     def _fits(self, n: int, row_bytes: int, other_bytes: int = 0) -> int:
         """How many of ``n`` rows of ``row_bytes`` fit in one reply beside ``other_bytes`` of other
-        arrays (at least 1 when n > 0, so a reply always makes progress).
+        arrays. Without other arrays at least 1 (a pull reply always makes progress); beside them
+        possibly 0 (the client pulls the rows separately).
 
         Raises
         ------
         HostError
-            RESOURCE_EXHAUSTED: ``other_bytes`` alone exceed the message limit.
+            INVALID_ARGUMENT (checked before anything changes): ``other_bytes`` alone exceed the limit.
         """
         budget = self.max_message_bytes - codec.REPLY_OVERHEAD_BYTES - other_bytes
-        if budget < row_bytes:
-            if other_bytes and budget < 0:
-                raise HostError("RESOURCE_EXHAUSTED", f"the dense part of this reply ({other_bytes} bytes) "
-                                f"exceeds the message limit max_message_bytes={self.max_message_bytes}: "
-                                f"step fewer blocks per request")
-            return min(n, 1)
-        return min(n, budget // max(1, row_bytes))
+        if other_bytes and budget < 0:
+            raise invalid(f"the dense part of this reply ({other_bytes} bytes) exceeds the message limit "
+                          f"max_message_bytes={self.max_message_bytes}: step fewer blocks per request")
+        fit = min(n, budget // max(1, row_bytes))
+        return fit if other_bytes else max(fit, min(n, 1))
+
+    def _reread(self, method: str, req):
+        """Answer a repeat of an applied write whose reply left the reply window: the rows and
+        parameters it returned, read again now; nothing changes.
+
+        Raises
+        ------
+        Expired
+            The method's reply carries nothing that can be read again (a count, a flag).
+        """
+        with self._tables_lock.shared():
+            if method == "Step":
+                host = self._sparse(req.table)
+                pull_keys = _keys_or_empty(req.pull_keys, "pull_keys")
+                blocks, spans, total = list(req.blocks), [], 0
+                dense = self._dense(req.dense_table) if blocks else None
+                for b in blocks:
+                    spans.append((b, total, total + dense.block_length(b)))
+                    total += dense.block_length(b)
+                pull_keys = pull_keys[:self._fits(len(pull_keys), 4 * host.dim, 4 * total)]
+                specs = {"values": (codec.F32, (len(pull_keys), host.dim))}
+                if spans:
+                    specs["dense"] = (codec.F32, (total,))
+                reply = codec.Wire.allocate_fields(pb.StepResponse(request_id=req.request_id), specs)
+                for b, a, z in spans:
+                    dense.pull(b, out=reply.arrays["dense"][a:z])
+                if len(pull_keys):
+                    host.pull(pull_keys, True, out=reply.arrays["values"])
+                return reply
+            if method == "Push" and req.return_values:
+                host = self._sparse(req.table)
+                keys = codec.decode(req.keys, "keys", codec.U64, 1)
+                m = self._fits(len(keys), 4 * host.dim)
+                reply = codec.Wire.allocate(pb.PushResponse(request_id=req.request_id, keys=len(keys)),
+                                            "values", codec.F32, (m, host.dim))
+                host.pull(keys[:m], True, out=reply.arrays["values"])
+                return reply
+            if method == "Dense" and req.op == pb.DENSE_STEP:
+                return self.Dense(pb.DenseRequest(table=req.table, request_id=req.request_id, block=req.block,
+                                                  op=pb.DENSE_PULL))
+        raise Expired(f"{method} request {req.request_id} was applied earlier; its reply left the reply "
+                      f"window (server.reply_window_bytes) and cannot be read again; it was not applied twice")
 
     def _sparse(self, name: str) -> SparseHost:
         host = self.sparse.get(name)
@@ -396,13 +440,15 @@ class PSServer:
             hosts = list(self.sparse.values())
             owner = (routing.local_shard_owners(self.num_vshards, self.num_servers, self.index,
                                                 hosts[0].num_local) if hosts else None)
+            def check_dense(dense: dict) -> None:      # before any live row changes
+                for name, (size, blocks) in dense.items():
+                    if name in self.dense:
+                        self.dense[name].check_restore(size, blocks)
             rows, _, dense = load_server_parts(
                 ckpt, num_vshards=self.num_vshards, local_owner=owner, sparse=target,
                 dense_owns=lambda name, b: name in self.dense and self.dense[name].owner(b) == self.index,
-                manifest=manifest, threads=self.checkpoint_threads)
+                manifest=manifest, threads=self.checkpoint_threads, check_dense=check_dense)
             dense = {n: v for n, v in dense.items() if n in self.dense}
-            for name, (size, blocks) in dense.items():
-                self.dense[name].check_restore(size, blocks)
         except BaseException as e:
             for shards in fresh.values():
                 SparseHost.discard(shards)

@@ -214,3 +214,23 @@ def test_a_checkpoint_with_the_old_float32_metrics_table_still_loads(tmp_path):
         np.testing.assert_array_equal(c.pull_dense("d"), np.arange(10, dtype=np.float32))
     old.close()
     new.close()
+
+
+def test_a_delta_whose_dense_table_does_not_fit_changes_no_sparse_row(trained, tmp_path):
+    """The dense part of a delta is checked before its sparse rows are applied (a dense table of
+    another size used to be refused only after the rows had changed)."""
+    keys, build, mgr, rng = trained
+    servers, client = build("a")
+    mgr.save(client, "base", when=0.0)
+    client.push("emb", keys, rng.normal(size=(N_KEYS, DIM)).astype(np.float32))
+    delta = mgr.save(client, "delta", when=60.0)
+    other, oclient = make(tmp_path, "o", n=1)
+    oclient.push("emb", keys[:50], np.ones((50, DIM), np.float32))
+    oclient.init_dense("d", np.zeros(999, np.float32))          # the checkpoint's table has 1000
+    before = state(oclient, other, keys)
+    with pytest.raises(RequestRejectedError) as ei:
+        oclient.load(mgr.uri_of(delta["name"]))
+    assert ei.value.code == "FAILED_PRECONDITION" and "1000 values" in str(ei.value)
+    assert_same(state(oclient, other, keys), before)
+    for s in servers + other:
+        s.close()

@@ -1,0 +1,142 @@
+"""The barrier table and the reply window on their own and inside an in-process server: an apply that
+fails at the opening reaches every waiter; forgotten barriers; a retry whose reply left the window is
+answered by re-reading, never applied twice; remembered errors hold no request arrays."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.config import DenseTableConfig
+from engine.errors import RemoteError
+from engine.ps import InProcessTransport, PSClient, PSServer, codec
+from engine.ps import ps_pb2 as pb
+from engine.ps.barrier import BarrierError, Barriers
+from engine.ps.dedup import ReplyWindow
+from sparse_tables import TableConfig
+
+DIM = 8
+SGD1 = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros")
+
+
+def test_a_failed_apply_at_the_opening_reaches_every_waiter_at_once():
+    b = Barriers(max_wait_s=60, linger_s=0.05)
+    out = {}
+
+    def waiter():
+        t0 = time.monotonic()
+        try:
+            while not b.arrive("sync", "w1", 2, 60).released:
+                pass
+        except BarrierError as e:
+            out["waiter"] = (e.code, str(e), time.monotonic() - t0)
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.1)
+
+    def boom():
+        raise OSError("disk full")
+    with pytest.raises(BarrierError, match="disk full") as opener:
+        b.arrive("sync", "w0", 2, 60, on_open=boom)
+    t.join(5)
+    assert opener.value.code == "ABORTED"
+    code, msg, waited = out["waiter"]
+    assert code == "ABORTED" and "disk full" in msg and waited < 5
+    # the barrier works again for the next round
+    r = [None]
+    t = threading.Thread(target=lambda: r.__setitem__(0, b.arrive("sync", "w1b", 2, 60)))
+    t.start()
+    assert b.arrive("sync", "w0b", 2, 60).released
+    t.join(5)
+
+
+def test_barriers_nobody_waits_at_are_forgotten():
+    b = Barriers(prune_after_s=0.0)
+    for i in range(2048):
+        assert b.arrive(f"eval-{i}", f"t{i}", 1, 5).released
+    assert len(b.stats()) < 1024
+
+
+def test_an_evicted_reply_is_never_applied_again():
+    w = ReplyWindow(max_bytes=2000, max_ids=100)
+    applied = []
+
+    class Reply:
+        def __init__(self, n):
+            self.n = n
+
+        def ByteSize(self):   # noqa: N802 - protobuf's name
+            return self.n
+    for i in range(20):
+        w.run(f"r{i}", lambda i=i: applied.append(i) or Reply(1500 if i == 0 else 10))
+    assert w.stats()["entries"] < 20
+    # a small reply is remembered as it was; a large one is re-read by replay(), never re-applied
+    assert w.run("r1", lambda: applied.append("again")).n == 10
+    assert w.run("r0", lambda: applied.append("again"), replay=lambda: "re-read") == "re-read"
+    assert "again" not in applied and w.stats()["replays"] == 1
+
+
+def test_a_step_retried_after_its_reply_left_the_window_is_read_not_applied():
+    core = PSServer({"emb": SGD1}, {"d": DenseTableConfig(optimizer="sgd", learning_rate=1.0)},
+                    local_shards=2, reply_window_bytes=16 << 10)
+    keys = np.arange(1, 201, dtype=np.uint64)
+    g = np.ones((200, DIM), np.float32)
+    with PSClient(InProcessTransport([core])) as c:
+        c.init_dense("d", np.zeros(100, np.float32))
+        first = codec.Wire(pb.StepRequest(table="emb", request_id="w0@x:0.0", blocks=[0], dense_table="d"),
+                           keys=keys, grads=g, pull_keys=keys, dense_grads=np.ones(100, np.float32))
+        c.transport.call(0, "Step", first, 5.0)
+        for _ in range(10):        # 6.4 KB replies push the first one out of the window
+            c.push_pull("emb", keys, g, keys, dense_table="d", dense_grad=np.ones(100, np.float32))
+        assert core.window.stats()["evicted_ids"] > 0
+        before = c.pull("emb", keys)
+        again = c.transport.call(0, "Step", first, 5.0)        # the retry of the first request
+        np.testing.assert_array_equal(c.pull("emb", keys), before)      # not applied again
+        np.testing.assert_array_equal(codec.decode(again.values, "values", codec.F32, 2), before)
+        np.testing.assert_array_equal(c.pull("emb", keys), -11 * g)
+        np.testing.assert_array_equal(c.pull_dense("d"), np.full(100, -11, np.float32))
+    assert core.window.stats()["replays"] == 1
+    core.close()
+
+
+def test_a_remembered_error_keeps_no_traceback():
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    keys = np.arange(1, 11, dtype=np.uint64)
+    bad = codec.Wire(pb.PushRequest(table="emb", request_id="w0@x:1.0"), keys=keys,
+                     grads=np.full((10, DIM), np.nan, np.float32))
+    with PSClient(InProcessTransport([core])) as c, pytest.raises(RemoteError, match="not finite"):
+        c.transport.call(0, "Push", bad, 5.0)
+    err = core.window._entries["w0@x:1.0"].error
+    assert err is not None and err.__traceback__ is None and err.__context__ is None
+    core.close()
+
+
+def test_a_step_whose_dense_part_fills_the_reply_gets_its_rows_separately():
+    dense = DenseTableConfig(optimizer="sgd", learning_rate=1.0)
+    limit = 64 << 10
+    core = PSServer({"emb": SGD1}, {"d": dense}, local_shards=1, max_message_bytes=limit)
+    ref = PSServer({"emb": SGD1}, {"d": dense}, local_shards=1)
+    keys = np.arange(1, 101, dtype=np.uint64)
+    size = (limit - codec.REPLY_OVERHEAD_BYTES) // 4 - 4       # room for one row of dim 8: none fit
+    with PSClient(InProcessTransport([core])) as c, PSClient(InProcessTransport([ref])) as cr:
+        for cl in (c, cr):
+            cl.init_dense("d", np.zeros(size, np.float32))
+        g = np.ones((100, DIM), np.float32)
+        rows, fresh = c.push_pull("emb", keys, g, keys, dense_table="d", dense_grad=np.ones(size, np.float32))
+        cr.push("emb", keys, g)
+        np.testing.assert_array_equal(rows, cr.pull("emb", keys, init_missing=True))
+        np.testing.assert_array_equal(fresh, np.full(size, -1, np.float32))
+        # a dense part over the limit on its own is refused before anything changes
+        big = codec.Wire(pb.StepRequest(table="emb", request_id="w9@x:0.0", blocks=[0], dense_table="d"),
+                         keys=keys, grads=g, dense_grads=np.ones(size, np.float32))
+        small = PSServer({"emb": SGD1}, {"d": dense}, local_shards=1, max_message_bytes=limit // 2)
+        with PSClient(InProcessTransport([small])) as cs:
+            cs.init_dense("d", np.zeros(size, np.float32))
+            with pytest.raises(RemoteError, match="INVALID_ARGUMENT.*max_message_bytes"):
+                cs.transport.call(0, "Step", big, 5.0)
+            np.testing.assert_array_equal(cs.pull("emb", keys), np.zeros((100, DIM), np.float32))
+        small.close()
+    core.close()
+    ref.close()
