@@ -140,3 +140,25 @@ def test_a_step_whose_dense_part_fills_the_reply_gets_its_rows_separately():
         small.close()
     core.close()
     ref.close()
+
+
+def test_a_retry_during_its_first_attempt_waits_for_it():
+    w = ReplyWindow(max_bytes=1 << 20)
+    started, go, calls, got = threading.Event(), threading.Event(), [], []
+
+    def slow():
+        calls.append(1)
+        started.set()
+        go.wait(5)
+        return "reply"
+    t = threading.Thread(target=lambda: got.append(w.run("r", slow)))
+    t.start()
+    started.wait(5)
+    t2 = threading.Thread(target=lambda: got.append(w.run("r", lambda: calls.append(2) or "twice")))
+    t2.start()
+    time.sleep(0.1)
+    assert got == []                    # the retry waits for the first attempt
+    go.set()
+    t.join(5)
+    t2.join(5)
+    assert got == ["reply", "reply"] and calls == [1]
