@@ -143,7 +143,7 @@ class _ClientAsTable:
 
 def throughput(args) -> float:
     """Measurements 1; returns the best in-process table pull rate (keys/s) for the floor."""
-    from engine.launcher import LocalCluster
+    from engine.launch.local import LocalCluster
     from engine.ps import PSClient
     ref = InProcess(args.rows, args.rounds)
     ref_ps = InProcess(args.rows, args.rounds, via="transport")
@@ -203,7 +203,7 @@ def throughput(args) -> float:
 
 
 def latency(args) -> None:
-    from engine.launcher import LocalCluster
+    from engine.launch.local import LocalCluster
     from engine.ps import PSClient
     with LocalCluster(cluster_config(2), tempfile.mkdtemp(prefix="ps-bench-")) as cl:
         eps = cl.start_servers()

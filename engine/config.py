@@ -64,7 +64,12 @@ class ClusterConfig:
     """Processes and addresses. ``endpoints`` (``host:port`` of every server, in rank order) is for
     multi-host runs; empty means the launcher starts ``servers`` servers on ``host`` with free ports.
     ``warm_up``: every process compiles its Numba kernels (or loads them from the cache) before it
-    serves or trains (``engine.ps.warmup``), so no request or step of the job compiles."""
+    serves or trains (``engine.ps.warmup``), so no request or step of the job compiles.
+
+    Supervision (``engine.launch.supervisor``): when a role dies or hangs, the launcher restarts the
+    whole cluster from the newest complete checkpoint, at most ``max_restarts`` times within any
+    ``restart_window_s`` seconds. ``preempt_timeout_s``: after SIGTERM, how long the job may take to
+    reach its next step boundary and write a checkpoint before it is stopped anyway."""
 
     servers: Annotated[int, Field(ge=1)] = 1
     workers: Annotated[int, Field(ge=1)] = 1
@@ -76,6 +81,9 @@ class ClusterConfig:
     startup_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     stop_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     warm_up: bool = True
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+    restart_window_s: Annotated[float, Field(gt=0)] = 3600.0
+    preempt_timeout_s: Annotated[float, Field(gt=0)] = 300.0
 
 
 @section
@@ -89,6 +97,7 @@ class ClientConfig:
     threads: Annotated[int, Field(ge=1)] = 8
     async_queue: Annotated[int, Field(ge=0)] = 0
     barrier_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    dead_after_s: Annotated[float, Field(gt=0)] = 30.0   # a silent server or a stuck worker is dead after this
 
 
 @section

@@ -63,5 +63,13 @@ class PSTimeoutError(RemoteError, TimeoutError):
 
 
 class LaunchError(EngineError, RuntimeError):
-    """A launched process failed or did not become ready; the message names its role and rank and
-    ends with its last stderr lines."""
+    """A launched process failed, hung or did not become ready; the message names its role and rank
+    and ends with its last log lines. ``role``, ``rank``, ``exit_code`` (None for a hang or a start-up
+    timeout), ``reason`` and ``log_tail`` say the same for a supervisor (role is "" when no single
+    process is to blame)."""
+
+    def __init__(self, message: str, *, role: str = "", rank: int = -1, exit_code: int | None = None,
+                 reason: str = "", log_tail: str = ""):
+        super().__init__(message)
+        self.role, self.rank, self.exit_code = role, rank, exit_code
+        self.reason, self.log_tail = reason or message, log_tail

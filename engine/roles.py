@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import progress
 from .config import EngineConfig, restore_secrets
 from .errors import ConfigError
 
@@ -138,6 +139,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
     if not 0 <= rank < workers:
         raise ConfigError(f"--rank must be in [0, {workers}) workers, got {rank}")
     program = load_program(cfg.model.kind)
+    # a supervising launcher watches this file: beats, steps, announced long phases (engine.progress)
+    reporter = progress.install(startup_s=cfg.cluster.startup_timeout_s)
     c = cfg.client
     client = PSClient(server_endpoints(cfg), timeout_s=c.timeout_s, retries=c.retries, backoff_s=c.backoff_s,
                       max_backoff_s=c.max_backoff_s, threads=c.threads, async_queue=c.async_queue,
@@ -152,6 +155,7 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
         result = program.run(WorkerContext(cfg, rank, workers, client, mode))
     finally:
         client.close()
+        reporter.close()
     if result_file:
         tmp = Path(result_file + ".tmp")
         tmp.write_text(json.dumps(result))

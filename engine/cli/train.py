@@ -6,15 +6,17 @@ With ``--role``: run that one role in this process (multi-host; see ``engine.rol
 
 With ``checkpoint.root`` set, the end of the job writes a checkpoint (its URI is the final line's
 ``checkpoint``); ``--resume [URI]`` restores one onto the servers before the workers start
-(``engine.job_checkpoints``).
+(``engine.job_checkpoints``). A role that dies or hangs restarts the whole job from its newest complete
+checkpoint, up to ``cluster.max_restarts`` times (``engine.launch.supervisor``); the final line says
+how often (``restarts``) and how much work was done twice (``examples_replayed``).
 
-Exit codes: 0 success, 2 bad config or arguments, 1 a process failed or a checkpoint could not be
-restored, 130 interrupted.
+Exit codes: 0 success, 2 bad config or arguments, 1 the job failed (more failures than
+``cluster.max_restarts`` allows, every one listed) or a checkpoint could not be restored, 130
+interrupted.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -77,37 +79,12 @@ def run(args) -> int:
             return 0
         if cfg.model is None:
             raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
-        from ..launcher import launch
+        from ..launch.supervisor import run_job
         from ..programs import load_program
         program = load_program(cfg.model.kind)
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)
-        from .. import job_checkpoints as ckpt_job
-        state = {"cfg": cfg, "checkpoint": None, "periodic": None}
-        own_checkpoints = getattr(program, "WRITES_CHECKPOINTS", False)
-
-        def servers_ready(endpoints):
-            if args.resume is not None:
-                state["cfg"] = ckpt_job.resume(cfg, endpoints, args.resume or None, fallback=args.resume_fallback)
-            if state["cfg"].checkpoint.enabled and not own_checkpoints:
-                state["periodic"] = ckpt_job.Periodic(state["cfg"], endpoints)
-            return state["cfg"] if args.resume is not None else None
-
-        def workers_done(endpoints, results):
-            if own_checkpoints:
-                state["checkpoint"] = next((r.get("checkpoint") for r in results if r.get("rank") == 0), None)
-                return
-            mgr = state["periodic"].stop() if state["periodic"] is not None else None
-            step = max([r.get("steps", 0) for r in results] + [0])
-            state["checkpoint"] = ckpt_job.final(state["cfg"], endpoints, step=step, mgr=mgr)
-
-        with (program.follow(cfg) if hasattr(program, "follow") else contextlib.nullcontext()):
-            results = launch(cfg, args.run_dir, on_servers_ready=servers_ready, on_workers_done=workers_done)
-        if hasattr(program, "final"):
-            final = program.final(cfg, results)
-        else:
-            final = {"event": "final", "model": cfg.model.kind, "mode": cfg.mode, "workers": results}
-        final["checkpoint"] = state["checkpoint"]
+        final = run_job(cfg, program, args.run_dir, resume=args.resume, resume_fallback=args.resume_fallback)
     except ConfigError as e:
         print(f"engine train: config error: {e}", file=sys.stderr)
         return 2

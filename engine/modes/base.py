@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .. import progress
 from ..errors import ConfigError
 from ..ps.client import PSClient
 
@@ -118,13 +119,17 @@ class Mode(ABC):
         """Compile the kernels of the mode's own local state (GEO's local copy) for the sparse row widths
         ``dims`` (iterable of int), on throwaway data; nothing is sent. Modes without local state: no-op."""
 
-    def end_step(self) -> None:
-        """Called once after every batch's pushes."""
+    def end_step(self, examples: int = 0) -> None:
+        """Called once after every batch's pushes, with the batch's ``examples``; reports the step to
+        the supervisor (``engine.progress``: a worker whose steps stop moving is hung)."""
         self.step += 1
+        progress.current().step(examples)
 
     def finish(self) -> None:
         """Send everything still held locally, then wait for every worker to finish."""
         self.barrier("finish")
 
     def barrier(self, name: str) -> None:
-        self.client.barrier(f"{self.name}:{name}", self.num_workers, timeout=self.barrier_timeout_s)
+        """Meet every worker at ``name`` (an announced long wait, up to ``barrier_timeout_s``)."""
+        with progress.current().phase(f"barrier {name}", self.barrier_timeout_s):
+            self.client.barrier(f"{self.name}:{name}", self.num_workers, timeout=self.barrier_timeout_s)

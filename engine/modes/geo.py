@@ -274,8 +274,8 @@ class GeoMode(Mode):
         local = self._dense[table][0]
         local -= np.float32(self.dense_lr) * grad
 
-    def end_step(self) -> None:
-        super().end_step()
+    def end_step(self, examples: int = 0) -> None:
+        super().end_step(examples)
         if self.step % self.k_steps == 0:
             self.sync()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import progress
 from .base import Mode
 
 
@@ -31,7 +32,8 @@ class SyncMode(Mode):
     def push_dense_grads(self, table: str, grad: np.ndarray) -> None:
         self.client.push_dense(table, grad, accumulate=True)
 
-    def end_step(self) -> None:
-        self.client.barrier("sync:step", self.num_workers, apply_pending=True,
-                            timeout=self.barrier_timeout_s)
-        super().end_step()
+    def end_step(self, examples: int = 0) -> None:
+        with progress.current().phase("sync step barrier", self.barrier_timeout_s):
+            self.client.barrier("sync:step", self.num_workers, apply_pending=True,
+                                timeout=self.barrier_timeout_s)
+        super().end_step(examples)

@@ -379,7 +379,7 @@ class CTRTrainer:
         t3 = clock()
         self.push(uniq, res, shows, clicks, batch.size)
         t4 = clock()
-        self.mode.end_step()
+        self.mode.end_step(batch.size)
         ph["dedup"] += t1 - t0
         ph["compute"] += t3 - t2
         ph["end_step"] += clock() - t4
@@ -589,7 +589,7 @@ class CTRTrainer:
                 res = self.forward_backward(emb, rows, segments, batch)
                 t2 = clock()
                 inflight.append(comm.submit(push_then_pull, uniq, res, shows, clicks, batch.size, read))
-                self.mode.end_step()
+                self.mode.end_step(batch.size)
                 ph["wait"] += t1 - t0
                 ph["compute"] += t2 - t1
                 yield batch, res

@@ -61,7 +61,7 @@ def run(ctx) -> dict:
             g = np.bincount(inv, weights=np.repeat(err, kb.shape[1]), minlength=len(uniq))
             mode.push_sparse_grads(cfg.table, uniq, g.astype(np.float32).reshape(-1, 1))   # push
             mode.push_dense_grads(cfg.dense_table, np.array([err.sum()], np.float32))
-            mode.end_step()
+            mode.end_step(len(yb))
             steps += 1
         log.info("worker %d: epoch %d done, mean logloss %.4f", ctx.rank, epoch, loss_sum / max(1, steps))
     mode.finish()

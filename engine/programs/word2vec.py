@@ -329,7 +329,7 @@ class Word2VecTrainer:
                 st = (self.train_replica(batch, a0, a1, syn0, syn1) if syn0 is not None
                       else self.train_pulled(batch, a0, a1))
                 st.raw_words = raw
-                self.mode.end_step()
+                self.mode.end_step(raw)
                 self.progress(raw)
                 self.steps += 1
                 now = time.perf_counter()

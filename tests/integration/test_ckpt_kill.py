@@ -13,7 +13,7 @@ import numpy as np
 import hdfs_io
 from engine.checkpoint import CheckpointManager, list_checkpoints
 from engine.config import from_dict
-from engine.launcher import LocalCluster
+from engine.launch.local import LocalCluster
 from engine.ps import InProcessTransport, PSClient, PSServer
 from sparse_tables import TableConfig
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.config import from_dict
-from engine.launcher import LocalCluster
+from engine.launch.local import LocalCluster
 from engine.ps import PSClient, codec, routing
 from engine.ps import ps_pb2 as pb
 from engine.ps import ps_pb2_grpc as pb_grpc

@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import from_dict
 from engine.errors import MessageTooLargeError
-from engine.launcher import LocalCluster
+from engine.launch.local import LocalCluster
 from engine.metrics import BinaryMetrics
 from engine.ps import GrpcTransport, InProcessTransport, PSClient, PSServer, serve
 from engine.ps import ps_pb2 as pb

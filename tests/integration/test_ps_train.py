@@ -64,7 +64,8 @@ def test_logreg_converges_to_the_planted_weights(mode, tmp_path):
 
 
 def test_killing_a_worker_fails_the_job_quickly_and_leaves_no_process(tmp_path):
-    proc = engine("--set", "model.epochs=1000", run_dir=tmp_path)
+    """With restarts turned off (cluster.max_restarts=0) a dead worker ends the job at once."""
+    proc = engine("--set", "model.epochs=1000", "--set", "cluster.max_restarts=0", run_dir=tmp_path)
     try:
         deadline = time.monotonic() + 60
         victim = None
@@ -89,7 +90,7 @@ def test_killing_a_worker_fails_the_job_quickly_and_leaves_no_process(tmp_path):
             proc.wait(10)
     assert proc.returncode not in (0, None)
     assert elapsed < 15, f"took {elapsed:.1f}s to notice"
-    assert "worker 1" in err and "killed by signal 9" in err, err[-2000:]
+    assert "worker 1" in err and "killed by signal 9" in err and "giving up after 1 failure" in err, err[-2000:]
     deadline = time.monotonic() + 10
     while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import from_dict
 from engine.errors import LaunchError
-from engine.launcher import LocalCluster
+from engine.launch.local import LocalCluster
 from engine.ps import PSClient
 
 pytestmark = pytest.mark.slow

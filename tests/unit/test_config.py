@@ -14,7 +14,7 @@ from engine.config import (SECRET_ENV, ClusterConfig, ServerConfig, apply_overri
                            load_config, restore_secrets, secret_env)
 from engine.config_yaml import load_yaml
 from engine.errors import ConfigError
-from engine.launcher import LocalCluster
+from engine.launch.local import LocalCluster
 from engine.program_configs import PROGRAM_CONFIGS, program_config_class
 from engine.programs import PROGRAMS, load_program
 

@@ -1,4 +1,6 @@
 """The local launcher behind ``engine train CONFIG.yaml``: servers and workers as child processes.
+(Which processes run is this module's business; what state a restarted cluster resumes from is the
+supervisor's, ``engine.launch.supervisor``.)
 
 ``LocalCluster`` writes the resolved config to its run directory (mode 0600; inline storage secrets
 travel in the children's environment instead, see ``engine.config.dump_config``), starts
@@ -11,6 +13,11 @@ Failure handling: the launcher polls its children every 0.1 s; if any of them ex
 others are stopped (SIGTERM to their process groups, SIGKILL after a grace period) and ``LaunchError``
 names the role, rank, exit code and the last lines of its log. Ctrl-C stops everything. Children die
 with the launcher even when it is killed (see ``engine.roles.guard_parent``). Every wait has a timeout.
+
+Hangs count as deaths (``client.dead_after_s``, default 30 s): a server that answers no ``Health``
+call for that long (SIGSTOP, a dead host, a cut network), and a worker whose progress report
+(``engine.progress``) shows no heartbeat or no training step for that long outside a phase it
+announced as long (a checkpoint, an evaluation, a barrier, start-up), whose own deadline applies.
 """
 from __future__ import annotations
 
@@ -21,17 +28,58 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import SECRET_ENV, EngineConfig, dump_config, secret_env
-from .errors import LaunchError
+from .. import progress
+from ..config import SECRET_ENV, EngineConfig, dump_config, secret_env
+from ..errors import LaunchError
+from ..ps import ps_pb2 as pb
+from ..ps.client import PSClient
+from ..ps.transport import GrpcTransport
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
 TAIL_LINES = 15
+HANG_CHECK_S = 1.0     # how often progress reports and server liveness are looked at
+
+
+class ServerWatch:
+    """Polls every server's ``Health`` from one thread per server and remembers the last answer, so
+    a silent server (SIGSTOP, a dead host, a cut network) is noticed after ``dead_after_s`` seconds
+    whatever the workers are doing. Each poll has a deadline of ``min(5, dead_after_s / 2)`` seconds."""
+
+    def __init__(self, endpoints: list[str], dead_after_s: float, every_s: float = 1.0):
+        self.dead_after_s = float(dead_after_s)
+        self._transport = GrpcTransport(endpoints, retries=0)
+        self._last_ok = [time.monotonic()] * len(endpoints)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._poll, args=(i, every_s), daemon=True,
+                                          name=f"watch-server-{i}") for i in range(len(endpoints))]
+        for t in self._threads:
+            t.start()
+
+    def _poll(self, i: int, every_s: float) -> None:
+        timeout = min(5.0, self.dead_after_s / 2)
+        while not self._stop.wait(every_s):
+            try:
+                self._transport.call(i, "Health", pb.Empty(request_id=f"watch-{i}"), timeout)
+                self._last_ok[i] = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - silence is what is measured
+                log.debug("server %d: Health: %s", i, e)
+
+    def silent(self) -> list[tuple[int, float]]:
+        """[(server rank, seconds since its last answer)] for servers silent past ``dead_after_s``."""
+        now = time.monotonic()
+        return [(i, now - t) for i, t in enumerate(self._last_ok) if now - t > self.dead_after_s]
+
+    def close(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._transport.close()
 
 
 @dataclass
@@ -42,7 +90,9 @@ class Child:
     log_path: Path
     result_path: Path | None = None
     ready_path: Path | None = None
+    progress_path: Path | None = None
     started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
 
     @property
     def name(self) -> str:
@@ -80,6 +130,7 @@ class LocalCluster:
         self.servers: list[Child] = []
         self.workers: list[Child] = []
         self.endpoints: list[str] = []
+        self.watch: ServerWatch | None = None
 
     def write_config(self, cfg: EngineConfig) -> None:
         """Write ``cfg`` as the children's config file (mode 0600, no inline storage secrets: those
@@ -130,6 +181,7 @@ class LocalCluster:
                 time.sleep(POLL_S)
         self.endpoints = [e for e in endpoints if e]
         log.info("servers ready: %s", ",".join(self.endpoints))
+        self.watch = ServerWatch(self.endpoints, self.cfg.client.dead_after_s)
         return self.endpoints
 
     def start_workers(self) -> None:
@@ -137,8 +189,10 @@ class LocalCluster:
         for r in range(self.cfg.cluster.workers):
             result = self.run_dir / f"worker-{r}.result.json"
             result.unlink(missing_ok=True)
-            child = self._spawn("worker", r, ["--result-file", str(result)], env)
-            child.result_path = result
+            prog = self.run_dir / f"worker-{r}.progress.json"
+            prog.unlink(missing_ok=True)
+            child = self._spawn("worker", r, ["--result-file", str(result)], {**env, progress.ENV: str(prog)})
+            child.result_path, child.progress_path = result, prog
             self.workers.append(child)
 
     def _check_alive(self, children: list[Child], *, finished_ok: bool = False) -> None:
@@ -147,7 +201,32 @@ class LocalCluster:
             if code is None or (finished_ok and code == 0):
                 continue
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            raise LaunchError(f"{c.name} (pid {c.proc.pid}) {how}; last lines of {c.log_path}:\n{c.tail()}")
+            raise LaunchError(f"{c.name} (pid {c.proc.pid}) {how}; last lines of {c.log_path}:\n{c.tail()}",
+                              role=c.role, rank=c.rank, exit_code=code, reason=how, log_tail=c.tail())
+
+    def _check_hangs(self) -> None:
+        """Raise LaunchError for a server silent for ``dead_after_s`` or a stalled worker."""
+        dead_after = self.cfg.client.dead_after_s
+        if self.watch is not None:
+            for rank, silent in self.watch.silent():
+                c = self.servers[rank]
+                reason = f"hung: answered no Health call for {silent:.0f}s (client.dead_after_s={dead_after:g})"
+                raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",
+                                  role=c.role, rank=c.rank, exit_code=None, reason=reason, log_tail=c.tail())
+        now = time.time()
+        for c in self.workers:
+            if c.proc.poll() is not None or c.progress_path is None:
+                continue
+            why = progress.stalled(progress.read(c.progress_path), now, dead_after,
+                                   c.started_wall + self.cfg.cluster.startup_timeout_s)
+            if why:
+                reason = f"hung: {why} (client.dead_after_s={dead_after:g})"
+                raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",
+                                  role=c.role, rank=c.rank, exit_code=None, reason=reason, log_tail=c.tail())
+
+    def worker_reports(self) -> list[dict | None]:
+        """Each worker's last progress report (``engine.progress``), None where there is none."""
+        return [progress.read(w.progress_path) if w.progress_path else None for w in self.workers]
 
     def wait_workers(self, timeout: float | None = None) -> list[dict]:
         """Wait for every worker to exit 0 (servers must stay up meanwhile); returns their results.
@@ -158,9 +237,13 @@ class LocalCluster:
             A worker or server died, or ``timeout`` seconds passed.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        next_hang_check = 0.0
         while any(w.proc.poll() is None for w in self.workers):
             self._check_alive(self.workers, finished_ok=True)
             self._check_alive(self.servers)
+            if time.monotonic() >= next_hang_check:
+                self._check_hangs()
+                next_hang_check = time.monotonic() + HANG_CHECK_S
             if deadline is not None and time.monotonic() > deadline:
                 raise LaunchError(f"workers did not finish within {timeout}s")
             time.sleep(POLL_S)
@@ -175,8 +258,9 @@ class LocalCluster:
 
     def stop_servers(self) -> None:
         """Ask the servers to stop (Stop RPC), then terminate whatever is left."""
+        if self.watch is not None:
+            self.watch.close()
         if self.endpoints:
-            from .ps.client import PSClient
             try:
                 with PSClient(self.endpoints, timeout_s=5.0, retries=0) as c:
                     c.stop()
@@ -185,7 +269,10 @@ class LocalCluster:
         self._terminate(self.servers, grace=self.cfg.cluster.stop_timeout_s)
 
     def shutdown(self) -> None:
-        """Stop every child: SIGTERM to its process group, SIGKILL after a grace period. Idempotent."""
+        """Stop every child: SIGTERM to its process group, SIGKILL after a grace period (a stopped
+        process gets SIGKILL too, which ends it). Idempotent."""
+        if self.watch is not None:
+            self.watch.close()
         self._terminate(self.workers + self.servers, grace=3.0)
 
     @staticmethod
@@ -223,37 +310,3 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def launch(cfg: EngineConfig, run_dir: str | Path | None = None, *, on_servers_ready=None,
-           on_workers_done=None) -> list[dict]:
-    """Run a whole training job locally; returns the workers' results (one dict per rank).
-
-    Parameters
-    ----------
-    on_servers_ready : callable(endpoints) -> EngineConfig or None, optional
-        Runs once the servers are up, before any worker starts (e.g. restore a checkpoint); a returned
-        config replaces the one the workers get.
-    on_workers_done : callable(endpoints, results), optional
-        Runs after every worker finished, before the servers stop (e.g. the final checkpoint).
-
-    Raises
-    ------
-    LaunchError
-        Any process failed (the message names role, rank and its last log lines).
-    KeyboardInterrupt
-        After stopping every child.
-    """
-    with LocalCluster(cfg, run_dir) as cluster:
-        log.info("run directory: %s", cluster.run_dir)
-        cluster.start_servers()
-        if on_servers_ready is not None:
-            new = on_servers_ready(cluster.endpoints)
-            if new is not None:
-                cluster.write_config(new)
-        cluster.start_workers()
-        results = cluster.wait_workers()
-        if on_workers_done is not None:
-            on_workers_done(cluster.endpoints, results)
-        cluster.stop_servers()
-        return results

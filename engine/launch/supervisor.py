@@ -1,0 +1,208 @@
+"""The recovery rule: one job, run until it finishes, restarted whole from its newest complete checkpoint
+when any role dies or hangs.
+
+``run_job`` is what ``engine train CONFIG`` runs. One attempt starts the servers, restores a checkpoint
+when there is one to resume from, starts the workers, and waits for them (``engine.launch.local``; a
+death or a hang is a ``LaunchError`` naming the role and rank). When an attempt fails, every process
+of it is stopped and the next attempt restores the newest complete checkpoint of the job
+(``checkpoint.root``/``checkpoint.job``; a damaged one falls back to the previous complete one, naming
+what it skipped), so servers restore their vshards (onto any server count) and workers resume at the
+data position that checkpoint records. With no checkpoint yet, the job starts again from the
+beginning. After ``cluster.max_restarts`` restarts within ``cluster.restart_window_s`` seconds the
+next failure ends the job with every failure listed (role, rank, exit, last log lines).
+
+The final JSON line gains ``restarts`` and ``examples_replayed``: the examples trained by failed
+attempts after the checkpoint the next attempt resumed from (work that was lost and done again). A
+worker's progress report (``engine.progress``) counts its examples and marks the count at each
+aligned checkpoint position (``"epoch:batch"``); the lost examples of a worker are its count at the
+failure minus its mark at the resumed checkpoint's position (all of them when there is no such mark:
+the attempt's whole work was lost).
+
+Only *who* restarts is local here: *what* state a restart resumes from is the newest complete
+checkpoint, the same for any launcher (``engine/launch/`` holds one per scheduler over this rule).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import job_checkpoints as ckpt_job
+from ..checkpoint import CheckpointNotFoundError
+from ..config import EngineConfig
+from ..errors import LaunchError
+from .local import LocalCluster
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Failure:
+    """One failed attempt: which role, what happened, its last log lines."""
+
+    attempt: int
+    role: str
+    rank: int
+    exit_code: int | None
+    reason: str
+    log_tail: str
+    at: float                      # time.monotonic() of the failure
+
+    def describe(self) -> str:
+        who = f"{self.role} {self.rank}" if self.role else "the launcher"
+        return f"attempt {self.attempt}: {who}: {self.reason}\n    " + "\n    ".join(
+            (self.log_tail or "(no log)").splitlines()[-8:])
+
+
+def position_key(manifest: dict) -> str | None:
+    """The progress mark of a checkpoint's data position (``"epoch:batch"``), None without one."""
+    train = (manifest.get("sources") or {}).get("train") or {}
+    if "epoch" in train and "batch" in train:
+        return f"{int(train['epoch'])}:{int(train['batch'])}"
+    return None
+
+
+def lost_examples(reports: list[dict | None], key: str | None) -> int:
+    """Examples the workers trained after the position ``key`` (see the module docstring)."""
+    lost = 0
+    for r in reports:
+        if not r:
+            continue
+        examples = int(r.get("examples", 0))
+        mark = (r.get("marks") or {}).get(key) if key else None
+        lost += examples - int(mark) if mark is not None else examples
+    return lost
+
+
+def newest_checkpoint(cfg: EngineConfig) -> tuple[str, dict] | None:
+    """(URI, manifest) of the job's newest complete checkpoint, None without one or without
+    ``checkpoint.root``."""
+    if not cfg.checkpoint.enabled:
+        return None
+    mgr = ckpt_job.job_manager(cfg)
+    try:
+        name = mgr.resolve(None)
+    except CheckpointNotFoundError:
+        return None
+    return mgr.uri_of(name), mgr.manifest(name)
+
+
+class Supervisor:
+    """Runs attempts of one job until it finishes or fails too often.
+
+    Parameters
+    ----------
+    cfg : EngineConfig
+    program : module
+        The worker program (``engine.programs.load_program``), already ``prepare``d.
+    run_dir : str or Path, optional
+        Attempt 0 runs here, attempt k in ``run_dir/restart-k``.
+    resume : str or None
+        The first attempt's ``--resume`` (None: no restore; "": the newest checkpoint; else a URI).
+    resume_fallback : bool
+    """
+
+    def __init__(self, cfg: EngineConfig, program, run_dir=None, *, resume: str | None = None,
+                 resume_fallback: bool = False):
+        self.cfg, self.program, self.run_dir = cfg, program, run_dir
+        self.resume, self.fallback = resume, resume_fallback
+        self.failures: list[Failure] = []
+        self.restarts = 0
+        self.examples_replayed = 0
+        self.checkpoint: str | None = None
+
+    def run(self) -> list[dict]:
+        """Run attempts until one finishes; returns its workers' results.
+
+        Raises
+        ------
+        LaunchError
+            More than ``cluster.max_restarts`` failures within ``cluster.restart_window_s`` (the
+            message lists every failure), or a failure before any worker started that a restart
+            cannot mend (a server that cannot start).
+        """
+        attempt = 0
+        while True:
+            run_dir = self.run_dir if attempt == 0 or self.run_dir is None else Path(self.run_dir) / f"restart-{attempt}"
+            cluster = LocalCluster(self.cfg, run_dir)
+            try:
+                with cluster:
+                    return self._attempt(cluster)
+            except LaunchError as e:
+                self._failed(attempt, e, cluster)
+            attempt += 1
+
+    def _failed(self, attempt: int, e: LaunchError, cluster: LocalCluster) -> None:
+        f = Failure(attempt, e.role, e.rank, e.exit_code, e.reason, e.log_tail, time.monotonic())
+        self.failures.append(f)
+        c = self.cfg.cluster
+        recent = [x for x in self.failures if f.at - x.at <= c.restart_window_s]
+        usage = e.exit_code == 2          # a config or usage error: a restart fails the same way
+        if len(recent) > c.max_restarts or usage:
+            why = (f"{e.role} {e.rank} exited with code 2 (a config or usage error)" if usage else
+                   f"{len(recent)} failures within cluster.restart_window_s={c.restart_window_s:g}s, "
+                   f"cluster.max_restarts={c.max_restarts}")
+            raise LaunchError(f"giving up after {len(self.failures)} failure(s) ({why}):\n"
+                              + "\n".join(x.describe() for x in self.failures),
+                              role=e.role, rank=e.rank, exit_code=e.exit_code, reason=e.reason,
+                              log_tail=e.log_tail) from None
+        newest = newest_checkpoint(self.cfg)
+        lost = lost_examples(cluster.worker_reports(), position_key(newest[1]) if newest else None)
+        self.examples_replayed += lost
+        self.restarts += 1
+        self.resume = "" if newest else None
+        self.fallback = True
+        log.warning("%s failed (%s); restart %d/%d from %s (%d examples to train again)",
+                    f"{e.role} {e.rank}" if e.role else "the job", e.reason, self.restarts, c.max_restarts,
+                    newest[0] if newest else "the beginning (no checkpoint yet)", lost)
+
+    def _attempt(self, cluster: LocalCluster) -> list[dict]:
+        cfg, program = self.cfg, self.program
+        own_checkpoints = getattr(program, "WRITES_CHECKPOINTS", False)
+        state = {"cfg": cfg, "periodic": None}
+        log.info("run directory: %s", cluster.run_dir)
+        cluster.start_servers()
+        try:
+            if self.resume is not None:
+                state["cfg"] = ckpt_job.resume(cfg, cluster.endpoints, self.resume or None, fallback=self.fallback)
+                cluster.write_config(state["cfg"])
+            if state["cfg"].checkpoint.enabled and not own_checkpoints:
+                state["periodic"] = ckpt_job.Periodic(state["cfg"], cluster.endpoints)
+            cluster.start_workers()
+            results = cluster.wait_workers()
+        finally:
+            if state["periodic"] is not None:
+                state["periodic"].stop()
+        if own_checkpoints:
+            self.checkpoint = next((r.get("checkpoint") for r in results if r.get("rank") == 0), None)
+        else:
+            mgr = state["periodic"].mgr if state["periodic"] is not None else None
+            step = max([r.get("steps", 0) for r in results] + [0])
+            self.checkpoint = ckpt_job.final(state["cfg"], cluster.endpoints, step=step, mgr=mgr)
+        cluster.stop_servers()
+        return results
+
+
+def run_job(cfg: EngineConfig, program, run_dir=None, *, resume: str | None = None,
+            resume_fallback: bool = False) -> dict:
+    """Run the job under supervision; returns the final JSON object (the program's ``final`` or the
+    default one) with ``checkpoint``, ``restarts`` and ``examples_replayed``.
+
+    Raises
+    ------
+    LaunchError
+        The job failed more often than ``cluster.max_restarts`` allows (every failure is listed).
+    """
+    sup = Supervisor(cfg, program, run_dir, resume=resume, resume_fallback=resume_fallback)
+    with (program.follow(cfg) if hasattr(program, "follow") else contextlib.nullcontext()):
+        results = sup.run()
+    if hasattr(program, "final"):
+        final = program.final(cfg, results)
+    else:
+        final = {"event": "final", "model": cfg.model.kind, "mode": cfg.mode, "workers": results}
+    final["checkpoint"] = sup.checkpoint
+    final["restarts"] = sup.restarts
+    final["examples_replayed"] = sup.examples_replayed
+    return final

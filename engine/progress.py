@@ -1,0 +1,174 @@
+"""A worker's liveness and progress, as its supervisor sees them: one small JSON file per worker.
+
+A worker that a launcher supervises (``ENGINE_PROGRESS_FILE`` set) reports:
+
+- ``beat``: wall-clock seconds, rewritten every ``interval_s`` by a background thread. A frozen or dead
+  process (SIGSTOP, a dead host) stops beating.
+- ``step``: its training steps; the training loop must move it. A live process whose loop is stuck (a
+  hang) beats but does not step.
+- ``phase``: an operation announced as long, with a deadline of its own (a checkpoint write, an
+  evaluation, a barrier): ``{"name", "started", "deadline_s"}``, or null while training.
+- ``examples``: training examples of this process (this attempt), and ``marks``: the examples count
+  at named points (``mark("0:256")`` at an aligned checkpoint meeting), so a supervisor that rolls the
+  job back to a checkpoint knows how many examples were trained twice.
+
+The supervisor's rule (``stalled``): dead when the beat is older than ``dead_after_s``; hung when, in
+training, the step has not moved for ``dead_after_s``, or an announced phase outlived its deadline.
+
+File format (written atomically: a temporary file renamed over the old one)::
+
+    {"pid": 4242, "beat": 1764061200.5, "step": 1200, "step_time": 1764061200.1, "examples": 153600,
+     "marks": {"0:0": 0, "0:256": 32768}, "phase": null}
+
+Without ``ENGINE_PROGRESS_FILE`` (role mode under another scheduler) every call is a no-op.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV = "ENGINE_PROGRESS_FILE"
+
+
+class Progress:
+    """This process's progress report.
+
+    Parameters
+    ----------
+    path : str or None
+        The JSON file (None: report nothing).
+    interval_s : float, seconds
+        How often the beat (and any change) is written.
+    startup_s : float, seconds, optional
+        Until the first ``step``, the process is in a ``start-up`` phase with this deadline (warm-up,
+        data preparation, restore of its position).
+    """
+
+    def __init__(self, path: str | None, interval_s: float = 0.5, startup_s: float | None = None):
+        self.path = Path(path) if path else None
+        self.interval_s = float(interval_s)
+        self._lock = threading.Lock()
+        now = time.time()
+        self._state = {"pid": os.getpid(), "beat": now, "step": 0, "step_time": now, "examples": 0,
+                       "marks": {}, "phase": None}
+        self._phases: list[dict] = []
+        self._startup = None
+        if startup_s is not None:
+            self._startup = {"name": "start-up", "started": now, "deadline_s": float(startup_s)}
+            self._phases.append(self._startup)
+            self._state["phase"] = self._startup
+        self._stop = threading.Event()
+        self._thread = None
+        if self.path is not None:
+            self._write()
+            self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+            self._thread.start()
+
+    def step(self, examples: int = 0) -> None:
+        """One training step done, with ``examples`` training examples."""
+        with self._lock:
+            st = self._state
+            if self._startup is not None:
+                self._phases.remove(self._startup)
+                self._startup = None
+                st["phase"] = self._phases[-1] if self._phases else None
+            st["step"] += 1
+            st["examples"] += int(examples)
+            st["step_time"] = time.time()
+
+    def mark(self, name: str) -> None:
+        """Remember the examples count at point ``name`` (e.g. a checkpoint's data position)."""
+        with self._lock:
+            self._state["marks"][name] = self._state["examples"]
+
+    @contextlib.contextmanager
+    def phase(self, name: str, deadline_s: float):
+        """Announce a long operation of at most ``deadline_s`` seconds; nested phases stack (the
+        innermost is reported)."""
+        entry = {"name": name, "started": time.time(), "deadline_s": float(deadline_s)}
+        with self._lock:
+            self._phases.append(entry)
+            self._state["phase"] = entry
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._phases.remove(entry)
+                self._state["phase"] = self._phases[-1] if self._phases else None
+                self._state["step_time"] = time.time()    # the loop resumes now
+
+    def _write(self) -> None:
+        with self._lock:
+            self._state["beat"] = time.time()
+            text = json.dumps(self._state)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(text)
+            tmp.replace(self.path)
+        except OSError as e:   # a full disk must not kill training; the supervisor sees no beat
+            log.warning("progress file %s: %s", self.path, e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._write()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval_s)
+            self._write()
+
+
+_current = Progress(None)
+
+
+def current() -> Progress:
+    """This process's reporter (a no-op one unless ``install`` was called)."""
+    return _current
+
+
+def install(path: str | None = None, startup_s: float | None = None) -> Progress:
+    """Start reporting to ``path`` (default: ``$ENGINE_PROGRESS_FILE``), in a start-up phase of
+    ``startup_s`` seconds until the first step; returns the reporter."""
+    global _current
+    path = path if path is not None else os.environ.get(ENV)
+    if path:
+        _current = Progress(path, startup_s=startup_s)
+    return _current
+
+
+def read(path: str | os.PathLike) -> dict | None:
+    """A progress file's content, or None when it does not exist yet or is unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stalled(report: dict | None, now: float, dead_after_s: float, started: float) -> str | None:
+    """Why a worker with ``report`` counts as dead at ``now`` (wall seconds), or None if alive.
+
+    ``started``: when the process was started (a worker with no report yet is given ``dead_after_s``
+    after it, on top of its start-up; the caller adds the start-up allowance)."""
+    if report is None:
+        return f"no progress report {now - started:.0f}s after start" if now - started > dead_after_s else None
+    beat_age = now - float(report.get("beat", 0))
+    if beat_age > dead_after_s:
+        return f"no heartbeat for {beat_age:.0f}s (stopped or frozen process)"
+    ph = report.get("phase")
+    if ph:
+        age = now - float(ph["started"])
+        if age > float(ph["deadline_s"]):
+            return f"{ph['name']!r} has run {age:.0f}s, past its {float(ph['deadline_s']):g}s deadline"
+        return None
+    idle = now - float(report.get("step_time", now))
+    if idle > dead_after_s:
+        return f"no training step for {idle:.0f}s at step {report.get('step')} (a hang)"
+    return None

@@ -1,0 +1,139 @@
+"""The job survives failures (real processes on 127.0.0.1): a role killed with SIGKILL or frozen with
+SIGSTOP is noticed, every process of the attempt is stopped, and the job restarts by itself; more
+failures than ``cluster.max_restarts`` end it with every failure listed. Each test bounds its waits
+and leaves no process behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import progress
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "configs" / "logreg_demo.yaml"
+FAST = ["--set", "cluster.warm_up=false", "--set", "model.examples_per_worker=3000", "--set", "cluster.workers=2",
+        "--set", "model.epochs=2"]
+
+
+def engine(*args, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "engine", "train", str(DEMO), "--run-dir", str(run_dir),
+                             *FAST, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+
+
+def role_pid(run_dir: Path, role: str, rank: int, timeout: float = 60.0) -> int:
+    """pid of a running ``--role role --rank rank`` child whose config lives under ``run_dir``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if (str(run_dir).encode() in b" ".join(cmd) and b"--role" in cmd and role.encode() in cmd
+                    and cmd[cmd.index(b"--rank") + 1] == str(rank).encode()):
+                return int(d.name)
+        time.sleep(0.1)
+    raise AssertionError(f"{role} {rank} never started under {run_dir}")
+
+
+def wait_steps(path: Path, steps: int, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = progress.read(path)
+        if r and r.get("step", 0) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached step {steps}: {progress.read(path)}")
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def leftovers(run_dir: Path) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if str(run_dir).encode() in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def test_a_killed_worker_restarts_the_job_which_finishes(tmp_path):
+    proc = engine(run_dir=tmp_path)
+    try:
+        wait_steps(tmp_path / "worker-1.progress.json", 20)
+        os.kill(role_pid(tmp_path, "worker", 1), signal.SIGKILL)
+        out, err = finish(proc, 180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    # no checkpoint.root: the restart begins again from the first example, and the failed attempt's
+    # examples (at least worker 1's 20 steps of 64) were trained twice
+    assert final["restarts"] == 1 and final["examples_replayed"] >= 20 * 64, final
+    assert "worker 1" in err and "killed by signal 9" in err and "restart 1/3" in err
+    assert (tmp_path / "restart-1").is_dir()
+    assert not leftovers(tmp_path)
+
+
+def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
+    dead_after = 3.0
+    proc = engine("--set", f"client.dead_after_s={dead_after}", run_dir=tmp_path)
+    try:
+        wait_steps(tmp_path / "worker-0.progress.json", 20)
+        os.kill(role_pid(tmp_path, "server", 1), signal.SIGSTOP)
+        t0 = time.monotonic()
+        restarted = tmp_path / "restart-1"
+        while not restarted.exists() and time.monotonic() - t0 < dead_after + 30:
+            time.sleep(0.05)
+        detected = time.monotonic() - t0
+        out, err = finish(proc, 180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    # the restart began after the stopped server's processes were killed (up to a few seconds more)
+    assert detected < dead_after + 2 + 5, f"recovery began {detected:.1f}s after SIGSTOP"
+    assert "server 1" in err and "hung: answered no Health call" in err, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1])["restarts"] == 1
+    assert not leftovers(tmp_path)
+
+
+def test_more_failures_than_max_restarts_end_the_job_with_every_failure_listed(tmp_path):
+    proc = engine("--set", "cluster.max_restarts=1", "--set", "model.epochs=50", run_dir=tmp_path)
+    try:
+        wait_steps(tmp_path / "worker-0.progress.json", 10)
+        os.kill(role_pid(tmp_path, "worker", 0), signal.SIGKILL)
+        wait_steps(tmp_path / "restart-1" / "worker-1.progress.json", 10)
+        os.kill(role_pid(tmp_path / "restart-1", "server", 0), signal.SIGKILL)
+        out, err = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert "giving up after 2 failure(s)" in err and "cluster.max_restarts=1" in err, err[-3000:]
+    assert "attempt 0: worker 0: was killed by signal 9" in err
+    assert "attempt 1: server 0: was killed by signal 9" in err
+    assert not leftovers(tmp_path)
