@@ -1,6 +1,8 @@
-"""Checkpoint save / restore throughput on the local filesystem and on a moto S3 endpoint.
+"""Checkpoint save / restore throughput on the local filesystem and on a moto S3 endpoint; with ``--jobs``,
+what checkpointing every N steps costs a real training job.
 
     python bench/ckpt_bench.py [--rows 5000000] [--dim 16] [--backends local,s3] [--servers 1]
+    python bench/ckpt_bench.py --jobs configs/ctr.yaml,configs/deepfm.yaml [--every 0,meet,200,50] [--reps 2]
 
 A sparse table of ``--rows`` rows of ``--dim`` float32 with row-wise Adagrad state is filled directly
 (bit patterns of random rows) on in-process parameter servers; then, through the real Save/Load RPCs
@@ -12,6 +14,22 @@ and ``engine.checkpoint.CheckpointManager``:
                          ratios of the base's (targets: local save and restore >= 1M rows/s; delta time
                          <= 5% of base time)
 
+``--jobs``: each config is trained with ``engine train`` (its own launcher, servers and workers, on the
+shared Criteo rows ``--criteo``) for ``--epochs`` epochs, once per ``--every`` value and repetition
+(alternating, after one unrecorded warm-up run). ``--every`` values: ``0`` = no checkpoints
+(``checkpoint.root: ""``); ``meet`` = the aligned meetings (every ``--align`` steps) without writing
+anything (``delta_every: 0``, ``final: false``); ``N`` = ``delta_every: Nsteps`` with ``align_steps:
+--align`` and the final checkpoint. Records:
+
+* ``ckpt_job_run``    wall_s (the whole ``engine train``), train_s (rank 0's ``train_seconds``: its epochs,
+                      including the aligned meetings within them), save_s (rank 0's checkpoint writes,
+                      from its log), checkpoints written
+* ``ckpt_job_base``   first repetition: the job's base (its first checkpoint): step, sparse rows and bytes,
+                      dense bytes, save_s
+* ``ckpt_job_delta``  first repetition, per delta: the same, and ``size_ratio`` (all bytes),
+                      ``sparse_size_ratio`` and ``rows_ratio`` against the base. A delta holds the sparse
+                      rows changed since the previous checkpoint and every dense table in full
+
 One JSON object per line on stdout, each with a ``bench`` field. Heavy (GBs of RAM); never run by tests.
 """
 from __future__ import annotations
@@ -19,7 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,6 +137,82 @@ def run_backend(backend: str, root: str, opts, args, cfg: TableConfig) -> None:
         s.close()
 
 
+_SAVED = re.compile(r"checkpoint (\S+) published: (base|delta), (\d+) row\(s\), \d+ file\(s\), ([\d.]+) s")
+
+
+def _manifests(job_root: Path) -> list[dict]:
+    out = [json.loads(f.read_text()) for f in job_root.glob("*/*/manifest.json")]
+    return sorted(out, key=lambda m: (m["step"], m["name"]))
+
+
+def _sizes(m: dict) -> tuple[int, int]:
+    """(sparse bytes, dense bytes) of a checkpoint's files."""
+    dense = sum(e["size"] for k, e in m["files"].items() if k.startswith("dense/"))
+    return sum(e["size"] for e in m["files"].values()) - dense, dense
+
+
+def run_job(config: str, every: str, rep: int, tmp: Path, args, *, out=emit) -> None:
+    """One ``engine train`` of ``config``; hands its records to ``out`` (checkpoint sizes on rep 0 only)."""
+    name = f"{Path(config).stem}-{every}-{rep}"
+    run_dir, ck_root = tmp / name / "run", tmp / name / "ckpt"
+    sets = [f"model.epochs={args.epochs}", f"model.data.criteo_path={args.criteo}",
+            f"model.metrics_dir={tmp / name / 'metrics'}", f"checkpoint.job={name}"]
+    if every == "0":
+        sets += ['checkpoint.root=""']
+    elif every == "meet":
+        sets += [f"checkpoint.root={ck_root}", "checkpoint.delta_every=0", "checkpoint.final=false",
+                 f"checkpoint.align_steps={args.align}"]
+    else:
+        sets += [f"checkpoint.root={ck_root}", f"checkpoint.delta_every={int(every)}steps",
+                 f"checkpoint.align_steps={args.align}"]
+    cmd = [sys.executable, "-m", "engine", "train", config, "--run-dir", str(run_dir)]
+    for kv in sets + list(args.set):
+        cmd += ["--set", kv]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    result = json.loads((run_dir / "worker-0.result.json").read_text())
+    saves = [(m.group(2), int(m.group(3)), float(m.group(4)))
+             for m in _SAVED.finditer((run_dir / "worker-0.log").read_text())]
+    out({"bench": "ckpt_job_run", "config": config, "every": every, "align_steps": args.align,
+          "epochs": args.epochs, "rep": rep, "steps": result["steps"], "wall_s": round(wall, 2),
+          "train_s": round(result["train_seconds"], 3), "save_s": round(sum(s[2] for s in saves), 3),
+          "checkpoints": len(saves), "test_auc": round(result.get("test", {}).get("auc", float("nan")), 4)})
+    if not saves or rep > 0:
+        return
+    ms = _manifests(ck_root / name)           # in write order, as the log's saves
+    secs = [sv[2] for sv in saves] if len(saves) == len(ms) else [None] * len(ms)
+    base = ms[0]
+    b_sparse, b_dense = _sizes(base)
+    b_rows = sum(t["rows"] for t in base["tables"]["sparse"].values())
+    out({"bench": "ckpt_job_base", "config": config, "step": base["step"], "rows": b_rows,
+          "sparse_bytes": b_sparse, "dense_bytes": b_dense, "save_s": secs[0]})
+    for m, sec in zip(ms[1:], secs[1:]):
+        sp, de = _sizes(m)
+        rows = sum(t["rows"] for t in m["tables"]["sparse"].values())
+        out({"bench": f"ckpt_job_{m['kind']}", "config": config, "every": every, "step": m["step"],
+              "rows": rows, "sparse_bytes": sp, "dense_bytes": de, "save_s": sec,
+              "size_ratio": round((sp + de) / (b_sparse + b_dense), 4),
+              "sparse_size_ratio": round(sp / b_sparse, 4), "rows_ratio": round(rows / b_rows, 4)})
+
+
+def run_jobs(args) -> None:
+    if not Path(args.criteo).is_file():
+        raise SystemExit(f"--criteo {args.criteo}: no such file (the shared Criteo rows)")
+    tmp = Path(tempfile.mkdtemp(prefix="ckpt-jobs-"))
+    try:
+        for config in args.jobs.split(","):
+            run_job(config, "0", -1, tmp, args, out=lambda rec: None)  # warm-up: data conversion, JIT caches
+            for rep in range(args.reps):
+                for every in args.every.split(","):
+                    run_job(config, every, rep, tmp, args)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=5_000_000)
@@ -123,8 +220,19 @@ def main(argv=None) -> int:
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--threads", type=int, default=2, help="checkpoint threads per server")
     p.add_argument("--backends", default="local,s3")
+    p.add_argument("--jobs", default="", help="configs to train instead (comma-separated), e.g. configs/ctr.yaml")
+    p.add_argument("--every", default="0,meet,200,50",
+                   help="--jobs: delta_every in steps; 0 = no checkpoints; meet = meetings only")
+    p.add_argument("--align", type=int, default=10, help="--jobs: checkpoint.align_steps")
+    p.add_argument("--epochs", type=int, default=4, help="--jobs: model.epochs (~64 steps per worker each)")
+    p.add_argument("--reps", type=int, default=2, help="--jobs: repetitions of each setting")
+    p.add_argument("--criteo", default=str(REPO.parent / "shared/data/criteo/train.txt"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--jobs: more overrides")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.jobs:
+        run_jobs(args)
+        return 0
     cfg = TableConfig(dim=args.dim, optimizer="adagrad", num_threads=2, memory_rows=1 << 30)
     for backend in args.backends.split(","):
         if backend == "local":

@@ -40,6 +40,7 @@ import hdfs_io
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Publisher, Storage, StorageOptions
 from streaming.keys import HASH_VERSION
 
+from .. import failpoints
 from .manifest import (DEFAULT_GROUPS, FORMAT_VERSION, CheckpointRef, chain_of, checkpoint_name,
                        list_checkpoints, parse_name, read_checkpoint_manifest)
 from .writer import part_report_name
@@ -233,6 +234,7 @@ class CheckpointManager:
             if len(nv) != 1:
                 raise CheckpointCorruptError(f"{uri}: servers disagree on num_vshards: {sorted(nv)}", uri=uri)
             pub.manifest.update(tables=tables, num_vshards=nv.pop())
+            failpoints.hit("checkpoint.before_publish")
         manifest = pub.written_manifest
         self.head = ref.name
         self._force_base = False

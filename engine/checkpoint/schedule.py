@@ -5,9 +5,11 @@
     checkpoint:
       root: ""                # URI of the checkpoint root ("" = no checkpoints); job dir below it
       job: ""                 # directory under root (default: model.kind)
-      delta_every: 1h         # a delta every this much TRAINING time ("30m", "3600s", "1h"), or
+      delta_every: 1h         # a delta every this much TRAINING time ("30m", "3600s", "1h"), or every
+                              # this many steps ("500steps"; offline CTR programs only, see below), or
                               # "partition" (after every input partition); "0" = no periodic deltas
-      base_every: 24h         # a base every this much training time (the online job shrinks first)
+      base_every: 24h         # a base every this much training time (the online job shrinks first), or
+                              # every this many steps ("5000steps")
       keep_bases: 2           # retention: newest bases kept with their deltas; older ones deleted
       fallback: false         # restore: a damaged checkpoint falls back to the previous complete one
       final: true             # write a checkpoint when a finite job ends
@@ -18,20 +20,41 @@
 
 Training time is the data's time where the data has one (an hourly partition's hour), else the wall
 clock time spent training.
+
+Step counts. ``delta_every`` and ``base_every`` each take either a time or a step count (they may differ:
+``delta_every: 500steps`` with the default ``base_every: 24h``). A step is one batch of every worker (the
+manifest's ``step``): with 2 workers of 128 rows, ``500steps`` is 128,000 examples. A step period counts
+only where the program reports its step at its checkpoint points, i.e. the offline CTR programs
+(``ctr_dnn``, ``deepfm``; ``engine.programs.ctr_positions``), which check the schedule at aligned points
+only: every ``align_steps`` steps of an epoch and at epoch ends. A step period that is not a multiple of
+``align_steps`` therefore falls due at the first aligned point at or after it (``delta_every: 300steps``
+with ``align_steps: 256``: steps 512, 1024, ...), and with ``align_steps: 0`` only at epoch ends. Programs
+checkpointed by the launcher's wall-clock thread (``engine.job_checkpoints.Periodic``: logreg, Word2Vec)
+and the online CTR job see no steps: there a step period never falls due (a warning says so when the
+schedule is built); the time periods work as before.
+
+Precedence, as for times: a base is due when its period has passed since the last base; otherwise a
+delta when its period has passed since the last checkpoint of either kind (a base restarts the delta
+count).
 """
 from __future__ import annotations
 
+import logging
 import re
-from typing import Annotated
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from ..config_base import section
 from ..errors import ConfigError
 
-__all__ = ["CheckpointConfig", "Schedule", "parse_duration"]
+__all__ = ["CheckpointConfig", "Every", "Schedule", "parse_duration", "parse_every"]
+
+log = logging.getLogger(__name__)
 
 _DUR_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_STEPS_RE = re.compile(r"^\s*(\d+)\s*steps?\s*$")
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -51,6 +74,52 @@ def parse_duration(text, key: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+@dataclass(frozen=True)
+class Every:
+    """A parsed ``delta_every`` / ``base_every``.
+
+    Attributes
+    ----------
+    amount : float, seconds (unit ``"s"``) or steps (unit ``"steps"``)
+        0 = never (``delta_every: 0``); unused for ``"partition"``.
+    unit : {"s", "steps", "partition"}
+    """
+
+    amount: float
+    unit: Literal["s", "steps", "partition"]
+
+
+def parse_every(text, key: str, *, partition: bool = False) -> Every:
+    """``"1h"`` -> ``Every(3600.0, "s")``, ``"500steps"`` -> ``Every(500, "steps")``.
+
+    Parameters
+    ----------
+    text : str or number
+        A duration (``30m``, ``1h``, ``3600s``, ``2d``, a bare number of seconds), a step count
+        (``500steps``, ``1step``; an integer), or with ``partition`` the word ``partition``.
+    key : str
+        Key path named in errors (``checkpoint.delta_every``).
+    partition : bool
+        Accept ``"partition"`` (``delta_every`` only).
+
+    Raises
+    ------
+    ConfigError
+        None of these forms; the message names ``key`` and the forms allowed.
+    """
+    if partition and text == "partition":
+        return Every(0.0, "partition")
+    m = _STEPS_RE.match(str(text)) if isinstance(text, str) else None
+    if m:
+        return Every(float(int(m.group(1))), "steps")
+    try:
+        return Every(parse_duration(text, key), "s")
+    except ConfigError:
+        allowed = ("a duration like 30m, 1h, 3600s, a step count like 500steps, 'partition' or 0" if partition
+                   else "a duration like 24h, 3600s or a step count like 5000steps")
+        raise ConfigError(f"{key} must be {allowed}, got {text!r}") from None
+
+
 @section
 class CheckpointConfig:
     """The ``checkpoint`` section (see the module docstring)."""
@@ -67,9 +136,8 @@ class CheckpointConfig:
     restored: str = ""          # set by the launcher after --resume: the checkpoint the servers hold
 
     def __post_init__(self) -> None:
-        if self.delta_every != "partition":
-            parse_duration(self.delta_every, "checkpoint.delta_every")
-        if parse_duration(self.base_every, "checkpoint.base_every") <= 0:
+        parse_every(self.delta_every, "checkpoint.delta_every", partition=True)
+        if parse_every(self.base_every, "checkpoint.base_every").amount <= 0:
             raise ConfigError(f"checkpoint.base_every must be > 0, got {self.base_every!r}")
 
     @property
@@ -85,25 +153,68 @@ class Schedule:
     config : CheckpointConfig
     start_s : float, seconds
         Training time of the last base (or of the start); the clocks run from here.
+    start_step : int, optional
+        Step of the last base (or of the start: 0, or the restored checkpoint's step); the step counts
+        run from here. None: the caller reports no steps, so a step period never falls due (logged).
+
+    Examples
+    --------
+    >>> s = Schedule(CheckpointConfig(delta_every="500steps"), start_s=0.0, start_step=0)
+    >>> s.due(10.0, step=499), s.due(10.0, step=512)
+    (None, 'delta')
     """
 
-    def __init__(self, config: CheckpointConfig, start_s: float = 0.0):
-        self.per_partition = config.delta_every == "partition"
-        self.delta_s = 0.0 if self.per_partition else parse_duration(config.delta_every, "checkpoint.delta_every")
-        self.base_s = parse_duration(config.base_every, "checkpoint.base_every")
-        self.last_base_s = start_s
-        self.last_ckpt_s = start_s
+    def __init__(self, config: CheckpointConfig, start_s: float = 0.0, start_step: int | None = None):
+        self.delta = parse_every(config.delta_every, "checkpoint.delta_every", partition=True)
+        self.base = parse_every(config.base_every, "checkpoint.base_every")
+        self.per_partition = self.delta.unit == "partition"
+        self.counts_steps = start_step is not None
+        self.last_base_s = self.last_ckpt_s = start_s
+        self.last_base_step = self.last_ckpt_step = int(start_step or 0)
+        if not self.counts_steps:
+            for key, every, text in (("delta_every", self.delta, config.delta_every),
+                                     ("base_every", self.base, config.base_every)):
+                if every.unit == "steps" and every.amount > 0:
+                    log.warning("checkpoint.%s=%s counts steps, which this program does not report at its "
+                                "checkpoints: it never falls due here (step counts apply to the offline CTR "
+                                "programs, which checkpoint at aligned points); use a time like 30m",
+                                key, text)
 
-    def due(self, now_s: float, *, partition_done: bool = False) -> str | None:
-        """``"base"``, ``"delta"`` or None at training time ``now_s`` (seconds)."""
-        if now_s - self.last_base_s >= self.base_s:
+    def _passed(self, every: Every, since_s: float, since_step: int, now_s: float, step: int | None) -> bool:
+        if every.amount <= 0:
+            return False
+        if every.unit == "s":
+            return now_s - since_s >= every.amount
+        if every.unit == "steps":
+            return step is not None and step - since_step >= every.amount
+        return False
+
+    def due(self, now_s: float, *, step: int | None = None, partition_done: bool = False) -> str | None:
+        """``"base"``, ``"delta"`` or None.
+
+        Parameters
+        ----------
+        now_s : float, seconds
+            Training time now.
+        step : int, optional
+            Step now (steps of each worker, as the manifest's ``step``); None: step periods are not due.
+        partition_done : bool
+            An input partition just ended (``delta_every: partition``).
+        """
+        if self._passed(self.base, self.last_base_s, self.last_base_step, now_s, step):
             return "base"
-        if (self.per_partition and partition_done) or (self.delta_s > 0 and now_s - self.last_ckpt_s >= self.delta_s):
+        if self.per_partition and partition_done:
+            return "delta"
+        if self._passed(self.delta, self.last_ckpt_s, self.last_ckpt_step, now_s, step):
             return "delta"
         return None
 
-    def done(self, kind: str, now_s: float) -> None:
-        """Record that a checkpoint of ``kind`` was written at training time ``now_s``."""
+    def done(self, kind: str, now_s: float, *, step: int | None = None) -> None:
+        """Record that a checkpoint of ``kind`` was written at training time ``now_s`` (and ``step``)."""
         self.last_ckpt_s = now_s
+        if step is not None:
+            self.last_ckpt_step = int(step)
         if kind == "base":
             self.last_base_s = now_s
+            if step is not None:
+                self.last_base_step = int(step)

@@ -14,7 +14,7 @@ next failure ends the job with every failure listed (role, rank, exit, last log 
 The final JSON line gains ``restarts`` and ``examples_replayed``: the examples trained by failed
 attempts after the checkpoint the next attempt resumed from (work that was lost and done again). A
 worker's progress report (``engine.progress``) counts its examples and marks the count at each
-aligned checkpoint position (``"epoch:batch"``); the lost examples of a worker are its count at the
+aligned checkpoint position (``"epoch:batch"``, online ``"partition:NAME"``); the lost examples of a worker are its count at the
 failure minus its mark at the resumed checkpoint's position (all of them when there is no such mark:
 the attempt's whole work was lost).
 
@@ -57,10 +57,13 @@ class Failure:
 
 
 def position_key(manifest: dict) -> str | None:
-    """The progress mark of a checkpoint's data position (``"epoch:batch"``), None without one."""
+    """The progress mark of a checkpoint's data position: ``"epoch:batch"`` (offline), or
+    ``"partition:NAME"`` (online: the last partition consumed); None without one."""
     train = (manifest.get("sources") or {}).get("train") or {}
     if "epoch" in train and "batch" in train:
         return f"{int(train['epoch'])}:{int(train['batch'])}"
+    if train.get("partition"):
+        return f"partition:{train['partition']}"
     return None
 
 

@@ -81,6 +81,7 @@ import pyarrow as pa
 
 from models import ModelConfigError, build_model
 
+from .. import progress
 from ..errors import ConfigError
 from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
@@ -618,7 +619,11 @@ class CTRTrainer:
 
     def evaluate(self, tag: str, epoch: int) -> dict | None:
         """Global metrics of the test split (every worker scores its shard; merged on the servers).
-        Returns the summary on rank 0, None elsewhere."""
+        Returns the summary on rank 0, None elsewhere (an announced long phase: engine.progress)."""
+        with progress.current().phase(f"evaluation {tag}", self.mode.barrier_timeout_s):
+            return self._evaluate(tag, epoch)
+
+    def _evaluate(self, tag: str, epoch: int) -> dict | None:
         p = self.cfg
         self._drain()
         self.mode.barrier(f"eval-start-{tag}")

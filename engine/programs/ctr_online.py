@@ -34,6 +34,7 @@ import time
 
 from streaming.hourly import HourlySource, partition_time
 
+from .. import progress
 from ..checkpoint import CheckpointManager, Schedule
 from ..job_checkpoints import job_name
 from ..config import ModelConfig
@@ -48,6 +49,13 @@ log = logging.getLogger(__name__)
 
 #: the launcher does not add a final checkpoint: every partition already ends with one
 WRITES_CHECKPOINTS = True
+
+
+#: an online job may wait for its next hourly partition as long as it takes (its heartbeat still shows
+#: that the process is alive; engine.progress)
+WAIT_FOR_PARTITION_S = 10 * 365 * 86400.0
+#: longest checkpoint (with its serving export) of one partition by rank 0
+CHECKPOINT_DEADLINE_S = 3600.0
 
 
 def _until(p: Config) -> _dt.datetime | None:
@@ -171,14 +179,14 @@ class OnlineTrainer(ctr.CTRTrainer):
             self.schedule = Schedule(self.ck, start_s=now)
             kind = "base"
         else:
-            kind = self.schedule.due(now, partition_done=True) or "delta"
+            kind = self.schedule.due(now, partition_done=True, step=self.steps) or "delta"
         if kind == "base" and self.started:
             deleted = self.client.shrink()
             log.info("expiry pass before the base of %s: %d row(s) deleted", part.name, deleted)
         pos = {"partition": part.name, "file_index": len(part.files), "batch_index": 0, "row": 0}
         m = self.mgr.save(self.client, kind, when=part.end, step=self.steps, sources={"train": pos},
                           config=self.full_config.to_dict(), extra={"consumed": list(self.consumed)})
-        self.schedule.done(m["kind"], now)
+        self.schedule.done(m["kind"], now, step=self.steps)
         self.started = True
         uri = self.mgr.uri_of(m["name"])
         if self.p.export_root:
@@ -210,13 +218,23 @@ class OnlineTrainer(ctr.CTRTrainer):
                            storage_options=self.full_config.storage.options())
         done, last_uri, auc = [], None, None
         log.info("worker %d: online from after %s", self.rank, self.last or "the first partition")
-        for part in src.partitions(after=self.last, until=_until(p)):
-            pv = self.progressive(part)
+        report = progress.current()
+        report.mark(f"partition:{self.last}")        # examples trained after the resumed partition: 0
+        parts = src.partitions(after=self.last, until=_until(p))
+        while True:
+            with report.phase("waiting for the next partition", WAIT_FOR_PARTITION_S):
+                part = next(parts, None)
+            if part is None:
+                break
+            with report.phase(f"progressive validation of {part.name}", self.mode.barrier_timeout_s):
+                pv = self.progressive(part)
             rows, train_loss = self.train_partition(part)
             self._drain()
             self.mode.barrier(f"trained-{part.name}")
             self.consumed.append(part.name)
-            last_uri = self.checkpoint(part)
+            with report.phase(f"checkpoint of {part.name}", CHECKPOINT_DEADLINE_S):
+                last_uri = self.checkpoint(part)
+            report.mark(f"partition:{part.name}")
             self.consumed = []
             self.mode.barrier(f"checkpointed-{part.name}")
             done.append(part.name)

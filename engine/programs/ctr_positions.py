@@ -14,8 +14,9 @@ parameter server likewise saves between passes)::
     of every epoch:
         every worker: finish the in-flight step, flush its pushes (async) / send its deltas (GEO)
         barrier ckpt-{epoch}-{batch}                      all updates of batches < batch are applied
-        rank 0: a delta or base if the schedule says one is due (checkpoint.delta_every / base_every,
-                wall clock), with sources.train = {epoch, batch, workers, batch_size, ...}
+        rank 0: a delta or base if the schedule says one is due (checkpoint.delta_every / base_every:
+                wall clock, or steps such as 500steps counted by ``trainer.steps``), with
+                sources.train = {epoch, batch, workers, batch_size, ...}
         barrier ckpt-{epoch}-{batch}-done
 
 Every worker is at the same ``batch`` at an aligned point (the points stop at the smallest shard's
@@ -23,6 +24,10 @@ batch count), so one position serves all. ``engine train --resume`` restores the
 skips the first ``batch`` batches of epoch ``epoch`` of its shard. Resuming with another number of
 workers, batch size, shuffle buffer, seed or train split cannot map the position: the worker logs a
 warning and restarts that epoch from its first batch. A finished job records ``(epochs, 0)``.
+
+A step schedule (``delta_every: 500steps``) is checked only at these points, so a checkpoint falls due at
+the first aligned point at or after the period (``align_steps`` should divide it; with ``align_steps: 0``
+only epoch ends). Its count runs from the start, or from the restored checkpoint's ``step``.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from .. import job_checkpoints as ckpt_job
+from .. import progress
 from ..checkpoint.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -60,8 +66,27 @@ class AlignedCheckpoints:
         self.ck = trainer.ctx.config.checkpoint
         self.enabled = self.ck.enabled
         self.mgr = ckpt_job.job_manager(trainer.ctx.config) if self.enabled and trainer.rank == 0 else None
-        self.schedule = Schedule(self.ck, start_s=time.time())
+        self.schedule = Schedule(self.ck, start_s=time.time(), start_step=0)
         self.last_uri: str | None = None
+        if self.mgr is not None:
+            self._check_alignment()
+
+    def _check_alignment(self) -> None:
+        """Log where a step period cannot be met exactly (it is checked at aligned points only)."""
+        a = self.ck.align_steps
+        for key, every in (("delta_every", self.schedule.delta), ("base_every", self.schedule.base)):
+            if every.unit != "steps" or every.amount <= 0:
+                continue
+            n = int(every.amount)
+            if a <= 0:
+                log.warning("checkpoint.%s=%dsteps with checkpoint.align_steps=0: checkpoints are written at "
+                            "epoch ends only; set align_steps (a divisor of %d) to checkpoint within an epoch",
+                            key, n, n)
+            elif n % a:
+                log.warning("checkpoint.%s=%dsteps is not a multiple of checkpoint.align_steps=%d: a checkpoint "
+                            "is written at the first aligned point at or after every %d steps (every %d steps "
+                            "within an epoch)",
+                            key, n, a, n, -(-n // a) * a)
 
     # -------------------------------------------------------------------------------- positions
     def _identity(self) -> dict:
@@ -74,7 +99,16 @@ class AlignedCheckpoints:
         return {"train": {"epoch": pos.epoch, "batch": pos.batch, **self._identity()}}
 
     def restored(self) -> tuple[Position, int]:
-        """(position, step) of the checkpoint ``--resume`` restored; ``(Position(), 0)`` without one."""
+        """(position, step) of the checkpoint ``--resume`` restored; ``(Position(), 0)`` without one.
+
+        The schedule's step count restarts from that step.
+        """
+        pos, step = self._restored()
+        self.schedule = Schedule(self.ck, start_s=time.time(), start_step=step)
+        progress.current().mark(f"{pos.epoch}:{pos.batch}")     # nothing trained after it yet
+        return pos, step
+
+    def _restored(self) -> tuple[Position, int]:
         uri = self.ck.restored
         if not uri:
             return Position(), 0
@@ -113,15 +147,19 @@ class AlignedCheckpoints:
         t._drain()
         name = f"ckpt-{pos.epoch}-{pos.batch}"
         t.mode.barrier(name)
-        if t.rank == 0:
-            now = time.time()
-            kind = self.schedule.due(now) or ("delta" if force else None)
-            if kind is not None:
-                if not self.mgr.head:
-                    kind = "base"
-                m = self.mgr.save(t.client, kind, when=now, step=t.steps, sources=self.sources(pos),
-                                  config=t.ctx.config.to_dict())
-                self.schedule.done(kind, now)
-                self.last_uri = self.mgr.uri_of(m["name"])
-                log.info("checkpoint %s at epoch %d batch %d", self.last_uri, pos.epoch, pos.batch)
-        t.client.barrier(f"{t.mode.name}:{name}-done", t.num_workers, timeout=SAVE_TIMEOUT_S)
+        report = progress.current()
+        # every batch before pos is applied: a restart from a checkpoint of pos replays what follows
+        report.mark(f"{pos.epoch}:{pos.batch}")
+        with report.phase(f"checkpoint at {pos.epoch}:{pos.batch}", SAVE_TIMEOUT_S):
+            if t.rank == 0:
+                now = time.time()
+                kind = self.schedule.due(now, step=t.steps) or ("delta" if force else None)
+                if kind is not None:
+                    if not self.mgr.head:
+                        kind = "base"
+                    m = self.mgr.save(t.client, kind, when=now, step=t.steps, sources=self.sources(pos),
+                                      config=t.ctx.config.to_dict())
+                    self.schedule.done(m["kind"], now, step=t.steps)
+                    self.last_uri = self.mgr.uri_of(m["name"])
+                    log.info("checkpoint %s at epoch %d batch %d", self.last_uri, pos.epoch, pos.batch)
+            t.client.barrier(f"{t.mode.name}:{name}-done", t.num_workers, timeout=SAVE_TIMEOUT_S)

@@ -199,7 +199,8 @@ def test_yaml_1_2_numbers_and_booleans(tmp_path):
     ("geo.delta_scale=max", "geo.delta_scale must be one of ['mean', 'sum'], got 'max'"),
     ("model.pipeline=0100", "model.pipeline must be one of ['exact', 'stale', 'sequential'], got '0100'"),
     ("checkpoint.keep_bases=0", "checkpoint.keep_bases must be >= 1, got 0"),
-    ("checkpoint.delta_every=soon", "checkpoint.delta_every must be a duration like 30m, 1h, 3600s, got 'soon'"),
+    ("checkpoint.delta_every=soon", "checkpoint.delta_every must be a duration like 30m, 1h, 3600s, a step count "
+                                    "like 500steps, 'partition' or 0, got 'soon'"),
     # unknown keys, in nested sections too, with the known keys listed
     ("model.data.colour=red", "model.data: unknown key(s) ['colour']; known keys: ['cache_dir',"),
     ("server.threads=4", "server: unknown key(s) ['threads']; known keys: ['max_barrier_wait_s', "
