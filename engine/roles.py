@@ -23,10 +23,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import progress
+from . import preempt, progress
 from .config import EngineConfig, restore_secrets
 from .errors import ConfigError
 
@@ -97,7 +98,11 @@ def guard_parent() -> None:
 
 def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: int | None = None,
                ready_file: str | None = None) -> int:
-    """Serve until a Stop RPC, SIGTERM or SIGINT. Writes ``host:port`` to ready_file once listening."""
+    """Serve until a Stop RPC or SIGINT. Writes ``host:port`` to ready_file once listening.
+
+    SIGTERM is a preemption (``engine.preempt``): the server keeps serving, says ``preempting`` in
+    ``Health`` (so rank 0 checkpoints at its next meeting), and stops at a Stop RPC or after
+    ``cluster.preempt_timeout_s``; it then returns ``EXIT_PREEMPTED``."""
     from .ps.server import PSServer, serve
 
     cfg = restore_secrets(cfg)
@@ -112,18 +117,28 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     core = PSServer.from_config(cfg, rank)
     server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
                           max_concurrent_rpcs=cfg.server.max_concurrent_rpcs)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: core.stopped.set())
+    deadline = [float("inf")]
+
+    def preempted(*_) -> None:
+        if not core.preempting:
+            log.warning("server %d: SIGTERM: preempting; serving until the job's checkpoint and Stop, at most "
+                        "%g s", rank, cfg.cluster.preempt_timeout_s)
+            core.preempting = True
+            deadline[0] = time.monotonic() + cfg.cluster.preempt_timeout_s
+    signal.signal(signal.SIGTERM, preempted)
+    signal.signal(signal.SIGINT, lambda *_: core.stopped.set())
     if ready_file:
         tmp = Path(ready_file + ".tmp")
         tmp.write_text(f"{host}:{bound}\n")
         tmp.replace(ready_file)
     while not core.stopped.wait(0.5):
-        pass
+        if time.monotonic() > deadline[0]:
+            log.warning("server %d: preempt_timeout_s passed; stopping", rank)
+            break
     log.info("server %d stopping", rank)
     server.stop(grace=2.0).wait(cfg.cluster.stop_timeout_s)
     core.close()
-    return 0
+    return preempt.EXIT_PREEMPTED if core.preempting else 0
 
 
 def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) -> dict:
@@ -152,7 +167,11 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
             from .ps.warmup import warm_up
             warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
             mode.warm_up(c.dim for c in cfg.sparse_tables.values())
-        result = program.run(WorkerContext(cfg, rank, workers, client, mode))
+        try:
+            result = program.run(WorkerContext(cfg, rank, workers, client, mode))
+        except preempt.Preempted as e:
+            log.warning("worker %d: %s", rank, e)
+            result = {"rank": rank, "preempted": True, "reason": str(e)}
     finally:
         client.close()
         reporter.close()

@@ -10,9 +10,12 @@ With ``checkpoint.root`` set, the end of the job writes a checkpoint (its URI is
 checkpoint, up to ``cluster.max_restarts`` times (``engine.launch.supervisor``); the final line says
 how often (``restarts``) and how much work was done twice (``examples_replayed``).
 
+SIGTERM (to the launcher or to any role) is a preemption (``engine.preempt``): the job writes a checkpoint
+at its next meeting, within ``cluster.preempt_timeout_s``, and stops; ``--resume`` continues from there.
+
 Exit codes: 0 success, 2 bad config or arguments, 1 the job failed (more failures than
-``cluster.max_restarts`` allows, every one listed) or a checkpoint could not be restored, 130
-interrupted.
+``cluster.max_restarts`` allows, every one listed) or a checkpoint could not be restored, 75 preempted
+(resumable: ``engine train CONFIG --resume``), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from hdfs_io import CheckpointCorruptError, NotPublishedError
 from sparse_tables import TableConfigError
 from streaming.errors import DataFormatError, SchemaError
 
+from .. import preempt
 from ..errors import ConfigError, LaunchError
 
 log = logging.getLogger("engine.train")
@@ -75,8 +79,9 @@ def run(args) -> int:
             return roles.run_server(cfg, args.rank, host=args.host, port=args.port, ready_file=args.ready_file)
         if args.role == "worker":
             roles.guard_parent()
-            roles.run_worker(cfg, args.rank, result_file=args.result_file)
-            return 0
+            preempt.install_handler()        # SIGTERM: checkpoint at the next meeting, then exit 75
+            result = roles.run_worker(cfg, args.rank, result_file=args.result_file)
+            return preempt.EXIT_PREEMPTED if result.get("preempted") else 0
         if cfg.model is None:
             raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
         from ..launch.supervisor import run_job
@@ -85,6 +90,11 @@ def run(args) -> int:
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)
         final = run_job(cfg, program, args.run_dir, resume=args.resume, resume_fallback=args.resume_fallback)
+        if final.get("preempted"):
+            print(json.dumps(final), flush=True)
+            print(f"engine train: preempted; resume with: engine train {args.config} --resume "
+                  f"(checkpoint {final.get('checkpoint')})", file=sys.stderr)
+            return preempt.EXIT_PREEMPTED
     except ConfigError as e:
         print(f"engine train: config error: {e}", file=sys.stderr)
         return 2

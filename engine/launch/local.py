@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import progress
+from .. import preempt, progress
 from ..config import SECRET_ENV, EngineConfig, dump_config, secret_env
 from ..errors import LaunchError
 from ..ps import ps_pb2 as pb
@@ -131,6 +131,8 @@ class LocalCluster:
         self.workers: list[Child] = []
         self.endpoints: list[str] = []
         self.watch: ServerWatch | None = None
+        self.preempt_deadline: float | None = None     # monotonic; set by ``preempt``
+        self._preempted: set[int] = set()               # worker ranks sent SIGTERM
 
     def write_config(self, cfg: EngineConfig) -> None:
         """Write ``cfg`` as the children's config file (mode 0600, no inline storage secrets: those
@@ -198,7 +200,7 @@ class LocalCluster:
     def _check_alive(self, children: list[Child], *, finished_ok: bool = False) -> None:
         for c in children:
             code = c.proc.poll()
-            if code is None or (finished_ok and code == 0):
+            if code is None or (finished_ok and code in (0, preempt.EXIT_PREEMPTED)):
                 continue
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             raise LaunchError(f"{c.name} (pid {c.proc.pid}) {how}; last lines of {c.log_path}:\n{c.tail()}",
@@ -224,6 +226,19 @@ class LocalCluster:
                 raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",
                                   role=c.role, rank=c.rank, exit_code=None, reason=reason, log_tail=c.tail())
 
+    def preempt(self) -> None:
+        """Forward a preemption (SIGTERM) to every worker; they checkpoint at their next meeting and
+        exit ``EXIT_PREEMPTED``. ``wait_workers`` gives up after ``cluster.preempt_timeout_s``."""
+        if self.preempt_deadline is None:
+            self.preempt_deadline = time.monotonic() + self.cfg.cluster.preempt_timeout_s
+        for w in self.workers:
+            if w.proc.poll() is None and w.rank not in self._preempted:
+                self._preempted.add(w.rank)
+                try:
+                    w.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
     def worker_reports(self) -> list[dict | None]:
         """Each worker's last progress report (``engine.progress``), None where there is none."""
         return [progress.read(w.progress_path) if w.progress_path else None for w in self.workers]
@@ -241,6 +256,10 @@ class LocalCluster:
         while any(w.proc.poll() is None for w in self.workers):
             self._check_alive(self.workers, finished_ok=True)
             self._check_alive(self.servers)
+            if self.preempt_deadline is not None and time.monotonic() > self.preempt_deadline:
+                raise LaunchError(f"preempted: the workers did not reach a checkpoint within "
+                                  f"cluster.preempt_timeout_s={self.cfg.cluster.preempt_timeout_s:g}",
+                                  reason="preempt timeout")
             if time.monotonic() >= next_hang_check:
                 self._check_hangs()
                 next_hang_check = time.monotonic() + HANG_CHECK_S
@@ -269,11 +288,12 @@ class LocalCluster:
         self._terminate(self.servers, grace=self.cfg.cluster.stop_timeout_s)
 
     def shutdown(self) -> None:
-        """Stop every child: SIGTERM to its process group, SIGKILL after a grace period (a stopped
-        process gets SIGKILL too, which ends it). Idempotent."""
+        """Stop every child still running: SIGKILL to its process group (a stopped process too). A
+        child's SIGTERM means preemption (``engine.preempt``), which is not what ends an attempt: what
+        an ended attempt trained is rolled back to a checkpoint anyway. Idempotent."""
         if self.watch is not None:
             self.watch.close()
-        self._terminate(self.workers + self.servers, grace=3.0)
+        self._terminate(self.workers + self.servers, grace=0.0)
 
     @staticmethod
     def _terminate(children: list[Child], grace: float) -> None:

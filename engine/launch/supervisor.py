@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,19 @@ class Supervisor:
         self.restarts = 0
         self.examples_replayed = 0
         self.checkpoint: str | None = None
+        self.preempt_requested = False
+        self.preempted = False
+        self._cluster: LocalCluster | None = None
+
+    def preempt(self, *_) -> None:
+        """SIGTERM to the launcher: the running attempt's workers checkpoint at their next meeting and
+        stop (``engine.preempt``); no restart follows."""
+        if not self.preempt_requested:
+            log.warning("SIGTERM: preempting the job (a checkpoint at the next meeting, within "
+                        "cluster.preempt_timeout_s=%g s)", self.cfg.cluster.preempt_timeout_s)
+        self.preempt_requested = True
+        if self._cluster is not None:
+            self._cluster.preempt()
 
     def run(self) -> list[dict]:
         """Run attempts until one finishes; returns its workers' results.
@@ -129,13 +143,24 @@ class Supervisor:
         attempt = 0
         while True:
             run_dir = self.run_dir if attempt == 0 or self.run_dir is None else Path(self.run_dir) / f"restart-{attempt}"
-            cluster = LocalCluster(self.cfg, run_dir)
+            cluster = self._cluster = LocalCluster(self.cfg, run_dir)
             try:
                 with cluster:
                     return self._attempt(cluster)
             except LaunchError as e:
+                if self.preempt_requested:          # stopped on purpose: resumable, not restarted
+                    log.warning("preempted before a checkpoint meeting: %s", e.reason)
+                    self._stopped_preempted()
+                    return []
                 self._failed(attempt, e, cluster)
+            finally:
+                self._cluster = None
             attempt += 1
+
+    def _stopped_preempted(self) -> None:
+        self.preempted = True
+        newest = newest_checkpoint(self.cfg)
+        self.checkpoint = newest[0] if newest else None
 
     def _failed(self, attempt: int, e: LaunchError, cluster: LocalCluster) -> None:
         f = Failure(attempt, e.role, e.rank, e.exit_code, e.reason, e.log_tail, time.monotonic())
@@ -174,10 +199,16 @@ class Supervisor:
             if state["cfg"].checkpoint.enabled and not own_checkpoints:
                 state["periodic"] = ckpt_job.Periodic(state["cfg"], cluster.endpoints)
             cluster.start_workers()
+            if self.preempt_requested:
+                cluster.preempt()
             results = cluster.wait_workers()
         finally:
             if state["periodic"] is not None:
                 state["periodic"].stop()
+        if any(r.get("preempted") for r in results):
+            self._stopped_preempted()
+            cluster.stop_servers()
+            return results
         if own_checkpoints:
             self.checkpoint = next((r.get("checkpoint") for r in results if r.get("rank") == 0), None)
         else:
@@ -199,8 +230,16 @@ def run_job(cfg: EngineConfig, program, run_dir=None, *, resume: str | None = No
         The job failed more often than ``cluster.max_restarts`` allows (every failure is listed).
     """
     sup = Supervisor(cfg, program, run_dir, resume=resume, resume_fallback=resume_fallback)
-    with (program.follow(cfg) if hasattr(program, "follow") else contextlib.nullcontext()):
-        results = sup.run()
+    previous = signal.signal(signal.SIGTERM, sup.preempt)
+    try:
+        with (program.follow(cfg) if hasattr(program, "follow") else contextlib.nullcontext()):
+            results = sup.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if sup.preempted:
+        return {"event": "final", "model": cfg.model.kind, "mode": cfg.mode, "preempted": True,
+                "checkpoint": sup.checkpoint, "restarts": sup.restarts,
+                "examples_replayed": sup.examples_replayed}
     if hasattr(program, "final"):
         final = program.final(cfg, results)
     else:

@@ -34,7 +34,7 @@ import time
 
 from streaming.hourly import HourlySource, partition_time
 
-from .. import progress
+from .. import preempt, progress
 from ..checkpoint import CheckpointManager, Schedule
 from ..job_checkpoints import job_name
 from ..config import ModelConfig
@@ -230,14 +230,19 @@ class OnlineTrainer(ctr.CTRTrainer):
                 pv = self.progressive(part)
             rows, train_loss = self.train_partition(part)
             self._drain()
+            preempt.announce(self.client)
             self.mode.barrier(f"trained-{part.name}")
             self.consumed.append(part.name)
             with report.phase(f"checkpoint of {part.name}", CHECKPOINT_DEADLINE_S):
                 last_uri = self.checkpoint(part)
+                if self.rank == 0 and preempt.decide(self.client):
+                    preempt.publish(self.client, part.name)
             report.mark(f"partition:{part.name}")
             self.consumed = []
             self.mode.barrier(f"checkpointed-{part.name}")
             done.append(part.name)
+            if preempt.decided(self.client, part.name):
+                raise preempt.Preempted(f"preempted after partition {part.name} (checkpoint {last_uri or 'by rank 0'})")
             if pv is not None:
                 auc = pv["auc"]
                 self.metrics.write({"event": "partition", "partition": part.name, "rows": pv["count"],

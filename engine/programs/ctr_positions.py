@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from .. import job_checkpoints as ckpt_job
-from .. import progress
+from .. import preempt, progress
 from ..checkpoint.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ class AlignedCheckpoints:
         t = self.t
         t._drain()
         name = f"ckpt-{pos.epoch}-{pos.batch}"
+        preempt.announce(t.client)           # before the barrier: rank 0 sees it inside the meeting
         t.mode.barrier(name)
         report = progress.current()
         # every batch before pos is applied: a restart from a checkpoint of pos replays what follows
@@ -153,7 +154,8 @@ class AlignedCheckpoints:
         with report.phase(f"checkpoint at {pos.epoch}:{pos.batch}", SAVE_TIMEOUT_S):
             if t.rank == 0:
                 now = time.time()
-                kind = self.schedule.due(now, step=t.steps) or ("delta" if force else None)
+                stop = preempt.decide(t.client)
+                kind = self.schedule.due(now, step=t.steps) or ("delta" if force or stop else None)
                 if kind is not None:
                     if not self.mgr.head:
                         kind = "base"
@@ -162,4 +164,9 @@ class AlignedCheckpoints:
                     self.schedule.done(m["kind"], now, step=t.steps)
                     self.last_uri = self.mgr.uri_of(m["name"])
                     log.info("checkpoint %s at epoch %d batch %d", self.last_uri, pos.epoch, pos.batch)
+                if stop:
+                    preempt.publish(t.client, name)
             t.client.barrier(f"{t.mode.name}:{name}-done", t.num_workers, timeout=SAVE_TIMEOUT_S)
+        if not force and preempt.decided(t.client, name):    # at the final meeting the job is done anyway
+            raise preempt.Preempted(f"preempted at epoch {pos.epoch} batch {pos.batch} (step {t.steps}) after "
+                                    f"checkpoint {self.last_uri or 'written by rank 0'}")
