@@ -10,6 +10,10 @@ Actions: ``sleep:SECONDS`` (pause there). Unset, every point costs one dict look
 ``checkpoint.before_publish``
     ``CheckpointManager.save``: every server wrote its part files, the manifest and ``_SUCCESS`` are
     not written yet (a kill here must leave the previous checkpoint the newest complete one).
+``export.before_publish``
+    ``ctr_online`` rank 0, right before ``export_bundle`` writes and publishes the serving bundle of the
+    checkpoint just published (the publish happens inside ``export_bundle``, so the point precedes the
+    whole call): a kill here leaves that checkpoint complete and its bundle absent.
 """
 from __future__ import annotations
 

@@ -87,6 +87,8 @@ class Progress:
         """Remember the examples count at point ``name`` (e.g. a checkpoint's data position)."""
         with self._lock:
             self._state["marks"][name] = self._state["examples"]
+        if self.path is not None:      # at once: the process may be killed before the next beat
+            self._write()
 
     @contextlib.contextmanager
     def phase(self, name: str, deadline_s: float):

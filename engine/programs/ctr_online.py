@@ -31,11 +31,12 @@ import logging
 import os
 import time
 
-
+from hdfs_io import CheckpointCorruptError, NotPublishedError
 from streaming.hourly import HourlySource, partition_time
 
-from .. import preempt, progress
-from ..checkpoint import CheckpointManager, Schedule
+from .. import failpoints, preempt, progress
+from ..checkpoint import CheckpointManager, Schedule, chain_of
+from ..export import BundleError, CheckpointSource, export_bundle, open_bundle
 from ..job_checkpoints import job_name
 from ..config import ModelConfig
 from ..errors import ConfigError
@@ -135,12 +136,29 @@ class OnlineTrainer(ctr.CTRTrainer):
                                     storage_options=ctx.config.storage.options())
             if resumed is not None:
                 self.mgr.head = resumed["name"]
+                if self.p.export_root:
+                    self.last_export = self._previous_export(resumed["name"])
         start = 0.0
         if resumed is not None:
             base = resumed["base"]
             start = self._base_time(base)
         self.schedule = Schedule(self.ck, start_s=start)
         self.started = resumed is not None
+
+    def _previous_export(self, resumed: str) -> str | None:
+        """The newest serving bundle published for a checkpoint of the resumed chain, so a restarted job
+        continues the export chain with a delta against it instead of a new full bundle. A delta that
+        spans a bundle a killed export never published is still exact: ``export_bundle`` compares the
+        checkpoint's rows with the chain of the bundle it is given."""
+        opts = self.full_config.storage.options()
+        for m in reversed(chain_of(self.mgr.storage, resumed)):
+            out = f"{self.p.export_root.rstrip('/')}/{m['name']}"
+            try:
+                open_bundle(out, storage_options=opts)
+            except (NotPublishedError, CheckpointCorruptError, BundleError):
+                continue
+            return out
+        return None
 
     @staticmethod
     def _base_time(name: str) -> float:
@@ -189,6 +207,7 @@ class OnlineTrainer(ctr.CTRTrainer):
         self.schedule.done(m["kind"], now, step=self.steps)
         self.started = True
         uri = self.mgr.uri_of(m["name"])
+        progress.current().mark(f"partition:{part.name}")    # committed: a restart resumes after it
         if self.p.export_root:
             self.export(uri, m["name"], m["kind"])
         return uri
@@ -197,10 +216,10 @@ class OnlineTrainer(ctr.CTRTrainer):
         """Rank 0: a serving bundle of the checkpoint just written, under ``model.export_root`` with the
         checkpoint's name: a full bundle after a base (or the first export of this process), else a delta
         against the previous export, so serving applies hourly patches (``Bundle.apply_delta``)."""
-        from ..export import CheckpointSource, export_bundle
         p, opts = self.p, self.full_config.storage.options()
         out = f"{p.export_root.rstrip('/')}/{name}"
         since = self.last_export if kind != "base" else None
+        failpoints.hit("export.before_publish")
         meta = export_bundle(CheckpointSource(ckpt_uri, storage_options=opts), out, dtype=p.export_dtype,
                              min_show=p.export_min_show if since is None else None, since=since,
                              storage_options=opts, overwrite=True)
