@@ -17,6 +17,7 @@ The config file the launcher writes holds no inline storage secret; a role takes
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -96,13 +97,37 @@ def guard_parent() -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+class _OneServer:
+    """``engine.checkpoint.Cluster`` over one in-process server: ``CheckpointManager.restore`` loads
+    a checkpoint chain into this server only (each server of a role-mode job restores its own vshards)."""
+
+    def __init__(self, core):
+        self.core, self.num_servers = core, core.num_servers
+
+    def load(self, uri: str) -> int:
+        from .ps import ps_pb2 as pb
+        from .ps.server import ServerError
+        try:
+            return self.core.handle("Load", pb.PathRequest(request_id=f"resume:{uri}", path=uri)).count
+        except ServerError as e:
+            raise RuntimeError(str(e)) from None
+
+    def save(self, uri: str) -> int:    # not used by a restore
+        raise RuntimeError("a role-mode server restores only")
+
+
 def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: int | None = None,
-               ready_file: str | None = None) -> int:
+               ready_file: str | None = None, resume: str | None = None, resume_fallback: bool = False) -> int:
     """Serve until a Stop RPC or SIGINT. Writes ``host:port`` to ready_file once listening.
 
     SIGTERM is a preemption (``engine.preempt``): the server keeps serving, says ``preempting`` in
     ``Health`` (so rank 0 checkpoints at its next meeting), and stops at a Stop RPC or after
-    ``cluster.preempt_timeout_s``; it then returns ``EXIT_PREEMPTED``."""
+    ``cluster.preempt_timeout_s``; it then returns ``EXIT_PREEMPTED``.
+
+    ``resume`` (``--resume [URI]`` under ``--role server``; "" = the job's newest complete checkpoint):
+    before it listens, the server loads its own vshards of that checkpoint's chain (a damaged one falls
+    back to the previous complete one with ``resume_fallback`` or ``checkpoint.fallback``) and reports
+    it as ``restored`` in ``Health``; workers started with the servers resume at its data position."""
     from .ps.server import PSServer, serve
 
     cfg = restore_secrets(cfg)
@@ -115,6 +140,11 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         from .ps.warmup import warm_up
         warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
     core = PSServer.from_config(cfg, rank)
+    if resume is not None:
+        from . import job_checkpoints
+        mgr, target = job_checkpoints.manager_for(cfg, resume or None)
+        m = mgr.restore(_OneServer(core), target, fallback=resume_fallback or cfg.checkpoint.fallback)
+        log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
     server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
                           max_concurrent_rpcs=cfg.server.max_concurrent_rpcs)
     deadline = [float("inf")]
@@ -141,6 +171,29 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     return preempt.EXIT_PREEMPTED if core.preempting else 0
 
 
+def _restored_by_servers(cfg: EngineConfig, client) -> EngineConfig:
+    """Role mode: the checkpoint the servers restored (``--role server --resume``) becomes this
+    worker's ``checkpoint.restored``, so it resumes at that checkpoint's data position.
+
+    Raises
+    ------
+    ConfigError
+        The servers restored different checkpoints (or some none): restart every server with the same
+        ``--resume``.
+    """
+    if cfg.checkpoint.restored:
+        return cfg
+    restored = {h.get("restored") for h in client.health()}
+    if restored == {None}:
+        return cfg
+    if len(restored) > 1:
+        raise ConfigError(f"the servers restored different checkpoints {sorted(map(str, restored))}: start every "
+                          f"server of the job with the same --resume")
+    uri = restored.pop()
+    log.info("the servers restored %s: resuming at its data position", uri)
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=uri))
+
+
 def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) -> dict:
     """Connect to the servers, build the mode, run the ``model.kind`` program; returns its summary."""
     from .modes import make_mode
@@ -162,6 +215,7 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
                       name=f"worker{rank}")
     try:
         client.wait_ready(cfg.cluster.startup_timeout_s)
+        cfg = _restored_by_servers(cfg, client)
         mode = make_mode(cfg, client, rank=rank, num_workers=workers)
         if cfg.cluster.warm_up:    # the client's kernels (the servers' ones load from the cache they wrote)
             from .ps.warmup import warm_up

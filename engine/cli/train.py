@@ -76,7 +76,8 @@ def run(args) -> int:
     try:
         if args.role == "server":
             roles.guard_parent()
-            return roles.run_server(cfg, args.rank, host=args.host, port=args.port, ready_file=args.ready_file)
+            return roles.run_server(cfg, args.rank, host=args.host, port=args.port, ready_file=args.ready_file,
+                                    resume=args.resume, resume_fallback=args.resume_fallback)
         if args.role == "worker":
             roles.guard_parent()
             preempt.install_handler()        # SIGTERM: checkpoint at the next meeting, then exit 75

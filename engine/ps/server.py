@@ -114,6 +114,7 @@ class PSServer:
                       for i, name in enumerate(sorted(dense or {}))}
         self.stopped = threading.Event()
         self.preempting = False                  # SIGTERM: serving until the job checkpointed (Health)
+        self.restored: str | None = None         # URI of the last checkpoint loaded (Health)
         self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
         self.window = ReplyWindow(reply_window_bytes)
         self.max_message_bytes = int(max_message_bytes)
@@ -180,6 +181,7 @@ class PSServer:
             with self._tables_lock.exclusive():
                 reply = self.Load(request)
                 self.window.clear()     # remembered replies were computed from the tables just replaced
+                self.restored = request.path
             return reply
         if method not in _ON_TABLES:
             return getattr(self, method)(request)
@@ -521,8 +523,8 @@ class PSServer:
         return pb.JsonResponse(request_id=req.request_id, json=json.dumps(out))
 
     def Health(self, req: pb.Empty) -> pb.JsonResponse:
-        out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "server": self.index,
-               "num_servers": self.num_servers,
+        out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
+               "server": self.index, "num_servers": self.num_servers,
                "num_vshards": self.num_vshards,
                "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},
                "dense": {n: {"ordinal": h.ordinal, "size": h.size, "block_size": codec.DENSE_BLOCK}

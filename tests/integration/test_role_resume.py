@@ -1,0 +1,87 @@
+"""Role mode (``--role``, as Kubernetes or Slurm start a job): servers started with ``--resume URI``
+restore their own vshards of that checkpoint before they listen and report it in ``Health``; a worker
+started beside them resumes at its data position. A sync job of one worker resumed this way from a
+mid-run checkpoint ends bit-identical to an uninterrupted run, and servers that restored different
+checkpoints are refused with a message that says what to do."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.checkpoint import CheckpointManager
+from tests.integration.test_chaos_offline import REPO, args, run
+from tests.integration.test_offline_resume import _state
+
+pytestmark = pytest.mark.slow
+
+SETS = ("mode=sync", "cluster.workers=1", "model.pipeline=sequential")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def role_cmd(tmp, tag: str, role: str, rank: int, *extra: str) -> list[str]:
+    """The full run's resolved config (its data converted to Arrow, as role mode needs), checkpoints
+    under a root of this job's own."""
+    return [sys.executable, "-m", "engine", "train", str(tmp / "run-full" / "config.yaml"),
+            "--set", f"checkpoint.root={tmp / ('ckpt-' + tag)}", "--role", role, "--rank", str(rank), *extra]
+
+
+def role_job(tmp, tag: str, resumes: list[str]) -> tuple[int, dict | None, str]:
+    """Two servers (server r with ``--resume resumes[r]``) and one worker, as a scheduler starts them;
+    returns (worker exit code, its result, its stderr)."""
+    ports = free_ports(2)
+    env = {**os.environ, "ENGINE_SERVERS": ",".join(f"127.0.0.1:{p}" for p in ports), "ENGINE_NUM_WORKERS": "1"}
+    servers = [subprocess.Popen(role_cmd(tmp, tag, "server", r, "--port", str(ports[r]), "--resume", resumes[r]),
+                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True) for r in range(2)]
+    result = tmp / f"{tag}-result.json"
+    try:
+        worker = subprocess.run(role_cmd(tmp, tag, "worker", 0, "--result-file", str(result)), cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=180)
+    finally:
+        for s in servers:
+            if s.poll() is None:
+                os.killpg(s.pid, signal.SIGKILL)
+            s.wait(10)
+    return worker.returncode, json.loads(result.read_text()) if result.exists() else None, worker.stderr
+
+
+def test_role_mode_servers_resume_and_the_worker_continues_bit_identically(tmp_path):
+    full = run(args(tmp_path, "full", *SETS))
+    mgr = CheckpointManager(str(tmp_path / "ckpt-full"), "ctr_dnn")
+    mid = next(m for m in (mgr.manifest(r.name) for r in mgr.list())
+               if m["sources"]["train"]["epoch"] == 1 and m["sources"]["train"]["batch"] == 8)
+    uri = mgr.uri_of(mid["name"])
+    code, result, err = role_job(tmp_path, "role", [uri, uri])
+    assert code == 0, err[-3000:]
+    assert "the servers restored" in err and f"resuming at epoch 1, batch 8" in err, err[-3000:]
+    a_sparse, a_dense = _state(full["checkpoint"])
+    b_sparse, b_dense = _state(result["checkpoint"])
+    for k in a_sparse:
+        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
+    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+
+
+def test_servers_that_restored_different_checkpoints_are_refused(tmp_path):
+    run(args(tmp_path, "full", *SETS))
+    mgr = CheckpointManager(str(tmp_path / "ckpt-full"), "ctr_dnn")
+    names = [r.name for r in mgr.list()]
+    code, result, err = role_job(tmp_path, "mixed", [mgr.uri_of(names[1]), mgr.uri_of(names[2])])
+    assert code == 2 and result is None
+    assert "the servers restored different checkpoints" in err and "same --resume" in err, err[-2000:]
