@@ -71,6 +71,7 @@ from engine import job_checkpoints as ckpt_job
 from engine import progress
 from engine.config import load_config
 from engine.launch.local import LocalCluster
+from engine.launch.procs import processes_of, role_pid
 from engine.ps import InProcessTransport, PSClient, PSServer
 
 CONFIG = REPO / "configs" / "ctr.yaml"
@@ -111,38 +112,6 @@ def start_job(run_dir: Path, sets: list[str], resume: str | None, log_path: Path
                                 start_new_session=True)
 
 
-def pids_under(path: Path) -> list[int]:
-    """Processes (not this one) whose command line names ``path`` or a path below it."""
-    out, key = [], str(path).encode()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if key in (d / "cmdline").read_bytes():
-                    out.append(int(d.name))
-            except OSError:
-                pass
-    return out
-
-
-def role_pid(run_dir: Path, role: str, rank: int, timeout_s: float) -> int:
-    """pid of the ``--role role --rank rank`` child of the attempt running in ``run_dir``."""
-    config = str(run_dir / "config.yaml").encode()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                cmd = (d / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if (config in cmd and b"--role" in cmd and cmd[cmd.index(b"--role") + 1] == role.encode()
-                    and cmd[cmd.index(b"--rank") + 1] == str(rank).encode()):
-                return int(d.name)
-        time.sleep(0.1)
-    raise RuntimeError(f"{role} {rank} of {run_dir} not found within {timeout_s:g}s")
-
-
 def stop_job(proc: subprocess.Popen | None, tmp: Path) -> None:
     """Ctrl-C to the launcher (it stops its children), then SIGKILL to whatever is left under ``tmp``."""
     if proc is not None and proc.poll() is None:
@@ -158,7 +127,7 @@ def stop_job(proc: subprocess.Popen | None, tmp: Path) -> None:
                 pass
             proc.wait(timeout=10)
     deadline = time.monotonic() + 15
-    while (left := pids_under(tmp)) and time.monotonic() < deadline:
+    while (left := processes_of(tmp)) and time.monotonic() < deadline:
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)

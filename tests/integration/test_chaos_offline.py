@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from engine import progress
+from engine.launch.procs import processes_of as leftovers
+from engine.launch.procs import role_pid
 from tests.integration.test_offline_resume import _state
-from tests.integration.test_supervision import leftovers, role_pid
 
 pytestmark = pytest.mark.slow
 

@@ -43,7 +43,8 @@ import pytest
 import hdfs_io
 from engine import progress
 from engine.checkpoint import CheckpointManager, chain_of
-from tests.integration.test_supervision import leftovers, role_pid
+from engine.launch.procs import processes_of as leftovers
+from engine.launch.procs import role_pid
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))

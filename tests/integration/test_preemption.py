@@ -13,10 +13,11 @@ import time
 import numpy as np
 import pytest
 
+from engine.launch.procs import processes_of as leftovers
+from engine.launch.procs import role_pid
 from engine.preempt import EXIT_PREEMPTED
 from tests.integration.test_chaos_offline import REPO, ROWS, SLOTS, args, run, wait_for
 from tests.integration.test_offline_resume import _state
-from tests.integration.test_supervision import leftovers, role_pid
 
 pytestmark = pytest.mark.slow
 

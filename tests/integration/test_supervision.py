@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from engine import progress
+from engine.launch.procs import processes_of as leftovers
+from engine.launch.procs import role_pid
 
 pytestmark = pytest.mark.slow
 
@@ -28,24 +30,6 @@ def engine(*args, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "engine", "train", str(DEMO), "--run-dir", str(run_dir),
                              *FAST, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             start_new_session=True)
-
-
-def role_pid(run_dir: Path, role: str, rank: int, timeout: float = 60.0) -> int:
-    """pid of a running ``--role role --rank rank`` child whose config lives under ``run_dir``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                cmd = (d / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if (str(run_dir).encode() in b" ".join(cmd) and b"--role" in cmd and role.encode() in cmd
-                    and cmd[cmd.index(b"--rank") + 1] == str(rank).encode()):
-                return int(d.name)
-        time.sleep(0.1)
-    raise AssertionError(f"{role} {rank} never started under {run_dir}")
 
 
 def wait_steps(path: Path, steps: int, timeout: float = 90.0) -> None:
@@ -65,18 +49,6 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-
-
-def leftovers(run_dir: Path) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if str(run_dir).encode() in (d / "cmdline").read_bytes():
-                    out.append(int(d.name))
-            except OSError:
-                pass
-    return out
 
 
 def test_a_killed_worker_restarts_the_job_which_finishes(tmp_path):

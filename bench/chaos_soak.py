@@ -1,0 +1,110 @@
+"""Chaos soak (issue 16), outside CI: CTR-DNN on the shared Criteo rows (``configs/ctr.yaml``), 1 server +
+2 workers, checkpoints every 16 steps, and ``--kills`` kill -9 of a random role at random moments (one
+per attempt: a server or a worker once it trained a random number of steps, or a server inside a
+checkpoint write held open by the failpoint ``checkpoint.before_publish``). The job must finish by itself
+with ``restarts == kills``; its held-out AUC is printed beside the AUC of an uninterrupted run of the same
+config measured in the same session.
+
+Prints JSON lines with a ``bench`` field (``machine``, ``reference``, ``chaos_soak``)::
+
+    python bench/chaos_soak.py [--kills 8] [--epochs 6] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from engine import progress  # noqa: E402
+from engine.launch.procs import processes_of, role_pid  # noqa: E402
+
+
+def job(work: Path, tag: str, epochs: int, kills: int) -> list[str]:
+    return [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(work / tag),
+            "--set", f"checkpoint.root={work / ('ckpt-' + tag)}", "--set", "checkpoint.align_steps=16",
+            "--set", "checkpoint.delta_every=16steps", "--set", f"model.epochs={epochs}",
+            "--set", f"model.metrics_dir={work / 'metrics'}", "--set", f"cluster.max_restarts={kills}"]
+
+
+def wait_report(path: Path, ok, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        r = progress.read(path)
+        if r is not None and ok(r):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def soak(work: Path, epochs: int, kills: int, seed: int, timeout_s: float) -> dict:
+    rng = np.random.default_rng(seed)
+    env = {**os.environ, "ENGINE_FAILPOINTS": "checkpoint.before_publish=sleep:0.6"}
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    proc = subprocess.Popen(job(work, "soak", epochs, kills), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    done = []
+    try:
+        for attempt in range(kills):
+            d = work / "soak" if attempt == 0 else work / "soak" / f"restart-{attempt}"
+            report = d / "worker-0.progress.json"
+            how = rng.choice(["step", "step", "checkpoint"])
+            role, rank = (("server", 0) if how == "checkpoint" or rng.random() < 0.5
+                          else ("worker", int(rng.integers(0, 2))))
+            if how == "step":
+                at = int(rng.integers(5, 60))
+                hit = wait_report(report, lambda r: r["step"] >= at, deadline)
+            else:
+                at = -1
+                hit = wait_report(report, lambda r: (r.get("phase") or {}).get("name", "").startswith("checkpoint"),
+                                  deadline)
+            if not hit:
+                break
+            os.kill(role_pid(d, role, rank, 30), signal.SIGKILL)
+            done.append({"attempt": attempt, "killed": f"{role} {rank}", "when": how, "step": at})
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    final = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else {}
+    return {"bench": "chaos_soak", "exit": proc.returncode, "kills": len(done), "restarts": final.get("restarts"),
+            "examples_replayed": final.get("examples_replayed"), "test_auc": final.get("test_auc"),
+            "wall_s": round(time.monotonic() - t0, 1), "kill_plan": done,
+            "left_over_processes": len(processes_of(work / "soak")),
+            **({} if proc.returncode == 0 else {"stderr_tail": err[-2000:]})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=1800.0)
+    a = ap.parse_args()
+    print(json.dumps({"bench": "machine", "os_cpu_count": os.cpu_count(),
+                      "sched_getaffinity_cpus": len(os.sched_getaffinity(0))}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="chaos-soak-") as tmp:
+        work = Path(tmp)
+        ref = subprocess.run(job(work, "reference", a.epochs, 0), cwd=REPO, capture_output=True, text=True,
+                             timeout=a.timeout_s)
+        ref_final = json.loads(ref.stdout.strip().splitlines()[-1]) if ref.returncode == 0 else {}
+        print(json.dumps({"bench": "reference", "exit": ref.returncode, "test_auc": ref_final.get("test_auc")}),
+              flush=True)
+        res = soak(work, a.epochs, a.kills, a.seed, a.timeout_s)
+        res["reference_test_auc"] = ref_final.get("test_auc")
+        print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
