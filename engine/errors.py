@@ -54,6 +54,12 @@ class MessageTooLargeError(RequestRejectedError):
     the message names the limit and the size. Never retried: the same request fails the same way."""
 
 
+class GenerationChangedError(RemoteError):
+    """A server restarted or loaded a checkpoint since this client met it (ABORTED "generation
+    mismatch"); the request was not applied. The sender must roll back to the state the servers now
+    hold: a worker exits (``engine.roles``) and resumes at the servers' restored checkpoint."""
+
+
 class ShardUnavailableError(RemoteError):
     """A server stayed unreachable (UNAVAILABLE) through every retry."""
 

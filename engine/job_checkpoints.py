@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 
-from .checkpoint.coordinator import CheckpointManager
+from .checkpoint.coordinator import CheckpointManager, CheckpointNotFoundError
 from .checkpoint.manifest import parse_name
 from .checkpoint.schedule import Schedule
 from .errors import ConfigError
@@ -57,6 +57,19 @@ def manager_for(cfg, uri: str | None = None) -> tuple[CheckpointManager, str | N
     if not ck.root:
         raise ConfigError("checkpoint.root: empty; set it (or pass --resume URI) to resume from a checkpoint")
     return CheckpointManager(ck.root, job_name(cfg), keep_bases=ck.keep_bases, storage_options=opts), None
+
+
+def newest(cfg) -> tuple[str, dict] | None:
+    """(URI, manifest) of the job's newest complete checkpoint under ``checkpoint.root``/``job``; None
+    without one or without ``checkpoint.root``."""
+    if not cfg.checkpoint.enabled:
+        return None
+    mgr = job_manager(cfg)
+    try:
+        name = mgr.resolve(None)
+    except CheckpointNotFoundError:
+        return None
+    return mgr.uri_of(name), mgr.manifest(name)
 
 
 def _client(cfg, endpoints):

@@ -30,9 +30,13 @@ from pathlib import Path
 
 from . import preempt, progress
 from .config import EngineConfig, restore_secrets
-from .errors import ConfigError
+from .errors import ConfigError, GenerationChangedError
 
 log = logging.getLogger(__name__)
+
+
+#: a worker's exit code when the servers' state changed under it (a generation mismatch): restart it
+EXIT_ROLLBACK = 76
 
 
 @dataclass
@@ -171,25 +175,63 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     return preempt.EXIT_PREEMPTED if core.preempting else 0
 
 
-def _restored_by_servers(cfg: EngineConfig, client) -> EngineConfig:
-    """Role mode: the checkpoint the servers restored (``--role server --resume``) becomes this
-    worker's ``checkpoint.restored``, so it resumes at that checkpoint's data position.
+def _agreed(health: list[dict]) -> tuple[bool, str | None]:
+    """(the servers hold one state, the checkpoint it was restored from or None)."""
+    restored = {h.get("restored") for h in health}
+    fresh = {bool(h.get("fresh")) for h in health}
+    if len(restored) == 1 and (restored != {None} or len(fresh) == 1):
+        return True, restored.pop()
+    return False, None
+
+
+def _restored_by_servers(cfg: EngineConfig, client, rank: int) -> EngineConfig:
+    """Role mode: agree with the servers on one state before training (the recovery rule without a
+    launcher), and resume at its data position.
+
+    The servers agree when they restored the same checkpoint (``--role server --resume``), or none of
+    them did and they are all fresh or all in use. Otherwise, say one server restarted with ``--resume``
+    (or empty) while the others kept training: rank 0 loads the newest checkpoint the servers report
+    (or, when none restored one, the job's newest complete checkpoint) onto every server, which rolls
+    them all back to it, and the other ranks wait until the servers agree. The agreed checkpoint becomes
+    this worker's ``checkpoint.restored``.
 
     Raises
     ------
     ConfigError
-        The servers restored different checkpoints (or some none): restart every server with the same
-        ``--resume``.
+        The servers disagree and there is no checkpoint to roll them back to, or they did not agree
+        within ``cluster.startup_timeout_s``.
     """
+    from . import job_checkpoints
+    from .checkpoint import parse_name
+
     if cfg.checkpoint.restored:
         return cfg
-    restored = {h.get("restored") for h in client.health()}
-    if restored == {None}:
+    health = client.health()
+    ok, uri = _agreed(health)
+    if not ok and rank == 0:
+        reported = [h.get("restored") for h in health if h.get("restored")]
+        if reported:
+            target = max(reported, key=lambda u: parse_name("/".join(u.rstrip("/").split("/")[-2:])))
+        else:
+            newest = job_checkpoints.newest(cfg)
+            if newest is None:
+                raise ConfigError("the servers hold different states (some restarted empty) and the job has no "
+                                  "complete checkpoint to roll them back to: restart the whole job")
+            target = newest[0]
+        log.warning("the servers hold different states %s: rolling every server back to %s",
+                    [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health], target)
+        mgr, name = job_checkpoints.manager_for(cfg, target)
+        mgr.restore(client, name, fallback=cfg.checkpoint.fallback)
+    deadline = time.monotonic() + cfg.cluster.startup_timeout_s
+    while not ok:
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the servers did not agree on one state within cluster.startup_timeout_s="
+                              f"{cfg.cluster.startup_timeout_s:g}s: {[h.get('restored') for h in health]}")
+        time.sleep(0.5)
+        health = client.health()
+        ok, uri = _agreed(health)
+    if uri is None:
         return cfg
-    if len(restored) > 1:
-        raise ConfigError(f"the servers restored different checkpoints {sorted(map(str, restored))}: start every "
-                          f"server of the job with the same --resume")
-    uri = restored.pop()
     log.info("the servers restored %s: resuming at its data position", uri)
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=uri))
 
@@ -215,7 +257,7 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
                       name=f"worker{rank}")
     try:
         client.wait_ready(cfg.cluster.startup_timeout_s)
-        cfg = _restored_by_servers(cfg, client)
+        cfg = _restored_by_servers(cfg, client, rank)
         mode = make_mode(cfg, client, rank=rank, num_workers=workers)
         if cfg.cluster.warm_up:    # the client's kernels (the servers' ones load from the cache they wrote)
             from .ps.warmup import warm_up
@@ -226,6 +268,11 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
         except preempt.Preempted as e:
             log.warning("worker %d: %s", rank, e)
             result = {"rank": rank, "preempted": True, "reason": str(e)}
+        except GenerationChangedError as e:
+            log.error("worker %d: a server restarted or loaded a checkpoint under this worker (%s); exiting "
+                      "with code %d: restarted, the workers roll every server back to one checkpoint and "
+                      "resume there", rank, e.message, EXIT_ROLLBACK)
+            result = {"rank": rank, "rollback": True, "reason": e.message}
     finally:
         client.close()
         reporter.close()

@@ -15,7 +15,8 @@ at its next meeting, within ``cluster.preempt_timeout_s``, and stops; ``--resume
 
 Exit codes: 0 success, 2 bad config or arguments, 1 the job failed (more failures than
 ``cluster.max_restarts`` allows, every one listed) or a checkpoint could not be restored, 75 preempted
-(resumable: ``engine train CONFIG --resume``), 130 interrupted.
+(resumable: ``engine train CONFIG --resume``), 76 (a ``--role worker`` whose servers restarted or
+restored under it: restart it), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def run(args) -> int:
             roles.guard_parent()
             preempt.install_handler()        # SIGTERM: checkpoint at the next meeting, then exit 75
             result = roles.run_worker(cfg, args.rank, result_file=args.result_file)
+            if result.get("rollback"):
+                return roles.EXIT_ROLLBACK
             return preempt.EXIT_PREEMPTED if result.get("preempted") else 0
         if cfg.model is None:
             raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import job_checkpoints as ckpt_job
-from ..checkpoint import CheckpointNotFoundError
 from ..config import EngineConfig
 from ..errors import LaunchError
 from .local import LocalCluster
@@ -78,19 +77,6 @@ def lost_examples(reports: list[dict | None], key: str | None) -> int:
         mark = (r.get("marks") or {}).get(key) if key else None
         lost += examples - int(mark) if mark is not None else examples
     return lost
-
-
-def newest_checkpoint(cfg: EngineConfig) -> tuple[str, dict] | None:
-    """(URI, manifest) of the job's newest complete checkpoint, None without one or without
-    ``checkpoint.root``."""
-    if not cfg.checkpoint.enabled:
-        return None
-    mgr = ckpt_job.job_manager(cfg)
-    try:
-        name = mgr.resolve(None)
-    except CheckpointNotFoundError:
-        return None
-    return mgr.uri_of(name), mgr.manifest(name)
 
 
 class Supervisor:
@@ -159,7 +145,7 @@ class Supervisor:
 
     def _stopped_preempted(self) -> None:
         self.preempted = True
-        newest = newest_checkpoint(self.cfg)
+        newest = ckpt_job.newest(self.cfg)
         self.checkpoint = newest[0] if newest else None
 
     def _failed(self, attempt: int, e: LaunchError, cluster: LocalCluster) -> None:
@@ -176,7 +162,7 @@ class Supervisor:
                               + "\n".join(x.describe() for x in self.failures),
                               role=e.role, rank=e.rank, exit_code=e.exit_code, reason=e.reason,
                               log_tail=e.log_tail) from None
-        newest = newest_checkpoint(self.cfg)
+        newest = ckpt_job.newest(self.cfg)
         lost = lost_examples(cluster.worker_reports(), position_key(newest[1]) if newest else None)
         self.examples_replayed += lost
         self.restarts += 1

@@ -53,11 +53,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import (MessageTooLargeError, ProtocolError, PSTimeoutError, RemoteError,
+from ..errors import (GenerationChangedError, MessageTooLargeError, ProtocolError, PSTimeoutError, RemoteError,
                       RequestRejectedError, ShardUnavailableError)
 from . import _arrays, _kernels, codec, routing
 from . import ps_pb2 as pb
 from .async_push import AsyncPusher
+from .server import GENERATION_CHECKED
 from .transport import GrpcTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,10 @@ class PSClient:
         RequestRejectedError, ShardUnavailableError, PSTimeoutError, RemoteError
         """
         timeout = self.timeout_s if timeout is None else timeout
+        if method in GENERATION_CHECKED:        # expect the generation the servers had when we met them
+            msg = request.msg if isinstance(request, codec.Wire) else request
+            if not msg.generation:
+                msg.generation = self.generations()[server]
         delay = self.backoff_s
         attempts = 0
         started = time.monotonic()
@@ -195,8 +200,14 @@ class PSClient:
                             f"endpoints in server-rank order")
                 info = infos[0]
                 info["owner"] = routing.vshard_owners(info["num_vshards"], self.num_servers)
+                info["generations"] = [int(h.get("generation", 0)) for h in infos]
                 self._info = info
             return self._info
+
+    def generations(self) -> list[int]:
+        """Each server's generation when this client first met it (``info``); data requests carry it
+        and a server at another generation refuses them (``GenerationChangedError``)."""
+        return self.info()["generations"]
 
     def _sparse(self, table: str) -> dict:
         info = self.info()
@@ -639,9 +650,13 @@ class PSClient:
         number of servers; a base replaces the tables, a delta is applied on top). Returns rows loaded.
         ``CheckpointManager.restore(client)`` loads a whole base + deltas chain."""
         rid = self._rid()
-        return sum(r.count for r in self._fan_out(
-            [(s, "Load", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
-             for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
+        try:
+            return sum(r.count for r in self._fan_out(
+                [(s, "Load", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
+                 for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
+        finally:
+            with self._info_lock:       # every Load changes the servers' generations: meet them again
+                self._info = None
 
     def shrink(self, table: str = "", now: float | None = None) -> int:
         """Expiry pass on every server (one table or all); returns rows deleted."""
@@ -766,6 +781,8 @@ def _too_large_error(e: RemoteError, method: str, server: int) -> MessageTooLarg
 
 
 def _typed(e: RemoteError, attempts: int) -> RemoteError:
+    if e.code == "ABORTED" and "generation mismatch" in e.message:
+        return GenerationChangedError(e.code, e.message, e.endpoint)
     if e.code in _REJECTED:
         return RequestRejectedError(e.code, e.message, e.endpoint)
     if e.code == "UNAVAILABLE":

@@ -24,55 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x65ngine/ps/ps.proto\x12\tengine.ps\"C\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x61lign\x18\x04 \x01(\x0c\"g\n\x0bPullRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1f\n\x04keys\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x14\n\x0cinit_missing\x18\x04 \x01(\x08\"E\n\x0cPullResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06values\x18\x02 \x01(\x0b\x32\x11.engine.ps.Tensor\"\x86\x02\n\x0bPushRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1f\n\x04keys\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05grads\x18\x04 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05shows\x18\x05 \x01(\x0b\x32\x11.engine.ps.Tensor\x12!\n\x06\x63licks\x18\x06 \x01(\x0b\x32\x11.engine.ps.Tensor\x12!\n\x04kind\x18\x07 \x01(\x0e\x32\x13.engine.ps.PushKind\x12\x12\n\naccumulate\x18\x08 \x01(\x08\x12\x15\n\rreturn_values\x18\t \x01(\x08\"S\n\x0cPushResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x03\x12!\n\x06values\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\"\xb4\x01\n\x0c\x44\x65nseRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05\x62lock\x18\x03 \x01(\x05\x12\x1e\n\x02op\x18\x04 \x01(\x0e\x32\x12.engine.ps.DenseOp\x12!\n\x06values\x18\x05 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x0c\n\x04size\x18\x06 \x01(\x03\x12\x12\n\naccumulate\x18\x07 \x01(\x08\x12\r\n\x05\x66orce\x18\x08 \x01(\x08\"\x8d\x01\n\rDenseResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06values\x18\x02 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x08\"\xab\x02\n\x0bStepRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1f\n\x04keys\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05grads\x18\x04 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05shows\x18\x05 \x01(\x0b\x32\x11.engine.ps.Tensor\x12!\n\x06\x63licks\x18\x06 \x01(\x0b\x32\x11.engine.ps.Tensor\x12$\n\tpull_keys\x18\x07 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x13\n\x0b\x64\x65nse_table\x18\x08 \x01(\t\x12\x0e\n\x06\x62locks\x18\t \x03(\x05\x12&\n\x0b\x64\x65nse_grads\x18\n \x01(\x0b\x32\x11.engine.ps.Tensor\"g\n\x0cStepResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06values\x18\x02 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\"k\n\x0e\x42\x61rrierRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05world\x18\x03 \x01(\x05\x12\x15\n\rapply_pending\x18\x04 \x01(\x08\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"l\n\x0f\x42\x61rrierResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x10\n\x08released\x18\x03 \x01(\x08\x12\x0f\n\x07\x61rrived\x18\x04 \x01(\x05\x12\x0e\n\x06waited\x18\x05 \x01(\x08\"/\n\x0bPathRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"2\n\rCountResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"P\n\rShrinkRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07has_now\x18\x03 \x01(\x08\x12\x0b\n\x03now\x18\x04 \x01(\x01\"\x97\x01\n\rMetricRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1f\n\x02op\x18\x03 \x01(\x0e\x32\x13.engine.ps.MetricOp\x12!\n\x06\x63ounts\x18\x04 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x1f\n\x04sums\x18\x05 \x01(\x0b\x32\x11.engine.ps.Tensor\"h\n\x0eMetricResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06\x63ounts\x18\x02 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x1f\n\x04sums\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\"\x1b\n\x05\x45mpty\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"0\n\x0cJsonResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04json\x18\x02 \x01(\t*\x1f\n\x08PushKind\x12\x08\n\x04GRAD\x10\x00\x12\t\n\x05\x44\x45LTA\x10\x01*Z\n\x07\x44\x65nseOp\x12\x0e\n\nDENSE_PULL\x10\x00\x12\x0e\n\nDENSE_GRAD\x10\x01\x12\x0f\n\x0b\x44\x45NSE_DELTA\x10\x02\x12\x0e\n\nDENSE_INIT\x10\x03\x12\x0e\n\nDENSE_STEP\x10\x04*=\n\x08MetricOp\x12\x0e\n\nMETRIC_ADD\x10\x00\x12\x0f\n\x0bMETRIC_READ\x10\x01\x12\x10\n\x0cMETRIC_RESET\x10\x02\x32\xc0\x05\n\x0fParameterServer\x12\x37\n\x04Pull\x12\x16.engine.ps.PullRequest\x1a\x17.engine.ps.PullResponse\x12\x37\n\x04Push\x12\x16.engine.ps.PushRequest\x1a\x17.engine.ps.PushResponse\x12:\n\x05\x44\x65nse\x12\x17.engine.ps.DenseRequest\x1a\x18.engine.ps.DenseResponse\x12\x37\n\x04Step\x12\x16.engine.ps.StepRequest\x1a\x17.engine.ps.StepResponse\x12@\n\x07\x42\x61rrier\x12\x19.engine.ps.BarrierRequest\x1a\x1a.engine.ps.BarrierResponse\x12\x38\n\x04Save\x12\x16.engine.ps.PathRequest\x1a\x18.engine.ps.CountResponse\x12\x38\n\x04Load\x12\x16.engine.ps.PathRequest\x1a\x18.engine.ps.CountResponse\x12<\n\x06Shrink\x12\x18.engine.ps.ShrinkRequest\x1a\x18.engine.ps.CountResponse\x12\x32\n\x05Stats\x12\x10.engine.ps.Empty\x1a\x17.engine.ps.JsonResponse\x12\x33\n\x06Health\x12\x10.engine.ps.Empty\x1a\x17.engine.ps.JsonResponse\x12*\n\x04Stop\x12\x10.engine.ps.Empty\x1a\x10.engine.ps.Empty\x12=\n\x06Metric\x12\x18.engine.ps.MetricRequest\x1a\x19.engine.ps.MetricResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x65ngine/ps/ps.proto\x12\tengine.ps\"C\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x61lign\x18\x04 \x01(\x0c\"{\n\x0bPullRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1f\n\x04keys\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x14\n\x0cinit_missing\x18\x04 \x01(\x08\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"Y\n\x0cPullResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06values\x18\x02 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"\x9a\x02\n\x0bPushRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1f\n\x04keys\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05grads\x18\x04 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05shows\x18\x05 \x01(\x0b\x32\x11.engine.ps.Tensor\x12!\n\x06\x63licks\x18\x06 \x01(\x0b\x32\x11.engine.ps.Tensor\x12!\n\x04kind\x18\x07 \x01(\x0e\x32\x13.engine.ps.PushKind\x12\x12\n\naccumulate\x18\x08 \x01(\x08\x12\x15\n\rreturn_values\x18\t \x01(\x08\x12\x12\n\ngeneration\x18\n \x01(\x03\"g\n\x0cPushResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x03\x12!\n\x06values\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\xc8\x01\n\x0c\x44\x65nseRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05\x62lock\x18\x03 \x01(\x05\x12\x1e\n\x02op\x18\x04 \x01(\x0e\x32\x12.engine.ps.DenseOp\x12!\n\x06values\x18\x05 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x0c\n\x04size\x18\x06 \x01(\x03\x12\x12\n\naccumulate\x18\x07 \x01(\x08\x12\r\n\x05\x66orce\x18\x08 \x01(\x08\x12\x12\n\ngeneration\x18\t \x01(\x03\"\xa1\x01\n\rDenseResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06values\x18\x02 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x08\x12\x12\n\ngeneration\x18\x07 \x01(\x03\"\xbf\x02\n\x0bStepRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1f\n\x04keys\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05grads\x18\x04 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05shows\x18\x05 \x01(\x0b\x32\x11.engine.ps.Tensor\x12!\n\x06\x63licks\x18\x06 \x01(\x0b\x32\x11.engine.ps.Tensor\x12$\n\tpull_keys\x18\x07 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x13\n\x0b\x64\x65nse_table\x18\x08 \x01(\t\x12\x0e\n\x06\x62locks\x18\t \x03(\x05\x12&\n\x0b\x64\x65nse_grads\x18\n \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x12\n\ngeneration\x18\x0b \x01(\x03\"{\n\x0cStepResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06values\x18\x02 \x01(\x0b\x32\x11.engine.ps.Tensor\x12 \n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\x7f\n\x0e\x42\x61rrierRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05world\x18\x03 \x01(\x05\x12\x15\n\rapply_pending\x18\x04 \x01(\x08\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x12\n\ngeneration\x18\x06 \x01(\x03\"{\n\x0f\x42\x61rrierResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08released\x18\x03 \x01(\x08\x12\x0f\n\x07\x61rrived\x18\x04 \x01(\x05\x12\x0e\n\x06waited\x18\x05 \x01(\x08\x12\x12\n\ngeneration\x18\x06 \x01(\x03\"/\n\x0bPathRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"F\n\rCountResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"P\n\rShrinkRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07has_now\x18\x03 \x01(\x08\x12\x0b\n\x03now\x18\x04 \x01(\x01\"\xab\x01\n\rMetricRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1f\n\x02op\x18\x03 \x01(\x0e\x32\x13.engine.ps.MetricOp\x12!\n\x06\x63ounts\x18\x04 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x1f\n\x04sums\x18\x05 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x12\n\ngeneration\x18\x06 \x01(\x03\"|\n\x0eMetricResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06\x63ounts\x18\x02 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x1f\n\x04sums\x18\x03 \x01(\x0b\x32\x11.engine.ps.Tensor\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\x1b\n\x05\x45mpty\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"D\n\x0cJsonResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04json\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03*\x1f\n\x08PushKind\x12\x08\n\x04GRAD\x10\x00\x12\t\n\x05\x44\x45LTA\x10\x01*Z\n\x07\x44\x65nseOp\x12\x0e\n\nDENSE_PULL\x10\x00\x12\x0e\n\nDENSE_GRAD\x10\x01\x12\x0f\n\x0b\x44\x45NSE_DELTA\x10\x02\x12\x0e\n\nDENSE_INIT\x10\x03\x12\x0e\n\nDENSE_STEP\x10\x04*=\n\x08MetricOp\x12\x0e\n\nMETRIC_ADD\x10\x00\x12\x0f\n\x0bMETRIC_READ\x10\x01\x12\x10\n\x0cMETRIC_RESET\x10\x02\x32\xc0\x05\n\x0fParameterServer\x12\x37\n\x04Pull\x12\x16.engine.ps.PullRequest\x1a\x17.engine.ps.PullResponse\x12\x37\n\x04Push\x12\x16.engine.ps.PushRequest\x1a\x17.engine.ps.PushResponse\x12:\n\x05\x44\x65nse\x12\x17.engine.ps.DenseRequest\x1a\x18.engine.ps.DenseResponse\x12\x37\n\x04Step\x12\x16.engine.ps.StepRequest\x1a\x17.engine.ps.StepResponse\x12@\n\x07\x42\x61rrier\x12\x19.engine.ps.BarrierRequest\x1a\x1a.engine.ps.BarrierResponse\x12\x38\n\x04Save\x12\x16.engine.ps.PathRequest\x1a\x18.engine.ps.CountResponse\x12\x38\n\x04Load\x12\x16.engine.ps.PathRequest\x1a\x18.engine.ps.CountResponse\x12<\n\x06Shrink\x12\x18.engine.ps.ShrinkRequest\x1a\x18.engine.ps.CountResponse\x12\x32\n\x05Stats\x12\x10.engine.ps.Empty\x1a\x17.engine.ps.JsonResponse\x12\x33\n\x06Health\x12\x10.engine.ps.Empty\x1a\x17.engine.ps.JsonResponse\x12*\n\x04Stop\x12\x10.engine.ps.Empty\x1a\x10.engine.ps.Empty\x12=\n\x06Metric\x12\x18.engine.ps.MetricRequest\x1a\x19.engine.ps.MetricResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engine.ps.ps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUSHKIND']._serialized_start=2103
-  _globals['_PUSHKIND']._serialized_end=2134
-  _globals['_DENSEOP']._serialized_start=2136
-  _globals['_DENSEOP']._serialized_end=2226
-  _globals['_METRICOP']._serialized_start=2228
-  _globals['_METRICOP']._serialized_end=2289
+  _globals['_PUSHKIND']._serialized_start=2378
+  _globals['_PUSHKIND']._serialized_end=2409
+  _globals['_DENSEOP']._serialized_start=2411
+  _globals['_DENSEOP']._serialized_end=2501
+  _globals['_METRICOP']._serialized_start=2503
+  _globals['_METRICOP']._serialized_end=2564
   _globals['_TENSOR']._serialized_start=33
   _globals['_TENSOR']._serialized_end=100
   _globals['_PULLREQUEST']._serialized_start=102
-  _globals['_PULLREQUEST']._serialized_end=205
-  _globals['_PULLRESPONSE']._serialized_start=207
-  _globals['_PULLRESPONSE']._serialized_end=276
-  _globals['_PUSHREQUEST']._serialized_start=279
-  _globals['_PUSHREQUEST']._serialized_end=541
-  _globals['_PUSHRESPONSE']._serialized_start=543
-  _globals['_PUSHRESPONSE']._serialized_end=626
-  _globals['_DENSEREQUEST']._serialized_start=629
-  _globals['_DENSEREQUEST']._serialized_end=809
-  _globals['_DENSERESPONSE']._serialized_start=812
-  _globals['_DENSERESPONSE']._serialized_end=953
-  _globals['_STEPREQUEST']._serialized_start=956
-  _globals['_STEPREQUEST']._serialized_end=1255
-  _globals['_STEPRESPONSE']._serialized_start=1257
-  _globals['_STEPRESPONSE']._serialized_end=1360
-  _globals['_BARRIERREQUEST']._serialized_start=1362
-  _globals['_BARRIERREQUEST']._serialized_end=1469
-  _globals['_BARRIERRESPONSE']._serialized_start=1471
-  _globals['_BARRIERRESPONSE']._serialized_end=1579
-  _globals['_PATHREQUEST']._serialized_start=1581
-  _globals['_PATHREQUEST']._serialized_end=1628
-  _globals['_COUNTRESPONSE']._serialized_start=1630
-  _globals['_COUNTRESPONSE']._serialized_end=1680
-  _globals['_SHRINKREQUEST']._serialized_start=1682
-  _globals['_SHRINKREQUEST']._serialized_end=1762
-  _globals['_METRICREQUEST']._serialized_start=1765
-  _globals['_METRICREQUEST']._serialized_end=1916
-  _globals['_METRICRESPONSE']._serialized_start=1918
-  _globals['_METRICRESPONSE']._serialized_end=2022
-  _globals['_EMPTY']._serialized_start=2024
-  _globals['_EMPTY']._serialized_end=2051
-  _globals['_JSONRESPONSE']._serialized_start=2053
-  _globals['_JSONRESPONSE']._serialized_end=2101
-  _globals['_PARAMETERSERVER']._serialized_start=2292
-  _globals['_PARAMETERSERVER']._serialized_end=2996
+  _globals['_PULLREQUEST']._serialized_end=225
+  _globals['_PULLRESPONSE']._serialized_start=227
+  _globals['_PULLRESPONSE']._serialized_end=316
+  _globals['_PUSHREQUEST']._serialized_start=319
+  _globals['_PUSHREQUEST']._serialized_end=601
+  _globals['_PUSHRESPONSE']._serialized_start=603
+  _globals['_PUSHRESPONSE']._serialized_end=706
+  _globals['_DENSEREQUEST']._serialized_start=709
+  _globals['_DENSEREQUEST']._serialized_end=909
+  _globals['_DENSERESPONSE']._serialized_start=912
+  _globals['_DENSERESPONSE']._serialized_end=1073
+  _globals['_STEPREQUEST']._serialized_start=1076
+  _globals['_STEPREQUEST']._serialized_end=1395
+  _globals['_STEPRESPONSE']._serialized_start=1397
+  _globals['_STEPRESPONSE']._serialized_end=1520
+  _globals['_BARRIERREQUEST']._serialized_start=1522
+  _globals['_BARRIERREQUEST']._serialized_end=1649
+  _globals['_BARRIERRESPONSE']._serialized_start=1651
+  _globals['_BARRIERRESPONSE']._serialized_end=1774
+  _globals['_PATHREQUEST']._serialized_start=1776
+  _globals['_PATHREQUEST']._serialized_end=1823
+  _globals['_COUNTRESPONSE']._serialized_start=1825
+  _globals['_COUNTRESPONSE']._serialized_end=1895
+  _globals['_SHRINKREQUEST']._serialized_start=1897
+  _globals['_SHRINKREQUEST']._serialized_end=1977
+  _globals['_METRICREQUEST']._serialized_start=1980
+  _globals['_METRICREQUEST']._serialized_end=2151
+  _globals['_METRICRESPONSE']._serialized_start=2153
+  _globals['_METRICRESPONSE']._serialized_end=2277
+  _globals['_EMPTY']._serialized_start=2279
+  _globals['_EMPTY']._serialized_end=2306
+  _globals['_JSONRESPONSE']._serialized_start=2308
+  _globals['_JSONRESPONSE']._serialized_end=2376
+  _globals['_PARAMETERSERVER']._serialized_start=2567
+  _globals['_PARAMETERSERVER']._serialized_end=3271
 # @@protoc_insertion_point(module_scope)

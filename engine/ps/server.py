@@ -54,6 +54,10 @@ METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink",
 #: methods that change server state; answered at most once per request id (see dedup.ReplyWindow).
 #: Dense pulls and metric reads do not change anything and are not remembered (``_mutating``).
 MUTATING = frozenset({"Push", "Dense", "Step", "Save", "Load", "Shrink", "Metric"})
+#: data requests that carry the generation their sender expects (see ps.proto: Generations)
+GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric"})
+#: requests that change a table (a server that applied one is no longer ``fresh``)
+_WRITES = frozenset({"Push", "Dense", "Step"})
 #: methods that read or change the tables (they never overlap a Load)
 _ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink"})
 
@@ -115,6 +119,9 @@ class PSServer:
         self.stopped = threading.Event()
         self.preempting = False                  # SIGTERM: serving until the job checkpointed (Health)
         self.restored: str | None = None         # URI of the last checkpoint loaded (Health)
+        # changes at every start and every Load: data requests that expect another one are refused
+        self.generation = time.time_ns()
+        self.fresh = True                        # nothing written or loaded since this server started
         self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
         self.window = ReplyWindow(reply_window_bytes)
         self.max_message_bytes = int(max_message_bytes)
@@ -152,10 +159,19 @@ class PSServer:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
             if getattr(request, "error", None) is not None:     # codec.Received that did not parse
                 raise request.error
+            expected = getattr(request, "generation", 0) if method in GENERATION_CHECKED else 0
+            if expected and expected != self.generation:
+                raise HostError("ABORTED", f"generation mismatch: the request expects generation {expected}, "
+                                f"this server is at {self.generation} (it restarted or loaded a checkpoint "
+                                f"since; restored: {self.restored}); nothing was applied")
             if _mutating(method, request):
-                return self.window.run(request.request_id, lambda: self._run(method, request),
-                                       replay=lambda: self._reread(method, request))
-            return self._run(method, request)
+                reply = self.window.run(request.request_id, lambda: self._run(method, request),
+                                        replay=lambda: self._reread(method, request))
+                if method in _WRITES:
+                    self.fresh = False
+            else:
+                reply = self._run(method, request)
+            return _stamped(reply, self.generation)
         except Exception as e:  # noqa: BLE001 - every failure must reach the caller with context
             if isinstance(e, HostError):
                 code, shard = e.code, ("all" if e.shard is None else e.shard)
@@ -182,6 +198,8 @@ class PSServer:
                 reply = self.Load(request)
                 self.window.clear()     # remembered replies were computed from the tables just replaced
                 self.restored = request.path
+                self.generation = max(time.time_ns(), self.generation + 1)
+                self.fresh = False
             return reply
         if method not in _ON_TABLES:
             return getattr(self, method)(request)
@@ -195,6 +213,11 @@ class PSServer:
             finally:
                 with self._inflight_lock:
                     self._inflight -= 1
+
+    def _msg(self, cls, req, **fields):
+        """A reply message of ``cls`` for ``req`` stamped with this server's generation (replies built
+        in place, ``codec.Wire.allocate``, must carry it before their bytes are laid out)."""
+        return cls(request_id=req.request_id, generation=self.generation, **fields)
 
     def _fits(self, n: int, row_bytes: int, other_bytes: int = 0) -> int:
         """How many of ``n`` rows of ``row_bytes`` fit in one reply beside ``other_bytes`` of other
@@ -235,7 +258,7 @@ class PSServer:
                 specs = {"values": (codec.F32, (len(pull_keys), host.dim))}
                 if spans:
                     specs["dense"] = (codec.F32, (total,))
-                reply = codec.Wire.allocate_fields(pb.StepResponse(request_id=req.request_id), specs)
+                reply = codec.Wire.allocate_fields(self._msg(pb.StepResponse, req), specs)
                 for b, a, z in spans:
                     dense.pull(b, out=reply.arrays["dense"][a:z])
                 if len(pull_keys):
@@ -245,7 +268,7 @@ class PSServer:
                 host = self._sparse(req.table)
                 keys = codec.decode(req.keys, "keys", codec.U64, 1)
                 m = self._fits(len(keys), 4 * host.dim)
-                reply = codec.Wire.allocate(pb.PushResponse(request_id=req.request_id, keys=len(keys)),
+                reply = codec.Wire.allocate(self._msg(pb.PushResponse, req, keys=len(keys)),
                                             "values", codec.F32, (m, host.dim))
                 host.pull(keys[:m], True, out=reply.arrays["values"])
                 return reply
@@ -276,7 +299,7 @@ class PSServer:
         host = self._sparse(req.table)
         keys = codec.decode(req.keys, "keys", codec.U64, 1)
         keys = keys[:self._fits(len(keys), 4 * host.dim)]
-        reply = codec.Wire.allocate(pb.PullResponse(request_id=req.request_id), "values", codec.F32,
+        reply = codec.Wire.allocate(self._msg(pb.PullResponse, req), "values", codec.F32,
                                     (len(keys), host.dim))
         host.pull(keys, req.init_missing, out=reply.arrays["values"])
         return reply
@@ -296,7 +319,7 @@ class PSServer:
             host.push(keys, grads, shows, clicks, delta=delta)
         if req.return_values:   # the rows after this update (and any other that landed since)
             m = self._fits(n, 4 * host.dim)
-            reply = codec.Wire.allocate(pb.PushResponse(request_id=req.request_id, keys=n), "values",
+            reply = codec.Wire.allocate(self._msg(pb.PushResponse, req, keys=n), "values",
                                         codec.F32, (m, host.dim))
             host.pull(keys[:m], True, out=reply.arrays["values"])
             return reply
@@ -304,7 +327,7 @@ class PSServer:
 
     def Dense(self, req: pb.DenseRequest) -> codec.Wire:
         host = self._dense(req.table)
-        resp = pb.DenseResponse(request_id=req.request_id)
+        resp = self._msg(pb.DenseResponse, req)
         reply = None
 
         def sized(resp):
@@ -369,7 +392,7 @@ class PSServer:
         specs = {"values": (codec.F32, (len(pull_keys), host.dim))}
         if spans is not None:
             specs["dense"] = (codec.F32, (total,))
-        reply = codec.Wire.allocate_fields(pb.StepResponse(request_id=req.request_id), specs)
+        reply = codec.Wire.allocate_fields(self._msg(pb.StepResponse, req), specs)
         if n:
             host.push(keys, grads, shows, clicks, delta=False, parts=push_parts)
         for b, a, z in spans or ():
@@ -384,7 +407,7 @@ class PSServer:
         world = req.world
         on_open = (lambda: self._apply_pending(world)) if req.apply_pending else None
         r = self.barriers.arrive(req.name, req.request_id, world, req.timeout_s, on_open)
-        return pb.BarrierResponse(request_id=req.request_id, generation=r.generation, released=r.released,
+        return pb.BarrierResponse(request_id=req.request_id, round=r.generation, released=r.released,
                                   arrived=r.arrived, waited=r.waited)
 
     def _apply_pending(self, world: int) -> None:
@@ -524,6 +547,7 @@ class PSServer:
 
     def Health(self, req: pb.Empty) -> pb.JsonResponse:
         out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
+               "generation": self.generation, "fresh": self.fresh,
                "server": self.index, "num_servers": self.num_servers,
                "num_vshards": self.num_vshards,
                "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},
@@ -543,6 +567,14 @@ class PSServer:
         for h in self.sparse.values():
             h.close()
         self._pool.shutdown(wait=False)
+
+
+def _stamped(reply, generation: int):
+    """``reply`` with this server's generation set (replies built in place carry it already)."""
+    msg = reply.msg if isinstance(reply, codec.Wire) else reply
+    if "generation" in msg.DESCRIPTOR.fields_by_name and not (isinstance(reply, codec.Wire) and reply.encoded):
+        msg.generation = generation
+    return reply
 
 
 def _mutating(method: str, request) -> bool:

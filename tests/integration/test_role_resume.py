@@ -70,7 +70,7 @@ def test_role_mode_servers_resume_and_the_worker_continues_bit_identically(tmp_p
     uri = mgr.uri_of(mid["name"])
     code, result, err = role_job(tmp_path, "role", [uri, uri])
     assert code == 0, err[-3000:]
-    assert "the servers restored" in err and f"resuming at epoch 1, batch 8" in err, err[-3000:]
+    assert "the servers restored" in err and "resuming at epoch 1, batch 8" in err, err[-3000:]
     a_sparse, a_dense = _state(full["checkpoint"])
     b_sparse, b_dense = _state(result["checkpoint"])
     for k in a_sparse:
@@ -78,10 +78,74 @@ def test_role_mode_servers_resume_and_the_worker_continues_bit_identically(tmp_p
     np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
 
 
-def test_servers_that_restored_different_checkpoints_are_refused(tmp_path):
-    run(args(tmp_path, "full", *SETS))
+def test_servers_that_restored_different_checkpoints_are_rolled_back_to_the_newer(tmp_path):
+    """One server restored an older checkpoint than the other (as when one server of a running job was
+    restarted with --resume): rank 0 loads the newer onto every server and the job continues from it,
+    ending bit-identical."""
+    full = run(args(tmp_path, "full", *SETS))
     mgr = CheckpointManager(str(tmp_path / "ckpt-full"), "ctr_dnn")
     names = [r.name for r in mgr.list()]
     code, result, err = role_job(tmp_path, "mixed", [mgr.uri_of(names[1]), mgr.uri_of(names[2])])
-    assert code == 2 and result is None
-    assert "the servers restored different checkpoints" in err and "same --resume" in err, err[-2000:]
+    assert code == 0, err[-3000:]
+    assert "rolling every server back to " + mgr.uri_of(names[2]) in err, err[-3000:]
+    a_sparse, a_dense = _state(full["checkpoint"])
+    b_sparse, b_dense = _state(result["checkpoint"])
+    for k in a_sparse:
+        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
+    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+
+
+def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_checkpoint(tmp_path):
+    """The recovery rule without a launcher: server 1 of a running role-mode job dies and its scheduler
+    restarts it with --resume. The worker's next request meets a new generation: it is refused (nothing
+    applied) and the worker exits 76; restarted, rank 0 rolls every server back to the checkpoint server
+    1 restored and the job ends bit-identical to an uninterrupted run."""
+    import time
+
+    from engine.roles import EXIT_ROLLBACK
+    slow = ("model.batch_size=16", "checkpoint.delta_every=64steps")
+    full = run(args(tmp_path, "full", *SETS, *slow))
+    ports = free_ports(2)
+    env = {**os.environ, "ENGINE_SERVERS": ",".join(f"127.0.0.1:{p}" for p in ports), "ENGINE_NUM_WORKERS": "1"}
+
+    def server(r: int, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), *extra), cwd=REPO,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    result = tmp_path / "role-result.json"
+    worker_cmd = role_cmd(tmp_path, "role", "worker", 0, "--result-file", str(result))
+    procs = [server(0), server(1)]
+    try:
+        worker = subprocess.Popen(worker_cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+        procs.append(worker)
+        mgr = CheckpointManager(str(tmp_path / "ckpt-role"), "ctr_dnn")
+        deadline = time.monotonic() + 120
+        while len(mgr.list()) < 3:
+            assert worker.poll() is None and time.monotonic() < deadline, "the job wrote no checkpoints"
+            time.sleep(0.05)
+        os.killpg(worker.pid, signal.SIGSTOP)            # hold the worker between two requests
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait(10)
+        procs[1] = server(1, "--resume")                # its scheduler restarts it from the newest checkpoint
+        from engine.ps import PSClient
+        with PSClient([f"127.0.0.1:{ports[1]}"], name="probe") as probe:
+            probe.wait_ready(60)
+            restored = probe.health()[0]["restored"]
+        os.killpg(worker.pid, signal.SIGCONT)
+        _, err = worker.communicate(timeout=120)
+        assert worker.returncode == EXIT_ROLLBACK, err[-3000:]
+        assert "generation mismatch" in err
+        again = subprocess.run(worker_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"rolling every server back to {restored}" in again.stderr, again.stderr[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    a_sparse, a_dense = _state(full["checkpoint"])
+    b_sparse, b_dense = _state(json.loads(result.read_text())["checkpoint"])
+    for k in a_sparse:
+        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
+    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])

@@ -162,3 +162,33 @@ def test_a_retry_during_its_first_attempt_waits_for_it():
     t.join(5)
     t2.join(5)
     assert got == ["reply", "reply"] and calls == [1]
+
+
+def test_a_request_of_another_generation_is_refused_and_applies_nothing(tmp_path):
+    """After a Load (a restore) the server is at a new generation: a client that met it before, or a
+    retry of a push sent before, is refused with GenerationChangedError and changes nothing."""
+    from engine.checkpoint import CheckpointManager
+    from engine.errors import GenerationChangedError
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    keys = np.arange(1, 51, dtype=np.uint64)
+    g = np.ones((50, DIM), np.float32)
+    with PSClient(InProcessTransport([core])) as old, PSClient(InProcessTransport([core])) as admin:
+        old.push("emb", keys, g)
+        mgr = CheckpointManager(str(tmp_path / "ckpt"), "job")
+        base = mgr.save(admin, "base", when=0.0)
+        before_gen = core.generation
+        retry = codec.Wire(pb.PushRequest(table="emb", request_id="w0@x:99.0", generation=before_gen),
+                           keys=keys, grads=g)
+        mgr.restore(admin, base["name"])
+        assert core.generation != before_gen and core.restored == mgr.uri_of(base["name"])
+        after = admin.pull("emb", keys)
+        with pytest.raises(GenerationChangedError, match="generation mismatch"):
+            old.push("emb", keys, g)
+        with pytest.raises(RemoteError, match="generation mismatch"):
+            old.transport.call(0, "Push", retry, 5.0)
+        with pytest.raises(GenerationChangedError):
+            old.pull("emb", keys)
+        np.testing.assert_array_equal(admin.pull("emb", keys), after)
+        health = admin.health()[0]
+        assert health["generation"] == core.generation and health["fresh"] is False
+    core.close()
