@@ -57,12 +57,18 @@ class AlignedCheckpoints:
 
     Parameters
     ----------
-    trainer : engine.programs.ctr.CTRTrainer
-        Its ``ctx`` (config, rank, client, mode), ``cfg`` (model params), ``steps`` and ``_drain``.
+    trainer : engine.programs.ctr.CTRTrainer, or any object with the same attributes
+        Its ``ctx`` (config), ``rank``, ``num_workers``, ``client``, ``mode``, ``steps`` (global step
+        count) and ``_drain()`` (make every update of this worker visible on the servers).
+    identity : dict, optional
+        What the data position depends on (recorded in ``sources.train``; a resume that finds it changed
+        restarts the epoch). Default: the CTR trainer's workers, batch size, shuffle buffer, seed and
+        train path.
     """
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, identity: dict | None = None):
         self.t = trainer
+        self._given_identity = identity
         self.ck = trainer.ctx.config.checkpoint
         self.enabled = self.ck.enabled
         self.mgr = ckpt_job.job_manager(trainer.ctx.config) if self.enabled and trainer.rank == 0 else None
@@ -90,6 +96,8 @@ class AlignedCheckpoints:
 
     # -------------------------------------------------------------------------------- positions
     def _identity(self) -> dict:
+        if self._given_identity is not None:
+            return dict(self._given_identity)
         p, t = self.t.cfg, self.t
         return {"workers": t.num_workers, "batch_size": p.batch_size, "shuffle_buffer": p.shuffle_buffer,
                 "seed": p.seed, "train_path": p.data.train_path}

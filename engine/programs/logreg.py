@@ -9,6 +9,11 @@ worker pulls the final weights and reports their distance to the planted ones.
 
 Step: ``read → dedup → pull → forward_backward → push``; gradients are of the mean log-loss over the
 batch.
+
+Checkpoints (``checkpoint.root``): the workers meet every ``checkpoint.align_steps`` steps and at every
+epoch end, and rank 0 writes the checkpoint that is due with the data position ``(epoch, batch)``
+(``ctr_positions.AlignedCheckpoints``), in the local launcher and in role mode alike; ``--resume``
+continues at that position (each rank's data is a pure function of the seed, the rank and the batch).
 """
 from __future__ import annotations
 
@@ -18,8 +23,11 @@ import time
 import numpy as np
 
 from ..program_configs import LogregConfig as Config
+from .ctr_positions import AlignedCheckpoints, Position
 
 log = logging.getLogger(__name__)
+
+WRITES_CHECKPOINTS = True    # rank 0 writes them at aligned points with exact data positions
 
 KEY_BASE = 1 << 40   # feature f has key KEY_BASE + f
 
@@ -40,6 +48,22 @@ def generate(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray]:
     return (feats.astype(np.uint64) + np.uint64(KEY_BASE)), labels
 
 
+class _Loop:
+    """What ``AlignedCheckpoints`` needs of a training loop."""
+
+    def __init__(self, ctx):
+        self.ctx, self.rank, self.num_workers = ctx, ctx.rank, ctx.num_workers
+        self.client, self.mode = ctx.client, ctx.mode
+        self.steps = 0
+
+    def _drain(self) -> None:
+        """Every update of this worker visible on the servers (GEO deltas, queued async pushes)."""
+        if self.mode.name == "geo":
+            self.mode.sync()
+        elif self.mode.name == "async":
+            self.client.flush()
+
+
 def run(ctx) -> dict:
     """Train on this rank's data through ``ctx.mode``; returns the summary of the final weights."""
     cfg: Config = ctx.config.model.params
@@ -47,9 +71,17 @@ def run(ctx) -> dict:
     keys, labels = generate(cfg, ctx.rank)
     mode.init_dense(cfg.dense_table, np.zeros(1, np.float32))
     n, bs = len(labels), cfg.batch_size
+    batches = n // bs                              # equal step counts on every worker (sync needs it)
+    loop = _Loop(ctx)
+    ckpts = AlignedCheckpoints(loop, identity={"workers": ctx.num_workers, "batch_size": bs, "seed": cfg.seed,
+                                               "examples_per_worker": n})
+    start_pos, loop.steps = ckpts.restored()
     steps, loss_sum, t0 = 0, 0.0, time.time()
-    for epoch in range(cfg.epochs):
-        for start in range(0, n - bs + 1, bs):     # equal step counts on every worker (sync needs it)
+    for epoch in range(start_pos.epoch, cfg.epochs):
+        skip = start_pos.batch if epoch == start_pos.epoch else 0
+        meetings = set(ckpts.points(skip, batches))
+        for b in range(skip, batches):
+            start = b * bs
             kb, yb = keys[start:start + bs], labels[start:start + bs]
             uniq, inv = np.unique(kb.reshape(-1), return_inverse=True)            # dedup
             w = mode.pull_sparse(cfg.table, uniq)[:, 0]                            # pull
@@ -63,14 +95,20 @@ def run(ctx) -> dict:
             mode.push_dense_grads(cfg.dense_table, np.array([err.sum()], np.float32))
             mode.end_step(len(yb))
             steps += 1
+            loop.steps += 1
+            if b + 1 in meetings:
+                ckpts.meet(Position(epoch, b + 1))
+        ckpts.meet(Position(epoch + 1, 0))
         log.info("worker %d: epoch %d done, mean logloss %.4f", ctx.rank, epoch, loss_sum / max(1, steps))
+    if ckpts.ck.final:
+        ckpts.meet(Position(cfg.epochs, 0), force=True)
     mode.finish()
     w_true, b_true = planted(cfg)
     all_keys = np.arange(cfg.num_features, dtype=np.uint64) + np.uint64(KEY_BASE)
     w_final = ctx.client.pull(cfg.table, all_keys)[:, 0]
     b_final = float(ctx.client.pull_dense(cfg.dense_table)[0])
     err = w_final - w_true
-    return {"rank": ctx.rank, "steps": steps, "examples": steps * bs,
+    return {"rank": ctx.rank, "steps": steps, "examples": steps * bs, "checkpoint": ckpts.last_uri,
             "train_logloss": loss_sum / max(1, steps), "seconds": time.time() - t0,
             "weight_rmse": float(np.sqrt(np.mean(err ** 2))), "weight_max_abs_error": float(np.abs(err).max()),
             "bias_error": b_final - b_true}
