@@ -51,7 +51,11 @@ import pyarrow as pa
 
 from ..program_configs import Word2VecConfig as Config
 from ..errors import ConfigError
+from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import Follower, MetricsFile, now_stamp
+
+#: rank 0 writes the checkpoints at aligned points with exact data positions (``AlignedCheckpoints``)
+WRITES_CHECKPOINTS = True
 
 log = logging.getLogger(__name__)
 
@@ -201,12 +205,27 @@ def final(cfg, results: list[dict]) -> dict:
              "words": raw, "effective_words": eff, "train_seconds": seconds,
              "words_per_s": raw / seconds, "effective_words_per_s": eff / seconds,
              "loss": loss / max(pairs, 1), **{k: ev.get(k) for k in EVAL_KEYS},
-             "metrics_file": p.metrics_file, "checkpoint": None}
+             "metrics_file": p.metrics_file,
+             "checkpoint": next((r.get("checkpoint") for r in results if r.get("rank") == 0), None)}
     MetricsFile(p.metrics_file).write({**event, "analogy_sections": ev.get("analogy_sections")})
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
 
 
 # ---------------------------------------------------------------------------------- worker side
+def steps_per_epoch(files, rank: int, num_workers: int, batch_words: int) -> int:
+    """How many steps ``worker_steps`` yields (reads only the ``raw_tokens`` column)."""
+    from models.word2vec_reference import job_bounds
+    n, i = 0, 0
+    for path in files:
+        with pa.memory_map(str(path), "r") as mm:
+            for rb in pa.ipc.open_stream(mm):
+                mine = i % num_workers == rank
+                i += 1
+                if mine and rb.num_rows:
+                    n += len(job_bounds(rb.column("raw_tokens").to_numpy().astype(np.int64), batch_words)) - 1
+    return n
+
+
 def worker_steps(files, rank: int, num_workers: int, batch_words: int):
     """This worker's steps: ``(tokens uint32[n], offsets int64[d + 1], raw_words)`` of at most
     ``batch_words`` raw words each (a longer document is one step), from record batches
@@ -260,6 +279,17 @@ class Word2VecTrainer:
         self.scratch = None
         self.global_done = 0.0
         self.steps = 0
+        # checkpoints at aligned points (every checkpoint.align_steps steps of an epoch while every
+        # rank still has data, and at epoch ends) with the data position (epoch, step of the epoch)
+        self.checkpoints = AlignedCheckpoints(self, identity={
+            "workers": self.num_workers, "batch_words": p.batch_words, "seed": p.seed, "arrow_dir": p.arrow_dir})
+
+    def _drain(self) -> None:
+        """Every update of this worker visible on the servers (GEO deltas, queued async pushes)."""
+        if self.mode.name == "geo":
+            self.mode.sync()
+        elif self.mode.name == "async":
+            self.client.flush()
 
     def warm_up(self) -> float:
         """Compile this worker's kernels (subsampling and negatives, the SGNS step on replicas and on
@@ -309,9 +339,13 @@ class Word2VecTrainer:
         p = self.cfg
         if self.ctx.config.cluster.warm_up:      # every worker starts its first step compiled
             log.info("worker %d: kernels ready in %.1f s", self.rank, self.warm_up())
-        if self.rank == 0:
+        start, self.steps = self.checkpoints.restored()
+        if self.rank == 0 and not self.ctx.config.checkpoint.restored:   # a restore brought the count back
             self.client.init_dense(p.progress_table, np.zeros(1, np.float32), force=True)
         self.mode.barrier("w2v-progress-init")
+        self.global_done = float(self.client.pull_dense(p.progress_table)[0])
+        per_epoch = min(steps_per_epoch(self.files, r, self.num_workers, p.batch_words)
+                        for r in range(self.num_workers)) if self.checkpoints.enabled else 0
         syn0 = self.mode.sparse_replica(p.input_table, self.keys_in)
         syn1 = self.mode.sparse_replica(p.output_table, self.keys_out) if syn0 is not None else None
         log.info("worker %d: %d words, %s, %d planned raw words (all workers)", self.rank, len(self.vocab),
@@ -319,9 +353,13 @@ class Word2VecTrainer:
                  self.planned)
         total, window = SGStats(), SGStats()
         train_s, t_win = 0.0, time.perf_counter()
-        for epoch in range(p.epochs):
+        for epoch in range(start.epoch, p.epochs):
+            skip = start.batch if epoch == start.epoch else 0
+            meetings = set(self.checkpoints.points(skip, per_epoch))
             for k, (tokens, offs, raw) in enumerate(worker_steps(self.files, self.rank, self.num_workers,
                                                                  p.batch_words)):
+                if k < skip:
+                    continue
                 t0 = time.perf_counter()
                 a0 = self.sg.alpha_at(self.global_done / self.planned)
                 a1 = self.sg.alpha_at((self.global_done + raw * self.num_workers) / self.planned)
@@ -338,6 +376,11 @@ class Word2VecTrainer:
                 if now - t_win >= p.log_every_s:
                     self._event(epoch, total, window, now - t_win, a1)
                     window, t_win = SGStats(), now
+                if k + 1 in meetings:
+                    self.checkpoints.meet(Position(epoch, k + 1))
+            self.checkpoints.meet(Position(epoch + 1, 0))
+        if self.checkpoints.ck.final:
+            self.checkpoints.meet(Position(p.epochs, 0), force=True)
         t0 = time.perf_counter()
         self.mode.finish()
         train_s += time.perf_counter() - t0
@@ -346,7 +389,8 @@ class Word2VecTrainer:
         log.info("worker %d: %d raw / %d effective words in %.1f s (%.0f / %.0f per s)", self.rank,
                  total.raw_words, total.effective_words, train_s, total.raw_words / max(train_s, 1e-9),
                  total.effective_words / max(train_s, 1e-9))
-        out = {"rank": self.rank, "steps": self.steps, "raw_words": total.raw_words,
+        out = {"rank": self.rank, "steps": self.steps, "checkpoint": self.checkpoints.last_uri,
+               "raw_words": total.raw_words,
                "effective_words": total.effective_words, "pairs": total.pairs, "loss_sum": total.loss,
                "train_seconds": train_s}
         if self.rank == 0 and p.eval_after_train:

@@ -110,3 +110,24 @@ def test_train_export_eval(corpus, tmp_path, mode):
     for k in ("analogy_accuracy", "analogy_evaluated", "analogy_skipped", "wordsim353_spearman",
               "simlex999_spearman"):
         assert ev[k] == pytest.approx(final[k], abs=1e-9), k
+
+
+@pytest.mark.slow
+def test_a_resumed_job_trains_exactly_the_words_that_remained(corpus, tmp_path):
+    """Word2Vec records its data position (epoch, step of the epoch) at aligned checkpoints, and a job
+    resumed from one trains exactly the raw words after it: nothing skipped, nothing twice."""
+    from engine.checkpoint import CheckpointManager
+    cfg = REPO / "configs" / "word2vec.yaml"
+    sets = _sets(corpus, tmp_path, "geo") + ["--set", "checkpoint.align_steps=4", "--set",
+                                             "checkpoint.delta_every=4steps", "--set", "model.eval_after_train=false"]
+    full = json.loads(_run("train", cfg, "--run-dir", tmp_path / "run", *sets)[-1])
+    assert full["words"] == 2 * 288_000
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), "word2vec")
+    chain = [mgr.manifest(r.name) for r in mgr.list()]
+    mid = next(m for m in chain if m["sources"]["train"]["epoch"] == 1 and m["sources"]["train"]["batch"] == 4)
+    resumed = json.loads(_run("train", cfg, "--run-dir", tmp_path / "run2", *sets, "--resume",
+                              mgr.uri_of(mid["name"]))[-1])
+    # the 2 workers had trained epoch 0 and 4 steps of epoch 1 each; a step of at most 8,000 raw words
+    # holds 33 whole documents of 240 words = 7,920 words
+    per_step = 33 * 240
+    assert resumed["words"] == full["words"] - 288_000 - 2 * 4 * per_step, (resumed["words"], full["words"])
