@@ -7,6 +7,10 @@ an exact instant (the way etcd's gofail and TiKV's fail-rs expose them).
 
 Actions: ``sleep:SECONDS`` (pause there). Unset, every point costs one dict lookup. Points:
 
+``worker.after_step``
+    ``Mode.end_step``: a worker finished a step and reported it (a long sleep here is a training loop
+    that hangs while the process stays alive: its heartbeat goes on, its step counter stops).
+
 ``checkpoint.before_publish``
     ``CheckpointManager.save``: every server wrote its part files, the manifest and ``_SUCCESS`` are
     not written yet (a kill here must leave the previous checkpoint the newest complete one).

@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from .. import progress
+from .. import failpoints, progress
 from ..errors import ConfigError
 from ..ps.client import PSClient
 
@@ -124,6 +124,7 @@ class Mode(ABC):
         the supervisor (``engine.progress``: a worker whose steps stop moving is hung)."""
         self.step += 1
         progress.current().step(examples)
+        failpoints.hit("worker.after_step")
 
     def finish(self) -> None:
         """Send everything still held locally, then wait for every worker to finish."""

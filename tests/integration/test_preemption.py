@@ -31,7 +31,8 @@ def preempted_run(tmp, tag: str, victim, *sets: str) -> dict:
     run_dir = tmp / f"run-{tag}"
     try:
         wait_for(run_dir / "worker-0.progress.json", lambda r: r["step"] >= 10, "step 10")
-        pid = proc.pid if victim == "launcher" else role_pid(run_dir, "worker", victim)
+        pid = (proc.pid if victim == "launcher" else role_pid(run_dir, "server", 0) if victim == "server"
+               else role_pid(run_dir, "worker", victim))
         t0 = time.monotonic()
         os.kill(pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
@@ -79,3 +80,13 @@ def test_sigterm_to_one_worker_stops_every_worker_at_one_checkpoint(tmp_path):
     sparse, _ = _state(final["checkpoint"])
     train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
     assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS
+
+
+def test_sigterm_to_a_server_checkpoints_at_the_next_meeting(tmp_path):
+    """A server told to stop (as Kubernetes does before it kills a pod) keeps serving and says so in
+    Health; rank 0 checkpoints at its next meeting and every worker stops there with exit 75."""
+    sets = ("mode=sync", "cluster.workers=1", "model.pipeline=sequential", *SLOW)
+    stopped = preempted_run(tmp_path, "job", "server", *sets)
+    with open(os.path.join(stopped["checkpoint"], "manifest.json")) as f:
+        assert json.load(f)["sources"]["train"]["epoch"] < 3
+    assert resumed_run(tmp_path, "job", stopped["checkpoint"], *sets)["checkpoint"]

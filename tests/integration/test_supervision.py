@@ -109,3 +109,23 @@ def test_more_failures_than_max_restarts_end_the_job_with_every_failure_listed(t
     assert "attempt 0: worker 0: was killed by signal 9" in err
     assert "attempt 1: server 0: was killed by signal 9" in err
     assert not leftovers(tmp_path)
+
+
+def test_a_worker_whose_loop_hangs_is_declared_dead_and_the_job_recovers(tmp_path):
+    """A live process with a stuck loop: its heartbeat goes on but its step counter stops (the failpoint
+    worker.after_step sleeps after the first step). It is declared dead after client.dead_after_s, the
+    attempt restarts, hangs again, and with cluster.max_restarts=1 the job ends naming both hangs."""
+    env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:600"}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(DEMO), "--run-dir", str(tmp_path), *FAST,
+                             "--set", "client.dead_after_s=3", "--set", "cluster.max_restarts=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    try:
+        out, err = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # every attempt hangs the same way (the failpoint holds in each): two hangs end the job, both named
+    assert proc.returncode == 1, err[-3000:]
+    assert err.count("hung: no training step for") >= 2 and "giving up after 2 failure(s)" in err, err[-3000:]
+    assert not leftovers(tmp_path)
