@@ -66,3 +66,17 @@ def segment_sum(values: np.ndarray, inverse: np.ndarray, n: int) -> np.ndarray:
     else:
         _kernels.segment_sum_2d(values, inverse, out)
     return out
+
+
+def concat_pushes(parts: list[tuple]) -> tuple:
+    """Concatenate pushes ``[(keys uint64[n_i], grads float32[n_i, dim], shows float32[n_i] or None,
+    clicks float32[n_i] or None)]`` -> ``(keys, grads, shows or None, clicks or None)``. When some parts
+    have shows, the others count one show and no click per key (shows are None only when no part has
+    any)."""
+    keys = np.concatenate([p[0] for p in parts])
+    grads = np.concatenate([p[1] for p in parts])
+    if all(p[2] is None for p in parts):
+        return keys, grads, None, None
+    shows = np.concatenate([p[2] if p[2] is not None else np.ones(len(p[0]), np.float32) for p in parts])
+    clicks = np.concatenate([p[3] if p[3] is not None else np.zeros(len(p[0]), np.float32) for p in parts])
+    return keys, grads, shows, clicks

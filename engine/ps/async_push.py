@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from ..errors import PSTimeoutError
+from ._arrays import concat_pushes
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,7 @@ class AsyncPusher:
                 items.pop()
             try:
                 for table in dict.fromkeys(it[0] for it in items):
-                    mine = [it for it in items if it[0] == table]
-                    keys = np.concatenate([it[1] for it in mine])
-                    grads = np.concatenate([it[2] for it in mine])
-                    has_shows = [it[3] is not None for it in mine]
-                    shows = clicks = None
-                    if any(has_shows):
-                        shows = np.concatenate([it[3] if it[3] is not None else np.ones(len(it[1]), np.float32)
-                                                for it in mine])
-                        clicks = np.concatenate([it[4] if it[4] is not None else np.zeros(len(it[1]), np.float32)
-                                                 for it in mine])
+                    keys, grads, shows, clicks = concat_pushes([it[1:] for it in items if it[0] == table])
                     if self._error is None:
                         self._push(table, keys, grads, shows=shows, clicks=clicks)
             except BaseException as e:  # noqa: BLE001 - surfaced by flush()/put()

@@ -201,19 +201,12 @@ class SparseHost:
             items, self._pending = self._pending, []
         if not items:
             return 0
-        keys = np.concatenate([it[0] for it in items])
-        grads = np.concatenate([it[1] for it in items])
         with_shows = [it[2] is not None for it in items]
         if any(with_shows) and not all(with_shows):
             log.warning("table %s: sync step mixes pushes with and without shows; shows of the others "
                         "count as 1", self.name)
-        shows = clicks = None
-        if any(with_shows):
-            shows = np.concatenate([it[2] if it[2] is not None else np.ones(len(it[0]), np.float32)
-                                    for it in items])
-            clicks = np.concatenate([it[3] if it[3] is not None else np.zeros(len(it[0]), np.float32)
-                                     for it in items])
-        else:
+        keys, grads, shows, clicks = _arrays.concat_pushes(items)
+        if shows is None:
             grads = grads * np.float32(1.0 / world)
         self.push(keys, grads, shows, clicks, delta=False)
         return len(keys)

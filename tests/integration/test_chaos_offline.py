@@ -25,7 +25,7 @@ import pytest
 from engine import progress
 from engine.launch.procs import processes_of as leftovers
 from engine.launch.procs import role_pid
-from tests.integration.test_offline_resume import _state
+from tests.integration.test_offline_resume import _state, assert_same_model
 
 pytestmark = pytest.mark.slow
 
@@ -101,12 +101,7 @@ def test_sync_one_worker_recovers_to_the_bit_identical_model(tmp_path):
     final, err = chaos(tmp_path, "chaos", 7, *sets)
     assert final["restarts"] == 3, err[-3000:]
     assert final["examples_replayed"] > 0
-    a_sparse, a_dense = _state(full["checkpoint"])
-    b_sparse, b_dense = _state(final["checkpoint"])
-    assert a_sparse.keys() == b_sparse.keys()
-    for k in a_sparse:
-        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
-    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+    assert_same_model(full["checkpoint"], final["checkpoint"])
     assert final["test_auc"] == full["test_auc"]
 
 

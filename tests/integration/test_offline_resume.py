@@ -77,6 +77,17 @@ def _state(ckpt: str) -> tuple[dict, dict]:
     return sparse, dense
 
 
+def assert_same_model(ckpt_a: str, ckpt_b: str) -> None:
+    """Two checkpoints hold the same model, bit for bit: every sparse row with its optimizer state and
+    counters, and every dense parameter."""
+    a_sparse, a_dense = _state(ckpt_a)
+    b_sparse, b_dense = _state(ckpt_b)
+    assert a_sparse.keys() == b_sparse.keys()
+    for k in a_sparse:
+        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
+    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sets", [
     ("mode=sync", "cluster.workers=1", "model.pipeline=sequential"),
@@ -96,12 +107,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, sets):
     resumed, events = _train(tmp_path, "resumed", *sets, resume=mid_uri)
     start = next(e for e in events if e["event"] == "start")
     assert start is not None
-    a_sparse, a_dense = _state(full["checkpoint"])
-    b_sparse, b_dense = _state(resumed["checkpoint"])
-    assert a_sparse.keys() == b_sparse.keys()
-    for k in a_sparse:
-        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
-    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+    assert_same_model(full["checkpoint"], resumed["checkpoint"])
     assert resumed["test_auc"] == full["test_auc"] and resumed["test_logloss"] == full["test_logloss"]
 
 

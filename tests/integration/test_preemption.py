@@ -10,14 +10,13 @@ import signal
 import subprocess
 import time
 
-import numpy as np
 import pytest
 
 from engine.launch.procs import processes_of as leftovers
 from engine.launch.procs import role_pid
 from engine.preempt import EXIT_PREEMPTED
 from tests.integration.test_chaos_offline import REPO, ROWS, SLOTS, args, run, wait_for
-from tests.integration.test_offline_resume import _state
+from tests.integration.test_offline_resume import _state, assert_same_model
 
 pytestmark = pytest.mark.slow
 
@@ -66,11 +65,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_bit_identical(tmp_pat
         manifest = json.load(f)
     assert manifest["sources"]["train"]["epoch"] < 3
     final = resumed_run(tmp_path, "job", stopped["checkpoint"], *sets)
-    a_sparse, a_dense = _state(full["checkpoint"])
-    b_sparse, b_dense = _state(final["checkpoint"])
-    for k in a_sparse:
-        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
-    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+    assert_same_model(full["checkpoint"], final["checkpoint"])
 
 
 def test_sigterm_to_one_worker_stops_every_worker_at_one_checkpoint(tmp_path):

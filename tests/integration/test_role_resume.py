@@ -12,12 +12,11 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from engine.checkpoint import CheckpointManager
 from tests.integration.test_chaos_offline import REPO, args, run
-from tests.integration.test_offline_resume import _state
+from tests.integration.test_offline_resume import assert_same_model
 
 pytestmark = pytest.mark.slow
 
@@ -71,11 +70,7 @@ def test_role_mode_servers_resume_and_the_worker_continues_bit_identically(tmp_p
     code, result, err = role_job(tmp_path, "role", [uri, uri])
     assert code == 0, err[-3000:]
     assert "the servers restored" in err and "resuming at epoch 1, batch 8" in err, err[-3000:]
-    a_sparse, a_dense = _state(full["checkpoint"])
-    b_sparse, b_dense = _state(result["checkpoint"])
-    for k in a_sparse:
-        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
-    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+    assert_same_model(full["checkpoint"], result["checkpoint"])
 
 
 def test_servers_that_restored_different_checkpoints_are_rolled_back_to_the_newer(tmp_path):
@@ -88,11 +83,7 @@ def test_servers_that_restored_different_checkpoints_are_rolled_back_to_the_newe
     code, result, err = role_job(tmp_path, "mixed", [mgr.uri_of(names[1]), mgr.uri_of(names[2])])
     assert code == 0, err[-3000:]
     assert "rolling every server back to " + mgr.uri_of(names[2]) in err, err[-3000:]
-    a_sparse, a_dense = _state(full["checkpoint"])
-    b_sparse, b_dense = _state(result["checkpoint"])
-    for k in a_sparse:
-        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
-    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+    assert_same_model(full["checkpoint"], result["checkpoint"])
 
 
 def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_checkpoint(tmp_path):
@@ -144,8 +135,4 @@ def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_c
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
-    a_sparse, a_dense = _state(full["checkpoint"])
-    b_sparse, b_dense = _state(json.loads(result.read_text())["checkpoint"])
-    for k in a_sparse:
-        np.testing.assert_array_equal(a_sparse[k], b_sparse[k], err_msg=str(k))
-    np.testing.assert_array_equal(a_dense["dense"], b_dense["dense"])
+    assert_same_model(full["checkpoint"], json.loads(result.read_text())["checkpoint"])
