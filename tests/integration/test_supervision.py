@@ -23,13 +23,17 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "logreg_demo.yaml"
 FAST = ["--set", "cluster.warm_up=false", "--set", "model.examples_per_worker=3000", "--set", "cluster.workers=2",
-        "--set", "model.epochs=2"]
+        "--set", "model.epochs=6"]
+# every step pauses 20 ms (failpoint worker.after_step): an attempt lasts ~6 s, so a kill aimed at step 20
+# always lands while the job trains, however loaded the machine (unpaused, the job took under a second and a
+# SIGSTOP could arrive after it had finished)
+PACED = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.02"}
 
 
 def engine(*args, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "engine", "train", str(DEMO), "--run-dir", str(run_dir),
                              *FAST, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            start_new_session=True)
+                            env=PACED, start_new_session=True)
 
 
 def wait_steps(path: Path, steps: int, timeout: float = 90.0) -> None:
