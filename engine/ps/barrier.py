@@ -209,6 +209,14 @@ class Barriers:
             self._stopped = True
             self._cond.notify_all()
 
+    def reset(self) -> None:
+        """Forget every barrier (a restore starts a new round of meetings: an arrival of a caller that
+        died before it would otherwise count toward the next one). Callers of the old state are refused
+        anyway: their requests carry the old generation."""
+        with self._cond:
+            self._states.clear()
+            self._cond.notify_all()
+
     def stats(self) -> dict:
         with self._cond:
             return {n: {"world": s.world, "generation": s.generation, "arrived": len(s.arrived)}

@@ -193,6 +193,13 @@ class SparseHost:
         with self._pending_lock:
             self._pending.append(item)
 
+    def drop_pending(self) -> int:
+        """Forget the sync pushes held for the next barrier (a restore rolled the tables back past
+        them); returns how many were dropped."""
+        with self._pending_lock:
+            n, self._pending = len(self._pending), []
+        return n
+
     def apply_pending(self, world: int) -> int:
         """Apply the held pushes as one update. Without show counts the gradients are averaged over
         ``world`` workers; with shows they are summed (the accessor divides by the summed shows, which
@@ -413,6 +420,13 @@ class DenseHost:
         b = self._check(block, delta, "delta")
         with b.lock:
             b.params += delta
+
+    def drop_pending(self) -> None:
+        """Forget the sync gradients held for the next barrier (see ``SparseHost.drop_pending``)."""
+        for b in self.blocks.values():
+            with b.lock:
+                b.pending[:] = 0
+                b.pending_n = 0
 
     def apply_pending(self, world: int) -> None:
         for b in self.blocks.values():

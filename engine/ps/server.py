@@ -55,7 +55,7 @@ METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink",
 #: Dense pulls and metric reads do not change anything and are not remembered (``_mutating``).
 MUTATING = frozenset({"Push", "Dense", "Step", "Save", "Load", "Shrink", "Metric"})
 #: data requests that carry the generation their sender expects (see ps.proto: Generations)
-GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric"})
+GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric", "Save"})
 #: requests that change a table (a server that applied one is no longer ``fresh``)
 _WRITES = frozenset({"Push", "Dense", "Step"})
 #: methods that read or change the tables (they never overlap a Load)
@@ -200,6 +200,7 @@ class PSServer:
                 self.restored = request.path
                 self.generation = max(time.time_ns(), self.generation + 1)
                 self.fresh = False
+                self._drop_transient()
             return reply
         if method not in _ON_TABLES:
             return getattr(self, method)(request)
@@ -213,6 +214,20 @@ class PSServer:
             finally:
                 with self._inflight_lock:
                     self._inflight -= 1
+
+    def _drop_transient(self) -> None:
+        """After a Load: what was held for the state the load replaced goes too (sync pushes and dense
+        gradients waiting for their barrier, metric sums of an evaluation in progress, barrier
+        arrivals); applied later, it would land on the restored tables."""
+        dropped = sum(h.drop_pending() for h in self.sparse.values())
+        for h in self.dense.values():
+            h.drop_pending()
+        with self._metrics_lock:
+            self._metrics.clear()
+        self.barriers.reset()
+        if dropped:
+            log.warning("server %d: dropped %d sync push(es) held for the state the load replaced",
+                        self.index, dropped)
 
     def _msg(self, cls, req, **fields):
         """A reply message of ``cls`` for ``req`` stamped with this server's generation (replies built

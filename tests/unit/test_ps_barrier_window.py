@@ -188,7 +188,30 @@ def test_a_request_of_another_generation_is_refused_and_applies_nothing(tmp_path
             old.transport.call(0, "Push", retry, 5.0)
         with pytest.raises(GenerationChangedError):
             old.pull("emb", keys)
+        with pytest.raises(GenerationChangedError):     # a stale coordinator cannot publish a checkpoint
+            mgr.save(old, "delta", when=60.0)
+        assert [r.name for r in mgr.list()] == [base["name"]]
         np.testing.assert_array_equal(admin.pull("emb", keys), after)
         health = admin.health()[0]
         assert health["generation"] == core.generation and health["fresh"] is False
+    core.close()
+
+
+def test_a_load_drops_sync_updates_held_for_the_state_it_replaced(tmp_path):
+    """A sync push held for the next barrier belongs to the state before a restore: applied after it,
+    it would land on the restored tables (a worker stopped between its push and its barrier)."""
+    from engine.checkpoint import CheckpointManager
+    core = PSServer({"emb": SGD1}, {"d": DenseTableConfig(optimizer="sgd", learning_rate=1.0)}, local_shards=1)
+    keys = np.arange(1, 21, dtype=np.uint64)
+    with PSClient(InProcessTransport([core])) as c:
+        c.init_dense("d", np.zeros(10, np.float32))
+        c.push("emb", keys, np.ones((20, DIM), np.float32))
+        mgr = CheckpointManager(str(tmp_path / "ckpt"), "job")
+        base = mgr.save(c, "base", when=0.0)
+        c.push("emb", keys, np.ones((20, DIM), np.float32), accumulate=True)     # held for the barrier
+        c.push_dense("d", np.ones(10, np.float32), accumulate=True)
+        mgr.restore(c, base["name"])
+        c.barrier("sync:step", 1, apply_pending=True)
+        np.testing.assert_array_equal(c.pull("emb", keys), -np.ones((20, DIM), np.float32))
+        np.testing.assert_array_equal(c.pull_dense("d"), np.zeros(10, np.float32))
     core.close()
