@@ -14,8 +14,8 @@ next failure ends the job with every failure listed (role, rank, exit, last log 
 The final JSON line gains ``restarts`` and ``examples_replayed``: the examples trained by failed
 attempts after the checkpoint the next attempt resumed from (work that was lost and done again). A
 worker's progress report (``engine.progress``) counts its examples and marks the count at each
-aligned checkpoint position (``"epoch:batch"``, online ``"partition:NAME"``); the lost examples of a worker are its count at the
-failure minus its mark at the resumed checkpoint's position (all of them when there is no such mark:
+aligned checkpoint position (``"epoch:batch"``, online ``"partition:NAME"``); the lost examples of
+a worker are its count at the failure minus its mark at the resumed checkpoint's position (all of them when there is no such mark:
 the attempt's whole work was lost).
 
 Only *who* restarts is local here: *what* state a restart resumes from is the newest complete
@@ -128,7 +128,8 @@ class Supervisor:
         """
         attempt = 0
         while True:
-            run_dir = self.run_dir if attempt == 0 or self.run_dir is None else Path(self.run_dir) / f"restart-{attempt}"
+            run_dir = (self.run_dir if attempt == 0 or self.run_dir is None
+                       else Path(self.run_dir) / f"restart-{attempt}")
             cluster = self._cluster = LocalCluster(self.cfg, run_dir)
             try:
                 with cluster:
