@@ -15,8 +15,8 @@ The final JSON line gains ``restarts`` and ``examples_replayed``: the examples t
 attempts after the checkpoint the next attempt resumed from (work that was lost and done again). A
 worker's progress report (``engine.progress``) counts its examples and marks the count at each
 aligned checkpoint position (``"epoch:batch"``, online ``"partition:NAME"``); the lost examples of
-a worker are its count at the failure minus its mark at the resumed checkpoint's position (all of them when there is no such mark:
-the attempt's whole work was lost).
+a worker are its count at the failure minus its mark at the resumed checkpoint's position (all of
+them when there is no such mark: the attempt's whole work was lost).
 
 Only *who* restarts is local here: *what* state a restart resumes from is the newest complete
 checkpoint, the same for any launcher (``engine/launch/`` holds one per scheduler over this rule).
