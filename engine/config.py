@@ -17,7 +17,9 @@ Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
     mode: async                 # sync | async | geo
     cluster: {servers, workers, host, endpoints, local_shards, num_vshards, ...}
     client: {timeout_s, retries, backoff_s, threads, async_queue, barrier_timeout_s}
-    server: {max_barrier_wait_s, max_concurrent_rpcs, reply_window_bytes}
+    server: {max_barrier_wait_s, max_concurrent_rpcs, reply_window_bytes, max_message_bytes}
+    security: {tls: {cert, key, ca, client_cert, client_key}, token_file, admin_token_file, insecure, ...}
+                                (engine.security.settings)
     geo: {k_steps, learning_rate, dense_learning_rate, evict_after_steps, delta_scale}
     checkpoint: {root, job, delta_every, base_every, keep_bases, fallback, final, threads, align_steps}
                                 (engine.checkpoint.schedule; root "" = no checkpoints)
@@ -51,6 +53,7 @@ from .config_base import Nested, StrTuple, build, section, with_texts
 from .config_yaml import Source, load_yaml, parse_value
 from .errors import ConfigError
 from .program_configs import program_config_class
+from .security.settings import SecurityConfig
 
 Mode = Literal["sync", "async", "geo"]
 MODES = typing.get_args(Mode)
@@ -115,11 +118,16 @@ class ServerConfig:
     reply_window_bytes : int, bytes, >= 0
         Bytes of recent replies a server keeps to answer a retried request without applying it twice
         (64 MiB by default; 0 keeps none).
+    max_message_bytes : int, bytes, in [4 MiB, 2 GiB)
+        The largest request a server accepts and the largest reply it sends (gRPC's message limits);
+        a larger request is refused with ``RESOURCE_EXHAUSTED`` before anything is allocated. Clients
+        learn it from the servers' ``Health`` and size their chunks to fit.
     """
 
     max_barrier_wait_s: Annotated[float, Field(gt=0)] = 600.0
     max_concurrent_rpcs: Annotated[int, Field(ge=0)] = 256
     reply_window_bytes: Annotated[int, Field(ge=0)] = 64 << 20
+    max_message_bytes: Annotated[int, Field(ge=4 << 20, le=(2 << 30) - 1)] = 16 << 20
 
 
 @section
@@ -226,6 +234,7 @@ class EngineConfig:
     geo: Annotated[GeoConfig, Nested] = field(default_factory=GeoConfig)
     checkpoint: Annotated[CheckpointConfig, Nested] = field(default_factory=CheckpointConfig)
     storage: Annotated[StorageConfig, Nested] = field(default_factory=StorageConfig)
+    security: Annotated[SecurityConfig, Nested] = field(default_factory=SecurityConfig)
     sparse_tables: dict[str, Any] = field(default_factory=dict)   # name -> sparse_tables.TableConfig
     dense_tables: dict[str, DenseTableConfig] = field(default_factory=dict)
     model: Annotated[ModelConfig, Nested] | None = None
@@ -234,7 +243,7 @@ class EngineConfig:
         """The YAML mapping this config loads from (round-trips through ``from_dict``)."""
         out = {"mode": self.mode, "cluster": _plain(self.cluster), "client": _plain(self.client),
                "server": _plain(self.server), "geo": _plain(self.geo), "checkpoint": _plain(self.checkpoint),
-               "storage": _plain(self.storage),
+               "storage": _plain(self.storage), "security": _plain(self.security),
                "tables": {"sparse": {k: _plain(v) for k, v in self.sparse_tables.items()},
                           "dense": {k: _plain(v) for k, v in self.dense_tables.items()}}}
         if self.model is not None:

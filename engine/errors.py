@@ -49,6 +49,12 @@ class RequestRejectedError(RemoteError, ValueError):
     its tables are unchanged. Retrying the same request will fail the same way."""
 
 
+class AccessDeniedError(RequestRejectedError):
+    """The server refused the caller (UNAUTHENTICATED: no or a wrong bearer token; PERMISSION_DENIED: an
+    admin method with the worker token, or a checkpoint location outside ``checkpoint.root``). Nothing
+    changed; never retried."""
+
+
 class MessageTooLargeError(RequestRejectedError):
     """A request or its reply is over a gRPC message size limit (RESOURCE_EXHAUSTED "larger than max");
     the message names the limit and the size. Never retried: the same request fails the same way."""

@@ -26,7 +26,7 @@ from .checkpoint.coordinator import CheckpointManager, CheckpointNotFoundError
 from .checkpoint.manifest import parse_name
 from .checkpoint.schedule import Schedule
 from .errors import ConfigError
-from .ps.client import PSClient
+from .connect import connect
 
 __all__ = ["job_name", "manager_for", "job_manager", "resume", "final", "Periodic"]
 
@@ -73,9 +73,7 @@ def newest(cfg) -> tuple[str, dict] | None:
 
 
 def _client(cfg, endpoints):
-    c = cfg.client
-    return PSClient(endpoints, timeout_s=c.timeout_s, retries=c.retries, backoff_s=c.backoff_s,
-                    max_backoff_s=c.max_backoff_s, threads=c.threads, name="launcher")
+    return connect(cfg, endpoints, name="launcher", admin=True)
 
 
 def resume(cfg, endpoints: list[str], uri: str | None, *, fallback: bool = False):

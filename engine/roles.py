@@ -30,6 +30,7 @@ from pathlib import Path
 
 from . import preempt, progress
 from .config import EngineConfig, restore_secrets
+from .connect import connect
 from .errors import ConfigError, GenerationChangedError
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,9 @@ class _OneServer:
         from .ps import ps_pb2 as pb
         from .ps.server import ServerError
         try:
-            return self.core.handle("Load", pb.PathRequest(request_id=f"resume:{uri}", path=uri)).count
+            # the operator's own --resume URI: trusted, may lie outside checkpoint.root
+            return self.core.handle("Load", pb.PathRequest(request_id=f"resume:{uri}", path=uri),
+                                    trusted=True).count
         except ServerError as e:
             raise RuntimeError(str(e)) from None
 
@@ -121,7 +124,8 @@ class _OneServer:
 
 
 def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: int | None = None,
-               ready_file: str | None = None, resume: str | None = None, resume_fallback: bool = False) -> int:
+               ready_file: str | None = None, resume: str | None = None, resume_fallback: bool = False,
+               allow_load: list[str] | None = None) -> int:
     """Serve until a Stop RPC or SIGINT. Writes ``host:port`` to ready_file once listening.
 
     SIGTERM is a preemption (``engine.preempt``): the server keeps serving, says ``preempting`` in
@@ -131,7 +135,12 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     ``resume`` (``--resume [URI]`` under ``--role server``; "" = the job's newest complete checkpoint):
     before it listens, the server loads its own vshards of that checkpoint's chain (a damaged one falls
     back to the previous complete one with ``resume_fallback`` or ``checkpoint.fallback``) and reports
-    it as ``restored`` in ``Health``; workers started with the servers resume at its data position."""
+    it as ``restored`` in ``Health``; workers started with the servers resume at its data position.
+
+    ``Save`` and ``Load`` from clients are confined to ``checkpoint.root`` (``engine.security.confine``);
+    ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
+    from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
+    without TLS and tokens (``engine.security.listen``): ConfigError."""
     from .ps.server import PSServer, serve
 
     cfg = restore_secrets(cfg)
@@ -140,17 +149,22 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     if port is None and cfg.cluster.endpoints:
         port = int(cfg.cluster.endpoints[rank].rsplit(":", 1)[1])
     host = host or cfg.cluster.host
+    from .security.credentials import server_security
+    from .security.listen import check_listen
+    check_listen(host, cfg.security, key="--host" if host != cfg.cluster.host else "cluster.host")
+    security = server_security(cfg.security)
     if cfg.cluster.warm_up:        # before listening: no request of the job compiles a kernel
         from .ps.warmup import warm_up
         warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
     core = PSServer.from_config(cfg, rank)
+    core.load_roots.extend(allow_load or ())
     if resume is not None:
         from . import job_checkpoints
         mgr, target = job_checkpoints.manager_for(cfg, resume or None)
         m = mgr.restore(_OneServer(core), target, fallback=resume_fallback or cfg.checkpoint.fallback)
         log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
     server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
-                          max_concurrent_rpcs=cfg.server.max_concurrent_rpcs)
+                          max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security)
     deadline = [float("inf")]
 
     def preempted(*_) -> None:
@@ -240,7 +254,6 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
     """Connect to the servers, build the mode, run the ``model.kind`` program; returns its summary."""
     from .modes import make_mode
     from .programs import load_program
-    from .ps.client import PSClient
 
     if cfg.model is None:
         raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
@@ -251,10 +264,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
     program = load_program(cfg.model.kind)
     # a supervising launcher watches this file: beats, steps, announced long phases (engine.progress)
     reporter = progress.install(startup_s=cfg.cluster.startup_timeout_s)
-    c = cfg.client
-    client = PSClient(server_endpoints(cfg), timeout_s=c.timeout_s, retries=c.retries, backoff_s=c.backoff_s,
-                      max_backoff_s=c.max_backoff_s, threads=c.threads, async_queue=c.async_queue,
-                      name=f"worker{rank}")
+    client = connect(cfg, server_endpoints(cfg), name=f"worker{rank}", admin=rank == 0,
+                     async_queue=cfg.client.async_queue)
     try:
         client.wait_ready(cfg.cluster.startup_timeout_s)
         cfg = _restored_by_servers(cfg, client, rank)

@@ -5,6 +5,7 @@ unchanged, so a retry carries the same request id."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -68,3 +69,18 @@ class DroppingProxy:
     def close(self) -> None:
         self._server.stop(0).wait(5)
         self._channel.close()
+
+
+class ServerClock:
+    """A server's clock for tests (``PSServer(clock=...)``): ``time.time()`` plus an offset that
+    ``advance(seconds)`` grows, so an expiry pass (``Shrink``, which takes no client time) can be made
+    to see rows as old."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+    def __call__(self) -> float:
+        return time.time() + self.offset

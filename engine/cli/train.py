@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="URI",
                    help="restore a checkpoint before training: URI of a checkpoint directory or job root "
                         "(default: the newest complete checkpoint under checkpoint.root)")
+    p.add_argument("--allow-load", action="append", default=[], metavar="URI",
+                   help="server: clients may also load checkpoints below URI (besides checkpoint.root); "
+                        "the launcher passes its --resume URI")
     p.add_argument("--resume-fallback", action="store_true",
                    help="with --resume: a damaged checkpoint falls back to the previous complete one")
     p.add_argument("--until", default=None, metavar="YYYYMMDDHH",
@@ -78,7 +81,8 @@ def run(args) -> int:
         if args.role == "server":
             roles.guard_parent()
             return roles.run_server(cfg, args.rank, host=args.host, port=args.port, ready_file=args.ready_file,
-                                    resume=args.resume, resume_fallback=args.resume_fallback)
+                                    resume=args.resume, resume_fallback=args.resume_fallback,
+                                    allow_load=args.allow_load)
         if args.role == "worker":
             roles.guard_parent()
             preempt.install_handler()        # SIGTERM: checkpoint at the next meeting, then exit 75

@@ -37,8 +37,9 @@ from .. import preempt, progress
 from ..config import SECRET_ENV, EngineConfig, dump_config, secret_env
 from ..errors import LaunchError
 from ..ps import ps_pb2 as pb
-from ..ps.client import PSClient
+from ..connect import connect
 from ..ps.transport import GrpcTransport
+from ..security.credentials import client_security
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,9 @@ class ServerWatch:
     a silent server (SIGSTOP, a dead host, a cut network) is noticed after ``dead_after_s`` seconds
     whatever the workers are doing. Each poll has a deadline of ``min(5, dead_after_s / 2)`` seconds."""
 
-    def __init__(self, endpoints: list[str], dead_after_s: float, every_s: float = 1.0):
+    def __init__(self, endpoints: list[str], dead_after_s: float, every_s: float = 1.0, security=None):
         self.dead_after_s = float(dead_after_s)
-        self._transport = GrpcTransport(endpoints, retries=0)
+        self._transport = GrpcTransport(endpoints, retries=0, security=security)
         self._last_ok = [time.monotonic()] * len(endpoints)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._poll, args=(i, every_s), daemon=True,
@@ -119,8 +120,10 @@ class LocalCluster:
         Interpreter for the children (default: this one).
     """
 
-    def __init__(self, cfg: EngineConfig, run_dir: str | Path | None = None, python: str = sys.executable):
+    def __init__(self, cfg: EngineConfig, run_dir: str | Path | None = None, python: str = sys.executable,
+                 allow_load: tuple[str, ...] = ()):
         self.cfg = cfg
+        self.allow_load = tuple(allow_load)     # further roots clients may load from (--resume URI)
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="engine-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.run_dir / "config.yaml"
@@ -166,7 +169,8 @@ class LocalCluster:
         for r in range(self.cfg.cluster.servers):
             ready = self.run_dir / f"server-{r}.ready"
             ready.unlink(missing_ok=True)
-            child = self._spawn("server", r, ["--port", "0", "--ready-file", str(ready)], {})
+            extra = [a for uri in self.allow_load for a in ("--allow-load", uri)]
+            child = self._spawn("server", r, ["--port", "0", "--ready-file", str(ready), *extra], {})
             child.ready_path = ready
             self.servers.append(child)
         deadline = time.monotonic() + self.cfg.cluster.startup_timeout_s
@@ -183,7 +187,8 @@ class LocalCluster:
                 time.sleep(POLL_S)
         self.endpoints = [e for e in endpoints if e]
         log.info("servers ready: %s", ",".join(self.endpoints))
-        self.watch = ServerWatch(self.endpoints, self.cfg.client.dead_after_s)
+        self.watch = ServerWatch(self.endpoints, self.cfg.client.dead_after_s,
+                                 security=client_security(self.cfg.security, admin=True))
         return self.endpoints
 
     def start_workers(self) -> None:
@@ -281,7 +286,8 @@ class LocalCluster:
             self.watch.close()
         if self.endpoints:
             try:
-                with PSClient(self.endpoints, timeout_s=5.0, retries=0) as c:
+                with connect(self.cfg, self.endpoints, name="launcher", admin=True, timeout_s=5.0,
+                             retries=0) as c:
                     c.stop()
             except Exception as e:  # noqa: BLE001 - best effort; terminate() below is the backstop
                 log.info("stop RPC failed: %s", e)

@@ -98,6 +98,8 @@ class Supervisor:
                  resume_fallback: bool = False):
         self.cfg, self.program, self.run_dir = cfg, program, run_dir
         self.resume, self.fallback = resume, resume_fallback
+        # the job root of an explicit --resume URI (its chain's base and deltas lie below it)
+        self.first_resume = ckpt_job.manager_for(cfg, resume)[0].uri if resume else ""
         self.failures: list[Failure] = []
         self.restarts = 0
         self.examples_replayed = 0
@@ -130,7 +132,9 @@ class Supervisor:
         while True:
             run_dir = (self.run_dir if attempt == 0 or self.run_dir is None
                        else Path(self.run_dir) / f"restart-{attempt}")
-            cluster = self._cluster = LocalCluster(self.cfg, run_dir)
+            # the operator's --resume URI may lie outside checkpoint.root: its servers may load from it
+            cluster = self._cluster = LocalCluster(self.cfg, run_dir,
+                                                   allow_load=(self.first_resume,) if self.first_resume else ())
             try:
                 with cluster:
                     return self._attempt(cluster)

@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import (GenerationChangedError, MessageTooLargeError, ProtocolError, PSTimeoutError, RemoteError,
+from ..errors import (AccessDeniedError, GenerationChangedError, MessageTooLargeError, ProtocolError, PSTimeoutError, RemoteError,
                       RequestRejectedError, ShardUnavailableError)
 from . import _arrays, _kernels, codec, routing
 from . import ps_pb2 as pb
@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _REJECTED = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ALREADY_EXISTS", "OUT_OF_RANGE",
              "UNIMPLEMENTED"}
+_DENIED = {"UNAUTHENTICATED", "PERMISSION_DENIED"}
 _ids = itertools.count()
 #: this process's incarnation: start time and random bits, so request ids of a restarted process (even
 #: with the same pid and worker rank) never repeat an earlier process's ids within a server's window
@@ -93,13 +94,20 @@ class PSClient:
         Capacity of the async push queue (0: ``push_async`` sends synchronously).
     name : str, optional
         Prefix of request ids (default ``host/pid/n``), so server errors can be traced to a worker.
+    security : engine.security.credentials.ClientSecurity, optional
+        TLS and bearer tokens (``engine.security.credentials.client_security``); None: plaintext.
+    max_message_bytes : int, bytes
+        This client's gRPC message limit (``server.max_message_bytes``). Requests are chunked to the
+        smaller of it and the limit each server reports in ``Health``.
     """
 
     def __init__(self, endpoints, *, timeout_s: float = 60.0, retries: int = 5, backoff_s: float = 0.05,
                  max_backoff_s: float = 2.0, threads: int = 8, async_queue: int = 0,
-                 name: str | None = None):
+                 name: str | None = None, security=None, max_message_bytes: int = codec.MAX_MESSAGE_BYTES):
         self.transport: Transport = endpoints if isinstance(endpoints, Transport) else GrpcTransport(
-            list(endpoints), retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
+            list(endpoints), retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
+            security=security, max_message_bytes=max_message_bytes)
+        self.max_message_bytes = int(max_message_bytes)
         self.num_servers = self.transport.num_servers
         self.timeout_s, self.retries = float(timeout_s), int(retries)
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
@@ -201,6 +209,8 @@ class PSClient:
                 info = infos[0]
                 info["owner"] = routing.vshard_owners(info["num_vshards"], self.num_servers)
                 info["generations"] = [int(h.get("generation", 0)) for h in infos]
+                info["max_message_bytes"] = min([self.max_message_bytes] + [int(h.get(
+                    "max_message_bytes", codec.MAX_MESSAGE_BYTES)) for h in infos])
                 self._info = info
             return self._info
 
@@ -223,7 +233,7 @@ class PSClient:
     def _plan(self, keys: np.ndarray, dim: int) -> list[tuple[int, slice | np.ndarray]]:
         """[(server, positions into keys)] with at most chunk_keys(dim) keys per entry; positions are
         a slice when they are contiguous (one server), else int64 indices."""
-        step = codec.chunk_keys(dim)
+        step = codec.chunk_keys(dim, self.info()["max_message_bytes"])
         if self.num_servers == 1:
             return [(0, slice(i, min(i + step, len(keys)))) for i in range(0, len(keys), step)]
         return [(s, pos[i:i + step]) for s, pos in self._route(keys).items() for i in range(0, len(pos), step)]
@@ -507,7 +517,7 @@ class PSClient:
         Returns ``(rows float32[m, dim] in the order of pull_keys, fresh dense float32[P] or None)``:
         what those three calls give one after the other, with one RPC per server instead of three (each
         gRPC call costs ~1 ms of CPU before its payload). Duplicate keys are summed (push) or
-        repeated (pull) as in the separate calls. When a server's part would exceed ``CHUNK_BYTES``,
+        repeated (pull) as in the separate calls. When a server's part would exceed a chunk (``codec.chunk_bytes``),
         the three calls are made separately, in that order.
 
         Raises
@@ -528,7 +538,8 @@ class PSClient:
         servers = sorted(set(push_at) | set(pull_at) | {s for _, s, _, _ in blocks})
         n = _arrays.count
         too_big = any(n(push_at.get(s)) * (8 + 4 * dim + 8) + n(pull_at.get(s)) * max(8, 4 * dim)
-                      + 4 * sum(z - a for _, o, a, z in blocks if o == s) > codec.CHUNK_BYTES for s in servers)
+                      + 4 * sum(z - a for _, o, a, z in blocks if o == s)
+                      > codec.chunk_bytes(self.info()["max_message_bytes"]) for s in servers)
         if too_big:
             return self._push_pull_separately(table, uniq, grads, shows, clicks, pull_keys, dense_table,
                                               dense_grad)
@@ -658,13 +669,13 @@ class PSClient:
             with self._info_lock:       # every Load changes the servers' generations: meet them again
                 self._info = None
 
-    def shrink(self, table: str = "", now: float | None = None) -> int:
-        """Expiry pass on every server (one table or all); returns rows deleted."""
+    def shrink(self, table: str = "") -> int:
+        """Expiry pass on every server (one table or all) at each server's own clock; returns rows
+        deleted. An admin method (the admin token when the cluster has tokens)."""
         rid = self._rid()
         return sum(r.count for r in self._fan_out(
-            [(s, "Shrink", pb.ShrinkRequest(table=table, request_id=f"{rid}.{s}", has_now=now is not None,
-                                            now=now or 0.0)) for s in range(self.num_servers)],
-            idempotent=False))
+            [(s, "Shrink", pb.ShrinkRequest(table=table, request_id=f"{rid}.{s}"))
+             for s in range(self.num_servers)], idempotent=False))
 
     # ------------------------------------------------------------------ exact metric sums
     def _metric_server(self, name: str) -> int:
@@ -783,6 +794,8 @@ def _too_large_error(e: RemoteError, method: str, server: int) -> MessageTooLarg
 def _typed(e: RemoteError, attempts: int) -> RemoteError:
     if e.code == "ABORTED" and "generation mismatch" in e.message:
         return GenerationChangedError(e.code, e.message, e.endpoint)
+    if e.code in _DENIED:
+        return AccessDeniedError(e.code, e.message, e.endpoint)
     if e.code in _REJECTED:
         return RequestRejectedError(e.code, e.message, e.endpoint)
     if e.code == "UNAVAILABLE":

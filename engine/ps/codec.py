@@ -120,10 +120,16 @@ def decode(t, name: str, dtype: np.dtype, ndim: int, *, shape: tuple | None = No
     return arr if arr.flags.aligned else arr.copy()
 
 
-def chunk_keys(dim: int) -> int:
+def chunk_bytes(max_message_bytes: int = MAX_MESSAGE_BYTES) -> int:
+    """Payload bytes per sparse chunk for servers that accept ``max_message_bytes``: ``CHUNK_BYTES``,
+    or half the limit when that is smaller (room for the message overhead and a dense part)."""
+    return min(CHUNK_BYTES, max(1 << 16, int(max_message_bytes) // 2))
+
+
+def chunk_keys(dim: int, max_message_bytes: int = MAX_MESSAGE_BYTES) -> int:
     """Keys per sparse chunk for rows of ``dim`` float32: request (8-byte key + dim floats + show and
-    click) and reply (dim floats) both stay within CHUNK_BYTES."""
-    return max(1, CHUNK_BYTES // (8 + 4 * dim + 8))
+    click) and reply (dim floats) both stay within ``chunk_bytes(max_message_bytes)``."""
+    return max(1, chunk_bytes(max_message_bytes) // (8 + 4 * dim + 8))
 
 
 def _fmt(shape) -> str:

@@ -75,8 +75,9 @@ class SparseHost:
     """
 
     def __init__(self, name: str, config: TableConfig, *, server: int, num_servers: int,
-                 num_vshards: int, num_local: int, pool: ThreadPoolExecutor, busy=None):
+                 num_vshards: int, num_local: int, pool: ThreadPoolExecutor, busy=None, clock=None):
         self.name = name
+        self.clock = clock          # the tables' clock (seconds; None: time.time), for last_seen and expiry
         self.config = config
         self.dim = config.dim
         self.server, self.num_servers, self.num_vshards = server, num_servers, num_vshards
@@ -224,8 +225,9 @@ class SparseHost:
         except TableInputError as e:
             raise invalid(str(e), shard=j) from None
 
-    def shrink(self, now: float | None) -> int:
-        return sum(s.shrink(now) for s in self.shards)
+    def shrink(self) -> int:
+        """Expiry pass over the local shards at the tables' own clock; returns rows deleted."""
+        return sum(s.shrink() for s in self.shards)
 
     def stats(self) -> dict:
         """Sums over the local shards (``rows``, ``rows_refused_full``, ...; ``max_rows`` is the
@@ -257,7 +259,8 @@ class SparseHost:
                 rows = min(per_shard, cfg.memory_rows)
                 if cfg.max_rows:
                     rows = min(rows, cfg.max_rows)
-                shards.append(SparseTable(cfg, initial_rows=rows,
+                clock = {} if self.clock is None else {"clock": self.clock}
+                shards.append(SparseTable(cfg, initial_rows=rows, **clock,
                                           name=f"sparse table {self.name!r} on server {self.server}"))
         except BaseException:
             for sh in shards:

@@ -39,6 +39,7 @@ from ..checkpoint.reader import CheckpointMismatchError, load_server_parts
 from ..checkpoint.writer import save_server_parts
 from ..config import EngineConfig
 from ..errors import ProtocolError
+from ..security.confine import OutsideRootError, confine
 from ..sharding import routing
 from . import _malloc, codec
 from . import ps_pb2 as pb
@@ -60,6 +61,21 @@ GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Met
 _WRITES = frozenset({"Push", "Dense", "Step"})
 #: methods that read or change the tables (they never overlap a Load)
 _ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink"})
+#: methods that need the admin token when tokens are configured (``engine.security.interceptor``);
+#: a forced dense re-initialisation needs it too (``admin_request``)
+ADMIN_METHODS = frozenset({"Save", "Load", "Shrink", "Stop"})
+
+
+def admin_request(method: str):
+    """Per-request admin checks of ``method`` for ``AuthInterceptor`` (see ``ADMIN_METHODS``)."""
+    if method != "Dense":
+        return None
+
+    def forced_init(req) -> str | None:
+        if getattr(req, "error", None) is None and req.op == pb.DENSE_INIT and req.force:
+            return f"Dense: a forced re-initialisation of table {req.table!r}"
+        return None
+    return forced_init
 
 
 class ServerError(Exception):
@@ -93,25 +109,40 @@ class PSServer:
         Replies of recent mutating requests kept to answer retries (``server.reply_window_bytes``;
         0 turns deduplication off).
     max_message_bytes : int, bytes
-        The largest reply this server sends (gRPC's max send length); larger pull parts are cut.
+        The largest request this server accepts and the largest reply it sends (gRPC's message limits);
+        larger pull parts are cut. Clients read it from ``Health``.
+    checkpoint_root : str or None
+        ``Save`` and ``Load`` accept only locations strictly below it (``engine.security.confine``;
+        others are PERMISSION_DENIED naming the root). None: unconfined (a server built in-process by a
+        library user); "": no Save or Load at all.
+    load_roots : sequence of str
+        Further roots ``Load`` (never ``Save``) accepts, named by this server's operator (``--allow-load``,
+        the launcher's ``--resume URI``); a trusted load (``handle(trusted=True)``) adds its job's root.
+    clock : callable returning float seconds, optional
+        The sparse tables' clock for ``last_seen`` and expiry (default ``time.time``); ``Shrink``
+        expires at this clock, never at a time a client names.
     """
 
     def __init__(self, sparse: dict, dense: dict | None = None, *, index: int = 0, num_servers: int = 1,
                  num_vshards: int = DEFAULT_NUM_VSHARDS, local_shards: int = 4,
                  storage_options=None, checkpoint_groups: int = 16, checkpoint_threads: int = 2,
                  max_barrier_wait_s: float = 600.0, reply_window_bytes: int = 64 << 20,
-                 max_message_bytes: int = codec.MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = codec.MAX_MESSAGE_BYTES, checkpoint_root: str | None = None,
+                 load_roots=(), clock=None):
         if not 0 <= index < num_servers:
             raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
         self.index, self.num_servers, self.num_vshards = index, num_servers, num_vshards
         self.storage_options = storage_options            # checkpoint storage (None: AWS env vars)
+        self.checkpoint_root = checkpoint_root
+        self.load_roots = [r for r in load_roots if r]
+        self.auth = None                                  # the gRPC AuthInterceptor (serve), for Stats
         self.checkpoint_groups, self.checkpoint_threads = checkpoint_groups, checkpoint_threads
         self._pool = ThreadPoolExecutor(max(2, local_shards), thread_name_prefix=f"ps{index}-shard")
         self._inflight = 0                       # Pull/Push requests being handled
         self._inflight_lock = threading.Lock()
         self.sparse = {name: SparseHost(name, cfg, server=index, num_servers=num_servers,
                                         num_vshards=num_vshards, num_local=local_shards, pool=self._pool,
-                                        busy=self._busy)
+                                        busy=self._busy, clock=clock)
                        for name, cfg in sparse.items()}
         self.dense = {name: DenseHost(name, (dense or {})[name], ordinal=i, server=index,
                                       num_servers=num_servers)
@@ -145,11 +176,14 @@ class PSServer:
                    local_shards=cfg.cluster.local_shards, checkpoint_threads=cfg.checkpoint.threads,
                    storage_options=cfg.storage.options(),
                    max_barrier_wait_s=cfg.server.max_barrier_wait_s,
-                   reply_window_bytes=cfg.server.reply_window_bytes)
+                   reply_window_bytes=cfg.server.reply_window_bytes,
+                   max_message_bytes=cfg.server.max_message_bytes, checkpoint_root=cfg.checkpoint.root)
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, method: str, request):
-        """Run one RPC. Raises ServerError (code + full message) on any failure."""
+    def handle(self, method: str, request, *, trusted: bool = False):
+        """Run one RPC. Raises ServerError (code + full message) on any failure. ``trusted``: the call
+        comes from this process's own operator (``--resume`` at start-up), not from a client, so a
+        ``Load`` may name a checkpoint outside ``checkpoint_root``."""
         table = getattr(request, "table", "") or "-"
         rid = getattr(request, "request_id", "") or "-"
         with self._count_lock:
@@ -165,7 +199,7 @@ class PSServer:
                                 f"this server is at {self.generation} (it restarted or loaded a checkpoint "
                                 f"since; restored: {self.restored}); nothing was applied")
             if _mutating(method, request):
-                reply = self.window.run(request.request_id, lambda: self._run(method, request),
+                reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted),
                                         replay=lambda: self._reread(method, request))
                 if method in _WRITES:
                     self.fresh = False
@@ -181,6 +215,8 @@ class PSServer:
                 code, shard = "UNAVAILABLE", "all"     # the client retries with the same id later
             elif isinstance(e, Expired):
                 code, shard = "ABORTED", "all"         # applied once; never applied again
+            elif isinstance(e, OutsideRootError):
+                code, shard = "PERMISSION_DENIED", "all"
             elif isinstance(e, (ProtocolError, ValueError)):
                 code, shard = "INVALID_ARGUMENT", "all"
             else:
@@ -192,10 +228,10 @@ class PSServer:
                    f"request {rid}] {e}")
             raise ServerError(code, msg) from None
 
-    def _run(self, method: str, request):
+    def _run(self, method: str, request, trusted: bool = False):
         if method == "Load":    # alone: no request may run on shards that Load swaps out
             with self._tables_lock.exclusive():
-                reply = self.Load(request)
+                reply = self.Load(request, trusted=trusted)
                 self.window.clear()     # remembered replies were computed from the tables just replaced
                 self.restored = request.path
                 self.generation = max(time.time_ns(), self.generation + 1)
@@ -435,7 +471,7 @@ class PSServer:
     def Save(self, req: pb.PathRequest) -> pb.CountResponse:
         """Write this server's part files of the checkpoint directory ``req.path`` (a URI ending in
         ``HHMM-base`` or ``HHMM-delta[.N]``; see ``engine.checkpoint.writer``). Returns the rows written."""
-        kind = kind_of_uri(req.path)
+        kind = kind_of_uri(confine(req.path, self.checkpoint_root))
         dense = {n: st for n, h in self.dense.items() if (st := h.snapshot()) is not None}
         report = save_server_parts(self._checkpoint_storage(req.path), kind=kind, server=self.index,
                                    num_servers=self.num_servers, num_vshards=self.num_vshards,
@@ -443,7 +479,7 @@ class PSServer:
                                    groups=self.checkpoint_groups, threads=self.checkpoint_threads)
         return pb.CountResponse(request_id=req.request_id, count=sum(report["rows"].values()))
 
-    def Load(self, req: pb.PathRequest) -> pb.CountResponse:
+    def Load(self, req: pb.PathRequest, *, trusted: bool = False) -> pb.CountResponse:
         """Load this server's rows of the published checkpoint at ``req.path``: all or nothing.
 
         A base is read into fresh shards (``SparseHost.fresh_shards``, under the other spill directory
@@ -469,7 +505,7 @@ class PSServer:
             table that would pass ``max_rows``: the table, the limit and the row count are named, or a
             spill directory that cannot be claimed).
         """
-        ckpt = self._checkpoint_storage(req.path)
+        ckpt = self._checkpoint_storage(req.path if trusted else self._confine_load(req.path))
         fresh: dict = {}
         try:
             manifest = read_checkpoint_manifest(ckpt, "")
@@ -500,19 +536,33 @@ class PSServer:
             if isinstance(e, (CheckpointMismatchError, TableConfigError)):
                 raise HostError("FAILED_PRECONDITION", str(e)) from None
             raise
+        if trusted:     # rolling back to this chain later (a client's Load) stays possible
+            self.load_roots.append(req.path.rstrip("/").rsplit("/", 2)[0])
         for name, shards in fresh.items():
             self.sparse[name].adopt(shards)
         for name, (size, blocks) in dense.items():
             self.dense[name].restore(size, blocks)
         return pb.CountResponse(request_id=req.request_id, count=sum(rows.values()))
 
+    def _confine_load(self, uri: str) -> str:
+        """``uri`` when below ``checkpoint_root`` or one of ``load_roots``; else OutsideRootError."""
+        for root in self.load_roots:
+            try:
+                return confine(uri, root)
+            except OutsideRootError:
+                pass
+        return confine(uri, self.checkpoint_root)
+
     def _checkpoint_storage(self, uri: str) -> Storage:
         return Storage.from_uri(uri, storage_options=self.storage_options)
 
     def Shrink(self, req: pb.ShrinkRequest) -> pb.CountResponse:
+        """Expiry pass (one table or all) at the server's own clock; returns rows deleted. A request
+        naming a time is refused (a client-chosen ``now`` could expire every row)."""
+        if req.has_now:
+            raise ProtocolError("now: Shrink expires at the server's own clock; a request may not name a time")
         hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())
-        now = req.now if req.has_now else None
-        return pb.CountResponse(request_id=req.request_id, count=sum(h.shrink(now) for h in hosts))
+        return pb.CountResponse(request_id=req.request_id, count=sum(h.shrink() for h in hosts))
 
     def Metric(self, req: pb.MetricRequest) -> pb.MetricResponse | codec.Wire:
         """Exact metric sums: ADD ``counts : int64[c]`` and ``sums : float64[s]`` into accumulator
@@ -556,6 +606,7 @@ class PSServer:
         out = {"server": self.index, "num_servers": self.num_servers, "requests": reqs, "errors": errors,
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
                "barriers": self.barriers.stats(),
+               "auth_denied": dict(self.auth.denied) if self.auth is not None else {},
                "sparse": {n: h.stats() for n, h in self.sparse.items()},
                "dense": {n: h.stats() for n, h in self.dense.items()}}
         return pb.JsonResponse(request_id=req.request_id, json=json.dumps(out))
@@ -564,7 +615,7 @@ class PSServer:
         out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
                "generation": self.generation, "fresh": self.fresh,
                "server": self.index, "num_servers": self.num_servers,
-               "num_vshards": self.num_vshards,
+               "num_vshards": self.num_vshards, "max_message_bytes": self.max_message_bytes,
                "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},
                "dense": {n: {"ordinal": h.ordinal, "size": h.size, "block_size": codec.DENSE_BLOCK}
                          for n, h in self.dense.items()}}
@@ -644,8 +695,14 @@ def generic_handler(core: PSServer) -> grpc.GenericRpcHandler:
 
 
 def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int = 8,
-          max_concurrent_rpcs: int = 0) -> tuple[grpc.Server, int]:
+          max_concurrent_rpcs: int = 0, security=None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``core`` on host:port (port 0: a free port). Returns (server, port).
+
+    ``security`` (``engine.security.credentials.ServerSecurity``, None: plaintext without tokens):
+    with TLS the port is a TLS port whose certificate is re-read when its files change; with tokens an
+    ``AuthInterceptor`` checks every call's bearer token before any handler runs (``ADMIN_METHODS`` and
+    forced dense re-initialisations need the admin token). Requests over ``core.max_message_bytes`` are
+    refused by gRPC with RESOURCE_EXHAUSTED before they are parsed.
 
     ``threads`` RPC threads serve the calls; at most half of them linger in barrier polls, so arrivals
     and other requests always find one. ``max_concurrent_rpcs`` (``server.max_concurrent_rpcs``; 0 =
@@ -659,19 +716,29 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     """
     _malloc.tune()
     core.barriers.max_lingering = max(0, threads // 2)
+    interceptors = []
+    if security is not None and security.tokens is not None:
+        from ..security.interceptor import AuthInterceptor
+        core.auth = AuthInterceptor(security.tokens, ADMIN_METHODS, name=f"server {core.index}/{core.num_servers}",
+                                    admin_request={m: c for m in METHODS if (c := admin_request(m))})
+        interceptors.append(core.auth)
     server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix=f"ps{core.index}-rpc"),
+                         interceptors=interceptors,
                          options=[("grpc.max_send_message_length", core.max_message_bytes),
                                   ("grpc.max_receive_message_length", core.max_message_bytes),
                                   ("grpc.so_reuseport", 0)],
                          maximum_concurrent_rpcs=max_concurrent_rpcs or None)
     server.add_generic_rpc_handlers((generic_handler(core),))
+    creds = security.credentials() if security is not None else None
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
     except RuntimeError as e:
         raise RuntimeError(f"server {core.index}: cannot bind {host}:{port}: {e}") from None
     if bound == 0:
         raise RuntimeError(f"server {core.index}: cannot bind {host}:{port}")
     server.start()
-    log.info("server %d/%d listening on %s:%d", core.index, core.num_servers, host, bound)
+    log.info("server %d/%d listening on %s:%d (%s%s)", core.index, core.num_servers, host, bound,
+             "TLS" if creds is not None else "plaintext", ", tokens" if interceptors else "")
     return server, bound
 

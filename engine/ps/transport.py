@@ -13,6 +13,9 @@ with arrays (Pull, Dense) come back as ``codec.Received``, read like the message
   retried by gRPC itself (the channel's service-config retry policy, exponential back-off, up to
   ``GRPC_MAX_ATTEMPTS`` attempts), resending the same bytes, so a retry keeps its request id and the
   server's reply window answers it without applying it twice.
+  With ``security`` (``engine.security.credentials.ClientSecurity``) the channels use TLS (reopened
+  when the certificate files change) and every call carries ``authorization: Bearer <token>``: the
+  admin token on admin methods when this role holds it.
 - ``InProcessTransport(servers)``: ``PSServer`` objects in this process, no sockets; requests and
   replies go through the same codec by default, so unit tests exercise the same bytes.
 """
@@ -27,7 +30,7 @@ import grpc
 from ..errors import RemoteError
 from . import _malloc, codec
 from . import ps_pb2 as pb
-from .server import METHODS, PSServer, ServerError
+from .server import ADMIN_METHODS, METHODS, PSServer, ServerError
 
 _SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 _SERVICE = "/" + _SERVICE_NAME + "/"
@@ -71,10 +74,11 @@ class GrpcTransport(Transport):
     gRPC makes at most ``GRPC_MAX_ATTEMPTS`` attempts per call (``attempts_per_call``)."""
 
     def __init__(self, endpoints: list[str], *, max_message_bytes: int = codec.MAX_MESSAGE_BYTES,
-                 retries: int = 4, backoff_s: float = 0.05, max_backoff_s: float = 2.0):
+                 retries: int = 4, backoff_s: float = 0.05, max_backoff_s: float = 2.0, security=None):
         if not endpoints:
             raise ValueError("GrpcTransport: expected at least one endpoint host:port")
         self.endpoints = list(endpoints)
+        self.security = security        # engine.security.credentials.ClientSecurity or None
         _malloc.tune()
         self.attempts_per_call = max(1, min(GRPC_MAX_ATTEMPTS, retries + 1))
         opts = [("grpc.max_send_message_length", max_message_bytes),
@@ -87,15 +91,44 @@ class GrpcTransport(Transport):
                                                                   max_backoff_s))]
         else:
             opts.append(("grpc.enable_retries", 0))
-        self._channels = [grpc.insecure_channel(ep, options=opts) for ep in self.endpoints]
-        self._calls = [{m: ch.unary_unary(_SERVICE + m, request_serializer=codec.serialize,
-                                          response_deserializer=codec.parser(codec.REPLY[m]))
-                        for m in METHODS} for ch in self._channels]
+        self._opts = opts
+        self._lock = threading.Lock()
+        self._retired: list = []
         self._closed = False
+        self._version = security.version if security is not None else 0
+        self._channels, self._calls = self._open()
+
+    def _open(self):
+        creds = self.security.channel_credentials() if self.security is not None else None
+        channels = [grpc.secure_channel(ep, creds, options=self._opts) if creds is not None
+                    else grpc.insecure_channel(ep, options=self._opts) for ep in self.endpoints]
+        calls = [{m: ch.unary_unary(_SERVICE + m, request_serializer=codec.serialize,
+                                    response_deserializer=codec.parser(codec.REPLY[m]))
+                  for m in METHODS} for ch in channels]
+        return channels, calls
+
+    def _rotated(self) -> None:
+        """The certificate files changed: new calls go on new channels (new handshakes with the new
+        certificate); the channels they replace close at the next rotation or at ``close``, so calls in
+        flight on them finish."""
+        with self._lock:
+            version = self.security.version
+            if version == self._version or self._closed:
+                return
+            for ch in self._retired:
+                ch.close()
+            self._retired = self._channels
+            self._channels, self._calls = self._open()
+            self._version = version
 
     def call(self, server: int, method: str, request, timeout: float):
+        md = None
+        if self.security is not None:
+            if self.security.tls and self.security.version != self._version:
+                self._rotated()
+            md = self.security.metadata(admin=method in ADMIN_METHODS or _forced_init(method, request))
         try:
-            reply = self._calls[server][method](request, timeout=timeout)
+            reply = self._calls[server][method](request, timeout=timeout, metadata=md)
         except grpc.RpcError as e:
             code = e.code().name if hasattr(e, "code") and e.code() is not None else "UNKNOWN"
             details = e.details() if hasattr(e, "details") else str(e)
@@ -106,10 +139,18 @@ class GrpcTransport(Transport):
         return reply
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            for ch in self._channels:
-                ch.close()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                for ch in self._channels + self._retired:
+                    ch.close()
+
+
+def _forced_init(method: str, request) -> bool:
+    if method != "Dense":
+        return False
+    msg = request.msg if isinstance(request, codec.Wire) else request
+    return msg.op == pb.DENSE_INIT and msg.force
 
 
 class InProcessTransport(Transport):

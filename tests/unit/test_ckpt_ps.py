@@ -4,8 +4,6 @@ deltas (with expiry tombstones) equal the live state at the last delta; a damage
 the RPC error and fallback works."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -14,15 +12,18 @@ from engine.config import DenseTableConfig
 from engine.ps import InProcessTransport, PSClient, PSServer
 from hdfs_io import CheckpointCorruptError
 from sparse_tables import TableConfig
+from tests.faults import ServerClock
 
 DIM = 4
 
+
+CLOCK = ServerClock()          # the servers' clock: expiry passes use it, never a client's time
 
 def make(n, tmp_path, tag, spill=True):
     cfg = TableConfig(dim=DIM, optimizer="adagrad", learning_rate=0.1, num_threads=1, memory_rows=200,
                       spill_path=str(tmp_path / f"spill-{tag}") if spill else None, expire_after=100.0)
     servers = [PSServer({"emb": cfg}, {"d": DenseTableConfig(optimizer="adam")}, index=i, num_servers=n,
-                        num_vshards=64, local_shards=2) for i in range(n)]
+                        num_vshards=64, local_shards=2, clock=CLOCK) for i in range(n)]
     return servers, PSClient(InProcessTransport(servers))
 
 
@@ -66,7 +67,8 @@ def test_rpc_roundtrip_base_deltas_and_resharding(tmp_path):
     assert base["config"]["tables"]["sparse"]["emb"]["min_bound"] == "-.inf"
     assert base["tables"]["sparse"]["emb"]["rows"] == 1000
     client.push("emb", keys[:100], rng.normal(size=(100, DIM)).astype(np.float32))
-    client.shrink("emb", now=time.time() + 1e6)         # everything expires: tombstones for all rows
+    CLOCK.advance(1e6)
+    client.shrink("emb")         # everything expires: tombstones for all rows
     new = rng.choice(1 << 40, 50, replace=False).astype(np.uint64) + np.uint64(1 << 41)
     client.push("emb", new, rng.normal(size=(50, DIM)).astype(np.float32))
     client.push_dense("d", rng.normal(size=600_000).astype(np.float32))

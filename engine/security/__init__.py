@@ -1,0 +1,1 @@
+"""Security: credentials, the auth interceptor, path confinement and certificates."""

@@ -1,0 +1,337 @@
+"""Credentials of one role, read from the ``security`` section and re-read when their files change.
+
+* ``Secret``: a token from a file (re-read when the file's inode, size or mtime changes, checked at
+  most every ``reload_interval_s``) or from an environment variable (fixed for the process's life).
+* ``ServerTokens``: what a server accepts: the worker token and the admin token, each with the value it
+  replaced for ``token_overlap_s`` after a change, compared in constant time (``hmac.compare_digest``).
+* ``ServerSecurity``: a server's TLS credentials (``grpc.dynamic_ssl_server_credentials``, whose fetcher
+  gRPC calls before every new handshake: a renewed certificate takes effect without a restart) and its
+  tokens.
+* ``ClientSecurity``: a client's channel credentials (rebuilt when the files change; ``version`` tells
+  the transport to open new channels) and the bearer token it sends: the admin token on admin methods
+  when this role holds it (the launcher and the checkpoint coordinator, worker rank 0), else the worker
+  token.
+
+A rotation never half-applies: a certificate whose key does not match it (the files caught between two
+renames) is ignored until both match, and an empty or missing token file keeps the previous token
+(both logged).
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from ..errors import ConfigError
+from .settings import SecurityConfig
+
+__all__ = ["Secret", "ServerTokens", "ServerSecurity", "ClientSecurity", "server_security", "client_security",
+           "ADMIN", "WORKER"]
+
+log = logging.getLogger(__name__)
+
+ADMIN, WORKER = "admin", "worker"
+
+
+def _stamp(path: str):
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _read(path: str, key: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path!r}: {e.strerror or e}") from None
+
+
+class _Watched:
+    """Files re-read together when any of them changes (checked at most every ``interval_s`` seconds).
+    ``load(contents) -> value`` turns the files' bytes into the value, or raises ValueError to keep the
+    previous one (a rotation caught half-way)."""
+
+    def __init__(self, paths: dict[str, str], load, interval_s: float):
+        self.paths, self._load, self.interval_s = paths, load, interval_s
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self.version = 0
+        self._stamps = self._stamps_now()
+        self.value = load({k: _read(p, k) for k, p in paths.items()})
+
+    def _stamps_now(self):
+        try:
+            return tuple(_stamp(p) for p in self.paths.values())
+        except OSError:
+            return None
+
+    def refresh(self, force: bool = False) -> bool:
+        """Re-read the files if they changed; True when the value changed."""
+        now = time.monotonic()
+        if not force and now < self._next:
+            return False
+        with self._lock:
+            self._next = now + self.interval_s
+            stamps = self._stamps_now()
+            if stamps is None or stamps == self._stamps:
+                return False
+            try:
+                value = self._load({k: _read(p, k) for k, p in self.paths.items()})
+            except (ConfigError, ValueError) as e:
+                log.warning("security: %s changed but cannot be used yet (%s); keeping the previous one",
+                            ", ".join(self.paths.values()), e)
+                return False
+            self._stamps, self.value = stamps, value
+            self.version += 1
+            log.info("security: re-read %s", ", ".join(self.paths.values()))
+            return True
+
+
+def _token(contents: dict) -> bytes:
+    (key, raw), = contents.items()
+    token = raw.strip()
+    if not token:
+        raise ValueError(f"{key}: the file is empty")
+    if any(c < 0x21 or c > 0x7e for c in token):
+        raise ValueError(f"{key}: a token must be printable ASCII without spaces")
+    return token
+
+
+class Secret:
+    """A bearer token from ``path`` (re-read when it changes) or the environment variable ``env``.
+
+    Raises
+    ------
+    ConfigError
+        (at construction) the file cannot be read or is empty, or the variable is unset or empty; the
+        message names the config key ``key``.
+    """
+
+    def __init__(self, key: str, *, path: str = "", env: str = "", interval_s: float = 5.0):
+        self.key = key
+        self._file = None
+        if path:
+            try:
+                self._file = _Watched({f"{key}_file": path}, _token, interval_s)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            self._fixed = b""
+        else:
+            value = os.environ.get(env, "").strip()
+            if not value:
+                raise ConfigError(f"{key}_env names the environment variable {env!r}, which is not set "
+                                  f"(or empty) in this process")
+            self._fixed = value.encode()
+
+    def value(self) -> bytes:
+        if self._file is None:
+            return self._fixed
+        self._file.refresh()
+        return self._file.value
+
+    def refresh(self, force: bool = False) -> tuple[bytes, bytes] | None:
+        """(old, new) when the file changed, else None."""
+        if self._file is None:
+            return None
+        old = self._file.value
+        return (old, self._file.value) if self._file.refresh(force) else None
+
+
+class ServerTokens:
+    """The tokens a server accepts. ``role(token)``: ``ADMIN``, ``WORKER`` or None.
+
+    After a token file changes, the value it replaced is still accepted for ``overlap_s`` seconds, so
+    clients that have not re-read their copy yet keep working. Without an admin token the worker token
+    also grants admin methods (a single-secret cluster on loopback; ``engine.security.listen`` refuses it
+    off loopback)."""
+
+    def __init__(self, worker: Secret, admin: Secret | None, overlap_s: float):
+        self.secrets = {WORKER: worker, ADMIN: admin}
+        self.overlap_s = overlap_s
+        self._old: dict[str, tuple[bytes, float]] = {}
+        self._forced_at = 0.0
+
+    def _accepted(self, kind: str) -> list[bytes]:
+        secret = self.secrets[kind]
+        if secret is None:
+            return []
+        changed = secret.refresh()
+        if changed:
+            self._old[kind] = (changed[0], time.monotonic() + self.overlap_s)
+        out = [secret.value()]
+        old = self._old.get(kind)
+        if old is not None and time.monotonic() < old[1]:
+            out.append(old[0])
+        return out
+
+    def role(self, token: bytes | None) -> str | None:
+        """``ADMIN``, ``WORKER`` or None (missing or wrong). Every accepted value is compared, each in
+        constant time. A token that matches none makes the files be re-read at once (at most once a
+        second), so a client that saw a rotation first is not refused."""
+        if not token:
+            return None
+        for attempt in (0, 1):
+            admin = any(hmac.compare_digest(token, t) for t in self._accepted(ADMIN))
+            worker = any(hmac.compare_digest(token, t) for t in self._accepted(WORKER))
+            if admin or (worker and self.secrets[ADMIN] is None):
+                return ADMIN
+            if worker:
+                return WORKER
+            now = time.monotonic()
+            if attempt or now - self._forced_at < 1.0:
+                return None
+            self._forced_at = now
+            for kind, secret in self.secrets.items():
+                if secret is not None and (changed := secret.refresh(force=True)):
+                    self._old[kind] = (changed[0], now + self.overlap_s)
+        return None
+
+
+def _key_matches(cert_pem: bytes, key_pem: bytes, what: str) -> None:
+    """Raises ValueError when the private key is not the certificate's (a rotation caught half-way)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{what}: not a PEM certificate and unencrypted private key: {e}") from None
+    pub = serialization.PublicFormat.SubjectPublicKeyInfo
+    if (cert.public_key().public_bytes(serialization.Encoding.DER, pub)
+            != key.public_key().public_bytes(serialization.Encoding.DER, pub)):
+        raise ValueError(f"{what}: the key does not belong to the certificate")
+
+
+def _tls_files(cfg: SecurityConfig, *, server: bool) -> dict[str, str]:
+    t = cfg.tls
+    files = {}
+    if server or t.client_cert or t.cert:
+        cert, key = (t.cert, t.key) if server or not t.client_cert else (t.client_cert, t.client_key)
+        if cert:
+            files.update({"cert": cert, "key": key})
+    if t.ca:
+        files["ca"] = t.ca
+    return files
+
+
+@dataclass
+class ServerSecurity:
+    """A server's credentials: ``tls`` (None: plaintext) and ``tokens`` (None: no token check)."""
+
+    tls: _Watched | None
+    tokens: ServerTokens | None
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """gRPC server credentials that re-read the certificate files before a new handshake when they
+        changed; with a CA the client must present a certificate it signed."""
+        if self.tls is None:
+            return None
+        watched = self.tls
+
+        def config(files: dict) -> grpc.ServerCertificateConfiguration:
+            return grpc.ssl_server_certificate_configuration([(files["key"], files["cert"])],
+                                                             root_certificates=files.get("ca"))
+        seen = [watched.version]
+
+        def fetch():
+            watched.refresh()
+            if watched.version == seen[0]:
+                return None
+            seen[0] = watched.version
+            return config(watched.value)
+        return grpc.dynamic_ssl_server_credentials(config(watched.value), fetch,
+                                                   require_client_authentication="ca" in watched.paths)
+
+
+class ClientSecurity:
+    """A client's credentials. ``channel_credentials()`` (None: plaintext), ``version`` (changes when
+    the certificate files do: open new channels), ``metadata(admin)`` (the bearer token header)."""
+
+    def __init__(self, tls: _Watched | None, token: Secret | None, admin: Secret | None):
+        self._tls, self._token, self._admin = tls, token, admin
+
+    @property
+    def tls(self) -> bool:
+        return self._tls is not None
+
+    @property
+    def version(self) -> int:
+        if self._tls is None:
+            return 0
+        self._tls.refresh()
+        return self._tls.version
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if self._tls is None:
+            return None
+        f = self._tls.value
+        return grpc.ssl_channel_credentials(root_certificates=f.get("ca"), private_key=f.get("key"),
+                                            certificate_chain=f.get("cert"))
+
+    def metadata(self, admin: bool = False) -> tuple | None:
+        """``(("authorization", "Bearer <token>"),)``: the admin token for admin methods when this role
+        holds it, else the worker token; None without tokens."""
+        secret = self._admin if admin and self._admin is not None else self._token
+        if secret is None:
+            return None
+        return (("authorization", "Bearer " + secret.value().decode()),)
+
+
+def _load_tls(contents: dict) -> dict:
+    if "cert" in contents:
+        _key_matches(contents["cert"], contents["key"], "security.tls")
+    return contents
+
+
+def _secret(cfg: SecurityConfig, kind: str) -> Secret | None:
+    path, env = getattr(cfg, f"{kind}_file"), getattr(cfg, f"{kind}_env")
+    if not (path or env):
+        return None
+    return Secret(f"security.{kind}", path=path, env=env, interval_s=cfg.reload_interval_s)
+
+
+def _watched_tls(files: dict, interval_s: float) -> _Watched | None:
+    if not files:
+        return None
+    try:
+        return _Watched(files, _load_tls, interval_s)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def server_security(cfg: SecurityConfig) -> ServerSecurity:
+    """A server's credentials from ``cfg``.
+
+    Raises
+    ------
+    ConfigError
+        A file cannot be read, a key does not match its certificate, TLS without a server certificate
+        (``security.tls.cert``), or a token variable is unset; the message names the key.
+    """
+    if cfg.tls.enabled and not cfg.tls.cert:
+        raise ConfigError("security.tls: a server needs security.tls.cert and security.tls.key")
+    tls = _watched_tls(_tls_files(cfg, server=True), cfg.reload_interval_s)
+    token = _secret(cfg, "token")
+    tokens = ServerTokens(token, _secret(cfg, "admin_token"), cfg.token_overlap_s) if token else None
+    return ServerSecurity(tls, tokens)
+
+
+def client_security(cfg: SecurityConfig, *, admin: bool = False) -> ClientSecurity:
+    """A client's credentials; ``admin``: this role holds the admin token (the launcher, worker rank 0).
+    Other roles never read the admin token's file or variable, so it need not exist where they run.
+
+    Raises
+    ------
+    ConfigError
+        As ``server_security``; also TLS without ``security.tls.ca`` (a client must verify servers).
+    """
+    if cfg.tls.enabled and not cfg.tls.ca:
+        raise ConfigError("security.tls.ca: a client verifies the servers against the cluster's CA; set it")
+    tls = _watched_tls(_tls_files(cfg, server=False), cfg.reload_interval_s)
+    return ClientSecurity(tls, _secret(cfg, "token"), _secret(cfg, "admin_token") if admin else None)
