@@ -219,7 +219,11 @@ def run_job(cfg: EngineConfig, program, run_dir=None, *, resume: str | None = No
     ------
     LaunchError
         The job failed more often than ``cluster.max_restarts`` allows (every failure is listed).
+    ConfigError
+        The servers would listen off loopback without TLS and tokens (``engine.security.listen``).
     """
+    from ..security.listen import check_listen
+    check_listen(cfg.cluster.host, cfg.security)      # before any process starts: exit 2 with the keys
     sup = Supervisor(cfg, program, run_dir, resume=resume, resume_fallback=resume_fallback)
     previous = signal.signal(signal.SIGTERM, sup.preempt)
     try:

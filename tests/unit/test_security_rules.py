@@ -1,0 +1,77 @@
+"""The pure rules of ``engine.security``: path confinement, loopback detection, the listener rule and
+the security config section."""
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import ConfigError
+from engine.security.confine import OutsideRootError, confine
+from engine.security.listen import check_listen, is_loopback
+from engine.security.settings import SecurityConfig, TlsConfig
+
+OK = [("s3://b/ckpt", "s3://b/ckpt/job/20240101/0100-base"), ("hdfs://nn:8020/ckpt", "hdfs://nn:8020/ckpt/j/x"),
+      ("/data/ckpt", "/data/ckpt/j/20240101/0100-delta.2"), ("/data/ckpt", "file:///data/ckpt/j/x"),
+      ("s3://b/ckpt/", "S3://b/ckpt/j")]
+BAD = [("s3://b/ckpt", "s3://other/ckpt/j/x", "another scheme, bucket or namenode"),
+       ("s3://b/ckpt", "s3://b/ckpt/../x/j", "'..'"), ("s3://b/ckpt", "s3://b/ckptx/j", "not below"),
+       ("s3://b/ckpt", "s3://b/ckpt", "not below"), ("s3://b/ckpt", "hdfs://b/ckpt/j", "another scheme"),
+       ("s3://b/ckpt", "s3://b/ckpt/j?endpoint_override=evil:9000", "query"),
+       ("hdfs://nn:8020/ckpt", "hdfs://evil:8020/ckpt/j", "namenode"),
+       ("/data/ckpt", "/data/other/j", "not below"), ("/data/ckpt", "/data/ckpt/./j", "'..'"),
+       ("/data/ckpt", "s3://b/data/ckpt/j", "another scheme"), ("/data/ckpt", "/data/ckpt/j\x00", "not a location")]
+
+
+@pytest.mark.parametrize("root,uri", OK)
+def test_locations_below_the_root_pass(root, uri):
+    assert confine(uri, root) == uri
+
+
+@pytest.mark.parametrize("root,uri,why", BAD)
+def test_locations_outside_the_root_are_refused_naming_it(root, uri, why):
+    with pytest.raises(OutsideRootError) as ei:
+        confine(uri, root)
+    assert why in str(ei.value) and f"checkpoint.root {root!r}" in str(ei.value)
+
+
+def test_an_empty_root_allows_nothing_and_none_everything(tmp_path):
+    with pytest.raises(OutsideRootError, match="checkpoint.root is empty"):
+        confine(str(tmp_path / "x"), "")
+    assert confine("s3://any/where", None) == "s3://any/where"
+
+
+def test_a_symlink_out_of_a_local_root_is_refused(tmp_path):
+    (tmp_path / "root").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "root" / "link").symlink_to(tmp_path / "outside")
+    with pytest.raises(OutsideRootError):
+        confine(str(tmp_path / "root" / "link" / "j"), str(tmp_path / "root"))
+    assert confine(str(tmp_path / "root" / "j" / "x"), str(tmp_path / "root"))
+
+
+@pytest.mark.parametrize("host,expected", [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("[::1]", True),
+                                           ("localhost", True), ("0.0.0.0", False), ("10.1.2.3", False),
+                                           ("::", False), ("no-such-host.invalid", False)])
+def test_loopback(host, expected):
+    assert is_loopback(host) is expected
+
+
+def test_the_listener_rule_names_what_is_missing(caplog):
+    check_listen("127.0.0.1", SecurityConfig())                # loopback: nothing needed
+    with pytest.raises(ConfigError) as ei:
+        check_listen("10.0.0.1", SecurityConfig(token_file="t"))
+    msg = str(ei.value)
+    assert "security.tls.cert and security.tls.key" in msg and "security.admin_token_file" in msg
+    assert "security.token_file" not in msg.split("without")[1].split(":")[0]
+    secured = SecurityConfig(tls=TlsConfig(cert="c", key="k", ca="a"), token_file="t", admin_token_file="a")
+    check_listen("10.0.0.1", secured)
+    check_listen("0.0.0.0", SecurityConfig(insecure=True))
+    assert "WITHOUT" in caplog.text and "security.insecure: true" in caplog.text
+
+
+def test_the_section_checks_its_pairs():
+    with pytest.raises(ConfigError, match="cert and key must be given together"):
+        TlsConfig(cert="c")
+    with pytest.raises(ConfigError, match="token_env or token_file, not both"):
+        SecurityConfig(token_env="A", token_file="b")
+    with pytest.raises(ConfigError, match="an admin token needs a worker token"):
+        SecurityConfig(admin_token_file="a")
