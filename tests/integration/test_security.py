@@ -18,7 +18,7 @@ import pytest
 from cryptography import x509
 
 from engine.config import DenseTableConfig
-from engine.errors import AccessDeniedError, MessageTooLargeError, RemoteError, RequestRejectedError
+from engine.errors import AccessDeniedError, MessageTooLargeError, RemoteError
 from engine.ps import PSClient, PSServer, codec, serve
 from engine.ps import ps_pb2 as pb
 from engine.ps.transport import GrpcTransport
