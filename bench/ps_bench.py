@@ -18,7 +18,12 @@ PS itself without gRPC (PSClient and PSServer over the in-process transport, 2 t
    processes that only call it: ``keys_per_s`` is the pull rate of a parameter server whose table and
    client cost nothing, and ``ratio_vs_in_process`` puts it against the same in-process figure as 1.
 
-    python bench/ps_bench.py [--rounds 20] [--rows 1000000] [--repeats 3]
+4. ``pull_tls`` / ``push_tls``: measurement 1 against a server with TLS (mutual, ECDSA P-256 from
+   ``engine certs``) and bearer tokens checked by the interceptor, beside the same cluster in plaintext,
+   alternating per repeat; ``ratio_vs_plaintext`` is the best TLS rate over the best plaintext rate
+   (``ratio_median``: the median of the per-repeat ratios). ``--only tls`` runs just this part.
+
+    python bench/ps_bench.py [--rounds 20] [--rows 1000000] [--repeats 3] [--only tls]
 """
 from __future__ import annotations
 
@@ -70,7 +75,12 @@ def client_main(args) -> None:
     """One client process: per repeat and operation, wait at a barrier (with the other client and the
     bench process), time its batches, and meet again when done."""
     from engine.ps import PSClient
-    c = PSClient(args.endpoints.split(","), name=f"bench{args.rank}")
+    if args.config:             # the cluster's config: TLS and the worker token (pull_tls, push_tls)
+        from engine.config import load_config
+        from engine.connect import connect
+        c = connect(load_config(args.config), args.endpoints.split(","), name=f"bench{args.rank}", admin=False)
+    else:
+        c = PSClient(args.endpoints.split(","), name=f"bench{args.rank}")
     data = batches(args.rows, args.rounds, seed=100 + args.rank)
     grads = np.full((BATCH, DIM), 0.001, np.float32)
     c.pull("emb", data[0])                                   # warm-up
@@ -224,6 +234,57 @@ def latency(args) -> None:
                       "p99_ms": round(float(np.percentile(s, 99)), 3)}), flush=True)
 
 
+def tls(args) -> None:
+    """Measurement 4: the same client processes against a plaintext and a TLS + token server."""
+    from engine.config import dump_config, from_dict
+    from engine.connect import connect
+    from engine.launch.local import LocalCluster
+    from engine.security import certs
+    tmp = tempfile.mkdtemp(prefix="ps-bench-tls-")
+    files = certs.write_cluster_credentials(os.path.join(tmp, "creds"), ["localhost"])
+    sec = {"tls": {"cert": files["server.pem"], "key": files["server.key"], "ca": files["ca.pem"],
+                   "client_cert": files["client.pem"], "client_key": files["client.key"]},
+           "token_file": files["token"], "admin_token_file": files["admin_token"]}
+    base = {"cluster": {"servers": 1, "workers": 2}, "tables": {"sparse": {"emb": TABLE}}}
+    variants = {"plaintext": from_dict(base), "tls": from_dict({**base, "security": sec})}
+    clusters, clients, procs = {}, {}, {}
+    try:
+        for name, cfg in variants.items():
+            cl = clusters[name] = LocalCluster(cfg, os.path.join(tmp, name))
+            eps = cl.start_servers()
+            dump_config(cfg, os.path.join(tmp, f"{name}.yaml"))
+            c = clients[name] = connect(cfg, eps, name=f"bench-{name}", admin=True)
+            fill(lambda k, g: c.push("emb", k, g), args.rows)
+            procs[name] = [subprocess.Popen(
+                [sys.executable, __file__, "--client", "--rank", str(r), "--endpoints", ",".join(eps), "--rows",
+                 str(args.rows), "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--config",
+                 os.path.join(tmp, f"{name}.yaml")], stdout=subprocess.PIPE, text=True) for r in range(2)]
+        for rep in range(args.repeats):
+            for op in ("pull", "push"):
+                order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
+                for name in order:           # one cluster at a time; the other's clients wait
+                    clients[name].barrier(f"bench-{rep}-{op}", 3, timeout=600)
+                    clients[name].barrier(f"bench-{rep}-{op}-done", 3, timeout=600)
+        outs = {n: [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in ps]
+                for n, ps in procs.items()}
+    finally:
+        for name, cl in clusters.items():
+            if name in clients:
+                clients[name].close()
+            cl.stop_servers()
+            cl.shutdown()
+    for op in ("pull", "push"):
+        rate = {n: [2 * args.rounds * BATCH / (max(o[rep][op][1] for o in outs[n]) - min(o[rep][op][0] for o in outs[n]))
+                    for rep in range(args.repeats)] for n in variants}
+        print(json.dumps({"bench": f"{op}_tls", "servers": 1, "clients": 2, "dim": DIM, "batch_keys": BATCH,
+                          "rounds_per_client": args.rounds, "repeats": args.repeats,
+                          "tls": "mutual TLS 1.3, ECDSA P-256, bearer token checked per call",
+                          "keys_per_s": round(max(rate["tls"])), "plaintext_keys_per_s": round(max(rate["plaintext"])),
+                          "ratio_vs_plaintext": round(max(rate["tls"]) / max(rate["plaintext"]), 3),
+                          "ratio_median": round(float(np.median(np.array(rate["tls"]) / np.array(rate["plaintext"]))), 3),
+                          "cores": os.cpu_count()}), flush=True)
+
+
 def echo_server_main(args) -> None:
     """The bare gRPC server of ``pull_transport_floor``: prints its port, serves until killed."""
     import grpc
@@ -298,6 +359,8 @@ def main() -> None:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--config", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=("tls",), default=None, help="run only this part")
     ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--echo-client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -306,9 +369,13 @@ def main() -> None:
     if args.client or args.echo_client or args.echo_server:
         (client_main if args.client else echo_client_main if args.echo_client else echo_server_main)(args)
         return
+    if args.only == "tls":
+        tls(args)
+        return
     in_process = throughput(args)
     latency(args)
     transport_floor(args, in_process)
+    tls(args)
 
 
 if __name__ == "__main__":
