@@ -16,7 +16,7 @@ import sys
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from ..export import cli as export_cli
-from . import convert as convert_cmd, eval as eval_cmd, train as train_cmd
+from . import certs as certs_cmd, convert as convert_cmd, eval as eval_cmd, train as train_cmd
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,7 @@ def _build_parser() -> argparse.ArgumentParser:
     convert_cmd.add_parser(sub)
     eval_cmd.add_parser(sub)
     export_cli.add_subparsers(sub)
+    certs_cmd.add_parser(sub)
     return parser
 
 
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         return convert_cmd.run(args)
     if args.command == "eval":
         return eval_cmd.run(args)
+    if args.command == "certs":
+        return certs_cmd.run(args)
     if args.command in ("export", "predict"):
         return export_cli.run(args)
     return 2
