@@ -27,6 +27,10 @@ trainers, same net, batch 512, "on this kind of machine"), with ``paddle_referen
 the repository produced that figure (see ``PADDLE_REFERENCE``), so no ratio is computed from it: a ratio
 printed here is measured in the run (``ratio_vs_roofline``), never against a remembered constant.
 
+Run as root (test hosts from network namespaces, ``bench/ctr_hosts.py``), ``ctr_dnn_async_hosts`` runs
+``ctr_dnn_async`` with its server and two workers on three test hosts, mutual TLS and tokens on, right after
+the same job on loopback, and reports ``ratio_vs_loopback`` (examples/s across hosts / on loopback).
+
     python bench/ctr_bench.py [--rows N] [--quick] [--only ctr_dnn_async,...] [--work DIR] [--set K=V]
 """
 from __future__ import annotations
@@ -111,14 +115,20 @@ def roofline(kind: str, batch: int, dim: int = 10, hidden=(400, 400, 400), slots
     return batch / best
 
 
-def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before: dict,
-        extra: list[str] = ()) -> dict:
+def run_sets(name: str, train: Path, test: Path, batch: int, work: Path) -> list[str]:
+    """The ``engine train`` overrides of measurement ``name``."""
     config, kind, mode, own = RUNS[name]
-    sets = [f"mode={mode}", "model.data.source=arrow", f"model.data.train_path={train}",
+    return [f"mode={mode}", "model.data.source=arrow", f"model.data.train_path={train}",
             f"model.data.test_path={test}", f"model.batch_size={batch}", "model.epochs=1",
             "model.dim=10", f"tables.sparse.embedding.dim={11 if kind == 'deepfm' else 10}",
             "model.eval_every_epoch=false", "model.log_every_s=10", "model.shuffle_buffer=0",
-            f"model.metrics_dir={work / 'metrics'}", "checkpoint.root=", "cluster.servers=1", "cluster.workers=2", *own, *extra]
+            f"model.metrics_dir={work / 'metrics'}", "checkpoint.root=", "cluster.servers=1", "cluster.workers=2", *own]
+
+
+def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before: dict,
+        extra: list[str] = ()) -> dict:
+    config, kind, mode, own = RUNS[name]
+    sets = [*run_sets(name, train, test, batch, work), *extra]
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / config)] + [a for s in sets for a in ("--set", s)]
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -136,6 +146,21 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
     # the machine may be shared: the best of the measurements before the jobs and right after this one
     roof = max(roof_before[kind], roofline(kind, batch, repeats=100))
     return record(name, final, roof, batch, wall, profile)
+
+
+def hosts_record(train: Path, test: Path, batch: int, work: Path, roof_before: dict, extra: list[str]) -> dict:
+    """``ctr_dnn_async_hosts``: the loopback job, then the same job across test hosts with TLS."""
+    import ctr_hosts
+    loop = run("ctr_dnn_async", train, test, batch, work, roof_before, extra)
+    config, _, mode, own = RUNS["ctr_dnn_async"]
+    final, wall = ctr_hosts.run_hosts(config, [*run_sets("ctr_dnn_async", train, test, batch, work), *extra],
+                                      work / "hosts")
+    out = record("ctr_dnn_async", final, loop["roofline_examples_per_s"], batch, wall)
+    out.update(bench="ctr_dnn_async_hosts", hosts="1 server host + 2 worker hosts (network namespaces, veth)",
+               tls="mutual TLS, bearer tokens", loopback_examples_per_s=loop["examples_per_s"],
+               loopback_test_auc=loop["test_auc"],
+               ratio_vs_loopback=round(final["examples_per_s"] / loop["examples_per_s"], 3))
+    return out
 
 
 def record(name: str, final: dict, roof: float, batch: int, wall: float, profile: dict | None = None) -> dict:
@@ -167,12 +192,20 @@ def main(argv=None) -> int:
     rows = args.rows // 10 if args.quick else args.rows
     work = Path(args.work)
     train, test = prepare(work, rows, args.seed)
-    names = [n for n in (args.only.split(",") if args.only else RUNS) if n]
+    import ctr_hosts
+    hosts_ok, why = ctr_hosts.available()
+    default = list(RUNS) + ["ctr_dnn_async_hosts"] if hosts_ok else list(RUNS)
+    if not hosts_ok:
+        print(f"# ctr_dnn_async_hosts skipped: {why}", file=sys.stderr)
+    names = [n for n in (args.only.split(",") if args.only else default) if n]
     roof_before = {kind: roofline(kind, args.batch_size, repeats=100) for kind in ("ctr_dnn", "deepfm")}
     for name in names:
-        if name not in RUNS:
-            raise SystemExit(f"--only: unknown measurement {name!r}; known: {sorted(RUNS)}")
-        out = run(name, train, test, args.batch_size, work, roof_before, args.set)
+        if name not in RUNS and name != "ctr_dnn_async_hosts":
+            raise SystemExit(f"--only: unknown measurement {name!r}; known: {sorted(RUNS)} + ctr_dnn_async_hosts")
+        if name == "ctr_dnn_async_hosts":
+            out = hosts_record(train, test, args.batch_size, work, roof_before, args.set)
+        else:
+            out = run(name, train, test, args.batch_size, work, roof_before, args.set)
         out["rows"] = rows
         if args.set:
             out["set"] = args.set
