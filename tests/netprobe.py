@@ -60,19 +60,24 @@ def raw_call(ep: str, sec: SecurityConfig, method: str, request, admin: bool = F
         t.close()
 
 
-def garbage(ep: str) -> dict:
-    host, port = ep.rsplit(":", 1)
-    rng = np.random.default_rng(1)
-    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-    for data in (rng.bytes(8192), preface + b"\x7f\xff\xff\x00\x00\x00\x00\x00\x01" + rng.bytes(512),
-                 b"\x16\x03\x01\xff\xff" + rng.bytes(100), b"\x16\x03"):
+def send_garbage(host: str, port: int, payloads) -> None:
+    """Each payload on a connection of its own, then read whatever comes back (at most 1 s)."""
+    for data in payloads:
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(data)
             s.settimeout(1.0)
             try:
-                s.recv(1024)
+                s.recv(4096)
             except OSError:
                 pass
+
+
+def garbage(ep: str) -> dict:
+    host, port = ep.rsplit(":", 1)
+    rng = np.random.default_rng(1)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    send_garbage(host, int(port), (rng.bytes(8192), preface + b"\x7f\xff\xff\x00\x00\x00\x00\x00\x01" + rng.bytes(512),
+                                   b"\x16\x03\x01\xff\xff" + rng.bytes(100), b"\x16\x03"))
     return {"code": "SENT", "message": "random bytes, a truncated TLS record, an HTTP/2 frame of length 2^24-1"}
 
 

@@ -129,10 +129,15 @@ class Secret:
             self._fixed = value.encode()
 
     def value(self) -> bytes:
+        """The token, after re-reading the file if it changed (at most every ``interval_s``)."""
         if self._file is None:
             return self._fixed
         self._file.refresh()
         return self._file.value
+
+    def current(self) -> bytes:
+        """The token as last read (no check of the file)."""
+        return self._fixed if self._file is None else self._file.value
 
     def refresh(self, force: bool = False) -> tuple[bytes, bytes] | None:
         """(old, new) when the file changed, else None."""
@@ -163,7 +168,7 @@ class ServerTokens:
         changed = secret.refresh()
         if changed:
             self._old[kind] = (changed[0], time.monotonic() + self.overlap_s)
-        out = [secret.value()]
+        out = [secret.current()]
         old = self._old.get(kind)
         if old is not None and time.monotonic() < old[1]:
             out.append(old[0])
@@ -296,9 +301,9 @@ def _secret(cfg: SecurityConfig, kind: str) -> Secret | None:
     return Secret(f"security.{kind}", path=path, env=env, interval_s=cfg.reload_interval_s)
 
 
-def _watched_tls(files: dict, interval_s: float) -> _Watched | None:
+def _watched_tls(files: dict, interval_s: float, *, tls_on: bool = False) -> _Watched | None:
     if not files:
-        return None
+        return _Watched({}, lambda contents: {}, interval_s) if tls_on else None
     try:
         return _Watched(files, _load_tls, interval_s)
     except ValueError as e:
@@ -326,12 +331,13 @@ def client_security(cfg: SecurityConfig, *, admin: bool = False) -> ClientSecuri
     """A client's credentials; ``admin``: this role holds the admin token (the launcher, worker rank 0).
     Other roles never read the admin token's file or variable, so it need not exist where they run.
 
+    Without ``security.tls.ca`` a client verifies the servers against the system's trusted roots (a
+    publicly signed server certificate).
+
     Raises
     ------
     ConfigError
-        As ``server_security``; also TLS without ``security.tls.ca`` (a client must verify servers).
+        As ``server_security``.
     """
-    if cfg.tls.enabled and not cfg.tls.ca:
-        raise ConfigError("security.tls.ca: a client verifies the servers against the cluster's CA; set it")
-    tls = _watched_tls(_tls_files(cfg, server=False), cfg.reload_interval_s)
+    tls = _watched_tls(_tls_files(cfg, server=False), cfg.reload_interval_s, tls_on=cfg.tls.enabled)
     return ClientSecurity(tls, _secret(cfg, "token"), _secret(cfg, "admin_token") if admin else None)

@@ -26,6 +26,7 @@ from engine.security import certs
 from engine.security.credentials import client_security, server_security
 from engine.security.settings import SecurityConfig, TlsConfig
 from sparse_tables import TableConfig
+from tests.netprobe import send_garbage
 
 REPO = Path(__file__).resolve().parents[2]
 DIM = 4
@@ -182,17 +183,6 @@ def test_message_limit_is_enforced_and_followed(secured):
     np.testing.assert_array_equal(rows(ep, sec), before)
 
 
-def _garbage(port: int, payloads: list[bytes]) -> None:
-    for data in payloads:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-            s.sendall(data)
-            s.settimeout(1.0)
-            try:
-                s.recv(4096)
-            except OSError:
-                pass
-
-
 def test_garbage_on_the_port_leaves_the_server_serving(secured):
     d, sec, ep, core = secured
     before = rows(ep, sec)
@@ -201,12 +191,12 @@ def test_garbage_on_the_port_leaves_the_server_serving(secured):
     rng = np.random.default_rng(0)
     payloads = [rng.bytes(4096), preface + b"\x00\x00", preface + b"\xff\xff\xff\x00\x00\x00\x00\x00\x01" + b"x" * 100,
                 b"\x16\x03\x01\xff\xff" + rng.bytes(64)]
-    _garbage(port, payloads)
+    send_garbage("127.0.0.1", port, payloads)
     # and a plaintext server (HTTP/2 frames reach gRPC's parser directly)
     plain = PSServer({"emb": TableConfig(dim=DIM)}, local_shards=1)
     server, pport = serve(plain, "127.0.0.1", 0, threads=2)
     try:
-        _garbage(pport, payloads + [preface + b"\x7f\xff\xff\x00\x01\x00\x00\x00\x01" + rng.bytes(1000)])
+        send_garbage("127.0.0.1", pport, payloads + [preface + b"\x7f\xff\xff\x00\x01\x00\x00\x00\x01" + rng.bytes(1000)])
         with PSClient([f"127.0.0.1:{pport}"], timeout_s=5, retries=0) as c:
             assert c.pull("emb", KEYS, init_missing=True).shape == (len(KEYS), DIM)
     finally:
