@@ -72,7 +72,14 @@ class ClusterConfig:
     Supervision (``engine.launch.supervisor``): when a role dies or hangs, the launcher restarts the
     whole cluster from the newest complete checkpoint, at most ``max_restarts`` times within any
     ``restart_window_s`` seconds. ``preempt_timeout_s``: after SIGTERM, how long the job may take to
-    reach its next step boundary and write a checkpoint before it is stopped anyway."""
+    reach its next step boundary and write a checkpoint before it is stopped anyway.
+
+    ``health_port`` (-1: off; 0: a free port): each server also serves the standard gRPC health checking
+    protocol (``grpc.health.v1.Health``) in plaintext on this port and nothing else, for probes that speak
+    neither TLS nor tokens (Kubernetes' native gRPC probe); SERVING once the PS port listens, NOT_SERVING
+    while preempting or stopping. ``stop_servers_at_end`` (role mode, e.g. Kubernetes Jobs, where no
+    launcher stops the servers): when the job ends normally, every worker meets at a last barrier and
+    worker rank 0 sends ``Stop`` (admin token) to every server, which then exits 0."""
 
     servers: Annotated[int, Field(ge=1)] = 1
     workers: Annotated[int, Field(ge=1)] = 1
@@ -87,6 +94,8 @@ class ClusterConfig:
     max_restarts: Annotated[int, Field(ge=0)] = 3
     restart_window_s: Annotated[float, Field(gt=0)] = 3600.0
     preempt_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    health_port: Annotated[int, Field(ge=-1, le=65535)] = -1   # -1 off; gRPC health checking, plaintext
+    stop_servers_at_end: bool = False   # role mode: worker rank 0 stops the servers when the job ends
 
 
 @section
@@ -218,6 +227,28 @@ class StorageConfig:
 
 
 @section
+class KubernetesConfig:
+    """What ``engine k8s`` renders (``engine.launch.k8s``): namespace, job name prefix (default
+    ``checkpoint.job`` or ``model.kind``), image, requests = limits per role (Kubernetes quantities),
+    the PS and health ports, the Secret holding ``engine certs``' files, an optional Secret of storage
+    credentials (its keys become the environment variables ``storage.*_env`` name) and the Jobs'
+    ``backoffLimit``."""
+
+    namespace: str = "default"
+    name: str = ""
+    image: str = ""
+    server_cpu: str = "2"
+    server_memory: str = "8Gi"
+    worker_cpu: str = "2"
+    worker_memory: str = "4Gi"
+    port: Annotated[int, Field(ge=1, le=65535)] = 7000
+    health_port: Annotated[int, Field(ge=1, le=65535)] = 7001
+    security_secret: str = "engine-security"
+    storage_secret: str = ""
+    backoff_limit: Annotated[int, Field(ge=0)] = 3
+
+
+@section
 class ModelConfig:
     """``kind`` picks the worker program; ``params`` is that program's own ``Config`` section."""
 
@@ -235,6 +266,7 @@ class EngineConfig:
     checkpoint: Annotated[CheckpointConfig, Nested] = field(default_factory=CheckpointConfig)
     storage: Annotated[StorageConfig, Nested] = field(default_factory=StorageConfig)
     security: Annotated[SecurityConfig, Nested] = field(default_factory=SecurityConfig)
+    kubernetes: Annotated[KubernetesConfig, Nested] = field(default_factory=KubernetesConfig)
     sparse_tables: dict[str, Any] = field(default_factory=dict)   # name -> sparse_tables.TableConfig
     dense_tables: dict[str, DenseTableConfig] = field(default_factory=dict)
     model: Annotated[ModelConfig, Nested] | None = None
@@ -244,6 +276,7 @@ class EngineConfig:
         out = {"mode": self.mode, "cluster": _plain(self.cluster), "client": _plain(self.client),
                "server": _plain(self.server), "geo": _plain(self.geo), "checkpoint": _plain(self.checkpoint),
                "storage": _plain(self.storage), "security": _plain(self.security),
+               "kubernetes": _plain(self.kubernetes),
                "tables": {"sparse": {k: _plain(v) for k, v in self.sparse_tables.items()},
                           "dense": {k: _plain(v) for k, v in self.dense_tables.items()}}}
         if self.model is not None:

@@ -125,7 +125,7 @@ class _OneServer:
 
 def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: int | None = None,
                ready_file: str | None = None, resume: str | None = None, resume_fallback: bool = False,
-               allow_load: list[str] | None = None) -> int:
+               allow_load: list[str] | None = None, health_port: int | None = None) -> int:
     """Serve until a Stop RPC or SIGINT. Writes ``host:port`` to ready_file once listening.
 
     SIGTERM is a preemption (``engine.preempt``): the server keeps serving, says ``preempting`` in
@@ -138,7 +138,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     it as ``restored`` in ``Health``; workers started with the servers resume at its data position.
 
     ``Save`` and ``Load`` from clients are confined to ``checkpoint.root`` (``engine.security.confine``);
-    ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
+    ``health_port`` (``--health-port``, default ``cluster.health_port``; -1 off): the plaintext gRPC
+    health checking port (``engine.ps.health``). ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
     from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
     from .ps.server import PSServer, serve
@@ -165,6 +166,12 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
     server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
                           max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security)
+    health_port = cfg.cluster.health_port if health_port is None else health_port
+    probe = None
+    if health_port >= 0:        # the plaintext health port: grpc.health.v1 only (engine.ps.health)
+        from .ps.health import HealthPort
+        probe = HealthPort(host, health_port)
+        probe.set(True)
     deadline = [float("inf")]
 
     def preempted(*_) -> None:
@@ -180,10 +187,14 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         tmp.write_text(f"{host}:{bound}\n")
         tmp.replace(ready_file)
     while not core.stopped.wait(0.5):
+        if probe is not None:
+            probe.set(not core.preempting)
         if time.monotonic() > deadline[0]:
             log.warning("server %d: preempt_timeout_s passed; stopping", rank)
             break
     log.info("server %d stopping", rank)
+    if probe is not None:
+        probe.close()
     server.stop(grace=2.0).wait(cfg.cluster.stop_timeout_s)
     core.close()
     return preempt.EXIT_PREEMPTED if core.preempting else 0
@@ -250,6 +261,21 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int) -> EngineConfig:
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=uri))
 
 
+def _end_job(client, rank: int, workers: int, timeout: float) -> None:
+    """The job-end protocol (``cluster.stop_servers_at_end``): every worker that finished meets the
+    others at a last barrier; then each other worker says once that it saw the release and leaves, and
+    rank 0, which holds the admin token, waits for all of them before it stops every server (they exit
+    0), so no worker is still polling a server that stops. A worker that failed never arrives, so the
+    servers outlive a failed job for its restart."""
+    client.barrier("engine-job-end", workers, timeout=timeout)
+    if rank != 0:
+        client.arrive("engine-job-end-seen", workers, timeout=timeout)
+        return
+    client.barrier("engine-job-end-seen", workers, timeout=timeout)
+    log.info("worker 0: the job ended; stopping the servers")
+    client.stop()
+
+
 def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) -> dict:
     """Connect to the servers, build the mode, run the ``model.kind`` program; returns its summary."""
     from .modes import make_mode
@@ -276,6 +302,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
             mode.warm_up(c.dim for c in cfg.sparse_tables.values())
         try:
             result = program.run(WorkerContext(cfg, rank, workers, client, mode))
+            if cfg.cluster.stop_servers_at_end:
+                _end_job(client, rank, workers, cfg.client.barrier_timeout_s)
         except preempt.Preempted as e:
             log.warning("worker %d: %s", rank, e)
             result = {"rank": rank, "preempted": True, "reason": str(e)}

@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="URI",
                    help="restore a checkpoint before training: URI of a checkpoint directory or job root "
                         "(default: the newest complete checkpoint under checkpoint.root)")
+    p.add_argument("--health-port", type=int, default=None, metavar="N",
+                   help="server: serve gRPC health checking (plaintext, nothing else) on port N "
+                        "(default cluster.health_port; -1 off, 0 a free port)")
     p.add_argument("--allow-load", action="append", default=[], metavar="URI",
                    help="server: clients may also load checkpoints below URI (besides checkpoint.root); "
                         "the launcher passes its --resume URI")
@@ -82,7 +85,7 @@ def run(args) -> int:
             roles.guard_parent()
             return roles.run_server(cfg, args.rank, host=args.host, port=args.port, ready_file=args.ready_file,
                                     resume=args.resume, resume_fallback=args.resume_fallback,
-                                    allow_load=args.allow_load)
+                                    allow_load=args.allow_load, health_port=args.health_port)
         if args.role == "worker":
             roles.guard_parent()
             preempt.install_handler()        # SIGTERM: checkpoint at the next meeting, then exit 75

@@ -646,6 +646,12 @@ class PSClient:
                     pause = min(2 * pause, BARRIER_POLL_MAX_S)
         self._parallel([functools.partial(wait, s) for s in servers], timeout + 10.0)
 
+    def arrive(self, name: str, world: int, *, timeout: float = 600.0) -> int:
+        """Arrive at barrier ``name`` on server 0 once, without waiting for it (another caller waits with
+        ``barrier``); returns how many have arrived. An arrival nobody polls is withdrawn after 30 s."""
+        req = pb.BarrierRequest(request_id=self._rid(), name=name, world=world, timeout_s=timeout)
+        return self._call(0, "Barrier", req, idempotent=False, timeout=min(self.timeout_s, 30.0)).arrived
+
     def save(self, path: str, *, timeout: float = 3600.0) -> int:
         """Every server writes its part files of the checkpoint directory ``path`` (a URI ending in
         ``HHMM-base`` / ``HHMM-delta[.N]``), in parallel; returns sparse rows written. The part files do

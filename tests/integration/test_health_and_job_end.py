@@ -1,0 +1,108 @@
+"""Role mode as a scheduler without a launcher runs it (Kubernetes Jobs): the plaintext health port
+answers the standard gRPC health checking protocol (SERVING, NOT_SERVING while preempting) and serves
+nothing else; with ``cluster.stop_servers_at_end`` the workers' job-end protocol stops the servers, and
+every process exits 0."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.ps import ps_pb2 as pb
+from tests.integration.test_multihost import engine, loopback_run
+
+pytestmark = pytest.mark.slow
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def health(port: int, service: str = "") -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+def wait_health(port: int, want: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = health(port)
+            if last == want:
+                return
+        except grpc.RpcError as e:
+            last = e.code().name
+        time.sleep(0.1)
+    raise AssertionError(f"health never {want}: {last}")
+
+
+def test_health_port_and_the_job_end_protocol(tmp_path):
+    _, resolved = loopback_run(tmp_path)
+    ports = free_ports(4)
+    env = {**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", "ENGINE_NUM_WORKERS": "2"}
+    sets = ["--set", f"checkpoint.root={tmp_path / 'ckpt-role'}", "--set", "cluster.stop_servers_at_end=true"]
+    procs = []
+    try:
+        for r in range(2):
+            procs.append(subprocess.Popen(engine(resolved, "--role", "server", "--rank", r, "--port", ports[r],
+                                                 "--health-port", ports[2 + r], *sets), cwd=REPO, env=env,
+                                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"s{r}.log", "w"),
+                                          start_new_session=True))
+        for r in range(2):
+            wait_health(ports[2 + r], "SERVING")
+            assert health(ports[2 + r], "engine.ps.ParameterServer") == "SERVING"
+        with grpc.insecure_channel(f"127.0.0.1:{ports[2]}") as ch:     # the health port serves nothing else
+            with pytest.raises(grpc.RpcError) as ei:
+                ch.unary_unary("/engine.ps.ParameterServer/Stop")(pb.Empty(request_id="x").SerializeToString(),
+                                                                   timeout=5)
+            assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        workers = [subprocess.Popen(engine(resolved, "--role", "worker", "--rank", w, *sets), cwd=REPO, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"w{w}.log", "w"),
+                                    start_new_session=True) for w in range(2)]
+        procs += workers
+        for w, p in enumerate(workers):
+            assert p.wait(timeout=300) == 0, (tmp_path / f"w{w}.log").read_text()[-3000:]
+        for r in range(2):     # the job ended: worker 0 stopped the servers, which exit 0
+            assert procs[r].wait(timeout=60) == 0, (tmp_path / f"s{r}.log").read_text()[-3000:]
+        assert "the job ended; stopping the servers" in (tmp_path / "w0.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+def test_a_preempting_server_says_not_serving(tmp_path):
+    _, resolved = loopback_run(tmp_path)
+    ports = free_ports(2)
+    env = {**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{ports[0]}"}
+    p = subprocess.Popen(engine(resolved, "--role", "server", "--rank", 0, "--port", ports[0], "--health-port", ports[1],
+                                "--set", "cluster.servers=1", "--set", "cluster.preempt_timeout_s=2"),
+                         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        wait_health(ports[1], "SERVING")
+        p.send_signal(signal.SIGTERM)             # preempted: keeps serving its job, but is NOT_SERVING
+        wait_health(ports[1], "NOT_SERVING", timeout=10)
+        assert p.wait(timeout=30) == 75           # preempt_timeout_s passed: resumable exit
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
