@@ -15,3 +15,19 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(name="test_hosts")
+def _test_hosts_factory():
+    """Factory for network-namespace test hosts (see tests/netns.py): ``hosts = test_hosts(["server0",
+    "worker0"])`` returns an entered ``TestHosts``, torn down after the test. Skips the test when
+    namespaces are unavailable, or fails it when ENGINE_REQUIRE_NETNS=1."""
+    from contextlib import ExitStack
+
+    from tests.netns import TestHosts, require_netns
+
+    with ExitStack() as stack:
+        def make(names, **kwargs) -> TestHosts:
+            require_netns()
+            return stack.enter_context(TestHosts(names, **kwargs))
+        yield make

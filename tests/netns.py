@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Self
 
 ETC_NETNS = "/etc/netns"
 _NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
@@ -34,7 +35,7 @@ _probe_cache: tuple[bool, str] | None = None
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``ip ARGS``; raises RuntimeError with ip's stderr when ``check`` and it fails."""
-    cp = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT)
+    cp = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, timeout=_IP_TIMEOUT)
     if check and cp.returncode != 0:
         raise RuntimeError(f"`ip {' '.join(args)}` failed ({cp.returncode}): {cp.stderr.strip()}")
     return cp
@@ -146,7 +147,7 @@ class TestHosts:
         return os.path.join(ETC_NETNS, self.ns(name))
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def __enter__(self) -> "TestHosts":
+    def __enter__(self) -> Self:
         atexit.register(self.close)
         self._active = True
         try:
@@ -285,9 +286,11 @@ class TestHosts:
 
     def run(self, name: str, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
             input: str | None = None, check: bool = False) -> subprocess.CompletedProcess:
-        """Run ``argv`` in host ``name`` to completion, capturing stdout/stderr as text. On timeout the
-        whole process group is SIGKILLed and ``subprocess.TimeoutExpired`` raised; with ``check`` a
-        non-zero exit raises ``subprocess.CalledProcessError``. Other errors as ``popen``."""
+        """Run ``argv`` in host ``name`` to completion, capturing stdout/stderr as text. "Completion" is
+        EOF on both pipes, so a daemon it leaves holding them keeps ``run`` waiting. On timeout the
+        whole process group is SIGKILLed and ``subprocess.TimeoutExpired`` raised (within ~2 s more,
+        output dropped if an escaped descendant still holds the pipes); with ``check`` a non-zero exit
+        raises ``subprocess.CalledProcessError``. Other errors as ``popen``."""
         p = self.popen(name, argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL)
         try:
@@ -297,7 +300,14 @@ class TestHosts:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            out, err = p.communicate()
+            try:  # bounded: a descendant that left the group may still hold the pipes open
+                out, err = p.communicate(timeout=2)
+            except subprocess.TimeoutExpired:
+                out = err = None
+                for stream in (p.stdin, p.stdout, p.stderr):
+                    if stream is not None:
+                        stream.close()
+                p.wait()
             raise subprocess.TimeoutExpired(p.args, timeout, out, err) from None
         cp = subprocess.CompletedProcess(p.args, p.returncode, out, err)
         if check:
