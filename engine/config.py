@@ -74,6 +74,11 @@ class ClusterConfig:
     ``restart_window_s`` seconds. ``preempt_timeout_s``: after SIGTERM, how long the job may take to
     reach its next step boundary and write a checkpoint before it is stopped anyway.
 
+    ``launcher``: ``local`` (child processes, ``engine.launch.local``) or ``ray`` (Ray actors placed by a
+    placement group, ``engine.launch.ray``; ``ray_address`` joins a running cluster, empty starts a local
+    Ray; ``server_resources`` / ``worker_resources`` are each role's Ray resources, e.g. ``{CPU: 1,
+    ps_node: 1}``, custom ones pinning roles to the nodes that offer them).
+
     ``health_port`` (-1: off; 0: a free port): each server also serves the standard gRPC health checking
     protocol (``grpc.health.v1.Health``) in plaintext on this port and nothing else, for probes that speak
     neither TLS nor tokens (Kubernetes' native gRPC probe); SERVING once the PS port listens, NOT_SERVING
@@ -94,6 +99,10 @@ class ClusterConfig:
     max_restarts: Annotated[int, Field(ge=0)] = 3
     restart_window_s: Annotated[float, Field(gt=0)] = 3600.0
     preempt_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    launcher: Literal["local", "ray"] = "local"
+    ray_address: str = ""                       # "" : RAY_ADDRESS, else start a local Ray
+    server_resources: dict[str, Annotated[float, Field(ge=0, strict=False)]] = field(default_factory=dict)
+    worker_resources: dict[str, Annotated[float, Field(ge=0, strict=False)]] = field(default_factory=dict)
     health_port: Annotated[int, Field(ge=-1, le=65535)] = -1   # -1 off; gRPC health checking, plaintext
     stop_servers_at_end: bool = False   # role mode: worker rank 0 stops the servers when the job ends
 

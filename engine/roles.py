@@ -209,7 +209,7 @@ def _agreed(health: list[dict]) -> tuple[bool, str | None]:
     return False, None
 
 
-def _restored_by_servers(cfg: EngineConfig, client, rank: int) -> EngineConfig:
+def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1) -> EngineConfig:
     """Role mode: agree with the servers on one state before training (the recovery rule without a
     launcher), and resume at its data position.
 
@@ -218,7 +218,9 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int) -> EngineConfig:
     (or empty) while the others kept training: rank 0 loads the newest checkpoint the servers report
     (or, when none restored one, the job's newest complete checkpoint) onto every server, which rolls
     them all back to it, and the other ranks wait until the servers agree. The agreed checkpoint becomes
-    this worker's ``checkpoint.restored``.
+    this worker's ``checkpoint.restored``. When every server is fresh (a new job), the workers meet at a
+    start barrier before any of them writes, so a worker that starts late (Ray or a scheduler start them
+    one by one) never mistakes servers its peers already wrote to for a restarted server.
 
     Raises
     ------
@@ -256,6 +258,10 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int) -> EngineConfig:
         health = client.health()
         ok, uri = _agreed(health)
     if uri is None:
+        if all(h.get("fresh") for h in health) and workers > 1:
+            # a fresh job: nobody writes before every worker has looked, or a late worker would see some
+            # servers in use and others still fresh and take it for a restarted server
+            client.barrier("engine-start", workers, timeout=cfg.cluster.startup_timeout_s)
         return cfg
     log.info("the servers restored %s: resuming at its data position", uri)
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=uri))
@@ -294,7 +300,7 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
                      async_queue=cfg.client.async_queue)
     try:
         client.wait_ready(cfg.cluster.startup_timeout_s)
-        cfg = _restored_by_servers(cfg, client, rank)
+        cfg = _restored_by_servers(cfg, client, rank, workers)
         mode = make_mode(cfg, client, rank=rank, num_workers=workers)
         if cfg.cluster.warm_up:    # the client's kernels (the servers' ones load from the cache they wrote)
             from .ps.warmup import warm_up

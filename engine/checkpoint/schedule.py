@@ -133,6 +133,7 @@ class CheckpointConfig:
     final: bool = True
     threads: Annotated[int, Field(ge=1)] = 2
     align_steps: Annotated[int, Field(ge=0)] = 256
+    shared: bool = False        # a local root that every node mounts (the Ray launcher on several nodes)
     restored: str = ""          # set by the launcher after --resume: the checkpoint the servers hold
 
     def __post_init__(self) -> None:

@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="URI",
                    help="restore a checkpoint before training: URI of a checkpoint directory or job root "
                         "(default: the newest complete checkpoint under checkpoint.root)")
+    p.add_argument("--launcher", choices=("local", "ray"), default=None,
+                   help="start the roles as local processes or Ray actors (default cluster.launcher)")
     p.add_argument("--health-port", type=int, default=None, metavar="N",
                    help="server: serve gRPC health checking (plaintext, nothing else) on port N "
                         "(default cluster.health_port; -1 off, 0 a free port)")
@@ -73,7 +75,8 @@ def run(args) -> int:
                         format=f"%(asctime)s {args.role or 'launcher'}{'' if not args.role else args.rank} "
                                f"%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from ..config import load_config
-    overrides = list(args.overrides) + ([f"model.until={args.until}"] if args.until else [])
+    overrides = (list(args.overrides) + ([f"model.until={args.until}"] if args.until else [])
+                 + ([f"cluster.launcher={args.launcher}"] if args.launcher else []))
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

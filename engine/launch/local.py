@@ -35,9 +35,9 @@ from pathlib import Path
 
 from .. import preempt, progress
 from ..config import SECRET_ENV, EngineConfig, dump_config, secret_env
+from ..connect import connect
 from ..errors import LaunchError
 from ..ps import ps_pb2 as pb
-from ..connect import connect
 from ..ps.transport import GrpcTransport
 from ..security.credentials import client_security
 
@@ -105,6 +105,29 @@ class Child:
         except OSError:
             return "(no log)"
         return "\n".join(lines[-n:]) or "(empty log)"
+
+    # what the launcher reads of a child; a child elsewhere (``engine.launch.ray.RayChild``) answers
+    # the same questions through its actor
+    def ready(self) -> str | None:
+        """The ``host:port`` a server wrote once listening, or None."""
+        if self.ready_path is None or not self.ready_path.is_file():
+            return None
+        return self.ready_path.read_text().strip() or None
+
+    def result(self) -> dict | None:
+        """A worker's JSON result, or None (none written, or unreadable)."""
+        try:
+            return json.loads(self.result_path.read_text())
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def report(self) -> dict | None:
+        """A worker's last progress report (``engine.progress``), or None."""
+        return progress.read(self.progress_path) if self.progress_path else None
+
+    def signal_group(self, sig: int) -> None:
+        """``sig`` to the child's process group (it and anything it started)."""
+        _signal_group(self.proc, sig)
 
 
 class LocalCluster:
@@ -177,8 +200,8 @@ class LocalCluster:
         endpoints: list[str | None] = [None] * len(self.servers)
         while None in endpoints:
             for i, s in enumerate(self.servers):
-                if endpoints[i] is None and s.ready_path.is_file():
-                    endpoints[i] = s.ready_path.read_text().strip()
+                if endpoints[i] is None:
+                    endpoints[i] = s.ready()
             self._check_alive(self.servers)
             if time.monotonic() > deadline:
                 late = [s.name for s, e in zip(self.servers, endpoints) if e is None]
@@ -222,9 +245,9 @@ class LocalCluster:
                                   role=c.role, rank=c.rank, exit_code=None, reason=reason, log_tail=c.tail())
         now = time.time()
         for c in self.workers:
-            if c.proc.poll() is not None or c.progress_path is None:
+            if c.proc.poll() is not None or c.role != "worker":
                 continue
-            why = progress.stalled(progress.read(c.progress_path), now, dead_after,
+            why = progress.stalled(c.report(), now, dead_after,
                                    c.started_wall + self.cfg.cluster.startup_timeout_s)
             if why:
                 reason = f"hung: {why} (client.dead_after_s={dead_after:g})"
@@ -246,7 +269,7 @@ class LocalCluster:
 
     def worker_reports(self) -> list[dict | None]:
         """Each worker's last progress report (``engine.progress``), None where there is none."""
-        return [progress.read(w.progress_path) if w.progress_path else None for w in self.workers]
+        return [w.report() for w in self.workers]
 
     def wait_workers(self, timeout: float | None = None) -> list[dict]:
         """Wait for every worker to exit 0 (servers must stay up meanwhile); returns their results.
@@ -274,10 +297,8 @@ class LocalCluster:
         self._check_alive(self.workers, finished_ok=True)
         results = []
         for w in self.workers:
-            try:
-                results.append(json.loads(w.result_path.read_text()))
-            except (OSError, ValueError):
-                results.append({"rank": w.rank, "result": None})
+            r = w.result()
+            results.append(r if r is not None else {"rank": w.rank, "result": None})
         return results
 
     def stop_servers(self) -> None:
@@ -305,7 +326,7 @@ class LocalCluster:
     def _terminate(children: list[Child], grace: float) -> None:
         alive = [c for c in children if c.proc.poll() is None]
         for c in alive:
-            _signal_group(c.proc, signal.SIGTERM)
+            c.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for c in alive:
             try:
@@ -314,12 +335,12 @@ class LocalCluster:
                 pass
         for c in children:
             if c.proc.poll() is None:
-                _signal_group(c.proc, signal.SIGKILL)
+                c.signal_group(signal.SIGKILL)
             try:
                 c.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 log.error("%s (pid %d) did not exit after SIGKILL", c.name, c.proc.pid)
-            _signal_group(c.proc, signal.SIGKILL)   # any grandchildren left in its group
+            c.signal_group(signal.SIGKILL)   # any grandchildren left in its group
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.servers + self.workers]

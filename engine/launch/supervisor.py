@@ -107,6 +107,12 @@ class Supervisor:
         self.preempt_requested = False
         self.preempted = False
         self._cluster: LocalCluster | None = None
+        if cfg.cluster.launcher == "ray":      # the same rule over Ray actors (engine.launch.ray)
+            from .ray import RayCluster, require_ray
+            require_ray()
+            self.cluster_class = RayCluster
+        else:
+            self.cluster_class = LocalCluster
 
     def preempt(self, *_) -> None:
         """SIGTERM to the launcher: the running attempt's workers checkpoint at their next meeting and
@@ -133,8 +139,8 @@ class Supervisor:
             run_dir = (self.run_dir if attempt == 0 or self.run_dir is None
                        else Path(self.run_dir) / f"restart-{attempt}")
             # the operator's --resume URI may lie outside checkpoint.root: its servers may load from it
-            cluster = self._cluster = LocalCluster(self.cfg, run_dir,
-                                                   allow_load=(self.first_resume,) if self.first_resume else ())
+            cluster = self._cluster = self.cluster_class(self.cfg, run_dir,
+                                                         allow_load=(self.first_resume,) if self.first_resume else ())
             try:
                 with cluster:
                     return self._attempt(cluster)

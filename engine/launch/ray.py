@@ -1,0 +1,416 @@
+"""The Ray launcher behind ``engine train CONFIG --launcher ray`` (``cluster.launcher: ray``).
+
+Every role is a Ray actor (``RoleActor``) that starts the same process the local launcher would
+(``python -m engine train CONFIG --role R --rank N``) on its own node, as its child, and answers for
+it: its exit code, signals, its ready endpoint, its result and its progress report (``engine.progress``)
+travel through Ray calls, not files, so nodes need no shared directory for them. The child dies with its
+actor (``engine.roles.guard_parent``), so killing an actor's process kills its role; its log lines reach
+the driver through Ray's log forwarding, prefixed with the role and rank (``(server0 pid=..)``).
+
+Placement: one placement group (strategy SPREAD) with one bundle per role, servers first; each bundle
+holds ``cluster.server_resources`` or ``cluster.worker_resources`` (Ray resources, custom ones pin roles
+to the nodes that offer them; default a token 0.01 CPU so roles are not held back by Ray's CPU count).
+A server binds ``cluster.host`` when the Ray cluster is this one machine, else its node's address
+(then the security rules of ``engine.security.listen`` apply: TLS and tokens, or ``insecure: true``).
+
+Supervision is the local launcher's (``engine.launch.supervisor``): ``RayCluster`` is a ``LocalCluster``
+whose children are actors, so a dead actor, a dead role, a hang or a preemption is handled by the same
+rule (restart the whole job from the newest complete checkpoint, ``cluster.max_restarts``). With more
+than one node, a local ``checkpoint.root`` must be declared ``checkpoint.shared: true`` (a path every node
+mounts); otherwise checkpoints go to S3 or HDFS.
+
+Ray is an optional extra: ``pip install 'sparse-engine[ray]'``.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from .. import progress
+from ..config import EngineConfig
+from ..errors import ConfigError
+from .local import Child, LocalCluster
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install 'sparse-engine[ray]'   (or: pip install 'ray>=2.50')"
+#: a role's exit code when its actor died (the actor's process was killed): like SIGKILL
+ACTOR_DIED = -9
+#: seconds any call to an actor may take (they only read small files or send signals)
+CALL_TIMEOUT_S = 30.0
+
+
+def require_ray():
+    """The ``ray`` module.
+
+    Raises
+    ------
+    ConfigError
+        Ray is not installed (the message says how to install it; the CLI exits 2).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(f"cluster.launcher: ray needs Ray, which is not installed: {INSTALL}") from None
+    return ray
+
+
+class RoleActor:
+    """A Ray actor that runs one role as its child process (see the module docstring). Its methods are
+    small and quick; ``__repr__`` is the role and rank, which Ray puts before each forwarded log line."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.dir = Path(tempfile.mkdtemp(prefix=f"engine-ray-{label}-"))
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.dir / f"{label}.log"
+        self.files: dict[str, Path] = {}
+
+    def __repr__(self) -> str:
+        return self.label
+
+    def node(self) -> tuple[str, str]:
+        """(node id, node address) of this actor."""
+        import ray
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def start(self, config_text: str, argv: list[str], env: dict, files: list[str]) -> int:
+        """Write the config, start ``engine train`` with ``argv`` (after the config path) and ``files``
+        (``ready``, ``result``, ``progress``) placed in this actor's directory; returns the child's pid."""
+        cfg = self.dir / "config.yaml"
+        fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(config_text)
+        self.files = {k: self.dir / f"{self.label}.{k}" for k in files}
+        extra = [a for k, flag in (("ready", "--ready-file"), ("result", "--result-file")) if k in self.files
+                 for a in (flag, str(self.files[k]))]
+        child_env = {**os.environ, **env, "ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        if "progress" in self.files:
+            child_env[progress.ENV] = str(self.files["progress"])
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(cfg), *argv, *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=child_env, start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True, name="log-pump").start()
+        return self.proc.pid
+
+    def _pump(self) -> None:
+        """The child's output into its log file and to this actor's stderr, which Ray forwards to the
+        driver's stderr (the driver's stdout stays the job's own: its final JSON line last)."""
+        with open(self.log_path, "ab") as out:
+            for line in self.proc.stdout:
+                out.write(line)
+                out.flush()
+                sys.stderr.write(line.decode(errors="replace"))
+                sys.stderr.flush()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, sig: int, group: bool) -> None:
+        try:
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def read(self, kind: str):
+        """``ready``: the endpoint or None; ``result``: the JSON result or None; ``progress``: the
+        last report or None."""
+        path = self.files.get(kind)
+        if path is None:
+            return None
+        if kind == "progress":
+            return progress.read(path)
+        try:
+            text = path.read_text()
+        except OSError:
+            return None
+        return text.strip() if kind == "ready" else json.loads(text)
+
+    def cleanup(self) -> None:
+        """Remove this actor's directory when its role ended well (exit 0 or 75, or it was stopped by
+        the launcher); otherwise keep the log, whose path is in the driver's messages, and remove the
+        rest (the config and the exchange files)."""
+        code = self.proc.poll() if self.proc is not None else 0
+        if code in (0, 75, -signal.SIGTERM, -signal.SIGKILL) or code is None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        for path in [self.dir / "config.yaml", *self.files.values()]:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+    def tail(self, n: int) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:]) or "(empty log)"
+
+
+class _ActorProc:
+    """The part of ``subprocess.Popen`` the launcher uses, through a ``RoleActor``; a dead actor reads
+    as a child killed by SIGKILL (``ACTOR_DIED``)."""
+
+    def __init__(self, ray, actor, pid: int):
+        self._ray, self._actor, self.pid = ray, actor, pid
+        self._code: int | None = None
+
+    def _get(self, ref, timeout: float = CALL_TIMEOUT_S):
+        try:
+            return self._ray.get(ref, timeout=timeout)
+        except self._ray.exceptions.RayActorError:
+            self._code = ACTOR_DIED
+            return ACTOR_DIED
+        except self._ray.exceptions.GetTimeoutError:
+            return None
+
+    def poll(self) -> int | None:
+        if self._code is None:
+            code = self._get(self._actor.poll.remote())
+            if code is not None:
+                self._code = code
+        return self._code
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._code is None:
+            code = self._get(self._actor.wait.remote(timeout if timeout is not None else 3600.0),
+                             (timeout or 3600.0) + CALL_TIMEOUT_S)
+            if code is None:
+                raise subprocess.TimeoutExpired(f"actor child {self.pid}", timeout)
+            self._code = code
+        return self._code
+
+    def send_signal(self, sig: int) -> None:
+        if self._code is None:
+            self._get(self._actor.signal.remote(sig, False))
+
+
+class RayChild(Child):
+    """A role run by a ``RoleActor`` (see ``engine.launch.local.Child``)."""
+
+    actor = None
+
+    def ready(self) -> str | None:
+        return self._read("ready")
+
+    def result(self) -> dict | None:
+        return self._read("result")
+
+    def report(self) -> dict | None:
+        return self._read("progress")
+
+    def _read(self, kind: str):
+        if self.proc.poll() == ACTOR_DIED:
+            return None
+        return self.proc._get(self.actor.read.remote(kind))
+
+    def tail(self, n: int = 15) -> str:
+        if self.proc.poll() == ACTOR_DIED:
+            return "(its Ray actor died; the log was on its node: " + str(self.log_path) + ")"
+        return self.proc._get(self.actor.tail.remote(n)) or "(no log)"
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc._get(self.actor.signal.remote(sig, True))
+
+
+_STARTED: dict = {}
+#: set by the launcher for each role, never forwarded from the driver
+_PER_ROLE = {"ENGINE_ROLE", "ENGINE_RANK", "ENGINE_SERVERS", "ENGINE_NUM_WORKERS", "ENGINE_PARENT_PID", progress.ENV}
+
+
+def forwarded_env() -> dict[str, str]:
+    """What of the driver's environment the roles get on their nodes: the ``ENGINE_*`` settings
+    (failpoints, storage secrets, ...) and the standard storage variables (``AWS_*``, ``HADOOP_*``); a
+    Ray node's own environment supplies the rest."""
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith(("ENGINE_", "AWS_", "HADOOP_")) or k in ("CLASSPATH", "ARROW_LIBHDFS_DIR"))
+            and k not in _PER_ROLE}
+
+
+def _connect(ray, cfg: EngineConfig) -> None:
+    """Join ``cluster.ray_address`` (or the cluster ``RAY_ADDRESS`` names), else start a local Ray for
+    this process (stopped at exit)."""
+    if ray.is_initialized():
+        return
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS") or None
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")      # plain "(worker1 pid=..)" prefixes in log files
+    ray.init(address=address, log_to_driver=True, include_dashboard=False, configure_logging=False)
+    _STARTED["ray"] = address is None
+    if address is None:         # ours: stopped at exit with everything it started (agents included)
+        atexit.register(_stop_local_ray, ray, _descendants(os.getpid()))
+    log.info("Ray: %s, %d node(s)", "started a local instance" if address is None else f"joined {address}",
+             len([n for n in ray.nodes() if n.get("Alive")]))
+
+
+def _descendants(root: int) -> set[int]:
+    """Pids of every process below ``root`` now (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return set()
+    for d in names:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _stop_local_ray(ray, started: set[int]) -> None:
+    """Shut down the local Ray this process started, then SIGKILL whatever of it is left: Ray's per-node
+    agents outlive ``ray.shutdown`` and would be orphaned. ``started``: this process's descendants right
+    after ``ray.init`` (the GCS, the raylet and their agents)."""
+    started = started | _descendants(os.getpid())
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - going away anyway
+        pass
+    for pid in started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def check_shared_checkpoints(cfg: EngineConfig, nodes: int) -> None:
+    """With more than one node, a local ``checkpoint.root`` needs ``checkpoint.shared: true``.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``checkpoint.root`` and ``checkpoint.shared``.
+    """
+    root = cfg.checkpoint.root
+    local = bool(root) and ("://" not in root or root.startswith("file://"))
+    if nodes > 1 and local and not cfg.checkpoint.shared:
+        raise ConfigError(f"checkpoint.root {root!r} is a local path, but the Ray cluster has {nodes} nodes: "
+                          f"servers on different nodes would write their parts to different disks. Use shared "
+                          f"storage (s3://, hdfs://), or a path every node mounts declared with "
+                          f"checkpoint.shared: true")
+
+
+class RayCluster(LocalCluster):
+    """Servers and workers of one attempt as Ray actors (see the module docstring). Same interface as
+    ``LocalCluster``; ``run_dir`` on the driver keeps the resolved config.
+
+    Raises
+    ------
+    ConfigError
+        Ray is missing, or the checkpoint rule (``check_shared_checkpoints``) is broken.
+    LaunchError
+        The placement group cannot be placed within ``cluster.startup_timeout_s``.
+    """
+
+    def __init__(self, cfg: EngineConfig, run_dir=None, python: str = sys.executable, allow_load=()):
+        self.ray = require_ray()
+        super().__init__(cfg, run_dir, python, allow_load)
+        _connect(self.ray, cfg)
+        nodes = [n for n in self.ray.nodes() if n.get("Alive")]
+        check_shared_checkpoints(cfg, len(nodes))
+        self.one_machine = len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == \
+            self.ray.util.get_node_ip_address()
+        if not self.one_machine:    # servers bind their nodes' addresses: the listener rule applies
+            from ..security.listen import check_listen
+            check_listen("0.0.0.0", cfg.security, what="the Ray launcher's servers (on several nodes)",
+                         key="their nodes' addresses")
+        from ray.util.placement_group import placement_group
+        c = cfg.cluster
+        bundles = ([dict(c.server_resources) or {"CPU": 0.01}] * c.servers
+                   + [dict(c.worker_resources) or {"CPU": 0.01}] * c.workers)
+        self.pg = placement_group(bundles, strategy="SPREAD")
+        ready, _ = self.ray.wait([self.pg.ready()], timeout=c.startup_timeout_s)
+        if not ready:
+            from ..errors import LaunchError
+            self.ray.util.remove_placement_group(self.pg)
+            raise LaunchError(f"Ray could not place {c.servers} server(s) with {bundles[0]} and {c.workers} "
+                              f"worker(s) with {bundles[-1]} within cluster.startup_timeout_s="
+                              f"{c.startup_timeout_s:g}s: {self.ray.cluster_resources()} in the cluster "
+                              f"(cluster.server_resources, cluster.worker_resources)", reason="placement")
+        self.actors: list = []
+
+    def _spawn(self, role: str, rank: int, extra: list[str], env: dict) -> Child:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        c = self.cfg.cluster
+        resources = dict(c.server_resources if role == "server" else c.worker_resources) or {"CPU": 0.01}
+        index = rank if role == "server" else c.servers + rank
+        actor_cls = self.ray.remote(RoleActor)
+        actor = actor_cls.options(
+            num_cpus=resources.pop("CPU", 0), resources=resources, max_restarts=0, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+        ).remote(f"{role}{rank}")
+        self.actors.append(actor)
+        files, argv, skip = [], ["--role", role, "--rank", str(rank)], False
+        for i, a in enumerate(extra):          # the actor places these files in its own directory
+            if skip:
+                skip = False
+                continue
+            if a in ("--ready-file", "--result-file"):
+                files.append("ready" if a == "--ready-file" else "result")
+                skip = True
+                continue
+            argv.append(a)
+        if progress.ENV in env:
+            files.append("progress")
+            env = {k: v for k, v in env.items() if k != progress.ENV}
+        node_id, node_ip = self.ray.get(actor.node.remote(), timeout=self.cfg.cluster.startup_timeout_s)
+        log.info("%s %d runs on node %s (%s)", role, rank, node_id, node_ip)
+        if role == "server":
+            argv += ["--host", c.host if self.one_machine else node_ip]
+        full_env = {**forwarded_env(), **self._secret_env, **env}
+        pid = self.ray.get(actor.start.remote(self.config_path.read_text(), argv, full_env, files),
+                           timeout=self.cfg.cluster.startup_timeout_s)
+        log_path = self.ray.get(actor.__ray_call__.remote(lambda a: str(a.log_path)), timeout=CALL_TIMEOUT_S)
+        child = RayChild(role, rank, _ActorProc(self.ray, actor, pid), Path(f"{node_ip}:{log_path}"))
+        child.actor = actor
+        return child
+
+    def shutdown(self) -> None:
+        """Stop every role (through its actor), then the actors and the placement group. Idempotent."""
+        super().shutdown()
+        try:
+            self.ray.wait([a.cleanup.remote() for a in self.actors], num_returns=len(self.actors),
+                          timeout=CALL_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - dead actors keep their files; the role is gone anyway
+            pass
+        for a in self.actors:
+            try:
+                self.ray.kill(a)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.actors = []
+        if self.pg is not None:
+            try:
+                self.ray.util.remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - the cluster may be gone
+                pass
+            self.pg = None

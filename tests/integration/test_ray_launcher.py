@@ -1,0 +1,202 @@
+"""The Ray launcher on a real two-node Ray cluster (Ray's own ``ray.cluster_utils.Cluster``, started
+once for the session, sized for a 2-core machine: 1 CPU per node, no dashboard, a small object store).
+The nodes offer distinct custom resources, ``ps_node`` and ``worker_node``, which pin the servers to one
+and the workers to the other. Nodes bind the machine's address, not loopback, so the servers run with
+mutual TLS and tokens. The teardown ends every process the session's Ray started, by pid, even when a
+test failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.security import certs
+from tests.integration.test_multihost import loopback_run
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+AUC_TOLERANCE = 0.002
+
+
+def _pids_using(path: str) -> list[int]:
+    """Processes whose command line names ``path`` (Ray's processes name their session directory)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if path.encode() in f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """(address, head node, worker node, session temp dir) of a 2-node Ray cluster."""
+    from ray.cluster_utils import Cluster
+    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")         # short: Ray's socket paths must stay short
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    cluster = None
+    try:
+        common = dict(num_cpus=1, object_store_memory=80 << 20, include_dashboard=False)
+        cluster = Cluster(initialize_head=True, head_node_args={**common, "resources": {"ps_node": 4}})
+        worker = cluster.add_node(**common, resources={"worker_node": 4})
+        cluster.wait_for_nodes()
+        yield cluster.address, cluster.head_node, worker, tmp
+    finally:
+        try:
+            if cluster is not None:
+                cluster.shutdown()
+        finally:
+            for _ in range(20):        # Ray's agents may outlive the shutdown: end them by pid
+                pids = _pids_using(tmp)
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.2)
+            if old is None:
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = old
+
+
+def secured_sets(tmp: Path, node_ip: str) -> list[str]:
+    d = tmp / "creds"
+    if not d.exists():
+        certs.write_cluster_credentials(d, [node_ip])
+    return [f"security.tls.cert={d / 'server.pem'}", f"security.tls.key={d / 'server.key'}",
+            f"security.tls.ca={d / 'ca.pem'}", f"security.tls.client_cert={d / 'client.pem'}",
+            f"security.tls.client_key={d / 'client.key'}", f"security.token_file={d / 'token'}",
+            f"security.admin_token_file={d / 'admin_token'}"]
+
+
+def ray_cmd(tmp: Path, tag: str, address: str, node_ip: str, *sets: str) -> list[str]:
+    base = ["mode=sync", "cluster.servers=2", "cluster.workers=2", f"cluster.ray_address={address}",
+            "cluster.server_resources={ps_node: 1}", "cluster.worker_resources={worker_node: 1}",
+            f"checkpoint.root={tmp / ('ckpt-' + tag)}", "checkpoint.shared=true",
+            f"model.data.cache_dir={tmp / 'cache'}", f"model.metrics_dir={tmp / 'metrics'}",
+            *secured_sets(tmp, node_ip), *sets]
+    return [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--launcher", "ray",
+            "--run-dir", str(tmp / f"run-{tag}"), *[a for s in base for a in ("--set", s)]]
+
+
+def test_sync_ctr_on_two_ray_nodes_matches_the_local_launcher(ray_cluster, tmp_path):
+    address, head, worker, _ = ray_cluster
+    reference, _ = loopback_run(tmp_path)
+    p = subprocess.run(ray_cmd(tmp_path, "ray", address, head.node_ip_address), cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    final = json.loads(p.stdout.strip().splitlines()[-1])
+    assert final["event"] == "final" and final["restarts"] == 0
+    assert abs(final["test_auc"] - reference["test"]["auc"]) <= AUC_TOLERANCE, (final, reference["test"])
+    placed = dict(re.findall(r"(server \d|worker \d) runs on node (\w+)", p.stderr))
+    assert placed == {"server 0": head.node_id, "server 1": head.node_id,
+                      "worker 0": worker.node_id, "worker 1": worker.node_id}, placed
+    assert re.search(r"\(worker0 pid=\d+\).*worker0 INFO", p.stderr)          # role logs reach the driver
+    assert Path(final["checkpoint"], "_SUCCESS").exists()
+    assert not ray_roles()
+
+
+def ray_roles() -> list[int]:
+    """Role processes started by Ray actors (their config lies in an actor's ``engine-ray-*`` directory);
+    one test runs at a time, so any left after a test are that test's."""
+    return [pid for pid in _pids_using("--role") if "engine-ray-" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_a_killed_worker_actor_is_recovered_from_the_newest_checkpoint(ray_cluster, tmp_path):
+    address, head, _, _ = ray_cluster
+    env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}   # ~3 s of training
+    cmd = ray_cmd(tmp_path, "kill", address, head.node_ip_address, "checkpoint.align_steps=8",
+                  "checkpoint.delta_every=8steps")
+    driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    lines: list[str] = []
+    deadline = time.monotonic() + 300
+    try:
+        worker1 = None
+        for line in driver.stderr:
+            lines.append(line)
+            m = re.search(r"\(worker1 pid=(\d+)\)", line)
+            worker1 = int(m.group(1)) if m else worker1
+            # once worker 0 (the coordinator) published a checkpoint of this run, kill worker 1's actor
+            if killed is None and worker1 and "(worker0 pid=" in line and "published" in line and "ckpt-kill" in line:
+                killed = worker1
+                os.kill(killed, signal.SIGKILL)            # the actor's own process; its role dies with it
+            if time.monotonic() > deadline:
+                break
+        out = driver.stdout.read()
+        assert driver.wait(timeout=60) == 0, "".join(lines[-80:])
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert killed is not None, "".join(lines[-60:])
+    final = json.loads(out.strip().splitlines()[-1])
+    err = "".join(lines)
+    assert final["restarts"] == 1 and "worker 1" in err and "restart 1/" in err, err[-3000:]
+    assert final["test_auc"] > 0.7, final
+    assert not ray_roles()
+
+
+def test_a_local_root_on_several_nodes_must_be_declared_shared(ray_cluster, tmp_path):
+    address, head, _, _ = ray_cluster
+    cmd = ray_cmd(tmp_path, "noshare", address, head.node_ip_address, "checkpoint.shared=false")
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "checkpoint.root" in p.stderr and "checkpoint.shared: true" in p.stderr and "2 nodes" in p.stderr
+
+
+def test_without_ray_the_launcher_says_how_to_install_it(tmp_path):
+    code = ("import sys; sys.modules['ray'] = None; from engine.cli import main; "
+            f"sys.exit(main(['train', {str(REPO / 'configs/ctr.yaml')!r}, '--launcher', 'ray', '--run-dir', "
+            f"{str(tmp_path / 'run')!r}, '--set', 'model.data.cache_dir={tmp_path / 'cache'}']))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "pip install 'sparse-engine[ray]'" in p.stderr
+
+
+def test_ctrl_c_on_the_driver_stops_every_role(ray_cluster, tmp_path):
+    address, head, _, _ = ray_cluster
+    env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.2"}      # a run of ~13 s
+    driver = subprocess.Popen(ray_cmd(tmp_path, "int", address, head.node_ip_address), cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in driver.stderr:
+            lines.append(line)
+            if "(worker1 pid=" in line:                   # both workers run: interrupt the driver
+                driver.send_signal(signal.SIGINT)
+                break
+        rest, _ = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 130, "".join(lines[-40:])
+    deadline = time.monotonic() + 30
+    while ray_roles() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_roles()
