@@ -31,6 +31,11 @@ Run as root (test hosts from network namespaces, ``bench/ctr_hosts.py``), ``ctr_
 ``ctr_dnn_async`` with its server and two workers on three test hosts, mutual TLS and tokens on, right after
 the same job on loopback, and reports ``ratio_vs_loopback`` (examples/s across hosts / on loopback).
 
+``ctr_dnn_async_ray`` runs ``ctr_dnn_async`` under the Ray launcher (``--launcher ray``, a local one-node
+Ray started by the job) right after the same job under the local launcher, both plaintext on loopback,
+and reports ``ratio_vs_local`` (examples/s) and ``startup_s`` of both (command start to the first
+training step: Ray's start, the actors, the servers' and workers' start-up and warm-up).
+
     python bench/ctr_bench.py [--rows N] [--quick] [--only ctr_dnn_async,...] [--work DIR] [--set K=V]
 """
 from __future__ import annotations
@@ -130,7 +135,7 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
     config, kind, mode, own = RUNS[name]
     sets = [*run_sets(name, train, test, batch, work), *extra]
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / config)] + [a for s in sets for a in ("--set", s)]
-    t = time.perf_counter()
+    t, started = time.perf_counter(), time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
@@ -145,7 +150,21 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
                                                         for k, v in ev["phase_seconds"].items()}
     # the machine may be shared: the best of the measurements before the jobs and right after this one
     roof = max(roof_before[kind], roofline(kind, batch, repeats=100))
-    return record(name, final, roof, batch, wall, profile)
+    out = record(name, final, roof, batch, wall, profile)
+    if final.get("train_started_at"):       # command start to the first training step
+        out["startup_s"] = round(final["train_started_at"] - started, 2)
+    return out
+
+
+def ray_record(train: Path, test: Path, batch: int, work: Path, roof_before: dict, extra: list[str]) -> dict:
+    """``ctr_dnn_async_ray``: the local launcher's job, then the same job under the Ray launcher."""
+    local = run("ctr_dnn_async", train, test, batch, work, roof_before, extra)
+    ray = run("ctr_dnn_async", train, test, batch, work, roof_before, [*extra, "cluster.launcher=ray"])
+    ray.update(bench="ctr_dnn_async_ray", launcher="ray (a local one-node Ray started by the job)",
+               local_examples_per_s=local["examples_per_s"], local_startup_s=local["startup_s"],
+               local_test_auc=local["test_auc"],
+               ratio_vs_local=round(ray["examples_per_s"] / local["examples_per_s"], 3))
+    return ray
 
 
 def hosts_record(train: Path, test: Path, batch: int, work: Path, roof_before: dict, extra: list[str]) -> dict:
@@ -194,15 +213,18 @@ def main(argv=None) -> int:
     train, test = prepare(work, rows, args.seed)
     import ctr_hosts
     hosts_ok, why = ctr_hosts.available()
-    default = list(RUNS) + ["ctr_dnn_async_hosts"] if hosts_ok else list(RUNS)
+    default = list(RUNS) + ["ctr_dnn_async_ray"] + (["ctr_dnn_async_hosts"] if hosts_ok else [])
     if not hosts_ok:
         print(f"# ctr_dnn_async_hosts skipped: {why}", file=sys.stderr)
     names = [n for n in (args.only.split(",") if args.only else default) if n]
     roof_before = {kind: roofline(kind, args.batch_size, repeats=100) for kind in ("ctr_dnn", "deepfm")}
     for name in names:
-        if name not in RUNS and name != "ctr_dnn_async_hosts":
-            raise SystemExit(f"--only: unknown measurement {name!r}; known: {sorted(RUNS)} + ctr_dnn_async_hosts")
-        if name == "ctr_dnn_async_hosts":
+        if name not in RUNS and name not in ("ctr_dnn_async_hosts", "ctr_dnn_async_ray"):
+            raise SystemExit(f"--only: unknown measurement {name!r}; known: {sorted(RUNS)} + "
+                             f"ctr_dnn_async_hosts, ctr_dnn_async_ray")
+        if name == "ctr_dnn_async_ray":
+            out = ray_record(train, test, args.batch_size, work, roof_before, args.set)
+        elif name == "ctr_dnn_async_hosts":
             out = hosts_record(train, test, args.batch_size, work, roof_before, args.set)
         else:
             out = run(name, train, test, args.batch_size, work, roof_before, args.set)

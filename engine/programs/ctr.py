@@ -189,6 +189,8 @@ def final(cfg, results: list[dict]) -> dict:
              "test_auc": test.get("auc"), "test_logloss": test.get("logloss"),
              "test_copc": test.get("copc"), "examples_per_s": examples / seconds,
              "metrics_file": p.metrics_file, "checkpoint": None}
+    started = [r["train_started_at"] for r in results if r.get("train_started_at")]
+    event["train_started_at"] = min(started) if started else None   # wall clock of the first step
     MetricsFile(p.metrics_file).write({**event, "examples": examples, "train_seconds": seconds})
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in event.items()}
 
@@ -222,6 +224,7 @@ class CTRTrainer:
         self.steps = 0
         self.examples = 0
         self.train_seconds = 0.0
+        self.train_started_at: float | None = None    # wall clock (seconds) of this worker's first step
         self.loss_sum = 0.0
         self.phases = dict.fromkeys(PHASES, 0.0)
         self._fresh_dense: np.ndarray | None = None    # async: parameters the last DENSE_STEP returned
@@ -400,6 +403,8 @@ class CTRTrainer:
         window = BinaryMetrics(1 << 12)
         w_steps, w_loss, w_examples = 0, 0.0, 0
         t_epoch = t_win = time.perf_counter()
+        if self.train_started_at is None:
+            self.train_started_at = time.time()
         steps = 0
         it = src.batches(epoch)
         for _ in range(skip):                      # trained before the checkpoint this job resumed
@@ -681,7 +686,7 @@ class CTRTrainer:
                  ", ".join(f"{k} {v:.2f}" for k, v in self.phases.items()))
         out = {"rank": self.rank, "steps": self.steps, "examples": self.examples,
                "checkpoint": self.checkpoints.last_uri,
-               "train_seconds": self.train_seconds,
+               "train_seconds": self.train_seconds, "train_started_at": self.train_started_at,
                "train_logloss": self.loss_sum / max(1, self.steps)}
         if summary is not None:
             out["test"] = summary
