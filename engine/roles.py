@@ -136,6 +136,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     before it listens, the server loads its own vshards of that checkpoint's chain (a damaged one falls
     back to the previous complete one with ``resume_fallback`` or ``checkpoint.fallback``) and reports
     it as ``restored`` in ``Health``; workers started with the servers resume at its data position.
+    ``--resume`` without a URI when the job has no complete checkpoint yet starts empty (a scheduler
+    can pass it at every start); a named URI must exist.
 
     ``Save`` and ``Load`` from clients are confined to ``checkpoint.root`` (``engine.security.confine``);
     ``health_port`` (``--health-port``, default ``cluster.health_port``; -1 off): the plaintext gRPC
@@ -161,9 +163,16 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     core.load_roots.extend(allow_load or ())
     if resume is not None:
         from . import job_checkpoints
+        from .checkpoint import CheckpointNotFoundError
         mgr, target = job_checkpoints.manager_for(cfg, resume or None)
-        m = mgr.restore(_OneServer(core), target, fallback=resume_fallback or cfg.checkpoint.fallback)
-        log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
+        try:
+            m = mgr.restore(_OneServer(core), target, fallback=resume_fallback or cfg.checkpoint.fallback)
+            log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
+        except CheckpointNotFoundError:
+            if resume:            # a URI the operator named must exist
+                raise
+            # "--resume" alone (a scheduler passes it at every start): no checkpoint yet, a new job
+            log.warning("server %d: --resume: the job has no complete checkpoint yet; starting empty", rank)
     server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
                           max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security)
     health_port = cfg.cluster.health_port if health_port is None else health_port
@@ -201,11 +210,16 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
 
 
 def _agreed(health: list[dict]) -> tuple[bool, str | None]:
-    """(the servers hold one state, the checkpoint it was restored from or None)."""
+    """(the servers hold one state a starting worker can train from, the checkpoint it was restored
+    from or None): all restored the same checkpoint, or all are fresh (a new job). Servers in use that
+    restored nothing hold what workers trained since the last checkpoint, which a starting (so
+    restarted) worker cannot continue exactly: not agreed, roll back."""
     restored = {h.get("restored") for h in health}
     fresh = {bool(h.get("fresh")) for h in health}
-    if len(restored) == 1 and (restored != {None} or len(fresh) == 1):
+    if len(restored) == 1 and restored != {None}:
         return True, restored.pop()
+    if restored == {None} and fresh == {True}:
+        return True, None
     return False, None
 
 
@@ -214,10 +228,12 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     launcher), and resume at its data position.
 
     The servers agree when they restored the same checkpoint (``--role server --resume``), or none of
-    them did and they are all fresh or all in use. Otherwise, say one server restarted with ``--resume``
-    (or empty) while the others kept training: rank 0 loads the newest checkpoint the servers report
-    (or, when none restored one, the job's newest complete checkpoint) onto every server, which rolls
-    them all back to it, and the other ranks wait until the servers agree. The agreed checkpoint becomes
+    them did and all are fresh (a new job). Otherwise workers restarted (a preemption, a crash: the
+    servers are in use and hold what was trained since the last checkpoint) or some servers restarted
+    while others kept training: rank 0 loads the newest checkpoint the servers report (or, when none
+    restored one, the job's newest complete checkpoint) onto every server, which rolls them all back to
+    it (and clears what they held for the replaced state: a preemption request, metric sums), and the
+    other ranks wait until the servers agree. The agreed checkpoint becomes
     this worker's ``checkpoint.restored``. When every server is fresh (a new job), the workers meet at a
     start barrier before any of them writes, so a worker that starts late (Ray or a scheduler start them
     one by one) never mistakes servers its peers already wrote to for a restarted server.
@@ -242,8 +258,10 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
         else:
             newest = job_checkpoints.newest(cfg)
             if newest is None:
-                raise ConfigError("the servers hold different states (some restarted empty) and the job has no "
-                                  "complete checkpoint to roll them back to: restart the whole job")
+                raise ConfigError("the servers hold state this worker cannot continue exactly (workers restarted "
+                                  "while the servers kept what was trained since, or some servers restarted "
+                                  "empty) and the job has no complete checkpoint to roll them back to: "
+                                  "restart the whole job")
             target = newest[0]
         log.warning("the servers hold different states %s: rolling every server back to %s",
                     [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health], target)

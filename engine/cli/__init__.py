@@ -17,6 +17,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from ..export import cli as export_cli
 from . import certs as certs_cmd, convert as convert_cmd, eval as eval_cmd, train as train_cmd
+from . import k8s as k8s_cmd
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,7 @@ def _build_parser() -> argparse.ArgumentParser:
     eval_cmd.add_parser(sub)
     export_cli.add_subparsers(sub)
     certs_cmd.add_parser(sub)
+    k8s_cmd.add_parser(sub)
     return parser
 
 
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return eval_cmd.run(args)
     if args.command == "certs":
         return certs_cmd.run(args)
+    if args.command == "k8s":
+        return k8s_cmd.run(args)
     if args.command in ("export", "predict"):
         return export_cli.run(args)
     return 2

@@ -1,0 +1,422 @@
+"""Kubernetes manifests of a job (``engine k8s CONFIG --image IMAGE --out DIR``): plain YAML that
+``kubectl apply -f DIR`` runs, no operator. Every object is built as a dict and dumped with PyYAML.
+
+One file per object in DIR, numbered in the order ``kubectl apply -f DIR`` should create them::
+
+    00-{name}-config.yaml    ConfigMap  config.yaml: the resolved config, no secret in it
+    01-{name}-ps.yaml        Service    headless (clusterIP None): the servers' DNS names
+    02-{name}-server.yaml    Job        Indexed, completions = parallelism = cluster.servers
+    03-{name}-worker.yaml    Job        Indexed, completions = parallelism = cluster.workers
+
+**Servers are an Indexed Job, not a StatefulSet.** A StatefulSet restarts any pod that exits, 0
+included, so its servers would outlive the job forever. The servers must end when the job ends. The
+rendered config sets ``cluster.stop_servers_at_end: true``: every worker meets at a last barrier, worker
+rank 0 sends ``Stop`` (admin token) to every server, and they exit 0, which completes the server Job. An
+Indexed Job still gives each pod a stable DNS name: its hostname is ``{job}-{index}``, and with the
+headless Service as the pod template's ``subdomain`` it resolves as ``{job}-{index}.{service}`` in the
+namespace. Those names, with the PS port, are the workers' ``ENGINE_SERVERS``, and the server certificate
+must name them (``engine certs DIR --hosts ...``: the CLI prints the line). The Service publishes
+not-ready addresses: a preempting server answers NOT_SERVING (unready), and the workers must still reach
+it to write the preemption checkpoint.
+
+**Ranks.** ``ENGINE_RANK`` comes from the pod's ``batch.kubernetes.io/job-completion-index`` annotation
+through the downward API; a replacement pod keeps its index, so it keeps its rank.
+
+**Exit codes and podFailurePolicy** (it needs ``restartPolicy: Never``): 2 (a config error, which never
+heals) fails the Job at once; 75 (preempted at a checkpoint, resumable) and 76 (a worker whose servers
+changed under it) are retried without counting against ``backoffLimit``; so is a pod with the
+``DisruptionTarget`` condition (evicted, preempted by the scheduler, node drain). Anything else counts
+against ``kubernetes.backoff_limit``. ``podReplacementPolicy: Failed``: a replacement starts only once the
+old pod has terminated, so two servers never hold one DNS name. ``terminationGracePeriodSeconds`` is
+``cluster.preempt_timeout_s`` + 60 s: after SIGTERM the job has that long to reach its checkpoint.
+
+**Health.** Each server also serves the standard gRPC health checking protocol in plaintext on
+``kubernetes.health_port`` (``cluster.health_port``) and nothing else: kubelet's native ``grpc`` probe
+speaks neither TLS nor tokens. Startup, readiness and liveness probes use it; the startup probe allows
+``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). Workers open no port and have
+no probe.
+
+**Security.** Pods listen on 0.0.0.0, so the config must have TLS, a worker token and an admin token, or
+``security.insecure: true`` (else ConfigError naming the keys). Their paths are rewritten to the Secret
+``kubernetes.security_secret`` (the files of ``engine certs``) mounted read-only at
+``/etc/engine/security``: mutual TLS with its CA. Servers mount ca.pem, server.pem, server.key, token and
+admin_token; workers ca.pem, client.pem, client.key, token and admin_token. Only worker rank 0 reads the
+admin token, but every pod of an Indexed Job has the same template (Kubernetes cannot give one index
+another volume), so every worker pod has it mounted. Inline storage secrets are refused; storage
+credentials come from the Secret ``kubernetes.storage_secret`` as the environment variables
+``storage.access_key_env`` / ``secret_key_env`` / ``session_token_env`` name.
+
+**Filesystem.** Non-root (uid/gid 10001), read-only root filesystem, no privilege escalation, no
+capabilities, no service-account token. Writable: ``/tmp`` (Numba's cache: ``NUMBA_CACHE_DIR``), the
+working directory ``/var/lib/engine`` (relative paths of the config: metrics files) and absolute
+``spill_path`` directories, each an emptyDir. Checkpoints and data must be on storage every pod reaches:
+``s3://``, ``hdfs://``, or a shared volume the user adds to both Jobs at the same path. A local
+``checkpoint.root`` is refused unless ``checkpoint.shared: true`` declares such a volume (then a warning
+says to add it); local data paths are rendered with a warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..config import EngineConfig, StorageConfig, from_dict
+from ..config_yaml import load_yaml
+from ..errors import ConfigError
+from ..preempt import EXIT_PREEMPTED
+from ..roles import EXIT_ROLLBACK
+from ..security import certs
+from ..security.settings import SecurityConfig, TlsConfig
+
+__all__ = ["CONFIG_PATH", "SECURITY_DIR", "WORK_DIR", "SERVER_ITEMS", "WORKER_ITEMS", "Manifests", "base_name",
+           "pod_config", "render", "storage_env_names", "write"]
+
+CONFIG_DIR = "/etc/engine/config"
+CONFIG_FILE = "config.yaml"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
+SECURITY_DIR = "/etc/engine/security"
+WORK_DIR = "/var/lib/engine"
+TMP_DIR = "/tmp"
+NUMBA_CACHE = f"{TMP_DIR}/numba-cache"
+RUN_AS = 10001
+GRACE_MARGIN_S = 60
+CONTAINER = "engine"
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+#: the Secret's keys (``engine certs``' files) mounted in each role's pods
+SERVER_ITEMS = (certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
+WORKER_ITEMS = (certs.CA_CERT, certs.CLIENT_CERT, certs.CLIENT_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
+BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+EXIT_CONFIG = 2         # a config error (engine.cli.train); 75 and 76: engine.preempt, engine.roles
+
+_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?\Z")                     # DNS-1035 label
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+_QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|[mkMGTPE]|[KMGTPE]i)?\Z")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclass(frozen=True)
+class Manifests:
+    """What ``render`` returns.
+
+    Attributes
+    ----------
+    files : dict of str -> dict
+        File name -> Kubernetes object, in ``kubectl apply`` order.
+    config : EngineConfig
+        The config the pods run (the ConfigMap's ``config.yaml``).
+    server_hosts : list of str
+        The servers' DNS names ``{job}-{index}.{service}``, in rank order: the ``--hosts`` of
+        ``engine certs``.
+    warnings : list of str
+        Things that render but need the user's attention: a shared local ``checkpoint.root`` or local
+        data paths (volumes to add), ``security.insecure``.
+    """
+
+    files: dict[str, dict]
+    config: EngineConfig
+    server_hosts: list[str]
+    warnings: list[str] = field(default_factory=list)
+
+
+def base_name(cfg: EngineConfig) -> str:
+    """The objects' name prefix: ``kubernetes.name``, else ``checkpoint.job`` or ``model.kind`` made a
+    DNS label (lower case, runs of other characters become ``-``).
+
+    Raises
+    ------
+    ConfigError
+        ``kubernetes.name`` is not a DNS-1035 label, or the longest pod hostname it gives exceeds 63
+        characters.
+    """
+    k = cfg.kubernetes
+    if k.name:
+        if not _LABEL.match(k.name):
+            raise ConfigError(f"kubernetes.name must be a DNS label (lower-case letters, digits and '-', "
+                              f"starting with a letter), got {k.name!r}")
+        name = k.name
+    else:
+        raw = cfg.checkpoint.job or (cfg.model.kind if cfg.model is not None else "")
+        name = re.sub(r"[^a-z0-9]+", "-", raw.lower()).strip("-")
+        if not name or not name[0].isalpha():
+            name = f"engine-{name}".rstrip("-")
+    longest = max(f"{name}-server-{cfg.cluster.servers - 1}", f"{name}-worker-{cfg.cluster.workers - 1}", key=len)
+    if len(longest) > 63:
+        raise ConfigError(f"kubernetes.name: the pod hostname {longest!r} would exceed 63 characters; set a "
+                          f"shorter kubernetes.name")
+    return name
+
+
+def pod_config(cfg: EngineConfig) -> tuple[EngineConfig, list[str]]:
+    """The config the pods run, and warnings: security paths on the Secret's mount, the server list left
+    to ``ENGINE_SERVERS``, the health port and the job-end protocol on.
+
+    Raises
+    ------
+    ConfigError
+        Inline storage secrets (``storage.access_key`` / ``storage.secret_key``); a ``storage.*_env``
+        without ``kubernetes.storage_secret``; TLS, a token or an admin token missing without
+        ``security.insecure: true`` (the keys are named); a CTR job whose data is not Arrow; a local
+        ``checkpoint.root`` without ``checkpoint.shared: true``.
+    """
+    warnings: list[str] = []
+    for key in StorageConfig.SECRETS:
+        if getattr(cfg.storage, key):
+            raise ConfigError(f"storage.{key}: inline credentials are refused in Kubernetes manifests (the "
+                              f"ConfigMap is readable by anyone who can read the namespace): put them in a Secret, "
+                              f"name it in kubernetes.storage_secret and its keys in storage.{key}_env")
+    envs = storage_env_names(cfg)
+    if envs and not cfg.kubernetes.storage_secret:
+        raise ConfigError(f"kubernetes.storage_secret: empty, but storage names the environment variables "
+                          f"{envs}: name the Secret holding them (its keys are those names)")
+    sec = cfg.security
+    missing = [k for k, ok in (("security.tls.cert and security.tls.key", bool(sec.tls.cert)),
+                               ("security.token_file (or token_env)", sec.has_token),
+                               ("security.admin_token_file (or admin_token_env)", sec.has_admin_token)) if not ok]
+    if not missing:
+        mounted = {n: f"{SECURITY_DIR}/{n}" for n in certs.FILES}
+        tls = TlsConfig(cert=mounted[certs.SERVER_CERT], key=mounted[certs.SERVER_KEY], ca=mounted[certs.CA_CERT],
+                        client_cert=mounted[certs.CLIENT_CERT], client_key=mounted[certs.CLIENT_KEY])
+        sec = dataclasses.replace(sec, tls=tls, token_file=mounted[certs.TOKEN], token_env="",
+                                  admin_token_file=mounted[certs.ADMIN_TOKEN], admin_token_env="")
+    elif sec.insecure:
+        warnings.append(f"security.insecure: true and no {', '.join(missing)}: the servers listen on 0.0.0.0 "
+                        f"in plaintext without tokens; anyone who reaches a pod can read and change the tables")
+        sec = SecurityConfig(token_overlap_s=sec.token_overlap_s, reload_interval_s=sec.reload_interval_s,
+                             insecure=True)
+    else:
+        raise ConfigError(f"Kubernetes pods listen on 0.0.0.0, which needs {', '.join(missing)} (any path: the "
+                          f"manifests mount the files of the Secret kubernetes.security_secret="
+                          f"{cfg.kubernetes.security_secret!r} at {SECURITY_DIR}); run 'engine certs' and set "
+                          f"them, or set security.insecure: true to accept open ports")
+    if cfg.model is not None and cfg.model.kind in ("ctr_dnn", "deepfm"):
+        data = cfg.model.params.data
+        if data.source != "arrow" or not data.train_path or not data.test_path:
+            raise ConfigError(f"model.data.source is {data.source!r}: pods run --role workers, which need source: "
+                              f"arrow with model.data.train_path and test_path on storage every worker reaches "
+                              f"(convert first with `engine convert criteo`)")
+        for key in ("train_path", "test_path"):
+            if "://" not in getattr(data, key):
+                warnings.append(f"model.data.{key} {getattr(data, key)!r} is a local path: every worker pod must "
+                                f"mount it (a volume you add to the worker Job), or use s3:// or hdfs://")
+    root = cfg.checkpoint.root
+    if root and "://" not in root:
+        if not getattr(cfg.checkpoint, "shared", False):
+            raise ConfigError(f"checkpoint.root {root!r} is a local path, and each pod has its own disk: use s3:// "
+                              f"or hdfs://, or a path every server and worker pod mounts (a shared volume you add "
+                              f"to both Jobs) declared with checkpoint.shared: true")
+        warnings.append(f"checkpoint.root {root!r} (checkpoint.shared: true): add the shared volume at that path "
+                        f"to both Jobs; the manifests do not mount it")
+    cluster = dataclasses.replace(cfg.cluster, endpoints=(), health_port=cfg.kubernetes.health_port,
+                                  stop_servers_at_end=True)
+    out = dataclasses.replace(cfg, cluster=cluster, security=sec,
+                              checkpoint=dataclasses.replace(cfg.checkpoint, restored=""))
+    return out, warnings
+
+
+def storage_env_names(cfg: EngineConfig) -> list[str]:
+    """The environment variables ``storage.access_key_env`` / ``secret_key_env`` / ``session_token_env``
+    name (in that order, empty ones left out).
+
+    Raises
+    ------
+    ConfigError
+        A name that is not a C identifier (the key is named).
+    """
+    names = []
+    for key in ("access_key_env", "secret_key_env", "session_token_env"):
+        value = getattr(cfg.storage, key)
+        if value and not _ENV_NAME.match(value):
+            raise ConfigError(f"storage.{key} must name an environment variable, got {value!r}")
+        if value:
+            names.append(value)
+    return names
+
+
+def render(cfg: EngineConfig, image: str | None = None) -> Manifests:
+    """The manifests of ``cfg`` (see the module docstring).
+
+    Parameters
+    ----------
+    cfg : EngineConfig
+        As ``engine.config.load_config`` gives it; nothing is converted or prepared.
+    image : str, optional
+        The container image (``--image``); default ``kubernetes.image``.
+
+    Raises
+    ------
+    ConfigError
+        No image; a bad ``kubernetes`` value (name, namespace, Secret names, quantities); everything
+        ``pod_config`` refuses. The key is named.
+    """
+    k = cfg.kubernetes
+    image = image or k.image
+    if not image:
+        raise ConfigError("kubernetes.image: empty; pass --image IMAGE (the image built from the Dockerfile)")
+    if not _LABEL.match(k.namespace):
+        raise ConfigError(f"kubernetes.namespace must be a DNS label, got {k.namespace!r}")
+    for key in ("security_secret", "storage_secret"):
+        value = getattr(k, key)
+        if value and not _SUBDOMAIN.match(value):
+            raise ConfigError(f"kubernetes.{key} must be a Secret name (DNS subdomain), got {value!r}")
+    for key in ("server_cpu", "server_memory", "worker_cpu", "worker_memory"):
+        if not _QUANTITY.match(getattr(k, key)):
+            raise ConfigError(f"kubernetes.{key} must be a Kubernetes quantity (2, 500m, 8Gi), got {getattr(k, key)!r}")
+    if k.port == k.health_port:
+        raise ConfigError(f"kubernetes.health_port must differ from kubernetes.port ({k.port})")
+    name = base_name(cfg)
+    pcfg, warnings = pod_config(cfg)
+    secured = bool(pcfg.security.tls.cert)
+    text = yaml.safe_dump(pcfg.to_dict(), sort_keys=False)
+    from_dict(load_yaml(text, "the rendered config"))      # what the pods will read loads back
+    service, server_job, worker_job = f"{name}-ps", f"{name}-server", f"{name}-worker"
+    hosts = [f"{server_job}-{i}.{service}" for i in range(cfg.cluster.servers)]
+    grace = math.ceil(cfg.cluster.preempt_timeout_s) + GRACE_MARGIN_S
+
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(k, f"{name}-config", name, "config"),
+                  "data": {CONFIG_FILE: text}}
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(k, service, name, "server"),
+           "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _labels(name, "server"),
+                    "ports": [{"name": "ps", "port": k.port, "targetPort": k.port, "protocol": "TCP"},
+                              {"name": "health", "port": k.health_port, "targetPort": k.health_port,
+                               "protocol": "TCP"}]}}
+
+    spill = sorted({t.spill_path for t in cfg.sparse_tables.values() if t.spill_path and os.path.isabs(t.spill_path)})
+    server_env = _env(cfg, name, [])
+    worker_env = _env(cfg, name, [{"name": "ENGINE_SERVERS", "value": ",".join(f"{h}:{k.port}" for h in hosts)},
+                                  {"name": "ENGINE_NUM_WORKERS", "value": str(cfg.cluster.workers)}])
+    probe = {"grpc": {"port": k.health_port}, "timeoutSeconds": 5}
+    # --resume at every start: a replacement server (eviction, preemption) loads its vshards of the job's
+    # newest complete checkpoint; the first start of a job finds none and starts empty
+    resume = ["--resume"] if cfg.checkpoint.enabled else []
+    server = _container(image, ["train", CONFIG_PATH, "--role", "server", "--host", "0.0.0.0", "--port", str(k.port),
+                                "--health-port", str(k.health_port), *resume], server_env, k.server_cpu,
+                        k.server_memory)
+    server["ports"] = [{"name": "ps", "containerPort": k.port, "protocol": "TCP"},
+                       {"name": "health", "containerPort": k.health_port, "protocol": "TCP"}]
+    server["startupProbe"] = {**probe, "periodSeconds": 5,
+                              "failureThreshold": max(12, math.ceil(cfg.cluster.startup_timeout_s / 5))}
+    server["readinessProbe"] = {**probe, "periodSeconds": 5, "failureThreshold": 2}
+    server["livenessProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 6}
+    worker = _container(image, ["train", CONFIG_PATH, "--role", "worker"], worker_env, k.worker_cpu, k.worker_memory)
+    if k.storage_secret and not storage_env_names(cfg):   # its keys (AWS_ACCESS_KEY_ID, ...) become variables
+        for c in (server, worker):
+            c["envFrom"] = [{"secretRef": {"name": k.storage_secret}}]
+    server_vol, worker_vol = (_volumes(name, k.security_secret if secured else "", items, extra)
+                              for items, extra in ((SERVER_ITEMS, spill), (WORKER_ITEMS, [])))
+    for c, (mounts, _) in ((server, server_vol), (worker, worker_vol)):
+        c["volumeMounts"] = mounts
+    files = {f"00-{name}-config.yaml": config_map, f"01-{service}.yaml": svc,
+             f"02-{server_job}.yaml": _job(cfg, name, server_job, "server", cfg.cluster.servers, server,
+                                           server_vol[1], grace, subdomain=service),
+             f"03-{worker_job}.yaml": _job(cfg, name, worker_job, "worker", cfg.cluster.workers, worker,
+                                           worker_vol[1], grace)}
+    return Manifests(files, pcfg, hosts, warnings)
+
+
+def write(manifests: Manifests, out_dir, *, source: str = "") -> list[Path]:
+    """Write each object to its file in ``out_dir`` (created); returns the paths.
+
+    Raises
+    ------
+    OSError
+        The directory or a file cannot be written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    head = f"# rendered by `engine k8s`{f' from {source}' if source else ''}; render again rather than edit\n"
+    paths = []
+    for fname, obj in manifests.files.items():
+        path = out / fname
+        path.write_text(head + yaml.dump(obj, Dumper=_Dumper, sort_keys=False))
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ helpers
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML without anchors and aliases (objects share sub-dicts; kubectl users read the files)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def _labels(name: str, component: str) -> dict:
+    return {"app.kubernetes.io/name": "sparse-engine", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": component}
+
+
+def _meta(k, obj_name: str, name: str, component: str) -> dict:
+    return {"name": obj_name, "namespace": k.namespace,
+            "labels": {**_labels(name, component), "app.kubernetes.io/managed-by": "engine-k8s"}}
+
+
+def _env(cfg: EngineConfig, name: str, role_env: list[dict]) -> list[dict]:
+    """Rank from the downward API, the role's own variables, Numba's cache on /tmp, BLAS threads = the
+    CPU limit (rounded up), and the storage credentials from ``kubernetes.storage_secret``."""
+    env = [{"name": "ENGINE_RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
+           *role_env,
+           {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE},
+           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env += [{"name": var, "valueFrom": {"resourceFieldRef": {"containerName": CONTAINER, "resource": "limits.cpu",
+                                                             "divisor": "1"}}} for var in BLAS_ENV]
+    secret = cfg.kubernetes.storage_secret
+    names = storage_env_names(cfg)
+    for var in names:
+        ref = {"name": secret, "key": var}
+        if var == cfg.storage.session_token_env:
+            ref["optional"] = True
+        env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def _container(image: str, args: list[str], env: list[dict], cpu: str, memory: str) -> dict:
+    resources = {"cpu": cpu, "memory": memory}
+    return {"name": CONTAINER, "image": image, "command": ["engine"], "args": args, "workingDir": WORK_DIR,
+            "env": env, "resources": {"requests": dict(resources), "limits": dict(resources)},
+            "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+                                "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]}}}
+
+
+def _volumes(name: str, secret: str, items: tuple[str, ...], spill: list[str]) -> tuple[list[dict], list[dict]]:
+    """(volumeMounts, volumes): the ConfigMap, the Secret's ``items`` (none when ``secret`` is empty),
+    emptyDirs for /tmp, the working directory and each absolute spill path."""
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    volumes = [{"name": "config", "configMap": {"name": f"{name}-config"}}]
+    if secret:
+        # items, not subPath: a projected key follows updates of the Secret (certificate rotation)
+        mounts.append({"name": "security", "mountPath": SECURITY_DIR, "readOnly": True})
+        volumes.append({"name": "security", "secret": {"secretName": secret, "defaultMode": 0o440,
+                                                       "items": [{"key": n, "path": n} for n in items]}})
+    for vol, path in [("tmp", TMP_DIR), ("work", WORK_DIR)] + [(f"spill-{i}", p) for i, p in enumerate(spill)]:
+        mounts.append({"name": vol, "mountPath": path})
+        volumes.append({"name": vol, "emptyDir": {}})
+    return mounts, volumes
+
+
+def _job(cfg: EngineConfig, name: str, job: str, role: str, n: int, container: dict, volumes: list[dict], grace: int,
+         *, subdomain: str = "") -> dict:
+    k = cfg.kubernetes
+
+    def on_code(*codes: int) -> dict:
+        return {"containerName": CONTAINER, "operator": "In", "values": list(codes)}
+    pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": grace,
+           "automountServiceAccountToken": False, "enableServiceLinks": False,
+           "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                               "seccompProfile": {"type": "RuntimeDefault"}},
+           "containers": [container], "volumes": volumes}
+    if subdomain:
+        pod["subdomain"] = subdomain
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(k, job, name, role),
+            "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n,
+                     "backoffLimit": k.backoff_limit, "podReplacementPolicy": "Failed",
+                     "podFailurePolicy": {"rules": [
+                         {"action": "FailJob", "onExitCodes": on_code(EXIT_CONFIG)},
+                         {"action": "Ignore", "onExitCodes": on_code(EXIT_PREEMPTED, EXIT_ROLLBACK)},
+                         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+                     "template": {"metadata": {"labels": _labels(name, role)}, "spec": pod}}}
