@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -16,21 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.ps import ps_pb2 as pb
 from tests.integration.test_multihost import engine, loopback_run
+from tests.integration.test_role_resume import free_ports
 
 pytestmark = pytest.mark.slow
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def health(port: int, service: str = "") -> str:

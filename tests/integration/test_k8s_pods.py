@@ -30,7 +30,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,23 +43,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import load_config
 from tests.integration.test_multihost import AUC_TOLERANCE, loopback_run
+from tests.integration.test_role_resume import free_ports
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = str(Path(sys.executable).parent / "engine")        # the image's ENTRYPOINT, from this venv
 INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def cpu_count(quantity: str) -> int:
