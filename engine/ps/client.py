@@ -53,19 +53,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import (AccessDeniedError, GenerationChangedError, MessageTooLargeError, ProtocolError, PSTimeoutError, RemoteError,
-                      RequestRejectedError, ShardUnavailableError)
+from ..errors import (
+    ProtocolError,
+    PSTimeoutError,
+    RemoteError,
+    RequestRejectedError,
+    ShardUnavailableError,
+)
 from . import _arrays, _kernels, codec, routing
 from . import ps_pb2 as pb
+from ._status import too_large as _too_large
+from ._status import too_large_error as _too_large_error
+from ._status import typed as _typed
 from .async_push import AsyncPusher
 from .server import GENERATION_CHECKED
 from .transport import GrpcTransport, Transport
 
 log = logging.getLogger(__name__)
 
-_REJECTED = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ALREADY_EXISTS", "OUT_OF_RANGE",
-             "UNIMPLEMENTED"}
-_DENIED = {"UNAUTHENTICATED", "PERMISSION_DENIED"}
 _ids = itertools.count()
 #: this process's incarnation: start time and random bits, so request ids of a restarted process (even
 #: with the same pid and worker rank) never repeat an earlier process's ids within a server's window
@@ -781,31 +786,3 @@ class PSClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _too_large(details: str) -> bool:
-    """gRPC's own RESOURCE_EXHAUSTED for a message over a size limit ("Sent/Received message larger
-    than max (N vs. M)"), as opposed to an overloaded server (retried)."""
-    return "larger than max" in details
-
-
-def _too_large_error(e: RemoteError, method: str, server: int) -> MessageTooLargeError:
-    side = "request" if "Sent" in e.message else "message"
-    return MessageTooLargeError(e.code, f"{method} to server {server}: the {side} is over a gRPC message "
-                                f"size limit (gRPC: {e.message}); the limit is the max_message_bytes of "
-                                f"both ends (the servers' server.max_message_bytes, default "
-                                f"{codec.MAX_MESSAGE_BYTES} bytes); not retried", e.endpoint)
-
-
-def _typed(e: RemoteError, attempts: int) -> RemoteError:
-    if e.code == "ABORTED" and "generation mismatch" in e.message:
-        return GenerationChangedError(e.code, e.message, e.endpoint)
-    if e.code in _DENIED:
-        return AccessDeniedError(e.code, e.message, e.endpoint)
-    if e.code in _REJECTED:
-        return RequestRejectedError(e.code, e.message, e.endpoint)
-    if e.code == "UNAVAILABLE":
-        return ShardUnavailableError(e.code, f"{e.message} (after {attempts + 1} attempts)", e.endpoint)
-    if e.code == "DEADLINE_EXCEEDED":
-        return PSTimeoutError(e.code, e.message, e.endpoint)
-    return e
