@@ -426,26 +426,79 @@ def read_row(index, arena_u, arena_f, key, out, i, voff, dim, track_lru, tick_w,
 
 
 @njit(nogil=True, cache=True)
+def _pull(index, arena_u, arena_f, lay, keys, pos, has_pos, out, tick, track_lru, miss_idx):
+    """The pull pipeline, written out in one function: no helper call per key (each passes arrays, which
+    LLVM does not inline across Numba's modules), the hash computed once per key, and the values copied
+    8 floats at a time by a loop of constant length that LLVM vectorises. Measured with
+    ``bench/table_kernel_bench.py``: the helper-based version was 2.1x slower on the same arrays.
+
+    Keys are ``keys[pos]`` written to ``out[pos]`` with ``has_pos``, else ``keys`` to ``out``.
+    """
+    m = pos.shape[0] if has_pos else keys.shape[0]
+    dim, voff, tick_w = lay[L_DIM], lay[L_VAL], lay[L_META] + M_TICK
+    d8 = dim - dim % 8
+    mask = U64(index.shape[0] - 1)
+    block = min(m, PIPELINE_BLOCK)
+    hashes = np.empty(block, np.uint64)
+    kbuf = np.empty(block, np.uint64)
+    nm = 0
+    for start in range(0, m, PIPELINE_BLOCK):
+        nb = min(m, start + PIPELINE_BLOCK) - start
+        for b in range(nb):              # every home slot of the block requested first
+            k = keys[pos[start + b]] if has_pos else keys[start + b]
+            kbuf[b] = k
+            h = index_hash(k)
+            hashes[b] = h
+            prefetch(index, h & mask)
+        for b in range(nb):
+            a = b + PREFETCH_AHEAD       # the row a home slot points to, PREFETCH_AHEAD keys ahead
+            if a < nb:
+                s = index[hashes[a] & mask]
+                if s != EMPTY:
+                    ra = np.int64(s & LOW32)
+                    prefetch(arena_u, ra)
+                    prefetch_last(arena_u, ra)
+            h = hashes[b]
+            key = kbuf[b]
+            fp = h >> U64(32)
+            i = h & mask
+            r = -1
+            while True:
+                s = index[i]
+                if s == EMPTY:
+                    break
+                if (s >> U64(32)) == fp:
+                    rr = np.int64(s & LOW32)
+                    if (U64(arena_u[rr, 0]) | (U64(arena_u[rr, 1]) << U64(32))) == key:
+                        r = rr
+                        break
+                i = (i + U64(1)) & mask
+            o = pos[start + b] if has_pos else start + b
+            if r < 0:
+                for j in range(dim):
+                    out[o, j] = 0.0
+                miss_idx[nm] = o
+                nm += 1
+                continue
+            for j0 in range(0, d8, 8):
+                for jj in range(8):
+                    out[o, j0 + jj] = arena_f[r, voff + j0 + jj]
+            for j in range(d8, dim):
+                out[o, j] = arena_f[r, voff + j]
+            if track_lru:
+                arena_u[r, tick_w] = tick
+    return nm
+
+
+@njit(nogil=True, cache=True)
 def pull_rows(index, arena_u, arena_f, lay, keys, out, tick, track_lru, miss_idx):
     """Gather values of keys into out; missing keys read zeros and their positions go to miss_idx.
 
     keys : uint64[n]; out : float32[n, dim]; miss_idx : int64[n]. Returns the number of misses.
     With ``track_lru`` the LRU tick of every row read is set to ``tick``.
     """
-    n = keys.shape[0]
-    dim, voff, tick_w = lay[L_DIM], lay[L_VAL], lay[L_META] + M_TICK
-    homes = np.empty(min(n, PIPELINE_BLOCK), np.uint64)
-    nm = 0
-    for start in range(0, n, PIPELINE_BLOCK):
-        stop = min(n, start + PIPELINE_BLOCK)
-        prefetch_homes(index, keys, start, stop, homes)
-        for b in range(stop - start):
-            prefetch_row(index, arena_u, homes, b, stop - start)
-            if not read_row(index, arena_u, arena_f, keys[start + b], out, start + b, voff, dim, track_lru,
-                            tick_w, tick):
-                miss_idx[nm] = start + b
-                nm += 1
-    return nm
+    return _pull(index, arena_u, arena_f, lay, keys, np.empty(0, np.int64), False, out, tick, track_lru,
+                 miss_idx)
 
 
 @njit(nogil=True, cache=True)
@@ -455,26 +508,9 @@ def pull_rows_at(index, arena_u, arena_f, lay, keys, pos, out, tick, track_lru, 
 
     keys : uint64[n]; pos : int64[m] (distinct positions into keys and out); out : float32[n, dim];
     miss_idx : int64[m] gets the positions (values of pos) of missing keys. Returns the number of
-    misses. Same pipeline as ``pull_rows``: each block's keys are gathered into a small buffer first.
+    misses. Same pipeline as ``pull_rows``.
     """
-    m = pos.shape[0]
-    dim, voff, tick_w = lay[L_DIM], lay[L_VAL], lay[L_META] + M_TICK
-    block = min(m, PIPELINE_BLOCK)
-    homes = np.empty(block, np.uint64)
-    kbuf = np.empty(block, np.uint64)
-    nm = 0
-    for start in range(0, m, PIPELINE_BLOCK):
-        stop = min(m, start + PIPELINE_BLOCK)
-        for b in range(stop - start):
-            kbuf[b] = keys[pos[start + b]]
-        prefetch_homes(index, kbuf, 0, stop - start, homes)
-        for b in range(stop - start):
-            prefetch_row(index, arena_u, homes, b, stop - start)
-            if not read_row(index, arena_u, arena_f, kbuf[b], out, pos[start + b], voff, dim, track_lru,
-                            tick_w, tick):
-                miss_idx[nm] = pos[start + b]
-                nm += 1
-    return nm
+    return _pull(index, arena_u, arena_f, lay, keys, pos, True, out, tick, track_lru, miss_idx)
 
 
 @njit(nogil=True, cache=True)
