@@ -409,22 +409,6 @@ def dedup_sum(keys, grads, shows, clicks, inverse, ukeys, ugrads, ushows, uclick
 
 
 # ------------------------------------------------------------------------------------ pull / push
-@borrowed
-def read_row(index, arena_u, arena_f, key, out, i, voff, dim, track_lru, tick_w, tick):
-    """out[i] = the value of key (zeros when missing; then returns False). Copies right after the key
-    check, while the record is still in L1; with ``track_lru`` sets the row's LRU tick."""
-    r = index_find(index, arena_u, key)
-    if r < 0:
-        for j in range(dim):
-            out[i, j] = 0.0
-        return False
-    for j in range(dim):
-        out[i, j] = arena_f[r, voff + j]
-    if track_lru:
-        arena_u[r, tick_w] = tick
-    return True
-
-
 @njit(nogil=True, cache=True)
 def _pull(index, arena_u, arena_f, lay, keys, pos, has_pos, out, tick, track_lru, miss_idx):
     """The pull pipeline, written out in one function: no helper call per key (each passes arrays, which
