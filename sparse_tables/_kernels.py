@@ -523,6 +523,7 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
     use_admission = sketch.shape[0] > 0
     created = 0
     rejected = 0
+    mask = U64(index.shape[0] - 1)
     homes = np.empty(min(u, PIPELINE_BLOCK), np.uint64)
     found = np.empty(min(u, PIPELINE_BLOCK), np.int64)
     for i in range(u):
@@ -530,11 +531,36 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
         if b == 0:
             # phase 1 of the block: every lookup (memory-bound, overlapped by prefetching), so the
             # update loop below does not crowd the out-of-order window the misses need
+            # (written out as in ``_pull``: no helper call per key, one hash per key)
             m = min(u, i + PIPELINE_BLOCK) - i
-            prefetch_homes(index, ukeys, i, i + m, homes)
             for q in range(m):
-                prefetch_row(index, arena_u, homes, q, m)
-                found[q] = index_find(index, arena_u, ukeys[i + q])
+                h = index_hash(ukeys[i + q])
+                homes[q] = h
+                prefetch(index, h & mask)
+            for q in range(m):
+                a = q + PREFETCH_AHEAD
+                if a < m:
+                    s = index[homes[a] & mask]
+                    if s != EMPTY:
+                        ra = np.int64(s & LOW32)
+                        prefetch(arena_u, ra)
+                        prefetch_last(arena_u, ra)
+                h = homes[q]
+                key = ukeys[i + q]
+                fp = h >> U64(32)
+                j = h & mask
+                r = -1
+                while True:
+                    s = index[j]
+                    if s == EMPTY:
+                        break
+                    if (s >> U64(32)) == fp:
+                        rr = np.int64(s & LOW32)
+                        if (U64(arena_u[rr, 0]) | (U64(arena_u[rr, 1]) << U64(32))) == key:
+                            r = rr
+                            break
+                    j = (j + U64(1)) & mask
+                found[q] = r
         if b + PREFETCH_AHEAD < m and found[b + PREFETCH_AHEAD] >= 0:
             prefetch(arena_f, found[b + PREFETCH_AHEAD])
             prefetch_last(arena_f, found[b + PREFETCH_AHEAD])
