@@ -233,7 +233,6 @@ class RayChild(Child):
             self.proc._get(self.actor.signal.remote(sig, True))
 
 
-_STARTED: dict = {}
 #: set by the launcher for each role, never forwarded from the driver
 _PER_ROLE = {"ENGINE_ROLE", "ENGINE_RANK", "ENGINE_SERVERS", "ENGINE_NUM_WORKERS", "ENGINE_PARENT_PID", progress.ENV}
 
@@ -255,7 +254,6 @@ def _connect(ray, cfg: EngineConfig) -> None:
     address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS") or None
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")      # plain "(worker1 pid=..)" prefixes in log files
     ray.init(address=address, log_to_driver=True, include_dashboard=False, configure_logging=False)
-    _STARTED["ray"] = address is None
     if address is None:         # ours: stopped at exit with everything it started (agents included)
         atexit.register(_stop_local_ray, ray, _descendants(os.getpid()))
     log.info("Ray: %s, %d node(s)", "started a local instance" if address is None else f"joined {address}",

@@ -62,20 +62,19 @@ _WRITES = frozenset({"Push", "Dense", "Step"})
 #: methods that read or change the tables (they never overlap a Load)
 _ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink"})
 #: methods that need the admin token when tokens are configured (``engine.security.interceptor``);
-#: a forced dense re-initialisation needs it too (``admin_request``)
+#: a forced dense re-initialisation needs it too (``admin_reason``)
 ADMIN_METHODS = frozenset({"Save", "Load", "Shrink", "Stop"})
 
 
-def admin_request(method: str):
-    """Per-request admin checks of ``method`` for ``AuthInterceptor`` (see ``ADMIN_METHODS``)."""
-    if method != "Dense":
+def admin_reason(method: str, req) -> str | None:
+    """Why a request of a method outside ``ADMIN_METHODS`` still needs the admin token, or None: the one
+    rule both sides use (the server's ``AuthInterceptor`` refuses it with the worker token, the client's
+    transport sends the admin token with it). ``req``: the message (a ``codec.Wire``'s or a parsed one)."""
+    if method != "Dense" or getattr(req, "error", None) is not None:
         return None
-
-    def forced_init(req) -> str | None:
-        if getattr(req, "error", None) is None and req.op == pb.DENSE_INIT and req.force:
-            return f"Dense: a forced re-initialisation of table {req.table!r}"
-        return None
-    return forced_init
+    if req.op == pb.DENSE_INIT and req.force:
+        return f"Dense: a forced re-initialisation of table {req.table!r}"
+    return None
 
 
 class ServerError(Exception):
@@ -720,7 +719,7 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     if security is not None and security.tokens is not None:
         from ..security.interceptor import AuthInterceptor
         core.auth = AuthInterceptor(security.tokens, ADMIN_METHODS, name=f"server {core.index}/{core.num_servers}",
-                                    admin_request={m: c for m in METHODS if (c := admin_request(m))})
+                                    admin_request={"Dense": lambda req: admin_reason("Dense", req)})
         interceptors.append(core.auth)
     server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix=f"ps{core.index}-rpc"),
                          interceptors=interceptors,

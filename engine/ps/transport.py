@@ -30,7 +30,7 @@ import grpc
 from ..errors import RemoteError
 from . import _malloc, codec
 from . import ps_pb2 as pb
-from .server import ADMIN_METHODS, METHODS, PSServer, ServerError
+from .server import ADMIN_METHODS, METHODS, PSServer, ServerError, admin_reason
 
 _SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 _SERVICE = "/" + _SERVICE_NAME + "/"
@@ -126,7 +126,8 @@ class GrpcTransport(Transport):
         if self.security is not None:
             if self.security.tls and self.security.version != self._version:
                 self._rotated()
-            md = self.security.metadata(admin=method in ADMIN_METHODS or _forced_init(method, request))
+            msg = request.msg if isinstance(request, codec.Wire) else request
+            md = self.security.metadata(admin=method in ADMIN_METHODS or admin_reason(method, msg) is not None)
         try:
             reply = self._calls[server][method](request, timeout=timeout, metadata=md)
         except grpc.RpcError as e:
@@ -146,11 +147,6 @@ class GrpcTransport(Transport):
                     ch.close()
 
 
-def _forced_init(method: str, request) -> bool:
-    if method != "Dense":
-        return False
-    msg = request.msg if isinstance(request, codec.Wire) else request
-    return msg.op == pb.DENSE_INIT and msg.force
 
 
 class InProcessTransport(Transport):

@@ -214,12 +214,11 @@ def _key_matches(cert_pem: bytes, key_pem: bytes, what: str) -> None:
 
 
 def _tls_files(cfg: SecurityConfig, *, server: bool) -> dict[str, str]:
+    """The PEM files a role reads: its certificate and key (a client's own pair, else the server's)
+    and the CA."""
     t = cfg.tls
-    files = {}
-    if server or t.client_cert or t.cert:
-        cert, key = (t.cert, t.key) if server or not t.client_cert else (t.client_cert, t.client_key)
-        if cert:
-            files.update({"cert": cert, "key": key})
+    cert, key = (t.client_cert, t.client_key) if not server and t.client_cert else (t.cert, t.key)
+    files = {"cert": cert, "key": key} if cert else {}
     if t.ca:
         files["ca"] = t.ca
     return files
