@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from ._jit import borrowed
-from ._optimizers import apply_update, init_state
+from ._optimizers import OPT_ADAGRAD, adagrad_row, apply_other, init_state
 from ._prefetch import prefetch, prefetch_last
 
 U64 = np.uint64
@@ -342,27 +342,33 @@ def dedup_index(keys, grads, shows, clicks, inverse):
     inverse : int64[n] gets the unique number of each key. Returns the number of unique keys, or
     ``-(i + 1)`` when ``grads[i]``, ``shows[i]`` or ``clicks[i]`` is NaN/Inf or a count is negative
     (nothing else is touched, so a rejected push leaves the table unchanged).
+
+    Two passes: validation, then numbering. Validating inside the hash loop (an early exit per float)
+    kept both from pipelining: 19 ns per key for 100k unique keys; apart, 4 + 6 ns.
     """
     n = keys.shape[0]
     dim = grads.shape[1]
     has_counts = shows.shape[0] == n and n > 0
+    zero = np.float32(0.0)
+    for i in range(n):
+        # x * 0 is 0 for a finite x and NaN for NaN or Inf: one branch per row, a loop that vectorizes
+        z = zero
+        for j in range(dim):
+            z += grads[i, j] * zero
+        if has_counts:
+            z += shows[i] * zero + clicks[i] * zero
+            if shows[i] < 0 or clicks[i] < 0:
+                return -(i + 1)
+        if z != zero:
+            return -(i + 1)
     m = 16
     while m < 2 * n:
         m *= 2
     mask = U64(m - 1)
-    slots = np.full(m, -1, np.int64)
-    first = np.empty(n, np.int64)
+    slots = np.full(m, -1, np.int32)  # int32: half the lines of int64 (a table of 100k keys fits L2)
+    first = np.empty(n, np.int32)
     nu = 0
     for i in range(n):
-        for j in range(dim):
-            g = grads[i, j]
-            if not (g - g == 0.0):
-                return -(i + 1)
-        if has_counts:
-            if not (shows[i] - shows[i] == 0.0) or not (clicks[i] - clicks[i] == 0.0):
-                return -(i + 1)
-            if shows[i] < 0 or clicks[i] < 0:
-                return -(i + 1)
         key = keys[i]
         s = index_hash(key) & mask
         while True:
@@ -497,10 +503,10 @@ def pull_rows_at(index, arena_u, arena_f, lay, keys, pos, out, tick, track_lru, 
     return _pull(index, arena_u, arena_f, lay, keys, pos, True, out, tick, track_lru, miss_idx)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, _nrt=False)
 def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclicks, ucounts, has_shows,
               mode, opt, hp, now_s, tick, seed, init_kind, init_scale, sketch, min_count, admit_p,
-              max_rows, out_rows):
+              max_rows, out_rows, homes, found):
     """Apply one deduplicated push. Returns (rows created, keys rejected by admission, keys done).
 
     mode 0: optimizer update with gradient ``ugrads[i] / ushows[i]`` when ``has_shows`` (Paddle's
@@ -514,6 +520,9 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
     either runs out at key i, the kernel returns with keys done = i, keys i.. untouched, and the caller
     grows the arena or index and calls again with the rest. So room is made only for rows really
     created, not for every key a push might create.
+    homes : uint64[>= min(u, PIPELINE_BLOCK)] and found : int64[same] are scratch: the kernel runs
+    without reference counting (``_nrt=False``, so the inlined optimizer rule adds no atomics) and so
+    allocates nothing.
     """
     u = ukeys.shape[0]
     dim = lay[L_DIM]
@@ -524,8 +533,6 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
     created = 0
     rejected = 0
     mask = U64(index.shape[0] - 1)
-    homes = np.empty(min(u, PIPELINE_BLOCK), np.uint64)
-    found = np.empty(min(u, PIPELINE_BLOCK), np.int64)
     for i in range(u):
         b = i % PIPELINE_BLOCK
         if b == 0:
@@ -581,7 +588,10 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
             scale = 1.0
             if has_shows and ushows[i] > 0:
                 scale = 1.0 / ushows[i]
-            apply_update(arena_f, r, voff, soff, dim, ugrads, i, scale, opt, hp)
+            if opt == OPT_ADAGRAD:   # inline, no call: 86 -> 76 ns per key with dedup's split (10M rows)
+                adagrad_row(arena_f, r, voff, soff, dim, ugrads, i, scale, hp)
+            else:
+                apply_other(arena_f, r, voff, soff, dim, ugrads, i, scale, opt, hp)
         else:
             for j in range(dim):
                 arena_f[r, voff + j] += ugrads[i, j]

@@ -3,7 +3,7 @@
 Each rule reads the row's values ``w = arena_f[r, voff:voff+dim]`` and optimizer state
 ``s = arena_f[r, soff:...]``, and a gradient ``g = grads[gi] * scale`` (scale is 1/show when the push
 carried show counts). Arithmetic is float64, stored back as float32, except row-wise
-Adagrad's per-dimension loops, which run in float32 (the hottest rule; vectorized at twice the width). After every update values are
+Adagrad's per-dimension loops, which run in float32 (the hottest rule; see ``adagrad_row``). After every update values are
 clipped to ``[hp[HP_MIN], hp[HP_MAX]]`` (Paddle's weight_bounds).
 
 sgd          w -= lr * g
@@ -70,30 +70,14 @@ def _clip(w, hp):
 
 
 @borrowed
-def apply_update(arena_f, r, voff, soff, dim, grads, gi, scale, opt, hp):
-    """Apply one optimizer step to row r with gradient grads[gi] * scale."""
+def apply_other(arena_f, r, voff, soff, dim, grads, gi, scale, opt, hp):
+    """One step of any rule but row-wise Adagrad (``adagrad_row``) to row r with gradient grads[gi] * scale."""
     lr = hp[HP_LR]
     eps = hp[HP_EPS]
     if opt == OPT_SGD:
         for j in range(dim):
             g = np.float64(grads[gi, j]) * scale
             arena_f[r, voff + j] = _clip(np.float64(arena_f[r, voff + j]) - lr * g, hp)
-    elif opt == OPT_ADAGRAD:
-        # the per-dimension loops run in float32 (vectorized, twice the SIMD width of float64);
-        # the row's scalar accumulator and step size stay in float64
-        s32 = np.float32(scale)
-        gsq = np.float32(0.0)
-        for j in range(dim):
-            g = grads[gi, j] * s32
-            gsq += g * g
-        acc = np.float64(arena_f[r, soff]) + np.float64(gsq) / dim
-        arena_f[r, soff] = acc
-        mult = np.float32(lr / (np.sqrt(np.float64(arena_f[r, soff])) + eps)) * s32
-        lo = np.float32(hp[HP_MIN])
-        hi = np.float32(hp[HP_MAX])
-        for j in range(dim):
-            w = arena_f[r, voff + j] - mult * grads[gi, j]
-            arena_f[r, voff + j] = min(max(w, lo), hi)
     elif opt == OPT_STD_ADAGRAD:
         for j in range(dim):
             g = np.float64(grads[gi, j]) * scale
@@ -136,12 +120,62 @@ def apply_update(arena_f, r, voff, soff, dim, grads, gi, scale, opt, hp):
             arena_f[r, voff + j] = _clip(w, hp)
 
 
+@njit(inline="always")
+def adagrad_row(arena_f, r, voff, soff, dim, grads, gi, scale, hp):
+    """Row-wise Adagrad on row r with gradient ``grads[gi] * scale`` (scale : float64).
+
+    The hottest rule, inlined into the table's push loop (which runs without reference counting, so
+    inlining adds no atomics). Per-dimension loops run in float32 (twice the SIMD width of float64);
+    the row's accumulator and step size stay in float64. The squared gradient is summed in 8
+    interleaved lanes, then pairwise: float adds do not reassociate, so one running sum is a chain of
+    dim dependent adds while 8 lanes are independent. The order is fixed, so every caller gets the
+    same bits.
+    """
+    s32 = np.float32(scale)
+    q0 = q1 = q2 = q3 = q4 = q5 = q6 = q7 = np.float32(0.0)
+    j = 0
+    while j + 8 <= dim:
+        g0 = grads[gi, j] * s32
+        g1 = grads[gi, j + 1] * s32
+        g2 = grads[gi, j + 2] * s32
+        g3 = grads[gi, j + 3] * s32
+        g4 = grads[gi, j + 4] * s32
+        g5 = grads[gi, j + 5] * s32
+        g6 = grads[gi, j + 6] * s32
+        g7 = grads[gi, j + 7] * s32
+        q0 += g0 * g0
+        q1 += g1 * g1
+        q2 += g2 * g2
+        q3 += g3 * g3
+        q4 += g4 * g4
+        q5 += g5 * g5
+        q6 += g6 * g6
+        q7 += g7 * g7
+        j += 8
+    while j < dim:
+        g = grads[gi, j] * s32
+        q0 += g * g
+        j += 1
+    gsq = ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
+    acc = np.float64(arena_f[r, soff]) + np.float64(gsq) / dim
+    arena_f[r, soff] = acc
+    mult = np.float32(hp[HP_LR] / (np.sqrt(np.float64(arena_f[r, soff])) + hp[HP_EPS])) * s32
+    lo = np.float32(hp[HP_MIN])
+    hi = np.float32(hp[HP_MAX])
+    for j in range(dim):
+        w = arena_f[r, voff + j] - mult * grads[gi, j]
+        arena_f[r, voff + j] = min(max(w, lo), hi)
+
+
 @njit(nogil=True, cache=True)
 def apply_updates(values_state, grads, scales, dim, opt, hp):
     """Apply one step to each row of a standalone [n, dim + state] float32 array (test and reference
     entry point: the same rule the table runs). grads : float32[n, dim]; scales : float64[n]."""
     for i in range(values_state.shape[0]):
-        apply_update(values_state, i, 0, dim, dim, grads, i, scales[i], opt, hp)
+        if opt == OPT_ADAGRAD:
+            adagrad_row(values_state, i, 0, dim, dim, grads, i, scales[i], hp)
+        else:
+            apply_other(values_state, i, 0, dim, dim, grads, i, scales[i], opt, hp)
 
 
 @njit(nogil=True, cache=True)

@@ -555,7 +555,8 @@ class SparseTable:
             ushows[pick] if has_shows else ushows, uclicks[pick] if has_shows else uclicks, ucounts[pick],
             has_shows, mode, self._opt, self._hp, now_s, self._tick, self._seed, self._init_kind,
             cfg.init_range, self._sketch, cfg.min_count, cfg.admit_probability, cap,
-            np.empty(len(keys), np.int64))
+            np.empty(len(keys), np.int64), np.empty(K.PIPELINE_BLOCK, np.uint64),
+            np.empty(K.PIPELINE_BLOCK, np.int64))
 
     def _push_present(self, args, start: int) -> int:
         """The table is full (``max_rows``): update the rows of the keys ``args[0][start:]`` that have
