@@ -71,7 +71,8 @@ from sparse_tables._kernels import (
     pull_rows,
 )
 from sparse_tables._prefetch import prefetch, prefetch_last
-from sparse_tables.table import MAX_LOAD, _big_array, _pow2
+from sparse_tables._arena import big_array as _big_array, pow2 as _pow2
+from sparse_tables.table import MAX_LOAD
 
 DIM = 16
 U64 = np.uint64

@@ -60,6 +60,12 @@ class TableConfig:
         With ``spill_path`` set, at most this many rows stay in RAM after each call (high watermark);
         an eviction pass writes least-recently-used rows to RocksDB until
         ``spill_low_watermark * memory_rows`` rows remain. Ignored without ``spill_path``.
+    memory_bytes : int
+        With ``spill_path`` set, the RAM of this table on one server in bytes (0: off, ``memory_rows``
+        bounds the RAM tier instead). One budget for the server's local shards of the table together:
+        rows, index, RocksDB's block cache and memtables, the spill filters and dirty-key sets, the
+        admission sketch; the RAM tier holds what the rest leaves and gives up rows as the growing
+        parts grow (see ``sparse_tables.budget``). Replaces ``memory_rows`` when set.
     spill_path : str or None
         RocksDB directory for cold rows; None keeps every row in RAM. The directory is claimed, never
         taken: it must be new, empty, or one this engine left (see ``sparse_tables.spill``).
@@ -104,6 +110,7 @@ class TableConfig:
     init_range: float = 1e-4
     seed: int = 0
     memory_rows: int = 1_000_000
+    memory_bytes: int = 0
     spill_path: str | None = None
     max_rows: int = 0
     initial_accumulator: float = 0.0
@@ -153,6 +160,11 @@ class TableConfig:
             raise bad("memory_rows", "an int >= 1")
         if not isinstance(self.max_rows, int) or isinstance(self.max_rows, bool) or self.max_rows < 0:
             raise bad("max_rows", "an int >= 0 (0: no limit)")
+        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes < 0:
+            raise bad("memory_bytes", "an int >= 0 (bytes; 0: off)")
+        if self.memory_bytes and not self.spill_path:
+            raise bad("memory_bytes", "0 without spill_path (a budget needs RocksDB for the rows it does not "
+                      "keep in RAM; RAM-only tables are bounded by max_rows)")
         if self.max_rows and self.spill_path:
             raise bad("max_rows", f"0 when spill_path is set (memory_rows={self.memory_rows} bounds RAM and "
                       f"RocksDB at {self.spill_path!r} holds the rest; the disk is the bound)")

@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import (BlockBasedOptions, Cache, DBCompactionStyle, DBCompressionType, Options, Rdict,
+                       WriteBatch, WriteBufferManager, WriteOptions)
 
 from .errors import SpillDirError, SpillError
 from .keysets import ScalableBloom
@@ -215,6 +216,55 @@ def _owner_text(path: Path) -> str:
             f"{info.get('created_utc', info.get('created'))}")
 
 
+def rocksdb_options(budget=None) -> Options:
+    """RocksDB options for a spill store: point lookups of ~100-byte records, batched writes.
+
+    With a ``budget.MemoryBudget`` its stores share one block cache of ``budget.rocksdb_bytes`` and one
+    write-buffer manager whose memtables are charged to that cache, so RocksDB's memory is one number
+    the budget counts; without one, a store gets a cache of its own (32 MiB, RocksDB's default).
+    """
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    table = BlockBasedOptions()
+    # RocksDB's own Bloom filter, 10 bits per key (~1% false positives): a miss costs no data block
+    # read. Filter and index blocks live in the block cache (counted by its capacity instead of growing
+    # outside it), the level-0 ones pinned there.
+    table.set_bloom_filter(10, False)
+    table.set_cache_index_and_filter_blocks(True)
+    table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+    table.set_pin_top_level_index_and_filter(True)
+    table.set_block_size(BLOCK_SIZE)
+    if budget is not None:
+        if budget.cache is None:
+            budget.cache = Cache(budget.rocksdb_bytes)
+            budget.write_buffer_manager = WriteBufferManager.new_write_buffer_manager_with_cache(
+                budget.rocksdb_bytes - budget.cache_bytes, False, budget.cache)
+        table.set_block_cache(budget.cache)
+        opts.set_write_buffer_manager(budget.write_buffer_manager)
+        opts.set_write_buffer_size(budget.write_buffer_bytes)
+    else:
+        opts.set_write_buffer_size(64 << 20)
+    opts.set_max_write_buffer_number(2)
+    opts.set_block_based_table_factory(table)
+    opts.set_compression_type(COMPRESSION())
+    # leveled compaction with dynamic level sizes (space amplification ~1.1); RocksDB's default
+    # write-stall triggers (20 / 36 level-0 files) and a rate limit on flush and compaction writes, so
+    # background writing leaves the disk and a core to the requests
+    opts.set_compaction_style(DBCompactionStyle.level())
+    opts.set_level_compaction_dynamic_level_bytes(True)
+    opts.set_level_zero_file_num_compaction_trigger(4)
+    opts.set_level_zero_slowdown_writes_trigger(20)
+    opts.set_level_zero_stop_writes_trigger(36)
+    opts.set_max_background_jobs(2)
+    opts.set_ratelimiter(RATE_LIMIT_BYTES_PER_S, 100_000, 10)
+    return opts
+
+
+BLOCK_SIZE = 4096                       # RocksDB's default; see the measurements in the README's Scale section
+COMPRESSION = DBCompressionType.none    # embedding floats barely compress; see the README's Scale section
+RATE_LIMIT_BYTES_PER_S = 256 << 20
+
+
 class SpillStore:
     """Row records in RocksDB, plus a Bloom filter of every key ever written.
 
@@ -234,16 +284,12 @@ class SpillStore:
         RocksDB cannot open the database.
     """
 
-    def __init__(self, path: str, stride: int):
+    def __init__(self, path: str, stride: int, budget=None):
         self.path = Path(path)
         self.stride = stride
         self._dir = SpillDir(self.path)
-        opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
-        opts.set_max_background_jobs(2)
-        opts.set_write_buffer_size(64 << 20)
         try:
-            self._db = Rdict(str(self._dir.db_path), opts)
+            self._db = Rdict(str(self._dir.db_path), rocksdb_options(budget))
         except Exception as exc:  # rocksdict raises plain Exception subclasses
             self._dir.release()
             raise SpillError(f"cannot open RocksDB spill store at {self._dir.db_path}: {exc}") from exc
@@ -253,6 +299,20 @@ class SpillStore:
         self.count = 0  # keys present in the database
         self.reads = 0
         self.writes = 0
+
+    def memory(self) -> dict:
+        """RocksDB's own memory now, bytes: ``rocksdb_block_cache`` (the whole cache, shared by every
+        store of a budget; index and filter blocks included), ``rocksdb_memtables``,
+        ``rocksdb_table_readers`` (index and filter blocks held outside the cache: ~0 here)."""
+        out = {}
+        for name, prop in (("rocksdb_block_cache", "rocksdb.block-cache-usage"),
+                           ("rocksdb_memtables", "rocksdb.size-all-mem-tables"),
+                           ("rocksdb_table_readers", "rocksdb.estimate-table-readers-mem")):
+            try:
+                out[name] = int(self._db.property_int_value(prop) or 0)
+            except Exception:  # property names vary across RocksDB builds
+                out[name] = 0
+        return out
 
     @property
     def bloom_bytes(self) -> int:
@@ -281,6 +341,8 @@ class SpillStore:
         maybe = np.flatnonzero(self._bloom.may_contain(keys))
         if len(maybe) == 0:
             return maybe, np.empty((0, self.stride), np.uint32)
+        # in key order: RocksDB's multi-get then walks each block once (2x the rows/s of random order)
+        maybe = maybe[np.argsort(keys[maybe], kind="stable")]
         vals = self._db.get(_key_bytes(keys[maybe]))
         self.reads += len(maybe)
         hit = [i for i, v in enumerate(vals) if v is not None]
@@ -290,7 +352,9 @@ class SpillStore:
         if len(blob) != 4 * self.stride * len(hit):
             raise SpillError(f"RocksDB spill store {self.path}: record size differs from {4 * self.stride} bytes")
         records = np.frombuffer(blob, dtype="<u4").reshape(len(hit), self.stride).copy()
-        return maybe[np.asarray(hit, dtype=np.int64)], records
+        found = maybe[np.asarray(hit, dtype=np.int64)]
+        order = np.argsort(found, kind="stable")   # callers get positions in their own order
+        return found[order], records[order]
 
     def delete(self, keys: np.ndarray) -> None:
         """Delete keys known to be present (one batch)."""

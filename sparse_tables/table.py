@@ -22,8 +22,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,10 +31,14 @@ import numpy as np
 import pyarrow as pa
 
 from . import _kernels as K
+from ._arena import big_array as _big_array, pow2 as _pow2, release_from
+from ._compact import compact_arena
 from ._optimizers import HP_SIZE
+from .budget import HEADROOM_ROWS, MemoryBudget
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
 from .errors import TableFullError, TableInputError
-from .keysets import KeySet
+from ._warn import WARN_GATES as _WARN_GATES, WARN_GATES_LOCK as _WARN_GATES_LOCK, WarnGate as _WarnGate
+from .keysets import KeySet, SortedKeySet
 from .rows import batch_to_records, records_to_batch, row_schema
 from .rwlock import RWLock
 from .spill import SpillStore
@@ -47,29 +49,6 @@ MAX_LOAD = 0.8            # index load factor that triggers a rehash into twice 
 PARALLEL_PULL_MIN = 16384  # keys per thread below which a pull runs on the calling thread
 TICK_REBASE = 1 << 31
 FULL_WARNING_INTERVAL_S = 60.0   # a full table (max_rows) logs at most one warning per interval and name
-
-
-class _WarnGate:
-    """At most one warning per interval for one table name; counts what happened in between."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.last = -math.inf
-        self.pending = 0
-
-    def add(self, n: int, interval_s: float) -> int:
-        """Count n events; returns the events to report now (0: stay quiet)."""
-        now = time.monotonic()
-        with self.lock:
-            self.pending += n
-            if now - self.last < interval_s:
-                return 0
-            self.last, out, self.pending = now, self.pending, 0
-            return out
-
-
-_WARN_GATES: dict[str, _WarnGate] = {}   # table name -> gate, shared by the shards of one table
-_WARN_GATES_LOCK = threading.Lock()
 
 
 class SparseTable:
@@ -86,6 +65,11 @@ class SparseTable:
     name : str, optional
         Names the table in log messages; the shards of one table pass the same name, so a full table
         (``max_rows``) warns once per ``FULL_WARNING_INTERVAL_S`` for all of them.
+    budget : MemoryBudget, optional
+        The RAM budget this shard shares with the other shards of its table on the server (a
+        ``SparseHost`` makes one from ``memory_bytes``). Without it, ``config.memory_bytes`` (when set)
+        gives this shard a budget of its own. With a budget, the RAM tier holds what the budget leaves
+        (``MemoryBudget.rows_cap``) instead of ``memory_rows``, and ``initial_rows`` is ignored.
 
     Raises
     ------
@@ -96,7 +80,7 @@ class SparseTable:
     """
 
     def __init__(self, config: TableConfig, *, clock: Callable[[], float] = time.time,
-                 initial_rows: int = 1024, name: str | None = None):
+                 initial_rows: int = 1024, name: str | None = None, budget: MemoryBudget | None = None):
         self.config = config
         self.name = name or "sparse table"
         self.layout = RowLayout.of(config)
@@ -114,16 +98,26 @@ class SparseTable:
         self._init_kind = INITIALIZER_CODE[config.initializer]
         self._state = np.zeros(4, np.int64)
         self._state[K.S_FREE_HEAD] = -1
-        self._arena_u = _big_array((max(16, initial_rows), lay.stride), np.uint32)
-        self._arena_f = self._arena_u.view(np.float32)
-        self._index = _big_array((_pow2(max(16, int(initial_rows / MAX_LOAD) + 1)),), np.uint64)
-        self._index.fill(K.EMPTY)
         if config.uses_admission:
             self._sketch = np.zeros((config.sketch_depth, config.sketch_width), np.uint32)
         else:
             self._sketch = np.zeros((0, 0), np.uint32)
-        self._spill = SpillStore(config.spill_path, lay.stride) if config.spill_path else None
-        self._spilled_dirty = KeySet()
+        if budget is None and config.memory_bytes:
+            budget = MemoryBudget(config.memory_bytes, 1, lay.row_bytes, self._sketch.nbytes)
+        self._budget = budget
+        self._budget_token = budget.register() if budget is not None else None
+        if budget is not None:
+            # sized once for the largest RAM tier the budget allows: growth touches new pages of the
+            # mapping and never copies the arena or rehashes the index under the lock
+            initial_rows, slots = budget.max_rows_per_shard, budget.index_slots
+        else:
+            slots = _pow2(max(16, int(initial_rows / MAX_LOAD) + 1))
+        self._arena_u = _big_array((max(16, initial_rows), lay.stride), np.uint32)
+        self._arena_f = self._arena_u.view(np.float32)
+        self._index = _big_array((slots,), np.uint64)
+        self._index.fill(K.EMPTY)
+        self._spill = SpillStore(config.spill_path, lay.stride, budget) if config.spill_path else None
+        self._spilled_dirty = SortedKeySet()   # 8 bytes per key: it grows with the keys on disk
         self._deleted: list[np.ndarray] = []
         self._tick = 1
         self._lock = RWLock()
@@ -131,7 +125,7 @@ class SparseTable:
         self._pool: ThreadPoolExecutor | None = None
         self._counters = dict(pull_keys=0, pull_hits=0, pull_misses=0, push_keys=0, created=0,
                               rejected=0, rows_refused_full=0, deleted=0, evictions=0, promotions=0,
-                              spill_writes=0)
+                              spill_writes=0, compactions=0, compacted_rows=0, released_bytes=0)
         if name:
             with _WARN_GATES_LOCK:
                 self._full_gate = _WARN_GATES.setdefault(name, _WarnGate())
@@ -323,6 +317,11 @@ class SparseTable:
         self._count(deleted=len(deleted_keys))
         return len(deleted_keys)
 
+    @property
+    def budget(self) -> MemoryBudget | None:
+        """The memory budget this shard shares (``memory_bytes``), or None."""
+        return self._budget
+
     def __len__(self) -> int:
         return int(self._state[K.S_NRAM]) + self._rows_spilled()
 
@@ -330,6 +329,11 @@ class SparseTable:
         """Counters and sizes.
 
         Keys: ``rows`` (all), ``rows_in_ram``, ``rows_spilled`` (authoritative in RocksDB),
+        ``memory`` (bytes of this shard by part: ``rows``, ``index``, ``filters``, ``dirty_keys``,
+        ``sketch``, and RocksDB's measured ``rocksdb_block_cache`` (shared: the whole cache),
+        ``rocksdb_memtables``, ``rocksdb_table_readers``), with a budget ``memory_budget`` (the
+        server's parts, ``MemoryBudget.parts``) and ``rows_cap``; ``compactions``,
+        ``compacted_rows``, ``released_bytes`` (arena pages given back under a budget),
         ``ram_bytes`` (arena rows in use, index, sketch, filters), ``disk_bytes``, ``pull_keys``,
         ``pull_hits``/``pull_misses`` (RAM), ``push_keys``, ``created``, ``rejected`` (not admitted),
         ``rows_refused_full`` (new keys refused because the table held ``max_rows`` rows), ``max_rows``
@@ -348,6 +352,14 @@ class SparseTable:
         out.update(rows=nram + spilled, rows_in_ram=nram, rows_spilled=spilled, ram_bytes=ram,
                    disk_bytes=disk, index_slots=len(self._index), row_bytes=self.layout.row_bytes,
                    max_rows=self.config.max_rows)
+        out["memory"] = {
+            "rows": int(self._state[K.S_NEXT]) * self.layout.row_bytes, "index": self._index.nbytes,
+            "filters": self._spill.bloom_bytes if self._spill is not None else 0,
+            "dirty_keys": self._spilled_dirty.nbytes, "sketch": self._sketch.nbytes,
+            **(self._spill.memory() if self._spill is not None else {})}
+        if self._budget is not None:
+            out["memory_budget"] = self._budget.parts()
+            out["rows_cap"] = self._budget.rows_cap()
         return out
 
     def rows(self, chunk_rows: int = 65536) -> Iterator[pa.RecordBatch]:
@@ -477,6 +489,8 @@ class SparseTable:
 
     def close(self) -> None:
         """Release the RocksDB tier (its directory is removed) and the pull threads."""
+        if self._budget is not None:
+            self._budget.forget(self._budget_token)
         with self._lock.exclusive():
             if self._spill is not None:
                 self._spill.close()
@@ -618,13 +632,39 @@ class SparseTable:
         self._count(promotions=len(pos))
 
     def _maybe_evict(self) -> None:
-        """Past memory_rows, write the least recently used rows to RocksDB until the low watermark."""
+        """Past the RAM tier's cap (``memory_rows``, or what the memory budget leaves), write the least
+        recently used rows to RocksDB until the low watermark; under a budget, report the parts that
+        grow and give back the pages of rows the budget no longer allows (lock held exclusively)."""
         if self._spill is None:
             return
+        if self._budget is None:
+            cap = self.config.memory_rows
+        else:
+            self._budget.report(self._budget_token, self._growing_bytes(), int(self._state[K.S_NEXT]))
+            cap = self._budget.rows_cap()
         nram = int(self._state[K.S_NRAM])
-        if nram <= self.config.memory_rows:
-            return
-        self._evict(nram - int(self.config.memory_rows * self.config.spill_low_watermark))
+        if nram > cap:
+            self._evict(nram - int(cap * self.config.spill_low_watermark))
+        if self._budget is not None:
+            self._fit_budget(cap)
+
+    def _fit_budget(self, cap: int) -> None:
+        """Report this shard's growing bytes and arena rows to the budget; when the arena has handed out
+        more rows than the budget allows (it shrank as filters and dirty keys grew), compact the live
+        rows below the cap plus a call's headroom and return the pages above to the OS."""
+        self._budget.report(self._budget_token, self._growing_bytes(), int(self._state[K.S_NEXT]))
+        allowed = self._budget.rows_allowed()
+        if int(self._state[K.S_NEXT]) > allowed:
+            target = max(int(self._state[K.S_NRAM]), min(cap + HEADROOM_ROWS, allowed))
+            moved = compact_arena(self._index, self._arena_u, self._state, self._lay, target)
+            if moved >= 0:
+                released = release_from(self._arena_u, target * self.layout.row_bytes)
+                self._count(compactions=1, compacted_rows=moved, released_bytes=released)
+            self._budget.report(self._budget_token, self._growing_bytes(), int(self._state[K.S_NEXT]))
+
+    def _growing_bytes(self) -> int:
+        """Bytes that grow with the keys on disk: the spill Bloom filter and the dirty spilled keys."""
+        return (self._spill.bloom_bytes if self._spill is not None else 0) + self._spilled_dirty.nbytes
 
     def _evict(self, k: int) -> None:
         """Write the k least recently used RAM rows to RocksDB (only rows not already there unchanged)
@@ -758,22 +798,3 @@ def _check_vector(arr, n: int, name: str) -> np.ndarray:
 def _record_keys(records: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(records[:, :2]).view(np.uint64).reshape(-1)
 
-
-def _big_array(shape: tuple, dtype) -> np.ndarray:
-    """An uninitialised array; from 1 MiB up, backed by its own anonymous mmap, so pages never
-    written cost no RAM and a replaced array (after growth) goes back to the OS at once instead of
-    lingering in the malloc heap. Transparent huge pages are requested."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if nbytes < (1 << 20):
-        return np.empty(shape, dtype)
-    # MAP_PRIVATE: mmap's default MAP_SHARED anonymous memory is shmem, which transparent huge pages
-    # skip (shmem_enabled is usually "never"); the table measured 1.9x slower pushes that way
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        # random row access is TLB-bound with 4 KiB pages (numpy does the same for large arrays)
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(4, (n - 1).bit_length())

@@ -17,6 +17,8 @@ import numpy as np
 
 from models.optim import SGD, Adam
 from sparse_tables import SparseTable, TableConfig, TableConfigError, TableInputError
+from sparse_tables.budget import MemoryBudget
+from sparse_tables.config import RowLayout
 
 from ..checkpoint.writer import DenseBlockState, DenseState
 from ..config import DenseTableConfig
@@ -229,6 +231,11 @@ class SparseHost:
         """Expiry pass over the local shards at the tables' own clock; returns rows deleted."""
         return sum(s.shrink() for s in self.shards)
 
+    @property
+    def budget(self) -> MemoryBudget | None:
+        """The live shards' memory budget (``memory_bytes``), or None."""
+        return self.shards[0].budget if self.shards else None
+
     def stats(self) -> dict:
         """Sums over the local shards (``rows``, ``rows_refused_full``, ...; ``max_rows`` is the
         server's limit, 0: none), plus ``rows_per_shard``."""
@@ -236,6 +243,13 @@ class SparseHost:
         total = {k: sum(p[k] for p in per) for k in per[0] if isinstance(per[0][k], (int, float))}
         total.update(dim=self.dim, local_shards=len(self.shards), optimizer=self.config.optimizer,
                      rows_per_shard=[p["rows"] for p in per], max_rows=self.max_rows)
+        memory = {k: sum(p["memory"][k] for p in per) for k in per[0]["memory"]}
+        if "rocksdb_block_cache" in memory and self.budget is not None:
+            memory["rocksdb_block_cache"] = per[0]["memory"]["rocksdb_block_cache"]   # one shared cache
+        total["memory"] = memory
+        if self.budget is not None:
+            total["memory_budget"] = self.budget.parts()
+            total["rows_cap_per_shard"] = self.budget.rows_cap()
         return total
 
     # ------------------------------------------------------------------ shards and checkpoints
@@ -246,6 +260,13 @@ class SparseHost:
         config, n = self.config, self.num_local
         per_shard = max(1024, int(expected_rows * 1.05) // n)
         shards: list[SparseTable] = []
+        budget = None
+        if config.memory_bytes:     # one budget for this server's shards of the table (a shard set)
+            try:
+                budget = MemoryBudget(config.memory_bytes, n, RowLayout.of(config).row_bytes,
+                                      config.sketch_depth * config.sketch_width * 4 if config.uses_admission else 0)
+            except ValueError as exc:
+                raise TableConfigError(f"table {self.name!r}: {exc}") from None
         try:
             for j in range(n):
                 cfg = config
@@ -260,7 +281,7 @@ class SparseHost:
                 if cfg.max_rows:
                     rows = min(rows, cfg.max_rows)
                 clock = {} if self.clock is None else {"clock": self.clock}
-                shards.append(SparseTable(cfg, initial_rows=rows, **clock,
+                shards.append(SparseTable(cfg, initial_rows=rows, **clock, budget=budget,
                                           name=f"sparse table {self.name!r} on server {self.server}"))
         except BaseException:
             for sh in shards:

@@ -1,0 +1,136 @@
+"""memory_bytes: one RAM budget for a table's shards on a server (sparse_tables.budget), the arena
+compaction that gives pages back when the budget shrinks the RAM tier, and the RocksDB parts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparse_tables import SparseTable, TableConfig, TableConfigError
+from sparse_tables import _kernels as K
+from sparse_tables._compact import compact_arena
+from sparse_tables.budget import HEADROOM_ROWS, MemoryBudget
+
+MiB = 1 << 20
+DIM = 4
+
+
+def _keys(n, seed):
+    return np.unique(np.random.default_rng(seed).integers(1, 2**63, n, dtype=np.uint64))
+
+
+@pytest.mark.nojit
+def test_compact_arena_moves_live_rows_below_the_target_and_keeps_every_key():
+    t = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros"),
+                    initial_rows=64)
+    keys = np.arange(1, 41, dtype=np.uint64)
+    t.push(keys, np.arange(40 * DIM, dtype=np.float32).reshape(40, DIM))
+    before = t.pull(keys)
+    gone = keys[::3]                                  # free rows spread over the arena
+    t.delete(gone)
+    kept = np.setdiff1d(keys, gone)
+    n_next = int(t._state[K.S_NEXT])
+    target = len(kept) + 2
+    moved = compact_arena(t._index, t._arena_u, t._state, t._lay, target)
+    assert moved > 0 and int(t._state[K.S_NEXT]) == target
+    rows = np.empty(len(kept), np.int64)
+    K.find_rows(t._index, t._arena_u, kept, rows)
+    assert rows.max() < target and len(np.unique(rows)) == len(kept)
+    np.testing.assert_array_equal(t.pull(kept), before[np.isin(keys, kept)])
+    assert not t.contains(gone).any()
+    # the free list holds exactly the 2 spare rows below the target; new keys use them, then S_NEXT
+    assert int(t._state[K.S_NFREE]) == 2
+    t.push(np.array([1000, 1001, 1002], np.uint64), np.ones((3, DIM), np.float32))
+    assert int(t._state[K.S_NEXT]) == target + 1
+    # a target below the live rows, or above S_NEXT, changes nothing
+    assert compact_arena(t._index, t._arena_u, t._state, t._lay, len(kept) - 1) == -1
+    assert compact_arena(t._index, t._arena_u, t._state, t._lay, n_next + 100) == -1
+    t.close()
+
+
+def test_memory_bytes_needs_a_spill_path_and_a_budget_that_fits():
+    with pytest.raises(TableConfigError, match="memory_bytes"):
+        TableConfig(dim=DIM, memory_bytes=1 << 30)
+    with pytest.raises(TableConfigError, match="memory_bytes"):
+        TableConfig(dim=DIM, memory_bytes=-1, spill_path="/tmp/x")
+    with pytest.raises(ValueError, match="give at least"):
+        MemoryBudget(16 * MiB, 1, 96)
+
+
+def test_a_budgeted_table_keeps_ram_under_its_cap_and_loses_no_row(tmp_path):
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                      memory_bytes=96 * MiB, spill_path=str(tmp_path / "spill"))
+    t = SparseTable(cfg)
+    ref = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros"))
+    cap = t.budget.rows_cap()
+    assert cap <= t.budget.max_rows_per_shard - HEADROOM_ROWS
+    slots = len(t._index)
+    for i in range(8):                                # more keys than the RAM tier holds
+        k = _keys(150_000, i)
+        g = np.random.default_rng(100 + i).standard_normal((len(k), DIM)).astype(np.float32)
+        t.push(k, g)
+        ref.push(k, g)
+        st = t.stats()
+        assert st["rows_in_ram"] <= cap
+    assert st["rows_spilled"] > 0 and st["rows"] == len(ref)
+    assert len(t._index) == slots, "a budgeted table sized its index once and never rehashed"
+    probe = _keys(150_000, 3)
+    np.testing.assert_array_equal(t.pull(probe), ref.pull(probe))
+    mem, parts = st["memory"], st["memory_budget"]
+    assert parts["budget"] == 96 * MiB
+    assert parts["rows"] + parts["index"] + parts["rocksdb"] + parts["growing"] + parts["reserve"] <= 96 * MiB
+    assert mem["filters"] > 0 and mem["index"] == parts["index"]
+    assert mem["rocksdb_block_cache"] <= parts["rocksdb"]
+    t.close()
+    ref.close()
+
+
+def test_a_shrinking_budget_compacts_the_arena_and_gives_pages_back(tmp_path):
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                      memory_bytes=96 * MiB, spill_path=str(tmp_path / "spill"))
+    t = SparseTable(cfg)
+    ref = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros"))
+    for i in range(5):
+        k = _keys(150_000, i)
+        t.push(k, np.ones((len(k), DIM), np.float32))
+        ref.push(k, np.ones((len(k), DIM), np.float32))
+    cap = t.budget.rows_cap()
+    other = t.budget.register()                       # another shard whose filters grew by 12 MiB
+    t.budget.report(other, 12 * MiB, 0)
+    assert 1024 < t.budget.rows_cap() < cap - 200_000
+    k = _keys(50_000, 99)
+    t.push(k, np.ones((len(k), DIM), np.float32))
+    ref.push(k, np.ones((len(k), DIM), np.float32))
+    st = t.stats()
+    assert st["compactions"] == 1 and st["compacted_rows"] > 0 and st["released_bytes"] > 0
+    assert st["memory"]["rows"] <= t.budget.rows_allowed() * st["row_bytes"]
+    parts = st["memory_budget"]
+    assert parts["rows"] + parts["index"] + parts["rocksdb"] + parts["growing"] + parts["reserve"] <= 96 * MiB
+    for seed in (0, 2, 4, 99):
+        probe = _keys(150_000, seed) if seed != 99 else k
+        np.testing.assert_array_equal(t.pull(probe), ref.pull(probe))
+    t.close()
+    ref.close()
+
+
+def test_a_servers_shards_share_one_budget_one_block_cache_and_report_its_parts(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.ps.hosts import SparseHost
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                      memory_bytes=128 * MiB, spill_path=str(tmp_path / "spill"))
+    host = SparseHost("emb", cfg, server=0, num_servers=1, num_vshards=64, num_local=2,
+                      pool=ThreadPoolExecutor(2))
+    budget = host.budget
+    assert budget is not None and budget.shards == 2 and all(s.budget is budget for s in host.shards)
+    for i in range(12):
+        k = _keys(150_000, i)
+        host.push(k, np.ones((len(k), DIM), np.float32), None, None, delta=False)
+    assert budget.cache is not None       # one Cache object made by the first store, used by both
+    st = host.stats()
+    assert st["rows_spilled"] > 0
+    assert max(s.stats()["rows_in_ram"] for s in host.shards) <= st["rows_cap_per_shard"]
+    parts = st["memory_budget"]
+    assert parts["rows"] == st["memory"]["rows"] and parts["index"] == st["memory"]["index"]
+    assert parts["rows"] + parts["index"] + parts["rocksdb"] + parts["growing"] + parts["reserve"] <= 128 * MiB
+    for s in host.shards:
+        s.close()
