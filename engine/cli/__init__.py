@@ -18,6 +18,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 from ..export import cli as export_cli
 from . import certs as certs_cmd, convert as convert_cmd, eval as eval_cmd, train as train_cmd
 from . import k8s as k8s_cmd
+from . import plan as plan_cmd
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,7 @@ def _build_parser() -> argparse.ArgumentParser:
     export_cli.add_subparsers(sub)
     certs_cmd.add_parser(sub)
     k8s_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     return parser
 
 
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return certs_cmd.run(args)
     if args.command == "k8s":
         return k8s_cmd.run(args)
+    if args.command == "plan":
+        return plan_cmd.run(args)
     if args.command in ("export", "predict"):
         return export_cli.run(args)
     return 2

@@ -1,0 +1,304 @@
+"""``engine plan``: bench results parsing, the sizing arithmetic against hand computation, the binding
+resource, named errors for missing figures and bad lines, ``--json``, and unique keys per batch measured
+from the shared Criteo rows.
+
+The bench rows below have the fields the bench scripts print (``bench/table_bench.py``, ``ps_bench.py``,
+``ckpt_bench.py``) with figures of the order the README reports for this 2-core machine."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.config import load_config
+from engine.errors import ConfigError
+from engine.plan import (
+    BenchResults,
+    PlanInputError,
+    busiest_share,
+    make_plan,
+    measure_unique_keys,
+    servers_for,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CTR = str(REPO / "configs" / "ctr.yaml")
+
+ROWS = [
+    {"bench": "machine", "os_cpu_count": 2, "sched_getaffinity_cpus": 2, "loadavg_1min": 0.4},
+    {"bench": "pull", "rows": 10_000_000, "dim": 16, "batch": 100_000, "keys_per_s_1_thread": 8_030_000,
+     "keys_per_s_2_threads": 14_700_000},
+    {"bench": "push", "rows": 10_000_000, "dim": 16, "batch": 100_000, "optimizer": "adagrad", "threads": 1,
+     "keys_per_s": 9_000_000},
+    {"bench": "spill", "zipf_s": 1.05, "memory_rows": 2_000_000, "universe": 20_000_000, "keys_per_s": 3_600_000,
+     "in_memory_keys_per_s": 8_700_000, "ratio_vs_in_memory": 0.414},
+    {"bench": "bytes_per_row", "rows": 10_000_000, "dim": 16, "optimizer": "adagrad", "payload_bytes_per_row": 68,
+     "bytes_per_row": 44.0},
+    {"bench": "pull", "servers": 1, "clients": 2, "dim": 16, "batch_keys": 100_000, "keys_per_s": 6_500_000},
+    {"bench": "push", "servers": 1, "clients": 2, "dim": 16, "batch_keys": 100_000, "keys_per_s": 5_000_000},
+    {"bench": "ckpt_base_save", "backend": "local", "rows": 5_000_000, "dim": 16, "optimizer": "adagrad",
+     "servers": 1, "seconds": 1.772, "mb_per_s": 250.0, "bytes": 443_000_000, "bytes_per_row": 88.6,
+     "raw_bytes_per_row": 88},
+    {"bench": "ckpt_base_restore", "backend": "local", "rows": 5_000_000, "seconds": 1.477, "mb_per_s": 300.0},
+]
+
+# one server in the hand-computed case: 16 GB RAM, 100 GB disk, 4 cores, 20 Gb/s
+SERVER = {"server_ram_bytes": 16e9, "server_disk_bytes": 100e9, "server_cores": 4, "network_gbps": 20}
+
+
+def write_bench(tmp_path, rows=ROWS, extra_lines=()) -> Path:
+    path = tmp_path / "bench.jsonl"
+    path.write_text("# a test file\n" + "".join(json.dumps(r) + "\n" for r in rows) + "".join(extra_lines))
+    return path
+
+
+def bench(tmp_path, rows=ROWS) -> BenchResults:
+    return BenchResults.read(write_bench(tmp_path, rows))
+
+
+@pytest.fixture(scope="module")
+def ctr():
+    return load_config(CTR)
+
+
+def plan_1e9(cfg, b, **kw):
+    args = dict(keys=1e9, examples_per_s=1e5, unique_keys_per_batch=1500, ram_fraction=0.25, **SERVER)
+    args.update(kw)
+    return make_plan(cfg, b, **args)
+
+
+# ------------------------------------------------------------------------------------ vshard shares
+def naive_servers_for(demand, capacity, v):
+    """Smallest n whose busiest server (ceil(v / n) of v vshards) fits, by trying every n."""
+    for n in range(1, v + 1):
+        if -(-v // n) / v * demand <= capacity:
+            return n
+    return math.ceil(demand / capacity)
+
+
+@pytest.mark.parametrize("v", [1, 7, 1024])
+def test_servers_for_matches_a_search_over_every_server_count(v):
+    for demand in [0.0, 0.5, 1.0, 1.01, 2.0, 3.0, 9.99, 33.3, 512.0, 700.0, 1023.5, 1024.0, 5000.0]:
+        assert servers_for(demand, 1.0, v) == naive_servers_for(demand, 1.0, v), (demand, v)
+
+
+def test_busiest_share_counts_the_server_with_most_vshards():
+    assert busiest_share(3, 1024) == 342 / 1024     # 1024 = 342 + 341 + 341
+    assert busiest_share(700, 1024) == 2 / 1024
+    assert busiest_share(2048, 1024) == 1 / 2048    # beyond num_vshards: an even split
+
+
+# ------------------------------------------------------------------------------------ arithmetic
+def test_plan_matches_hand_computation(tmp_path, ctr):
+    p = plan_1e9(ctr, bench(tmp_path))
+    r = {x.name: x for x in p.resources}
+    # row: dim 10 + row-wise Adagrad's 1 float -> 44 overhead + 4 * 11 = 88 B in RAM; arena record
+    # 4 * (2 + 10 + 1 + 5) = 72 B; on disk (8 + 72) * 1.2 = 96 B (no scale_summary: the assumption)
+    # RAM: 0.25e9 rows * 88 B + 0.75e9 spilled rows * 10 bits of Bloom filter = 22.9375e9 B
+    assert r["ram"].demand == pytest.approx(22.9375e9)
+    assert r["ram"].servers == 2                  # 16e9 B per server: 512 of 1024 vshards fit, 1024 do not
+    assert r["disk"].demand == pytest.approx(0.75e9 * 96)
+    assert r["disk"].servers == 1
+    # 1e5 / 128 = 781.25 steps/s x 1500 keys; capacity 6.5M (pull) and 5M (push) keys/s x 4 / 2 cores
+    # x spill factor 3.6 / 8.7
+    assert r["pull"].demand == pytest.approx(1_171_875)
+    assert r["pull"].capacity == pytest.approx(6.5e6 * 2 * 3.6 / 8.7)
+    assert r["push"].capacity == pytest.approx(5e6 * 2 * 3.6 / 8.7)
+    assert r["pull+push"].demand == pytest.approx(1_171_875 * 8.7 / 3.6 * (1 / 13e6 + 1 / 10e6))
+    # network: CTR-DNN's 430,801 dense floats both ways each step; sparse 1500 x (8 + 8 + 40 + 8) out
+    dense = 4 * 430_801
+    d = p.deployment
+    assert d["network_per_step_per_worker_bytes"] == {"to_servers": pytest.approx(1500 * 64 + dense),
+                                                      "from_servers": pytest.approx(1500 * 40 + dense)}
+    assert r["network"].servers == 1
+    assert p.servers == 2 and p.binding == ["ram"] and p.feasible
+    # 2 servers hold 512 vshards each: 5e8 keys, a quarter in RAM
+    assert d["keys_per_server"] == pytest.approx(5e8)
+    assert d["ram_per_server_bytes"] == pytest.approx(1.25e8 * 88 + 3.75e8 * 1.25)
+    assert d["disk_per_server_bytes"] == pytest.approx(3.75e8 * 96)
+    assert d["disk_total_bytes"] == pytest.approx(7.5e8 * 96)
+    # one server carries the whole dense table (1 block of 2^19 floats) and half the sparse traffic
+    assert d["network_per_server_bytes_per_s"] == pytest.approx(781.25 * (0.5 * 1500 * 64 + dense))
+    # checkpoint: 88.6 file bytes per 88 record bytes at dim 16 -> 88.6 * 64 / 88 per row here
+    ck = d["checkpoint"]
+    assert ck["base_bytes"] == pytest.approx(1e9 * 88.6 * 64 / 88)
+    assert ck["base_save_s"] == pytest.approx(0.5 * ck["base_bytes"] / 250e6)
+    assert ck["restore_s"] == pytest.approx(0.5 * ck["base_bytes"] / 300e6)
+
+
+def test_dense_traffic_over_the_network_is_infeasible_whatever_the_servers(tmp_path, ctr):
+    # 10 Gb/s = 1.25e9 B/s < 781.25 steps/s x 1.72 MB of dense parameters on the one server holding them
+    p = plan_1e9(ctr, bench(tmp_path), network_gbps=10)
+    net = next(x for x in p.resources if x.name == "network")
+    assert net.servers is None and not p.feasible
+    assert "dense" in net.note and "dense_merge_steps" in net.note
+    assert p.servers == 2                         # the other resources still plan
+
+
+@pytest.mark.parametrize("overrides, binding", [
+    ({"server_ram_bytes": 1e9}, "ram"),
+    ({"server_disk_bytes": 1e9}, "disk"),
+    ({"examples_per_s": 1e7, "server_cores": 1, "network_gbps": 2000}, "pull+push"),
+])
+def test_binding_resource_is_the_one_needing_most_servers(tmp_path, ctr, overrides, binding):
+    p = plan_1e9(ctr, bench(tmp_path), **overrides)
+    counts = {x.name: x.servers for x in p.resources}
+    assert p.servers == max(counts.values())
+    assert p.binding == [binding]
+    assert sorted(counts.values())[-2] < p.servers    # strictly: the others need fewer
+
+
+def test_budget_mode_uses_memory_rows_per_server(tmp_path):
+    cfg = load_config(CTR, [f"tables.sparse.embedding.spill_path={tmp_path / 'spill'}"])
+    p = plan_1e9(cfg, bench(tmp_path), ram_fraction=None, server_disk_bytes=1e9)
+    rows = {f.name: f.value for f in p.inputs}
+    assert rows["ram_rows_per_server"] == 10_000_000 * 4          # memory_rows x cluster.local_shards
+    # each server holds 4e7 rows in RAM + 1e9 / 96 on disk; 1e9 keys: 51 vshards fit -> 21 servers
+    disk = next(x for x in p.resources if x.name == "disk")
+    assert disk.servers == 21 == p.servers
+
+
+def test_memory_bytes_budget_bounds_the_keys_a_server_holds(tmp_path):
+    cfg = load_config(CTR, [f"tables.sparse.embedding.spill_path={tmp_path / 'spill'}",
+                            "tables.sparse.embedding.memory_bytes=4000000000"])
+    p = plan_1e9(cfg, bench(tmp_path), keys=1e10, ram_fraction=None, server_disk_bytes=1e13)
+    ram = next(x for x in p.resources if x.name == "ram")
+    # MemoryBudget(4e9 B, 4 shards, 72 B records): RocksDB 250e6 cache + 8 x 15.625e6 memtables, an index of
+    # 4 x 2^24 slots x 8 B, a 2% reserve; free 3,008,129,088 B less 4 x (2^17 + 2^15 + 1024) records, at
+    # 10 bits of spill filter per key
+    assert ram.unit == "keys" and ram.capacity == pytest.approx((3_008_129_088 - 4 * 164_864 * 72) / 1.25)
+    assert ram.servers == 5 == p.servers          # 1e10 keys: 242 of 1024 vshards fit one server
+    d = p.deployment
+    assert d["ram_per_server_bytes"] == 4e9
+    # the RAM tier holds what the filters of the server's 2.05e9 keys leave
+    left = 3_008_129_088 - int(d["keys_per_server"] * 1.25)
+    assert d["rows_in_ram_per_server"] == 4 * (left // 72 // 4 - 2**17 - 2**15)
+
+
+def test_scale_summary_replaces_the_disk_assumption(tmp_path, ctr):
+    rows = ROWS + [{"bench": "scale_summary", "target_keys": 200_000_000, "keys_held": 200_000_000,
+                    "budget_bytes": 4_000_000_000, "rss_max_over_budget": 1.3, "disk_bytes_per_row": 120.0,
+                    "record_bytes": 96, "base_save_s": 180.0, "restore_s": 150.0, "shrink_s": 40.0,
+                    "cpus_granted": 2}]
+    p = plan_1e9(ctr, bench(tmp_path, rows))
+    assert "space_amplification" not in {f.name for f in p.inputs}
+    assert not any("RocksDB's block cache" in n for n in p.notes)
+    r = {x.name: x for x in p.resources}
+    assert r["disk"].demand == pytest.approx(0.75e9 * 120 * (8 + 72) / (8 + 96))   # rescaled by record
+    assert r["ram"].demand == pytest.approx((0.25e9 * 88 + 0.75e9 * 1.25) * 1.3)
+    assert any("extrapolated" in n for n in p.notes)           # 5e8 keys per server > 2e8 held
+
+
+def test_unmeasured_rss_factor_is_left_out_not_refused(tmp_path, ctr):
+    rows = ROWS + [{"bench": "scale_summary", "keys_held": 10, "rss_max_over_budget": None}]
+    p = plan_1e9(ctr, bench(tmp_path, rows))
+    assert next(x for x in p.resources if x.name == "ram").demand == pytest.approx(0.25e9 * 88 + 0.75e9 * 1.25)
+
+
+def test_latest_row_of_a_bench_is_used_and_named(tmp_path, ctr):
+    newer = dict(ROWS[5], keys_per_s=4_000_000)
+    p = plan_1e9(ctr, bench(tmp_path, ROWS + [newer]))
+    fig = next(f for f in p.inputs if f.name == "ps_pull_keys_per_s")
+    assert fig.value == 4_000_000
+    assert "bench.jsonl:11" in fig.source and "latest of 2 rows" in fig.source
+
+
+# ------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("drop, needle", [
+    (6, "push.keys_per_s"),
+    (4, "bytes_per_row.bytes_per_row"),
+    (8, "ckpt_base_restore.mb_per_s"),
+    (3, "spill.keys_per_s"),
+])
+def test_missing_figure_names_bench_field_and_script(tmp_path, ctr, drop, needle):
+    rows = [r for i, r in enumerate(ROWS) if i != drop]
+    with pytest.raises(PlanInputError) as e:
+        plan_1e9(ctr, bench(tmp_path, rows))
+    script = {"push": "bench/ps_bench.py", "bytes_per_row": "bench/table_bench.py",
+              "ckpt_base_restore": "bench/ckpt_bench.py", "spill": "bench/table_bench.py --only spill"}
+    assert needle in str(e.value) and script[needle.split(".")[0]] in str(e.value)
+
+
+def test_spill_figures_are_not_needed_when_every_row_is_in_ram(tmp_path, ctr):
+    rows = [r for r in ROWS if r["bench"] != "spill"]
+    p = plan_1e9(ctr, bench(tmp_path, rows), ram_fraction=1.0)
+    assert next(x for x in p.resources if x.name == "disk").demand == 0
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("{not json\n", "bench.jsonl:11: not JSON"),
+    ('{"rows": 3}\n', "bench.jsonl:11: expected a JSON object with a string 'bench'"),
+    ("[1, 2]\n", "bench.jsonl:11: expected a JSON object"),
+])
+def test_malformed_line_is_named_with_file_and_line(tmp_path, line, needle):
+    with pytest.raises(PlanInputError, match=needle):
+        BenchResults.read(write_bench(tmp_path, extra_lines=[line]))
+
+
+def test_non_numeric_figure_is_named_with_its_line(tmp_path, ctr):
+    rows = [dict(r, keys_per_s="fast") if r["bench"] == "pull" and "servers" in r else r for r in ROWS]
+    with pytest.raises(PlanInputError, match=r"bench.jsonl:7: pull.keys_per_s must be a finite number"):
+        plan_1e9(ctr, bench(tmp_path, rows))
+
+
+def test_unique_keys_above_batch_times_slots_is_refused(tmp_path, ctr):
+    with pytest.raises(PlanInputError, match="batch_size x slots = 128 x 26"):
+        plan_1e9(ctr, bench(tmp_path), unique_keys_per_batch=128 * 26 + 1)
+
+
+def test_word2vec_needs_a_table_and_the_unique_keys(tmp_path):
+    cfg = load_config(REPO / "configs" / "word2vec.yaml")
+    with pytest.raises(ConfigError, match=r"\['syn0', 'syn1neg'\].*--table"):
+        plan_1e9(cfg, bench(tmp_path))
+    with pytest.raises(PlanInputError, match="--unique-keys-per-batch"):
+        plan_1e9(cfg, bench(tmp_path), table="syn0", unique_keys_per_batch=None)
+
+
+# ------------------------------------------------------------------------------------ the CLI
+def cli_args(path, *more):
+    return ["plan", CTR, "--keys", "1e9", "--examples-per-s", "1e5", "--unique-keys-per-batch", "1500",
+            "--bench-results", str(path), "--ram-fraction", "0.25", "--server-ram-gb", "16",
+            "--server-disk-gb", "100", "--server-cores", "4", "--network-gbps", "20", *more]
+
+
+def test_cli_prints_the_plan_with_its_sources(tmp_path, capsys):
+    path = write_bench(tmp_path)
+    assert main(cli_args(path, "--workers", "8")) == 0
+    out = capsys.readouterr().out
+    assert "binding: ram -> 2 servers" in out
+    assert f"{path}:7 pull.keys_per_s" in out                     # the figure beside its source
+    assert "space_amplification" in out and "assumption" in out
+    assert "network per worker" in out
+
+
+def test_cli_json_round_trips(tmp_path, capsys, ctr):
+    path = write_bench(tmp_path)
+    assert main(cli_args(path, "--json")) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = plan_1e9(ctr, BenchResults.read(path)).to_dict()
+    want["config"] = CTR
+    assert got == json.loads(json.dumps(want))
+    assert got["servers"] == 2 and got["binding"] == ["ram"] and got["feasible"] is True
+
+
+def test_cli_bad_input_exits_2_with_one_named_line(tmp_path, capsys):
+    assert main(cli_args(tmp_path / "missing.jsonl")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("engine plan: bench results") and "missing.jsonl" in err[0]
+    assert main(cli_args(write_bench(tmp_path), "--keys", "0")) == 2
+    assert "--keys must be > 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ real data
+def test_unique_keys_measured_from_the_shared_criteo_rows(shared_data, monkeypatch, ctr):
+    if not (shared_data / "criteo" / "train.txt").is_file():
+        pytest.skip("no shared Criteo rows")
+    monkeypatch.chdir(REPO)                                       # the config's data path is relative
+    fig = measure_unique_keys(ctr, batches=5)
+    B, S = ctr.model.params.batch_size, len(ctr.model.params.slots)
+    assert fig.kind == "measured" and "mean of 5 batches of 128 rows" in fig.source
+    # every slot has its own key prefix, so a batch has at least S unique keys; repeats keep it below B x S
+    assert S < fig.value < B * S
