@@ -713,7 +713,7 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     RuntimeError
         The address could not be bound.
     """
-    _malloc.tune()
+    _malloc.tune(budgeted=any(h.config.memory_bytes for h in core.sparse.values()))
     core.barriers.max_lingering = max(0, threads // 2)
     interceptors = []
     if security is not None and security.tokens is not None:

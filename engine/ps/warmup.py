@@ -61,7 +61,9 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
 
     t0 = time.perf_counter()
     spill_dir = tempfile.TemporaryDirectory(prefix="engine-warm-up-")
-    sparse = {n: dataclasses.replace(c, spill_path=os.path.join(spill_dir.name, n), memory_rows=_SPILL_ROWS)
+    # memory_bytes off: a budget would size (and touch) the real index for a throw-away table
+    sparse = {n: dataclasses.replace(c, spill_path=os.path.join(spill_dir.name, n), memory_rows=_SPILL_ROWS,
+                                     memory_bytes=0)
               if c.spill_path else c for n, c in sparse.items()}
     servers = [PSServer(sparse, dense, index=i, num_servers=2, num_vshards=64,
                         local_shards=local_shards)

@@ -1,0 +1,278 @@
+"""Scale: one server grows its table to 100M+ keys under a memory budget, through the real gRPC path.
+
+Deliberate, never in CI (it writes ~25 GB at full size). One server process (``engine train --role
+server``, local launcher), 2 client processes, one table: dim 16, Adagrad, ``memory_bytes`` = 4 GB
+(``--quick``: 10M keys, 1 GB, so the RAM tier still fills). Each client step pulls and then pushes one
+batch of 100k keys: 70% drawn Zipf(1.05) over the keys seen so far (rank r is the r-th key ever
+made, so old keys are the hot ones) and 30% keys never seen. Every 10% of the target the bench prints a
+``scale`` row:
+
+    keys             distinct keys made so far (both clients)
+    rss_bytes        the server's resident set (VmRSS) now
+    disk_bytes       the spill directory's bytes on disk (du)
+    pull_keys_per_s  keys pulled per second in the interval (both clients, wall time)
+    push_keys_per_s  keys pushed per second in the interval
+    p99_pull_ms      99th percentile of a pull call in the interval (client side)
+    elapsed_s        since the first step
+
+and at the end one ``scale_summary`` row: ``keys_held`` (the server's rows), ``rss_max_over_budget``
+(the largest RSS sampled every 0.5 s after the RAM tier first spilled / the budget; target <= 1.1),
+``throughput_ratio_last_vs_first_full`` (pull keys/s of the last row / of the first row after the RAM
+tier filled; target >= 0.7), ``disk_bytes_per_row`` (RocksDB's files / keys, compaction's space
+amplification included; the record is 96 bytes at dim 16 Adagrad), ``base_save_s`` and ``restore_s``
+(a base checkpoint of the whole table to local disk and its restore into a fresh server; target >= 1M
+rows/s each, also given as ``*_rows_per_s``), ``shrink_s`` (an expiry pass over all rows), and the
+server's memory parts (``memory``, ``memory_budget``) from its Stats.
+
+The free disk is checked first (a row costs ~115 bytes in RocksDB and a base save as much again); when
+it is short the bench says so and stops.
+
+    python bench/scale_bench.py [--quick] [--keys N] [--budget-gb G] [--work DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+DIM = 16
+BATCH = 100_000
+NEW_FRACTION = 0.3
+ZIPF_S = 1.05
+DISK_BYTES_PER_KEY = 2 * 115 + 20      # RocksDB + a base save, with room for compaction's files
+
+
+def key_of(ids: np.ndarray) -> np.ndarray:
+    """The uint64 key of each id (splitmix64: ids 0, 1, 2 ... become scattered keys)."""
+    with np.errstate(over="ignore"):
+        z = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def client_main(args) -> None:
+    """One client: steps until the clients together made ``--keys`` keys; one JSON line per step."""
+    from engine.ps import PSClient
+    rng = np.random.default_rng(1000 + args.rank)
+    c = PSClient(args.endpoints.split(","), name=f"scale{args.rank}")
+    n_new = int(BATCH * NEW_FRACTION)
+    made = 0                     # ids this client made: rank, rank + 2, rank + 4, ...
+    grads = np.full((BATCH, DIM), 0.001, np.float32)
+    mine = args.keys // 2
+    while made < mine:
+        seen = max(1, 2 * made)
+        hot = (rng.zipf(ZIPF_S, BATCH - n_new) - 1) % seen           # ranks over ids seen by both
+        new = args.rank + 2 * np.arange(made, min(mine, made + n_new))
+        made += len(new)
+        keys = np.unique(key_of(np.concatenate([hot, new])))
+        t0 = time.perf_counter()
+        c.pull("emb", keys, init_missing=True)
+        t1 = time.perf_counter()
+        c.push("emb", keys, grads[:len(keys)])
+        t2 = time.perf_counter()
+        print(json.dumps({"rank": args.rank, "made": int(len(new)), "keys": int(len(keys)), "pull_s": t1 - t0,
+                          "push_s": t2 - t1, "t": t2}), flush=True)
+    c.close()
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass        # a compaction removed it
+    return total
+
+
+def table_stats(client) -> dict:
+    """The bench table's statistics on server 0 (its Stats RPC)."""
+    return client.stats()[0]["sparse"]["emb"]
+
+
+def interval_row(window: list[dict], keys: int, pid: int, work: Path, budget: int, t_start: float,
+                 spilled: bool) -> dict:
+    """One ``scale`` row from the client steps of an interval. A client's rate is its keys over the
+    time it spent in that call; the row sums the two clients' rates (they call concurrently)."""
+    def rate(op: str) -> float:
+        total = 0.0
+        for r in (0, 1):
+            mine = [s for s in window if s["rank"] == r]
+            t = sum(s[op] for s in mine)
+            total += sum(s["keys"] for s in mine) / t if t > 0 else 0.0
+        return total
+    return {"bench": "scale", "keys": keys, "rss_bytes": rss_bytes(pid), "disk_bytes": dir_bytes(work / "spill"),
+            "pull_keys_per_s": round(rate("pull_s")), "push_keys_per_s": round(rate("push_s")),
+            "p99_pull_ms": round(1e3 * float(np.percentile([s["pull_s"] for s in window], 99)), 1)
+            if window else None,
+            "max_pull_ms": round(1e3 * max(s["pull_s"] for s in window), 1) if window else None,
+            "elapsed_s": round(time.perf_counter() - t_start, 1), "budget_bytes": budget,
+            "ram_tier_spilled": spilled}
+
+
+def emit(rec: dict) -> None:
+    print(json.dumps(rec), flush=True)
+
+
+def config(work: Path, budget: int):
+    from engine.config import from_dict
+    return from_dict({
+        "cluster": {"servers": 1, "workers": 2},
+        "tables": {"sparse": {"emb": {"dim": DIM, "optimizer": "adagrad", "learning_rate": 0.05,
+                                      "memory_bytes": budget, "spill_path": str(work / "spill")}}},
+        "checkpoint": {"root": str(work / "ckpt")}})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10M keys, a 1 GB budget")
+    ap.add_argument("--keys", type=int, default=0, help="target distinct keys (default 100M; quick 10M)")
+    ap.add_argument("--budget-gb", type=float, default=0.0, help="memory_bytes in GB (default 4; quick 1)")
+    ap.add_argument("--work", default=str(REPO / "runs" / "scale"))
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.keys = args.keys or (10_000_000 if args.quick else 100_000_000)
+    if args.client:
+        client_main(args)
+        return 0
+    budget = int((args.budget_gb or (1.0 if args.quick else 4.0)) * 1e9)
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    need = args.keys * DISK_BYTES_PER_KEY
+    free = shutil.disk_usage(work).free
+    if free < need:
+        emit({"bench": "scale_disk_short", "free_bytes": free, "needed_bytes": need, "keys": args.keys,
+              "work": str(work)})
+        print(f"scale_bench: {work} has {free / 1e9:.1f} GB free; {args.keys} keys need about "
+              f"{need / 1e9:.1f} GB (RocksDB ~115 B per key and a base save as much again): choose "
+              f"--work on a larger disk or fewer --keys", file=sys.stderr)
+        return 1
+    from engine.checkpoint import CheckpointManager
+    from engine.launch.local import LocalCluster
+    from engine.ps import PSClient
+    cfg = config(work, budget)
+    out = {}
+    with LocalCluster(cfg, work / "run") as cl:
+        eps = cl.start_servers()
+        pid = cl.pids()[0]
+        admin = PSClient(eps, name="scale-admin")
+        clients = [subprocess.Popen([sys.executable, __file__, "--client", "--rank", str(r), "--endpoints",
+                                     ",".join(eps), "--keys", str(args.keys)],
+                                    stdout=subprocess.PIPE, text=True) for r in range(2)]
+        lock = threading.Lock()
+        steps: list[dict] = []
+
+        def read(p):
+            for line in p.stdout:
+                with lock:
+                    steps.append(json.loads(line))
+        readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in clients]
+        for t in readers:
+            t.start()
+        rss_max = [0, False]        # max RSS once the RAM tier spilled, and whether it has
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.5):
+                r = rss_bytes(pid)
+                if rss_max[1]:
+                    rss_max[0] = max(rss_max[0], r)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t_start = time.perf_counter()
+        rows, first_full = [], None
+        seen, mark, taken, since = 0, args.keys // 10, 0, 0
+        while True:
+            running = any(p.poll() is None for p in clients)
+            with lock:
+                new_steps, taken = steps[taken:], len(steps)
+            seen += sum(s["made"] for s in new_steps)
+            if not rss_max[1] and new_steps:
+                rss_max[1] = table_stats(admin)["rows_spilled"] > 0
+            if seen >= mark or (not running and since < taken):
+                with lock:
+                    window = steps[since:taken]
+                since = taken
+                rec = interval_row(window, seen, pid, work, budget, t_start, rss_max[1])
+                emit(rec)
+                rows.append(rec)
+                if rec["ram_tier_spilled"] and first_full is None:
+                    first_full = rec
+                mark = (seen // (args.keys // 10) + 1) * (args.keys // 10)
+            if not running and since >= len(steps):
+                break
+            time.sleep(0.2)
+        done.set()
+        for p in clients:
+            if p.wait() != 0:
+                raise SystemExit(f"scale_bench: client exited with {p.returncode}")
+        table = table_stats(admin)
+        out.update(rows_in_ram=table["rows_in_ram"], keys_held=table["rows"], memory=table.get("memory"), memory_budget=table.get("memory_budget"))
+        disk = dir_bytes(work / "spill")
+        t0 = time.perf_counter()
+        mgr = CheckpointManager(str(work / "ckpt"), "scale")
+        mgr.save(admin, "base", when=0.0)
+        out["base_save_s"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        out["shrink_rows_deleted"] = admin.shrink("emb")
+        out["shrink_s"] = round(time.perf_counter() - t0, 1)
+        admin.close()
+        cl.stop_servers()
+    shutil.rmtree(work / "spill", ignore_errors=True)
+    cfg2 = config(work, budget)
+    with LocalCluster(cfg2, work / "run2") as cl:
+        eps = cl.start_servers()
+        with PSClient(eps, name="scale-restore") as c:
+            t0 = time.perf_counter()
+            CheckpointManager(str(work / "ckpt"), "scale").restore(c)
+            out["restore_s"] = round(time.perf_counter() - t0, 1)
+            restored = table_stats(c)["rows"]
+        cl.stop_servers()
+    last = rows[-1]
+    summary = {
+        "bench": "scale_summary", "target_keys": args.keys, "keys_held": out["keys_held"],
+        "keys_restored": restored, "budget_bytes": budget,
+        "rss_max_over_budget": round(rss_max[0] / budget, 3) if rss_max[0] else None,
+        "throughput_ratio_last_vs_first_full": (round(last["pull_keys_per_s"] / first_full["pull_keys_per_s"], 3)
+                                                if first_full else None),
+        "first_full_keys": first_full["keys"] if first_full else None,
+        # the RAM tier's growth (no rehash or arena copy under a budget): the longest pull until it filled
+        "max_pull_ms_while_ram_tier_grows": max((r["max_pull_ms"] or 0) for r in rows[:rows.index(first_full) + 1])
+        if first_full else None,
+        "ram_rows_at_full": out["rows_in_ram"],
+        "disk_bytes_per_row": round(disk / max(1, out["keys_held"]), 1), "record_bytes": 96,
+        "base_save_s": out["base_save_s"], "base_save_rows_per_s": round(out["keys_held"] / out["base_save_s"]),
+        "restore_s": out["restore_s"], "restore_rows_per_s": round(restored / out["restore_s"]),
+        "shrink_s": out["shrink_s"], "memory": out["memory"], "memory_budget": out["memory_budget"],
+        "cpus_granted": len(os.sched_getaffinity(0))}
+    emit(summary)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
