@@ -13,9 +13,15 @@ made, so old keys are the hot ones) and 30% keys never seen. Every 10% of the ta
     pull_keys_per_s  keys pulled per second in the interval (both clients, wall time)
     push_keys_per_s  keys pushed per second in the interval
     p99_pull_ms      99th percentile of a pull call in the interval (client side)
+    max_pull_ms      the longest pull in the interval (a client's first 5 steps excluded)
     elapsed_s        since the first step
+    rows_in_ram      the RAM tier's rows (server Stats)
+    rocksdb          RocksDB's running compactions, pending compaction bytes, level-0 files and write
+                     stalls at the end of the interval: the p99 above is measured while it compacts
 
-and at the end one ``scale_summary`` row: ``keys_held`` (the server's rows), ``rss_max_over_budget``
+and at the end one ``scale_summary`` row: ``keys_held`` (the server's rows), ``server_rss_at_start``
+(the server process before any row: Python, numpy, Numba's compiled kernels, gRPC; the constant RSS
+has beyond the budget), ``rss_max_bytes`` and ``rss_max_over_budget``
 (the largest RSS sampled every 0.5 s after the RAM tier first spilled / the budget; target <= 1.1),
 ``throughput_ratio_last_vs_first_full`` (pull keys/s of the last row / of the first row after the RAM
 tier filled; target >= 0.7), ``disk_bytes_per_row`` (RocksDB's files / keys, compaction's space
@@ -49,6 +55,7 @@ sys.path.insert(0, str(REPO))
 DIM = 16
 BATCH = 100_000
 NEW_FRACTION = 0.3
+WARMUP_STEPS = 5                       # a client's first steps (connections, first-touch) are not timed for max_pull_ms
 ZIPF_S = 1.05
 DISK_BYTES_PER_KEY = 2 * 115 + 20      # RocksDB + a base save, with room for compaction's files
 
@@ -71,7 +78,9 @@ def client_main(args) -> None:
     made = 0                     # ids this client made: rank, rank + 2, rank + 4, ...
     grads = np.full((BATCH, DIM), 0.001, np.float32)
     mine = args.keys // 2
+    step = -1
     while made < mine:
+        step += 1
         seen = max(1, 2 * made)
         hot = (rng.zipf(ZIPF_S, BATCH - n_new) - 1) % seen           # ranks over ids seen by both
         new = args.rank + 2 * np.arange(made, min(mine, made + n_new))
@@ -82,7 +91,7 @@ def client_main(args) -> None:
         t1 = time.perf_counter()
         c.push("emb", keys, grads[:len(keys)])
         t2 = time.perf_counter()
-        print(json.dumps({"rank": args.rank, "made": int(len(new)), "keys": int(len(keys)), "pull_s": t1 - t0,
+        print(json.dumps({"rank": args.rank, "step": step, "made": int(len(new)), "keys": int(len(keys)), "pull_s": t1 - t0,
                           "push_s": t2 - t1, "t": t2}), flush=True)
     c.close()
 
@@ -122,11 +131,12 @@ def interval_row(window: list[dict], keys: int, pid: int, work: Path, budget: in
             t = sum(s[op] for s in mine)
             total += sum(s["keys"] for s in mine) / t if t > 0 else 0.0
         return total
+    warm = [s for s in window if s["step"] >= WARMUP_STEPS]
     return {"bench": "scale", "keys": keys, "rss_bytes": rss_bytes(pid), "disk_bytes": dir_bytes(work / "spill"),
             "pull_keys_per_s": round(rate("pull_s")), "push_keys_per_s": round(rate("push_s")),
             "p99_pull_ms": round(1e3 * float(np.percentile([s["pull_s"] for s in window], 99)), 1)
             if window else None,
-            "max_pull_ms": round(1e3 * max(s["pull_s"] for s in window), 1) if window else None,
+            "max_pull_ms": round(1e3 * max(s["pull_s"] for s in warm), 1) if warm else None,
             "elapsed_s": round(time.perf_counter() - t_start, 1), "budget_bytes": budget,
             "ram_tier_spilled": spilled}
 
@@ -180,6 +190,7 @@ def main(argv=None) -> int:
         eps = cl.start_servers()
         pid = cl.pids()[0]
         admin = PSClient(eps, name="scale-admin")
+        rss_at_start = rss_bytes(pid)
         clients = [subprocess.Popen([sys.executable, __file__, "--client", "--rank", str(r), "--endpoints",
                                      ",".join(eps), "--keys", str(args.keys)],
                                     stdout=subprocess.PIPE, text=True) for r in range(2)]
@@ -218,6 +229,8 @@ def main(argv=None) -> int:
                     window = steps[since:taken]
                 since = taken
                 rec = interval_row(window, seen, pid, work, budget, t_start, rss_max[1])
+                ts = table_stats(admin)
+                rec.update(rows_in_ram=ts["rows_in_ram"], rocksdb=ts.get("rocksdb"))
                 emit(rec)
                 rows.append(rec)
                 if rec["ram_tier_spilled"] and first_full is None:
@@ -255,7 +268,8 @@ def main(argv=None) -> int:
     last = rows[-1]
     summary = {
         "bench": "scale_summary", "target_keys": args.keys, "keys_held": out["keys_held"],
-        "keys_restored": restored, "budget_bytes": budget,
+        "keys_restored": restored, "budget_bytes": budget, "server_rss_at_start": rss_at_start,
+        "rss_max_bytes": rss_max[0],
         "rss_max_over_budget": round(rss_max[0] / budget, 3) if rss_max[0] else None,
         "throughput_ratio_last_vs_first_full": (round(last["pull_keys_per_s"] / first_full["pull_keys_per_s"], 3)
                                                 if first_full else None),

@@ -98,7 +98,9 @@ class TableConfig:
     show_click_decay : float
         Factor applied to show and click at every ``shrink`` (Paddle's show_click_decay_rate).
     spill_low_watermark : float
-        Fraction of ``memory_rows`` an eviction pass brings RAM down to.
+        Fraction of the RAM tier's cap (``memory_rows``, or what ``memory_bytes`` leaves) an eviction
+        pass brings RAM down to, writing at most 65536 rows more than it takes to get under the cap
+        (``table.EVICT_PASS_ROWS``), so one pass never holds requests for long.
     num_threads : int
         Threads a large pull is split across (the kernels release the GIL).
     """

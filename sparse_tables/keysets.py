@@ -131,7 +131,8 @@ class SortedKeySet:
     def _merge(self) -> None:
         if not self._tail:
             return
-        tail = np.unique(np.concatenate(self._tail))
+        tail = np.concatenate(self._tail)
+        tail.sort()
         merged = np.concatenate([self._sorted, tail])
         merged.sort(kind="stable")            # two sorted runs: timsort merges them in one pass
         if len(merged) > 1:

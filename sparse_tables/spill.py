@@ -300,6 +300,21 @@ class SpillStore:
         self.reads = 0
         self.writes = 0
 
+    def compaction(self) -> dict:
+        """RocksDB's background work now: ``running_compactions``, ``pending_compaction_bytes``,
+        ``level0_files``, ``write_stopped`` (0/1) and ``delayed_write_rate`` (bytes/s; 0: no stall)."""
+        out = {}
+        for name, prop in (("running_compactions", "rocksdb.num-running-compactions"),
+                           ("pending_compaction_bytes", "rocksdb.estimate-pending-compaction-bytes"),
+                           ("level0_files", "rocksdb.num-files-at-level0"),
+                           ("write_stopped", "rocksdb.is-write-stopped"),
+                           ("delayed_write_rate", "rocksdb.actual-delayed-write-rate")):
+            try:
+                out[name] = int(self._db.property_int_value(prop) or 0)
+            except Exception:  # property names vary across RocksDB builds
+                out[name] = 0
+        return out
+
     def memory(self) -> dict:
         """RocksDB's own memory now, bytes: ``rocksdb_block_cache`` (the whole cache, shared by every
         store of a budget; index and filter blocks included), ``rocksdb_memtables``,
@@ -323,10 +338,14 @@ class SpillStore:
         new_mask : bool[m], True where the key was not in the database before (keeps ``count``)."""
         if len(keys) == 0:
             return
+        # in key order: RocksDB's memtable (a skiplist) inserts sorted keys 2-10x faster than random
+        # ones (200k rows of 96 bytes: 1.1-2.1 us per row random, 0.1-0.5 us sorted)
+        order = np.argsort(keys)
         wb = WriteBatch(raw_mode=True)
-        vals = np.ascontiguousarray(records, dtype="<u4").view(f"V{4 * self.stride}").ravel().tolist()
-        for k, v in zip(_key_bytes(keys), vals):
-            wb.put(k, v)
+        put = wb.put
+        vals = np.ascontiguousarray(records[order], dtype="<u4").view(f"V{4 * self.stride}").ravel().tolist()
+        for k, v in zip(_key_bytes(keys[order]), vals):
+            put(k, v)
         self._db.write(wb, self._write_opts)
         self._bloom.add(np.ascontiguousarray(keys[new_mask], dtype=np.uint64))
         self.count += int(new_mask.sum())
@@ -361,8 +380,9 @@ class SpillStore:
         if len(keys) == 0:
             return
         wb = WriteBatch(raw_mode=True)
-        for k in _key_bytes(keys):
-            wb.delete(k)
+        delete = wb.delete
+        for k in _key_bytes(np.sort(keys)):
+            delete(k)
         self._db.write(wb, self._write_opts)
         self.count -= len(keys)
 

@@ -33,6 +33,8 @@ import pyarrow as pa
 from . import _kernels as K
 from ._arena import big_array as _big_array, pow2 as _pow2, release_from
 from ._compact import compact_arena
+from ._evict import sample_lru
+from ._inputs import check_keys as _check_keys, check_vector as _check_vector, record_keys as _record_keys
 from ._optimizers import HP_SIZE
 from .budget import HEADROOM_ROWS, MemoryBudget
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 MAX_LOAD = 0.8            # index load factor that triggers a rehash into twice the slots
 PARALLEL_PULL_MIN = 16384  # keys per thread below which a pull runs on the calling thread
 TICK_REBASE = 1 << 31
+EVICT_PASS_ROWS = 1 << 16           # rows an eviction pass may write beyond what brings RAM under its cap
+SAMPLED_LRU_MIN_ROWS = 1 << 20      # RAM tiers from this size choose eviction victims by sampling
+LRU_SAMPLES_PER_VICTIM = 8
 FULL_WARNING_INTERVAL_S = 60.0   # a full table (max_rows) logs at most one warning per interval and name
 
 
@@ -120,6 +125,7 @@ class SparseTable:
         self._spilled_dirty = SortedKeySet()   # 8 bytes per key: it grows with the keys on disk
         self._deleted: list[np.ndarray] = []
         self._tick = 1
+        self._evict_seed = 0
         self._lock = RWLock()
         self._stats_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -333,7 +339,8 @@ class SparseTable:
         ``sketch``, and RocksDB's measured ``rocksdb_block_cache`` (shared: the whole cache),
         ``rocksdb_memtables``, ``rocksdb_table_readers``), with a budget ``memory_budget`` (the
         server's parts, ``MemoryBudget.parts``) and ``rows_cap``; ``compactions``,
-        ``compacted_rows``, ``released_bytes`` (arena pages given back under a budget),
+        ``compacted_rows``, ``released_bytes`` (arena pages given back under a budget), ``rocksdb``
+        (spilling tables: RocksDB's compactions and write stalls, ``SpillStore.compaction``),
         ``ram_bytes`` (arena rows in use, index, sketch, filters), ``disk_bytes``, ``pull_keys``,
         ``pull_hits``/``pull_misses`` (RAM), ``push_keys``, ``created``, ``rejected`` (not admitted),
         ``rows_refused_full`` (new keys refused because the table held ``max_rows`` rows), ``max_rows``
@@ -357,6 +364,8 @@ class SparseTable:
             "filters": self._spill.bloom_bytes if self._spill is not None else 0,
             "dirty_keys": self._spilled_dirty.nbytes, "sketch": self._sketch.nbytes,
             **(self._spill.memory() if self._spill is not None else {})}
+        if self._spill is not None:
+            out["rocksdb"] = self._spill.compaction()
         if self._budget is not None:
             out["memory_budget"] = self._budget.parts()
             out["rows_cap"] = self._budget.rows_cap()
@@ -644,7 +653,10 @@ class SparseTable:
             cap = self._budget.rows_cap()
         nram = int(self._state[K.S_NRAM])
         if nram > cap:
-            self._evict(nram - int(cap * self.config.spill_low_watermark))
+            # down to the low watermark, but at most EVICT_PASS_ROWS past the cap per call: a call then
+            # writes about what it added, and no request waits behind one pass of a tenth of the tier
+            k = nram - int(cap * self.config.spill_low_watermark)
+            self._evict(min(k, max(nram - cap, EVICT_PASS_ROWS)))
         if self._budget is not None:
             self._fit_budget(cap)
 
@@ -670,12 +682,19 @@ class SparseTable:
         """Write the k least recently used RAM rows to RocksDB (only rows not already there unchanged)
         and drop them from RAM. Lock held exclusively; spill tier present; 0 < k <= rows in RAM."""
         nram = int(self._state[K.S_NRAM])
-        rows = np.empty(nram, np.int64)
-        ticks = np.empty(nram, np.uint32)
-        K.lru_ticks(self._arena_u, self._state, self._lay, rows, ticks)
-        threshold = np.partition(ticks, k - 1)[k - 1]
         sel = np.empty(k, np.int64)
-        K.select_lru(rows, ticks, threshold, k, sel)
+        if nram >= SAMPLED_LRU_MIN_ROWS and nram >= 8 * k:
+            # a big RAM tier: sampled LRU, O(k) instead of a scan of every row's tick (sparse_tables._evict)
+            self._evict_seed += 1
+            k = sample_lru(self._arena_u, self._state, self._lay, k, LRU_SAMPLES_PER_VICTIM,
+                           np.uint64(self._evict_seed), sel)
+            sel = sel[:k]
+        else:
+            rows = np.empty(nram, np.int64)
+            ticks = np.empty(nram, np.uint32)
+            K.lru_ticks(self._arena_u, self._state, self._lay, rows, ticks)
+            threshold = np.partition(ticks, k - 1)[k - 1]
+            K.select_lru(rows, ticks, threshold, k, sel)
         records = np.empty((k, self.layout.stride), np.uint32)
         K.gather_records(self._arena_u, sel, records)
         keys = _record_keys(records)
@@ -779,22 +798,4 @@ class SparseTable:
         with self._stats_lock:
             for k, v in kw.items():
                 self._counters[k] += int(v)
-
-
-def _check_keys(keys) -> np.ndarray:
-    if not isinstance(keys, np.ndarray) or keys.dtype != np.uint64 or keys.ndim != 1:
-        got = f"{keys.dtype}{list(keys.shape)}" if isinstance(keys, np.ndarray) else type(keys).__name__
-        raise TableInputError(f"keys: expected a uint64[n] array, got {got}")
-    return np.ascontiguousarray(keys)
-
-
-def _check_vector(arr, n: int, name: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.shape != (n,):
-        got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
-        raise TableInputError(f"{name}: expected float32[{n}] (one count per key), got {got}")
-    return np.ascontiguousarray(arr)
-
-
-def _record_keys(records: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(records[:, :2]).view(np.uint64).reshape(-1)
 

@@ -247,6 +247,8 @@ class SparseHost:
         if "rocksdb_block_cache" in memory and self.budget is not None:
             memory["rocksdb_block_cache"] = per[0]["memory"]["rocksdb_block_cache"]   # one shared cache
         total["memory"] = memory
+        if "rocksdb" in per[0]:
+            total["rocksdb"] = {k: sum(p["rocksdb"][k] for p in per) for k in per[0]["rocksdb"]}
         if self.budget is not None:
             total["memory_budget"] = self.budget.parts()
             total["rows_cap_per_shard"] = self.budget.rows_cap()
