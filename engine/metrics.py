@@ -9,6 +9,13 @@ merged counts, never as an average of per-worker AUCs. With 2^20 buckets the res
 exact rank-based AUC by less than 1e-4 on continuous predictions.
 
 COPC (click over predicted click) = actual clicks / sum of predicted probabilities, 1.0 when calibrated.
+
+Accuracy at the threshold 0.5 (predicted class 1 when ``p >= 0.5``) is exact, not an approximation:
+with an even ``num_buckets`` 0.5 is a bucket edge, so every bucket lies wholly on one side of it and
+the histogram counts the correct predictions exactly (see ``BinaryMetrics.accuracy``).
+
+Per-group metrics (GAUC, the positive/negative order ratio) cannot come from these global histograms:
+see ``engine.group_metrics``.
 """
 from __future__ import annotations
 
@@ -120,10 +127,34 @@ class BinaryMetrics:
         area = np.sum(neg * (cum_pos_before + 0.5 * pos))
         return float(area / (tp * fp))
 
+    def accuracy(self) -> float:
+        """Fraction of examples classified right at the threshold 0.5: predicted positive when
+        ``p >= 0.5``, positive when ``label > 0.5`` (for 0/1 labels this is
+        ``sklearn.metrics.accuracy_score(labels, probs >= 0.5)``). NaN when nothing has been seen or
+        ``num_buckets`` is odd.
+
+        Exact, because 0.5 is a bucket edge when ``nb = num_buckets`` is even: the bucket of ``p`` is
+        ``min(floor(fl(p * nb)), nb - 1)`` (``fl``: float64 rounding; float32 inputs widen exactly), and
+        ``p >= 0.5`` if and only if that bucket is ``>= nb / 2``. For ``p >= 0.5``, ``fl(p * nb) >= nb / 2``
+        since rounding is monotone and ``nb / 2`` is a double. For ``p < 0.5``, ``p <= 0.5 - 2^-54``, so the
+        exact product is at least ``(nb / 2) * 2^-53`` below ``nb / 2``: more than half a unit in the last
+        place of the doubles just below ``nb / 2`` (or exact, when ``nb / 2`` is a power of two), so it
+        rounds below ``nb / 2``. Hence ``accuracy = (positives in buckets >= nb/2 + negatives in buckets <
+        nb/2) / count`` counts every example on its own side, whatever the resolution; it merges exactly
+        across workers like the histograms. With an odd ``num_buckets`` the middle bucket straddles 0.5
+        and NaN is returned rather than a rounded answer.
+        """
+        if self.count == 0 or self.num_buckets % 2:
+            return float("nan")
+        half = self.num_buckets // 2
+        correct = int(self.pos[half:].sum()) + int(self.neg[:half].sum())
+        return correct / self.count
+
     def summary(self) -> dict:
-        """``auc``, ``logloss``, ``pred_ctr``, ``actual_ctr``, ``copc``, ``count``."""
+        """``auc``, ``logloss``, ``pred_ctr``, ``actual_ctr``, ``copc``, ``accuracy`` (at 0.5, exact),
+        ``count``."""
         n = max(self.count, 1)
         return {"auc": self.auc(), "logloss": self.loss_sum / n, "pred_ctr": self.pred_sum / n,
                 "actual_ctr": self.label_sum / n,
                 "copc": self.label_sum / self.pred_sum if self.pred_sum > 0 else float("nan"),
-                "count": self.count}
+                "accuracy": self.accuracy(), "count": self.count}
