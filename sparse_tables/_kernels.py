@@ -530,6 +530,7 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
     soff = lay[L_STATE]
     moff = lay[L_META]
     use_admission = sketch.shape[0] > 0
+    counted = ucounts.shape[0] > 0      # empty: every key occurred once (a push without duplicates)
     created = 0
     rejected = 0
     mask = U64(index.shape[0] - 1)
@@ -576,7 +577,8 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
         if r < 0:
             if state[S_NRAM] >= max_rows or (state[S_FREE_HEAD] < 0 and state[S_NEXT] >= arena_u.shape[0]):
                 return created, rejected, i
-            if use_admission and not admit(sketch, key, np.int64(ucounts[i]), min_count, admit_p, seed):
+            count = np.int64(ucounts[i]) if counted else np.int64(1)
+            if use_admission and not admit(sketch, key, count, min_count, admit_p, seed):
                 out_rows[i] = -1
                 rejected += 1
                 continue
@@ -599,7 +601,7 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
             arena_f[r, moff + M_SHOW] += ushows[i]
             arena_f[r, moff + M_CLICK] += uclicks[i]
         else:
-            arena_f[r, moff + M_SHOW] += np.float32(ucounts[i])
+            arena_f[r, moff + M_SHOW] += np.float32(ucounts[i]) if counted else np.float32(1.0)
         arena_u[r, moff + M_SEEN] = now_s
         arena_u[r, moff + M_TICK] = tick
         arena_u[r, moff + M_FLAGS] = (arena_u[r, moff + M_FLAGS] | F_DIRTY) & ~F_SYNCED

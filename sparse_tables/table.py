@@ -530,7 +530,7 @@ class SparseTable:
                                   f"non-negative shows/clicks, got a NaN, Inf or negative count")
         if nu == n:  # no duplicates (the usual case after a client's dedup): use the inputs as they are
             ukeys, ugrads, ushows, uclicks = keys, grads, shows, clicks
-            ucounts = np.ones(n, np.int64)
+            ucounts = np.empty(0, np.int64)   # every key once (push_rows reads an empty count as 1)
         else:
             ukeys = np.empty(nu, np.uint64)
             ugrads = np.empty((nu, self.layout.dim), np.float32)
@@ -575,7 +575,8 @@ class SparseTable:
         keys = ukeys[pick]
         return K.push_rows(
             self._index, self._arena_u, self._arena_f, self._state, self._lay, keys, ugrads[pick],
-            ushows[pick] if has_shows else ushows, uclicks[pick] if has_shows else uclicks, ucounts[pick],
+            ushows[pick] if has_shows else ushows, uclicks[pick] if has_shows else uclicks,
+            ucounts[pick] if len(ucounts) else ucounts,
             has_shows, mode, self._opt, self._hp, now_s, self._tick, self._seed, self._init_kind,
             cfg.init_range, self._sketch, cfg.min_count, cfg.admit_probability, cap,
             np.empty(len(keys), np.int64), np.empty(K.PIPELINE_BLOCK, np.uint64),
