@@ -94,30 +94,32 @@ class KeySet:
 
 
 class SortedKeySet:
-    """An exact set of uint64 keys in 8 bytes per key: one sorted array plus an unsorted tail.
+    """An exact set of uint64 keys in 8 bytes per key: sorted runs plus an unsorted tail (a small LSM).
 
     For sets that grow with the keys on disk (rows evicted while dirty, kept until the next delta
     checkpoint) where ``KeySet``'s 17 bytes per slot at load <= 0.5 (up to 68 bytes per key after its
-    power-of-two growth) would take a memory budget's RAM tier. ``add`` appends to the tail; once the
-    tail holds more than an eighth of the sorted keys (and at least 64k), it is sorted and merged in
-    (timsort merges the two sorted runs in one pass: O(n), a pause of ~10 ms per million keys).
-    ``contains`` is a binary search in the sorted part plus ``np.isin`` on the tail. Not thread-safe.
+    power-of-two growth) would take a memory budget's RAM tier. ``add`` appends to the tail; a tail of
+    64k keys is sorted into a run, and runs of similar size are merged (two sorted runs: timsort merges
+    them in one pass) up to ``MAX_RUN`` keys, so a merge's transient copy and pause stay bounded
+    (~128 MiB, ~0.2 s) however large the set grows. ``contains`` is a binary search per run plus
+    ``np.isin`` on the tail. Duplicates across runs are allowed (``len`` counts distinct keys).
+    Not thread-safe.
     """
 
-    _MIN_TAIL = 1 << 16
+    TAIL = 1 << 16
+    MAX_RUN = 1 << 24
 
     def __init__(self):
-        self._sorted = np.empty(0, np.uint64)
+        self._runs: list[np.ndarray] = []
         self._tail: list[np.ndarray] = []
         self._tail_n = 0
 
     def __len__(self) -> int:
-        self._merge()
-        return len(self._sorted)
+        return len(self.to_array())
 
     @property
     def nbytes(self) -> int:
-        return self._sorted.nbytes + 8 * self._tail_n
+        return sum(r.nbytes for r in self._runs) + 8 * self._tail_n
 
     def add(self, keys: np.ndarray) -> None:
         """keys : uint64[n] (duplicates allowed)."""
@@ -125,39 +127,50 @@ class SortedKeySet:
             return
         self._tail.append(np.array(keys, dtype=np.uint64, copy=True))
         self._tail_n += len(keys)
-        if self._tail_n > max(self._MIN_TAIL, len(self._sorted) // 8):
-            self._merge()
+        if self._tail_n >= self.TAIL:
+            self._flush_tail()
 
-    def _merge(self) -> None:
+    def _flush_tail(self) -> None:
         if not self._tail:
             return
-        tail = np.concatenate(self._tail)
-        tail.sort()
-        merged = np.concatenate([self._sorted, tail])
-        merged.sort(kind="stable")            # two sorted runs: timsort merges them in one pass
-        if len(merged) > 1:
-            merged = merged[np.concatenate(([True], merged[1:] != merged[:-1]))]
-        self._sorted, self._tail, self._tail_n = merged, [], 0
+        run = np.unique(np.concatenate(self._tail))
+        self._tail, self._tail_n = [], 0
+        self._runs.append(run)
+        while (len(self._runs) > 1 and len(self._runs[-2]) <= 2 * len(self._runs[-1])
+               and len(self._runs[-2]) + len(self._runs[-1]) <= self.MAX_RUN):
+            b, a = self._runs.pop(), self._runs.pop()
+            self._runs.append(_merge_sorted(a, b))
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         """keys : uint64[n] -> bool[n]."""
         keys = np.asarray(keys, dtype=np.uint64)
         out = np.zeros(len(keys), np.bool_)
-        if len(self._sorted):
-            pos = np.searchsorted(self._sorted, keys)
-            ok = pos < len(self._sorted)
-            out[ok] = self._sorted[pos[ok]] == keys[ok]
+        for run in self._runs:
+            pos = np.searchsorted(run, keys)
+            ok = pos < len(run)
+            out[ok] |= run[pos[ok]] == keys[ok]
         if self._tail:
             out |= np.isin(keys, np.concatenate(self._tail))
         return out
 
     def to_array(self) -> np.ndarray:
-        """All keys, uint64[len(self)], sorted."""
-        self._merge()
-        return self._sorted.copy()
+        """All keys, uint64[len(self)], sorted, each once."""
+        parts = self._runs + self._tail
+        if not parts:
+            return np.empty(0, np.uint64)
+        return np.unique(np.concatenate(parts))
 
     def clear(self) -> None:
         self.__init__()
+
+
+def _merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The distinct keys of two sorted uint64 arrays, sorted (timsort merges the two runs in one pass)."""
+    merged = np.concatenate([a, b])
+    merged.sort(kind="stable")
+    if len(merged) > 1:
+        merged = merged[np.concatenate(([True], merged[1:] != merged[:-1]))]
+    return merged
 
 
 @njit(nogil=True, cache=True)

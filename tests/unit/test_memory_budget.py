@@ -159,3 +159,24 @@ def test_sampled_lru_picks_distinct_live_rows_and_spares_the_hot_ones():
     assert ticks.max() < np.quantile(all_ticks, 0.67)
     assert np.mean(ticks <= np.quantile(all_ticks, 0.34)) > 0.8
     t.close()
+
+
+@pytest.mark.nojit
+def test_sorted_key_set_is_an_exact_set_with_bounded_runs(monkeypatch):
+    from sparse_tables.keysets import SortedKeySet
+    monkeypatch.setattr(SortedKeySet, "TAIL", 64)
+    monkeypatch.setattr(SortedKeySet, "MAX_RUN", 1000)
+    s, ref = SortedKeySet(), set()
+    rng = np.random.default_rng(3)
+    for i in range(400):
+        k = rng.integers(0, 5000, int(rng.integers(0, 40)), dtype=np.uint64)
+        s.add(k)
+        ref.update(int(x) for x in k)
+        if i % 40 == 0:
+            q = rng.integers(0, 6000, 500, dtype=np.uint64)
+            np.testing.assert_array_equal(s.contains(q), [int(x) in ref for x in q])
+    assert len(s) == len(ref) and s.to_array().tolist() == sorted(ref)
+    assert max(len(r) for r in s._runs) <= 1000 + 64        # merges stop at MAX_RUN (a run may exceed it by a tail)
+    assert s.nbytes <= 8 * (sum(len(r) for r in s._runs) + 64)
+    s.clear()
+    assert len(s) == 0 and not s.contains(np.array([1], np.uint64)).any()
