@@ -675,9 +675,14 @@ def clear_flag(arena_u, state, lay, flag):
 
 @njit(nogil=True, cache=True)
 def remove_rows(index, arena_u, state, lay, rows):
-    """Drop rows from RAM: unlink from the index and put them on the free list."""
+    """Drop rows from RAM: unlink from the index and put them on the free list. The home slot of the
+    row PREFETCH_AHEAD ahead is prefetched (an eviction removes rows scattered over the index)."""
     flags_w = lay[L_META] + M_FLAGS
-    for i in range(rows.shape[0]):
+    mask = U64(index.shape[0] - 1)
+    n = rows.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:
+            prefetch(index, index_hash(row_key(arena_u, rows[i + PREFETCH_AHEAD])) & mask)
         r = rows[i]
         index_remove(index, arena_u, row_key(arena_u, r))
         free_row(arena_u, state, r, flags_w)

@@ -101,8 +101,8 @@ class SortedKeySet:
     power-of-two growth) would take a memory budget's RAM tier. ``add`` appends to the tail; a tail of
     64k keys is sorted into a run, and runs of similar size are merged (two sorted runs: timsort merges
     them in one pass) up to ``MAX_RUN`` keys, so a merge's transient copy and pause stay bounded
-    (~128 MiB, ~0.2 s) however large the set grows. ``contains`` is a binary search per run plus
-    ``np.isin`` on the tail. Duplicates across runs are allowed (``len`` counts distinct keys).
+    (~128 MiB, ~0.2 s) however large the set grows. ``contains`` sorts the tail into a run and does a binary
+    search per run. Duplicates across runs are allowed (``len`` counts distinct keys).
     Not thread-safe.
     """
 
@@ -133,7 +133,8 @@ class SortedKeySet:
     def _flush_tail(self) -> None:
         if not self._tail:
             return
-        run = np.unique(np.concatenate(self._tail))
+        run = np.concatenate(self._tail)
+        run.sort()                      # duplicates may stay: merges drop them, contains does not mind
         self._tail, self._tail_n = [], 0
         self._runs.append(run)
         while (len(self._runs) > 1 and len(self._runs[-2]) <= 2 * len(self._runs[-1])
@@ -144,13 +145,12 @@ class SortedKeySet:
     def contains(self, keys: np.ndarray) -> np.ndarray:
         """keys : uint64[n] -> bool[n]."""
         keys = np.asarray(keys, dtype=np.uint64)
+        self._flush_tail()              # a sorted run: binary search (np.isin would sort the tail each call)
         out = np.zeros(len(keys), np.bool_)
         for run in self._runs:
             pos = np.searchsorted(run, keys)
             ok = pos < len(run)
             out[ok] |= run[pos[ok]] == keys[ok]
-        if self._tail:
-            out |= np.isin(keys, np.concatenate(self._tail))
         return out
 
     def to_array(self) -> np.ndarray:

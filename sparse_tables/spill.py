@@ -351,6 +351,10 @@ class SpillStore:
         self.count += int(new_mask.sum())
         self.writes += len(keys)
 
+    def may_contain(self, keys: np.ndarray) -> np.ndarray:
+        """keys : uint64[n] -> bool[n]; False: the key was never written here (the Bloom filter)."""
+        return self._bloom.may_contain(keys)
+
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Read the records of the keys that are present, in one multi-get.
 

@@ -52,7 +52,7 @@ PARALLEL_PULL_MIN = 16384  # keys per thread below which a pull runs on the call
 TICK_REBASE = 1 << 31
 EVICT_PASS_ROWS = 1 << 16           # rows an eviction pass may write beyond what brings RAM under its cap
 SAMPLED_LRU_MIN_ROWS = 1 << 20      # RAM tiers from this size choose eviction victims by sampling
-LRU_SAMPLES_PER_VICTIM = 8
+LRU_SAMPLES_PER_VICTIM = 4           # Redis's maxmemory-samples is 5
 FULL_WARNING_INTERVAL_S = 60.0   # a full table (max_rows) logs at most one warning per interval and name
 
 
@@ -117,6 +117,10 @@ class SparseTable:
             initial_rows, slots = budget.max_rows_per_shard, budget.index_slots
         else:
             slots = _pow2(max(16, int(initial_rows / MAX_LOAD) + 1))
+            if config.spill_path and initial_rows >= config.memory_rows:
+                # a call adds rows before its eviction pass: room for them, so filling the tier never
+                # copies the arena (untouched pages of the mapping cost nothing)
+                initial_rows += HEADROOM_ROWS
         self._arena_u = _big_array((max(16, initial_rows), lay.stride), np.uint32)
         self._arena_f = self._arena_u.view(np.float32)
         self._index = _big_array((slots,), np.uint64)
@@ -626,6 +630,7 @@ class SparseTable:
 
     def _promote(self, ukeys: np.ndarray) -> None:
         """Bring rows of unique keys that are on disk into RAM (one multi-get). Lock held exclusively."""
+        ukeys = ukeys[self._spill.may_contain(ukeys)]   # a key never written to disk needs no lookup here
         rows = np.empty(len(ukeys), np.int64)
         K.find_rows(self._index, self._arena_u, ukeys, rows)
         missing = ukeys[rows < 0]
