@@ -21,6 +21,7 @@ ever deleted.
 """
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import errno
 import fcntl
@@ -344,8 +345,7 @@ class SpillStore:
         wb = WriteBatch(raw_mode=True)
         put = wb.put
         vals = np.ascontiguousarray(records[order], dtype="<u4").view(f"V{4 * self.stride}").ravel().tolist()
-        for k, v in zip(_key_bytes(keys[order]), vals):
-            put(k, v)
+        collections.deque(map(put, _key_bytes(keys[order]), vals), maxlen=0)   # the loop runs in C
         self._db.write(wb, self._write_opts)
         self._bloom.add(np.ascontiguousarray(keys[new_mask], dtype=np.uint64))
         self.count += int(new_mask.sum())
@@ -355,13 +355,14 @@ class SpillStore:
         """keys : uint64[n] -> bool[n]; False: the key was never written here (the Bloom filter)."""
         return self._bloom.may_contain(keys)
 
-    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, keys: np.ndarray, *, filtered: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Read the records of the keys that are present, in one multi-get.
 
         keys : uint64[n] -> (found : int64[m] positions into keys, records : uint32[m, stride]).
-        Keys the Bloom filter rules out are not read at all.
+        Keys the Bloom filter rules out are not read at all (``filtered``: the caller already kept
+        only keys ``may_contain`` allows).
         """
-        maybe = np.flatnonzero(self._bloom.may_contain(keys))
+        maybe = np.arange(len(keys)) if filtered else np.flatnonzero(self._bloom.may_contain(keys))
         if len(maybe) == 0:
             return maybe, np.empty((0, self.stride), np.uint32)
         # in key order: RocksDB's multi-get then walks each block once (2x the rows/s of random order)
@@ -384,9 +385,7 @@ class SpillStore:
         if len(keys) == 0:
             return
         wb = WriteBatch(raw_mode=True)
-        delete = wb.delete
-        for k in _key_bytes(np.sort(keys)):
-            delete(k)
+        collections.deque(map(wb.delete, _key_bytes(np.sort(keys))), maxlen=0)
         self._db.write(wb, self._write_opts)
         self.count -= len(keys)
 

@@ -636,7 +636,7 @@ class SparseTable:
         missing = ukeys[rows < 0]
         if not len(missing):
             return
-        pos, records = self._spill.get(missing)
+        pos, records = self._spill.get(missing, filtered=True)
         if not len(pos):
             return
         self._reserve(len(pos))
