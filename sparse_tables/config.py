@@ -100,7 +100,7 @@ class TableConfig:
     spill_low_watermark : float
         Fraction of the RAM tier's cap (``memory_rows``, or what ``memory_bytes`` leaves) an eviction
         pass brings RAM down to, writing at most 65536 rows more than it takes to get under the cap
-        (``table.EVICT_PASS_ROWS``), so one pass never holds requests for long.
+        (``_spill_tier.EVICT_PASS_ROWS``), so one pass never holds requests for long.
     num_threads : int
         Threads a large pull is split across (the kernels release the GIL).
     """

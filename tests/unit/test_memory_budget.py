@@ -180,3 +180,32 @@ def test_sorted_key_set_is_an_exact_set_with_bounded_runs(monkeypatch):
     assert s.nbytes <= 8 * (sum(len(r) for r in s._runs) + 64)
     s.clear()
     assert len(s) == 0 and not s.contains(np.array([1], np.uint64)).any()
+
+
+def _dump(t):
+    import pyarrow as pa
+    tab = pa.Table.from_batches(list(t.rows()), schema=t.schema).sort_by("key")
+    return {c: np.asarray(tab.column(c).combine_chunks().flatten() if "list" in str(tab.schema.field(c).type)
+                          else tab.column(c).to_numpy()) for c in tab.column_names}
+
+
+def test_a_load_into_a_full_ram_tier_writes_the_rest_straight_to_disk_bit_exact(tmp_path):
+    src = SparseTable(TableConfig(dim=DIM, optimizer="adagrad"))
+    k = _keys(300_000, 1)
+    src.push(k, np.random.default_rng(2).standard_normal((len(k), DIM)).astype(np.float32))
+    dst = SparseTable(TableConfig(dim=DIM, optimizer="adagrad", memory_rows=100_000,
+                                  spill_path=str(tmp_path / "spill")))
+    assert dst.load_rows(src.rows()) == len(k)
+    st = dst.stats()
+    assert st["loaded_to_disk"] > 100_000 and st["rows"] == len(k) and st["rows_in_ram"] <= 100_000
+    a, b = _dump(src), _dump(dst)
+    for c in ("key", "values", "state", "show", "click", "last_seen"):
+        np.testing.assert_array_equal(a[c], b[c])
+    # a second load of part of the rows, changed, overwrites them (in RAM or on disk) and adds no row
+    part = k[::3]
+    src.push(part, np.ones((len(part), DIM), np.float32))
+    dst.load_rows(src.rows())
+    assert len(dst) == len(k)
+    np.testing.assert_array_equal(dst.pull(k), src.pull(k))
+    src.close()
+    dst.close()
