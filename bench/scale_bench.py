@@ -104,6 +104,20 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def rss_parts(pid: int) -> dict:
+    """The server's resident memory by kind (``/proc/PID/smaps_rollup``), bytes: anonymous (heap,
+    arena, index, RocksDB's cache), anonymous in transparent huge pages, and file-backed."""
+    out = {}
+    names = {"Anonymous:": "rss_anon", "AnonHugePages:": "rss_anon_huge", "Rss:": "rss"}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if parts and parts[0] in names:
+                out[names[parts[0]]] = int(parts[1]) * 1024
+    out["rss_file"] = out.get("rss", 0) - out.get("rss_anon", 0)
+    return out
+
+
 def dir_bytes(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
@@ -230,7 +244,9 @@ def main(argv=None) -> int:
                 since = taken
                 rec = interval_row(window, seen, pid, work, budget, t_start, rss_max[1])
                 ts = table_stats(admin)
-                rec.update(rows_in_ram=ts["rows_in_ram"], rocksdb=ts.get("rocksdb"))
+                rec.update(rows_in_ram=ts["rows_in_ram"], rocksdb=ts.get("rocksdb"), **rss_parts(pid),
+                           table_memory=sum(v for k, v in ts.get("memory", {}).items()
+                                            if k not in ("rocksdb_memtables", "rocksdb_table_readers")))
                 emit(rec)
                 rows.append(rec)
                 if rec["ram_tier_spilled"] and first_full is None:

@@ -66,3 +66,31 @@ def tune(budgeted: bool = False) -> bool:
         log.debug("mallopt refused the PS malloc settings")
     _done = ok
     return ok
+
+
+TRIM_INTERVAL_S = 2.0
+
+
+def start_trimming(interval_s: float = TRIM_INTERVAL_S):
+    """A daemon thread that calls glibc's ``malloc_trim(0)`` every ``interval_s`` seconds, for budgeted
+    servers: it returns free pages inside the heap to the OS, which the trim threshold alone does not
+    (it only shrinks the heap's top; holes left by freed request and eviction buffers stay resident).
+    Returns the thread, or None off glibc or with ``ENGINE_PS_MALLOC_TUNE=0``."""
+    import threading
+    if os.environ.get("ENGINE_PS_MALLOC_TUNE", "1") == "0":
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(interval_s):
+            trim(0)
+    t = threading.Thread(target=loop, name="malloc-trim", daemon=True)
+    t.stop = stop
+    t.start()
+    return t
+

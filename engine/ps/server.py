@@ -713,7 +713,10 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     RuntimeError
         The address could not be bound.
     """
-    _malloc.tune(budgeted=any(h.config.memory_bytes for h in core.sparse.values()))
+    budgeted = any(h.config.memory_bytes for h in core.sparse.values())
+    _malloc.tune(budgeted=budgeted)
+    if budgeted:
+        _malloc.start_trimming()
     core.barriers.max_lingering = max(0, threads // 2)
     interceptors = []
     if security is not None and security.tokens is not None:
