@@ -33,7 +33,11 @@ server's memory parts (``memory``, ``memory_budget``) from its Stats.
 The free disk is checked first (a row costs ~115 bytes in RocksDB and a base save as much again); when
 it is short the bench says so and stops.
 
-    python bench/scale_bench.py [--quick] [--keys N] [--budget-gb G] [--work DIR]
+``--growth`` measures only the growth pause, in-process: the longest push (a pull waits for it) while a
+RAM tier grows to 30M rows, for a table that grows by doubling (``memory_rows``) and one a budget sized
+once (``memory_bytes``): ``scale_growth`` rows with ``max_push_ms``, ``p99_push_ms``, ``max_pull_ms``.
+
+    python bench/scale_bench.py [--quick] [--keys N] [--budget-gb G] [--work DIR] [--growth]
 """
 from __future__ import annotations
 
@@ -168,6 +172,38 @@ def config(work: Path, budget: int):
         "checkpoint": {"root": str(work / "ckpt")}})
 
 
+def growth_pause(rows: int, budget: int, work: Path) -> list[dict]:
+    """The longest call while a RAM tier grows to ``rows`` rows, in this process: a table that grows
+    by doubling (``memory_rows``: arena copies and index rehashes under the lock) against one sized once
+    by a budget (``memory_bytes``). A pull waits for the push that holds the lock, so the longest push
+    is the longest a pull can wait. Pushes of 100k new keys, a pull of 100k seen keys after each."""
+    from sparse_tables import SparseTable, TableConfig
+    out = []
+    for kind in ("doubling", "budget"):
+        extra = ({"memory_rows": rows + (1 << 20)} if kind == "doubling" else {"memory_bytes": budget})
+        t = SparseTable(TableConfig(dim=DIM, optimizer="adagrad", spill_path=str(work / f"growth-{kind}"),
+                                    **extra))
+        grads = np.full((BATCH, DIM), 0.001, np.float32)
+        rng = np.random.default_rng(5)
+        push_ms, pull_ms = [], []
+        for start in range(0, rows, BATCH):
+            keys = key_of(np.arange(start, min(rows, start + BATCH)))
+            t0 = time.perf_counter()
+            t.push(keys, grads[:len(keys)])
+            t1 = time.perf_counter()
+            t.pull(key_of(rng.integers(0, start + len(keys), BATCH)))
+            t2 = time.perf_counter()
+            push_ms.append(1e3 * (t1 - t0))
+            pull_ms.append(1e3 * (t2 - t1))
+        st = t.stats()
+        t.close()
+        out.append({"bench": "scale_growth", "table": kind, "rows": st["rows_in_ram"],
+                    "max_push_ms": round(max(push_ms), 1), "p99_push_ms": round(float(np.percentile(push_ms, 99)), 1),
+                    "median_push_ms": round(float(np.median(push_ms)), 1), "max_pull_ms": round(max(pull_ms), 1),
+                    "index_slots": st["index_slots"], "budget_bytes": budget if kind == "budget" else None})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10M keys, a 1 GB budget")
@@ -177,10 +213,21 @@ def main(argv=None) -> int:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--growth", action="store_true",
+                    help="only the growth pause: a RAM tier of 30M rows (quick: 3M), doubling vs budget")
     args = ap.parse_args(argv)
     args.keys = args.keys or (10_000_000 if args.quick else 100_000_000)
     if args.client:
         client_main(args)
+        return 0
+    if args.growth:
+        work = Path(args.work)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        rows = 3_000_000 if args.quick else 30_000_000
+        for rec in growth_pause(rows, int((args.budget_gb or (0.5 if args.quick else 4.0)) * 1e9), work):
+            emit(rec)
+        shutil.rmtree(work, ignore_errors=True)
         return 0
     budget = int((args.budget_gb or (1.0 if args.quick else 4.0)) * 1e9)
     work = Path(args.work)
