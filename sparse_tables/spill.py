@@ -305,34 +305,32 @@ class SpillStore:
         self.reads = 0
         self.writes = 0
 
-    def compaction(self) -> dict:
-        """RocksDB's background work now: ``running_compactions``, ``pending_compaction_bytes``,
-        ``level0_files``, ``write_stopped`` (0/1) and ``delayed_write_rate`` (bytes/s; 0: no stall)."""
+    def _properties(self, names: tuple) -> dict:
+        """{name: int} of RocksDB integer properties ((name, property) pairs; 0 where unavailable)."""
         out = {}
-        for name, prop in (("running_compactions", "rocksdb.num-running-compactions"),
-                           ("pending_compaction_bytes", "rocksdb.estimate-pending-compaction-bytes"),
-                           ("level0_files", "rocksdb.num-files-at-level0"),
-                           ("write_stopped", "rocksdb.is-write-stopped"),
-                           ("delayed_write_rate", "rocksdb.actual-delayed-write-rate")):
+        for name, prop in names:
             try:
                 out[name] = int(self._db.property_int_value(prop) or 0)
             except Exception:  # property names vary across RocksDB builds
                 out[name] = 0
         return out
 
+    def compaction(self) -> dict:
+        """RocksDB's background work now: ``running_compactions``, ``pending_compaction_bytes``,
+        ``level0_files``, ``write_stopped`` (0/1) and ``delayed_write_rate`` (bytes/s; 0: no stall)."""
+        return self._properties((("running_compactions", "rocksdb.num-running-compactions"),
+                                 ("pending_compaction_bytes", "rocksdb.estimate-pending-compaction-bytes"),
+                                 ("level0_files", "rocksdb.num-files-at-level0"),
+                                 ("write_stopped", "rocksdb.is-write-stopped"),
+                                 ("delayed_write_rate", "rocksdb.actual-delayed-write-rate")))
+
     def memory(self) -> dict:
         """RocksDB's own memory now, bytes: ``rocksdb_block_cache`` (the whole cache, shared by every
         store of a budget; index and filter blocks included), ``rocksdb_memtables``,
         ``rocksdb_table_readers`` (index and filter blocks held outside the cache: ~0 here)."""
-        out = {}
-        for name, prop in (("rocksdb_block_cache", "rocksdb.block-cache-usage"),
-                           ("rocksdb_memtables", "rocksdb.size-all-mem-tables"),
-                           ("rocksdb_table_readers", "rocksdb.estimate-table-readers-mem")):
-            try:
-                out[name] = int(self._db.property_int_value(prop) or 0)
-            except Exception:  # property names vary across RocksDB builds
-                out[name] = 0
-        return out
+        return self._properties((("rocksdb_block_cache", "rocksdb.block-cache-usage"),
+                                 ("rocksdb_memtables", "rocksdb.size-all-mem-tables"),
+                                 ("rocksdb_table_readers", "rocksdb.estimate-table-readers-mem")))
 
     @property
     def bloom_bytes(self) -> int:
