@@ -29,10 +29,10 @@ class SpillTier:
         if nram + n_new <= cap:
             return records, keys, n_new
         absent = np.flatnonzero(rows < 0)
+        if len(np.unique(keys[absent])) != len(absent):
+            return records, keys, n_new        # duplicate keys in one batch: the RAM path overwrites in order
         direct = absent[max(0, cap - nram):]
         dk = keys[direct]
-        if len(np.unique(dk)) != len(dk):
-            return records, keys, n_new        # duplicate keys in one batch: the RAM path overwrites in order
         recs = records[direct]
         recs[:, self.layout.meta + K.M_TICK] = 0
         recs[:, self.layout.meta + K.M_FLAGS] = 0      # clean: a load is what a checkpoint holds

@@ -501,9 +501,9 @@ class SparseTable(SpillTier):
 
     def close(self) -> None:
         """Release the RocksDB tier (its directory is removed) and the pull threads."""
-        if self._budget is not None:
-            self._budget.forget(self._budget_token)
         with self._lock.exclusive():
+            if self._budget is not None:
+                self._budget.forget(self._budget_token)
             if self._spill is not None:
                 self._spill.close()
                 self._spill = None

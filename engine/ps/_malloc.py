@@ -44,11 +44,10 @@ def tune(budgeted: bool = False) -> bool:
         try:
             mallopt = ctypes.CDLL(None).mallopt
             mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-            mallopt(M_ARENA_MAX, BUDGET_ARENAS)
-            mallopt(M_TRIM_THRESHOLD, BUDGET_TRIM_THRESHOLD)
-            mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-            _done = True
-            return True
+            ok = (bool(mallopt(M_ARENA_MAX, BUDGET_ARENAS)) and bool(mallopt(M_TRIM_THRESHOLD, BUDGET_TRIM_THRESHOLD))
+                  and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)))
+            _done = _done or ok
+            return ok
         except (OSError, AttributeError):
             return False
     if _done:
@@ -69,6 +68,7 @@ def tune(budgeted: bool = False) -> bool:
 
 
 TRIM_INTERVAL_S = 2.0
+_trimmer = None
 
 
 def start_trimming(interval_s: float = TRIM_INTERVAL_S):
@@ -77,8 +77,11 @@ def start_trimming(interval_s: float = TRIM_INTERVAL_S):
     (it only shrinks the heap's top; holes left by freed request and eviction buffers stay resident).
     Returns the thread, or None off glibc or with ``ENGINE_PS_MALLOC_TUNE=0``."""
     import threading
+    global _trimmer
     if os.environ.get("ENGINE_PS_MALLOC_TUNE", "1") == "0":
         return None
+    if _trimmer is not None:            # one per process, however many servers it runs
+        return _trimmer
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
@@ -92,5 +95,6 @@ def start_trimming(interval_s: float = TRIM_INTERVAL_S):
     t = threading.Thread(target=loop, name="malloc-trim", daemon=True)
     t.stop = stop
     t.start()
+    _trimmer = t
     return t
 

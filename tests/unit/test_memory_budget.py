@@ -209,3 +209,23 @@ def test_a_load_into_a_full_ram_tier_writes_the_rest_straight_to_disk_bit_exact(
     np.testing.assert_array_equal(dst.pull(k), src.pull(k))
     src.close()
     dst.close()
+
+
+def test_a_key_twice_in_one_load_batch_keeps_its_last_value_when_the_ram_tier_is_full(tmp_path):
+    import pyarrow as pa
+    src = SparseTable(TableConfig(dim=DIM, optimizer="sgd", initializer="zeros"))
+    keys = np.array([10, 1, 2, 3, 10, 5], np.uint64)
+    src.push(np.unique(keys), np.zeros((5, DIM), np.float32))
+    batch = next(iter(src.rows()))
+    order = [int(np.flatnonzero(batch.column(0).to_numpy() == k)[0]) for k in keys]
+    rows = batch.take(pa.array(order))
+    vals = np.arange(6 * DIM, dtype=np.float32).reshape(6, DIM)
+    rows = rows.set_column(1, "values", pa.FixedSizeListArray.from_arrays(pa.array(vals.reshape(-1)), DIM))
+    for memory_rows in (4, 100):                 # a full RAM tier (direct-to-disk path) and room for all
+        dst = SparseTable(TableConfig(dim=DIM, optimizer="sgd", initializer="zeros", memory_rows=memory_rows,
+                                      spill_path=str(tmp_path / f"spill{memory_rows}")))
+        dst.load_rows([rows])
+        np.testing.assert_array_equal(dst.pull(np.array([10], np.uint64))[0], vals[4])   # the last copy wins
+        assert len(dst) == 5
+        dst.close()
+    src.close()
