@@ -86,6 +86,18 @@ class SpillTier:
         if self._budget is not None:
             self._fit_budget(cap)
 
+    def _evict_within_call(self, rest: np.ndarray) -> bool:
+        """A push that adds more new rows than a budgeted arena's headroom: evict now instead of growing
+        the arena (a copy under the lock, past the budget), then bring back the keys still to push that
+        the eviction took (otherwise they would get fresh rows beside their disk copies). Returns False
+        when the eviction made no room (the caller grows as usual)."""
+        before = int(self._state[K.S_NRAM])
+        self._maybe_evict()
+        if int(self._state[K.S_NRAM]) >= before:
+            return False
+        self._promote(np.unique(rest))
+        return True
+
     def _fit_budget(self, cap: int) -> None:
         """Report this shard's growing bytes and arena rows to the budget; when the arena has handed out
         more rows than the budget allows (it shrank as filters and dirty keys grew), compact the live

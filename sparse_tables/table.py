@@ -563,6 +563,8 @@ class SparseTable(SpillTier):
                     # full: the rest's present keys are updated, its new keys refused as not admitted
                     refused = self._push_present(args, done)
                     break
+                if self._budget is not None and self._evict_within_call(ukeys[done:]):
+                    continue        # a budgeted table does not grow: room was made by eviction
                 self._reserve(min(nu - done, limit - nram) if limit else nu - done)   # grow, go on
             self._maybe_evict()
         self._count(push_keys=n, created=created, rejected=rejected, rows_refused_full=refused)

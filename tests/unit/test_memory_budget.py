@@ -229,3 +229,26 @@ def test_a_key_twice_in_one_load_batch_keeps_its_last_value_when_the_ram_tier_is
         assert len(dst) == 5
         dst.close()
     src.close()
+
+
+def test_a_push_bigger_than_the_headroom_evicts_within_the_call_instead_of_growing(tmp_path):
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                      memory_bytes=96 * MiB, spill_path=str(tmp_path / "spill"))
+    t = SparseTable(cfg)
+    ref = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros"))
+    arena_rows, slots = t._arena_u.shape[0], len(t._index)
+    cap = t.budget.rows_cap()
+    old = _keys(cap, 7)                                   # fill the RAM tier
+    t.push(old, np.ones((len(old), DIM), np.float32))
+    ref.push(old, np.ones((len(old), DIM), np.float32))
+    big = np.concatenate([_keys(3 * HEADROOM_ROWS, 8), old[:50_000]])   # far more new rows than the headroom
+    g = np.random.default_rng(9).standard_normal((len(big), DIM)).astype(np.float32)
+    t.push(big, g)
+    ref.push(big, g)
+    assert t._arena_u.shape[0] == arena_rows and len(t._index) == slots, "the arena grew under a budget"
+    assert t.stats()["rows_in_ram"] <= cap
+    for probe in (old, big):
+        np.testing.assert_array_equal(t.pull(probe), ref.pull(probe))
+    assert len(t) == len(ref)
+    t.close()
+    ref.close()
