@@ -221,12 +221,18 @@ class RayChild(Child):
     def _read(self, kind: str):
         if self.proc.poll() == ACTOR_DIED:
             return None
-        return self.proc._get(self.actor.read.remote(kind))
+        value = self.proc._get(self.actor.read.remote(kind))
+        # the actor may die between the poll and the read: _get then answers ACTOR_DIED, not a file's
+        # content (a string or a dict)
+        return None if isinstance(value, int) else value
 
     def tail(self, n: int = 15) -> str:
         if self.proc.poll() == ACTOR_DIED:
             return "(its Ray actor died; the log was on its node: " + str(self.log_path) + ")"
-        return self.proc._get(self.actor.tail.remote(n)) or "(no log)"
+        text = self.proc._get(self.actor.tail.remote(n))
+        if isinstance(text, int):       # ACTOR_DIED: it died since the poll
+            return "(its Ray actor died; the log was on its node: " + str(self.log_path) + ")"
+        return text or "(no log)"
 
     def signal_group(self, sig: int) -> None:
         if self.proc.poll() is None:

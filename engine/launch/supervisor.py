@@ -71,7 +71,7 @@ def lost_examples(reports: list[dict | None], key: str | None) -> int:
     """Examples the workers trained after the position ``key`` (see the module docstring)."""
     lost = 0
     for r in reports:
-        if not r:
+        if not isinstance(r, dict):     # no report (None), or none readable from a lost worker
             continue
         examples = int(r.get("examples", 0))
         mark = (r.get("marks") or {}).get(key) if key else None
