@@ -18,6 +18,13 @@ def _keys(n, seed):
     return np.unique(np.random.default_rng(seed).integers(1, 2**63, n, dtype=np.uint64))
 
 
+def _budgeted_and_reference(tmp_path, budget: int = 96 * MiB):
+    """A spilling table under ``budget`` bytes and a RAM-only table with the same rule (SGD, lr 1)."""
+    rule = dict(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros")
+    return (SparseTable(TableConfig(**rule, memory_bytes=budget, spill_path=str(tmp_path / "spill"))),
+            SparseTable(TableConfig(**rule)))
+
+
 @pytest.mark.nojit
 def test_compact_arena_moves_live_rows_below_the_target_and_keeps_every_key():
     t = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros"),
@@ -57,10 +64,7 @@ def test_memory_bytes_needs_a_spill_path_and_a_budget_that_fits():
 
 
 def test_a_budgeted_table_keeps_ram_under_its_cap_and_loses_no_row(tmp_path):
-    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
-                      memory_bytes=96 * MiB, spill_path=str(tmp_path / "spill"))
-    t = SparseTable(cfg)
-    ref = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros"))
+    t, ref = _budgeted_and_reference(tmp_path)
     cap = t.budget.rows_cap()
     assert cap <= t.budget.max_rows_per_shard - HEADROOM_ROWS
     slots = len(t._index)
@@ -85,10 +89,7 @@ def test_a_budgeted_table_keeps_ram_under_its_cap_and_loses_no_row(tmp_path):
 
 
 def test_a_shrinking_budget_compacts_the_arena_and_gives_pages_back(tmp_path):
-    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
-                      memory_bytes=96 * MiB, spill_path=str(tmp_path / "spill"))
-    t = SparseTable(cfg)
-    ref = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros"))
+    t, ref = _budgeted_and_reference(tmp_path)
     for i in range(5):
         k = _keys(150_000, i)
         t.push(k, np.ones((len(k), DIM), np.float32))
@@ -232,10 +233,7 @@ def test_a_key_twice_in_one_load_batch_keeps_its_last_value_when_the_ram_tier_is
 
 
 def test_a_push_bigger_than_the_headroom_evicts_within_the_call_instead_of_growing(tmp_path):
-    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
-                      memory_bytes=96 * MiB, spill_path=str(tmp_path / "spill"))
-    t = SparseTable(cfg)
-    ref = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros"))
+    t, ref = _budgeted_and_reference(tmp_path)
     arena_rows, slots = t._arena_u.shape[0], len(t._index)
     cap = t.budget.rows_cap()
     old = _keys(cap, 7)                                   # fill the RAM tier
