@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,ray]'
+	$(PY) -m pip install -q -e '.[test,bench,ray,hybrid]'
 	touch $(STAMP)
 
 # The whole suite, then the kernel tests again with Numba's JIT off (pure Python, so
