@@ -349,21 +349,23 @@ class SparseTable(SpillTier):
         """
         with self._stats_lock:
             out = dict(self._counters)
-        nram = int(self._state[K.S_NRAM])
-        spilled = self._rows_spilled()
-        ram = (int(self._state[K.S_NEXT]) * self.layout.row_bytes + self._index.nbytes
-               + self._sketch.nbytes + self._spilled_dirty.nbytes)
-        disk = 0
-        if self._spill is not None:
-            ram += self._spill.bloom_bytes
-            disk = self._spill.disk_bytes()
+        # the arena, index and spill count are read under the shared lock: a compaction or a release of
+        # RAM swaps those arrays, and a scrape (Stats RPC, Prometheus) must never read half of a swap
+        with self._lock.shared():
+            nram = int(self._state[K.S_NRAM])
+            spilled = self._rows_spilled()
+            rows_bytes = int(self._state[K.S_NEXT]) * self.layout.row_bytes
+            index_bytes, index_slots = self._index.nbytes, len(self._index)
+            dirty_bytes = self._spilled_dirty.nbytes
+            bloom_bytes = self._spill.bloom_bytes if self._spill is not None else 0
+        ram = rows_bytes + index_bytes + self._sketch.nbytes + dirty_bytes + bloom_bytes
+        disk = self._spill.disk_bytes() if self._spill is not None else 0
         out.update(rows=nram + spilled, rows_in_ram=nram, rows_spilled=spilled, ram_bytes=ram,
-                   disk_bytes=disk, index_slots=len(self._index), row_bytes=self.layout.row_bytes,
+                   disk_bytes=disk, index_slots=index_slots, row_bytes=self.layout.row_bytes,
                    max_rows=self.config.max_rows)
         out["memory"] = {
-            "rows": int(self._state[K.S_NEXT]) * self.layout.row_bytes, "index": self._index.nbytes,
-            "filters": self._spill.bloom_bytes if self._spill is not None else 0,
-            "dirty_keys": self._spilled_dirty.nbytes, "sketch": self._sketch.nbytes,
+            "rows": rows_bytes, "index": index_bytes, "filters": bloom_bytes,
+            "dirty_keys": dirty_bytes, "sketch": self._sketch.nbytes,
             **(self._spill.memory() if self._spill is not None else {})}
         if self._spill is not None:
             out["rocksdb"] = self._spill.compaction()

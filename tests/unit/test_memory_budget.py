@@ -250,3 +250,34 @@ def test_a_push_bigger_than_the_headroom_evicts_within_the_call_instead_of_growi
     assert len(t) == len(ref)
     t.close()
     ref.close()
+
+
+def test_stats_waits_for_a_writer_so_a_scrape_never_reads_an_array_being_swapped(tmp_path):
+    """A Stats RPC or a Prometheus scrape calls stats() from another thread; a compaction or a release
+    of RAM swaps the arena and index under the exclusive lock, so stats() must read them under the
+    shared lock (it read them without any lock before)."""
+    import threading
+
+    t, ref = _budgeted_and_reference(tmp_path)
+    keys = _keys(5000, 7)
+    t.push(keys, np.ones((len(keys), DIM), np.float32))
+    got, held, release = [], threading.Event(), threading.Event()
+
+    def writer():
+        with t._lock.exclusive():
+            held.set()
+            release.wait(10)
+
+    w = threading.Thread(target=writer)
+    w.start()
+    held.wait(10)
+    r = threading.Thread(target=lambda: got.append(t.stats()))
+    r.start()
+    r.join(0.3)
+    assert r.is_alive() and not got            # waiting for the writer, not reading under it
+    release.set()
+    r.join(10)
+    w.join(10)
+    assert got and got[0]["rows"] == len(keys) and got[0]["rows_in_ram"] + got[0]["rows_spilled"] == len(keys)
+    t.close()
+    ref.close()
