@@ -20,6 +20,13 @@ shared Criteo rows, where every update counts: ``ctr_dnn_async_shared_config`` (
 exact, a dense step after every batch) and ``deepfm_async_shared_config`` (``configs/deepfm.yaml``:
 exact, merged by 4). Besides batch size, dim, one epoch, the data and the cluster size, the bench only turns
 off shuffling (the generated rows are in random order), per-epoch evaluation and checkpoints.
+``ctr_dnn_hybrid`` and ``deepfm_hybrid`` run the same configs in ``mode: hybrid`` (``engine.modes.hybrid``:
+sparse rows through the servers, the dense tower all-reduced among the workers over MPI every step, exact
+pipeline, no merging) and add ``ratio_vs_async`` (examples/s over ``ctr_dnn_async``'s, resp.
+``deepfm_async``'s, same run) and ``ratio_vs_exact`` (over ``ctr_dnn_async_shared_config``'s, resp.
+``deepfm_async_shared_config``'s) when those rows ran before them, and per rank the wall and CPU
+milliseconds per step spent completing the all-reduce (``rankN_allreduce_ms_per_step``: the
+test-and-yield loop's cost).
 Reference, NOT measured by this bench: every record carries ``paddle_reference_examples_per_s`` (22,000),
 the figure this repository has quoted since 2026-11-21 for Paddle 2.6.2's parameter server (1 server + 2
 trainers, same net, batch 512, "on this kind of machine"), with ``paddle_reference_date``,
@@ -37,6 +44,7 @@ and reports ``ratio_vs_local`` (examples/s) and ``startup_s`` of both (command s
 training step: Ray's start, the actors, the servers' and workers' start-up and warm-up).
 
     python bench/ctr_bench.py [--rows N] [--quick] [--only ctr_dnn_async,...] [--work DIR] [--set K=V]
+    python bench/ctr_bench.py --observability --only ctr_dnn_async [--repeats 5]   # the overhead of metrics
 """
 from __future__ import annotations
 
@@ -76,7 +84,15 @@ RUNS = {   # name: (config, model, mode, extra overrides)
     "ctr_dnn_async_exact": ("configs/ctr_bigdata.yaml", "ctr_dnn", "async", ("model.pipeline=exact",)),
     "ctr_dnn_async_shared_config": ("configs/ctr.yaml", "ctr_dnn", "async", ()),
     "deepfm_async_shared_config": ("configs/deepfm.yaml", "deepfm", "async", ()),
+    # mode hybrid: the dense tower all-reduced among the workers every step (no staleness, no merging)
+    "ctr_dnn_hybrid": ("configs/ctr_bigdata.yaml", "ctr_dnn", "hybrid", ("model.pipeline=exact",
+                                                                         "model.dense_merge_steps=1")),
+    "deepfm_hybrid": ("configs/deepfm_bigdata.yaml", "deepfm", "hybrid", ("model.pipeline=exact",
+                                                                          "model.dense_merge_steps=1")),
 }
+#: hybrid rows: (the headline async row, the exact async row) they are divided by, when measured in the run
+HYBRID_VS = {"ctr_dnn_hybrid": ("ctr_dnn_async", "ctr_dnn_async_shared_config"),
+             "deepfm_hybrid": ("deepfm_async", "deepfm_async_shared_config")}
 
 
 def prepare(work: Path, rows: int, seed: int) -> tuple[Path, Path]:
@@ -131,10 +147,10 @@ def run_sets(name: str, train: Path, test: Path, batch: int, work: Path) -> list
 
 
 def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before: dict,
-        extra: list[str] = ()) -> dict:
+        extra: list[str] = (), cli: list[str] = ()) -> dict:
     config, kind, mode, own = RUNS[name]
     sets = [*run_sets(name, train, test, batch, work), *extra]
-    cmd = [sys.executable, "-m", "engine", "train", str(REPO / config)] + [a for s in sets for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / config), *cli] + [a for s in sets for a in ("--set", s)]
     t, started = time.perf_counter(), time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -148,6 +164,10 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
             steps = max(1, ev.get("steps", 0))
             profile[f"rank{ev['rank']}_ms_per_step"] = {k: round(1000 * v / steps, 2)
                                                         for k, v in ev["phase_seconds"].items()}
+            if "allreduce" in ev:    # hybrid: completing the all-reduce (test-and-yield loop), per step
+                a = ev["allreduce"]
+                profile[f"rank{ev['rank']}_allreduce_ms_per_step"] = {
+                    "wait": round(1000 * a["wait_s"] / steps, 3), "cpu": round(1000 * a["wait_cpu_s"] / steps, 3)}
     # the machine may be shared: the best of the measurements before the jobs and right after this one
     roof = max(roof_before[kind], roofline(kind, batch, repeats=100))
     out = record(name, final, roof, batch, wall, profile)
@@ -182,6 +202,54 @@ def hosts_record(train: Path, test: Path, batch: int, work: Path, roof_before: d
     return out
 
 
+def observability_record(name: str, train: Path, test: Path, batch: int, work: Path, roof_before: dict,
+                         extra: list[str], repeats: int) -> dict:
+    """``{name}_observability``: ``repeats`` runs each without (no Prometheus, no TensorBoard) and with
+    everything on (every role's metrics endpoint scraped every second by this process, TensorBoard event
+    files), alternating; the medians of examples/s and the loss in percent (target: <= 3)."""
+    import statistics
+    import threading
+    import urllib.request
+
+    def scraped(run_dir: Path, stop: threading.Event, count: list[int]) -> None:
+        while not stop.wait(1.0):      # Prometheus scrapes every 15 s by default: this is 15x harsher
+            for f in run_dir.glob("*.metrics"):
+                try:
+                    with urllib.request.urlopen(f.read_text().strip(), timeout=5) as r:
+                        r.read()
+                    count[0] += 1
+                except OSError:
+                    pass
+
+    eps: dict[str, list[float]] = {"off": [], "on": []}
+    scrapes = 0
+    for i in range(repeats):
+        for state in ("off", "on"):
+            if state == "off":
+                out = run(name, train, test, batch, work, roof_before, [*extra, "observability.tensorboard=false"])
+            else:
+                run_dir = work / f"obs-run-{i}"
+                stop, count = threading.Event(), [0]
+                t = threading.Thread(target=scraped, args=(run_dir, stop, count), daemon=True)
+                t.start()
+                try:
+                    out = run(name, train, test, batch, work, roof_before,
+                              [*extra, "observability.prometheus_port=0", "observability.tensorboard=true",
+                               f"observability.tensorboard_dir={work / 'tensorboard'}"], ["--run-dir", str(run_dir)])
+                finally:
+                    stop.set()
+                    t.join()
+                scrapes += count[0]
+            eps[state].append(out["examples_per_s"])
+            print(json.dumps({"bench": f"{name}_observability_{state}", "run": i,
+                              "examples_per_s": out["examples_per_s"]}), file=sys.stderr, flush=True)
+    off, on = statistics.median(eps["off"]), statistics.median(eps["on"])
+    return {"bench": f"{name}_observability", "repeats": repeats, "median_examples_per_s_off": round(off, 1),
+            "median_examples_per_s_on": round(on, 1), "loss_pct": round(100 * (off - on) / off, 2),
+            "examples_per_s_off": [round(x, 1) for x in eps["off"]],
+            "examples_per_s_on": [round(x, 1) for x in eps["on"]], "scrapes": scrapes}
+
+
 def record(name: str, final: dict, roof: float, batch: int, wall: float, profile: dict | None = None) -> dict:
     """The JSON record of one measurement from ``engine train``'s final line (``examples_per_s``,
     ``test_auc``, ``test_logloss``) and the roofline measured in the same run (examples/s). The Paddle
@@ -207,6 +275,10 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(REPO / "runs" / "bench"), help="data cache (git-ignored)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra engine train overrides (e.g. model.pipeline=false), repeatable")
+    ap.add_argument("--observability", action="store_true",
+                    help="each measurement: --repeats runs without and with Prometheus (scraped every second) "
+                         "and TensorBoard, alternating; prints the medians and the loss in percent")
+    ap.add_argument("--repeats", type=int, default=5, help="with --observability: runs per state")
     args = ap.parse_args(argv)
     rows = args.rows // 10 if args.quick else args.rows
     work = Path(args.work)
@@ -218,17 +290,26 @@ def main(argv=None) -> int:
         print(f"# ctr_dnn_async_hosts skipped: {why}", file=sys.stderr)
     names = [n for n in (args.only.split(",") if args.only else default) if n]
     roof_before = {kind: roofline(kind, args.batch_size, repeats=100) for kind in ("ctr_dnn", "deepfm")}
+    measured: dict[str, dict] = {}
     for name in names:
         if name not in RUNS and name not in ("ctr_dnn_async_hosts", "ctr_dnn_async_ray"):
             raise SystemExit(f"--only: unknown measurement {name!r}; known: {sorted(RUNS)} + "
                              f"ctr_dnn_async_hosts, ctr_dnn_async_ray")
-        if name == "ctr_dnn_async_ray":
+        if args.observability:
+            if name not in RUNS:
+                raise SystemExit(f"--observability: measure one of {sorted(RUNS)}, not {name!r}")
+            out = observability_record(name, train, test, args.batch_size, work, roof_before, args.set, args.repeats)
+        elif name == "ctr_dnn_async_ray":
             out = ray_record(train, test, args.batch_size, work, roof_before, args.set)
         elif name == "ctr_dnn_async_hosts":
             out = hosts_record(train, test, args.batch_size, work, roof_before, args.set)
         else:
             out = run(name, train, test, args.batch_size, work, roof_before, args.set)
         out["rows"] = rows
+        measured[name] = out
+        for key, other in zip(("ratio_vs_async", "ratio_vs_exact"), HYBRID_VS.get(name, ())):
+            if other in measured:
+                out[key] = round(out["examples_per_s"] / measured[other]["examples_per_s"], 3)
         if args.set:
             out["set"] = args.set
         print(json.dumps(out), flush=True)

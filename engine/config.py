@@ -14,16 +14,19 @@ files and in ``--set`` alike: ``--set model.until=2024010108`` and ``until: 0100
 
 Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
 
-    mode: async                 # sync | async | geo
+    mode: async                 # sync | async | geo | hybrid
     cluster: {servers, workers, host, endpoints, local_shards, num_vshards, ...}
     client: {timeout_s, retries, backoff_s, threads, async_queue, barrier_timeout_s}
     server: {max_barrier_wait_s, max_concurrent_rpcs, reply_window_bytes, max_message_bytes}
     security: {tls: {cert, key, ca, client_cert, client_key}, token_file, admin_token_file, insecure, ...}
                                 (engine.security.settings)
     geo: {k_steps, learning_rate, dense_learning_rate, evict_after_steps, delta_scale}
+    hybrid: {dense_sync_steps}  (engine.modes.hybrid: dense tower all-reduced among the workers over MPI)
     checkpoint: {root, job, delta_every, base_every, keep_bases, fallback, final, threads, align_steps}
                                 (engine.checkpoint.schedule; root "" = no checkpoints)
     storage: {endpoint, region, scheme, access_key_env, secret_key_env, ...}   (StorageConfig: s3/hdfs)
+    observability: {prometheus_port, pushgateway, push_interval_s, tensorboard, tensorboard_dir}
+                                (engine.observability.settings; metrics endpoint off unless a port is set)
     tables:
       sparse: {NAME: {sparse_tables.TableConfig fields}}
       dense:  {NAME: {optimizer, learning_rate, beta1, beta2, epsilon}}
@@ -52,10 +55,11 @@ from .checkpoint.schedule import CheckpointConfig
 from .config_base import Nested, StrTuple, build, section, with_texts
 from .config_yaml import Source, load_yaml, parse_value
 from .errors import ConfigError
+from .observability.settings import ObservabilityConfig
 from .program_configs import program_config_class
 from .security.settings import SecurityConfig
 
-Mode = Literal["sync", "async", "geo"]
+Mode = Literal["sync", "async", "geo", "hybrid"]
 MODES = typing.get_args(Mode)
 
 #: inline storage secrets -> the environment variable that carries each to the launcher's children
@@ -84,7 +88,11 @@ class ClusterConfig:
     neither TLS nor tokens (Kubernetes' native gRPC probe); SERVING once the PS port listens, NOT_SERVING
     while preempting or stopping. ``stop_servers_at_end`` (role mode, e.g. Kubernetes Jobs, where no
     launcher stops the servers): when the job ends normally, every worker meets at a last barrier and
-    worker rank 0 sends ``Stop`` (admin token) to every server, which then exits 0."""
+    worker rank 0 sends ``Stop`` (admin token) to every server, which then exits 0.
+
+    ``run_root``: where the local launcher makes each run's directory (config, logs, progress files,
+    ``endpoints.json``) when ``--run-dir`` is not given: ``{run_root}/{job}-{YYYYmmdd-HHMMSS}-{pid}``,
+    with ``{run_root}/latest`` pointing at the newest (``engine status`` without a target reads it)."""
 
     servers: Annotated[int, Field(ge=1)] = 1
     workers: Annotated[int, Field(ge=1)] = 1
@@ -105,6 +113,7 @@ class ClusterConfig:
     worker_resources: dict[str, Annotated[float, Field(ge=0, strict=False)]] = field(default_factory=dict)
     health_port: Annotated[int, Field(ge=-1, le=65535)] = -1   # -1 off; gRPC health checking, plaintext
     stop_servers_at_end: bool = False   # role mode: worker rank 0 stops the servers when the job ends
+    run_root: str = "runs/run"          # local launcher: each run's directory is {run_root}/{job}-{time}-{pid}
 
 
 @section
@@ -158,6 +167,26 @@ class GeoConfig:
     dense_learning_rate: Annotated[float, Field(gt=0)] = 0.05
     evict_after_steps: Annotated[int, Field(ge=1)] = 1000
     delta_scale: Literal["mean", "sum"] = "mean"
+
+
+@section
+class HybridConfig:
+    """``mode: hybrid`` (``engine.modes.hybrid``): sparse tables on the servers as in async; every worker
+    holds the dense tower and steps it with ``tables.dense.NAME``'s optimizer, kept identical over MPI.
+
+    ``dense_sync_steps`` 1 (default): the mean of the workers' dense gradients is all-reduced every step
+    (exact: every worker steps with the same mean gradient). k > 1: model averaging, each worker steps
+    with its own gradient and every k steps the parameters and the optimizer's moments are averaged.
+
+    How other keys apply: ``model.dense_merge_steps`` must be 1 (merging gradients before a step is
+    what ``dense_sync_steps`` does here, exactly); ``model.pipeline`` ``exact`` overlaps the all-reduce
+    with the sparse push and pull, ``sequential`` runs one after the other, ``stale`` is refused (it
+    would train on dense parameters one step old). CTR models only (``model.kind`` ctr_dnn, deepfm);
+    ``cluster.launcher: local`` only (the workers form one ``mpiexec`` world); off loopback it needs
+    ``security.insecure: true`` (MPI traffic is neither authenticated nor encrypted).
+    """
+
+    dense_sync_steps: Annotated[int, Field(ge=1)] = 1
 
 
 @section
@@ -272,10 +301,12 @@ class EngineConfig:
     client: Annotated[ClientConfig, Nested] = field(default_factory=ClientConfig)
     server: Annotated[ServerConfig, Nested] = field(default_factory=ServerConfig)
     geo: Annotated[GeoConfig, Nested] = field(default_factory=GeoConfig)
+    hybrid: Annotated[HybridConfig, Nested] = field(default_factory=HybridConfig)
     checkpoint: Annotated[CheckpointConfig, Nested] = field(default_factory=CheckpointConfig)
     storage: Annotated[StorageConfig, Nested] = field(default_factory=StorageConfig)
     security: Annotated[SecurityConfig, Nested] = field(default_factory=SecurityConfig)
     kubernetes: Annotated[KubernetesConfig, Nested] = field(default_factory=KubernetesConfig)
+    observability: Annotated[ObservabilityConfig, Nested] = field(default_factory=ObservabilityConfig)
     sparse_tables: dict[str, Any] = field(default_factory=dict)   # name -> sparse_tables.TableConfig
     dense_tables: dict[str, DenseTableConfig] = field(default_factory=dict)
     model: Annotated[ModelConfig, Nested] | None = None
@@ -283,9 +314,10 @@ class EngineConfig:
     def to_dict(self) -> dict:
         """The YAML mapping this config loads from (round-trips through ``from_dict``)."""
         out = {"mode": self.mode, "cluster": _plain(self.cluster), "client": _plain(self.client),
-               "server": _plain(self.server), "geo": _plain(self.geo), "checkpoint": _plain(self.checkpoint),
+               "server": _plain(self.server), "geo": _plain(self.geo),
+               "hybrid": _plain(self.hybrid), "checkpoint": _plain(self.checkpoint),
                "storage": _plain(self.storage), "security": _plain(self.security),
-               "kubernetes": _plain(self.kubernetes),
+               "kubernetes": _plain(self.kubernetes), "observability": _plain(self.observability),
                "tables": {"sparse": {k: _plain(v) for k, v in self.sparse_tables.items()},
                           "dense": {k: _plain(v) for k, v in self.dense_tables.items()}}}
         if self.model is not None:
@@ -362,11 +394,43 @@ def from_dict(data: dict) -> EngineConfig:
     if cfg.cluster.num_vshards < cfg.cluster.servers:
         raise ConfigError(f"cluster.num_vshards must be >= cluster.servers ({cfg.cluster.servers}), "
                           f"got {cfg.cluster.num_vshards}")
+    if cfg.mode == "hybrid":
+        _check_hybrid(cfg)
     for name, t in cfg.sparse_tables.items():
         if 0 < t.max_rows < cfg.cluster.local_shards:    # each local shard needs a share of at least 1
             raise ConfigError(f"tables.sparse.{name}.max_rows must be 0 (no limit) or >= cluster.local_shards "
                               f"({cfg.cluster.local_shards}), got {t.max_rows}")
     return cfg
+
+
+#: programs that can train in mode hybrid (the CTR worker loop, ``engine.programs.ctr``)
+HYBRID_KINDS = ("ctr_dnn", "deepfm")
+
+
+def _check_hybrid(cfg: EngineConfig) -> None:
+    """Refuse what mode hybrid cannot do (see ``HybridConfig``), naming the keys."""
+    from .security.listen import is_loopback
+    kind = cfg.model.kind if cfg.model is not None else None
+    if kind is not None and kind not in HYBRID_KINDS:
+        raise ConfigError(f"mode hybrid trains {list(HYBRID_KINDS)} only (its dense tower is all-reduced among "
+                          f"the workers), got model.kind={kind!r}: use mode async or geo")
+    p = cfg.model.params if cfg.model is not None else None
+    if getattr(p, "dense_merge_steps", 1) > 1:
+        raise ConfigError(f"mode hybrid needs model.dense_merge_steps=1 (the dense step is all-reduced every "
+                          f"step; for fewer syncs set hybrid.dense_sync_steps), got {p.dense_merge_steps}")
+    if getattr(p, "pipeline", "exact") == "stale":
+        raise ConfigError("mode hybrid needs model.pipeline exact or sequential, got 'stale' (a step would "
+                          "train on dense parameters one step old)")
+    if cfg.cluster.launcher != "local":
+        raise ConfigError(f"mode hybrid runs with cluster.launcher (--launcher) local only, got "
+                          f"{cfg.cluster.launcher!r}: its workers form one MPI world started by mpiexec (see "
+                          f"README, 'Hybrid mode', for Ray and Kubernetes)")
+    hosts = [cfg.cluster.host] + [e.rsplit(":", 1)[0] for e in cfg.cluster.endpoints]
+    remote = [h for h in hosts if not is_loopback(h)]
+    if remote and not cfg.security.insecure:
+        raise ConfigError(f"mode hybrid off loopback ({remote[0]!r} in cluster.host / cluster.endpoints) needs "
+                          f"security.insecure: true: the workers' MPI traffic is neither authenticated nor "
+                          f"encrypted")
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> Source:

@@ -56,6 +56,7 @@ class DataConfig:
     generated_seed: Annotated[int, Field(ge=0)] = 20240
     convert_batch_size: Annotated[int, Field(ge=1)] = 512
     max_bad_rows: Annotated[int, Field(ge=0)] = 0
+    group_column: str = ""       # test-split column of a user/query id: GAUC, pos/neg order ratio ("" = none)
 
 
 @section

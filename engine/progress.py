@@ -10,7 +10,10 @@ A worker that a launcher supervises (``ENGINE_PROGRESS_FILE`` set) reports:
   evaluation, a barrier): ``{"name", "started", "deadline_s"}``, or null while training.
 - ``examples``: training examples of this process (this attempt), and ``marks``: the examples count
   at named points (``mark("0:256")`` at an aligned checkpoint meeting), so a supervisor that rolls the
-  job back to a checkpoint knows how many examples were trained twice.
+  job back to a checkpoint knows how many examples were trained twice; ``last_mark``: the newest one.
+- ``where``: where in the data the loop is, as the program tells (``where(epoch=1)``; an online job's
+  last committed partition is its ``last_mark``), for ``engine status``, which also derives steps/s
+  and examples/s from two reads of ``step`` and ``examples``.
 
 The supervisor's rule (``stalled``): dead when the beat is older than ``dead_after_s``; hung when, in
 training, the step has not moved for ``dead_after_s``, or an announced phase outlived its deadline.
@@ -18,7 +21,7 @@ training, the step has not moved for ``dead_after_s``, or an announced phase out
 File format (written atomically: a temporary file renamed over the old one)::
 
     {"pid": 4242, "beat": 1764061200.5, "step": 1200, "step_time": 1764061200.1, "examples": 153600,
-     "marks": {"0:0": 0, "0:256": 32768}, "phase": null}
+     "marks": {"0:0": 0, "0:256": 32768}, "last_mark": "0:256", "where": {"epoch": 0}, "phase": null}
 
 Without ``ENGINE_PROGRESS_FILE`` (role mode under another scheduler) every call is a no-op.
 """
@@ -57,7 +60,7 @@ class Progress:
         self._lock = threading.Lock()
         now = time.time()
         self._state = {"pid": os.getpid(), "beat": now, "step": 0, "step_time": now, "examples": 0,
-                       "marks": {}, "phase": None}
+                       "marks": {}, "last_mark": None, "where": {}, "phase": None}
         self._phases: list[dict] = []
         self._startup = None
         if startup_s is not None:
@@ -87,8 +90,15 @@ class Progress:
         """Remember the examples count at point ``name`` (e.g. a checkpoint's data position)."""
         with self._lock:
             self._state["marks"][name] = self._state["examples"]
+            self._state["last_mark"] = name
         if self.path is not None:      # at once: the process may be killed before the next beat
             self._write()
+
+    def where(self, **position) -> None:
+        """Where in the data the loop is now (``epoch=1``, ``partition="2026112614"``): JSON values,
+        replacing what was set before; shown by ``engine status``."""
+        with self._lock:
+            self._state["where"] = dict(position)
 
     @contextlib.contextmanager
     def phase(self, name: str, deadline_s: float):

@@ -173,8 +173,13 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
                 raise
             # "--resume" alone (a scheduler passes it at every start): no checkpoint yet, a new job
             log.warning("server %d: --resume: the job has no complete checkpoint yet; starting empty", rank)
+    from .observability import prometheus
+    metrics = prometheus.start(cfg, "server", rank, host)      # observability.prometheus_port; None: off
+    if metrics is not None:
+        metrics.watch_server(core)
     server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
-                          max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security)
+                          max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security,
+                          interceptors=[metrics.interceptor()] if metrics is not None else ())
     health_port = cfg.cluster.health_port if health_port is None else health_port
     probe = None
     if health_port >= 0:        # the plaintext health port: grpc.health.v1 only (engine.ps.health)
@@ -206,6 +211,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         probe.close()
     server.stop(grace=2.0).wait(cfg.cluster.stop_timeout_s)
     core.close()
+    if metrics is not None:
+        metrics.close()          # a last push to the Pushgateway
     return preempt.EXIT_PREEMPTED if core.preempting else 0
 
 
@@ -314,6 +321,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
     program = load_program(cfg.model.kind)
     # a supervising launcher watches this file: beats, steps, announced long phases (engine.progress)
     reporter = progress.install(startup_s=cfg.cluster.startup_timeout_s)
+    from .observability import prometheus
+    metrics = prometheus.start(cfg, "worker", rank)     # observability.prometheus_port; None: off
     client = connect(cfg, server_endpoints(cfg), name=f"worker{rank}", admin=rank == 0,
                      async_queue=cfg.client.async_queue)
     try:
@@ -339,6 +348,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
     finally:
         client.close()
         reporter.close()
+        if metrics is not None:
+            metrics.close()
     if result_file:
         tmp = Path(result_file + ".tmp")
         tmp.write_text(json.dumps(result))

@@ -240,6 +240,9 @@ class CheckpointManager:
         self._force_base = False
         seconds = time.perf_counter() - t0
         rows = sum(t["rows"] for t in tables["sparse"].values())
+        from ..observability.prometheus import record_checkpoint     # no-op unless metrics are on here
+        record_checkpoint("save", kind, seconds,
+                          sum(int(f.get("size", 0)) for f in manifest["files"].values()))
         log.info("checkpoint %s published: %s, %d row(s), %d file(s), %.2f s", uri, kind, rows,
                  len(manifest["files"]), seconds)
         if kind == "base":
@@ -347,6 +350,8 @@ class CheckpointManager:
         self._force_base = False
         log.info("restored %s (base %s + %d delta(s)): %d row(s) loaded in %.2f s", self.uri_of(name),
                  chain[0]["name"], len(chain) - 1, rows, time.perf_counter() - t0)
+        from ..observability.prometheus import record_checkpoint
+        record_checkpoint("restore", "chain", time.perf_counter() - t0)
         return chain[-1]
 
     # ------------------------------------------------------------------ retention

@@ -19,6 +19,7 @@ from ..export import cli as export_cli
 from . import certs as certs_cmd, convert as convert_cmd, eval as eval_cmd, train as train_cmd
 from . import k8s as k8s_cmd
 from . import plan as plan_cmd
+from . import status as status_cmd
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -31,6 +32,7 @@ def _build_parser() -> argparse.ArgumentParser:
     certs_cmd.add_parser(sub)
     k8s_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)
+    status_cmd.add_parser(sub)
     return parser
 
 
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return k8s_cmd.run(args)
     if args.command == "plan":
         return plan_cmd.run(args)
+    if args.command == "status":
+        return status_cmd.run(args)
     if args.command in ("export", "predict"):
         return export_cli.run(args)
     return 2

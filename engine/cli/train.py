@@ -71,6 +71,21 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.role != "worker":
+        return _run(args)
+    try:
+        code = _run(args)
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        if "mpi4py.MPI" in sys.modules:      # mode hybrid: a failed rank ends its MPI world at once
+            from ..modes.hybrid import end_world
+            end_world(code)
+    return code
+
+
+def _run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"%(asctime)s {args.role or 'launcher'}{'' if not args.role else args.rank} "
                                f"%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -27,7 +27,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from .. import preempt, progress
 from ..config import SECRET_ENV, EngineConfig, dump_config, secret_env
 from ..connect import connect
 from ..errors import LaunchError
+from ..observability import prometheus
 from ..ps import ps_pb2 as pb
 from ..ps.transport import GrpcTransport
 from ..security.credentials import client_security
@@ -44,6 +44,8 @@ from ..security.credentials import client_security
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
+ENDPOINTS_FILE = "endpoints.json"   # in the run directory once the servers are ready (engine status)
+LATEST = "latest"                   # {cluster.run_root}/latest -> the newest run directory
 TAIL_LINES = 15
 HANG_CHECK_S = 1.0     # how often progress reports and server liveness are looked at
 
@@ -137,8 +139,8 @@ class LocalCluster:
     ----------
     cfg : EngineConfig
     run_dir : str or Path, optional
-        Where the resolved config, ready files, results and per-process logs go (default: a new
-        temporary directory).
+        Where the resolved config, ready files, results, progress files, per-process logs and
+        ``endpoints.json`` go (default: a new ``new_run_dir``).
     python : str
         Interpreter for the children (default: this one).
     """
@@ -147,7 +149,7 @@ class LocalCluster:
                  allow_load: tuple[str, ...] = ()):
         self.cfg = cfg
         self.allow_load = tuple(allow_load)     # further roots clients may load from (--resume URI)
-        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="engine-run-"))
+        self.run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.run_dir / "config.yaml"
         self._secret_env: dict[str, str] = {}
@@ -159,6 +161,8 @@ class LocalCluster:
         self.watch: ServerWatch | None = None
         self.preempt_deadline: float | None = None     # monotonic; set by ``preempt``
         self._preempted: set[int] = set()               # worker ranks sent SIGTERM
+        self.restarts = 0                 # the supervisor's count so far (engine_restarts_total)
+        self._metrics_announced = False   # observability.prometheus_port: URLs logged + prometheus.json
 
     def write_config(self, cfg: EngineConfig) -> None:
         """Write ``cfg`` as the children's config file (mode 0600, no inline storage secrets: those
@@ -174,7 +178,8 @@ class LocalCluster:
                "--rank", str(rank), *extra]
         inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV.values()}
         full_env = {**inherited, "ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-                    **self._secret_env, **env}
+                    **self._secret_env, **prometheus.child_env(self.cfg, role, rank, self.run_dir, self.restarts),
+                    **env}
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True)
@@ -210,12 +215,18 @@ class LocalCluster:
                 time.sleep(POLL_S)
         self.endpoints = [e for e in endpoints if e]
         log.info("servers ready: %s", ",".join(self.endpoints))
+        write_endpoints(self.run_dir, self.endpoints, self.cfg)
         self.watch = ServerWatch(self.endpoints, self.cfg.client.dead_after_s,
                                  security=client_security(self.cfg.security, admin=True))
         return self.endpoints
 
     def start_workers(self) -> None:
         env = {"ENGINE_SERVERS": ",".join(self.endpoints), "ENGINE_NUM_WORKERS": str(self.cfg.cluster.workers)}
+        if self.cfg.mode == "hybrid":          # one mpiexec world: rank r = worker r (engine.launch.mpi)
+            from .mpi import start_world
+            self.workers.extend(start_world(self, env, child=Child, rank_env=lambda r: prometheus.child_env(
+                self.cfg, "worker", r, self.run_dir, self.restarts)))
+            return
         for r in range(self.cfg.cluster.workers):
             result = self.run_dir / f"worker-{r}.result.json"
             result.unlink(missing_ok=True)
@@ -290,6 +301,8 @@ class LocalCluster:
                                   reason="preempt timeout")
             if time.monotonic() >= next_hang_check:
                 self._check_hangs()
+                if not self._metrics_announced:
+                    self._metrics_announced = prometheus.announce(self.cfg, self.run_dir, self.servers + self.workers)
                 next_hang_check = time.monotonic() + HANG_CHECK_S
             if deadline is not None and time.monotonic() > deadline:
                 raise LaunchError(f"workers did not finish within {timeout}s")
@@ -350,6 +363,46 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def new_run_dir(cfg: EngineConfig) -> Path:
+    """A new run directory ``{cluster.run_root}/{job}-{YYYYmmdd-HHMMSS}-{pid}`` (job: ``checkpoint.job``
+    or ``model.kind``; ``-2``, ``-3`` ... appended if taken, e.g. a restart in the same second), and
+    ``{run_root}/latest`` re-pointed at it (a relative symlink, replaced atomically).
+
+    Raises
+    ------
+    LaunchError
+        ``cluster.run_root`` cannot be created or written.
+    """
+    root = Path(cfg.cluster.run_root).resolve()
+    name = f"{cfg.checkpoint.job or cfg.model.kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            path = root / (name if n == 1 else f"{name}-{n}")
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:
+                continue
+        tmp = root / f".{LATEST}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path.name)
+        os.replace(tmp, root / LATEST)
+    except OSError as e:
+        raise LaunchError(f"cluster.run_root: cannot make a run directory under {root}: {e}") from None
+    return path
+
+
+def write_endpoints(run_dir: Path, endpoints: list[str], cfg: EngineConfig) -> None:
+    """``run_dir/endpoints.json``: the servers' ``host:port`` in rank order, the worker count and the
+    launcher's pid (written atomically), for ``engine status RUN_DIR``."""
+    data = {"endpoints": list(endpoints), "workers": cfg.cluster.workers, "launcher_pid": os.getpid(),
+            "time": time.time()}
+    tmp = run_dir / f".{ENDPOINTS_FILE}.tmp"
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, run_dir / ENDPOINTS_FILE)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

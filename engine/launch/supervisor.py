@@ -141,6 +141,7 @@ class Supervisor:
             # the operator's --resume URI may lie outside checkpoint.root: its servers may load from it
             cluster = self._cluster = self.cluster_class(self.cfg, run_dir,
                                                          allow_load=(self.first_resume,) if self.first_resume else ())
+            cluster.restarts = self.restarts     # the children's engine_restarts_total (engine.observability)
             try:
                 with cluster:
                     return self._attempt(cluster)

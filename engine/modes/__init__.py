@@ -1,4 +1,4 @@
-"""Training modes, one file each behind one interface (``base.Mode``): sync, async, GEO."""
+"""Training modes, one file each behind one interface (``base.Mode``): sync, async, GEO, hybrid."""
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -26,7 +26,10 @@ def make_mode(cfg, client, *, rank: int, num_workers: int) -> Mode:
         return GeoMode(client, k_steps=g.k_steps, learning_rate=g.learning_rate,
                        dense_learning_rate=g.dense_learning_rate, evict_after_steps=g.evict_after_steps,
                        delta_scale=g.delta_scale, **common)
-    raise ConfigError(f"mode must be one of ['sync', 'async', 'geo'], got {cfg.mode!r}")
+    if cfg.mode == "hybrid":      # imported here: mpi4py initializes MPI on import
+        from .hybrid import HybridMode
+        return HybridMode(client, dense_tables=cfg.dense_tables, sync_steps=cfg.hybrid.dense_sync_steps, **common)
+    raise ConfigError(f"mode must be one of ['sync', 'async', 'geo', 'hybrid'], got {cfg.mode!r}")
 
 
 __all__ = ["Mode", "SyncMode", "AsyncMode", "GeoMode", "make_mode"]

@@ -81,14 +81,15 @@ import pyarrow as pa
 
 from models import ModelConfigError, build_model
 
-from .. import progress
+from .. import observability, progress
 from ..errors import ConfigError
 from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
+from . import ctr_eval
 from .ctr_data import CTRBatch, dedup_batch, expected_schema, make_source, prepare_data, shard_rows, to_batch
 from .ctr_positions import AlignedCheckpoints, Position
-from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, merge_global, now_stamp, reset_metrics
+from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +188,12 @@ def final(cfg, results: list[dict]) -> dict:
     seconds = max([r.get("train_seconds", 0.0) for r in results] + [1e-9])
     event = {"event": "final", "model": cfg.model.kind, "mode": cfg.mode,
              "test_auc": test.get("auc"), "test_logloss": test.get("logloss"),
-             "test_copc": test.get("copc"), "examples_per_s": examples / seconds,
+             "test_copc": test.get("copc"), **ctr_eval.final_fields(test), "examples_per_s": examples / seconds,
              "metrics_file": p.metrics_file, "checkpoint": None}
     started = [r["train_started_at"] for r in results if r.get("train_started_at")]
     event["train_started_at"] = min(started) if started else None   # wall clock of the first step
     MetricsFile(p.metrics_file).write({**event, "examples": examples, "train_seconds": seconds})
+    event["tensorboard_dir"] = observability.record_final(cfg, p.metrics_file, event)
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in event.items()}
 
 
@@ -218,8 +220,8 @@ class CTRTrainer:
             raise ConfigError(f"tables.sparse.{p.sparse_table}.dim is {width} on the servers, but {self.kind} "
                               f"needs {self.model.sparse_width}")
         self.schema = expected_schema(p.slots, p.dense_dim)
-        self.metrics = MetricsFile(p.metrics_file or os.path.join(p.metrics_dir,
-                                                                  f"{self.kind}-{ctx.config.mode}.jsonl"))
+        self.metrics = observability.events(MetricsFile(p.metrics_file or os.path.join(
+            p.metrics_dir, f"{self.kind}-{ctx.config.mode}.jsonl")), ctx.config, self.rank)   # + TensorBoard
         self.num_slots = len(p.slots)
         self.steps = 0
         self.examples = 0
@@ -233,8 +235,11 @@ class CTRTrainer:
         self._dense_n = 0
         self.dense_steps = 0          # dense gradients sent (async)
         self._dense_lock = threading.Lock()
-        self.pipelined = p.pipeline != "sequential" and self.mode.name == "async"
+        # hybrid: async's sparse pipeline; its push_pull overlaps the dense all-reduce (engine.modes.hybrid)
+        self.pipelined = p.pipeline != "sequential" and self.mode.name in ("async", "hybrid")
         self.prefetching = p.pipeline != "sequential" and self.mode.name == "geo"
+        observability.watch_trainer(self)     # Prometheus reads examples, steps, phases at scrape time
+        self.evaluation = ctr_eval.Evaluation(self)    # rows, group metrics and their merge (ctr_eval)
 
     def warm_up(self) -> float:
         """Compile this worker's kernels (read, dedup, forward/backward, predict, metrics) on one
@@ -405,6 +410,7 @@ class CTRTrainer:
         t_epoch = t_win = time.perf_counter()
         if self.train_started_at is None:
             self.train_started_at = time.time()
+        progress.current().where(epoch=epoch)           # engine status shows it
         steps = 0
         it = src.batches(epoch)
         for _ in range(skip):                      # trained before the checkpoint this job resumed
@@ -617,7 +623,7 @@ class CTRTrainer:
         self._flush_dense()
         self._fresh_dense = None
         self._dense_stale = True
-        if self.mode.name == "geo":
+        if self.mode.name in ("geo", "hybrid"):     # hybrid: rank 0 uploads the dense tower
             self.mode.sync()
         elif self.mode.name == "async":
             self.client.flush()
@@ -633,20 +639,12 @@ class CTRTrainer:
         self._drain()
         self.mode.barrier(f"eval-start-{tag}")
         self.model.set_dense(self.client.pull_dense(p.dense_table))
-        local = BinaryMetrics(EVAL_BUCKETS)
-        src = make_source(p.data.test_path, batch_size=p.eval_batch_size, schema=self.schema, rank=self.rank,
-                          num_workers=self.num_workers, prefetch=p.prefetch)
-        for rb in src.batches(0):
-            batch = self.read(rb)
-            uniq, rows, segments, _, _ = self.dedup(batch)
-            emb = self.client.pull(p.sparse_table, uniq)     # unknown keys read zeros, nothing created
-            local.update(self.model.predict(emb, rows, segments, batch.dense), batch.labels)
-        summary = merge_global(self.client, self.mode, p.metrics_table, local, tag)
+        summary = self.evaluation.score(tag)
         if summary is not None:
             self.metrics.write({"event": "eval", "epoch": epoch, "split": "test", **summary,
                                 "time": time.time()})
-            log.info("epoch %d test: AUC %.4f logloss %.4f COPC %.3f (%d rows)", epoch, summary["auc"],
-                     summary["logloss"], summary["copc"], summary["count"])
+            log.info("epoch %d test: AUC %.4f logloss %.4f COPC %.3f (%d rows)%s", epoch, summary["auc"],
+                     summary["logloss"], summary["copc"], summary["count"], ctr_eval.describe(summary))
         return summary
 
     def run(self) -> dict:
@@ -658,15 +656,18 @@ class CTRTrainer:
         if self.ctx.config.cluster.warm_up:      # every worker starts its first step compiled
             log.info("worker %d: kernels ready in %.1f s", self.rank, self.warm_up())
         self.mode.init_dense(p.dense_table, self.model.get_dense())
+        self.evaluation.reset()
         reset_metrics(self.client, self.mode, p.metrics_table)
         self.checkpoints = AlignedCheckpoints(self)
         start, self.steps = self.checkpoints.restored()
         max_steps = None
-        need_min = self.mode.name == "sync" or (self.checkpoints.enabled and self.checkpoints.ck.align_steps > 0)
-        min_batches = min(shard_rows(p.data.train_path, self.num_workers)) // p.batch_size if need_min else 0
-        if self.mode.name == "sync":   # every worker must run the same number of steps
-            max_steps = min_batches
-            log.info("sync mode: %d steps per epoch on every worker", max_steps)
+        lockstep = self.mode.name in ("sync", "hybrid")    # every worker must run the same number of steps
+        need_min = lockstep or (self.checkpoints.enabled and self.checkpoints.ck.align_steps > 0)
+        rows = min(shard_rows(p.data.train_path, self.num_workers)) if need_min else 0
+        min_batches = rows // p.batch_size
+        if lockstep:     # hybrid: every shard has at least ceil(rows / batch) batches, the last may be partial
+            max_steps = min_batches if self.mode.name == "sync" else -(-rows // p.batch_size)
+            log.info("%s mode: %d steps per epoch on every worker", self.mode.name, max_steps)
         for epoch in range(start.epoch, p.epochs):
             self.train_epoch(epoch, max_steps, skip=start.batch if epoch == start.epoch else 0,
                              min_batches=min_batches)
@@ -679,7 +680,7 @@ class CTRTrainer:
         if self.checkpoints.ck.final:
             self.checkpoints.meet(Position(p.epochs, 0), force=True)
         self.metrics.write({"event": "profile", "rank": self.rank, "steps": self.steps,
-                            "dense_steps": self.dense_steps,
+                            "dense_steps": self.dense_steps, **getattr(self.mode, "profile", dict)(),
                             "train_seconds": self.train_seconds,
                             "phase_seconds": {k: round(v, 3) for k, v in self.phases.items()}})
         log.info("worker %d: seconds per phase over %d steps: %s", self.rank, self.steps,

@@ -199,6 +199,50 @@ def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
         it.close()
 
 
+def _file_schema(path: str) -> pa.Schema:
+    """The schema of one Arrow IPC (file or stream) or Parquet input, without reading its batches."""
+    if path.endswith((".parquet", ".pq")):
+        import pyarrow.parquet as pq
+        return pq.read_schema(path)
+    with pa.memory_map(path, "r") as mm:
+        if mm.read(6) == b"ARROW1":
+            return pa.ipc.open_file(mm).schema
+        mm.seek(0)
+        return pa.ipc.open_stream(mm).schema
+
+
+def group_column_type(path: str, column: str) -> pa.DataType:
+    """The Arrow type of the grouping column ``column`` (``model.data.group_column``) in every input of
+    the test split ``path``: an integer type, or string/binary (hashed to uint64 keys when read).
+
+    Raises
+    ------
+    ConfigError
+        An input lacks the column, or holds it with another type (not integer or string) or with
+        different types in different files; the message names ``model.data.group_column`` and the file.
+    """
+    key = "model.data.group_column"
+    try:
+        files = list_files(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.data.test_path: {e}") from None
+    found = None
+    for f in files:
+        schema = _file_schema(str(f))
+        if column not in schema.names:
+            raise ConfigError(f"{key}: column {column!r} is missing from the test split file {f} (columns "
+                              f"present: {', '.join(schema.names) or 'none'})")
+        t = schema.field(column).type
+        if not (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+                or pa.types.is_binary(t) or pa.types.is_large_binary(t)):
+            raise ConfigError(f"{key}: column {column!r} of {f} must hold integer or string group ids, "
+                              f"got {t}")
+        if found is not None and t != found:
+            raise ConfigError(f"{key}: column {column!r} is {t} in {f} but {found} in {files[0]}")
+        found = t
+    return found
+
+
 def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
     """Resolve the data section to ``source: arrow`` with absolute, schema-checked paths; converts or
     generates when needed (see the module docstring).
@@ -230,5 +274,7 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
         train, test = _convert(inputs, cfg)
     check_arrow(train, schema, "model.data.train_path")
     check_arrow(test, schema, "model.data.test_path")
+    if cfg.group_column:
+        group_column_type(test, cfg.group_column)
     return dataclasses.replace(cfg, source="arrow", train_path=str(Path(train).resolve()),
                                test_path=str(Path(test).resolve()))

@@ -34,7 +34,7 @@ import time
 from hdfs_io import CheckpointCorruptError, NotPublishedError
 from streaming.hourly import HourlySource, partition_time
 
-from .. import failpoints, preempt, progress
+from .. import failpoints, observability, preempt, progress
 from ..checkpoint import CheckpointManager, Schedule, chain_of
 from ..export import BundleError, CheckpointSource, export_bundle, open_bundle
 from ..job_checkpoints import job_name
@@ -105,10 +105,13 @@ def prepare(cfg):
 def final(cfg, results: list[dict]) -> dict:
     """Launcher hook: the last stdout line."""
     r0 = next((r for r in results if r.get("rank") == 0), {})
-    return {"event": "final", "model": "ctr_online", "network": cfg.model.params.network, "mode": cfg.mode,
-            "partitions": r0.get("partitions", []), "last_partition": r0.get("last_partition"),
-            "progressive_auc": r0.get("progressive_auc"), "metrics_file": cfg.model.params.metrics_file,
-            "checkpoint": r0.get("checkpoint")}
+    event = {"event": "final", "model": "ctr_online", "network": cfg.model.params.network, "mode": cfg.mode,
+             "partitions": r0.get("partitions", []), "last_partition": r0.get("last_partition"),
+             "progressive_auc": r0.get("progressive_auc"), "metrics_file": cfg.model.params.metrics_file,
+             "checkpoint": r0.get("checkpoint")}
+    # the per-hour curves come from the workers' partition events (online/*); this adds final/*
+    event["tensorboard_dir"] = observability.record_final(cfg, cfg.model.params.metrics_file, event)
+    return event
 
 
 class OnlineTrainer(ctr.CTRTrainer):
@@ -178,6 +181,7 @@ class OnlineTrainer(ctr.CTRTrainer):
 
     def train_partition(self, part) -> tuple[int, float]:
         rows, loss, steps = 0, 0.0, 0
+        progress.current().where(partition=part.name)     # engine status: the hour being trained
         for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema):
             batch = self.read(rb)
             res = self.train_step(batch)

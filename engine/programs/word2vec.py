@@ -50,6 +50,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..program_configs import Word2VecConfig as Config
+from .. import observability
 from ..errors import ConfigError
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import Follower, MetricsFile, now_stamp
@@ -208,6 +209,7 @@ def final(cfg, results: list[dict]) -> dict:
              "metrics_file": p.metrics_file,
              "checkpoint": next((r.get("checkpoint") for r in results if r.get("rank") == 0), None)}
     MetricsFile(p.metrics_file).write({**event, "analogy_sections": ev.get("analogy_sections")})
+    event["tensorboard_dir"] = observability.record_final(cfg, p.metrics_file, event)   # final/* scalars
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
 
 
@@ -274,11 +276,13 @@ class Word2VecTrainer:
         self.planned = max(1, int(corpus_meta(p.arrow_dir)["total_tokens"]) * p.epochs)
         ids = np.arange(len(self.vocab), dtype=np.uint64)
         self.keys_in, self.keys_out = make_keys(p.input_slot, ids), make_keys(p.output_slot, ids)
-        self.metrics = MetricsFile(p.metrics_file or os.path.join(p.metrics_dir, "word2vec.jsonl"))
+        self.metrics = observability.events(MetricsFile(p.metrics_file or os.path.join(
+            p.metrics_dir, "word2vec.jsonl")), ctx.config, self.rank)    # + TensorBoard, Prometheus gauges
         self.work = np.empty(p.dim, np.float32)
         self.scratch = None
         self.global_done = 0.0
         self.steps = 0
+        observability.watch_trainer(self)     # Prometheus reads the steps at scrape time
         # checkpoints at aligned points (every checkpoint.align_steps steps of an epoch while every
         # rank still has data, and at epoch ends) with the data position (epoch, step of the epoch)
         self.checkpoints = AlignedCheckpoints(self, identity={

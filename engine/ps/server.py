@@ -21,8 +21,10 @@ for the rest; nothing is allocated before its size is checked.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +66,10 @@ _ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink"})
 #: methods that need the admin token when tokens are configured (``engine.security.interceptor``);
 #: a forced dense re-initialisation needs it too (``admin_reason``)
 ADMIN_METHODS = frozenset({"Save", "Load", "Shrink", "Stop"})
+#: upper bounds (seconds) of the per-method latency histogram in ``Stats`` (``latency``): fixed, so two
+#: reads subtract to the histogram of the interval between them (``engine status``); +inf bucket last
+LATENCY_BOUNDS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0)
 
 
 def admin_reason(method: str, req) -> str | None:
@@ -162,8 +168,16 @@ class PSServer:
         self._tables_lock = RWLock()
         self._started = time.time()
         self._requests = dict.fromkeys(METHODS, 0)
+        self._latency = {m: [0] * (len(LATENCY_BOUNDS_S) + 1) for m in METHODS}   # counts per bucket
+        self._latency_sum = dict.fromkeys(METHODS, 0.0)                            # seconds
         self._errors = 0
         self._count_lock = threading.Lock()
+        self.checkpoint_parts: dict[str, tuple[int, float, int]] = {}   # op -> (count, seconds, bytes written)
+
+    def _note_part(self, op: str, seconds: float, nbytes: int = 0) -> None:
+        """One Save / Load of this server's checkpoint parts (``engine.observability`` reads them)."""
+        n, s, b = self.checkpoint_parts.get(op, (0, 0.0, 0))
+        self.checkpoint_parts[op] = (n + 1, s + seconds, b + nbytes)
 
     def _busy(self) -> int:
         return self._inflight
@@ -187,6 +201,7 @@ class PSServer:
         rid = getattr(request, "request_id", "") or "-"
         with self._count_lock:
             self._requests[method] = self._requests.get(method, 0) + 1
+        t0 = time.perf_counter()
         try:
             if method not in METHODS:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
@@ -226,11 +241,19 @@ class PSServer:
             msg = (f"[server {self.index}/{self.num_servers}, table {table!r}, shard {shard}, "
                    f"request {rid}] {e}")
             raise ServerError(code, msg) from None
+        finally:
+            if method in self._latency:     # handling time, answered or failed (engine status: p99)
+                dt = time.perf_counter() - t0
+                with self._count_lock:
+                    self._latency[method][bisect.bisect_left(LATENCY_BOUNDS_S, dt)] += 1
+                    self._latency_sum[method] += dt
 
     def _run(self, method: str, request, trusted: bool = False):
         if method == "Load":    # alone: no request may run on shards that Load swaps out
             with self._tables_lock.exclusive():
+                t0 = time.perf_counter()
                 reply = self.Load(request, trusted=trusted)
+                self._note_part("load", time.perf_counter() - t0)
                 self.window.clear()     # remembered replies were computed from the tables just replaced
                 self.restored = request.path
                 self.generation = max(time.time_ns(), self.generation + 1)
@@ -472,10 +495,13 @@ class PSServer:
         ``HHMM-base`` or ``HHMM-delta[.N]``; see ``engine.checkpoint.writer``). Returns the rows written."""
         kind = kind_of_uri(confine(req.path, self.checkpoint_root))
         dense = {n: st for n, h in self.dense.items() if (st := h.snapshot()) is not None}
+        t0 = time.perf_counter()
         report = save_server_parts(self._checkpoint_storage(req.path), kind=kind, server=self.index,
                                    num_servers=self.num_servers, num_vshards=self.num_vshards,
                                    sparse={n: h.shards for n, h in self.sparse.items()}, dense=dense,
                                    groups=self.checkpoint_groups, threads=self.checkpoint_threads)
+        self._note_part("save", time.perf_counter() - t0,
+                        sum(f.get("size", 0) for f in report["files"].values()))
         return pb.CountResponse(request_id=req.request_id, count=sum(report["rows"].values()))
 
     def Load(self, req: pb.PathRequest, *, trusted: bool = False) -> pb.CountResponse:
@@ -602,7 +628,11 @@ class PSServer:
     def Stats(self, req: pb.Empty) -> pb.JsonResponse:
         with self._count_lock:
             reqs, errors = dict(self._requests), self._errors
+            latency = {m: list(c) for m, c in self._latency.items() if reqs.get(m)}
+            latency_sum = {m: self._latency_sum[m] for m in latency}
         out = {"server": self.index, "num_servers": self.num_servers, "requests": reqs, "errors": errors,
+               "latency_bounds_s": list(LATENCY_BOUNDS_S), "latency": latency, "latency_sum_s": latency_sum,
+               "rss_bytes": _rss_bytes(), "pid": os.getpid(),
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
                "barriers": self.barriers.stats(),
                "auth_denied": dict(self.auth.denied) if self.auth is not None else {},
@@ -632,6 +662,15 @@ class PSServer:
         for h in self.sparse.values():
             h.close()
         self._pool.shutdown(wait=False)
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory in bytes (Linux ``/proc/self/statm``), None where unavailable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _stamped(reply, generation: int):
@@ -694,7 +733,7 @@ def generic_handler(core: PSServer) -> grpc.GenericRpcHandler:
 
 
 def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int = 8,
-          max_concurrent_rpcs: int = 0, security=None) -> tuple[grpc.Server, int]:
+          max_concurrent_rpcs: int = 0, security=None, interceptors=()) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``core`` on host:port (port 0: a free port). Returns (server, port).
 
     ``security`` (``engine.security.credentials.ServerSecurity``, None: plaintext without tokens):
@@ -706,7 +745,8 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     ``threads`` RPC threads serve the calls; at most half of them linger in barrier polls, so arrivals
     and other requests always find one. ``max_concurrent_rpcs`` (``server.max_concurrent_rpcs``; 0 =
     unlimited) bounds the calls accepted at once: gRPC answers the excess RESOURCE_EXHAUSTED, which
-    clients back off from and retry.
+    clients back off from and retry. ``interceptors`` run before the token check (the Prometheus
+    ``engine.observability.prometheus.RpcMetricsInterceptor``, which so counts refused calls too).
 
     Raises
     ------
@@ -718,7 +758,7 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     if budgeted:
         _malloc.start_trimming()
     core.barriers.max_lingering = max(0, threads // 2)
-    interceptors = []
+    interceptors = list(interceptors)
     if security is not None and security.tokens is not None:
         from ..security.interceptor import AuthInterceptor
         core.auth = AuthInterceptor(security.tokens, ADMIN_METHODS, name=f"server {core.index}/{core.num_servers}",
@@ -741,6 +781,6 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
         raise RuntimeError(f"server {core.index}: cannot bind {host}:{port}")
     server.start()
     log.info("server %d/%d listening on %s:%d (%s%s)", core.index, core.num_servers, host, bound,
-             "TLS" if creds is not None else "plaintext", ", tokens" if interceptors else "")
+             "TLS" if creds is not None else "plaintext", ", tokens" if core.auth is not None else "")
     return server, bound
 

@@ -31,7 +31,7 @@ def base() -> dict:
 @pytest.mark.parametrize("override, message", [
     ("cluster.servers=0", "cluster.servers must be >= 1, got 0"),
     ("cluster.nope=1", "cluster: unknown key(s) ['nope']"),
-    ("mode=fast", "mode must be one of ['sync', 'async', 'geo'], got 'fast'"),
+    ("mode=fast", "mode must be one of ['sync', 'async', 'geo', 'hybrid'], got 'fast'"),
     ("tables.sparse.emb.dim=0", "tables.sparse.emb.dim must be a positive int, got 0"),
     ("tables.sparse.emb.colour=red", "tables.sparse.emb: unknown key(s) ['colour']"),
     ("tables.dense.d.optimizer=rmsprop", "tables.dense.d.optimizer must be one of ['adam', 'sgd']"),

@@ -1,0 +1,230 @@
+"""Hybrid-mode workers as one MPI world: the local launcher's ``mpiexec`` (MPICH's hydra, fork launcher,
+no ssh) and what it tells the launcher about each rank.
+
+``LocalCluster.start_workers`` in mode hybrid starts one process::
+
+    mpiexec -launcher fork -n W  python -m engine.launch.mpi RUN_DIR/mpi-world.json
+
+Each of the W processes is this module's ``main``: it reads its rank from hydra's ``PMI_RANK``, writes
+its pid to ``worker-R.pid``, sends its output to ``worker-R.log``, sets its own environment
+(``ENGINE_PROGRESS_FILE``...) and ``exec``s the worker command of rank R (``python -m engine train
+CONFIG --role worker --rank R --result-file ...``), so the MPI rank is the worker's process (its pid,
+its command line: ``engine.launch.procs.role_pid`` finds it). The world file holds no secret: those
+travel in mpiexec's environment, which hydra passes to every rank.
+
+``RankProcess`` is what the launcher holds per worker in place of a ``subprocess.Popen``: its ``pid``
+is the rank's, signals go to the rank, and its exit code is read from mpiexec when the world ends. A
+rank that dies ends the world (hydra kills the others and prints the dead rank's pid and exit); the
+rank that died reports its exit code or signal, the others report 0, so the launcher's error names
+the dead worker and the supervisor restarts the whole job from its newest checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+WORLD_FILE = "mpi-world.json"
+MPIEXEC_LOG = "mpiexec.log"
+
+
+def mpiexec_path(python: str = sys.executable) -> str:
+    """The ``mpiexec`` beside ``python`` (the mpich wheel installs it into the venv), else on PATH.
+
+    Raises
+    ------
+    FileNotFoundError
+        No mpiexec found (install the hybrid extra: mpi4py and mpich).
+    """
+    beside = Path(python).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found:
+        return found
+    raise FileNotFoundError(f"mode hybrid needs mpiexec (MPICH's hydra): none beside {python} or on PATH; "
+                            f"pip install mpi4py mpich (make install installs them)")
+
+
+def world_command(python: str, run_dir: Path, ranks: list[dict]) -> list[str]:
+    """Write ``run_dir/mpi-world.json`` and return the mpiexec command that starts the world.
+
+    Parameters
+    ----------
+    python : str
+        Interpreter of the ranks.
+    run_dir : Path
+    ranks : list of dict
+        Per rank r (in order): ``cmd`` (list[str], the worker command), ``env`` (dict[str, str] added to
+        the inherited environment), ``log`` and ``pid`` (paths).
+    """
+    spec = run_dir / WORLD_FILE
+    spec.write_text(json.dumps({"ranks": ranks}))
+    return [mpiexec_path(python), "-launcher", "fork", "-n", str(len(ranks)), python, "-m", "engine.launch.mpi",
+            str(spec)]
+
+
+def main(argv: list[str]) -> None:
+    """Per-rank entry under mpiexec: become rank ``PMI_RANK``'s worker (see the module docstring)."""
+    if len(argv) != 1 or "PMI_RANK" not in os.environ:
+        sys.exit("usage: mpiexec -n W python -m engine.launch.mpi WORLD.json (started by engine train)")
+    rank = int(os.environ["PMI_RANK"])
+    r = json.loads(Path(argv[0]).read_text())["ranks"][rank]
+    fd = os.open(r["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if os.getpgid(0) != os.getpid():   # a group of its own (hydra makes each rank a session leader):
+        os.setpgid(0, 0)                # the launcher signals one rank's group, as for any child
+    Path(r["pid"]).write_text(str(os.getpid()))
+    env = {**os.environ, **r["env"], "ENGINE_PARENT_PID": str(os.getppid())}   # dies with hydra's proxy
+    os.execve(r["cmd"][0], r["cmd"], env)
+
+
+_BAD = re.compile(r"BAD TERMINATION.*?PID (\d+).*?(?:EXIT CODE: (\d+)|KILLED BY SIGNAL: (\d+))", re.S)
+
+
+class World:
+    """One mpiexec running the workers' world; answers for every rank (``RankProcess``)."""
+
+    def __init__(self, cmd: list[str], *, env: dict, run_dir: Path, pid_paths: list[Path]):
+        self.run_dir = run_dir
+        self.log_path = run_dir / MPIEXEC_LOG
+        self.pid_paths = pid_paths
+        for p in pid_paths:
+            p.unlink(missing_ok=True)
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        self._codes: dict[int, int] | None = None
+
+    def rank_pid(self, rank: int) -> int | None:
+        try:
+            return int(self.pid_paths[rank].read_text())
+        except (OSError, ValueError):
+            return None
+
+    def codes(self) -> dict[int, int] | None:
+        """Per-rank exit codes (negative: killed by that signal) once mpiexec exited, else None."""
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        if self._codes is None:
+            self._codes = self._read_codes(rc)
+        return self._codes
+
+    def _read_codes(self, rc: int) -> dict[int, int]:
+        n = len(self.pid_paths)
+        if rc == 0:
+            return dict.fromkeys(range(n), 0)
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        pids = {self.rank_pid(r): r for r in range(n)}
+        codes = dict.fromkeys(range(n), 0)
+        named = False
+        for m in _BAD.finditer(text):
+            rank = pids.get(int(m.group(1)))
+            if rank is None:
+                continue
+            code = -int(m.group(3)) if m.group(3) else int(m.group(2))
+            if code > 0 and f"(signal {code})" in text:   # hydra prints a killed rank as EXIT CODE: SIGNUM
+                code = -code
+            codes[rank], named = code, True
+        if not named:       # mpiexec itself failed or was killed: every rank shares its exit
+            codes = dict.fromkeys(range(n), rc if rc > 0 else rc or 1)
+        return codes
+
+    def signal_all(self, sig: int) -> None:
+        """``sig`` to mpiexec's process group (mpiexec, hydra's proxy and every rank)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def tail(self, n: int = 8) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class RankProcess:
+    """The ``subprocess.Popen`` subset the launcher uses (pid, poll, wait, send_signal) for one rank of
+    a ``World``. ``pid`` is the rank's own process once it started (mpiexec's until then)."""
+
+    def __init__(self, world: World, rank: int):
+        self.world, self.rank = world, rank
+
+    @property
+    def pid(self) -> int:
+        return self.world.rank_pid(self.rank) or self.world.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        codes = self.world.codes()
+        return None if codes is None else codes[self.rank]
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.world.proc.wait(timeout)
+        return self.poll()
+
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to this rank only (a SIGTERM preempts it: it checkpoints at its next meeting)."""
+        pid = self.world.rank_pid(self.rank)
+        if pid is None or self.world.proc.poll() is not None:
+            return
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def start_world(cluster, env: dict, *, child, rank_env=lambda r: {}) -> list:
+    """Start ``cluster``'s (a ``LocalCluster``) workers as one MPI world -> their ``child`` objects
+    (``engine.launch.local.Child``, passed in so this module never imports the launcher), with per-rank
+    log, result and progress files as ``LocalCluster.start_workers`` gives them; ``rank_env(r)`` adds
+    the environment of rank r alone (its Prometheus port, ``engine.observability.prometheus.child_env``).
+
+    Raises
+    ------
+    FileNotFoundError
+        No mpiexec (see ``mpiexec_path``).
+    """
+    from .. import progress
+    from ..config import SECRET_ENV
+
+    run_dir = cluster.run_dir
+    ranks, children = [], []
+    for r in range(cluster.cfg.cluster.workers):
+        result = run_dir / f"worker-{r}.result.json"
+        prog = run_dir / f"worker-{r}.progress.json"
+        for f in (result, prog):
+            f.unlink(missing_ok=True)
+        cmd = [cluster.python, "-m", "engine", "train", str(cluster.config_path), "--role", "worker",
+               "--rank", str(r), "--result-file", str(result)]
+        ranks.append({"cmd": cmd, "env": {**rank_env(r), progress.ENV: str(prog)}, "log": str(run_dir / f"worker-{r}.log"),
+                      "pid": str(run_dir / f"worker-{r}.pid")})
+        children.append((r, result, prog))
+    inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV.values()}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **cluster._secret_env, **env}
+    world = World(world_command(cluster.python, run_dir, ranks), env=full_env, run_dir=run_dir,
+                  pid_paths=[Path(x["pid"]) for x in ranks])
+    out = []
+    for r, result, prog in children:
+        c = child("worker", r, RankProcess(world, r), Path(ranks[r]["log"]))
+        c.result_path, c.progress_path = result, prog
+        out.append(c)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,371 @@
+"""hybrid mode: sparse tables on the parameter servers, the dense tower on every worker, all-reduced
+over MPI (PERSIA's hybrid training, HugeCTR, TorchRec, Paddle's hybrid mode; Horovod's exchange).
+
+Sparse rows travel exactly as in async mode (``AsyncMode``: pulled at the step, pushed after it, the
+servers apply them on arrival; same pipeline, admission, spill and checkpoints). The dense tower never
+goes to a server during training: every worker holds all of it, with its own copy of the optimizer
+the dense table is configured with (``tables.dense.NAME``: adam or sgd, learning_rate, beta1, beta2,
+epsilon; the same ``models.optim`` code and float32 arithmetic as the servers' dense table, so one
+worker trains bit for bit the model async mode trains with one worker). Each step, per dense table:
+
+``hybrid.dense_sync_steps`` k = 1 (default, gradient all-reduce)
+    ``grad`` (float32[P], the gradient of the batch's mean loss) is summed over the workers with a
+    non-blocking ``MPI_Iallreduce``, divided by the number of workers, and every worker applies the
+    optimizer step to that mean: the parameters are identical on every worker after every step, as if
+    one worker had stepped with the mean of all workers' gradients (sync SGD over the dense tower).
+k > 1 (model averaging, the "MA" of Alibaba's XDL middleware)
+    every worker steps its optimizer with its own gradient; every k steps (and at every drain: an
+    evaluation, a checkpoint, the end) the parameters and the optimizer's moments (Adam's m and v;
+    the step count is the same everywhere) are averaged over the workers, so they are identical on
+    every worker at each sync point.
+
+Overlap: in the pipelined loop (``model.pipeline: exact``) ``push_pull`` starts the all-reduce of step
+t's dense gradient, sends t's sparse gradients and pulls t+1's rows (one Step request per server, as
+async), and only then completes the all-reduce and applies the optimizer, before t+1 computes. The
+request is completed on a helper thread while the sparse round trip is out (MPI progresses only inside
+MPI calls), by a test-and-yield loop (``MPI_Test``, then ``time.sleep``: 0 for the first
+``SPIN_S``, then growing up to ``MAX_NAP_S``) rather than ``MPI_Wait``: MPICH's wait busy-polls a core,
+which on a small machine takes it from the parameter server. ``profile()`` reports the wall and CPU
+seconds spent in that loop.
+
+Every worker must make the same collective calls in the same order: the worker loop runs the same
+number of steps on every worker in this mode (like sync), and drains at the same points. A worker
+that dies ends the MPI world (``mpiexec`` kills the others): the launcher restarts the whole job from
+its newest checkpoint. The servers' dense table is the checkpointed copy: at every drain (before an
+evaluation, at each aligned checkpoint meeting, at the end) rank 0 uploads the parameters with a forced
+``init_dense``; on start and resume every worker pulls them from the servers (``init_dense``), so all
+ranks start identical. The optimizer's moments are not uploaded (the dense table's wire protocol has
+no operation for them): a resumed job restarts the dense optimizer's moments at zero.
+
+MPI traffic is neither authenticated nor encrypted: off loopback the config refuses this mode unless
+``security.insecure: true`` (``engine.config``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from models.optim import SGD, Adam
+
+from ..errors import ConfigError, EngineError
+from .asynchronous import AsyncMode
+
+log = logging.getLogger(__name__)
+
+SPIN_S = 2e-3        # test with sleep(0) (a yield) this long before napping
+MAX_NAP_S = 2e-4     # longest nap between two tests
+
+
+class CollectiveTimeoutError(EngineError, TimeoutError):
+    """An MPI collective did not complete in time (a peer hangs or died without ending the world)."""
+
+
+def world():
+    """``mpi4py.MPI.COMM_WORLD`` (imports mpi4py, which initializes MPI: a singleton world of one
+    process when not started by ``mpiexec``).
+
+    Raises
+    ------
+    ConfigError
+        mpi4py or its MPI library is missing.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as e:         # pragma: no cover - an install without the hybrid extra
+        raise ConfigError(f"mode hybrid needs mpi4py and an MPI library (pip install mpi4py mpich; "
+                          f"`make install` installs both): {e}") from None
+    return MPI.COMM_WORLD
+
+
+def make_optimizer(size: int, cfg):
+    """The optimizer the servers' dense table runs for ``cfg`` (a ``DenseTableConfig``), over ``size``
+    floats: the same construction as ``engine.ps.hosts._Block``."""
+    if cfg.optimizer == "adam":
+        return Adam(size, cfg.learning_rate, cfg.beta1, cfg.beta2, cfg.epsilon)
+    return SGD(size, cfg.learning_rate)
+
+
+class DenseReplica:
+    """One dense table held by every worker, kept identical by all-reduce (see the module docstring).
+
+    Parameters
+    ----------
+    params : float32[P]
+        Initial parameters (copied); identical on every rank.
+    cfg : engine.config.DenseTableConfig
+        Its optimizer settings.
+    comm : mpi4py.MPI.Comm
+        The workers' communicator (rank r = worker r).
+    sync_steps : int
+        1: all-reduce the gradients every step; k > 1: average parameters and moments every k steps.
+    timeout_s : float, seconds
+        Longest wait for one collective.
+
+    Attributes
+    ----------
+    params : float32[P]
+        The live parameters (the model loads a copy).
+    steps : int
+        Optimizer steps taken.
+    wait_s, wait_cpu_s : float, seconds
+        Wall and CPU time (of the waiting thread) spent in the test-and-yield loop (all collectives so far).
+    """
+
+    def __init__(self, params: np.ndarray, cfg, comm, *, sync_steps: int = 1, timeout_s: float = 600.0):
+        if sync_steps < 1:
+            raise ConfigError(f"hybrid.dense_sync_steps must be >= 1, got {sync_steps}")
+        self.params = np.array(params, np.float32).ravel()
+        self.cfg, self.comm = cfg, comm
+        self.size = comm.Get_size()
+        self.sync_steps = int(sync_steps)
+        self.timeout_s = float(timeout_s)
+        self.opt = make_optimizer(len(self.params), cfg)
+        self.steps = 0
+        self.unsynced = 0            # model averaging: local steps since the last average
+        self.collectives = 0
+        self.wait_s = 0.0
+        self.wait_cpu_s = 0.0
+
+    # -------------------------------------------------------------------------------- collectives
+    def start_sum(self, values: np.ndarray):
+        """Start summing ``values : float32[n]`` over the workers -> a handle for ``finish_sum``. Returns
+        at once; ``values`` must not change until the sum is finished."""
+        from mpi4py import MPI
+        send = np.ascontiguousarray(values, np.float32)
+        recv = np.empty_like(send)
+        if self.size == 1:
+            recv[...] = send
+            return [None, recv]
+        return [self.comm.Iallreduce(send, recv, op=MPI.SUM), recv]
+
+    def finish_sum(self, handle) -> np.ndarray:
+        """Complete ``start_sum``: test, then yield or nap, until done -> the sum float32[n] (identical
+        on every worker). Idempotent: a finished handle returns its sum at once.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            Not complete within ``timeout_s``.
+        """
+        req, recv = handle
+        if req is None:
+            return recv
+        handle[0] = None
+        t0, c0 = time.perf_counter(), time.thread_time()
+        nap = 0.0
+        while not req.Test():
+            waited = time.perf_counter() - t0
+            if waited > self.timeout_s:
+                req.Cancel()
+                raise CollectiveTimeoutError(f"MPI all-reduce of {len(recv)} floats did not complete within "
+                                             f"{self.timeout_s:g} s (client.barrier_timeout_s): a worker hangs")
+            if waited > SPIN_S:
+                nap = min(MAX_NAP_S, max(2 * nap, 20e-6))
+            time.sleep(nap)
+        self.wait_s += time.perf_counter() - t0
+        self.wait_cpu_s += time.thread_time() - c0
+        self.collectives += 1
+        return recv
+
+    # -------------------------------------------------------------------------------- steps
+    def start_step(self, grad: np.ndarray):
+        """First half of one step with this worker's ``grad : float32[P]``: k = 1 starts the gradients'
+        all-reduce; k > 1 steps locally and, at a sync point, starts the average. -> a handle for
+        ``finish_step``."""
+        if len(grad) != len(self.params):
+            raise ConfigError(f"dense gradient has {len(grad)} values, the dense table {len(self.params)}")
+        if self.sync_steps == 1:
+            return "grad", self.start_sum(grad)
+        self.opt.step(self.params, np.ascontiguousarray(grad, np.float32))
+        self.steps += 1
+        self.unsynced += 1
+        if self.unsynced >= self.sync_steps:
+            return "avg", self.start_average()
+        return "none", None
+
+    def finish_step(self, handle) -> None:
+        """Second half of ``start_step``: k = 1 applies the optimizer to the mean gradient; k > 1
+        installs the average (at a sync point)."""
+        what, h = handle
+        if what == "grad":
+            g = self.finish_sum(h)
+            if self.size > 1:
+                g /= np.float32(self.size)
+            self.opt.step(self.params, g)
+            self.steps += 1
+        elif what == "avg":
+            self.finish_average(h)
+
+    def complete(self, handle) -> None:
+        """Complete the collective of a ``start_step`` handle without applying it (``finish_step`` then
+        applies at once): what a helper thread runs while the caller's thread does other work."""
+        if handle[1] is not None:
+            self.finish_sum(handle[1])
+
+    def step(self, grad: np.ndarray) -> None:
+        """``start_step`` then ``finish_step``."""
+        self.finish_step(self.start_step(grad))
+
+    def _state(self) -> list[np.ndarray]:
+        st = [self.params]
+        if isinstance(self.opt, Adam):
+            st += [self.opt.m, self.opt.v]
+        return st
+
+    def start_average(self):
+        """Start averaging the parameters and the optimizer's moments over the workers."""
+        self.unsynced = 0
+        return self.start_sum(np.concatenate(self._state()))
+
+    def finish_average(self, handle) -> None:
+        total = self.finish_sum(handle)
+        if self.size > 1:
+            total /= np.float32(self.size)
+        at = 0
+        for a in self._state():
+            a[...] = total[at:at + len(a)]
+            at += len(a)
+
+    def sync(self) -> None:
+        """Model averaging: average now if a local step is not yet averaged (every worker calls it at
+        the same point); k = 1: nothing to do (always identical)."""
+        if self.sync_steps > 1 and self.unsynced:
+            self.finish_average(self.start_average())
+
+
+def end_world(code: int) -> None:
+    """Called by the worker's CLI with its exit ``code`` just before it exits: on failure (not 0, not a
+    preemption, which every rank takes at the same meeting) abort the MPI world, so mpiexec ends every
+    rank now with this code instead of the others waiting for this one in ``MPI_Finalize`` or a
+    collective until the launcher declares them hung. No-op without an initialized MPI world of more
+    than one process."""
+    import sys
+
+    from ..preempt import EXIT_PREEMPTED
+    mpi = sys.modules.get("mpi4py.MPI")
+    if code in (0, EXIT_PREEMPTED) or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    if mpi.COMM_WORLD.Get_size() > 1:
+        log.error("worker %d: exiting with code %d: aborting the MPI world (mpiexec ends every worker; the "
+                  "launcher restarts the job)", mpi.COMM_WORLD.Get_rank(), code)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(code)
+
+
+class HybridMode(AsyncMode):
+    """Async sparse tables on the servers; the dense tables on every worker, all-reduced over MPI.
+
+    Parameters
+    ----------
+    client : PSClient
+    rank, num_workers : int
+        Must equal the MPI world's rank and size (``mpiexec`` started every worker).
+    dense_tables : dict[str, DenseTableConfig]
+        ``tables.dense`` of the config (optimizer settings per table).
+    sync_steps : int
+        ``hybrid.dense_sync_steps``.
+    comm : mpi4py.MPI.Comm, optional
+        Default ``MPI.COMM_WORLD``.
+
+    Raises
+    ------
+    ConfigError
+        The MPI world does not match ``--rank`` / ``cluster.workers`` (the worker was not started by
+        the launcher's ``mpiexec``), or mpi4py is missing.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, client, *, rank: int, num_workers: int, dense_tables: dict, sync_steps: int = 1,
+                 comm=None, barrier_timeout_s: float = 600.0):
+        super().__init__(client, rank=rank, num_workers=num_workers, barrier_timeout_s=barrier_timeout_s)
+        self.comm = comm if comm is not None else world()
+        if (self.comm.Get_rank(), self.comm.Get_size()) != (rank, num_workers):
+            raise ConfigError(
+                f"mode hybrid: this worker is MPI rank {self.comm.Get_rank()} of {self.comm.Get_size()}, but "
+                f"--rank {rank} of cluster.workers={num_workers}: start the workers with one `mpiexec -n "
+                f"{num_workers}` whose rank r runs --rank r (the local launcher does)")
+        self.dense_tables = dict(dense_tables)
+        self.sync_steps = int(sync_steps)
+        self.replicas: dict[str, DenseReplica] = {}
+        self._poller: ThreadPoolExecutor | None = None
+
+    def _progress(self) -> ThreadPoolExecutor:
+        if self._poller is None:
+            self._poller = ThreadPoolExecutor(1, thread_name_prefix=f"mpi-progress{self.rank}")
+        return self._poller
+
+    def _replica(self, table: str) -> DenseReplica:
+        r = self.replicas.get(table)
+        if r is None:
+            raise ConfigError(f"mode hybrid: dense table {table!r} was not initialized on this worker "
+                              f"(init_dense first)")
+        return r
+
+    def init_dense(self, table: str, params: np.ndarray) -> np.ndarray:
+        """Rank 0 sets the initial parameters on the servers unless they hold some (a resumed
+        checkpoint); every worker pulls the servers' copy, so all start identical."""
+        if table not in self.dense_tables:
+            raise ConfigError(f"tables.dense.{table}: missing; declared dense tables: {sorted(self.dense_tables)}")
+        if self.rank == 0:
+            self.client.init_dense(table, params)
+        self.barrier(f"init-dense-{table}")
+        start = self.client.pull_dense(table)
+        self.replicas[table] = DenseReplica(start, self.dense_tables[table], self.comm,
+                                            sync_steps=self.sync_steps, timeout_s=self.barrier_timeout_s)
+        return start.copy()
+
+    def pull_dense(self, table: str) -> np.ndarray:
+        """This worker's parameters (a copy, float32[P]); no server is asked."""
+        return self._replica(table).params.copy()
+
+    def push_dense_grads(self, table: str, grad: np.ndarray) -> None:
+        """One dense step with this worker's ``grad : float32[P]`` (collective: every worker calls it)."""
+        self._replica(table).step(grad)
+
+    def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
+        self.push_dense_grads(table, grad)
+        return self.pull_dense(table)
+
+    def push_pull(self, table, keys, grads, shows, clicks, pull_keys, dense_table, dense_grad):
+        """Start the dense step's all-reduce, do the sparse push of this step and the pull of the next
+        (async's one Step request per server), then complete the all-reduce and step the optimizer ->
+        (rows float32[m, dim], fresh dense float32[P] or None)."""
+        if dense_table is None:
+            return super().push_pull(table, keys, grads, shows, clicks, pull_keys, None, None)
+        rep = self._replica(dense_table)
+        handle = rep.start_step(dense_grad)
+        # MPI progresses only inside MPI calls: a helper thread tests (and yields) while this one waits
+        # for the servers, so the all-reduce runs beside the sparse round trip instead of after it
+        done = self._progress().submit(rep.complete, handle) if handle[1] is not None else None
+        try:
+            rows, _ = super().push_pull(table, keys, grads, shows, clicks, pull_keys, None, None)
+        finally:
+            if done is not None:
+                done.result()
+        rep.finish_step(handle)
+        return rows, rep.params.copy()
+
+    def sync(self) -> None:
+        """A drain (evaluation, checkpoint meeting, end): the sparse pushes are flushed, model averaging
+        averages, and rank 0 uploads every dense table to the servers (forced ``init_dense``) so that
+        evaluation, checkpoints and export read the trained parameters. Every worker calls it at the
+        same point; the caller's barrier follows."""
+        self.client.flush()
+        for table, rep in self.replicas.items():
+            rep.sync()
+            if self.rank == 0:
+                self.client.init_dense(table, rep.params, force=True)
+
+    def profile(self) -> dict:
+        """Collective statistics for the worker's profile event: all-reduces completed, and the wall
+        and CPU seconds spent completing them (the test-and-yield loop)."""
+        reps = self.replicas.values()
+        return {"allreduce": {"calls": sum(r.collectives for r in reps),
+                              "wait_s": round(sum(r.wait_s for r in reps), 4),
+                              "wait_cpu_s": round(sum(r.wait_cpu_s for r in reps), 4)}}

@@ -1,0 +1,158 @@
+"""TensorBoard event files of a run (``tensorboardX.SummaryWriter``).
+
+Every process of a run writes into ``observability.tensorboard_dir/RUN_ID/`` (RUN_ID: the stem of the
+run's metrics file, ``model.metrics_file``, which the launcher picks once for all processes), each into
+its own event file (suffix ``.worker0``, ``.final``, ...), so TensorBoard shows one run::
+
+    tensorboard --logdir runs/tensorboard
+
+``EventSink`` wraps a worker's metrics file (anything with ``write(event: dict)``): every event still
+goes to the file, and its numbers also become scalars:
+
+=============  =========================================  =========================================
+event          tags                                       step
+=============  =========================================  =========================================
+train          ``train/rank{R}/{auc,logloss,...}``        the event's ``step`` (the worker's steps)
+               (CTR: examples/s; word2vec: loss, words/s)
+eval           ``test/{auc,logloss,copc,accuracy,...}``   the epoch (rank 0 writes the global summary)
+partition      ``online/{progressive_auc,...}``           hours since 1970 of the partition
+profile        ``profile/rank{R}/phase_seconds/{phase}``  the worker's steps
+final          ``final/{...}`` (the launcher, ``record_final``)  0
+=============  =========================================  =========================================
+
+Each event is flushed as it is written, so a process that crashes leaves readable files (at most the
+record being written is lost; readers skip a torn last record). ``close`` (also at exit) closes the file.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EventSink", "run_logdir", "record_final", "scalars_of"]
+
+#: fields that are positions, counts or times, not curves
+_SKIP = frozenset({"event", "rank", "epoch", "step", "time", "examples_total", "words_total",
+                   "effective_words_total", "train_started_at", "dense_steps", "steps"})
+
+
+def run_logdir(cfg, metrics_file: str) -> str | None:
+    """``tensorboard_dir/RUN_ID`` (absolute) of the run whose metrics file is ``metrics_file``, or None
+    when ``observability.tensorboard`` is off."""
+    obs = cfg.observability
+    if not obs.tensorboard or not metrics_file:
+        return None
+    return os.path.join(os.path.abspath(obs.tensorboard_dir), Path(metrics_file).stem)
+
+
+def scalars_of(event: dict) -> tuple[list[tuple[str, float]], int] | None:
+    """(tag, value) pairs and the global step of one metrics-file event; None for events that carry no
+    curve (``start``). Non-finite values (an AUC of one class) are skipped."""
+    kind = event.get("event")
+    if kind == "train":
+        prefix, step = f"train/rank{event.get('rank', 0)}", event.get("step", 0)
+    elif kind == "eval":
+        prefix, step = event.get("split", "test"), event.get("epoch", 0)
+    elif kind == "partition":
+        prefix, step = "online", _partition_hours(event.get("partition", ""))
+    elif kind == "profile":
+        phases = event.get("phase_seconds") or {}
+        return ([(f"profile/rank{event.get('rank', 0)}/phase_seconds/{k}", float(v)) for k, v in phases.items()],
+                int(event.get("steps", 0)))
+    elif kind == "final":
+        prefix, step = "final", 0
+    else:
+        return None
+    out = [(f"{prefix}/{k}", float(v)) for k, v in event.items()
+           if k not in _SKIP and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return out, int(step or 0)
+
+
+def _partition_hours(name: str) -> int:
+    try:
+        from streaming.hourly import partition_time
+        return int(partition_time(name).timestamp() // 3600)
+    except (ValueError, ImportError):
+        return 0
+
+
+class EventSink:
+    """A metrics file that also writes TensorBoard scalars and updates the Prometheus event gauges.
+
+    Parameters
+    ----------
+    inner : object with ``write(event: dict)``
+        The metrics file (``engine.programs.ctr_report.MetricsFile``).
+    logdir : str or None
+        The run's TensorBoard directory (None: no event files).
+    suffix : str
+        Event file name suffix (``.worker0``): one file per process.
+    gauges : engine.observability.prometheus.EventGauges, optional
+    """
+
+    def __init__(self, inner, logdir: str | None, suffix: str, gauges=None):
+        self.inner, self.logdir, self.gauges = inner, logdir, gauges
+        self.path = getattr(inner, "path", None)
+        self._writer = None
+        self._lock = threading.Lock()
+        if logdir:
+            from tensorboardX import SummaryWriter
+            try:
+                # made here first: tensorboardX checks and then creates it, and two workers starting at
+                # once lost that race (FileExistsError killed one of them)
+                if "://" not in logdir:
+                    os.makedirs(logdir, exist_ok=True)
+                self._writer = SummaryWriter(logdir, flush_secs=30, filename_suffix=suffix)
+            except Exception as e:  # noqa: BLE001 - event files are a view: they never stop training
+                log.warning("tensorboard: cannot write event files under %s: %s; training goes on without "
+                            "them", logdir, e)
+                self._writer = None
+            else:
+                atexit.register(self.close)
+
+    def write(self, event: dict) -> None:
+        self.inner.write(event)
+        if self.gauges is not None:
+            self.gauges.note(event)
+        if self._writer is None:
+            return
+        got = scalars_of(event)
+        if not got:
+            return
+        pairs, step = got
+        wall = event.get("time")
+        try:
+            with self._lock:
+                for tag, v in pairs:
+                    self._writer.add_scalar(tag, v, step, walltime=wall)
+                self._writer.flush()
+        except Exception as e:  # noqa: BLE001 - a full disk under the event files must not stop training
+            log.warning("tensorboard: cannot write to %s: %s", self.logdir, e)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+
+def record_final(cfg, metrics_file: str, event: dict) -> str | None:
+    """Write the run's ``final`` event (launcher side) as ``final/*`` scalars; returns the run's
+    TensorBoard directory (the final JSON line's ``tensorboard_dir``), None when TensorBoard is off."""
+    logdir = run_logdir(cfg, metrics_file)
+    if logdir is None:
+        return None
+    sink = EventSink(_Nowhere(), logdir, ".final")
+    sink.write(event)
+    sink.close()
+    return logdir
+
+
+class _Nowhere:
+    def write(self, event: dict) -> None:
+        pass

@@ -1,0 +1,126 @@
+"""``mode: hybrid`` through real processes on 127.0.0.1: the servers hold the sparse table, the workers
+(one ``mpiexec`` world started by the local launcher) all-reduce the dense tower over MPI.
+
+- one worker trains exactly what async mode's exact pipeline trains with one worker (same test AUC and
+  logloss to the last digit: same sparse updates in the same order, the same Adam in float32);
+- 1 server + 2 workers on the shared Criteo rows with the shipped configs/ctr.yaml reach the looser bound
+  of the acceptance target (bench/hybrid_acceptance.py has the 3-seed figure);
+- a worker killed with SIGKILL mid-run ends the MPI world; the launcher restarts the whole job from its
+  newest checkpoint and it finishes with a test AUC;
+- what hybrid cannot do is refused at the CLI with exit code 2 naming the keys.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import progress
+from engine.launch.procs import processes_of as leftovers
+from engine.launch.procs import role_pid
+
+REPO = Path(__file__).resolve().parents[2]
+CRITEO = REPO.parent / "shared" / "data" / "criteo" / "train.txt"
+NO_TB = ("--set", "observability.tensorboard=false")     # not under test here; keeps runs/ clean
+
+
+def small(tmp: Path, tag: str, *sets: str) -> list[str]:
+    """A CTR-DNN job on 4,000 generated rows (3,200 to train), a small tower."""
+    return [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp / f"run-{tag}"),
+            "--set", "model.data.source=generated", "--set", "model.data.generated_rows=4000",
+            "--set", f"model.data.cache_dir={tmp / 'cache'}", "--set", f"model.metrics_dir={tmp / 'metrics'}",
+            "--set", f"checkpoint.root={tmp / ('ckpt-' + tag)}", "--set", "model.hidden=[32]", *NO_TB,
+            *[a for s in sets for a in ("--set", s)]]
+
+
+def final_of(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(cmd: list[str], timeout: float = 240, env=None) -> dict:
+    return final_of(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env))
+
+
+@pytest.mark.slow
+def test_one_hybrid_worker_trains_exactly_what_async_trains(tmp_path):
+    """Batch 96 leaves a partial last batch (3,200 rows): hybrid's lockstep step count keeps it."""
+    common = ("cluster.workers=1", "model.batch_size=96", "model.epochs=1", "checkpoint.root=")
+    a = run(small(tmp_path, "async", "mode=async", *common))
+    h = run(small(tmp_path, "hybrid", "mode=hybrid", *common))
+    assert h["mode"] == "hybrid" and a["mode"] == "async"
+    assert (h["test_auc"], h["test_logloss"]) == (a["test_auc"], a["test_logloss"])
+    assert 0.55 < h["test_auc"] < 1.0
+
+
+@pytest.mark.slow
+def test_two_hybrid_workers_on_the_shared_criteo_rows(tmp_path):
+    """configs/ctr.yaml as shipped (1 server + 2 workers, 1 epoch, seed 0) in mode hybrid. The target is
+    0.755 as the mean of 3 seeds (bench/hybrid_acceptance.py); one seed here, a looser bound."""
+    if not CRITEO.is_file():
+        pytest.skip(f"the shared Criteo rows are not at {CRITEO}")
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
+           "--set", "mode=hybrid", "--set", "model.dense_merge_steps=1",
+           "--set", f"model.metrics_dir={tmp_path / 'metrics'}", "--set", f"checkpoint.root={tmp_path / 'ckpt'}",
+           *NO_TB]
+    final = run(cmd, timeout=400)
+    assert final["mode"] == "hybrid" and final["restarts"] == 0
+    assert final["test_auc"] >= 0.74, final
+    events = [json.loads(line) for line in Path(final["metrics_file"]).read_text().splitlines()]
+    profiles = {e["rank"]: e for e in events if e["event"] == "profile"}
+    assert set(profiles) == {0, 1}
+    # lockstep: both workers took the same steps, one all-reduce of the dense gradient each
+    assert profiles[0]["steps"] == profiles[1]["steps"] == profiles[0]["allreduce"]["calls"] > 0
+
+
+@pytest.mark.slow
+def test_a_killed_hybrid_worker_ends_the_world_and_the_job_restarts_from_its_checkpoint(tmp_path):
+    paced = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.03"}
+    cmd = small(tmp_path, "kill", "mode=hybrid", "model.batch_size=32", "model.epochs=1", "checkpoint.align_steps=10",
+                "checkpoint.delta_every=10steps", "cluster.warm_up=false")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=paced, start_new_session=True)
+    run_dir = tmp_path / "run-kill"
+    try:
+        deadline = time.monotonic() + 120
+        while (progress.read(run_dir / "worker-1.progress.json") or {}).get("step", 0) < 25:
+            assert time.monotonic() < deadline and proc.poll() is None, "worker 1 never reached step 25"
+            time.sleep(0.05)
+        os.kill(role_pid(run_dir, "worker", 1), signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, err[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["restarts"] == 1 and 0.55 < final["test_auc"] < 1.0, final
+    assert "worker 1" in err and "killed by signal 9" in err, err[-3000:]
+    # the restart resumed from a checkpoint at step 10 or 20: not every example was trained again
+    assert "restart 1/3 from " in err and "(no checkpoint yet)" not in err
+    assert 0 < final["examples_replayed"] < 2 * 1600
+    assert (run_dir / "restart-1" / "worker-1.log").is_file()
+    assert not leftovers(run_dir)
+
+
+@pytest.mark.parametrize("args, keys", [
+    (["--launcher", "ray"], ["cluster.launcher"]),
+    (["--set", "cluster.host=10.1.2.3"], ["cluster.host", "security.insecure"]),
+    (["--set", "model.dense_merge_steps=4"], ["model.dense_merge_steps"]),
+])
+def test_the_cli_refuses_what_hybrid_cannot_do_with_exit_code_2(tmp_path, args, keys):
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
+           "--set", "mode=hybrid", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("engine train: config error: mode hybrid")
+    for k in keys:
+        assert k in line
+    assert not (tmp_path / "run").exists()       # refused before any process started

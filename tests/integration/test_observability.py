@@ -1,0 +1,122 @@
+"""Observability of real processes: a CTR job (``engine train``, 1 server + 2 workers) scraped over HTTP
+while it trains, its TensorBoard event files read back with TensorBoard's own reader, and a role-mode
+server whose row gauges equal its tables' statistics taken through the PS client."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.ps import PSClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def wait_file(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        assert proc.poll() is None, f"exited with {proc.returncode} before writing {path}"
+        time.sleep(0.05)
+    raise AssertionError(f"{path} not written within {timeout}s")
+
+
+def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_path):
+    run, tb = tmp_path / "run", tmp_path / "tb"
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(run),
+           *[a for s in ("model.data.source=generated", "model.data.generated_rows=30000", "model.epochs=3",
+                         f"model.data.cache_dir={tmp_path / 'cache'}", f"model.metrics_dir={tmp_path / 'm'}",
+                         "checkpoint.root=", "model.hidden=[32]", "model.log_every_s=0.2",
+                         "observability.prometheus_port=0", f"observability.tensorboard_dir={tb}")
+             for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        server_url = wait_file(run / "server-0.metrics", proc)
+        worker_url = wait_file(run / "worker-0.metrics", proc)
+        pulled = ("engine_ps_pull_keys_total", (("table", "embedding"),))
+        deadline = time.monotonic() + 120
+        while scrape(server_url).get(pulled, 0) == 0:     # training started
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        first, w_first = scrape(server_url), scrape(worker_url)
+        time.sleep(0.5)
+        second, w_second = scrape(server_url), scrape(worker_url)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert second[pulled] > first[pulled] > 0
+    ok_pulls = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Pull")))
+    steps = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Step")))
+    assert second.get(ok_pulls, 0) + second.get(steps, 0) > first.get(ok_pulls, 0) + first.get(steps, 0)
+    assert second["engine_ps_rows", (("table", "embedding"), ("tier", "ram"))] > 0
+    assert w_second["engine_worker_examples_total", ()] > w_first["engine_worker_examples_total", ()] > 0
+    assert w_second["engine_worker_phase_seconds_total", (("phase", "compute"),)] > 0
+    assert w_second["engine_restarts_total", ()] == 0
+    targets = json.loads((run / "prometheus.json").read_text())
+    assert sorted((t["labels"]["role"], t["labels"]["rank"]) for t in targets) == [
+        ("server", "0"), ("worker", "0"), ("worker", "1")]
+    assert "Prometheus metrics" in err and server_url in err
+
+    final = json.loads(out.strip().splitlines()[-1])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    logdir = Path(final["tensorboard_dir"])
+    assert logdir.parent == tb and logdir.name == Path(final["metrics_file"]).stem
+    ea = EventAccumulator(str(logdir))
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert {"train/rank0/auc", "train/rank1/examples_per_s", "test/auc", "test/logloss", "test/copc",
+            "test/accuracy"} <= tags
+    final_auc = [e for e in ea.Scalars("test/auc") if e.step == 2]     # epoch 2: the last evaluation
+    assert len(final_auc) == 1 and final_auc[0].value == pytest.approx(final["test_auc"], abs=1e-6)
+    assert ea.Scalars("final/test_auc")[0].value == pytest.approx(final["test_auc"], abs=1e-6)
+
+
+def test_role_server_row_gauges_equal_the_tables_stats_and_keys_pulled_move(tmp_path):
+    """A server started with --role (as a scheduler would): its metrics port comes from the config; on
+    an idle server the row gauges equal ``stats()`` taken through the client at the same moment."""
+    ready, metrics = tmp_path / "ready", tmp_path / "metrics"
+    env = {**os.environ, "ENGINE_PROMETHEUS_FILE": str(metrics)}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--role",
+                             "server", "--rank", "0", "--port", "0", "--ready-file", str(ready),
+                             "--set", "observability.prometheus_port=0", "--set", "cluster.warm_up=false"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        ep = wait_file(ready, proc)
+        url = wait_file(metrics, proc)
+        with PSClient([ep], timeout_s=20, retries=1) as c:
+            keys = np.arange(1, 5001, dtype=np.uint64) * np.uint64(7919)
+            c.push("embedding", keys, np.ones((len(keys), 10), np.float32))
+            (stats,) = c.stats()
+            got = scrape(url)
+            emb = stats["sparse"]["embedding"]
+            assert got["engine_ps_rows", (("table", "embedding"), ("tier", "ram"))] == emb["rows_in_ram"] == 5000
+            assert got["engine_ps_rows", (("table", "embedding"), ("tier", "rocksdb"))] == emb["rows_spilled"]
+            assert got["engine_ps_push_keys_total", (("table", "embedding"),)] == emb["push_keys"]
+            before = got["engine_ps_pull_keys_total", (("table", "embedding"),)]
+            c.pull("embedding", keys[:1000])
+            assert scrape(url)["engine_ps_pull_keys_total", (("table", "embedding"),)] == before + 1000
+            c.stop()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,137 @@
+"""Hybrid mode's dense replica (``engine.modes.hybrid``) against references: one worker's step equals the
+servers' dense-table step bit for bit; with 2 and 3 MPI ranks (real ``mpiexec`` worlds running
+``tests/hybrid_ranks.py``) the parameters are bit-identical on every rank after every step and match a
+single-process reference that averages the same per-rank gradients; model averaging is identical on
+every rank at each sync point. Also the config's refusals, naming the keys."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.config import DenseTableConfig, load_config
+from engine.errors import ConfigError
+from engine.launch.mpi import mpiexec_path
+from engine.modes.hybrid import DenseReplica, make_optimizer
+from tests import hybrid_ranks as hr
+
+REPO = Path(__file__).resolve().parents[2]
+SIZE = 200_003           # odd, > 64k floats: MPICH's large-message all-reduce, a ragged last chunk
+STEPS = 6
+
+
+def run_world(tmp_path: Path, ranks: int, sync_steps: int, steps: int = STEPS, size: int = SIZE) -> dict:
+    out = tmp_path / f"w{ranks}-k{sync_steps}.npz"
+    cmd = [mpiexec_path(), "-launcher", "fork", "-n", str(ranks), sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
+           str(out), str(sync_steps), str(steps), str(size)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with np.load(out) as z:
+        return {k: z[k] for k in z.files}
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32)
+
+
+def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    """max |a - ref| / max |ref| (a vector's relative error; element-wise ratios blow up near zero)."""
+    return float(np.max(np.abs(a.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def test_one_worker_steps_bit_for_bit_like_the_servers_dense_table():
+    """The servers' dense table (``engine.ps.hosts.DenseHost``, two blocks of its own Adam each) and one
+    worker's replica take the same steps from the same gradients: equal to the last bit."""
+    from mpi4py import MPI
+
+    from engine.ps.codec import DENSE_BLOCK
+    from engine.ps.hosts import DenseHost
+    size = DENSE_BLOCK + 1001
+    cfg = DenseTableConfig(optimizer="adam", learning_rate=3e-3, beta1=0.9, beta2=0.999, epsilon=1e-8)
+    host = DenseHost("dense", cfg, ordinal=0, server=0, num_servers=1)
+    init = hr.initial(size)
+    for b in range(2):
+        host.init(b, size, init[b * DENSE_BLOCK:(b + 1) * DENSE_BLOCK], False)
+    rep = DenseReplica(init, cfg, MPI.COMM_SELF)
+    for t in range(4):
+        g = hr.grad(t, 0, size)
+        fresh = np.concatenate([host.step(b, g[b * DENSE_BLOCK:(b + 1) * DENSE_BLOCK]) for b in range(2)])
+        rep.step(g)
+        assert np.array_equal(bits(rep.params), bits(fresh)), t
+    assert rep.steps == 4 and rep.collectives == 0          # a world of one sends nothing
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gradient_allreduce_keeps_ranks_identical_and_matches_the_reference(tmp_path, ranks):
+    got = run_world(tmp_path, ranks, sync_steps=1)
+    params = got["params"]                                   # [step, rank, P]
+    assert params.shape == (STEPS, ranks, SIZE)
+    ref = hr.initial(SIZE)
+    opt = make_optimizer(SIZE, hr.table_config())
+    for t in range(STEPS):
+        for r in range(1, ranks):
+            assert np.array_equal(bits(params[t, r]), bits(params[t, 0])), (t, r)
+        mean = hr.grad(t, 0, SIZE)
+        for r in range(1, ranks):
+            mean = mean + hr.grad(t, r, SIZE)
+        mean /= np.float32(ranks)
+        opt.step(ref, mean)
+        assert rel_err(params[t, 0], ref) <= 1e-7, t
+        assert not np.array_equal(params[t, 0], params[t - 1, 0] if t else hr.initial(SIZE))   # it moved
+    assert int(got["collectives"]) == STEPS
+    assert float(got["wait_cpu_s"]) <= float(got["wait_s"]) + 0.05    # the wait yields: CPU <= wall
+
+
+def test_model_averaging_is_identical_at_every_sync_point(tmp_path):
+    k, steps, ranks = 3, 7, 2
+    got = run_world(tmp_path, ranks, sync_steps=k, steps=steps)
+    refs = [hr.initial(SIZE) for _ in range(ranks)]
+    opts = [make_optimizer(SIZE, hr.table_config()) for _ in range(ranks)]
+    for t in range(steps):
+        for r in range(ranks):
+            opts[r].step(refs[r], hr.grad(t, r, SIZE))
+        synced = (t + 1) % k == 0
+        if synced:
+            for name, arrs in (("params", refs), ("m", [o.m for o in opts]), ("v", [o.v for o in opts])):
+                mean = (arrs[0] + arrs[1]) / np.float32(ranks)
+                for a in arrs:
+                    a[...] = mean
+        for name, ref in (("params", refs), ("m", [o.m for o in opts]), ("v", [o.v for o in opts])):
+            a = got[name][t]
+            if synced:
+                assert np.array_equal(bits(a[0]), bits(a[1])), (name, t)
+            elif t:      # between sync points each rank follows its own gradients
+                assert not np.array_equal(a[0], a[1]), (name, t)
+            for r in range(ranks):
+                assert rel_err(a[r], ref[r]) <= 1e-6, (name, t, r)
+    assert int(got["collectives"]) == steps // k
+
+
+BASE = ["mode=hybrid", "model.dense_merge_steps=1"]
+
+
+@pytest.mark.parametrize("sets, keys", [
+    (["model.dense_merge_steps=4"], ["model.dense_merge_steps", "hybrid.dense_sync_steps"]),
+    (["model.pipeline=stale"], ["model.pipeline"]),
+    (["cluster.launcher=ray"], ["cluster.launcher"]),
+    (["cluster.host=10.1.2.3"], ["cluster.host", "security.insecure"]),
+    (["cluster.endpoints=[10.1.2.3:5000]"], ["cluster.endpoints", "security.insecure"]),
+    (["hybrid.dense_sync_steps=0"], ["hybrid.dense_sync_steps"]),
+])
+def test_config_refuses_what_hybrid_cannot_do_naming_the_keys(sets, keys):
+    with pytest.raises(ConfigError) as ei:
+        load_config(REPO / "configs" / "ctr.yaml", BASE + sets)
+    for k in keys:
+        assert k in str(ei.value)
+
+
+def test_config_refuses_word2vec_and_accepts_the_documented_settings():
+    with pytest.raises(ConfigError, match="model.kind='word2vec'"):
+        load_config(REPO / "configs" / "word2vec.yaml", ["mode=hybrid"])
+    cfg = load_config(REPO / "configs" / "ctr.yaml", BASE + ["hybrid.dense_sync_steps=4", "model.pipeline=sequential"])
+    assert cfg.mode == "hybrid" and cfg.hybrid.dense_sync_steps == 4
+    assert load_config(REPO / "configs" / "ctr.yaml", BASE + ["cluster.host=10.1.2.3", "security.insecure=true"])
+    assert load_config(REPO / "configs" / "ctr.yaml", BASE).to_dict()["hybrid"] == {"dense_sync_steps": 1}
