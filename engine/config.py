@@ -403,6 +403,9 @@ def from_dict(data: dict) -> EngineConfig:
     return cfg
 
 
+#: a dense block's params, Adam's m and v in one message (3 x 4 bytes x ``engine.ps.codec.DENSE_BLOCK``
+#: floats) and the envelope: what mode hybrid's state pulls and uploads need (checked equal in tests)
+HYBRID_MIN_MESSAGE_BYTES = 3 * 4 * (1 << 19) + (1 << 20)
 #: programs that can train in mode hybrid (the CTR worker loop, ``engine.programs.ctr``)
 HYBRID_KINDS = ("ctr_dnn", "deepfm")
 
@@ -425,6 +428,11 @@ def _check_hybrid(cfg: EngineConfig) -> None:
         raise ConfigError(f"mode hybrid runs with cluster.launcher (--launcher) local only, got "
                           f"{cfg.cluster.launcher!r}: its workers form one MPI world started by mpiexec (see "
                           f"README, 'Hybrid mode', for Ray and Kubernetes)")
+    least = HYBRID_MIN_MESSAGE_BYTES
+    if cfg.server.max_message_bytes < least:
+        raise ConfigError(f"mode hybrid needs server.max_message_bytes >= {least} (a dense block's optimizer "
+                          f"state, params + Adam's m and v, travels in one message at every checkpoint and "
+                          f"resume), got {cfg.server.max_message_bytes}")
     hosts = [cfg.cluster.host] + [e.rsplit(":", 1)[0] for e in cfg.cluster.endpoints]
     remote = [h for h in hosts if not is_loopback(h)]
     if remote and not cfg.security.insecure:

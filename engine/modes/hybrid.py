@@ -32,10 +32,12 @@ Every worker must make the same collective calls in the same order: the worker l
 number of steps on every worker in this mode (like sync), and drains at the same points. A worker
 that dies ends the MPI world (``mpiexec`` kills the others): the launcher restarts the whole job from
 its newest checkpoint. The servers' dense table is the checkpointed copy: at every drain (before an
-evaluation, at each aligned checkpoint meeting, at the end) rank 0 uploads the parameters with a forced
-``init_dense``; on start and resume every worker pulls them from the servers (``init_dense``), so all
-ranks start identical. The optimizer's moments are not uploaded (the dense table's wire protocol has
-no operation for them): a resumed job restarts the dense optimizer's moments at zero.
+evaluation, at each aligned checkpoint meeting, at the end) rank 0 uploads the whole optimizer state,
+parameters and Adam's moments m, v and step count t (``PSClient.set_dense_state``, the admin token);
+on start and resume every worker pulls that state (``PSClient.pull_dense_state``), so all ranks start
+identical and a resumed or restarted job continues exactly where its checkpoint stood (the same Adam
+moments and bias correction as the job that wrote it; async mode's checkpoints resume the same way).
+A fresh job starts from rank 0's initial parameters with zero moments and t = 0, as before.
 
 MPI traffic is neither authenticated nor encrypted: off loopback the config refuses this mode unless
 ``security.insecure: true`` (``engine.config``).
@@ -209,6 +211,37 @@ class DenseReplica:
         """``start_step`` then ``finish_step``."""
         self.finish_step(self.start_step(grad))
 
+    def load_state(self, state) -> None:
+        """Start from a dense table's whole optimizer state (``engine.ps.dense_client.DenseOptimizerState``,
+        as ``PSClient.pull_dense_state`` returns it): parameters, and Adam's m, v and step count t.
+
+        Raises
+        ------
+        ConfigError
+            The state's optimizer or length differs from this replica's (``tables.dense``), or its blocks
+            were stepped unequally (one t per block, an optimizer over the whole vector has one).
+        """
+        if state.optimizer != self.cfg.optimizer or len(state.params) != len(self.params):
+            raise ConfigError(f"the servers' dense table holds a {state.optimizer} state of {len(state.params)} "
+                              f"floats, this worker's tables.dense config a {self.cfg.optimizer} table of "
+                              f"{len(self.params)}")
+        try:
+            t = state.step
+        except ValueError as e:
+            raise ConfigError(f"dense table: {e}") from None
+        self.params[...] = state.params
+        if isinstance(self.opt, Adam):
+            self.opt.load_state_dict({"m": np.asarray(state.m, np.float32), "v": np.asarray(state.v, np.float32),
+                                      "t": t})
+
+    def state(self):
+        """This replica's whole optimizer state -> ``DenseOptimizerState`` (arrays are live views: upload
+        or copy them before the next step)."""
+        from ..ps.dense_client import DenseOptimizerState
+        if isinstance(self.opt, Adam):
+            return DenseOptimizerState(self.params, self.opt.m, self.opt.v, np.int64(self.opt.t), "adam")
+        return DenseOptimizerState(self.params, None, None, np.int64(0), "sgd")
+
     def _state(self) -> list[np.ndarray]:
         st = [self.params]
         if isinstance(self.opt, Adam):
@@ -309,16 +342,19 @@ class HybridMode(AsyncMode):
 
     def init_dense(self, table: str, params: np.ndarray) -> np.ndarray:
         """Rank 0 sets the initial parameters on the servers unless they hold some (a resumed
-        checkpoint); every worker pulls the servers' copy, so all start identical."""
+        checkpoint); every worker pulls the servers' whole optimizer state (parameters, Adam's m, v, t),
+        so all start identical, and a resumed job where its checkpoint stood."""
         if table not in self.dense_tables:
             raise ConfigError(f"tables.dense.{table}: missing; declared dense tables: {sorted(self.dense_tables)}")
         if self.rank == 0:
             self.client.init_dense(table, params)
         self.barrier(f"init-dense-{table}")
-        start = self.client.pull_dense(table)
-        self.replicas[table] = DenseReplica(start, self.dense_tables[table], self.comm,
-                                            sync_steps=self.sync_steps, timeout_s=self.barrier_timeout_s)
-        return start.copy()
+        state = self.client.pull_dense_state(table)
+        rep = DenseReplica(state.params, self.dense_tables[table], self.comm, sync_steps=self.sync_steps,
+                           timeout_s=self.barrier_timeout_s)
+        rep.load_state(state)
+        self.replicas[table] = rep
+        return rep.params.copy()
 
     def pull_dense(self, table: str) -> np.ndarray:
         """This worker's parameters (a copy, float32[P]); no server is asked."""
@@ -353,14 +389,15 @@ class HybridMode(AsyncMode):
 
     def sync(self) -> None:
         """A drain (evaluation, checkpoint meeting, end): the sparse pushes are flushed, model averaging
-        averages, and rank 0 uploads every dense table to the servers (forced ``init_dense``) so that
-        evaluation, checkpoints and export read the trained parameters. Every worker calls it at the
+        averages, and rank 0 uploads every dense table's whole optimizer state to the servers
+        (``set_dense_state``: parameters, Adam's m, v, t) so that evaluation, checkpoints and export read
+        the trained parameters and a resume continues with the same moments. Every worker calls it at the
         same point; the caller's barrier follows."""
         self.client.flush()
         for table, rep in self.replicas.items():
             rep.sync()
             if self.rank == 0:
-                self.client.init_dense(table, rep.params, force=True)
+                self.client.set_dense_state(table, rep.state())
 
     def profile(self) -> dict:
         """Collective statistics for the worker's profile event: all-reduces completed, and the wall

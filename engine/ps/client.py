@@ -66,6 +66,7 @@ from ._status import too_large as _too_large
 from ._status import too_large_error as _too_large_error
 from ._status import typed as _typed
 from .async_push import AsyncPusher
+from .dense_client import DenseClient, DenseOptimizerState  # noqa: F401  (re-exported)
 from .server import GENERATION_CHECKED
 from .transport import GrpcTransport, Transport
 
@@ -79,8 +80,8 @@ _INCARNATION = f"{int(time.time() * 1000):x}{os.urandom(3).hex()}"
 BARRIER_POLL_MAX_S = 0.02
 
 
-class PSClient:
-    """Client of one PS cluster.
+class PSClient(DenseClient):
+    """Client of one PS cluster (its dense-table calls: ``dense_client.DenseClient``).
 
     Parameters
     ----------
@@ -422,93 +423,6 @@ class PSClient:
         if self._pusher is not None:
             self._pusher.flush(timeout if timeout is not None else self.timeout_s * (self.retries + 1))
 
-    # ------------------------------------------------------------------ dense
-    def _dense(self, table: str) -> dict:
-        info = self.info()
-        if table not in info["dense"]:
-            raise RequestRejectedError("NOT_FOUND", f"unknown dense table {table!r}; the servers host "
-                                       f"{sorted(info['dense'])}")
-        return info["dense"][table]
-
-    def _blocks(self, table: str, size: int) -> list[tuple[int, int, int, int]]:
-        """[(block, server, start, stop)] of a dense table of ``size`` floats."""
-        d = self._dense(table)
-        bs = codec.DENSE_BLOCK
-        return [(b, (d["ordinal"] + b) % self.num_servers, b * bs, min(size, (b + 1) * bs))
-                for b in range(max(1, -(-size // bs)))]
-
-    def _dense_size(self, table: str) -> int:
-        d = self._dense(table)
-        if not d.get("size"):
-            owner = d["ordinal"] % self.num_servers
-            r = self._call(owner, "Dense", pb.DenseRequest(table=table, request_id=self._rid(), block=0,
-                                                           op=pb.DENSE_PULL), idempotent=True)
-            d["size"] = int(r.size)
-        return d["size"]
-
-    def init_dense(self, table: str, params: np.ndarray, *, force: bool = False) -> bool:
-        """Set a dense table's initial ``params : float32[P]`` unless already set (first writer wins;
-        ``force`` overwrites). Returns True if every block was set by this call."""
-        params = _arrays.check_array(params, (None,), "params")
-        rid = self._rid()
-        calls = [(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b,
-                                                         op=pb.DENSE_INIT, size=len(params), force=force),
-                                         values=params[a:z]))
-                 for b, s, a, z in self._blocks(table, len(params))]
-        replies = self._fan_out(calls, idempotent=False)
-        self._dense(table)["size"] = len(params)
-        return all(r.applied for r in replies)
-
-    def pull_dense(self, table: str) -> np.ndarray:
-        """The current parameters of a dense table -> float32[P].
-
-        Raises
-        ------
-        RequestRejectedError
-            FAILED_PRECONDITION when the table was never initialized (``init_dense``).
-        """
-        size = self._dense_size(table)
-        rid = self._rid()
-        blocks = self._blocks(table, size)
-        replies = self._fan_out([(s, "Dense", pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b,
-                                                              op=pb.DENSE_PULL))
-                                 for b, s, a, z in blocks], idempotent=True)
-        out = np.empty(size, np.float32)
-        for (b, s, a, z), r in zip(blocks, replies):
-            out[a:z] = codec.decode(r.values, "values", codec.F32, 1, shape=(z - a,))
-        return out
-
-    def push_dense(self, table: str, grad: np.ndarray, *, accumulate: bool = False) -> None:
-        """Optimizer step on the servers with ``grad : float32[P]`` (``accumulate``: sync mode)."""
-        self._dense_op(table, grad, pb.DENSE_GRAD, accumulate)
-
-    def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
-        """Async mode in one round trip: optimizer step on the servers with ``grad : float32[P]``, then
-        the fresh parameters -> float32[P] (each block's values right after its own update; what
-        ``push_dense`` followed by ``pull_dense`` gives without concurrent writers). A table of one
-        block (up to DENSE_BLOCK floats) comes back as a read-only view of the reply, not a copy.
-
-        Raises
-        ------
-        ProtocolError
-            ``grad`` is not float32[P] or not finite (nothing sent).
-        RequestRejectedError, ShardUnavailableError, PSTimeoutError
-        """
-        size = self._dense_size(table)
-        grad = _arrays.check_array(grad, (size,), "grad")
-        rid = self._rid()
-        blocks = self._blocks(table, size)
-        replies = self._fan_out([(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}",
-                                                                         block=b, op=pb.DENSE_STEP),
-                                                         values=grad[a:z]))
-                                 for b, s, a, z in blocks], idempotent=False)
-        if len(blocks) == 1:
-            return codec.decode(replies[0].values, "values", codec.F32, 1, shape=(size,))
-        out = np.empty(size, np.float32)
-        for (b, s, a, z), r in zip(blocks, replies):
-            out[a:z] = codec.decode(r.values, "values", codec.F32, 1, shape=(z - a,))
-        return out
-
     # ------------------------------------------------------------------ fused async step
     def push_pull(self, table: str, keys: np.ndarray, grads: np.ndarray, pull_keys: np.ndarray, *,
                   shows: np.ndarray | None = None, clicks: np.ndarray | None = None,
@@ -592,19 +506,6 @@ class PSClient:
         self._push(table, uniq, grads, shows, clicks, pb.GRAD, False)
         fresh = self.push_pull_dense(dense_table, dense_grad) if dense_table is not None else None
         return self.pull(table, pull_keys, init_missing=True), fresh
-
-    def push_dense_delta(self, table: str, delta: np.ndarray) -> None:
-        """GEO: ``params += delta : float32[P]`` on the servers."""
-        self._dense_op(table, delta, pb.DENSE_DELTA, False)
-
-    def _dense_op(self, table, values, op, accumulate) -> None:
-        size = self._dense_size(table)
-        values = _arrays.check_array(values, (size,), "grad" if op == pb.DENSE_GRAD else "delta")
-        rid = self._rid()
-        self._fan_out([(s, "Dense", codec.Wire(pb.DenseRequest(table=table, request_id=f"{rid}.{b}", block=b,
-                                                               op=op, accumulate=accumulate),
-                                               values=values[a:z]))
-                       for b, s, a, z in self._blocks(table, size)], idempotent=False)
 
     # ------------------------------------------------------------------ control
     def barrier(self, name: str, world: int, *, apply_pending: bool = False, all_servers: bool = False,

@@ -399,7 +399,9 @@ class DenseHost:
         """Raise HostError unless ``grad`` fits ``block`` (which lives here) and is finite."""
         self._check(block, grad, "grad")
 
-    def init(self, block: int, size: int, values: np.ndarray, force: bool) -> bool:
+    def _sized(self, size: int) -> None:
+        """Allocate the blocks this server owns of a table of ``size`` floats (first call), or raise
+        HostError INVALID_ARGUMENT when the table has another size."""
         with self._lock:
             if size < 1:
                 raise invalid(f"size must be >= 1, got {size}")
@@ -410,6 +412,9 @@ class DenseHost:
                         self.blocks[bl] = _Block(self.block_length(bl), self.config)
             elif size != self.size:
                 raise invalid(f"init with size {size}, but the table was initialized with size {self.size}")
+
+    def init(self, block: int, size: int, values: np.ndarray, force: bool) -> bool:
+        self._sized(size)
         b = self._check(block, values, "values")
         with b.lock:
             if b.initialized and not force:
@@ -417,6 +422,83 @@ class DenseHost:
             b.params[:] = values
             b.initialized = True
             return True
+
+    def state(self, block: int, out: tuple | None = None) -> DenseBlockState:
+        """A consistent copy of the block's whole optimizer state, read under the block lock:
+        ``params : float32[L]``, for Adam ``m, v : float32[L]`` and ``t`` (int), else None. ``out``:
+        ``(params, m, v)`` buffers to copy into (e.g. the reply's bytes; m, v ignored for SGD).
+
+        Raises
+        ------
+        HostError
+            FAILED_PRECONDITION (table not initialized), INVALID_ARGUMENT (block not here).
+        """
+        b = self._block(block)
+        out = out or (None, None, None)
+        with b.lock:
+            params = _copy_out(b.params, out[0])
+            if not isinstance(b.opt, Adam):
+                return DenseBlockState(params)
+            return DenseBlockState(params, _copy_out(b.opt.m, out[1]), _copy_out(b.opt.v, out[2]), int(b.opt.t))
+
+    def set_state(self, block: int, size: int, params: np.ndarray, m: np.ndarray | None,
+                  v: np.ndarray | None, t: int) -> None:
+        """Set the block's whole optimizer state at once (under the block lock), allocating the table
+        with ``size`` floats first if this server has not seen it. Everything is checked before anything
+        changes; setting the same state twice leaves the same state (a retry is harmless).
+
+        Parameters
+        ----------
+        block, size : int
+        params : float32[L]
+        m, v : float32[L] or None
+            Adam's moments (v >= 0), required for an Adam table, refused for SGD.
+        t : int
+            Adam's step count (>= 0); 0 for SGD.
+
+        Raises
+        ------
+        HostError
+            INVALID_ARGUMENT naming the block and the field (wrong length, NaN/Inf, v < 0, t < 0,
+            moments that do not fit the table's optimizer, another size than the table's, a block that
+            lives elsewhere); nothing changed.
+        """
+        if size < 1 or (self.size is not None and size != self.size):
+            raise invalid(f"block {block}: size {size} given, the table has "
+                          f"{self.size if self.size is not None else 'no size yet (size must be >= 1)'}")
+        n_blocks = max(1, -(-size // DENSE_BLOCK))
+        if not 0 <= block < n_blocks:
+            raise invalid(f"block {block} out of range: a table of {size} floats has {n_blocks} blocks")
+        if self.owner(block) != self.server:
+            raise invalid(f"block {block} lives on server {self.owner(block)}, not on this one")
+        length = min(DENSE_BLOCK, size - block * DENSE_BLOCK)
+        adam = self.config.optimizer == "adam"
+        if adam and (m is None or v is None):
+            raise invalid(f"block {block}: the table's optimizer is adam: its state needs m and v "
+                          f"(float32[{length}] each); nothing changed")
+        if not adam and (m is not None or v is not None or t):
+            raise invalid(f"block {block}: the table's optimizer is {self.config.optimizer}: it has no "
+                          f"moments or step count (m, v absent, t 0); nothing changed")
+        for what, arr in (("values (params)", params), ("m", m), ("v", v)):
+            if arr is None:
+                continue
+            if arr.shape != (length,):
+                raise invalid(f"block {block} {what}: expected float32[{length}], got float32{list(arr.shape)}; "
+                              f"nothing changed")
+            if not _kernels.all_finite(arr):
+                raise invalid(f"block {block} {what}: not finite (NaN or Inf); nothing changed")
+        if v is not None and not (v >= 0).all():
+            raise invalid(f"block {block} v: Adam's second moment must be >= 0, got {float(v.min())}; "
+                          f"nothing changed")
+        if t < 0:
+            raise invalid(f"block {block} t: Adam's step count must be >= 0, got {t}; nothing changed")
+        self._sized(size)
+        b = self.blocks[block]
+        with b.lock:
+            b.params[:] = params
+            if adam:
+                b.opt.load_state_dict({"m": m, "v": v, "t": int(t)})
+            b.initialized = True
 
     def pull(self, block: int, out: np.ndarray | None = None) -> np.ndarray:
         """A copy of the block's parameters (into ``out``, e.g. the reply buffer, when given)."""

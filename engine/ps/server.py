@@ -43,7 +43,7 @@ from ..config import EngineConfig
 from ..errors import ProtocolError
 from ..security.confine import OutsideRootError, confine
 from ..sharding import routing
-from . import _malloc, codec
+from . import _malloc, codec, dense_handler
 from . import ps_pb2 as pb
 from .barrier import BarrierError, Barriers
 from .dedup import Expired, InProgress, ReplyWindow
@@ -64,7 +64,7 @@ _WRITES = frozenset({"Push", "Dense", "Step"})
 #: methods that read or change the tables (they never overlap a Load)
 _ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink"})
 #: methods that need the admin token when tokens are configured (``engine.security.interceptor``);
-#: a forced dense re-initialisation needs it too (``admin_reason``)
+#: a forced dense re-initialisation and setting a dense table's optimizer state need it too (``admin_reason``)
 ADMIN_METHODS = frozenset({"Save", "Load", "Shrink", "Stop"})
 #: upper bounds (seconds) of the per-method latency histogram in ``Stats`` (``latency``): fixed, so two
 #: reads subtract to the histogram of the interval between them (``engine status``); +inf bucket last
@@ -80,6 +80,8 @@ def admin_reason(method: str, req) -> str | None:
         return None
     if req.op == pb.DENSE_INIT and req.force:
         return f"Dense: a forced re-initialisation of table {req.table!r}"
+    if req.op == pb.DENSE_STATE_SET:
+        return f"Dense: setting the optimizer state of table {req.table!r}"
     return None
 
 
@@ -345,9 +347,8 @@ class PSServer:
                                             "values", codec.F32, (m, host.dim))
                 host.pull(keys[:m], True, out=reply.arrays["values"])
                 return reply
-            if method == "Dense" and req.op == pb.DENSE_STEP:
-                return self.Dense(pb.DenseRequest(table=req.table, request_id=req.request_id, block=req.block,
-                                                  op=pb.DENSE_PULL))
+            if method == "Dense" and (reply := dense_handler.reread(self, req)) is not None:
+                return reply
         raise Expired(f"{method} request {req.request_id} was applied earlier; its reply left the reply "
                       f"window (server.reply_window_bytes) and cannot be read again; it was not applied twice")
 
@@ -399,43 +400,8 @@ class PSServer:
         return pb.PushResponse(request_id=req.request_id, keys=n)
 
     def Dense(self, req: pb.DenseRequest) -> codec.Wire:
-        host = self._dense(req.table)
-        resp = self._msg(pb.DenseResponse, req)
-        reply = None
-
-        def sized(resp):
-            resp.size, resp.num_blocks, resp.block_size = host.size or 0, host.num_blocks, codec.DENSE_BLOCK
-            return resp
-
-        def reply_buffer() -> np.ndarray:   # the fresh parameters go straight into the reply's bytes
-            nonlocal reply
-            reply = codec.Wire.allocate(sized(resp), "values", codec.F32, (host.block_length(req.block),))
-            return reply.arrays["values"]
-        if req.op == pb.DENSE_INIT:
-            n = -(-req.size // codec.DENSE_BLOCK) if req.size > 0 else 1
-            length = min(codec.DENSE_BLOCK, req.size - req.block * codec.DENSE_BLOCK)
-            if not 0 <= req.block < n:
-                raise ProtocolError(f"block {req.block} out of range for size {req.size}")
-            init = codec.decode(req.values, "values", codec.F32, 1, shape=(length,))
-            resp.applied = host.init(req.block, int(req.size), init, req.force)
-        elif req.op == pb.DENSE_PULL:
-            host.check_block(req.block)                 # errors before a reply is allocated
-            host.pull(req.block, out=reply_buffer())
-        elif req.op in (pb.DENSE_GRAD, pb.DENSE_DELTA, pb.DENSE_STEP):
-            host.check_block(req.block)
-            update = codec.decode(req.values, "values", codec.F32, 1, shape=(host.block_length(req.block),))
-            if req.op == pb.DENSE_STEP:
-                if req.accumulate:
-                    raise ProtocolError("DENSE_STEP cannot accumulate: sync mode pushes DENSE_GRAD with "
-                                        "accumulate and pulls after the applying barrier")
-                host.step(req.block, update, out=reply_buffer())
-            elif req.op == pb.DENSE_GRAD:
-                host.grad(req.block, update, req.accumulate)
-            else:
-                host.delta(req.block, update)
-        else:
-            raise ProtocolError(f"unknown dense op {req.op}")
-        return reply if reply is not None else codec.Wire(sized(resp))
+        """One block of one dense table (``dense_handler.dense``)."""
+        return dense_handler.dense(self, req)
 
     def Step(self, req: pb.StepRequest) -> codec.Wire:
         """Sparse push, dense step, then sparse pull in one request (see ps.proto); everything is
@@ -684,7 +650,7 @@ def _stamped(reply, generation: int):
 def _mutating(method: str, request) -> bool:
     """Whether ``request`` may change server state (and so must be applied at most once)."""
     if method == "Dense":
-        return request.op != pb.DENSE_PULL
+        return dense_handler.mutating(request)
     if method == "Metric":
         return request.op != pb.METRIC_READ
     return method in MUTATING
@@ -738,8 +704,8 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
 
     ``security`` (``engine.security.credentials.ServerSecurity``, None: plaintext without tokens):
     with TLS the port is a TLS port whose certificate is re-read when its files change; with tokens an
-    ``AuthInterceptor`` checks every call's bearer token before any handler runs (``ADMIN_METHODS`` and
-    forced dense re-initialisations need the admin token). Requests over ``core.max_message_bytes`` are
+    ``AuthInterceptor`` checks every call's bearer token before any handler runs (``ADMIN_METHODS``,
+    forced dense re-initialisations and dense state sets need the admin token). Requests over ``core.max_message_bytes`` are
     refused by gRPC with RESOURCE_EXHAUSTED before they are parsed.
 
     ``threads`` RPC threads serve the calls; at most half of them linger in barrier polls, so arrivals

@@ -120,8 +120,12 @@ BASE = ["mode=hybrid", "model.dense_merge_steps=1"]
     (["cluster.host=10.1.2.3"], ["cluster.host", "security.insecure"]),
     (["cluster.endpoints=[10.1.2.3:5000]"], ["cluster.endpoints", "security.insecure"]),
     (["hybrid.dense_sync_steps=0"], ["hybrid.dense_sync_steps"]),
+    (["server.max_message_bytes=4194304"], ["server.max_message_bytes"]),
 ])
 def test_config_refuses_what_hybrid_cannot_do_naming_the_keys(sets, keys):
+    from engine.config import HYBRID_MIN_MESSAGE_BYTES
+    from engine.ps.codec import DENSE_BLOCK
+    assert HYBRID_MIN_MESSAGE_BYTES == 3 * 4 * DENSE_BLOCK + (1 << 20)
     with pytest.raises(ConfigError) as ei:
         load_config(REPO / "configs" / "ctr.yaml", BASE + sets)
     for k in keys:
