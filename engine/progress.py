@@ -58,6 +58,7 @@ class Progress:
         self.path = Path(path) if path else None
         self.interval_s = float(interval_s)
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         now = time.time()
         self._state = {"pid": os.getpid(), "beat": now, "step": 0, "step_time": now, "examples": 0,
                        "marks": {}, "last_mark": None, "where": {}, "phase": None}
@@ -117,15 +118,18 @@ class Progress:
                 self._state["step_time"] = time.time()    # the loop resumes now
 
     def _write(self) -> None:
-        with self._lock:
-            self._state["beat"] = time.time()
-            text = json.dumps(self._state)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            tmp.write_text(text)
-            tmp.replace(self.path)
-        except OSError as e:   # a full disk must not kill training; the supervisor sees no beat
-            log.warning("progress file %s: %s", self.path, e)
+        # one writer at a time (the beat thread and a mark share the tmp file): the state is serialized
+        # and published in the same order, so an older report never replaces a newer one
+        with self._write_lock:
+            with self._lock:
+                self._state["beat"] = time.time()
+                text = json.dumps(self._state)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            try:
+                tmp.write_text(text)
+                tmp.replace(self.path)
+            except OSError as e:   # a full disk must not kill training; the supervisor sees no beat
+                log.warning("progress file %s: %s", self.path, e)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
