@@ -10,6 +10,7 @@ from ._arena import release_from
 from ._compact import compact_arena
 from ._evict import sample_lru
 from ._inputs import record_keys as _record_keys
+from ._load_kernels import DUPLICATES, SORTED_UNIQUE
 from .budget import HEADROOM_ROWS
 
 EVICT_PASS_ROWS = 1 << 16           # rows an eviction pass may write beyond what brings RAM under its cap
@@ -20,18 +21,24 @@ LRU_SAMPLES_PER_VICTIM = 4           # Redis's maxmemory-samples is 5
 class SpillTier:
     """Methods of ``SparseTable`` for its spill tier (see the module docstring)."""
 
-    def _load_to_disk(self, records, keys, rows, n_new):
+    def _load_to_disk(self, records, keys, rows, n_new, order):
         """A load into a full RAM tier: the rows beyond its room that are not in RAM go straight to
-        RocksDB (one sorted batch) instead of into RAM and out again by eviction. Returns the records,
-        keys and count of new rows left for RAM. Lock held exclusively."""
+        RocksDB (one sorted batch) instead of into RAM and out again by eviction. ``order`` is
+        ``_load_kernels.key_order(keys)``. Returns the records, keys and count of new rows left for RAM.
+        Lock held exclusively."""
         nram = int(self._state[K.S_NRAM])
         cap = self.config.memory_rows if self._budget is None else self._budget.rows_cap()
-        if nram + n_new <= cap:
-            return records, keys, n_new
-        absent = np.flatnonzero(rows < 0)
-        if len(np.unique(keys[absent])) != len(absent):
+        if nram + n_new <= cap or order == DUPLICATES:
             return records, keys, n_new        # duplicate keys in one batch: the RAM path overwrites in order
-        direct = absent[max(0, cap - nram):]
+        room = max(0, cap - nram)
+        if n_new == len(keys):                 # every row new (a base restore): the tail as views, no copies
+            direct = slice(room, len(keys))
+            keep = slice(0, room)
+        else:
+            absent = np.flatnonzero(rows < 0)
+            direct = absent[room:]
+            keep = np.ones(len(keys), np.bool_)
+            keep[direct] = False
         dk = keys[direct]
         recs = records[direct]
         recs[:, self.layout.meta + K.M_TICK] = 0
@@ -42,11 +49,9 @@ class SpillTier:
             pos, _ = self._spill.get(dk[maybe], filtered=True)
             new_mask[maybe] = True
             new_mask[maybe[pos]] = False
-        self._spill.put(dk, recs, new_mask)
-        keep = np.ones(len(keys), np.bool_)
-        keep[direct] = False
-        self._count(loaded_to_disk=len(direct))
-        return records[keep], keys[keep], n_new - len(direct)
+        self._spill.put(dk, recs, new_mask, presorted=order == SORTED_UNIQUE)
+        self._count(loaded_to_disk=len(dk))
+        return records[keep], keys[keep], n_new - len(dk)
 
     def _promote(self, ukeys: np.ndarray) -> None:
         """Bring rows of unique keys that are on disk into RAM (one multi-get). Lock held exclusively."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from ._load_kernels import fill_records
 from .config import KEY_WORDS, LAYOUT_VERSION, RowLayout
 from .errors import TableInputError
 
@@ -73,18 +74,18 @@ def batch_to_records(batch: pa.RecordBatch, layout: RowLayout) -> np.ndarray:
         A column is missing, mistyped, has nulls, or its width differs from the table's.
     """
     m = batch.num_rows
-    rec = np.zeros((m, layout.stride), np.uint32)
-    keys = _column(batch, "key", pa.uint64()).to_numpy(zero_copy_only=False)
-    rec[:, :KEY_WORDS] = np.ascontiguousarray(keys, dtype=np.uint64).view(np.uint32).reshape(m, KEY_WORDS)
-    vals = _column(batch, "values", pa.list_(pa.float32(), layout.dim))
-    rec[:, layout.values:layout.values + layout.dim] = (
-        vals.flatten().to_numpy(zero_copy_only=False).reshape(m, layout.dim).view(np.uint32))
-    if layout.state_width:
-        st = _column(batch, "state", pa.list_(pa.float32(), layout.state_width))
-        rec[:, layout.state:layout.meta] = (
-            st.flatten().to_numpy(zero_copy_only=False).reshape(m, layout.state_width).view(np.uint32))
-    mo = layout.meta
-    rec[:, mo] = _column(batch, "show", pa.float32()).to_numpy(zero_copy_only=False).view(np.uint32)
-    rec[:, mo + 1] = _column(batch, "click", pa.float32()).to_numpy(zero_copy_only=False).view(np.uint32)
-    rec[:, mo + 2] = _column(batch, "last_seen", pa.uint32()).to_numpy(zero_copy_only=False)
+
+    def floats(name: str, width: int) -> np.ndarray:
+        col = _column(batch, name, pa.list_(pa.float32(), width))
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(m, width).view(np.uint32)
+
+    def words(name: str, typ: pa.DataType) -> np.ndarray:
+        return _column(batch, name, typ).to_numpy(zero_copy_only=False).view(np.uint32)
+
+    keys = np.ascontiguousarray(_column(batch, "key", pa.uint64()).to_numpy(zero_copy_only=False), np.uint64)
+    vals = floats("values", layout.dim)
+    state = floats("state", layout.state_width) if layout.state_width else np.empty((m, 0), np.uint32)
+    rec = np.empty((m, layout.stride), np.uint32)
+    fill_records(rec, keys, vals, state, words("show", pa.float32()), words("click", pa.float32()),
+                 words("last_seen", pa.uint32()), layout.values, layout.state, layout.meta)
     return rec

@@ -336,18 +336,22 @@ class SpillStore:
     def bloom_bytes(self) -> int:
         return self._bloom.nbytes
 
-    def put(self, keys: np.ndarray, records: np.ndarray, new_mask: np.ndarray) -> None:
-        """Write records in one batch. keys : uint64[m]; records : uint32[m, stride];
-        new_mask : bool[m], True where the key was not in the database before (keeps ``count``)."""
+    def put(self, keys: np.ndarray, records: np.ndarray, new_mask: np.ndarray, *,
+            presorted: bool = False) -> None:
+        """Write records in one batch. keys : uint64[m], distinct; records : uint32[m, stride];
+        new_mask : bool[m], True where the key was not in the database before (keeps ``count``);
+        presorted : the caller knows keys are increasing (no sort, no reordering copy)."""
         if len(keys) == 0:
             return
         # in key order: RocksDB's memtable (a skiplist) inserts sorted keys 2-10x faster than random
         # ones (200k rows of 96 bytes: 1.1-2.1 us per row random, 0.1-0.5 us sorted)
-        order = np.argsort(keys)
+        if not presorted:
+            order = np.argsort(keys)
+            keys, records, new_mask = keys[order], records[order], new_mask[order]
         wb = WriteBatch(raw_mode=True)
         put = wb.put
-        vals = np.ascontiguousarray(records[order], dtype="<u4").view(f"V{4 * self.stride}").ravel().tolist()
-        collections.deque(map(put, _key_bytes(keys[order]), vals), maxlen=0)   # the loop runs in C
+        vals = np.ascontiguousarray(records, dtype="<u4").view(f"V{4 * self.stride}").ravel().tolist()
+        collections.deque(map(put, _key_bytes(keys), vals), maxlen=0)   # the loop runs in C
         self._db.write(wb, self._write_opts)
         self._bloom.add(np.ascontiguousarray(keys[new_mask], dtype=np.uint64))
         self.count += int(new_mask.sum())

@@ -144,3 +144,57 @@ def test_keyset_and_bloom_have_no_false_negatives():
     bloom.add(keys[:1500])
     assert bloom.may_contain(keys[:1500]).all()
     assert bloom.may_contain(keys[1500:]).mean() < 0.1
+
+
+def _key_order_reference(keys: np.ndarray) -> int:
+    from sparse_tables import _load_kernels as L
+    if len(np.unique(keys)) != len(keys):
+        return L.DUPLICATES
+    return L.SORTED_UNIQUE if all(int(a) < int(b) for a, b in zip(keys[:-1], keys[1:])) else L.UNIQUE
+
+
+def test_key_order_agrees_with_np_unique_on_random_batches():
+    from sparse_tables._load_kernels import DUPLICATES, SORTED_UNIQUE, UNIQUE, key_order
+    rng = np.random.default_rng(5)
+    seen = set()
+    for n in (0, 1, 2, 3, 17, 500, 3000):
+        for trial in range(6):
+            keys = rng.integers(0, 2**64, n, dtype=np.uint64)
+            if trial in (1, 4) and n > 1:                     # a repeat somewhere (adjacent after sorting)
+                keys[rng.integers(n)] = keys[rng.integers(n)]
+            if trial == 2 and n:
+                keys[:min(n, 2)] = [0, 2**64 - 1][:min(n, 2)]   # the extremes of the key space
+            if trial >= 3:
+                keys = np.sort(keys)
+            if trial == 5 and n > 1:
+                keys[1] = keys[0]                              # sorted, not strictly: a duplicate
+            got = key_order(keys)
+            assert got == _key_order_reference(keys), (n, trial)
+            seen.add(got)
+    assert seen == {SORTED_UNIQUE, UNIQUE, DUPLICATES}
+    # colliding probes: many keys that share their low bits still hash apart and are told apart
+    keys = (np.arange(4000, dtype=np.uint64) << np.uint64(40)) | np.uint64(7)
+    assert key_order(keys[::-1].copy()) == UNIQUE
+    assert key_order(np.concatenate([keys, keys[-1:]])) == DUPLICATES
+
+
+def test_fill_records_matches_the_column_copies():
+    import pyarrow as pa
+    from sparse_tables.config import RowLayout
+    from sparse_tables.rows import batch_to_records, records_to_batch, row_schema
+    for optimizer, dim in (("adagrad", 3), ("sgd", 4), ("adam", 2)):
+        layout = RowLayout(dim, optimizer_state_width(optimizer, dim))
+        rng = np.random.default_rng(8)
+        m = 50
+        rec = rng.integers(0, 2**32, (m, layout.stride), dtype=np.uint64).astype(np.uint32)
+        rec[:, layout.meta + K.M_TICK] = 0
+        rec[:, layout.meta + K.M_FLAGS] = 0
+        batch = records_to_batch(rec, layout, row_schema(layout, optimizer))
+        for part in (batch, batch.slice(7, 30)):             # a slice: its columns start at an offset
+            expected = rec[7:37] if part is not batch else rec
+            got = batch_to_records(part, layout)
+            assert got.dtype == np.uint32 and got.shape == expected.shape
+            np.testing.assert_array_equal(got, expected)
+            keys = part.column(0).to_numpy()
+            np.testing.assert_array_equal(got[:, :2].copy().view(np.uint64).ravel(), keys)
+        assert isinstance(batch, pa.RecordBatch)
