@@ -89,10 +89,18 @@ RUNS = {   # name: (config, model, mode, extra overrides)
                                                                          "model.dense_merge_steps=1")),
     "deepfm_hybrid": ("configs/deepfm_bigdata.yaml", "deepfm", "hybrid", ("model.pipeline=exact",
                                                                           "model.dense_merge_steps=1")),
+    # the same with the sparse round trips pipelined as in the async headline (two in flight: a step sees
+    # this worker's own sparse updates one step later); the dense step is still all-reduced every step
+    "ctr_dnn_hybrid_stale": ("configs/ctr_bigdata.yaml", "ctr_dnn", "hybrid", ("model.pipeline=stale",
+                                                                               "model.dense_merge_steps=1")),
+    "deepfm_hybrid_stale": ("configs/deepfm_bigdata.yaml", "deepfm", "hybrid", ("model.pipeline=stale",
+                                                                                "model.dense_merge_steps=1")),
 }
 #: hybrid rows: (the headline async row, the exact async row) they are divided by, when measured in the run
 HYBRID_VS = {"ctr_dnn_hybrid": ("ctr_dnn_async", "ctr_dnn_async_shared_config"),
-             "deepfm_hybrid": ("deepfm_async", "deepfm_async_shared_config")}
+             "deepfm_hybrid": ("deepfm_async", "deepfm_async_shared_config"),
+             "ctr_dnn_hybrid_stale": ("ctr_dnn_async", "ctr_dnn_async_shared_config"),
+             "deepfm_hybrid_stale": ("deepfm_async", "deepfm_async_shared_config")}
 
 
 def prepare(work: Path, rows: int, seed: int) -> tuple[Path, Path]:
@@ -168,6 +176,9 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
                 a = ev["allreduce"]
                 profile[f"rank{ev['rank']}_allreduce_ms_per_step"] = {
                     "wait": round(1000 * a["wait_s"] / steps, 3), "cpu": round(1000 * a["wait_cpu_s"] / steps, 3)}
+            if "exchange" in ev:     # hybrid: sparse round trip, all-reduce wait beyond it, optimizer step
+                profile[f"rank{ev['rank']}_exchange_ms_per_step"] = {
+                    k.removesuffix("_s"): round(1000 * v / steps, 3) for k, v in ev["exchange"].items()}
     # the machine may be shared: the best of the measurements before the jobs and right after this one
     roof = max(roof_before[kind], roofline(kind, batch, repeats=100))
     out = record(name, final, roof, batch, wall, profile)
@@ -272,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=512)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--only", default="", help="comma-separated measurement names")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure the whole list this many times, then print the medians (ctr_bench_medians)")
     ap.add_argument("--work", default=str(REPO / "runs" / "bench"), help="data cache (git-ignored)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra engine train overrides (e.g. model.pipeline=false), repeatable")
@@ -290,6 +303,28 @@ def main(argv=None) -> int:
         print(f"# ctr_dnn_async_hosts skipped: {why}", file=sys.stderr)
     names = [n for n in (args.only.split(",") if args.only else default) if n]
     roof_before = {kind: roofline(kind, args.batch_size, repeats=100) for kind in ("ctr_dnn", "deepfm")}
+    rounds: list[dict[str, dict]] = []
+    for _ in range(max(1, args.rounds)):        # every round measures the whole list, in order
+        rounds.append(measure(args, names, train, test, rows, work, roof_before))
+    if args.rounds > 1:
+        print(json.dumps(medians(rounds)), flush=True)
+    return 0
+
+
+def medians(rounds: list[dict[str, dict]]) -> dict:
+    """``ctr_bench_medians``: per measurement, the median over the rounds of examples/s, of the ratios
+    (each computed within its own round) and of the held-out AUC."""
+    out = {"bench": "ctr_bench_medians", "rounds": len(rounds)}
+    for name in rounds[0]:
+        recs = [r[name] for r in rounds if name in r]
+        out[name] = {k: round(float(np.median([r[k] for r in recs])), 4) for k in
+                     ("examples_per_s", "ratio_vs_roofline", "ratio_vs_async", "ratio_vs_exact", "test_auc")
+                     if all(k in r for r in recs)}
+    return out
+
+
+def measure(args, names, train, test, rows, work, roof_before) -> dict[str, dict]:
+    """One round: every measurement of ``names`` in order, each record printed as it ends."""
     measured: dict[str, dict] = {}
     for name in names:
         if name not in RUNS and name not in ("ctr_dnn_async_hosts", "ctr_dnn_async_ray"):
@@ -313,7 +348,7 @@ def main(argv=None) -> int:
         if args.set:
             out["set"] = args.set
         print(json.dumps(out), flush=True)
-    return 0
+    return measured
 
 
 if __name__ == "__main__":

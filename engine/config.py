@@ -179,9 +179,10 @@ class HybridConfig:
     with its own gradient and every k steps the parameters and the optimizer's moments are averaged.
 
     How other keys apply: ``model.dense_merge_steps`` must be 1 (merging gradients before a step is
-    what ``dense_sync_steps`` does here, exactly); ``model.pipeline`` ``exact`` overlaps the all-reduce
-    with the sparse push and pull, ``sequential`` runs one after the other, ``stale`` is refused (it
-    would train on dense parameters one step old). CTR models only (``model.kind`` ctr_dnn, deepfm);
+    what ``dense_sync_steps`` does here, exactly); ``model.pipeline`` ``exact`` runs the dense step
+    beside the step's sparse push and pull and waits for both; ``stale`` keeps two sparse requests in
+    flight (a step sees this worker's own sparse updates one step later, as in async's stale pipeline)
+    while the dense step stays exact, never stale; ``sequential`` runs one after the other. CTR models only (``model.kind`` ctr_dnn, deepfm);
     ``cluster.launcher: local`` only (the workers form one ``mpiexec`` world); off loopback it needs
     ``security.insecure: true`` (MPI traffic is neither authenticated nor encrypted).
     """
@@ -421,9 +422,6 @@ def _check_hybrid(cfg: EngineConfig) -> None:
     if getattr(p, "dense_merge_steps", 1) > 1:
         raise ConfigError(f"mode hybrid needs model.dense_merge_steps=1 (the dense step is all-reduced every "
                           f"step; for fewer syncs set hybrid.dense_sync_steps), got {p.dense_merge_steps}")
-    if getattr(p, "pipeline", "exact") == "stale":
-        raise ConfigError("mode hybrid needs model.pipeline exact or sequential, got 'stale' (a step would "
-                          "train on dense parameters one step old)")
     if cfg.cluster.launcher != "local":
         raise ConfigError(f"mode hybrid runs with cluster.launcher (--launcher) local only, got "
                           f"{cfg.cluster.launcher!r}: its workers form one MPI world started by mpiexec (see "

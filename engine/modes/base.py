@@ -45,6 +45,10 @@ class Mode(ABC):
     """
 
     name = "base"
+    #: True when the dense step runs on the worker (hybrid: an all-reduce among the workers): the pipelined
+    #: loop then sends only sparse rows in its round trips and calls ``push_pull_dense`` itself at the step
+    #: boundary, beside the sparse request in flight, so the dense tower is never stale
+    dense_on_workers = False
 
     def __init__(self, client: PSClient, *, rank: int, num_workers: int, barrier_timeout_s: float = 600.0):
         self.client = client

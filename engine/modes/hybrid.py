@@ -19,14 +19,17 @@ k > 1 (model averaging, the "MA" of Alibaba's XDL middleware)
     the step count is the same everywhere) are averaged over the workers, so they are identical on
     every worker at each sync point.
 
-Overlap: in the pipelined loop (``model.pipeline: exact``) ``push_pull`` starts the all-reduce of step
-t's dense gradient, sends t's sparse gradients and pulls t+1's rows (one Step request per server, as
-async), and only then completes the all-reduce and applies the optimizer, before t+1 computes. The
-request is completed on a helper thread while the sparse round trip is out (MPI progresses only inside
-MPI calls), by a test-and-yield loop (``MPI_Test``, then ``time.sleep``: 0 for the first
-``SPIN_S``, then growing up to ``MAX_NAP_S``) rather than ``MPI_Wait``: MPICH's wait busy-polls a core,
-which on a small machine takes it from the parameter server. ``profile()`` reports the wall and CPU
-seconds spent in that loop.
+Overlap: the pipelined loop (``model.pipeline`` exact or stale; ``dense_on_workers``) sends step t's
+sparse gradients with the next batch's pull (one Step request per server, as async) on its
+communicator thread and, beside that round trip, runs the dense step on the worker's own thread: it
+starts the all-reduce of t's dense gradient, completes it with a test-and-yield loop (``MPI_Test``,
+then ``time.sleep``: 0 for the first ``SPIN_S``, then growing up to ``MAX_NAP_S``) rather than
+``MPI_Wait`` (MPICH's wait busy-polls a core, which on a small machine takes it from the parameter
+server), and steps the optimizer, all before t+1 computes: the dense tower is never stale. ``exact``
+waits for t's sparse request too (t+1 sees every update of this worker, as the sequential loop);
+``stale`` keeps two sparse requests in flight (t+1's rows come from t-1's request: this worker's own
+sparse updates arrive one step later, Paddle's async communicator), while the dense step stays exact.
+``profile()`` reports the wall and CPU seconds of the loop and where the dense step's time goes.
 
 Every worker must make the same collective calls in the same order: the worker loop runs the same
 number of steps on every worker in this mode (like sync), and drains at the same points. A worker
@@ -46,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -203,7 +205,7 @@ class DenseReplica:
 
     def complete(self, handle) -> None:
         """Complete the collective of a ``start_step`` handle without applying it (``finish_step`` then
-        applies at once): what a helper thread runs while the caller's thread does other work."""
+        applies at once), so the wait and the optimizer step can be timed apart."""
         if handle[1] is not None:
             self.finish_sum(handle[1])
 
@@ -313,6 +315,7 @@ class HybridMode(AsyncMode):
     """
 
     name = "hybrid"
+    dense_on_workers = True
 
     def __init__(self, client, *, rank: int, num_workers: int, dense_tables: dict, sync_steps: int = 1,
                  comm=None, barrier_timeout_s: float = 600.0):
@@ -326,12 +329,7 @@ class HybridMode(AsyncMode):
         self.dense_tables = dict(dense_tables)
         self.sync_steps = int(sync_steps)
         self.replicas: dict[str, DenseReplica] = {}
-        self._poller: ThreadPoolExecutor | None = None
-
-    def _progress(self) -> ThreadPoolExecutor:
-        if self._poller is None:
-            self._poller = ThreadPoolExecutor(1, thread_name_prefix=f"mpi-progress{self.rank}")
-        return self._poller
+        self.timing = {"allreduce_s": 0.0, "optimizer_s": 0.0}   # seconds: completing the all-reduce, Adam
 
     def _replica(self, table: str) -> DenseReplica:
         r = self.replicas.get(table)
@@ -362,30 +360,34 @@ class HybridMode(AsyncMode):
 
     def push_dense_grads(self, table: str, grad: np.ndarray) -> None:
         """One dense step with this worker's ``grad : float32[P]`` (collective: every worker calls it)."""
-        self._replica(table).step(grad)
+        self.push_pull_dense(table, grad)
 
     def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
-        self.push_dense_grads(table, grad)
-        return self.pull_dense(table)
+        """One dense step with this worker's ``grad : float32[P]``: start the all-reduce (k = 1), complete
+        it on this thread with the test-and-yield loop, step the optimizer -> the fresh parameters (a copy).
+        The pipelined loop calls it right after sending the step's sparse request, so the all-reduce runs
+        beside that round trip (``dense_on_workers``). Collective: every worker calls it."""
+        rep = self._replica(table)
+        t0 = time.perf_counter()
+        handle = rep.start_step(grad)
+        t1 = time.perf_counter()
+        if handle[1] is not None:
+            rep.complete(handle)
+        t2 = time.perf_counter()
+        rep.finish_step(handle)
+        t3 = time.perf_counter()
+        self.timing["allreduce_s"] += t2 - t1
+        self.timing["optimizer_s"] += (t1 - t0) + (t3 - t2)
+        return rep.params.copy()
 
     def push_pull(self, table, keys, grads, shows, clicks, pull_keys, dense_table, dense_grad):
-        """Start the dense step's all-reduce, do the sparse push of this step and the pull of the next
-        (async's one Step request per server), then complete the all-reduce and step the optimizer ->
-        (rows float32[m, dim], fresh dense float32[P] or None)."""
-        if dense_table is None:
-            return super().push_pull(table, keys, grads, shows, clicks, pull_keys, None, None)
-        rep = self._replica(dense_table)
-        handle = rep.start_step(dense_grad)
-        # MPI progresses only inside MPI calls: a helper thread tests (and yields) while this one waits
-        # for the servers, so the all-reduce runs beside the sparse round trip instead of after it
-        done = self._progress().submit(rep.complete, handle) if handle[1] is not None else None
-        try:
-            rows, _ = super().push_pull(table, keys, grads, shows, clicks, pull_keys, None, None)
-        finally:
-            if done is not None:
-                done.result()
-        rep.finish_step(handle)
-        return rows, rep.params.copy()
+        """The sparse push of this step and the pull of the next (async's one Step request per server),
+        then the dense step on this worker (``push_pull_dense``) -> (rows float32[m, dim], fresh dense
+        float32[P] or None). The pipelined loop does not call it with a dense table: it overlaps the two
+        itself (``dense_on_workers``)."""
+        rows, _ = super().push_pull(table, keys, grads, shows, clicks, pull_keys, None, None)
+        fresh = self.push_pull_dense(dense_table, dense_grad) if dense_table is not None else None
+        return rows, fresh
 
     def sync(self) -> None:
         """A drain (evaluation, checkpoint meeting, end): the sparse pushes are flushed, model averaging
@@ -405,4 +407,5 @@ class HybridMode(AsyncMode):
         reps = self.replicas.values()
         return {"allreduce": {"calls": sum(r.collectives for r in reps),
                               "wait_s": round(sum(r.wait_s for r in reps), 4),
-                              "wait_cpu_s": round(sum(r.wait_cpu_s for r in reps), 4)}}
+                              "wait_cpu_s": round(sum(r.wait_cpu_s for r in reps), 4)},
+                "exchange": {k: round(v, 4) for k, v in self.timing.items()}}

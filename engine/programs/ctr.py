@@ -548,6 +548,7 @@ class CTRTrainer:
         clock, ph = time.perf_counter, self.phases
         table, dense_table = self.cfg.sparse_table, self.cfg.dense_table
         depth = 2 if self.cfg.pipeline == "stale" else 1
+        local_dense = self.mode.dense_on_workers     # hybrid: the dense step is an all-reduce, never stale
         read_next = self._batch_reader(it, max_steps)
 
         def pull_first():
@@ -568,8 +569,10 @@ class CTRTrainer:
             grads = res.grad_emb
             grads *= np.float32(size)
             pull_keys = item[1][0] if item is not None else np.empty(0, np.uint64)
-            # exact: the last push flushes the merged dense gradients; stale: after the drain below
-            dense_grad = self.merge_dense(res.grad_dense, flush=item is None and depth == 1)
+            # exact: the last push flushes the merged dense gradients; stale: after the drain below;
+            # a mode whose dense step runs on the workers takes it beside this request (loop below)
+            dense_grad = (None if local_dense
+                          else self.merge_dense(res.grad_dense, flush=item is None and depth == 1))
             emb, fresh = self.mode.push_pull(table, uniq, grads, shows, clicks, pull_keys,
                                              dense_table if dense_grad is not None else None, dense_grad)
             ph["push_pull"] += clock() - t0
@@ -585,6 +588,8 @@ class CTRTrainer:
             while True:
                 t0 = clock()
                 item, fresh = inflight.popleft().result()
+                if local_dense:
+                    fresh, self._fresh_dense = self._fresh_dense, None
                 if item is None:
                     while inflight:                  # stale: the last step's request is still out
                         last = inflight.popleft().result()[1]
@@ -601,6 +606,9 @@ class CTRTrainer:
                 res = self.forward_backward(emb, rows, segments, batch)
                 t2 = clock()
                 inflight.append(comm.submit(push_then_pull, uniq, res, shows, clicks, batch.size, read))
+                if local_dense:       # beside the sparse request; t+1 computes with its result
+                    self._fresh_dense = self.mode.push_pull_dense(dense_table, self.merge_dense(res.grad_dense))
+                    ph["push_dense"] += clock() - t2
                 self.mode.end_step(batch.size)
                 ph["wait"] += t1 - t0
                 ph["compute"] += t2 - t1
