@@ -102,6 +102,11 @@ def test_online_kill9_mid_hour_then_resume_consumes_each_partition_once(backend,
     assert res.returncode == 0, _logs(res, tmp_path / "run2")
     final = json.loads(res.stdout.strip().splitlines()[-1])
     assert final["partitions"] == names[done:]
+    # TensorBoard: the per-hour progressive-validation curve of the hours this run trained
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(final["tensorboard_dir"])
+    ea.Reload()
+    assert len(ea.Scalars("online/progressive_auc")) == len(names) - done
     last = _check_exactly_once(mgr, names)
     assert final["checkpoint"] == mgr.uri_of(last["name"])
     assert hdfs_io.is_complete(mgr.storage, last["name"])

@@ -86,6 +86,14 @@ def test_train_export_eval(corpus, tmp_path, mode):
     train = [e for e in events if e["event"] == "train"]
     assert {e["rank"] for e in train} == {0, 1}
     assert all(e["words_per_s"] >= e["effective_words_per_s"] >= 0 and e["loss"] >= 0 for e in train)
+    # TensorBoard: loss and words/s per worker, the final evaluation (engine.observability.tensorboard)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(final["tensorboard_dir"])
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert {"train/rank0/loss", "train/rank1/words_per_s", "final/analogy_accuracy",
+            "final/wordsim353_spearman"} <= tags, sorted(tags)
+    assert ea.Scalars("final/wordsim353_spearman")[0].value == pytest.approx(final["wordsim353_spearman"], abs=1e-6)
 
     # export: gensim reads it; topic structure is there
     vec = tmp_path / "vectors.txt"
