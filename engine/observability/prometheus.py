@@ -59,11 +59,11 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
-                               ProcessCollector, disable_created_metrics, make_wsgi_app, push_to_gateway)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..errors import ConfigError
+
+# prometheus_client is imported where it is used: every server, worker and launcher imports this module,
+# and with metrics off (the default) none of them should pay for loading it
 
 __all__ = ["RoleMetrics", "RpcMetricsInterceptor", "ServerCollector", "TrainerCollector", "current",
            "start", "record_checkpoint", "child_env", "announce", "PORT_ENV", "FILE_ENV", "RESTARTS_ENV"]
@@ -104,6 +104,8 @@ class RoleMetrics:
     """
 
     def __init__(self, role: str, rank: int, run_id: str = "", restarts: int = 0):
+        from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+                                       ProcessCollector, disable_created_metrics)
         self.role, self.rank, self.run_id = role, rank, run_id
         disable_created_metrics()      # no *_created series: the process start time is exported once
         self.registry = CollectorRegistry(auto_describe=True)
@@ -141,6 +143,7 @@ class RoleMetrics:
             The port is in use or the address cannot be bound (names ``observability.prometheus_port``
             and the port), or the certificate files cannot be loaded.
         """
+        from prometheus_client import make_wsgi_app
         ctx = None
         tls = getattr(security, "tls", None)
         if tls is not None and tls.cert:
@@ -182,6 +185,7 @@ class RoleMetrics:
 
     def push(self) -> bool:
         """Push once; False (logged at most once a minute) when the Pushgateway cannot be reached."""
+        from prometheus_client import push_to_gateway
         if not self._push_url:
             return False
         key = {"run": self.run_id or "-", "role": self.role, "rank": str(self.rank)}
@@ -362,6 +366,7 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
     and one increment."""
 
     def __init__(self, registry: CollectorRegistry):
+        from prometheus_client import Counter, Histogram
         self.requests = Counter("engine_ps_rpc_requests", "RPCs answered by this server, by method and gRPC "
                                 "status code", ["method", "code"], registry=registry)
         self.duration = Histogram("engine_ps_rpc_duration_seconds", "Time to handle an RPC (from the handler's "
@@ -432,6 +437,7 @@ class ServerCollector:
         return []     # families depend on the tables: described at collect time
 
     def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         fams = {name: CounterMetricFamily(f"engine_ps_{name}", doc, labels=["table"])
                 for _, name, doc in _TABLE_COUNTERS}
         rows = GaugeMetricFamily("engine_ps_rows", "Rows of the table on this server by tier (ram, rocksdb)",
@@ -480,6 +486,7 @@ class TrainerCollector:
         return []
 
     def collect(self):
+        from prometheus_client.core import CounterMetricFamily
         t = self.trainer
         for attr, name, doc in (("examples", "engine_worker_examples", "Training examples this worker consumed"),
                                 ("steps", "engine_worker_steps", "Training steps of this worker"),
@@ -531,6 +538,7 @@ class EventGauges:
         return []
 
     def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
         for name, v in sorted(self.values.items()):
             yield GaugeMetricFamily(name, self._docs.get(name, "The last global evaluation (rank 0) / "
                                                                "progressive validation"), value=v)
