@@ -172,14 +172,33 @@ class LocalCluster:
         self._secret_env = secret_env(cfg)
 
     # ------------------------------------------------------------------ processes
+    def role_command(self, role: str, rank: int, extra: list[str]) -> list[str]:
+        """The command line of one role's process."""
+        return [self.python, "-m", "engine", "train", str(self.config_path), "--role", role,
+                "--rank", str(rank), *extra]
+
+    def child_env(self, env: dict) -> dict:
+        """The environment every child gets: this one without inline secrets, then the config's secrets
+        (``secret_env``) and ``env``."""
+        inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV.values()}
+        return {**inherited, "PYTHONUNBUFFERED": "1", **self._secret_env, **env}
+
+    def role_env(self, role: str, rank: int) -> dict:
+        """What one role's process adds to ``child_env``: its Prometheus port and the restarts so far."""
+        return prometheus.child_env(self.cfg, role, rank, self.run_dir, self.restarts)
+
+    def worker_files(self, rank: int) -> tuple[Path, Path]:
+        """Worker ``rank``'s result and progress files, removed if an earlier attempt left them."""
+        result = self.run_dir / f"worker-{rank}.result.json"
+        prog = self.run_dir / f"worker-{rank}.progress.json"
+        for f in (result, prog):
+            f.unlink(missing_ok=True)
+        return result, prog
+
     def _spawn(self, role: str, rank: int, extra: list[str], env: dict) -> Child:
         log_path = self.run_dir / f"{role}-{rank}.log"
-        cmd = [self.python, "-m", "engine", "train", str(self.config_path), "--role", role,
-               "--rank", str(rank), *extra]
-        inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV.values()}
-        full_env = {**inherited, "ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-                    **self._secret_env, **prometheus.child_env(self.cfg, role, rank, self.run_dir, self.restarts),
-                    **env}
+        cmd = self.role_command(role, rank, extra)
+        full_env = self.child_env({"ENGINE_PARENT_PID": str(os.getpid()), **self.role_env(role, rank), **env})
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True)
@@ -224,14 +243,10 @@ class LocalCluster:
         env = {"ENGINE_SERVERS": ",".join(self.endpoints), "ENGINE_NUM_WORKERS": str(self.cfg.cluster.workers)}
         if self.cfg.mode == "hybrid":          # one mpiexec world: rank r = worker r (engine.launch.mpi)
             from .mpi import start_world
-            self.workers.extend(start_world(self, env, child=Child, rank_env=lambda r: prometheus.child_env(
-                self.cfg, "worker", r, self.run_dir, self.restarts)))
+            self.workers.extend(start_world(self, env, child=Child))
             return
         for r in range(self.cfg.cluster.workers):
-            result = self.run_dir / f"worker-{r}.result.json"
-            result.unlink(missing_ok=True)
-            prog = self.run_dir / f"worker-{r}.progress.json"
-            prog.unlink(missing_ok=True)
+            result, prog = self.worker_files(r)
             child = self._spawn("worker", r, ["--result-file", str(result)], {**env, progress.ENV: str(prog)})
             child.result_path, child.progress_path = result, prog
             self.workers.append(child)

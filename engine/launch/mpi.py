@@ -188,11 +188,10 @@ class RankProcess:
             pass
 
 
-def start_world(cluster, env: dict, *, child, rank_env=lambda r: {}) -> list:
+def start_world(cluster, env: dict, *, child) -> list:
     """Start ``cluster``'s (a ``LocalCluster``) workers as one MPI world -> their ``child`` objects
-    (``engine.launch.local.Child``, passed in so this module never imports the launcher), with per-rank
-    log, result and progress files as ``LocalCluster.start_workers`` gives them; ``rank_env(r)`` adds
-    the environment of rank r alone (its Prometheus port, ``engine.observability.prometheus.child_env``).
+    (``engine.launch.local.Child``, passed in so this module never imports the launcher), with the
+    command, environment, log, result and progress files ``LocalCluster`` gives any worker.
 
     Raises
     ------
@@ -200,23 +199,16 @@ def start_world(cluster, env: dict, *, child, rank_env=lambda r: {}) -> list:
         No mpiexec (see ``mpiexec_path``).
     """
     from .. import progress
-    from ..config import SECRET_ENV
 
     run_dir = cluster.run_dir
     ranks, children = [], []
     for r in range(cluster.cfg.cluster.workers):
-        result = run_dir / f"worker-{r}.result.json"
-        prog = run_dir / f"worker-{r}.progress.json"
-        for f in (result, prog):
-            f.unlink(missing_ok=True)
-        cmd = [cluster.python, "-m", "engine", "train", str(cluster.config_path), "--role", "worker",
-               "--rank", str(r), "--result-file", str(result)]
-        ranks.append({"cmd": cmd, "env": {**rank_env(r), progress.ENV: str(prog)}, "log": str(run_dir / f"worker-{r}.log"),
-                      "pid": str(run_dir / f"worker-{r}.pid")})
+        result, prog = cluster.worker_files(r)
+        ranks.append({"cmd": cluster.role_command("worker", r, ["--result-file", str(result)]),
+                      "env": {**cluster.role_env("worker", r), progress.ENV: str(prog)},
+                      "log": str(run_dir / f"worker-{r}.log"), "pid": str(run_dir / f"worker-{r}.pid")})
         children.append((r, result, prog))
-    inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV.values()}
-    full_env = {**inherited, "PYTHONUNBUFFERED": "1", **cluster._secret_env, **env}
-    world = World(world_command(cluster.python, run_dir, ranks), env=full_env, run_dir=run_dir,
+    world = World(world_command(cluster.python, run_dir, ranks), env=cluster.child_env(env), run_dir=run_dir,
                   pid_paths=[Path(x["pid"]) for x in ranks])
     out = []
     for r, result, prog in children:

@@ -235,7 +235,7 @@ class CTRTrainer:
         self._dense_n = 0
         self.dense_steps = 0          # dense gradients sent (async)
         self._dense_lock = threading.Lock()
-        # hybrid: async's sparse pipeline; its push_pull overlaps the dense all-reduce (engine.modes.hybrid)
+        # hybrid: async's sparse pipeline, the dense step beside it on this thread (Mode.dense_on_workers)
         self.pipelined = p.pipeline != "sequential" and self.mode.name in ("async", "hybrid")
         self.prefetching = p.pipeline != "sequential" and self.mode.name == "geo"
         observability.watch_trainer(self)     # Prometheus reads examples, steps, phases at scrape time
@@ -549,6 +549,7 @@ class CTRTrainer:
         table, dense_table = self.cfg.sparse_table, self.cfg.dense_table
         depth = 2 if self.cfg.pipeline == "stale" else 1
         local_dense = self.mode.dense_on_workers     # hybrid: the dense step is an all-reduce, never stale
+        stepped = None                               # local_dense: the parameters the last dense step gave
         read_next = self._batch_reader(it, max_steps)
 
         def pull_first():
@@ -589,7 +590,7 @@ class CTRTrainer:
                 t0 = clock()
                 item, fresh = inflight.popleft().result()
                 if local_dense:
-                    fresh, self._fresh_dense = self._fresh_dense, None
+                    fresh, stepped = stepped, None
                 if item is None:
                     while inflight:                  # stale: the last step's request is still out
                         last = inflight.popleft().result()[1]
@@ -607,7 +608,7 @@ class CTRTrainer:
                 t2 = clock()
                 inflight.append(comm.submit(push_then_pull, uniq, res, shows, clicks, batch.size, read))
                 if local_dense:       # beside the sparse request; t+1 computes with its result
-                    self._fresh_dense = self.mode.push_pull_dense(dense_table, self.merge_dense(res.grad_dense))
+                    stepped = self.mode.push_pull_dense(dense_table, self.merge_dense(res.grad_dense))
                     ph["push_dense"] += clock() - t2
                 self.mode.end_step(batch.size)
                 ph["wait"] += t1 - t0
