@@ -1,6 +1,8 @@
 """The RocksDB tier of a ``SparseTable``: promotion, eviction, the memory budget's upkeep, loads that go
-straight to disk and expiry over spilled rows. A mixin of ``table.SparseTable``: every method runs with
-the table's lock held exclusively and uses its arrays (``_index``, ``_arena_u``, ``_state``, ...)."""
+straight to disk, expiry over spilled rows, and the released state of a shard during a base load
+(``release_ram`` / ``restore_ram``: these two take the lock; every other method runs with the table's
+lock held exclusively). A mixin of ``table.SparseTable`` that uses its arrays (``_index``, ``_arena_u``,
+``_state``, ...)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +13,9 @@ from ._compact import compact_arena
 from ._evict import sample_lru
 from ._inputs import record_keys as _record_keys
 from ._load_kernels import DUPLICATES, SORTED_UNIQUE
-from .budget import HEADROOM_ROWS
+from .budget import HEADROOM_ROWS, MAX_LOAD
 
+RELEASED_ROWS = 16                  # arena rows and index slots between release_ram and restore_ram
 EVICT_PASS_ROWS = 1 << 16           # rows an eviction pass may write beyond what brings RAM under its cap
 SAMPLED_LRU_MIN_ROWS = 1 << 20      # RAM tiers from this size choose eviction victims by sampling
 LRU_SAMPLES_PER_VICTIM = 4           # Redis's maxmemory-samples is 5
@@ -21,13 +24,143 @@ LRU_SAMPLES_PER_VICTIM = 4           # Redis's maxmemory-samples is 5
 class SpillTier:
     """Methods of ``SparseTable`` for its spill tier (see the module docstring)."""
 
+    def release_ram(self) -> int:
+        """Spilled tables: write every row in RAM to RocksDB, give the arena and index memory back (the
+        big arrays are their own mappings, so the pages return to the OS at once) and keep no row in RAM
+        until ``restore_ram``: meanwhile a pull reads the rows it misses from RocksDB without promoting
+        them, and a push or load brings its rows in, updates them and writes them back within the call.
+        Nothing is lost. A server calls this on the old shards before it loads a base into fresh ones,
+        so the old shards cost disk rather than RAM while the new ones fill the budget (and reads of the
+        old shards during the load cannot take RAM back). RAM-only tables: nothing happens.
+
+        Returns
+        -------
+        int : rows moved out of RAM
+        """
+        if self._spill is None:
+            return 0
+        with self._lock.exclusive():
+            n = int(self._state[K.S_NRAM])
+            if n:
+                self._evict(n)
+            self._released = True
+            self._alloc_arrays(RELEASED_ROWS, RELEASED_ROWS)
+            if self._budget is not None:
+                self._budget.report(self._budget_token, self._growing_bytes(), 0)
+        return n
+
+    def restore_ram(self) -> None:
+        """End ``release_ram`` (a base load failed and these shards stay live): the arena and index are
+        allocated at their initial sizes again (a budgeted shard's, fixed by the budget: no growth by
+        copying) and rows come back into RAM on the pulls and pushes that need them. Idempotent."""
+        if self._spill is None:
+            return
+        with self._lock.exclusive():
+            if not self._released:
+                return
+            n = int(self._state[K.S_NRAM])
+            if n:               # none at the end of a call while released; kept for safety
+                self._evict(n)
+            self._released = False
+            self._alloc_arrays(*self._sizes)
+            if self._budget is not None:
+                self._budget.report(self._budget_token, self._growing_bytes(), 0)
+
+    def _pull_spilled(self, keys: np.ndarray, miss: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The keys of a pull that missed RAM: ``keys[miss]`` (miss : int64[m], positions into keys and
+        out) are promoted from RocksDB and read into ``out[miss]``; returns the positions still missing
+        (no row anywhere). Lock held exclusively.
+
+        A budgeted table promotes at most the rows its arena holds without growing (and its budget
+        allows): a pull whose promotions exceed that works in chunks of the unique keys, each chunk
+        promoted and read into ``out`` before the next chunk's eviction pass may take its rows, so the
+        arena is never copied under the lock. Between ``release_ram`` and ``restore_ram`` the rows are
+        read from RocksDB and nothing is promoted."""
+        self._next_tick()
+        if self._released:
+            return self._pull_disk(keys, miss, out)
+        sub = keys[miss]
+        ukeys = np.unique(sub)
+        if self._budget is not None and len(ukeys) > self._promote_room():
+            on_disk = self._spill.may_contain(ukeys)
+            rows = np.empty(len(ukeys), np.int64)
+            K.find_rows(self._index, self._arena_u, ukeys, rows)
+            on_disk |= rows >= 0    # in RAM by a push since the shared read: an eviction may take them
+            if int(np.count_nonzero(on_disk)) > self._promote_room():
+                return self._pull_in_chunks(keys, miss, out, sub, ukeys, on_disk)
+        self._promote(ukeys)
+        sub_out = np.empty((len(sub), self.layout.dim), np.float32)
+        still = self._pull_ram(sub, sub_out, self._tick, True)
+        out[miss] = sub_out
+        self._maybe_evict()
+        return miss[still]
+
+    def _pull_in_chunks(self, keys, miss, out, sub, ukeys, on_disk) -> np.ndarray:
+        """``_pull_spilled`` for promotions beyond the room: ukeys : uint64[u] sorted unique ``sub``,
+        on_disk : bool[u] (the Bloom filter's maybe) decides the chunk bounds."""
+        order = np.argsort(sub, kind="stable")
+        sorted_sub = sub[order]
+        cum = np.cumsum(on_disk)            # candidates for promotion among ukeys[:i + 1]
+        still = []
+        a = 0
+        while a < len(ukeys):
+            if a:
+                self._maybe_evict()         # the previous chunk's rows were read: they may go now
+            done = int(cum[a - 1]) if a else 0
+            room = self._promote_room()
+            if room < 1:                    # cannot happen under a budget (cap + headroom fit the arena)
+                room = int(cum[-1]) - done
+            b = max(a + 1, int(np.searchsorted(cum, done + room, side="right")))
+            self._promote(ukeys[a:b])
+            lo = np.searchsorted(sorted_sub, ukeys[a], "left")
+            hi = np.searchsorted(sorted_sub, ukeys[b - 1], "right")
+            pos = miss[order[lo:hi]]
+            part = np.empty((len(pos), self.layout.dim), np.float32)
+            s = self._pull_ram(keys[pos], part, self._tick, True)
+            out[pos] = part
+            still.append(pos[s])
+            a = b
+        self._maybe_evict()
+        return np.sort(np.concatenate(still))
+
+    def _promote_room(self) -> int:
+        """Rows a promotion can add without growing the arena or the index, nor (under a budget) taking
+        the arena past the rows the budget allows (at least 1024, as ``rows_cap``)."""
+        st = self._state
+        nram = int(st[K.S_NRAM])
+        room = min(self._arena_u.shape[0] - int(st[K.S_NEXT]) + int(st[K.S_NFREE]),
+                   int(MAX_LOAD * len(self._index)) - nram)
+        if self._budget is not None:
+            room = min(room, max(self._budget.rows_allowed() - nram, 1024))
+        return room
+
+    def _pull_disk(self, keys, miss, out) -> np.ndarray:
+        """``_pull_spilled`` while released: read ``keys[miss]`` from RocksDB into ``out[miss]`` without
+        promoting; returns the positions with no row."""
+        sub = keys[miss]
+        sub_out = np.empty((len(sub), self.layout.dim), np.float32)
+        miss_ram = self._pull_ram(sub, sub_out, self._tick, False)   # none at rest: a call leaves RAM empty
+        out[miss] = sub_out
+        miss = miss[miss_ram]
+        if not len(miss):
+            return miss
+        ukeys, inverse = np.unique(keys[miss], return_inverse=True)
+        pos, records = self._spill.get(ukeys)
+        dim, voff = self.layout.dim, self.layout.values
+        values = np.zeros((len(ukeys), dim), np.float32)
+        values[pos] = records[:, voff:voff + dim].view(np.float32)
+        out[miss] = values[inverse]
+        found = np.zeros(len(ukeys), np.bool_)
+        found[pos] = True
+        return miss[~found[inverse]]
+
     def _load_to_disk(self, records, keys, rows, n_new, order):
         """A load into a full RAM tier: the rows beyond its room that are not in RAM go straight to
         RocksDB (one sorted batch) instead of into RAM and out again by eviction. ``order`` is
         ``_load_kernels.key_order(keys)``. Returns the records, keys and count of new rows left for RAM.
         Lock held exclusively."""
         nram = int(self._state[K.S_NRAM])
-        cap = self.config.memory_rows if self._budget is None else self._budget.rows_cap()
+        cap = self._ram_cap()
         if nram + n_new <= cap or order == DUPLICATES:
             return records, keys, n_new        # duplicate keys in one batch: the RAM path overwrites in order
         room = max(0, cap - nram)
@@ -77,31 +210,50 @@ class SpillTier:
         grow and give back the pages of rows the budget no longer allows (lock held exclusively)."""
         if self._spill is None:
             return
-        if self._budget is None:
-            cap = self.config.memory_rows
-        else:
+        if self._budget is not None:
             self._budget.report(self._budget_token, self._growing_bytes(), int(self._state[K.S_NEXT]))
-            cap = self._budget.rows_cap()
+        cap = self._ram_cap()
         nram = int(self._state[K.S_NRAM])
         if nram > cap:
             # down to the low watermark, but at most EVICT_PASS_ROWS past the cap per call: a call then
             # writes about what it added, and no request waits behind one pass of a tenth of the tier
             k = nram - int(cap * self.config.spill_low_watermark)
             self._evict(min(k, max(nram - cap, EVICT_PASS_ROWS)))
+        if self._released and max(self._arena_u.shape[0], len(self._index)) > RELEASED_ROWS:
+            self._alloc_arrays(RELEASED_ROWS, RELEASED_ROWS)   # no row left (cap 0): the call's pages go
         if self._budget is not None:
             self._fit_budget(cap)
 
-    def _evict_within_call(self, rest: np.ndarray) -> bool:
-        """A push that adds more new rows than a budgeted arena's headroom: evict now instead of growing
-        the arena (a copy under the lock, past the budget), then bring back the keys still to push that
-        the eviction took (otherwise they would get fresh rows beside their disk copies). Returns False
-        when the eviction made no room (the caller grows as usual)."""
+    def _ram_cap(self) -> int:
+        """Rows the RAM tier may keep after a call: ``memory_rows``, what the budget leaves, or 0 between
+        ``release_ram`` and ``restore_ram``."""
+        if self._released:
+            return 0
+        return self.config.memory_rows if self._budget is None else self._budget.rows_cap()
+
+    def _evict_within_call(self, part_done: bool) -> bool:
+        """A budgeted push whose new or promoted rows exceed the arena's headroom: run the eviction pass
+        now instead of growing the arena (a copy under the lock, past the budget). Returns whether the
+        push can go on without growing: the pass made room, or (``part_done``) the keys promoted so far
+        are all pushed and the next part is promoted after the pass."""
         before = int(self._state[K.S_NRAM])
         self._maybe_evict()
-        if int(self._state[K.S_NRAM]) >= before:
-            return False
-        self._promote(np.unique(rest))
-        return True
+        return part_done or int(self._state[K.S_NRAM]) < before
+
+    def _promote_prefix(self, ukeys: np.ndarray, start: int) -> int:
+        """Promote the rows on disk of a push's unique keys ``ukeys[start:]``: all of them, or under a
+        budget the longest run ``ukeys[start:end]`` whose promotions fit the arena without growing (the
+        push then takes the rest in parts, an eviction pass between them). Returns ``end``."""
+        rest = ukeys[start:]
+        # a released shard (no rows kept) lets one call's rows in; ``_maybe_evict`` writes them back
+        room = self._promote_room() if self._budget is not None and not self._released else len(rest)
+        if len(rest) <= room or room < 1:
+            self._promote(rest)
+            return len(ukeys)
+        cum = np.cumsum(self._spill.may_contain(rest))
+        end = max(1, int(np.searchsorted(cum, room, side="right")))
+        self._promote(rest[:end])
+        return start + end
 
     def _fit_budget(self, cap: int) -> None:
         """Report this shard's growing bytes and arena rows to the budget; when the arena has handed out

@@ -118,10 +118,9 @@ class SparseTable(SpillTier):
                 # a call adds rows before its eviction pass: room for them, so filling the tier never
                 # copies the arena (untouched pages of the mapping cost nothing)
                 initial_rows += HEADROOM_ROWS
-        self._arena_u = _big_array((max(16, initial_rows), lay.stride), np.uint32)
-        self._arena_f = self._arena_u.view(np.float32)
-        self._index = _big_array((slots,), np.uint64)
-        self._index.fill(K.EMPTY)
+        self._sizes = (max(16, initial_rows), slots)   # arena rows and index slots (restore_ram)
+        self._released = False                          # release_ram: no rows in RAM until restore_ram
+        self._alloc_arrays(*self._sizes)
         self._spill = SpillStore(config.spill_path, lay.stride, budget) if config.spill_path else None
         self._spilled_dirty = SortedKeySet()   # 8 bytes per key: it grows with the keys on disk
         self._deleted: list[np.ndarray] = []
@@ -196,14 +195,7 @@ class SparseTable(SpillTier):
         hits = n - len(miss)
         if len(miss) and self._spill is not None:
             with self._lock.exclusive():
-                self._next_tick()
-                sub = keys[miss]
-                self._promote(np.unique(sub))
-                sub_out = np.empty((len(sub), self.layout.dim), np.float32)
-                still = self._pull_ram(sub, sub_out, self._tick, True)
-                out[miss] = sub_out
-                miss = miss[still]
-                self._maybe_evict()
+                miss = self._pull_spilled(keys, miss, out)
         if init_missing and len(miss) and not self.config.uses_admission:
             out[miss] = self.initial_values(keys[miss])
         self._count(pull_keys=n, pull_hits=hits, pull_misses=n - hits)
@@ -479,32 +471,6 @@ class SparseTable(SpillTier):
         with self._lock.exclusive():
             self._clear_dirty_locked()
 
-    def release_ram(self) -> int:
-        """Spilled tables: write every row in RAM to RocksDB and give the arena and index memory back
-        (the big arrays are their own mappings, so the pages return to the OS at once). Rows come back
-        on the next pull or push that needs them, as after any eviction; nothing is lost. A server
-        calls this on the old shards before it loads a base into fresh ones, so the old table costs
-        disk rather than RAM while the new one fills. RAM-only tables: nothing happens.
-
-        Returns
-        -------
-        int : rows moved out of RAM
-        """
-        if self._spill is None:
-            return 0
-        with self._lock.exclusive():
-            n = int(self._state[K.S_NRAM])
-            if n:
-                self._evict(n)
-            stride = self.layout.stride
-            self._arena_u = _big_array((16, stride), np.uint32)
-            self._arena_f = self._arena_u.view(np.float32)
-            self._index = _big_array((16,), np.uint64)
-            self._index.fill(K.EMPTY)
-            self._state[:] = 0
-            self._state[K.S_FREE_HEAD] = -1
-        return n
-
     def close(self) -> None:
         """Release the RocksDB tier (its directory is removed) and the pull threads."""
         with self._lock.exclusive():
@@ -551,16 +517,16 @@ class SparseTable(SpillTier):
         limit = self.config.max_rows
         with self._lock.exclusive():
             self._next_tick()
-            if self._spill is not None:
-                self._promote(ukeys)
             now_s = self._now_s()
+            # keys done..end have their rows in RAM (all keys, but under a budget those that fit)
+            end = self._promote_prefix(ukeys, 0) if self._spill is not None else nu
             args = (ukeys, ugrads, ushows, uclicks, ucounts, has_shows, mode, now_s)
             done = 0
             while done < nu:
                 # the kernel stops at the first new key past its row cap (the index's load limit, or
-                # max_rows): keys done.. are untouched
+                # max_rows) or past a full arena: keys done.. are untouched
                 cap = int(MAX_LOAD * len(self._index))
-                c, rj, k = self._push_rows(args, slice(done, nu), min(cap, limit) if limit else cap)
+                c, rj, k = self._push_rows(args, slice(done, end), min(cap, limit) if limit else cap)
                 created, rejected, done = created + c, rejected + rj, done + k
                 if done == nu:
                     break
@@ -569,9 +535,14 @@ class SparseTable(SpillTier):
                     # full: the rest's present keys are updated, its new keys refused as not admitted
                     refused = self._push_present(args, done)
                     break
-                if self._budget is not None and self._evict_within_call(ukeys[done:]):
-                    continue        # a budgeted table does not grow: room was made by eviction
+                if self._budget is not None and not self._released and self._evict_within_call(done == end):
+                    # a budgeted table does not grow: rows were written back (or the promoted part is
+                    # done); bring in the next part of the rest that fits
+                    end = self._promote_prefix(ukeys, done)
+                    continue
                 self._reserve(min(nu - done, limit - nram) if limit else nu - done)   # grow, go on
+                if end < nu:
+                    end = self._promote_prefix(ukeys, done)
             self._maybe_evict()
         self._count(push_keys=n, created=created, rejected=rejected, rows_refused_full=refused)
         if refused:
@@ -662,6 +633,16 @@ class SparseTable(SpillTier):
         if self._spill is None:
             return 0
         return self._spill.count - K.count_flag(self._arena_u, self._state, self._lay, K.F_ON_DISK)
+
+    def _alloc_arrays(self, rows: int, slots: int) -> None:
+        """Empty arena of ``rows`` rows and index of ``slots`` slots (at start, or replacing arrays that
+        hold no row: the old mappings go back to the OS). Lock held exclusively, or construction."""
+        self._arena_u = _big_array((rows, self.layout.stride), np.uint32)
+        self._arena_f = self._arena_u.view(np.float32)
+        self._index = _big_array((slots,), np.uint64)
+        self._index.fill(K.EMPTY)
+        self._state[:] = 0
+        self._state[K.S_FREE_HEAD] = -1
 
     def _reserve(self, n_new: int) -> None:
         """Make room for n_new more rows in the arena and the index (lock held exclusively)."""

@@ -255,15 +255,16 @@ class SparseHost:
         return total
 
     # ------------------------------------------------------------------ shards and checkpoints
-    def _new_shards(self, slot: int, expected_rows: int = 0) -> list[SparseTable]:
+    def _new_shards(self, slot: int, expected_rows: int = 0,
+                    budget: MemoryBudget | None = None) -> list[SparseTable]:
         """Empty local shards whose spill directories use name ``slot`` (0 or 1), sized for
-        ``expected_rows`` rows of the table on this server. On failure the shards made so far are
-        closed (their directories removed) and the error raised."""
+        ``expected_rows`` rows of the table on this server, sharing ``budget`` (a new one from
+        ``memory_bytes`` when None). On failure the shards made so far are closed (their directories
+        removed) and the error raised."""
         config, n = self.config, self.num_local
         per_shard = max(1024, int(expected_rows * 1.05) // n)
         shards: list[SparseTable] = []
-        budget = None
-        if config.memory_bytes:     # one budget for this server's shards of the table (a shard set)
+        if config.memory_bytes and budget is None:   # one budget for this server's shards of the table
             try:
                 budget = MemoryBudget(config.memory_bytes, n, RowLayout.of(config).row_bytes,
                                       config.sketch_depth * config.sketch_width * 4 if config.uses_admission else 0)
@@ -295,8 +296,10 @@ class SparseHost:
         """Empty shards to load a base checkpoint into while the live ones keep their rows: same
         configs, spill directories under the other slot name. Hand them to ``adopt`` once every file
         verified, or to ``discard`` on failure. For spilled tables the live shards first move their
-        RAM rows to RocksDB (``SparseTable.release_ram``), so during the load RAM holds at most the new
-        shards' ``memory_rows`` each (the old ones page rows back in only if something reads them).
+        RAM rows to RocksDB and keep none until the load ends (``SparseTable.release_ram``: reads of
+        them meanwhile go to disk without promoting), so during the load RAM holds at most the new
+        shards' ``memory_rows`` each. Under ``memory_bytes`` the new shards share the live shards'
+        budget (one block cache, one set of accounts), so the table never holds two budgets' worth.
 
         Parameters
         ----------
@@ -311,7 +314,12 @@ class SparseHost:
         """
         for sh in self.shards:
             sh.release_ram()
-        return self._new_shards(1 - self._slot, expected_rows)
+        try:
+            return self._new_shards(1 - self._slot, expected_rows, self.budget)
+        except BaseException:
+            for sh in self.shards:
+                sh.restore_ram()
+            raise
 
     def adopt(self, shards: list[SparseTable]) -> None:
         """Swap ``shards`` (from ``fresh_shards``) in and close the old ones (their spill directories
@@ -321,11 +329,13 @@ class SparseHost:
         for sh in old:
             sh.close()
 
-    @staticmethod
-    def discard(shards: list[SparseTable]) -> None:
-        """Close shards from ``fresh_shards`` that will not be used (their spill directories go)."""
+    def discard(self, shards: list[SparseTable]) -> None:
+        """Close shards from ``fresh_shards`` that will not be used (their spill directories go); the
+        live shards keep rows in RAM again (``SparseTable.restore_ram``)."""
         for sh in shards:
             sh.close()
+        for sh in self.shards:
+            sh.restore_ram()
 
     def close(self) -> None:
         for s in self.shards:

@@ -483,8 +483,9 @@ class PSServer:
 
         Peak memory of a base load: a RAM-only table holds its old rows and the new ones until the
         swap, up to twice its size (each side at most ``max_rows`` when set). A spilled table first
-        moves its RAM rows to RocksDB (``SparseTable.release_ram``), so RAM holds about one RAM tier,
-        the new shards' (``memory_rows`` each), plus the old shards' Bloom filters; disk holds both
+        moves its RAM rows to RocksDB and keeps none until the swap (``SparseTable.release_ram``), so
+        RAM holds about one RAM tier, the new shards' (``memory_rows`` each), plus the old shards' Bloom
+        filters (under ``memory_bytes`` both sides share one budget, which counts them); disk holds both
         databases until the swap. Reading costs one part file per ``checkpoint_threads`` thread on top.
         A delta costs no second copy of the table, only those files and the delta's tombstone keys.
 
@@ -518,8 +519,8 @@ class PSServer:
                 manifest=manifest, threads=self.checkpoint_threads, check_dense=check_dense)
             dense = {n: v for n, v in dense.items() if n in self.dense}
         except BaseException as e:
-            for shards in fresh.values():
-                SparseHost.discard(shards)
+            for name, shards in fresh.items():
+                self.sparse[name].discard(shards)
             if isinstance(e, NotPublishedError):
                 raise HostError("NOT_FOUND", str(e)) from None
             if isinstance(e, CheckpointCorruptError):

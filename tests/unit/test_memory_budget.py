@@ -305,3 +305,151 @@ def test_a_load_of_sorted_batches_from_a_spilled_dump_goes_to_disk_bit_exact_and
     np.testing.assert_array_equal(dst.pull(k), src.pull(k))
     src.close()
     dst.close()
+
+
+def test_a_pull_promoting_more_than_the_headroom_reads_in_chunks_and_never_grows_the_arena(tmp_path):
+    """A pull whose rows on disk exceed the arena's room promotes and reads them chunk by chunk (each
+    chunk read before the next one's eviction pass): same values, misses, initial values and counters as
+    one promotion of everything, but the arena a budget sized is never replaced by a bigger copy. A
+    push of that many rows on disk takes them in parts the same way."""
+    rule = dict(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="uniform", init_range=0.5, seed=3)
+    t = SparseTable(TableConfig(**rule, memory_bytes=56 * MiB, spill_path=str(tmp_path / "spill")))
+    ref = SparseTable(TableConfig(**rule))
+    cap = t.budget.rows_cap()
+    room = t.budget.max_rows_per_shard - cap                   # rows the arena takes past a full tier
+    cold, hot = _keys(300_000, 11), _keys(cap, 12)              # cold first: on disk once hot fills RAM
+    for i, k in enumerate((cold, hot)):
+        g = np.random.default_rng(20 + i).standard_normal((len(k), DIM)).astype(np.float32)
+        t.push(k, g)
+        ref.push(k, g)
+    arena, index = t._arena_u, t._index
+    unknown = _keys(5000, 13)
+    probe = np.concatenate([cold, hot[:20_000], unknown, cold[:7000]])     # repeats and keys with no row
+    np.random.default_rng(14).shuffle(probe)
+    for call in range(2):
+        rows_in = np.empty(len(probe), np.int64)
+        K.find_rows(t._index, t._arena_u, probe, rows_in)
+        on_disk = np.setdiff1d(probe[rows_in < 0], unknown)
+        assert len(on_disk) > room, "the pull must promote more rows than the arena has room for"
+        before = t.stats()
+        if call == 0:
+            got = t.pull(probe, init_missing=True)
+        else:                                                   # a server shard's part of a request
+            pos = np.arange(0, len(probe), 2)
+            got = np.full((len(probe), DIM), -7.0, np.float32)
+            t.pull(probe, init_missing=True, out=got, rows=pos)
+            assert (got[1::2] == -7.0).all()
+            got, rows_in = got[pos], rows_in[pos]
+            on_disk = np.setdiff1d(probe[pos][rows_in < 0], unknown)
+        want = ref.pull(probe if call == 0 else probe[::2], init_missing=True)
+        np.testing.assert_array_equal(got, want)
+        st = t.stats()
+        assert t._arena_u is arena and t._index is index, "the arena or index was copied under the lock"
+        assert st["promotions"] - before["promotions"] == len(on_disk)
+        assert st["pull_hits"] - before["pull_hits"] == int(np.count_nonzero(rows_in >= 0))
+        assert st["pull_misses"] - before["pull_misses"] == int(np.count_nonzero(rows_in < 0))
+        assert st["rows_in_ram"] <= cap and st["rows"] == len(ref)
+    # a push of as many rows on disk (and new keys) promotes them in parts, an eviction pass between
+    rows_in = np.empty(len(cold), np.int64)
+    K.find_rows(t._index, t._arena_u, cold, rows_in)
+    assert np.count_nonzero(rows_in < 0) > room
+    k = np.concatenate([cold, _keys(20_000, 15)])
+    g = np.random.default_rng(16).standard_normal((len(k), DIM)).astype(np.float32)
+    t.push(k, g)
+    ref.push(k, g)
+    assert t._arena_u is arena and t._index is index, "a push copied the arena or index under the lock"
+    assert t.stats()["rows_in_ram"] <= cap and len(t) == len(ref)
+    np.testing.assert_array_equal(t.pull(k), ref.pull(k))
+    t.close()
+    ref.close()
+
+
+def test_a_base_load_with_reads_of_the_old_shards_holds_one_budget(tmp_path):
+    """During a base load the old shards keep no row in RAM (reads go to RocksDB without promoting) and
+    the fresh shards share their budget, so reads on other threads during the load never make the table
+    hold two budgets. A load that fails gives the old shards their RAM tier back."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.ps.hosts import SparseHost
+    budget_bytes = 112 * MiB
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                      memory_bytes=budget_bytes, spill_path=str(tmp_path / "spill"))
+    host = SparseHost("emb", cfg, server=0, num_servers=1, num_vshards=64, num_local=2,
+                      pool=ThreadPoolExecutor(2))
+    budget, old = host.budget, list(host.shards)
+    keys = _keys(240_000, 5)
+    grads = np.random.default_rng(6).standard_normal((len(keys), DIM)).astype(np.float32)
+    host.push(keys, grads, None, None, delta=False)
+    assert sum(s.stats()["rows_in_ram"] for s in old) > 0
+
+    def held():
+        """bytes the table holds by the budget's parts, old and fresh shards together"""
+        parts = budget.parts()
+        rows = sum(s.stats()["memory"]["rows"] for s in old + fresh)
+        return rows + parts["index"] + parts["rocksdb"] + parts["growing"] + parts["reserve"]
+
+    fresh = host.fresh_shards(len(keys))
+    assert all(s.budget is budget for s in fresh), "the fresh shards take over the live shards' budget"
+    seen, errors, stop = [], [], threading.Event()
+
+    def reader():
+        rng = np.random.default_rng(7)
+        try:
+            while not stop.is_set():
+                pick = rng.choice(len(keys), 20_000, replace=False)
+                np.testing.assert_array_equal(host.pull(keys[pick], False), -grads[pick])
+                seen.append((sum(s.stats()["rows_in_ram"] for s in old), held()))
+        except BaseException as e:      # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    r = threading.Thread(target=reader)
+    r.start()
+    for src, dst in zip(old, fresh):
+        dst.load_rows(src.rows(chunk_rows=16_384))
+    stop.set()
+    r.join(60)
+    assert not errors, errors
+    assert len(seen) >= 2 and all(n == 0 for n, _ in seen), "an old shard promoted rows during the load"
+    assert max(b for _, b in seen) <= budget_bytes and held() <= budget_bytes
+    host.adopt(fresh)
+    np.testing.assert_array_equal(host.pull(keys, False), -grads)
+    # a load that fails: the live shards get their RAM tier back, sized by the budget (no regrowth)
+    host.discard(host.fresh_shards(len(keys)))
+    assert all(s._arena_u.shape[0] == budget.max_rows_per_shard for s in host.shards)
+    np.testing.assert_array_equal(host.pull(keys, False), -grads)
+    assert sum(s.stats()["rows_in_ram"] for s in host.shards) > 0
+    assert budget.parts()["rows"] == sum(s.stats()["memory"]["rows"] for s in host.shards)
+    host.close()
+
+
+@pytest.mark.nojit
+def test_a_released_shard_keeps_no_row_in_ram_until_restored_and_loses_no_update(tmp_path):
+    rule = dict(dim=DIM, optimizer="adagrad", learning_rate=0.5, initializer="uniform", init_range=0.5)
+    t = SparseTable(TableConfig(**rule, memory_rows=500, spill_path=str(tmp_path / "spill")))
+    ref = SparseTable(TableConfig(**rule))
+    rng = np.random.default_rng(1)
+    keys = np.arange(1, 3001, dtype=np.uint64)
+
+    def push(k):
+        g = rng.standard_normal((len(k), DIM)).astype(np.float32)
+        t.push(k, g)
+        ref.push(k, g)
+
+    push(keys)
+    assert t.release_ram() > 0
+    probe = np.concatenate([keys[::7], np.array([10**6, 10**6 + 1], np.uint64), keys[:50]])
+    promotions = t.stats()["promotions"]
+    np.testing.assert_array_equal(t.pull(probe, init_missing=True), ref.pull(probe, init_missing=True))
+    push(np.concatenate([keys[::3], np.arange(5000, 5400, dtype=np.uint64)]))   # rows on disk and new ones
+    t.load_rows(ref.rows())                                                     # a load while released
+    st = t.stats()
+    assert st["rows_in_ram"] == 0 and st["promotions"] - promotions == len(keys[::3])   # the push's only
+    assert t._arena_u.shape[0] == 16 and len(t) == len(ref) == 3400
+    all_keys = np.concatenate([keys, np.arange(5000, 5400, dtype=np.uint64)])
+    np.testing.assert_array_equal(t.pull(all_keys), ref.pull(all_keys))
+    t.restore_ram()
+    np.testing.assert_array_equal(t.pull(all_keys), ref.pull(all_keys))
+    assert 0 < t.stats()["rows_in_ram"] <= 500
+    t.close()
+    ref.close()
