@@ -31,3 +31,14 @@ def _test_hosts_factory():
             require_netns()
             return stack.enter_context(TestHosts(names, **kwargs))
         yield make
+
+
+@pytest.fixture(scope="session")
+def loopback_reference(tmp_path_factory) -> tuple[dict, Path]:
+    """``tests.integration.test_multihost.loopback_run`` once per session: (worker 0's result, the
+    resolved config) of CTR-DNN sync, 2 servers, 2 workers under the local launcher on 127.0.0.1, its
+    data converted to Arrow beside it. Several integration tests compare against this one deterministic
+    run; they only read it (their own checkpoints go under their own tmp_path)."""
+    from tests.integration.test_multihost import loopback_run
+
+    return loopback_run(tmp_path_factory.mktemp("loopback-reference"))

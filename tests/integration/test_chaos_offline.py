@@ -38,11 +38,11 @@ SLOTS = 26
 AUC_SPREAD = (0.6588, 0.6754)
 
 
-def args(tmp: Path, tag: str, *sets: str) -> list[str]:
+def args(tmp: Path, tag: str, *sets: str, cache: str = "cache") -> list[str]:
     return [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"),
             "--run-dir", str(tmp / f"run-{tag}"),
             "--set", "model.data.source=generated", "--set", f"model.data.generated_rows={ROWS}",
-            "--set", f"model.data.cache_dir={tmp / 'cache'}", "--set", f"model.metrics_dir={tmp / 'metrics'}",
+            "--set", f"model.data.cache_dir={tmp / cache}", "--set", f"model.metrics_dir={tmp / 'metrics'}",
             "--set", f"checkpoint.root={tmp / ('ckpt-' + tag)}", "--set", "model.hidden=[16]",
             "--set", "model.epochs=3", "--set", "checkpoint.align_steps=8", "--set", "checkpoint.delta_every=8steps",
             "--set", "cluster.servers=2", "--set", "cluster.warm_up=false",
@@ -96,9 +96,23 @@ def chaos(tmp: Path, tag: str, seed: int, *sets: str) -> tuple[dict, str]:
 
 
 def test_sync_one_worker_recovers_to_the_bit_identical_model(tmp_path):
-    sets = ("mode=sync", "cluster.workers=1", "model.pipeline=sequential")
-    full = run(args(tmp_path, "full", *sets))
-    final, err = chaos(tmp_path, "chaos", 7, *sets)
+    # 2 epochs (the shared args say 3): seed 7's kills land in epoch 0 (steps 4-13, then the next checkpoint
+    # write), so the recovered job still trains on through an epoch boundary before the models are compared
+    sets = ("mode=sync", "cluster.workers=1", "model.pipeline=sequential", "model.epochs=2")
+    # the uninterrupted run goes on beside the chaos run (its own data cache, run dir and checkpoint root;
+    # sync training with one worker is deterministic, so sharing the cores cannot change its model)
+    ref_out, ref_err = tmp_path / "full.stdout", tmp_path / "full.stderr"
+    with open(ref_out, "w") as o, open(ref_err, "w") as e:
+        reference = subprocess.Popen(args(tmp_path, "full", *sets, cache="cache-full"), cwd=REPO, stdout=o, stderr=e,
+                                     start_new_session=True)
+    try:
+        final, err = chaos(tmp_path, "chaos", 7, *sets)
+        assert reference.wait(timeout=300) == 0, ref_err.read_text()[-3000:]
+    finally:
+        if reference.poll() is None:
+            os.killpg(reference.pid, signal.SIGKILL)
+            reference.wait(10)
+    full = json.loads(ref_out.read_text().strip().splitlines()[-1])
     assert final["restarts"] == 3, err[-3000:]
     assert final["examples_replayed"] > 0
     assert_same_model(full["checkpoint"], final["checkpoint"])

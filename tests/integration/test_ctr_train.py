@@ -5,6 +5,8 @@ histograms."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,17 +16,43 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _train(config: str, tmp_path: Path, *sets: str) -> tuple[dict, list[dict]]:
+def _start(config: str, tmp_path: Path, *sets: str) -> subprocess.Popen:
+    """``engine train`` of ``config`` on 4,000 generated rows in its own directory ``tmp_path`` (data
+    cache, run dir, metrics, checkpoints), started in the background; ``_finish`` collects it."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / config), "--run-dir", str(tmp_path / "run"),
            "--set", "model.data.source=generated", "--set", "model.data.generated_rows=4000",
            "--set", f"model.data.cache_dir={tmp_path / 'cache'}",
            "--set", f"model.metrics_dir={tmp_path / 'metrics'}", "--set", f"checkpoint.root={tmp_path / 'ckpt'}",
            "--set", "model.hidden=[32]", "--set", "model.log_every_s=0.2", *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    final = json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(tmp_path / "stdout.txt", "w") as out, open(tmp_path / "stderr.txt", "w") as err:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, tmp_path: Path, timeout: float = 240) -> tuple[dict, list[dict]]:
+    """(the final JSON line, the metrics file's events) of a run ``_start`` began in ``tmp_path``."""
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise AssertionError(f"engine train in {tmp_path} did not finish within {timeout:g} s") from None
+    assert code == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    final = json.loads((tmp_path / "stdout.txt").read_text().strip().splitlines()[-1])
     events = [json.loads(line) for line in Path(final["metrics_file"]).read_text().splitlines()]
     return final, events
+
+
+def _train(config: str, tmp_path: Path, *sets: str) -> tuple[dict, list[dict]]:
+    return _finish(_start(config, tmp_path, *sets), tmp_path)
+
+
+def _kill(procs) -> None:
+    """Kill what is left of runs ``_start`` began (a failed test leaves no job behind)."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 @pytest.mark.slow
@@ -75,15 +103,22 @@ def test_exact_pipeline_trains_the_same_model_as_the_sequential_loop(tmp_path):
     other, so the trained model scores the test split identically, with a dense step after every batch
     and with merged dense steps; ``stale`` (t+1 pulled before t's push) does not, which shows the
     comparison can tell, but it too applies the same updates run after run (its requests go out in a
-    fixed order). Merging sends one dense gradient per 3 steps (the last one partial), in every pipeline."""
+    fixed order). Merging sends one dense gradient per 3 steps (the last one partial), in every pipeline.
+    The four jobs of one merge setting run at the same time (independent jobs, each its own servers,
+    ports and directories; one worker each, so their results do not depend on timing)."""
     common = ("mode=async", "cluster.workers=1", "model.batch_size=64", "model.epochs=1", "checkpoint.root=")
     out = {}
     for merge in (1, 3):
-        for p in ("exact", "sequential", "stale", "stale-again"):
-            final, events = _train("configs/ctr.yaml", tmp_path / f"{p}{merge}", *common,
-                                   f"model.pipeline={p.split('-')[0]}", f"model.dense_merge_steps={merge}")
-            (profile,) = [e for e in events if e["event"] == "profile"]
-            out[p, merge] = final["test_logloss"], profile["steps"], profile["dense_steps"]
+        runs = {p: _start("configs/ctr.yaml", tmp_path / f"{p}{merge}", *common,
+                          f"model.pipeline={p.split('-')[0]}", f"model.dense_merge_steps={merge}")
+                for p in ("exact", "sequential", "stale", "stale-again")}
+        try:
+            for p, proc in runs.items():
+                final, events = _finish(proc, tmp_path / f"{p}{merge}")
+                (profile,) = [e for e in events if e["event"] == "profile"]
+                out[p, merge] = final["test_logloss"], profile["steps"], profile["dense_steps"]
+        finally:
+            _kill(runs.values())
         assert out["exact", merge] == out["sequential", merge]
         assert out["stale", merge][0] != out["sequential", merge][0]
         assert out["stale", merge] == out["stale-again", merge]
@@ -99,13 +134,19 @@ def test_geo_prefetch_trains_the_same_model_as_the_sequential_loop(tmp_path):
     """With one worker, GEO's prefetch of the next batch's missing rows (``model.pipeline: exact``) gives
     the rows the sequential loop would fetch (nothing else writes to the servers, and a row missing from
     the local copy has no unsent delta), so the model is the same, with rows evicted every few steps
-    and synced every 3; with two workers the prefetched rows may be a step older."""
+    and synced every 3; with two workers the prefetched rows may be a step older. (The two jobs run at
+    the same time: one worker each, so their models do not depend on timing.)"""
     common = ("mode=geo", "cluster.workers=1", "model.batch_size=64", "model.epochs=1", "checkpoint.root=",
               "geo.k_steps=3", "geo.evict_after_steps=4")
     out = {}
-    for p in ("exact", "sequential"):
-        final, events = _train("configs/ctr.yaml", tmp_path / p, *common, f"model.pipeline={p}")
-        (profile,) = [e for e in events if e["event"] == "profile"]
-        out[p] = final["test_logloss"], final["test_auc"], profile["steps"]
-        assert (profile["phase_seconds"]["prefetch"] > 0) == (p == "exact")
+    runs = {p: _start("configs/ctr.yaml", tmp_path / p, *common, f"model.pipeline={p}")
+            for p in ("exact", "sequential")}
+    try:
+        for p, proc in runs.items():
+            final, events = _finish(proc, tmp_path / p)
+            (profile,) = [e for e in events if e["event"] == "profile"]
+            out[p] = final["test_logloss"], final["test_auc"], profile["steps"]
+            assert (profile["phase_seconds"]["prefetch"] > 0) == (p == "exact")
+    finally:
+        _kill(runs.values())
     assert out["exact"] == out["sequential"] and out["exact"][2] >= 30

@@ -10,7 +10,8 @@ What stands in for Kubernetes (``Kubelet`` below), and nothing else is changed:
 * volumes: each pod gets a directory standing for its filesystem; the ConfigMap's keys, the Secret's
   ``items`` (each role gets only its files) and the emptyDirs are laid out there at their mount paths,
   and a path under a mount (in args, env values, ``workingDir`` and the config file) points into it;
-  paths under the test's own directory stand for storage every pod mounts (data, ``checkpoint.root``);
+  paths under the test's own directory and under the shared reference run's (the Arrow data) stand for
+  storage every pod mounts (data, ``checkpoint.root``);
 * the downward API: ``ENGINE_RANK`` is the pod's completion index, ``limits.cpu`` its CPU limit;
 * networking: server i's DNS name ``{job}-{i}.{service}`` becomes 127.0.0.1 with a free PS port and a
   free health port (``ENGINE_SERVERS``, ``--port``, ``--health-port``), and ``--host 0.0.0.0`` becomes
@@ -21,6 +22,13 @@ What stands in for Kubernetes (``Kubelet`` below), and nothing else is changed:
   same index (a fresh filesystem) for each pod that exited 75, which the podFailurePolicy ignores; the
   replacements resume at the checkpoint (servers pass ``--resume``; workers that find servers in use
   roll them back to the newest complete checkpoint).
+
+One deviation, to save compile time only: the first test starts every pod cold (its own empty
+``NUMBA_CACHE_DIR`` on the ``/tmp`` emptyDir: the servers compile every kernel and must still answer
+the startup probe in time); the preemption tests point ``NUMBA_CACHE_DIR`` of every pod at one directory
+of the module (a node-local cache), seeded with what the first test's worker 0 compiled. A compile cache
+holds machine code only, so nothing they check (exit codes, the checkpoint, the resume position) can
+depend on it. The reference run of the local launcher is one per session (``loopback_reference``).
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +51,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import load_config
-from tests.integration.test_multihost import AUC_TOLERANCE, loopback_run
+from tests.integration.test_multihost import AUC_TOLERANCE
 from tests.integration.test_role_resume import free_ports
 
 pytestmark = pytest.mark.slow
@@ -67,8 +76,9 @@ class Kubelet:
     """Turns a rendered Job's pod template and a completion index into (argv, env, cwd) of a local
     process (see the module docstring)."""
 
-    def __init__(self, root: Path, shared: Path, objects: list[dict], secrets: list[dict]):
-        self.root, self.shared = root, str(shared)
+    def __init__(self, root: Path, shared: tuple[Path, ...], objects: list[dict], secrets: list[dict],
+                 numba_cache: Path | None = None):
+        self.root, self.shared, self.numba_cache = root, tuple(str(s) for s in shared), numba_cache
         self.config_maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
         self.secrets = {s["metadata"]["name"]: s for s in secrets}
         self.service = next(o for o in objects if o["kind"] == "Service")
@@ -116,6 +126,9 @@ class Kubelet:
                "LANG": "C.UTF-8"}
         for e in c["env"]:
             env[e["name"]] = self._env_value(e, index, c, local)
+        if self.numba_cache is not None:      # the node-local cache (module docstring), instead of the emptyDir
+            assert env.get("NUMBA_CACHE_DIR", "").startswith(str(fs / "tmp") + "/"), env.get("NUMBA_CACHE_DIR")
+            env["NUMBA_CACHE_DIR"] = str(self.numba_cache)
         if "ENGINE_SERVERS" in env:
             env["ENGINE_SERVERS"] = ",".join(self._address(ep) for ep in env["ENGINE_SERVERS"].split(","))
         assert c["command"] == ["engine"]
@@ -170,7 +183,7 @@ def wait_serving(port: int, budget_s: float, procs: list) -> float:
         except grpc.RpcError:
             pass
         assert all(p.poll() is None for p, _ in procs), "a pod exited during start-up"
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"health port {port} not SERVING within the startup probe's {budget_s:g} s")
 
 
@@ -182,9 +195,10 @@ def last_test_auc(metrics: Path) -> float:
 class Pods:
     """The user's steps and the cluster for one rendering: ``engine k8s`` with ``sets``, ``engine certs``
     with the names it prints, the Secret kubectl would create, every manifest validated strictly, and a
-    ``Kubelet``. ``start(job, index)`` starts a pod (a replacement gets a fresh directory)."""
+    ``Kubelet`` (``shared``: further directories every pod mounts; ``numba_cache``: see the module
+    docstring). ``start(job, index)`` starts a pod (a replacement gets a fresh directory)."""
 
-    def __init__(self, tmp: Path, sets: list[str]):
+    def __init__(self, tmp: Path, sets: list[str], shared: tuple[Path, ...] = (), numba_cache: Path | None = None):
         self.tmp, out, creds = tmp, tmp / "manifests", tmp / "creds"
         p = subprocess.run([ENGINE, "k8s", str(REPO / "configs/ctr.yaml"), "--image", "sparse-engine:test", "--out",
                             str(out), *(a for s in sets for a in ("--set", s))], capture_output=True, text=True, timeout=120)
@@ -203,7 +217,7 @@ class Pods:
                                                         "client.key", "token", "admin_token")})
         for obj in [*self.objects, secret]:
             kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
-        self.kubelet = Kubelet(tmp / "pods", tmp, self.objects, [secret])
+        self.kubelet = Kubelet(tmp / "pods", (tmp, *shared), self.objects, [secret], numba_cache)
         self.procs: list[subprocess.Popen] = []
 
     def start(self, job: dict, index: int, attempt: int = 0) -> tuple[subprocess.Popen, Path]:
@@ -246,11 +260,16 @@ def job_sets(tmp: Path, resolved: Path, *extra: str) -> list[str]:
             *extra]
 
 
-def test_rendered_pods_train_ctr_to_the_local_launchers_auc_and_all_exit_0(tmp_path):
-    t0 = time.monotonic()
-    reference, resolved = loopback_run(tmp_path)       # sync, 2 servers, 2 workers; converts the data to Arrow
-    t_reference = time.monotonic() - t0
-    pods = Pods(tmp_path, job_sets(tmp_path, resolved))
+@pytest.fixture(scope="module")
+def node_numba_cache(tmp_path_factory) -> Path:
+    """The preemption tests' shared ``NUMBA_CACHE_DIR`` (module docstring); the first test seeds it."""
+    return tmp_path_factory.mktemp("node-numba-cache")
+
+
+def test_rendered_pods_train_ctr_to_the_local_launchers_auc_and_all_exit_0(tmp_path, loopback_reference,
+                                                                           node_numba_cache):
+    reference, resolved = loopback_reference       # sync, 2 servers, 2 workers; converts the data to Arrow
+    pods = Pods(tmp_path, job_sets(tmp_path, resolved), shared=(resolved.parent.parent,))
     t1 = time.monotonic()
     try:
         servers, workers, ready = pods.start_all()
@@ -264,22 +283,29 @@ def test_rendered_pods_train_ctr_to_the_local_launchers_auc_and_all_exit_0(tmp_p
         pods.kill_all()
     assert "the job ended; stopping the servers" in workers[0][1].read_text()
     auc, ref = last_test_auc(pods.metrics()), reference["test"]["auc"]
-    print(json.dumps({"k8s_pods_auc": auc, "local_launcher_auc": ref, "reference_run_s": round(t_reference, 1),
+    print(json.dumps({"k8s_pods_auc": auc, "local_launcher_auc": ref,
                       "servers_serving_s": [round(r, 1) for r in ready], "workers_done_s": round(t_workers, 1),
                       "all_exited_s": round(t_all, 1)}))
     assert abs(auc - ref) <= AUC_TOLERANCE, (auc, ref)
     assert sorted((tmp_path / "ckpt-k8s").glob("ctr_dnn/*/*/_SUCCESS")), "no complete checkpoint in checkpoint.root"
+    (c,) = pods.worker_job["spec"]["template"]["spec"]["containers"]
+    cache = next((e["value"] for e in c["env"] if e["name"] == "NUMBA_CACHE_DIR"), None)
+    assert cache, "the worker container sets no NUMBA_CACHE_DIR (a writable Numba cache on its emptyDir)"
+    cold = tmp_path / "pods" / f"{pods.worker_job['metadata']['name']}-0" / cache.lstrip("/")
+    shutil.copytree(cold, node_numba_cache, dirs_exist_ok=True)     # one pod's whole cache: a consistent index
 
 
 @pytest.mark.parametrize("evicted", ["one_worker", "every_pod"])
-def test_a_preempted_job_resumes_at_its_checkpoint_in_replacement_pods(tmp_path, evicted):
+def test_a_preempted_job_resumes_at_its_checkpoint_in_replacement_pods(tmp_path, evicted, loopback_reference,
+                                                                       node_numba_cache):
     """SIGTERM (what the kubelet sends on eviction) to worker 1 only, or to every pod: the workers write a
     checkpoint and exit 75 (servers that got SIGTERM too, after cluster.preempt_timeout_s); the
     podFailurePolicy ignores 75, so the Job controller starts replacement pods with the same indexes. They
     must resume at the checkpoint and finish, every process exiting 0."""
-    _, resolved = loopback_run(tmp_path)
-    pods = Pods(tmp_path, job_sets(tmp_path, resolved, "model.epochs=4", "checkpoint.align_steps=8",
-                                   "cluster.preempt_timeout_s=15"))
+    _, resolved = loopback_reference
+    pods = Pods(tmp_path, job_sets(tmp_path, resolved, "model.epochs=2", "checkpoint.align_steps=8",
+                                   "cluster.preempt_timeout_s=6"),
+                shared=(resolved.parent.parent,), numba_cache=node_numba_cache)
     policy = {c: r["action"] for r in pods.worker_job["spec"]["podFailurePolicy"]["rules"]
               for c in r.get("onExitCodes", {}).get("values", [])}
     assert policy[75] == "Ignore"
@@ -288,8 +314,8 @@ def test_a_preempted_job_resumes_at_its_checkpoint_in_replacement_pods(tmp_path,
         deadline = time.monotonic() + 300
         while "steps per epoch" not in workers[1][1].read_text():
             assert time.monotonic() < deadline and all(p.poll() is None for p, _ in workers), workers[1][1].read_text()
-            time.sleep(0.2)
-        time.sleep(2.0)
+            time.sleep(0.1)
+        time.sleep(0.5)                     # into the epoch: the preemption lands mid-epoch (align_steps=8)
         evict = [workers[1]] if evicted == "one_worker" else servers + workers
         for proc, _ in evict:
             proc.send_signal(signal.SIGTERM)

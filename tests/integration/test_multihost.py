@@ -99,9 +99,9 @@ EXPECTED = {"no_token": ("UNAUTHENTICATED", "no bearer token"), "wrong_token": (
             "over_size_limit": ("RESOURCE_EXHAUSTED", "larger than max"), "garbage": ("SENT", "")}
 
 
-def test_secured_cluster_across_hosts(tmp_path):
+def test_secured_cluster_across_hosts(tmp_path, loopback_reference):
     require_netns()
-    reference, resolved = loopback_run(tmp_path)
+    reference, resolved = loopback_reference          # loopback_run, once per session (tests/conftest.py)
     creds = tmp_path / "creds"
     certs.write_cluster_credentials(creds, list(SERVERS))
     cfg = hosts_config(resolved, tmp_path, creds)
