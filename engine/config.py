@@ -188,6 +188,12 @@ class HybridConfig:
     """
 
     dense_sync_steps: Annotated[int, Field(ge=1)] = 1
+    #: k = 1 with ``model.pipeline`` exact or stale, > 0: the all-reduce and the optimizer step run layer
+    #: by layer beside the backward pass on a progress thread, in collectives of at least this many floats
+    #: (DDP's gradient buckets, Horovod's fusion threshold; 65536 is a good start). 0 (default): one
+    #: all-reduce of the whole gradient after the pass. On a 2-core machine shared by a server and two
+    #: workers the overlap measured slower (the thread's work competes with the matrix products; README)
+    bucket_floats: Annotated[int, Field(ge=0)] = 0
 
 
 @section

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 from collections import OrderedDict
 from dataclasses import dataclass
+from math import prod
 from typing import Any, Sequence
 
 import numpy as np
@@ -43,6 +44,31 @@ class StepResult:
     probs: np.ndarray
     grad_emb: np.ndarray
     grad_dense: np.ndarray
+
+
+class _RangeReporter:
+    """``forward_backward``'s ``on_grad`` in terms of layout entry names: ``done(names)`` reports the
+    flat range of those entries (one call per contiguous run); ``rest()`` reports what was not."""
+
+    def __init__(self, layout, grad_dense: np.ndarray, on_grad):
+        self.spans = {name: (off, off + prod(shape)) for name, off, shape in layout.entries}
+        self.grad, self.on_grad = grad_dense, on_grad
+        self.left = dict(self.spans)
+
+    def __call__(self, names) -> None:
+        spans = sorted(self.left.pop(n) for n in names if n in self.left)
+        lo = hi = None
+        for a, b in spans:
+            if hi is not None and a != hi:
+                self.on_grad(self.grad, lo, hi)
+                lo = None
+            lo, hi = (a if lo is None else lo), b
+        if lo is not None:
+            self.on_grad(self.grad, lo, hi)
+
+    def rest(self) -> None:
+        if self.left:
+            self(tuple(self.left))
 
 
 def _desc(a: Any) -> str:
@@ -126,9 +152,10 @@ class CTRModelBase(abc.ABC):
 
     @abc.abstractmethod
     def _backward(self, s: _Scratch, emb, rows, segments, dense_x, grad_emb,
-                  g: dict[str, np.ndarray]) -> None:
+                  g: dict[str, np.ndarray], done=None) -> None:
         """With ``s.g : float[B, 1]`` = dL/dlogit, fill ``grad_emb`` (zeroed) and the gradient
-        views ``g``."""
+        views ``g``; call ``done(names)`` (if given) as soon as the gradients of those dense entries
+        are final and the pass no longer reads those parameters (``forward_backward``'s ``on_grad``)."""
 
     @abc.abstractmethod
     def _pooled_buffer(self, s: _Scratch) -> np.ndarray:
@@ -245,7 +272,7 @@ class CTRModelBase(abc.ABC):
 
     # ----------------------------------------------------------------- public passes
     def forward_backward(self, emb: np.ndarray, rows: np.ndarray, segments: np.ndarray,
-                         dense_x: np.ndarray, labels: np.ndarray) -> StepResult:
+                         dense_x: np.ndarray, labels: np.ndarray, on_grad=None) -> StepResult:
         """Loss, probabilities and gradients of one batch.
 
         Parameters
@@ -261,6 +288,14 @@ class CTRModelBase(abc.ABC):
             Dense features; ``B`` is the batch size.
         labels : float32[B]
             Click labels in [0, 1] (soft labels allowed).
+        on_grad : callable or None
+            ``on_grad(grad_dense, lo, hi)`` is called during the backward pass each time
+            ``grad_dense[lo:hi]`` (float32[P], the vector this call returns) is final and the pass no
+            longer reads ``dense_params[lo:hi]``: the caller may all-reduce that range and update those
+            parameters in place while the pass goes on (hybrid mode overlaps its all-reduce with the
+            backward pass, as PyTorch DDP's gradient buckets). The ranges are disjoint, come in the
+            order the pass finishes them (the tower's output layer first), and together cover
+            ``[0, P)`` by the time this call returns.
 
         Returns
         -------
@@ -281,8 +316,11 @@ class CTRModelBase(abc.ABC):
         loss_sum = sigmoid_xent(s.z[:, 0], labels, 1.0 / batch, probs, s.g[:, 0])
         grad_emb = np.zeros(emb.shape, self.dtype)
         grad_dense = np.empty(self.dense_size, self.dtype)
+        done = None if on_grad is None else _RangeReporter(self.dense_layout, grad_dense, on_grad)
         self._backward(s, emb, rows, segments, dense_x, grad_emb,
-                       self.dense_layout.views(grad_dense))
+                       self.dense_layout.views(grad_dense), done)
+        if done is not None:
+            done.rest()
         return StepResult(loss=loss_sum / batch, probs=probs, grad_emb=grad_emb,
                           grad_dense=grad_dense)
 

@@ -17,7 +17,7 @@ Example layout, ``MLPTower(in_dim=273, hidden=(400, 400))``::
 from __future__ import annotations
 
 from math import prod, sqrt
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -113,7 +113,7 @@ class MLPTower:
 
     def backward(self, g: np.ndarray, x: np.ndarray, p: dict[str, np.ndarray],
                  hs: list[np.ndarray], ds: list[np.ndarray], grads: dict[str, np.ndarray],
-                 dx: np.ndarray | None) -> None:
+                 dx: np.ndarray | None, done: Callable[[tuple[str, ...]], None] | None = None) -> None:
         """Backward pass of :meth:`forward`.
 
         Parameters
@@ -129,6 +129,11 @@ class MLPTower:
         dx : float[B, k] or None
             If given, receives dL/dx for the FIRST ``k`` input columns only (the embedding block;
             the dense features need no input gradient).
+        done : callable or None
+            Called with a layer's parameter names (``("fc1.weight", "fc1.bias")``) as soon as their
+            gradients are final and this pass no longer reads those parameters, from the output layer
+            down: a caller may all-reduce those gradients and update those parameters in place while
+            the pass goes on (hybrid mode's overlap, PyTorch DDP's gradient buckets).
         """
         h_last = hs[-1] if hs else x
         np.matmul(h_last.T, g, out=grads["out.weight"])
@@ -137,8 +142,12 @@ class MLPTower:
         if n == 0:
             if dx is not None:
                 np.multiply(g, p["out.weight"][:dx.shape[1]].T, out=dx)
+            if done is not None:
+                done(("out.weight", "out.bias"))
             return
         np.multiply(g, p["out.weight"].T, out=ds[-1])
+        if done is not None:
+            done(("out.weight", "out.bias"))
         for i in range(n - 1, -1, -1):
             relu_backward_bias(ds[i], hs[i], grads[f"fc{i}.bias"])
             inp = hs[i - 1] if i > 0 else x
@@ -148,3 +157,5 @@ class MLPTower:
                 np.matmul(ds[i], w.T, out=ds[i - 1])
             elif dx is not None:
                 np.matmul(ds[0], w[:dx.shape[1]].T, out=dx)
+            if done is not None:
+                done((f"fc{i}.weight", f"fc{i}.bias"))

@@ -84,8 +84,8 @@ class CTRDNN(CTRModelBase):
         s.x0[:, self.emb_cols:] = dense_x
         self.tower.forward(s.x0, self._p, s.hs, s.z)
 
-    def _backward(self, s: _Scratch, emb, rows, segments, dense_x, grad_emb, g) -> None:
-        self.tower.backward(s.g, s.x0, self._p, s.hs, s.ds, g, s.dx)
+    def _backward(self, s: _Scratch, emb, rows, segments, dense_x, grad_emb, g, done=None) -> None:
+        self.tower.backward(s.g, s.x0, self._p, s.hs, s.ds, g, s.dx, done)
         self._scatter(s.dx, rows, segments, 0, self.dim, grad_emb, 0)
 
 

@@ -107,12 +107,14 @@ class DeepFM(CTRModelBase):
         z += s.first.sum(axis=1)
         z += p["linear.bias"][0]
 
-    def _backward(self, s: _Scratch, emb, rows, segments, dense_x, grad_emb, g) -> None:
+    def _backward(self, s: _Scratch, emb, rows, segments, dense_x, grad_emb, g, done=None) -> None:
         gz = s.g[:, 0]
-        self.tower.backward(s.g, s.x0, self._p, s.hs, s.ds, g, s.dx)
+        self.tower.backward(s.g, s.x0, self._p, s.hs, s.ds, g, s.dx, done)
         fm_backward(gz, s.x0, self.num_slots, self.dim, 0, s.sum_v, s.dx)
         np.matmul(dense_x.T, gz, out=g["linear.weight"])
         g["linear.bias"][0] = gz.sum()
+        if done is not None:
+            done(("linear.weight", "linear.bias"))
         s.g_first[...] = s.g
         self._scatter(s.g_first, rows, segments, 0, 1, grad_emb, 0)
         self._scatter(s.dx, rows, segments, 0, self.dim, grad_emb, 1)

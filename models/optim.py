@@ -28,6 +28,11 @@ def _check_vec(name: str, a, size: int) -> None:
         raise ModelInputError(f"{name}: expected float32[{size}], got {got}")
 
 
+def _check_range(lo, hi, size: int) -> None:
+    if not (isinstance(lo, (int, np.integer)) and isinstance(hi, (int, np.integer)) and 0 <= lo <= hi <= size):
+        raise ModelInputError(f"range: expected 0 <= lo <= hi <= {size}, got [{lo!r}, {hi!r})")
+
+
 def _check_lr(lr) -> float:
     if not isinstance(lr, (int, float, np.floating)) or not (lr > 0 and math.isfinite(lr)):
         raise ModelConfigError(f"lr: expected a finite float > 0, got {lr!r}")
@@ -67,6 +72,23 @@ class SGD:
         _check_vec("params", params, self.size)
         _check_vec("grad", grad, self.size)
         sgd_update(params, grad, self.lr)
+
+    def begin_step(self) -> None:
+        """SGD keeps no step count: nothing to compute for :meth:`step_range`."""
+        return None
+
+    def step_range(self, params: np.ndarray, grad: np.ndarray, lo: int, hi: int, coeffs=None) -> None:
+        """``params[lo:hi] -= lr * grad[lo:hi]`` in place; ``params``, ``grad`` : float32[P].
+
+        Raises
+        ------
+        ModelInputError
+            If either array is not ``float32[P]`` or the range is not within ``[0, P]``.
+        """
+        _check_range(lo, hi, self.size)
+        _check_vec("params", params, self.size)
+        _check_vec("grad", grad, self.size)
+        sgd_update(params[lo:hi], grad[lo:hi], self.lr)
 
 
 class Adam:
@@ -123,10 +145,32 @@ class Adam:
         """
         _check_vec("params", params, self.size)
         _check_vec("grad", grad, self.size)
+        self.step_range(params, grad, 0, self.size, self.begin_step())
+
+    def begin_step(self) -> tuple[float, float]:
+        """Count one step (``t += 1``) and return its bias-corrected coefficients for
+        :meth:`step_range`: ``(lr / (1 - beta1**t), 1 / sqrt(1 - beta2**t))``. ``step`` = ``begin_step``
+        then ``step_range`` over ``[0, P)``; covering ``[0, P)`` with several ranges of one step gives
+        the same bits (the update is elementwise)."""
         self.t += 1
         bc1 = 1.0 - self.beta1 ** self.t
         bc2 = 1.0 - self.beta2 ** self.t
-        adam_update(params, grad, self.m, self.v, self.lr / bc1, 1.0 / math.sqrt(bc2),
+        return self.lr / bc1, 1.0 / math.sqrt(bc2)
+
+    def step_range(self, params: np.ndarray, grad: np.ndarray, lo: int, hi: int, coeffs) -> None:
+        """Update ``params[lo:hi]`` (and ``m``, ``v`` there) in place from ``grad[lo:hi]``, with the
+        ``coeffs`` of :meth:`begin_step`; ``params``, ``grad`` : float32[P]. Used to update a range of the
+        parameters as soon as its gradient is known (hybrid mode's overlap with the backward pass).
+
+        Raises
+        ------
+        ModelInputError
+            If either array is not ``float32[P]`` or the range is not within ``[0, P]``.
+        """
+        _check_range(lo, hi, self.size)
+        _check_vec("params", params, self.size)
+        _check_vec("grad", grad, self.size)
+        adam_update(params[lo:hi], grad[lo:hi], self.m[lo:hi], self.v[lo:hi], coeffs[0], coeffs[1],
                     self.beta1, self.beta2, self.eps)
 
     def state_dict(self) -> dict:

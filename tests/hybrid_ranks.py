@@ -1,7 +1,8 @@
 """One rank of an MPI world exercising hybrid mode's dense replica (``engine.modes.hybrid.DenseReplica``):
-run as ``mpiexec -n W python tests/hybrid_ranks.py OUT.npz SYNC_STEPS STEPS SIZE`` by
+run as ``mpiexec -n W python tests/hybrid_ranks.py OUT.npz SYNC_STEPS STEPS SIZE [whole|overlap]`` by
 ``tests/unit/test_hybrid_mode.py``. Every rank starts from ``initial(size)`` and steps with its own
-gradients ``grad(step, rank, size)`` through the real all-reduce and optimizer; rank 0 gathers every
+gradients ``grad(step, rank, size)`` through the real all-reduce and optimizer (``overlap``: range by
+range through ``engine.modes._overlap``'s progress thread, as a backward pass reports them); rank 0 gathers every
 rank's parameters (and Adam moments) after every step and saves them as ``params[step, rank, :]``,
 ``m[...]``, ``v[...]``, with the CPU and wall seconds the test-and-yield loop spent, for the test to check
 against a single-process reference built from the same functions."""
@@ -27,15 +28,71 @@ def table_config():
     return DenseTableConfig(optimizer="adam", learning_rate=LR, beta1=BETAS[0], beta2=BETAS[1], epsilon=EPS)
 
 
-def main(out: str, sync_steps: int, steps: int, size: int) -> None:
+def ranges(size: int) -> list[tuple[int, int]]:
+    """How a backward pass would report the gradient (``forward_backward``'s ``on_grad``): from the top
+    down, a few big layers and small ones between them, which the overlap gathers into buckets."""
+    cuts = sorted({0, size, size // 7, size // 7 + 3, size // 2, size // 2 + 1, size - 401, size - 1})
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:])][::-1]
+
+
+def hang(out: str, size: int, how: str) -> None:
+    """``hang-whole`` / ``hang-overlap``: rank 1 stops answering before step 1's collective (it sleeps);
+    rank 0 must raise ``CollectiveTimeoutError`` within its 2 s timeout, write it to ``out`` (hydra may
+    drop output forwarded just before an abort) and abort the world."""
+    import time
+
     from mpi4py import MPI
 
+    from engine.modes._overlap import OverlappedDenseStep
+    from engine.modes.hybrid import CollectiveTimeoutError, DenseReplica
+    comm = MPI.COMM_WORLD
+    rep = DenseReplica(initial(size), table_config(), comm, timeout_s=2.0)
+    ov = OverlappedDenseStep(rep, bucket_floats=size // 4) if how == "hang-overlap" else None
+    t0 = time.perf_counter()
+    try:
+        for t in range(3):
+            if comm.rank == 1 and t == 1:
+                time.sleep(120)
+            g = grad(t, comm.rank, size)
+            if ov is None:
+                rep.step(g)
+            else:
+                on_grad = ov.begin()
+                for lo, hi in ranges(size):
+                    on_grad(g, lo, hi)
+                ov.finish()
+            if t == 0:
+                t0 = time.perf_counter()
+    except CollectiveTimeoutError as e:
+        with open(out, "w") as f:
+            f.write(f"TIMEOUT after {time.perf_counter() - t0:.1f} s: {e}\n")
+        comm.Abort(3)
+
+
+def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -> None:
+    from mpi4py import MPI
+
+    from engine.modes._overlap import OverlappedDenseStep
     from engine.modes.hybrid import DenseReplica
+    if how.startswith("hang"):
+        return hang(out, size, how)
     comm = MPI.COMM_WORLD
     rep = DenseReplica(initial(size), table_config(), comm, sync_steps=sync_steps, timeout_s=60)
+    live = initial(size) * 0
+    ov = None
+    if how == "overlap":
+        ov = OverlappedDenseStep(rep, bucket_floats=size // 4)
+        ov.attach(live)
+        assert rep.params is live and np.array_equal(live, initial(size))
     keep = {"params": [], "m": [], "v": []}
     for t in range(steps):
-        rep.step(grad(t, comm.rank, size))
+        if ov is None:
+            rep.step(grad(t, comm.rank, size))
+        else:
+            on_grad, g = ov.begin(), grad(t, comm.rank, size)
+            for lo, hi in ranges(size):
+                on_grad(g, lo, hi)
+            ov.finish()
         for k, a in (("params", rep.params), ("m", rep.opt.m), ("v", rep.opt.v)):
             got = comm.gather(a.copy(), root=0)
             if comm.rank == 0:
@@ -46,4 +103,4 @@ def main(out: str, sync_steps: int, steps: int, size: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])

@@ -25,7 +25,12 @@ communicator thread and, beside that round trip, runs the dense step on the work
 starts the all-reduce of t's dense gradient, completes it with a test-and-yield loop (``MPI_Test``,
 then ``time.sleep``: 0 for the first ``SPIN_S``, then growing up to ``MAX_NAP_S``) rather than
 ``MPI_Wait`` (MPICH's wait busy-polls a core, which on a small machine takes it from the parameter
-server), and steps the optimizer, all before t+1 computes: the dense tower is never stale. ``exact``
+server), and steps the optimizer, all before t+1 computes: the dense tower is never stale. With
+``hybrid.bucket_floats`` > 0 (and k = 1) the all-reduce and the optimizer step run instead beside the
+backward pass, layer by layer from the output layer down, on a progress thread, over the model's own
+parameters (``engine.modes._overlap``, PyTorch DDP's gradient buckets); the loop then waits only for
+the lowest layers. The sequential loop and model averaging (k > 1) run the whole step after the pass.
+``exact``
 waits for t's sparse request too (t+1 sees every update of this worker, as the sequential loop);
 ``stale`` keeps two sparse requests in flight (t+1's rows come from t-1's request: this worker's own
 sparse updates arrive one step later, Paddle's async communicator), while the dense step stays exact.
@@ -54,18 +59,11 @@ import numpy as np
 
 from models.optim import SGD, Adam
 
-from ..errors import ConfigError, EngineError
+from ..errors import ConfigError
+from ._overlap import MAX_NAP_S, SPIN_S, CollectiveTimeoutError, OverlappedDenseStep
 from .asynchronous import AsyncMode
 
 log = logging.getLogger(__name__)
-
-SPIN_S = 2e-3        # test with sleep(0) (a yield) this long before napping
-MAX_NAP_S = 2e-4     # longest nap between two tests
-
-
-class CollectiveTimeoutError(EngineError, TimeoutError):
-    """An MPI collective did not complete in time (a peer hangs or died without ending the world)."""
-
 
 def world():
     """``mpi4py.MPI.COMM_WORLD`` (imports mpi4py, which initializes MPI: a singleton world of one
@@ -163,7 +161,8 @@ class DenseReplica:
         while not req.Test():
             waited = time.perf_counter() - t0
             if waited > self.timeout_s:
-                req.Cancel()
+                # no MPI_Cancel: MPI forbids cancelling a collective (MPICH fails "unknown type of
+                # request"); the worker exits non-zero and end_world aborts the world
                 raise CollectiveTimeoutError(f"MPI all-reduce of {len(recv)} floats did not complete within "
                                              f"{self.timeout_s:g} s (client.barrier_timeout_s): a worker hangs")
             if waited > SPIN_S:
@@ -306,6 +305,10 @@ class HybridMode(AsyncMode):
         ``hybrid.dense_sync_steps``.
     comm : mpi4py.MPI.Comm, optional
         Default ``MPI.COMM_WORLD``.
+    overlap_buckets : int or None
+        ``hybrid.bucket_floats``: with k = 1, the smallest collective (floats) of the dense step
+        overlapped with the backward pass (``engine.modes._overlap``); None (default): no overlap, the
+        whole gradient all-reduced after the pass.
 
     Raises
     ------
@@ -318,7 +321,7 @@ class HybridMode(AsyncMode):
     dense_on_workers = True
 
     def __init__(self, client, *, rank: int, num_workers: int, dense_tables: dict, sync_steps: int = 1,
-                 comm=None, barrier_timeout_s: float = 600.0):
+                 comm=None, barrier_timeout_s: float = 600.0, overlap_buckets: int | None = None):
         super().__init__(client, rank=rank, num_workers=num_workers, barrier_timeout_s=barrier_timeout_s)
         self.comm = comm if comm is not None else world()
         if (self.comm.Get_rank(), self.comm.Get_size()) != (rank, num_workers):
@@ -330,6 +333,8 @@ class HybridMode(AsyncMode):
         self.sync_steps = int(sync_steps)
         self.replicas: dict[str, DenseReplica] = {}
         self.timing = {"allreduce_s": 0.0, "optimizer_s": 0.0}   # seconds: completing the all-reduce, Adam
+        self.overlap_buckets = overlap_buckets
+        self._overlaps: dict = {}        # table -> OverlappedDenseStep (k = 1, the pipelined loop)
 
     def _replica(self, table: str) -> DenseReplica:
         r = self.replicas.get(table)
@@ -380,6 +385,35 @@ class HybridMode(AsyncMode):
         self.timing["optimizer_s"] += (t1 - t0) + (t3 - t2)
         return rep.params.copy()
 
+    def overlap_dense(self, table: str, live: np.ndarray) -> bool:
+        """k = 1: yes (``engine.modes._overlap``): ``live`` (the model's float32[P] vector) becomes the
+        replica's parameters, all-reduced and stepped range by range beside the backward pass. k > 1
+        (model averaging steps locally): no."""
+        if self.sync_steps != 1 or self.overlap_buckets is None:
+            return False
+        ov = self._overlaps.get(table)
+        if ov is None:
+            ov = self._overlaps[table] = OverlappedDenseStep(self._replica(table),
+                                                             bucket_floats=self.overlap_buckets)
+        ov.attach(live)
+        return True
+
+    def begin_dense_step(self, table: str):
+        """Open the step (Adam's t += 1) -> ``on_grad(grad, lo, hi)`` for ``forward_backward``."""
+        return self._overlaps[table].begin()
+
+    def finish_dense_step(self, table: str) -> None:
+        """Wait for the rest of the step's all-reduce and optimizer ranges (collective: every worker)."""
+        ov = self._overlaps[table]
+        t0 = time.perf_counter()
+        ov.finish()
+        self.timing["allreduce_s"] += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the dense progress threads."""
+        for ov in self._overlaps.values():
+            ov.close()
+
     def push_pull(self, table, keys, grads, shows, clicks, pull_keys, dense_table, dense_grad):
         """The sparse push of this step and the pull of the next (async's one Step request per server),
         then the dense step on this worker (``push_pull_dense``) -> (rows float32[m, dim], fresh dense
@@ -402,10 +436,13 @@ class HybridMode(AsyncMode):
                 self.client.set_dense_state(table, rep.state())
 
     def profile(self) -> dict:
-        """Collective statistics for the worker's profile event: all-reduces completed, and the wall
-        and CPU seconds spent completing them (the test-and-yield loop)."""
+        """Collective statistics for the worker's profile event: all-reduces completed (one per bucket
+        when overlapped with the backward pass), dense steps taken, and the wall and CPU seconds spent
+        completing them (the test-and-yield loop; overlapped: the wait after the pass, and the progress
+        thread's CPU, its optimizer ranges included)."""
         reps = self.replicas.values()
-        return {"allreduce": {"calls": sum(r.collectives for r in reps),
+        return {"allreduce": {"calls": sum(r.collectives for r in reps), "dense_steps": sum(r.steps for r in reps),
+                              "overlapped": bool(self._overlaps),
                               "wait_s": round(sum(r.wait_s for r in reps), 4),
                               "wait_cpu_s": round(sum(r.wait_cpu_s for r in reps), 4)},
                 "exchange": {k: round(v, 4) for k, v in self.timing.items()}}

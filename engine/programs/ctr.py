@@ -354,9 +354,9 @@ class CTRTrainer:
         self.dense_steps += 1
         return out
 
-    def forward_backward(self, emb, rows, segments, batch: CTRBatch):
-        """``models.StepResult`` of the batch (gradients of the mean loss)."""
-        return self.model.forward_backward(emb, rows, segments, batch.dense, batch.labels)
+    def forward_backward(self, emb, rows, segments, batch: CTRBatch, on_grad=None):
+        """``models.StepResult`` of the batch (gradients of the mean loss); ``on_grad`` as the model's."""
+        return self.model.forward_backward(emb, rows, segments, batch.dense, batch.labels, on_grad)
 
     def push(self, uniq, res, shows, clicks, batch_size: int) -> None:
         """Sum-loss sparse gradients with show/click counts (the server divides by shows), then the
@@ -549,6 +549,8 @@ class CTRTrainer:
         table, dense_table = self.cfg.sparse_table, self.cfg.dense_table
         depth = 2 if self.cfg.pipeline == "stale" else 1
         local_dense = self.mode.dense_on_workers     # hybrid: the dense step is an all-reduce, never stale
+        # hybrid k = 1: all-reduced and stepped range by range during the backward pass, in the model's vector
+        overlap = local_dense and self.mode.overlap_dense(dense_table, self.model.dense_params)
         stepped = None                               # local_dense: the parameters the last dense step gave
         read_next = self._batch_reader(it, max_steps)
 
@@ -604,10 +606,15 @@ class CTRTrainer:
                     self.model.set_dense(fresh)
                 t1 = clock()
                 batch, (uniq, rows, segments, shows, clicks), emb = item
-                res = self.forward_backward(emb, rows, segments, batch)
+                on_grad = self.mode.begin_dense_step(dense_table) if overlap else None
+                res = self.forward_backward(emb, rows, segments, batch, on_grad)
                 t2 = clock()
                 inflight.append(comm.submit(push_then_pull, uniq, res, shows, clicks, batch.size, read))
-                if local_dense:       # beside the sparse request; t+1 computes with its result
+                if overlap:           # the lowest layers' all-reduce and Adam, beside the sparse request
+                    self.mode.finish_dense_step(dense_table)
+                    self.dense_steps += 1
+                    ph["push_dense"] += clock() - t2
+                elif local_dense:     # beside the sparse request; t+1 computes with its result
                     stepped = self.mode.push_pull_dense(dense_table, self.merge_dense(res.grad_dense))
                     ph["push_dense"] += clock() - t2
                 self.mode.end_step(batch.size)

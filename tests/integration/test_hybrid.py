@@ -79,15 +79,20 @@ def test_two_hybrid_workers_on_the_shared_criteo_rows(tmp_path, pipeline):
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
            "--set", "mode=hybrid", "--set", "model.dense_merge_steps=1", "--set", f"model.pipeline={pipeline}",
            "--set", f"model.metrics_dir={tmp_path / 'metrics'}", "--set", f"checkpoint.root={tmp_path / 'ckpt'}",
-           *NO_TB]
+           # stale: the all-reduce overlapped with the backward pass (hybrid.bucket_floats)
+           *(["--set", "hybrid.bucket_floats=65536"] if pipeline == "stale" else []), *NO_TB]
     final = run(cmd, timeout=400)
     assert final["mode"] == "hybrid" and final["restarts"] == 0
     assert final["test_auc"] >= 0.74, final
     events = [json.loads(line) for line in Path(final["metrics_file"]).read_text().splitlines()]
     profiles = {e["rank"]: e for e in events if e["event"] == "profile"}
     assert set(profiles) == {0, 1}
-    # lockstep: both workers took the same steps, one all-reduce of the dense gradient each
-    assert profiles[0]["steps"] == profiles[1]["steps"] == profiles[0]["allreduce"]["calls"] > 0
+    # lockstep: both workers took the same steps, one dense step each: one all-reduce after the pass, or
+    # (stale here) overlapped with the backward pass layer by layer, one collective per bucket every step
+    ar = profiles[0]["allreduce"]
+    assert profiles[0]["steps"] == profiles[1]["steps"] == ar["dense_steps"] > 0
+    assert ar["overlapped"] == (pipeline == "stale")
+    assert ar["calls"] == ar["dense_steps"] * (3 if pipeline == "stale" else 1)
     assert dense_state_of(final["checkpoint"]).step == profiles[0]["steps"]
 
 

@@ -5,6 +5,7 @@ single-process reference that averages the same per-rank gradients; model averag
 every rank at each sync point. Also the config's refusals, naming the keys."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +24,11 @@ SIZE = 200_003           # odd, > 64k floats: MPICH's large-message all-reduce, 
 STEPS = 6
 
 
-def run_world(tmp_path: Path, ranks: int, sync_steps: int, steps: int = STEPS, size: int = SIZE) -> dict:
-    out = tmp_path / f"w{ranks}-k{sync_steps}.npz"
+def run_world(tmp_path: Path, ranks: int, sync_steps: int, steps: int = STEPS, size: int = SIZE,
+              how: str = "whole") -> dict:
+    out = tmp_path / f"w{ranks}-k{sync_steps}-{how}.npz"
     cmd = [mpiexec_path(), "-launcher", "fork", "-n", str(ranks), sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
-           str(out), str(sync_steps), str(steps), str(size)]
+           str(out), str(sync_steps), str(steps), str(size), how]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with np.load(out) as z:
@@ -64,9 +66,11 @@ def test_one_worker_steps_bit_for_bit_like_the_servers_dense_table():
     assert rep.steps == 4 and rep.collectives == 0          # a world of one sends nothing
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_gradient_allreduce_keeps_ranks_identical_and_matches_the_reference(tmp_path, ranks):
-    got = run_world(tmp_path, ranks, sync_steps=1)
+@pytest.mark.parametrize("ranks, how", [(2, "whole"), (3, "whole"), (2, "overlap"), (3, "overlap")])
+def test_gradient_allreduce_keeps_ranks_identical_and_matches_the_reference(tmp_path, ranks, how):
+    """``whole``: one all-reduce per step after the pass; ``overlap``: range by range beside it (the
+    progress thread of ``engine.modes._overlap``, buckets of a quarter of the vector)."""
+    got = run_world(tmp_path, ranks, sync_steps=1, how=how)
     params = got["params"]                                   # [step, rank, P]
     assert params.shape == (STEPS, ranks, SIZE)
     ref = hr.initial(SIZE)
@@ -81,8 +85,41 @@ def test_gradient_allreduce_keeps_ranks_identical_and_matches_the_reference(tmp_
         opt.step(ref, mean)
         assert rel_err(params[t, 0], ref) <= 1e-7, t
         assert not np.array_equal(params[t, 0], params[t - 1, 0] if t else hr.initial(SIZE))   # it moved
-    assert int(got["collectives"]) == STEPS
-    assert float(got["wait_cpu_s"]) <= float(got["wait_s"]) + 0.05    # the wait yields: CPU <= wall
+    buckets = 1 if how == "whole" else len(overlap_buckets(SIZE, SIZE // 4))
+    assert how == "whole" or buckets > 2
+    assert int(got["collectives"]) == STEPS * buckets
+    if how == "whole":
+        assert float(got["wait_cpu_s"]) <= float(got["wait_s"]) + 0.05    # the wait yields: CPU <= wall
+
+
+@pytest.mark.parametrize("how", ["hang-whole", "hang-overlap"])
+def test_a_peer_that_stops_answering_times_out_with_a_clear_error(tmp_path, how):
+    """Rank 1 of a real 2-rank world sleeps before step 1's all-reduce: rank 0 raises
+    ``CollectiveTimeoutError`` after its timeout (2 s here; ``client.barrier_timeout_s`` in a job), on
+    the worker's thread also when the collective runs on the overlap's progress thread, and aborts the
+    world (as the worker's exit does), instead of waiting forever."""
+    cmd = [mpiexec_path(), "-launcher", "fork", "-n", "2", sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
+           str(tmp_path / "error.txt"), "1", "3", str(SIZE), how]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode != 0, out
+    assert (tmp_path / "error.txt").is_file(), out
+    error = (tmp_path / "error.txt").read_text()
+    m = re.search(r"TIMEOUT after ([\d.]+) s: MPI all-reduce of \d+ floats did not complete within 2 s", error)
+    assert m, error + out
+    assert 2.0 <= float(m.group(1)) < 10.0
+
+
+def overlap_buckets(size: int, smallest: int) -> list[tuple[int, int]]:
+    """The collectives the overlap starts for ``hybrid_ranks.ranges``: adjacent ranges gathered until
+    ``smallest`` floats."""
+    out, cur = [], None
+    for lo, hi in hr.ranges(size):
+        cur = (lo, cur[1]) if cur is not None and hi == cur[0] else (lo, hi)
+        if cur[1] - cur[0] >= smallest:
+            out.append(cur)
+            cur = None
+    return out + ([cur] if cur else [])
 
 
 def test_model_averaging_is_identical_at_every_sync_point(tmp_path):
@@ -139,4 +176,4 @@ def test_config_refuses_word2vec_and_accepts_the_documented_settings():
     # stale: the sparse requests overlap the next step; the dense step stays exact (engine.modes.hybrid)
     assert load_config(REPO / "configs" / "ctr_bigdata.yaml", BASE + ["model.pipeline=stale"]).mode == "hybrid"
     assert load_config(REPO / "configs" / "ctr.yaml", BASE + ["cluster.host=10.1.2.3", "security.insecure=true"])
-    assert load_config(REPO / "configs" / "ctr.yaml", BASE).to_dict()["hybrid"] == {"dense_sync_steps": 1}
+    assert load_config(REPO / "configs" / "ctr.yaml", BASE).to_dict()["hybrid"] == {"dense_sync_steps": 1, "bucket_floats": 0}

@@ -269,3 +269,33 @@ def test_batch_without_any_key(kind):
     assert r.grad_emb.shape == (0, m.sparse_width)
     assert np.all(np.isfinite(r.grad_dense)) and np.isfinite(r.loss)
     np.testing.assert_allclose(r.probs, r.probs[0])  # identical inputs, identical outputs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("hidden", [HIDDEN, (5,), ()])
+def test_on_grad_reports_final_ranges_whose_parameters_the_pass_no_longer_reads(kind, hidden):
+    """``forward_backward``'s ``on_grad`` (hybrid mode's overlap): the ranges are disjoint and cover
+    ``[0, P)``; each is final when reported (equal to the returned gradient); and overwriting the
+    parameters of a reported range with NaN inside the callback, as an in-place optimizer step would
+    change them, leaves every gradient and the loss exactly as a pass without the callback."""
+    m = small(kind, hidden=hidden)
+    batch = make_batch(m, seed=3)
+    clean = m.forward_backward(*batch)
+    before = m.get_dense()
+    seen = []
+
+    def on_grad(grad, lo, hi):
+        seen.append((lo, hi, grad[lo:hi].copy()))
+        m.dense_params[lo:hi] = np.nan
+
+    r = m.forward_backward(*batch, on_grad=on_grad)
+    spans = sorted((lo, hi) for lo, hi, _ in seen)
+    assert spans[0][0] == 0 and spans[-1][1] == m.dense_size
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and all(lo < hi for lo, hi in spans)
+    for lo, hi, at_call in seen:
+        assert np.array_equal(at_call, r.grad_dense[lo:hi])
+    assert np.array_equal(r.grad_dense, clean.grad_dense) and np.array_equal(r.grad_emb, clean.grad_emb)
+    assert r.loss == clean.loss and np.array_equal(r.probs, clean.probs)
+    assert np.isnan(m.dense_params).all() and not np.isnan(before).any()
+    if hidden:      # layer by layer, from the output layer down (the tower's own ranges)
+        assert len(seen) >= len(hidden) + 1 and seen[0][1] == m.dense_size

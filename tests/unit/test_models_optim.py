@@ -62,3 +62,23 @@ def test_optimizer_errors():
         Adam(4, beta2=1.0)
     with pytest.raises(ModelInputError, match="state\\['t'\\]"):
         opt.load_state_dict({"m": np.zeros(4, np.float32), "v": np.zeros(4, np.float32), "t": -1})
+
+
+@pytest.mark.parametrize("make", [lambda n: Adam(n, lr=3e-3), lambda n: SGD(n, lr=0.1)])
+def test_ranges_of_one_step_give_the_bits_of_the_whole_step(make):
+    """``begin_step`` + ``step_range`` over pieces covering [0, P), in any order (hybrid mode steps
+    each layer when its all-reduce arrives) = ``step``, to the last bit, over several steps."""
+    n = 1000
+    rng = np.random.default_rng(4)
+    whole, parts = make(n), make(n)
+    p1 = rng.normal(size=n).astype(np.float32)
+    p2 = p1.copy()
+    for t in range(3):
+        g = rng.normal(size=n).astype(np.float32)
+        whole.step(p1, g)
+        c = parts.begin_step()
+        for lo, hi in [(700, 1000), (3, 700), (0, 3)]:
+            parts.step_range(p2, g, lo, hi, c)
+        assert np.array_equal(p1.view(np.uint32), p2.view(np.uint32)), t
+    with pytest.raises(ModelInputError, match="range"):
+        parts.step_range(p2, g, 5, n + 1, parts.begin_step())
