@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.ps import ps_pb2 as pb
-from tests.integration.test_multihost import engine, loopback_run
+from tests.integration.test_multihost import engine
 from tests.integration.test_role_resume import free_ports
 
 pytestmark = pytest.mark.slow
@@ -42,8 +42,8 @@ def wait_health(port: int, want: str, timeout: float = 60.0) -> None:
     raise AssertionError(f"health never {want}: {last}")
 
 
-def test_health_port_and_the_job_end_protocol(tmp_path):
-    _, resolved = loopback_run(tmp_path)
+def test_health_port_and_the_job_end_protocol(tmp_path, loopback_reference):
+    _, resolved = loopback_reference
     ports = free_ports(4)
     env = {**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", "ENGINE_NUM_WORKERS": "2"}
     sets = ["--set", f"checkpoint.root={tmp_path / 'ckpt-role'}", "--set", "cluster.stop_servers_at_end=true"]
@@ -78,8 +78,8 @@ def test_health_port_and_the_job_end_protocol(tmp_path):
                 p.wait(10)
 
 
-def test_a_preempting_server_says_not_serving(tmp_path):
-    _, resolved = loopback_run(tmp_path)
+def test_a_preempting_server_says_not_serving(tmp_path, loopback_reference):
+    _, resolved = loopback_reference
     ports = free_ports(2)
     env = {**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{ports[0]}"}
     p = subprocess.Popen(engine(resolved, "--role", "server", "--rank", 0, "--port", ports[0], "--health-port", ports[1],

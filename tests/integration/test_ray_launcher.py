@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from engine.security import certs
-from tests.integration.test_multihost import loopback_run
 
 pytestmark = pytest.mark.slow
 
@@ -97,9 +96,9 @@ def ray_cmd(tmp: Path, tag: str, address: str, node_ip: str, *sets: str) -> list
             "--run-dir", str(tmp / f"run-{tag}"), *[a for s in base for a in ("--set", s)]]
 
 
-def test_sync_ctr_on_two_ray_nodes_matches_the_local_launcher(ray_cluster, tmp_path):
+def test_sync_ctr_on_two_ray_nodes_matches_the_local_launcher(ray_cluster, tmp_path, loopback_reference):
     address, head, worker, _ = ray_cluster
-    reference, _ = loopback_run(tmp_path)
+    reference, _ = loopback_reference
     p = subprocess.run(ray_cmd(tmp_path, "ray", address, head.node_ip_address), cwd=REPO, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
