@@ -88,7 +88,9 @@ class ClusterConfig:
     neither TLS nor tokens (Kubernetes' native gRPC probe); SERVING once the PS port listens, NOT_SERVING
     while preempting or stopping. ``stop_servers_at_end`` (role mode, e.g. Kubernetes Jobs, where no
     launcher stops the servers): when the job ends normally, every worker meets at a last barrier and
-    worker rank 0 sends ``Stop`` (admin token) to every server, which then exits 0.
+    worker rank 0 sends ``Stop`` (admin token) to every server, which then exits 0; when the workers
+    stop at a preemption checkpoint, rank 0 stops the servers that got SIGTERM themselves, which exit 75
+    at once instead of after ``preempt_timeout_s`` (the others keep serving the replacement workers).
 
     ``run_root``: where the local launcher makes each run's directory (config, logs, progress files,
     ``endpoints.json``) when ``--run-dir`` is not given: ``{run_root}/{job}-{YYYYmmdd-HHMMSS}-{pid}``,

@@ -298,13 +298,42 @@ def _end_job(client, rank: int, workers: int, timeout: float) -> None:
     rank 0, which holds the admin token, waits for all of them before it stops every server (they exit
     0), so no worker is still polling a server that stops. A worker that failed never arrives, so the
     servers outlive a failed job for its restart."""
-    client.barrier("engine-job-end", workers, timeout=timeout)
+    _end_job_barriers(client, rank, workers, timeout, "engine-job-end")
     if rank != 0:
-        client.arrive("engine-job-end-seen", workers, timeout=timeout)
         return
-    client.barrier("engine-job-end-seen", workers, timeout=timeout)
     log.info("worker 0: the job ended; stopping the servers")
     client.stop()
+
+
+def _end_preempted(client, rank: int, workers: int, timeout: float) -> None:
+    """The job-end protocol after a preemption checkpoint (``cluster.stop_servers_at_end``): the workers
+    meet as at a normal end, then rank 0 stops the servers that are preempting themselves (SIGTERM: they
+    say so in ``Health``), which then exit 75 at once instead of serving an ended job until
+    ``cluster.preempt_timeout_s``; servers that were not preempted keep serving for the replacement
+    workers. Best effort: a worker that does not arrive, or a server gone, leaves the servers to their
+    timeout (logged), never an error of this worker."""
+    try:
+        _end_job_barriers(client, rank, workers, timeout, "engine-preempted")
+        if rank != 0:
+            return
+        preempting = [s for s, h in enumerate(client.health()) if h.get("preempting")]
+        if preempting:
+            log.info("worker 0: the job checkpointed for a preemption; stopping the preempting servers %s",
+                     preempting)
+            client.stop(preempting)
+    except Exception as e:      # noqa: BLE001 - the checkpoint is written; the servers time out instead
+        log.warning("worker %d: after the preemption checkpoint: %s; the preempting servers stop after "
+                    "cluster.preempt_timeout_s", rank, e)
+
+
+def _end_job_barriers(client, rank: int, workers: int, timeout: float, name: str) -> None:
+    """Every worker meets at barrier ``name``; the others then say they saw its release and leave, and
+    rank 0 waits for all of them (so no worker still polls a server rank 0 then stops)."""
+    client.barrier(name, workers, timeout=timeout)
+    if rank != 0:
+        client.arrive(f"{name}-seen", workers, timeout=timeout)
+        return
+    client.barrier(f"{name}-seen", workers, timeout=timeout)
 
 
 def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) -> dict:
@@ -340,6 +369,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
         except preempt.Preempted as e:
             log.warning("worker %d: %s", rank, e)
             result = {"rank": rank, "preempted": True, "reason": str(e)}
+            if cfg.cluster.stop_servers_at_end:
+                _end_preempted(client, rank, workers, min(cfg.client.barrier_timeout_s, cfg.cluster.preempt_timeout_s))
         except GenerationChangedError as e:
             log.error("worker %d: a server restarted or loaded a checkpoint under this worker (%s); exiting "
                       "with code %d: restarted, the workers roll every server back to one checkpoint and "

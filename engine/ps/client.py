@@ -661,9 +661,10 @@ class PSClient(DenseClient):
                 raise ShardUnavailableError("UNAVAILABLE", f"servers not ready within {timeout}s: {last}")
             time.sleep(0.1)
 
-    def stop(self) -> None:
-        """Ask every server to stop (servers already gone are ignored)."""
-        for s in range(self.num_servers):
+    def stop(self, servers=None) -> None:
+        """Ask every server (or those of ``servers``, an iterable of server indexes) to stop; servers
+        already gone are ignored."""
+        for s in (range(self.num_servers) if servers is None else servers):
             try:
                 self.transport.call(s, "Stop", pb.Empty(request_id=self._rid()), 5.0)
             except RemoteError as e:

@@ -299,12 +299,13 @@ def test_rendered_pods_train_ctr_to_the_local_launchers_auc_and_all_exit_0(tmp_p
 def test_a_preempted_job_resumes_at_its_checkpoint_in_replacement_pods(tmp_path, evicted, loopback_reference,
                                                                        node_numba_cache):
     """SIGTERM (what the kubelet sends on eviction) to worker 1 only, or to every pod: the workers write a
-    checkpoint and exit 75 (servers that got SIGTERM too, after cluster.preempt_timeout_s); the
-    podFailurePolicy ignores 75, so the Job controller starts replacement pods with the same indexes. They
-    must resume at the checkpoint and finish, every process exiting 0."""
+    checkpoint and exit 75; servers that got SIGTERM too are stopped by worker 0 once every worker has
+    left and exit 75 at once, long before cluster.preempt_timeout_s (60 s here); servers that did not keep
+    serving. The podFailurePolicy ignores 75, so the Job controller starts replacement pods with the same
+    indexes. They must resume at the checkpoint and finish, every process exiting 0."""
     _, resolved = loopback_reference
     pods = Pods(tmp_path, job_sets(tmp_path, resolved, "model.epochs=2", "checkpoint.align_steps=8",
-                                   "cluster.preempt_timeout_s=6"),
+                                   "cluster.preempt_timeout_s=60"),
                 shared=(resolved.parent.parent,), numba_cache=node_numba_cache)
     policy = {c: r["action"] for r in pods.worker_job["spec"]["podFailurePolicy"]["rules"]
               for c in r.get("onExitCodes", {}).get("values", [])}
@@ -321,10 +322,15 @@ def test_a_preempted_job_resumes_at_its_checkpoint_in_replacement_pods(tmp_path,
             proc.send_signal(signal.SIGTERM)
         for proc, log in workers:
             assert proc.wait(timeout=300) == 75, log.read_text()[-3000:]
+        left = time.monotonic()
         if evicted == "every_pod":
             for i, (proc, log) in enumerate(servers):
                 assert proc.wait(timeout=120) == 75, log.read_text()[-3000:]
                 servers[i] = pods.start(pods.server_job, i, attempt=1)
+            assert time.monotonic() - left < 20, "the preempted servers waited out preempt_timeout_s"
+            assert "stopping the preempting servers [0, 1]" in workers[0][1].read_text()
+        else:
+            assert all(p.poll() is None for p, _ in servers)      # not preempted: still serving
         workers = [pods.start(pods.worker_job, i, attempt=1) for i in range(len(workers))]
         for proc, log in workers:
             assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
