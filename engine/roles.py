@@ -16,13 +16,11 @@ The config file the launcher writes holds no inline storage secret; a role takes
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from . import preempt, progress
 from .config import EngineConfig, restore_secrets
 from .connect import connect
 from .errors import ConfigError, GenerationChangedError
+from .launch.procs import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +84,8 @@ def guard_parent() -> None:
     if not raw:
         return
     parent = int(raw)
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
-        except OSError:
-            log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the watchdog thread")
-    if os.getppid() != parent:
-        os._exit(3)
+    if not die_with_parent(parent):
+        log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the watchdog thread")
 
     def watch() -> None:
         while True:

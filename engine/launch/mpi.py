@@ -64,12 +64,20 @@ def world_command(python: str, run_dir: Path, ranks: list[dict]) -> list[str]:
     """
     spec = run_dir / WORLD_FILE
     spec.write_text(json.dumps({"ranks": ranks}))
-    return [mpiexec_path(python), "-launcher", "fork", "-n", str(len(ranks)), python, "-m", "engine.launch.mpi",
+    # mpiexec dies with the launcher (hydra then ends the proxies and ranks): through this module's
+    # --tied-to shim, which sets PR_SET_PDEATHSIG and becomes mpiexec (same pid)
+    return [python, "-m", "engine.launch.mpi", "--tied-to", str(os.getpid()), "--",
+            mpiexec_path(python), "-launcher", "fork", "-n", str(len(ranks)), python, "-m", "engine.launch.mpi",
             str(spec)]
 
 
 def main(argv: list[str]) -> None:
-    """Per-rank entry under mpiexec: become rank ``PMI_RANK``'s worker (see the module docstring)."""
+    """Per-rank entry under mpiexec: become rank ``PMI_RANK``'s worker (see the module docstring). With
+    ``--tied-to PID -- CMD...`` (the launcher's mpiexec): die when PID's starting thread ends, then exec CMD."""
+    if len(argv) > 3 and argv[0] == "--tied-to" and argv[2] == "--":
+        from .procs import die_with_parent
+        die_with_parent(int(argv[1]))
+        os.execv(argv[3], argv[3:])
     if len(argv) != 1 or "PMI_RANK" not in os.environ:
         sys.exit("usage: mpiexec -n W python -m engine.launch.mpi WORLD.json (started by engine train)")
     rank = int(os.environ["PMI_RANK"])

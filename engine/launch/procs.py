@@ -1,11 +1,30 @@
 """Which processes belong to a run: the roles the local launcher started in a run directory, found by
 their command lines in ``/proc`` (Linux). For operators and chaos tooling: kill, stop or inspect one
-role of a live job (``bench/recovery_bench.py``, ``bench/chaos_soak.py``, the chaos tests)."""
+role of a live job (``bench/recovery_bench.py``, ``bench/chaos_soak.py``, the chaos tests). And
+``die_with_parent``, which ties a launcher's child to it."""
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 import time
 from pathlib import Path
+
+
+def die_with_parent(parent: int) -> bool:
+    """Ask the kernel to SIGKILL this process when the thread that started it ends (Linux
+    ``PR_SET_PDEATHSIG``; kept across ``execve``), then exit at once (code 3) if the parent ``parent``
+    (a pid) is already gone. Returns False where ``prctl`` is unavailable (the caller should poll)."""
+    ok = False
+    if sys.platform.startswith("linux"):
+        try:
+            ok = ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PDEATHSIG
+        except OSError:
+            ok = False
+    if os.getppid() != parent:
+        os._exit(3)
+    return ok
 
 
 def _cmdlines():

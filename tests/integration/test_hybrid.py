@@ -177,6 +177,57 @@ def test_a_killed_hybrid_worker_ends_the_world_and_the_job_restarts_from_its_che
     assert not leftovers(run_dir)
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:         # gone meanwhile
+        return b""
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper is dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_sigkilled_launcher_takes_the_mpi_world_with_it(tmp_path):
+    """The launcher itself is SIGKILLed while its hybrid workers train: mpiexec (tied to it by
+    PR_SET_PDEATHSIG through engine.launch.mpi's --tied-to shim), hydra's proxy, both ranks and the
+    server must all be gone at once. Each step sleeps 3 s after it ends (a failpoint), so untied ranks
+    would live on for seconds until they next called the dead server: they must be gone within 2 s."""
+    paced = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:3"}
+    cmd = small(tmp_path, "orphan", "mode=hybrid", "model.batch_size=32", "model.epochs=1", "cluster.warm_up=false")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=paced, start_new_session=True)
+    run_dir = tmp_path / "run-orphan"
+    try:
+        pids = [role_pid(run_dir, "worker", r, timeout_s=120) for r in (0, 1)]
+        deadline = time.monotonic() + 120
+        while (progress.read(run_dir / "worker-1.progress.json") or {}).get("step", 0) < 1:
+            assert time.monotonic() < deadline and proc.poll() is None, "worker 1 never trained"
+            time.sleep(0.05)
+        assert any(b"mpiexec" in cmdline(p) for p in leftovers(run_dir))
+        os.kill(proc.pid, signal.SIGKILL)               # the launcher only, not its process group
+        proc.wait(10)
+        deadline = time.monotonic() + 2
+        while (leftovers(run_dir) or any(alive(p) for p in pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: cmdline(p)[:200] for p in leftovers(run_dir)}
+        assert not left, left
+        assert not [p for p in pids if alive(p)]
+    finally:
+        for p in leftovers(run_dir):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 @pytest.mark.parametrize("args, keys", [
     (["--launcher", "ray"], ["cluster.launcher"]),
     (["--set", "cluster.host=10.1.2.3"], ["cluster.host", "security.insecure"]),
