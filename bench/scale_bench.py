@@ -213,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the work directory (the base checkpoint under WORK/ckpt: profile a restore of it)")
     ap.add_argument("--growth", action="store_true",
                     help="only the growth pause: a RAM tier of 30M rows (quick: 3M), doubling vs budget")
     args = ap.parse_args(argv)
@@ -347,7 +349,8 @@ def main(argv=None) -> int:
         "shrink_s": out["shrink_s"], "memory": out["memory"], "memory_budget": out["memory_budget"],
         "cpus_granted": len(os.sched_getaffinity(0))}
     emit(summary)
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -5,6 +5,8 @@ lock held exclusively). A mixin of ``table.SparseTable`` that uses its arrays (`
 ``_state``, ...)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from . import _kernels as K
@@ -23,6 +25,20 @@ LRU_SAMPLES_PER_VICTIM = 4           # Redis's maxmemory-samples is 5
 
 class SpillTier:
     """Methods of ``SparseTable`` for its spill tier (see the module docstring)."""
+
+    @contextmanager
+    def bulk_load(self):
+        """Context for a base restore into this (fresh) table: RocksDB's level-0 write stalls are raised
+        for its duration (``SpillStore.bulk``), so the load's many flushes do not wait on compaction,
+        which catches up afterwards. RAM-only tables: nothing changes."""
+        if self._spill is None:
+            yield self
+            return
+        self._spill.bulk(True)
+        try:
+            yield self
+        finally:
+            self._spill.bulk(False)
 
     def release_ram(self) -> int:
         """Spilled tables: write every row in RAM to RocksDB, give the arena and index memory back (the

@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -254,8 +255,8 @@ def rocksdb_options(budget=None) -> Options:
     opts.set_compaction_style(DBCompactionStyle.level())
     opts.set_level_compaction_dynamic_level_bytes(True)
     opts.set_level_zero_file_num_compaction_trigger(4)
-    opts.set_level_zero_slowdown_writes_trigger(20)
-    opts.set_level_zero_stop_writes_trigger(36)
+    opts.set_level_zero_slowdown_writes_trigger(L0_TRIGGERS[0])
+    opts.set_level_zero_stop_writes_trigger(L0_TRIGGERS[1])
     opts.set_max_background_jobs(2)
     opts.set_ratelimiter(RATE_LIMIT_BYTES_PER_S, 100_000, 10)
     return opts
@@ -268,6 +269,14 @@ def rocksdb_options(budget=None) -> Options:
 BLOCK_SIZE = 16384
 COMPRESSION = DBCompressionType.lz4
 RATE_LIMIT_BYTES_PER_S = 256 << 20
+# level-0 files before writes slow down / stop: RocksDB's defaults, and while a base restore loads
+# (``SpillStore.bulk``) far more: its small memtables (a budget's share per shard: 4-64 MiB) flush faster
+# than two background jobs compact them, and the default slowdown made a 30M-row restore wait on stalls
+# (44-49 s, against 31 s with these raised; bench/scale_bench.py --keep, then the restore in-process).
+# Compaction catches up after the load, while the triggers are back.
+L0_TRIGGERS = (20, 36)
+L0_TRIGGERS_BULK = (400, 800)
+BULK_SETTLE_S = 600.0
 
 
 class SpillStore:
@@ -301,6 +310,11 @@ class SpillStore:
         self._write_opts = WriteOptions()
         self._write_opts.disable_wal = True
         self._bloom = ScalableBloom()
+        self.bulk_loading = False
+        self._settled = threading.Event()      # bulk(False) finished putting the triggers back
+        self._settled.set()
+        self._settler: threading.Thread | None = None
+        self._closed = False
         self.count = 0  # keys present in the database
         self.reads = 0
         self.writes = 0
@@ -331,6 +345,56 @@ class SpillStore:
         return self._properties((("rocksdb_block_cache", "rocksdb.block-cache-usage"),
                                  ("rocksdb_memtables", "rocksdb.size-all-mem-tables"),
                                  ("rocksdb_table_readers", "rocksdb.estimate-table-readers-mem")))
+
+    def bulk(self, on: bool) -> None:
+        """A bulk load starts (True) or ends (False). Starting raises RocksDB's level-0 write-stall
+        triggers to ``L0_TRIGGERS_BULK`` (a live ``SetOptions``). Ending puts ``L0_TRIGGERS`` back once
+        compaction has brought level 0 under the slowdown trigger: at once if it is there, else from a
+        background thread polling every 0.5 s (at most ``BULK_SETTLE_S``), so the first writes after a
+        restore are not stopped while level 0 drains (a 30M-row restore ended with 79 level-0 files on
+        one shard, drained in under 20 s). ``bulk_loading`` is True while the triggers are raised.
+
+        Raises
+        ------
+        SpillError
+            RocksDB refused the options.
+        """
+        if on:
+            self._settled.set()                      # a settle thread of an earlier load stops
+            self._set_l0(L0_TRIGGERS_BULK)
+            self._settled.clear()
+            self.bulk_loading = True
+            return
+        if self._properties((("l0", "rocksdb.num-files-at-level0"),))["l0"] < L0_TRIGGERS[0]:
+            self._settle_now()
+            return
+        self._settler = threading.Thread(target=self._settle, name="spill-bulk-settle", daemon=True)
+        self._settler.start()
+
+    def _set_l0(self, triggers: tuple[int, int]) -> None:
+        try:
+            self._db.set_options({"level0_slowdown_writes_trigger": str(triggers[0]),
+                                  "level0_stop_writes_trigger": str(triggers[1])})
+        except Exception as exc:  # rocksdict raises plain Exception subclasses
+            raise SpillError(f"RocksDB spill store at {self._dir.db_path}: set_options: {exc}") from exc
+
+    def _settle_now(self) -> None:
+        self._set_l0(L0_TRIGGERS)
+        self.bulk_loading = False
+        self._settled.set()
+
+    def _settle(self) -> None:
+        deadline = time.monotonic() + BULK_SETTLE_S
+        while not self._settled.wait(0.5):
+            if self._closed:
+                return
+            try:
+                l0 = self._properties((("l0", "rocksdb.num-files-at-level0"),))["l0"]
+                if l0 < L0_TRIGGERS[0] or time.monotonic() > deadline:
+                    self._settle_now()
+            except SpillError as e:
+                log.warning("%s", e)
+                return
 
     @property
     def bloom_bytes(self) -> int:
@@ -421,6 +485,10 @@ class SpillStore:
 
     def close(self) -> None:
         """Close the database, delete the spill directory (it carries our marker) and drop its lock."""
+        self._closed = True
+        self._settled.set()
+        if self._settler is not None:
+            self._settler.join(5.0)
         if self._db is not None:
             self._db.close()
             self._db = None

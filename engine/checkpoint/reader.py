@@ -29,6 +29,7 @@ import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -385,7 +386,12 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
         check_dense(dense)
     if base:
         budget = _BaseBudget(sparse)
-        rows, read = _load_rows(plan, threads, budget)
+        with ExitStack() as bulk:   # fresh shards: RocksDB's write stalls raised while the base loads
+            for shards in sparse.values():
+                for shard in shards:
+                    if hasattr(shard, "bulk_load"):
+                        bulk.enter_context(shard.bulk_load())
+            rows, read = _load_rows(plan, threads, budget)
         for name in sorted(budget.over):
             raise _capacity_error(plan, name, budget.rows[name], "the tables in use were not changed")
         tomb_keys = [(name, _read_tombstones(plan, name, fname, entry)) for name, fname, entry in plan.tomb_files]
