@@ -28,9 +28,12 @@ def _check_vec(name: str, a, size: int) -> None:
         raise ModelInputError(f"{name}: expected float32[{size}], got {got}")
 
 
-def _check_range(lo, hi, size: int) -> None:
+def _check_step(params, grad, lo, hi, size: int) -> None:
+    """``step_range``'s arguments: params and grad float32[size], 0 <= lo <= hi <= size."""
     if not (isinstance(lo, (int, np.integer)) and isinstance(hi, (int, np.integer)) and 0 <= lo <= hi <= size):
         raise ModelInputError(f"range: expected 0 <= lo <= hi <= {size}, got [{lo!r}, {hi!r})")
+    _check_vec("params", params, size)
+    _check_vec("grad", grad, size)
 
 
 def _check_lr(lr) -> float:
@@ -69,9 +72,7 @@ class SGD:
         ModelInputError
             If either array is not ``float32[P]``.
         """
-        _check_vec("params", params, self.size)
-        _check_vec("grad", grad, self.size)
-        sgd_update(params, grad, self.lr)
+        self.step_range(params, grad, 0, self.size)
 
     def begin_step(self) -> None:
         """SGD keeps no step count: nothing to compute for :meth:`step_range`."""
@@ -85,9 +86,7 @@ class SGD:
         ModelInputError
             If either array is not ``float32[P]`` or the range is not within ``[0, P]``.
         """
-        _check_range(lo, hi, self.size)
-        _check_vec("params", params, self.size)
-        _check_vec("grad", grad, self.size)
+        _check_step(params, grad, lo, hi, self.size)
         sgd_update(params[lo:hi], grad[lo:hi], self.lr)
 
 
@@ -143,8 +142,7 @@ class Adam:
         ModelInputError
             If either array is not ``float32[P]``.
         """
-        _check_vec("params", params, self.size)
-        _check_vec("grad", grad, self.size)
+        _check_step(params, grad, 0, self.size, self.size)     # before t counts the step
         self.step_range(params, grad, 0, self.size, self.begin_step())
 
     def begin_step(self) -> tuple[float, float]:
@@ -167,9 +165,7 @@ class Adam:
         ModelInputError
             If either array is not ``float32[P]`` or the range is not within ``[0, P]``.
         """
-        _check_range(lo, hi, self.size)
-        _check_vec("params", params, self.size)
-        _check_vec("grad", grad, self.size)
+        _check_step(params, grad, lo, hi, self.size)
         adam_update(params[lo:hi], grad[lo:hi], self.m[lo:hi], self.v[lo:hi], coeffs[0], coeffs[1],
                     self.beta1, self.beta2, self.eps)
 

@@ -310,11 +310,9 @@ class SpillStore:
         self._write_opts = WriteOptions()
         self._write_opts.disable_wal = True
         self._bloom = ScalableBloom()
-        self.bulk_loading = False
-        self._settled = threading.Event()      # bulk(False) finished putting the triggers back
+        self._settled = threading.Event()      # set: RocksDB's own level-0 triggers are in force
         self._settled.set()
         self._settler: threading.Thread | None = None
-        self._closed = False
         self.count = 0  # keys present in the database
         self.reads = 0
         self.writes = 0
@@ -352,7 +350,7 @@ class SpillStore:
         compaction has brought level 0 under the slowdown trigger: at once if it is there, else from a
         background thread polling every 0.5 s (at most ``BULK_SETTLE_S``), so the first writes after a
         restore are not stopped while level 0 drains (a 30M-row restore ended with 79 level-0 files on
-        one shard, drained in under 20 s). ``bulk_loading`` is True while the triggers are raised.
+        one shard, drained in under 20 s).
 
         Raises
         ------
@@ -360,16 +358,29 @@ class SpillStore:
             RocksDB refused the options.
         """
         if on:
-            self._settled.set()                      # a settle thread of an earlier load stops
+            self._stop_settler()                     # of an earlier load: the triggers go up again
             self._set_l0(L0_TRIGGERS_BULK)
             self._settled.clear()
-            self.bulk_loading = True
             return
-        if self._properties((("l0", "rocksdb.num-files-at-level0"),))["l0"] < L0_TRIGGERS[0]:
+        if self._level0_files() < L0_TRIGGERS[0]:
             self._settle_now()
             return
         self._settler = threading.Thread(target=self._settle, name="spill-bulk-settle", daemon=True)
         self._settler.start()
+
+    @property
+    def bulk_loading(self) -> bool:
+        """True while ``bulk`` holds the level-0 triggers raised."""
+        return not self._settled.is_set()
+
+    def _level0_files(self) -> int:
+        return self._properties((("l0", "rocksdb.num-files-at-level0"),))["l0"]
+
+    def _stop_settler(self) -> None:
+        self._settled.set()
+        if self._settler is not None:
+            self._settler.join(5.0)
+            self._settler = None
 
     def _set_l0(self, triggers: tuple[int, int]) -> None:
         try:
@@ -380,17 +391,13 @@ class SpillStore:
 
     def _settle_now(self) -> None:
         self._set_l0(L0_TRIGGERS)
-        self.bulk_loading = False
         self._settled.set()
 
     def _settle(self) -> None:
         deadline = time.monotonic() + BULK_SETTLE_S
-        while not self._settled.wait(0.5):
-            if self._closed:
-                return
+        while not self._settled.wait(0.5):      # set by _stop_settler (a new load, close): stop here
             try:
-                l0 = self._properties((("l0", "rocksdb.num-files-at-level0"),))["l0"]
-                if l0 < L0_TRIGGERS[0] or time.monotonic() > deadline:
+                if self._level0_files() < L0_TRIGGERS[0] or time.monotonic() > deadline:
                     self._settle_now()
             except SpillError as e:
                 log.warning("%s", e)
@@ -485,10 +492,7 @@ class SpillStore:
 
     def close(self) -> None:
         """Close the database, delete the spill directory (it carries our marker) and drop its lock."""
-        self._closed = True
-        self._settled.set()
-        if self._settler is not None:
-            self._settler.join(5.0)
+        self._stop_settler()
         if self._db is not None:
             self._db.close()
             self._db = None

@@ -97,6 +97,9 @@ def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -
             got = comm.gather(a.copy(), root=0)
             if comm.rank == 0:
                 keep[k].append(np.stack(got))
+    if ov is not None:
+        ov.close()                      # the progress thread stops (the world then finalizes cleanly)
+        assert ov._thread is None
     if comm.rank == 0:
         np.savez(out, **{k: np.stack(v) for k, v in keep.items()}, wait_s=rep.wait_s,
                  wait_cpu_s=rep.wait_cpu_s, collectives=rep.collectives, world=comm.size)

@@ -389,8 +389,7 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
         with ExitStack() as bulk:   # fresh shards: RocksDB's write stalls raised while the base loads
             for shards in sparse.values():
                 for shard in shards:
-                    if hasattr(shard, "bulk_load"):
-                        bulk.enter_context(shard.bulk_load())
+                    bulk.enter_context(shard.bulk_load())
             rows, read = _load_rows(plan, threads, budget)
         for name in sorted(budget.over):
             raise _capacity_error(plan, name, budget.rows[name], "the tables in use were not changed")

@@ -39,13 +39,18 @@ SPIN_S = 2e-3        # test with sleep(0) (a yield) this long before napping
 MAX_NAP_S = 2e-4     # longest nap between two tests
 
 
+def backoff(nap: float, waited: float) -> float:
+    """The next pause (seconds) of a test-and-yield loop that has waited ``waited`` seconds and last
+    napped ``nap``: 0 (a yield) for the first ``SPIN_S``, then doubling from 20 us up to ``MAX_NAP_S``."""
+    return 0.0 if waited < SPIN_S else min(MAX_NAP_S, max(2 * nap, 20e-6))
+
+
 class CollectiveTimeoutError(EngineError, TimeoutError):
     """An MPI collective did not complete in time (a peer hangs or died without ending the world)."""
 
 
 BUCKET_FLOATS = 1 << 16   # smallest collective (floats): a layer's bias alone would cost a round of MPI
 PASS_NAP_S = 2e-4        # nap between tests while the pass runs (longer naps measured slower)
-TAIL_SPIN_S = SPIN_S     # once the worker waits: yield this long, then nap up to MAX_NAP_S
 _END = object()           # the backward pass is over: complete what is in flight, then signal
 _STOP = object()          # the thread exits
 
@@ -60,15 +65,9 @@ class OverlappedDenseStep:
     bucket_floats : int
         Smallest collective, in floats (ranges are gathered up to it).
 
-    Attributes
-    ----------
-    tail_s : float, seconds
-        Wall time the worker's thread waited in ``finish`` (what the overlap did not hide).
-    cpu_s : float, seconds
-        CPU time of the progress thread (starting collectives, testing them, dividing, the optimizer).
-
-    The replica's ``wait_s`` and ``wait_cpu_s`` gain ``tail_s`` and ``cpu_s``, its ``collectives`` one
-    per bucket.
+    The replica's ``wait_s`` gains the wall time the worker's thread waits in ``finish`` (what the
+    overlap did not hide), its ``wait_cpu_s`` the progress thread's CPU time (starting collectives,
+    testing them, dividing, the optimizer), its ``collectives`` one per bucket.
     """
 
     def __init__(self, replica, *, bucket_floats: int = BUCKET_FLOATS):
@@ -77,7 +76,6 @@ class OverlappedDenseStep:
         self.rep = replica
         self.bucket_floats = int(bucket_floats)
         self.recv = np.empty_like(replica.params)
-        self.tail_s = self.cpu_s = 0.0
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -165,9 +163,7 @@ class OverlappedDenseStep:
         # the progress thread enforces timeout_s per collective; this bound only catches a dead thread
         if not self._done.wait(self.rep.timeout_s + 60.0) and self._error is None:
             self._error = CollectiveTimeoutError("hybrid dense progress thread stopped answering")
-        tail = time.perf_counter() - t0
-        self.tail_s += tail
-        self.rep.wait_s += tail
+        self.rep.wait_s += time.perf_counter() - t0
         if self._error is not None:
             raise self._error
 
@@ -225,13 +221,8 @@ class OverlappedDenseStep:
                     self._done.set()
                     return
                 # while the pass still runs, nap (the worker's matrix products want the core); once the
-                # worker waits in finish, yield for SPIN_S first (the tail is on its critical path)
-                if not ended:
-                    nap = PASS_NAP_S
-                elif time.perf_counter() - ended_at < TAIL_SPIN_S:
-                    nap = 0.0
-                else:
-                    nap = min(MAX_NAP_S, max(2 * nap, 20e-6))
+                # worker waits in finish, yield first (the tail is on its critical path), then back off
+                nap = backoff(nap, time.perf_counter() - ended_at) if ended else PASS_NAP_S
                 time.sleep(nap)
             elif ended:
                 ended = False
@@ -240,6 +231,4 @@ class OverlappedDenseStep:
                 self._done.set()
 
     def _account(self, c0: float) -> None:
-        cpu = time.thread_time() - c0
-        self.cpu_s += cpu
-        self.rep.wait_cpu_s += cpu
+        self.rep.wait_cpu_s += time.thread_time() - c0

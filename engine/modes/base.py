@@ -99,17 +99,10 @@ class Mode(ABC):
 
     def overlap_dense(self, table: str, live: np.ndarray) -> bool:
         """Whether this mode steps ``table`` beside the backward pass, updating ``live : float32[P]`` (the
-        model's parameter vector) in place; if so, the loop calls ``begin_dense_step`` before the pass and
-        ``finish_dense_step`` after it instead of ``push_pull_dense`` (hybrid). Default: no."""
+        model's parameter vector) in place. A mode that says yes (hybrid) has ``begin_dense_step(table)``
+        (-> the ``on_grad`` callback of ``forward_backward``) and ``finish_dense_step(table)``, which the
+        loop calls before and after the pass instead of ``push_pull_dense``. Default: no."""
         return False
-
-    def begin_dense_step(self, table: str):
-        """Open one overlapped dense step -> the ``on_grad`` callback of ``forward_backward``."""
-        raise NotImplementedError(f"mode {self.name} does not overlap its dense step")
-
-    def finish_dense_step(self, table: str) -> None:
-        """Close the step ``begin_dense_step`` opened (the live parameters are then stepped)."""
-        raise NotImplementedError(f"mode {self.name} does not overlap its dense step")
 
     def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
         """``push_dense_grads`` then ``pull_dense`` (async overrides it with one round trip)."""

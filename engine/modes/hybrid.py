@@ -23,7 +23,7 @@ Overlap: the pipelined loop (``model.pipeline`` exact or stale; ``dense_on_worke
 sparse gradients with the next batch's pull (one Step request per server, as async) on its
 communicator thread and, beside that round trip, runs the dense step on the worker's own thread: it
 starts the all-reduce of t's dense gradient, completes it with a test-and-yield loop (``MPI_Test``,
-then ``time.sleep``: 0 for the first ``SPIN_S``, then growing up to ``MAX_NAP_S``) rather than
+then ``time.sleep``: ``_overlap.backoff``, 0 for the first ``SPIN_S``, then up to ``MAX_NAP_S``) rather than
 ``MPI_Wait`` (MPICH's wait busy-polls a core, which on a small machine takes it from the parameter
 server), and steps the optimizer, all before t+1 computes: the dense tower is never stale. With
 ``hybrid.bucket_floats`` > 0 (and k = 1) the all-reduce and the optimizer step run instead beside the
@@ -60,7 +60,7 @@ import numpy as np
 from models.optim import SGD, Adam
 
 from ..errors import ConfigError
-from ._overlap import MAX_NAP_S, SPIN_S, CollectiveTimeoutError, OverlappedDenseStep
+from ._overlap import CollectiveTimeoutError, OverlappedDenseStep, backoff
 from .asynchronous import AsyncMode
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,7 @@ class DenseReplica:
                 # request"); the worker exits non-zero and end_world aborts the world
                 raise CollectiveTimeoutError(f"MPI all-reduce of {len(recv)} floats did not complete within "
                                              f"{self.timeout_s:g} s (client.barrier_timeout_s): a worker hangs")
-            if waited > SPIN_S:
-                nap = min(MAX_NAP_S, max(2 * nap, 20e-6))
+            nap = backoff(nap, waited)
             time.sleep(nap)
         self.wait_s += time.perf_counter() - t0
         self.wait_cpu_s += time.thread_time() - c0
@@ -408,11 +407,6 @@ class HybridMode(AsyncMode):
         t0 = time.perf_counter()
         ov.finish()
         self.timing["allreduce_s"] += time.perf_counter() - t0
-
-    def close(self) -> None:
-        """Stop the dense progress threads."""
-        for ov in self._overlaps.values():
-            ov.close()
 
     def push_pull(self, table, keys, grads, shows, clicks, pull_keys, dense_table, dense_grad):
         """The sparse push of this step and the pull of the next (async's one Step request per server),

@@ -477,3 +477,31 @@ def test_a_bulk_load_raises_rocksdbs_write_stalls_and_restores_them(tmp_path):
     assert not dst._spill.bulk_loading
     with SparseTable(TableConfig(dim=DIM)).bulk_load() as t:      # RAM-only: nothing to raise
         assert t._spill is None
+
+
+def test_the_write_stall_triggers_come_back_from_a_background_thread_once_level0_drains(tmp_path, monkeypatch):
+    """After a bulk load that left level 0 at or over the slowdown trigger, ``bulk(False)`` returns at
+    once and a background thread puts RocksDB's triggers back when level 0 drains (here: never below a
+    trigger of 1 file, so at ``BULK_SETTLE_S``, 1 s); a new load or ``close`` stops that thread."""
+    import time
+
+    from sparse_tables import spill
+    monkeypatch.setattr(spill, "L0_TRIGGERS", (1, 36))
+    monkeypatch.setattr(spill, "BULK_SETTLE_S", 1.0)
+    st = spill.SpillStore(str(tmp_path / "s"), 4)
+    keys = np.arange(1, 1001, dtype=np.uint64)
+    st.bulk(True)
+    st.put(keys, np.ones((len(keys), 4), np.uint32), np.ones(len(keys), bool), presorted=True)
+    st._db.flush()                                   # one level-0 file: at the (patched) trigger
+    assert st._level0_files() >= 1
+    t0 = time.monotonic()
+    st.bulk(False)
+    assert st.bulk_loading and time.monotonic() - t0 < 0.5      # not waited for
+    while st.bulk_loading and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert not st.bulk_loading and 0.9 <= time.monotonic() - t0 < 5
+    st.bulk(True)
+    st.bulk(False)                                   # level 0 still there: a settle thread again
+    assert st.bulk_loading
+    st.close()                                       # stops it; the database closes after it
+    assert not st.bulk_loading and st._settler is None
