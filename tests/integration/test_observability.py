@@ -50,8 +50,11 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
         server_url = wait_file(run / "server-0.metrics", proc)
         worker_url = wait_file(run / "worker-0.metrics", proc)
         pulled = ("engine_ps_pull_keys_total", (("table", "embedding"),))
+        examples = ("engine_worker_examples_total", ())
         deadline = time.monotonic() + 120
-        while scrape(server_url).get(pulled, 0) == 0:     # training started
+        # training started on both sides: the server has served pulls (worker 1's may come first) and
+        # worker 0 has finished a batch
+        while scrape(server_url).get(pulled, 0) == 0 or scrape(worker_url).get(examples, 0) == 0:
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
         first, w_first = scrape(server_url), scrape(worker_url)
@@ -68,7 +71,7 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
     steps = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Step")))
     assert second.get(ok_pulls, 0) + second.get(steps, 0) > first.get(ok_pulls, 0) + first.get(steps, 0)
     assert second["engine_ps_rows", (("table", "embedding"), ("tier", "ram"))] > 0
-    assert w_second["engine_worker_examples_total", ()] > w_first["engine_worker_examples_total", ()] > 0
+    assert w_second[examples] > w_first[examples] > 0
     assert w_second["engine_worker_phase_seconds_total", (("phase", "compute"),)] > 0
     assert w_second["engine_restarts_total", ()] == 0
     targets = json.loads((run / "prometheus.json").read_text())
