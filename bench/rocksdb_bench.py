@@ -10,7 +10,10 @@ levels to matter. One JSON line per measurement:
     compression    for none / lz4 / zstd / lz4 with zstd on the last level x block size 4 / 16 KiB: ``disk_bytes_per_row`` after a full
                    compaction, ``write_rows_per_s`` (sorted WriteBatches of 65536 rows, WAL off, the
                    spill store's path) and ``read_rows_per_s`` (multi-gets of 65536 present keys in key
-                   order, a 32 MiB block cache: most reads miss it)
+                   order, a 32 MiB block cache: most reads miss it; ~28 keys per 16 KiB block) and
+                   ``sparse_read_rows_per_s`` (multi-gets of 2048 present keys drawn at random, in key
+                   order: about one key per 1000 rows, so every read decompresses a block for one row, as
+                   a promotion from a big spilled table does)
     bloom          absent keys (new keys, the common case of a training push): ``ns_per_absent_key``
                    through the hand-written ``keysets.ScalableBloom`` (no RocksDB call for a "no") and
                    through RocksDB's own Bloom filter (a multi-get that the filter answers), and the
@@ -37,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CHUNK = 65536
+SPARSE_PROBE = 2048
 
 
 def real_records(root: Path) -> tuple[np.ndarray, int]:
@@ -123,6 +127,7 @@ def main(argv=None) -> int:
     records[:, 1] = (keys >> np.uint64(32)).astype(np.uint32)
     probe = np.sort(rng.choice(keys, min(len(keys), 4 * CHUNK), replace=False))
     absent = rng.integers(1, 2**63, 4 * CHUNK, dtype=np.uint64)
+    sparse_probes = [np.sort(rng.choice(keys, min(len(keys), SPARSE_PROBE), replace=False)) for _ in range(16)]
     common = {"real_rows": len(real), "rows": args.rows, "dim": dim, "record_bytes": 4 * records.shape[1]}
     work = Path(tempfile.mkdtemp(prefix="rocksdb-bench-"))
     try:
@@ -141,10 +146,16 @@ def main(argv=None) -> int:
                     got = db.get(key_bytes(probe[a:a + CHUNK]))
                     assert all(v is not None for v in got)
                 r = len(probe) / (time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for sparse in sparse_probes:
+                    got = db.get(key_bytes(sparse))
+                    assert all(v is not None for v in got)
+                sparse_r = sum(map(len, sparse_probes)) / (time.perf_counter() - t0)
                 db.close()
                 print(json.dumps({"bench": "compression", "compression": name, "block_size": block,
                                   "disk_bytes_per_row": round(disk / args.rows, 1),
-                                  "write_rows_per_s": round(w), "read_rows_per_s": round(r), **common}),
+                                  "write_rows_per_s": round(w), "read_rows_per_s": round(r),
+                                  "sparse_read_rows_per_s": round(sparse_r), **common}),
                       flush=True)
         # absent keys: RocksDB's filter (with and without) against the hand-written one
         for bloom in (True, False):

@@ -264,9 +264,12 @@ def rocksdb_options(budget=None) -> Options:
 
 # bench/rocksdb_bench.py on real trained rows (README, "Scale"): lz4 stores them in 78% of the bytes of
 # no compression (70 vs 91 bytes per row of 72) at the same point-read rate; zstd saves 10% more but reads
-# up to 2x slower with 4 KiB blocks. 16 KiB blocks read as fast as 4 KiB here and keep RocksDB's index
-# blocks 4x smaller (at 10^8 keys ~15 MB instead of ~60 MB of the block cache).
-BLOCK_SIZE = 16384
+# up to 2x slower. Blocks of 4 KiB (RocksDB's default): a promotion reads one random row of a big table,
+# so each read decompresses and checksums a whole block for one record. In the scale workload
+# (bench/scale_bench.py's traffic in-process, 10M-13M keys, a 1 GB budget) RocksDB's multi-gets took 27.6 s
+# with 16 KiB blocks and 15.8 s with 4 KiB (160k -> 210k keys/s); dense reads (many keys per block) favour
+# 16 KiB slightly. The index blocks are 4x larger than with 16 KiB (~45 MB of the block cache at 10^8 keys).
+BLOCK_SIZE = 4096
 COMPRESSION = DBCompressionType.lz4
 RATE_LIMIT_BYTES_PER_S = 256 << 20
 # level-0 files before writes slow down / stop: RocksDB's defaults, and while a base restore loads
