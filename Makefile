@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 # The whole suite, then the kernel tests again with Numba's JIT off (pure Python, so
 # coverage and tracebacks see inside the kernels).
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	NUMBA_DISABLE_JIT=1 $(PY) -m pytest -q -m nojit -p no:cacheprovider
 
 # Every benchmark in bench/, one after the other (heavy: never run from CI).
