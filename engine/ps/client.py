@@ -581,13 +581,23 @@ class PSClient(DenseClient):
             with self._info_lock:       # every Load changes the servers' generations: meet them again
                 self._info = None
 
-    def shrink(self, table: str = "") -> int:
+    def shrink(self, table: str = "", *, timeout: float = 3600.0) -> int:
         """Expiry pass on every server (one table or all) at each server's own clock; returns rows
-        deleted. An admin method (the admin token when the cluster has tokens)."""
+        deleted. An admin method (the admin token when the cluster has tokens).
+
+        A pass reads every row, RocksDB's included: 47-70 s at 10^8 keys on one server here
+        (``bench/scale_bench.py``), so like ``save`` and ``load`` it waits up to ``timeout`` seconds
+        (default 3600; at least ``timeout_s``), not the client's per-call ``timeout_s``.
+
+        Raises
+        ------
+        PSTimeoutError
+            A server did not answer within ``timeout`` seconds.
+        """
         rid = self._rid()
         return sum(r.count for r in self._fan_out(
             [(s, "Shrink", pb.ShrinkRequest(table=table, request_id=f"{rid}.{s}"))
-             for s in range(self.num_servers)], idempotent=False))
+             for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
 
     # ------------------------------------------------------------------ exact metric sums
     def _metric_server(self, name: str) -> int:

@@ -36,6 +36,7 @@ from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
 from sparse_tables import TableConfigError
 from sparse_tables.rwlock import RWLock
 
+from .. import failpoints
 from ..checkpoint.manifest import kind_of_uri, read_checkpoint_manifest
 from ..checkpoint.reader import CheckpointMismatchError, load_server_parts
 from ..checkpoint.writer import save_server_parts
@@ -554,6 +555,7 @@ class PSServer:
         if req.has_now:
             raise ProtocolError("now: Shrink expires at the server's own clock; a request may not name a time")
         hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())
+        failpoints.hit("server.shrink")
         return pb.CountResponse(request_id=req.request_id, count=sum(h.shrink() for h in hosts))
 
     def Metric(self, req: pb.MetricRequest) -> pb.MetricResponse | codec.Wire:
