@@ -585,7 +585,7 @@ class PSClient(DenseClient):
         """Expiry pass on every server (one table or all) at each server's own clock; returns rows
         deleted. An admin method (the admin token when the cluster has tokens).
 
-        A pass reads every row, RocksDB's included: 47-70 s at 10^8 keys on one server here
+        A pass reads every row, RocksDB's included: 47-89 s at 10^8 keys on one server here
         (``bench/scale_bench.py``), so like ``save`` and ``load`` it waits up to ``timeout`` seconds
         (default 3600; at least ``timeout_s``), not the client's per-call ``timeout_s``.
 

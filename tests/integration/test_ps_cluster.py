@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -231,7 +232,9 @@ def test_an_expiry_pass_longer_than_the_call_timeout_is_waited_for(tmp_path, mon
         eps = c.start_servers()
         with PSClient(eps, timeout_s=1.0, retries=0) as client:
             client.push("emb", KEYS, np.ones((len(KEYS), 4), np.float32))
+            t0 = time.monotonic()
             assert client.shrink("emb") == 0          # rows pushed just now do not expire
+            assert time.monotonic() - t0 >= 3.0       # the pass did outlast the 1 s per-call timeout
             assert client.pull("emb", KEYS).shape == (len(KEYS), 4)
         c.stop_servers()
 
