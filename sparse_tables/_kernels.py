@@ -44,6 +44,7 @@ F_DIRTY = np.uint32(1)    # changed since the last clear_dirty (delta checkpoint
 F_ON_DISK = np.uint32(2)  # a copy of this row exists in RocksDB
 F_SYNCED = np.uint32(4)   # ... and that copy equals the RAM row (eviction need not rewrite it)
 F_FREE = np.uint32(8)     # arena row is on the free list
+F_REUSED = np.uint32(16)  # a pull found it in RAM, or it was read back from RocksDB (SLRU's protected rows)
 
 # state slots
 S_NRAM = 0
@@ -475,8 +476,9 @@ def _pull(index, arena_u, arena_f, lay, keys, pos, has_pos, out, tick, track_lru
                     out[o, j0 + jj] = arena_f[r, voff + j0 + jj]
             for j in range(d8, dim):
                 out[o, j] = arena_f[r, voff + j]
-            if track_lru:
+            if track_lru:            # flags are the word after the tick: the same cache line
                 arena_u[r, tick_w] = tick
+                arena_u[r, tick_w + 1] |= F_REUSED
     return nm
 
 
@@ -485,7 +487,9 @@ def pull_rows(index, arena_u, arena_f, lay, keys, out, tick, track_lru, miss_idx
     """Gather values of keys into out; missing keys read zeros and their positions go to miss_idx.
 
     keys : uint64[n]; out : float32[n, dim]; miss_idx : int64[n]. Returns the number of misses.
-    With ``track_lru`` the LRU tick of every row read is set to ``tick``.
+    With ``track_lru`` the LRU tick of every row read is set to ``tick`` and the row marked ``F_REUSED``
+    (a pull holds the table's lock shared: pulls only ever set that bit, every other flag changes under
+    the exclusive lock).
     """
     return _pull(index, arena_u, arena_f, lay, keys, np.empty(0, np.int64), False, out, tick, track_lru,
                  miss_idx)
@@ -690,37 +694,6 @@ def remove_rows(index, arena_u, state, lay, rows):
 
 
 # ------------------------------------------------------------------------------------ eviction
-@njit(nogil=True, cache=True)
-def lru_ticks(arena_u, state, lay, out_rows, out_ticks):
-    """Live rows and their LRU ticks. Returns the count."""
-    moff = lay[L_META]
-    n = 0
-    for r in range(state[S_NEXT]):
-        if arena_u[r, moff + M_FLAGS] & F_FREE:
-            continue
-        out_rows[n] = r
-        out_ticks[n] = arena_u[r, moff + M_TICK]
-        n += 1
-    return n
-
-
-@njit(nogil=True, cache=True)
-def select_lru(rows, ticks, threshold, k, out):
-    """The k least recently used rows: all with tick < threshold, then ties at threshold."""
-    n = 0
-    for i in range(rows.shape[0]):
-        if ticks[i] < threshold and n < k:
-            out[n] = rows[i]
-            n += 1
-    for i in range(rows.shape[0]):
-        if n >= k:
-            break
-        if ticks[i] == threshold:
-            out[n] = rows[i]
-            n += 1
-    return n
-
-
 @njit(nogil=True, cache=True)
 def rebase_ticks(arena_u, state, lay, shift):
     """Subtract ``shift`` from every live row's tick (floor 0), keeping LRU order, before wrap-around."""

@@ -12,7 +12,7 @@ import numpy as np
 from . import _kernels as K
 from ._arena import release_from
 from ._compact import compact_arena
-from ._evict import sample_lru
+from ._evict import exact_victims, sample_lru
 from ._inputs import record_keys as _record_keys
 from ._load_kernels import DUPLICATES, SORTED_UNIQUE
 from .budget import HEADROOM_ROWS, MAX_LOAD
@@ -215,14 +215,16 @@ class SpillTier:
             return
         self._reserve(len(pos))
         dirty = self._spilled_dirty.contains(missing[pos])
-        flags = np.where(dirty, K.F_ON_DISK | K.F_SYNCED | K.F_DIRTY, K.F_ON_DISK | K.F_SYNCED)
+        # read back: the key came again after its eviction, so the row is reused (SLRU's protected rows)
+        clean = K.F_ON_DISK | K.F_SYNCED | K.F_REUSED
+        flags = np.where(dirty, clean | K.F_DIRTY, clean)
         K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,
                          flags.astype(np.uint32), self._tick)
         self._count(promotions=len(pos))
 
     def _maybe_evict(self) -> None:
-        """Past the RAM tier's cap (``memory_rows``, or what the memory budget leaves), write the least
-        recently used rows to RocksDB until the low watermark; under a budget, report the parts that
+        """Past the RAM tier's cap (``memory_rows``, or what the memory budget leaves), write rows (in
+        ``config.eviction``'s order) to RocksDB until the low watermark; under a budget, report the parts that
         grow and give back the pages of rows the budget no longer allows (lock held exclusively)."""
         if self._spill is None:
             return
@@ -290,22 +292,19 @@ class SpillTier:
         return (self._spill.bloom_bytes if self._spill is not None else 0) + self._spilled_dirty.nbytes
 
     def _evict(self, k: int) -> None:
-        """Write the k least recently used RAM rows to RocksDB (only rows not already there unchanged)
-        and drop them from RAM. Lock held exclusively; spill tier present; 0 < k <= rows in RAM."""
+        """Write k RAM rows, the first in ``config.eviction``'s order (``sparse_tables._evict``), to RocksDB
+        (only rows not already there unchanged) and drop them from RAM. Lock held exclusively; spill tier present; 0 < k <= rows in RAM."""
         nram = int(self._state[K.S_NRAM])
         sel = np.empty(k, np.int64)
+        segmented = self.config.eviction == "slru"
         if nram >= SAMPLED_LRU_MIN_ROWS and nram >= 8 * k:
-            # a big RAM tier: sampled LRU, O(k) instead of a scan of every row's tick (sparse_tables._evict)
+            # a big RAM tier: sampled, O(k) instead of a scan of every row (sparse_tables._evict)
             self._evict_seed += 1
             k = sample_lru(self._arena_u, self._state, self._lay, k, LRU_SAMPLES_PER_VICTIM,
-                           np.uint64(self._evict_seed), sel)
-            sel = sel[:k]
+                           np.uint64(self._evict_seed), sel, segmented)
         else:
-            rows = np.empty(nram, np.int64)
-            ticks = np.empty(nram, np.uint32)
-            K.lru_ticks(self._arena_u, self._state, self._lay, rows, ticks)
-            threshold = np.partition(ticks, k - 1)[k - 1]
-            K.select_lru(rows, ticks, threshold, k, sel)
+            k = exact_victims(self._arena_u, self._state, self._lay, k, LRU_SAMPLES_PER_VICTIM, segmented, sel)
+        sel = sel[:k]
         records = np.empty((k, self.layout.stride), np.uint32)
         K.gather_records(self._arena_u, sel, records)
         keys = _record_keys(records)

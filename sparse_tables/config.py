@@ -20,6 +20,7 @@ from .errors import TableConfigError
 OPTIMIZERS = ("sgd", "adagrad", "std_adagrad", "adam", "ftrl")
 OPTIMIZER_CODE = {name: i for i, name in enumerate(OPTIMIZERS)}
 INITIALIZERS = ("uniform", "normal", "zeros")
+EVICTIONS = ("slru", "lru")
 INITIALIZER_CODE = {name: i for i, name in enumerate(INITIALIZERS)}
 
 #: Row layout format version, recorded with every row dump.
@@ -58,7 +59,7 @@ class TableConfig:
     seed : int
     memory_rows : int
         With ``spill_path`` set, at most this many rows stay in RAM after each call (high watermark);
-        an eviction pass writes least-recently-used rows to RocksDB until
+        an eviction pass writes rows (chosen by ``eviction``) to RocksDB until
         ``spill_low_watermark * memory_rows`` rows remain. Ignored without ``spill_path``.
     memory_bytes : int
         With ``spill_path`` set, the RAM of this table on one server in bytes (0: off, ``memory_rows``
@@ -103,6 +104,15 @@ class TableConfig:
         (``_spill_tier.EVICT_PASS_ROWS``), so one pass never holds requests for long.
     num_threads : int
         Threads a large pull is split across (the kernels release the GIL).
+    eviction : str
+        Which RAM rows an eviction pass writes to RocksDB. ``slru`` (segmented LRU; Karedla, Love and
+        Wherry 1994, the protected/probationary split of memcached's and Caffeine's caches): a row is
+        *reused* once a pull finds it in RAM, or once it is read back from RocksDB; rows never reused
+        go first, oldest first, while they are more than a quarter of the RAM tier (in expectation,
+        under sampling), then the least recently used of all. A key seen once (30% of the keys of
+        ``bench/scale_bench.py``'s traffic) so leaves RAM before a key that comes back, and a reused
+        row that stops coming back still ages out. ``lru``: the least recently used rows, reused or not.
+        A push does not mark a row reused: training pushes the keys it has just pulled.
     """
 
     dim: int = 8
@@ -135,6 +145,7 @@ class TableConfig:
     click_coeff: float = 1.0
     spill_low_watermark: float = 0.9
     num_threads: int = 2
+    eviction: str = "slru"
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> TableConfigError:
@@ -186,6 +197,8 @@ class TableConfig:
             raise bad("spill_low_watermark", "in (0, 1)")
         if not isinstance(self.num_threads, int) or self.num_threads < 1:
             raise bad("num_threads", "an int >= 1")
+        if self.eviction not in EVICTIONS:
+            raise bad("eviction", f"one of {list(EVICTIONS)}")
 
     @property
     def uses_admission(self) -> bool:
