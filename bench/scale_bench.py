@@ -4,7 +4,11 @@ Deliberate, never in CI (it writes ~25 GB at full size). One server process (``e
 server``, local launcher), 2 client processes, one table: dim 16, Adagrad, ``memory_bytes`` = 4 GB
 (``--quick``: 10M keys, 1 GB, so the RAM tier still fills). Each client step pulls and then pushes one
 batch of 100k keys: 70% drawn Zipf(1.05) over the keys seen so far (rank r is the r-th key ever
-made, so old keys are the hot ones) and 30% keys never seen. Every 10% of the target the bench prints a
+made, so old keys are the hot ones) and 30% keys never seen. The Zipf draws are truncated to the keys
+seen (``--tail truncated``, the default: P(r) proportional to r^-1.05 for r <= seen, drawn exactly by
+rejecting larger ranks). Until 2026-11-27 the bench folded numpy's unbounded draws onto the keys seen
+(rank mod seen; ``--tail fold``): 39-45% of the draws land beyond any table size this bench reaches,
+so 27-31% of all the traffic was uniform over every key, not Zipf, and most of it missed any RAM tier. Every 10% of the target the bench prints a
 ``scale`` row:
 
     keys             distinct keys made so far (both clients)
@@ -16,6 +20,9 @@ made, so old keys are the hot ones) and 30% keys never seen. Every 10% of the ta
     max_pull_ms      the longest pull in the interval (a client's first 5 steps excluded)
     elapsed_s        since the first step
     rows_in_ram      the RAM tier's rows (server Stats)
+    promotions_per_pulled_key
+                     rows read back from RocksDB in the interval / keys pulled (server Stats): the
+                     miss rate of the RAM tier, which sets how far pull throughput falls once it fills
     rocksdb          RocksDB's running compactions, pending compaction bytes, level-0 files and write
                      stalls at the end of the interval: the p99 above is measured while it compacts
 
@@ -37,7 +44,8 @@ it is short the bench says so and stops.
 RAM tier grows to 30M rows, for a table that grows by doubling (``memory_rows``) and one a budget sized
 once (``memory_bytes``): ``scale_growth`` rows with ``max_push_ms``, ``p99_push_ms``, ``max_pull_ms``.
 
-    python bench/scale_bench.py [--quick] [--keys N] [--budget-gb G] [--work DIR] [--growth]
+    python bench/scale_bench.py [--quick] [--keys N] [--budget-gb G] [--tail truncated|fold] [--eviction slru|lru]
+                                [--work DIR] [--keep] [--growth]
 """
 from __future__ import annotations
 
@@ -73,6 +81,20 @@ def key_of(ids: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def zipf_ranks(rng, m: int, seen: int, tail: str) -> np.ndarray:
+    """m ranks in [0, seen), int64[m], Zipf(ZIPF_S): truncated to the keys seen (exact, by rejection:
+    numpy's draws are unbounded) or, with ``tail="fold"``, the unbounded draws folded modulo seen."""
+    if tail == "fold":
+        return (rng.zipf(ZIPF_S, m) - 1) % seen
+    parts, got = [], 0
+    while got < m:
+        x = rng.zipf(ZIPF_S, 2 * (m - got) + 1024)
+        x = x[x <= seen][:m - got]
+        parts.append(x)
+        got += len(x)
+    return np.concatenate(parts) - 1
+
+
 def client_main(args) -> None:
     """One client: steps until the clients together made ``--keys`` keys; one JSON line per step."""
     from engine.ps import PSClient
@@ -86,7 +108,7 @@ def client_main(args) -> None:
     while made < mine:
         step += 1
         seen = max(1, 2 * made)
-        hot = (rng.zipf(ZIPF_S, BATCH - n_new) - 1) % seen           # ranks over ids seen by both
+        hot = zipf_ranks(rng, BATCH - n_new, seen, args.tail)         # ranks over ids seen by both
         new = args.rank + 2 * np.arange(made, min(mine, made + n_new))
         made += len(new)
         keys = np.unique(key_of(np.concatenate([hot, new])))
@@ -163,12 +185,13 @@ def emit(rec: dict) -> None:
     print(json.dumps(rec), flush=True)
 
 
-def config(work: Path, budget: int):
+def config(work: Path, budget: int, eviction: str = "slru"):
     from engine.config import from_dict
     return from_dict({
         "cluster": {"servers": 1, "workers": 2},
         "tables": {"sparse": {"emb": {"dim": DIM, "optimizer": "adagrad", "learning_rate": 0.05,
-                                      "memory_bytes": budget, "spill_path": str(work / "spill")}}},
+                                      "memory_bytes": budget, "spill_path": str(work / "spill"),
+                                      "eviction": eviction}}},
         "checkpoint": {"root": str(work / "ckpt")}})
 
 
@@ -213,6 +236,11 @@ def main(argv=None) -> int:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--tail", choices=("truncated", "fold"), default="truncated",
+                    help="Zipf draws truncated to the keys seen (default), or folded modulo seen as before "
+                         "2026-11-27 (a uniform share of ~30%% of the traffic)")
+    ap.add_argument("--eviction", choices=("slru", "lru"), default="slru",
+                    help="the table's eviction order (TableConfig.eviction)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the work directory (the base checkpoint under WORK/ckpt: profile a restore of it)")
     ap.add_argument("--growth", action="store_true",
@@ -247,7 +275,7 @@ def main(argv=None) -> int:
     from engine.checkpoint import CheckpointManager
     from engine.launch.local import LocalCluster
     from engine.ps import PSClient
-    cfg = config(work, budget)
+    cfg = config(work, budget, args.eviction)
     out = {}
     with LocalCluster(cfg, work / "run") as cl:
         eps = cl.start_servers()
@@ -255,7 +283,7 @@ def main(argv=None) -> int:
         admin = PSClient(eps, name="scale-admin")
         rss_at_start = rss_bytes(pid)
         clients = [subprocess.Popen([sys.executable, __file__, "--client", "--rank", str(r), "--endpoints",
-                                     ",".join(eps), "--keys", str(args.keys)],
+                                     ",".join(eps), "--keys", str(args.keys), "--tail", args.tail],
                                     stdout=subprocess.PIPE, text=True) for r in range(2)]
         lock = threading.Lock()
         steps: list[dict] = []
@@ -279,7 +307,7 @@ def main(argv=None) -> int:
         sampler.start()
         t_start = time.perf_counter()
         rows, first_full = [], None
-        seen, mark, taken, since = 0, args.keys // 10, 0, 0
+        seen, mark, taken, since, promoted = 0, args.keys // 10, 0, 0, 0
         while True:
             running = any(p.poll() is None for p in clients)
             with lock:
@@ -293,9 +321,12 @@ def main(argv=None) -> int:
                 since = taken
                 rec = interval_row(window, seen, pid, work, budget, t_start, rss_max[1])
                 ts = table_stats(admin)
+                pulled = sum(s["keys"] for s in window)
                 rec.update(rows_in_ram=ts["rows_in_ram"], rocksdb=ts.get("rocksdb"), **rss_parts(pid),
+                           promotions_per_pulled_key=round((ts["promotions"] - promoted) / max(1, pulled), 4),
                            table_memory=sum(v for k, v in ts.get("memory", {}).items()
                                             if k not in ("rocksdb_memtables", "rocksdb_table_readers")))
+                promoted = ts["promotions"]
                 emit(rec)
                 rows.append(rec)
                 if rec["ram_tier_spilled"] and first_full is None:
@@ -321,7 +352,7 @@ def main(argv=None) -> int:
         admin.close()
         cl.stop_servers()
     shutil.rmtree(work / "spill", ignore_errors=True)
-    cfg2 = config(work, budget)
+    cfg2 = config(work, budget, args.eviction)
     with LocalCluster(cfg2, work / "run2") as cl:
         eps = cl.start_servers()
         with PSClient(eps, name="scale-restore") as c:
@@ -332,7 +363,7 @@ def main(argv=None) -> int:
         cl.stop_servers()
     last = rows[-1]
     summary = {
-        "bench": "scale_summary", "target_keys": args.keys, "keys_held": out["keys_held"],
+        "bench": "scale_summary", "target_keys": args.keys, "tail": args.tail, "eviction": args.eviction, "keys_held": out["keys_held"],
         "keys_restored": restored, "budget_bytes": budget, "server_rss_at_start": rss_at_start,
         "rss_max_bytes": rss_max[0],
         "rss_max_over_budget": round(rss_max[0] / budget, 3) if rss_max[0] else None,
