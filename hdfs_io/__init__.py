@@ -9,9 +9,10 @@ Public API::
     Publisher(storage, dir, manifest=...)         data files → manifest.json → _SUCCESS
     publish_dir, is_complete, list_complete, read_manifest, file_entries, verify
     write_ipc_file, read_ipc_file                 zstd Arrow IPC, checksummed while written
+    IpcFileWriter                                 the same, streamed batch by batch
     StorageError, StorageUnavailableError, CheckpointCorruptError, NotPublishedError
 """
-from hdfs_io.arrow_io import read_ipc_file, write_ipc_file
+from hdfs_io.arrow_io import IpcFileWriter, read_ipc_file, write_ipc_file
 from hdfs_io.checksum import CHECKSUM_ALGORITHM, ChecksumWriter, FileEntry
 from hdfs_io.errors import CheckpointCorruptError, NotPublishedError, StorageError, StorageUnavailableError
 from hdfs_io.publish import (
@@ -51,6 +52,7 @@ __all__ = [
     "FileEntry",
     "ChecksumWriter",
     "write_ipc_file",
+    "IpcFileWriter",
     "read_ipc_file",
     "StorageError",
     "StorageUnavailableError",

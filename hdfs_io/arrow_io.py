@@ -17,7 +17,7 @@ from hdfs_io.checksum import ChecksumWriter, FileEntry
 from hdfs_io.errors import CheckpointCorruptError
 from hdfs_io.storage import Storage
 
-__all__ = ["write_ipc_file", "read_ipc_file", "check_entry"]
+__all__ = ["write_ipc_file", "IpcFileWriter", "read_ipc_file", "check_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,8 @@ ArrowData = pa.Table | pa.RecordBatch | pa.RecordBatchReader | Iterable[pa.Recor
 
 
 def _ipc_writer(data: ArrowData, schema: pa.Schema | None, compression: str | None):
+    """(write, None) for data that can be written again (a retry replays ``write``), or (None, batches)
+    for a reader or iterator, consumed once."""
     options = ipc.IpcWriteOptions(compression=compression)
     if isinstance(data, pa.Table):
         schema = schema or data.schema
@@ -33,25 +35,66 @@ def _ipc_writer(data: ArrowData, schema: pa.Schema | None, compression: str | No
             with ipc.new_file(out, schema, options=options) as writer:
                 writer.write_table(data)
 
-        return write, True
+        return write, None
     if isinstance(data, pa.RecordBatch):
         return _ipc_writer(pa.Table.from_batches([data]), schema, compression)
     if isinstance(data, (list, tuple)):
         if schema is None and not data:
             raise ValueError("expected a schema to write an empty list of record batches")
         return _ipc_writer(pa.Table.from_batches(list(data), schema=schema), schema, compression)
-    if isinstance(data, pa.RecordBatchReader):
-        schema = schema or data.schema
-    elif schema is None:
+    if not isinstance(data, pa.RecordBatchReader) and schema is None:
         raise ValueError("expected a schema with an iterator of record batches, got schema=None")
-    batches = iter(data)
+    return None, iter(data)
 
-    def write_once(out) -> None:
-        with ipc.new_file(out, schema, options=options) as writer:
-            for batch in batches:
-                writer.write_batch(batch)
 
-    return write_once, False
+class IpcFileWriter:
+    """One Arrow IPC file written to ``storage`` batch by batch, checksummed as it goes: memory holds
+    one batch, not the file. One attempt (a stream cannot be replayed): a storage error propagates, and
+    ``abort()`` removes the partial file. On S3 the object appears only at ``close()``.
+
+    Parameters
+    ----------
+    storage : Storage
+    path : str
+        Relative to ``storage``'s root.
+    schema : pyarrow.Schema
+    compression : {"zstd", "lz4", None}
+        IPC buffer compression.
+
+    Raises
+    ------
+    OSError
+        Storage errors (see :class:`Storage`), from the constructor, ``write`` or ``close``.
+    """
+
+    def __init__(self, storage: Storage, path: str, schema: pa.Schema, *, compression: str | None = "zstd"):
+        self.storage, self.path = storage, path
+        self._sink = storage.open_output_stream(path)
+        self._out = ChecksumWriter(self._sink)
+        try:
+            self._writer = ipc.new_file(self._out, schema, options=ipc.IpcWriteOptions(compression=compression))
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, data: pa.RecordBatch | pa.Table) -> None:
+        """Append a record batch, or a table's batches."""
+        if isinstance(data, pa.Table):
+            self._writer.write_table(data)
+        else:
+            self._writer.write_batch(data)
+
+    def close(self) -> FileEntry:
+        """Finish the file (its footer) and close the stream; returns its size and CRC-32."""
+        self._writer.close()
+        self._sink.close()
+        entry = self._out.entry
+        logger.debug("wrote %s: %d bytes, crc32 %s", self.storage.uri_of(self.path), entry.size, entry.crc32)
+        return entry
+
+    def abort(self) -> None:
+        """Remove the partial file (best effort); the error that led here is the caller's to raise."""
+        self.storage._discard(self._sink, self.storage.full_path(self.path))
 
 
 def write_ipc_file(
@@ -71,7 +114,7 @@ def write_ipc_file(
         Relative to ``storage``'s root.
     data : pyarrow.Table, RecordBatch, list of RecordBatch, RecordBatchReader or iterator of RecordBatch
         Tables, batches and lists are written with retries on transient errors; a reader or iterator is
-        consumed once and written in a single attempt (it cannot be replayed).
+        consumed once and written in a single attempt (it cannot be replayed; ``IpcFileWriter``).
     schema : pyarrow.Schema or None
         Required for a bare iterator; otherwise taken from ``data``.
     compression : {"zstd", "lz4", None}
@@ -89,21 +132,19 @@ def write_ipc_file(
     OSError
         Storage errors (see :class:`Storage`).
     """
-    write, repeatable = _ipc_writer(data, schema, compression)
-    if repeatable:
+    write, batches = _ipc_writer(data, schema, compression)
+    if write is not None:
         entry = storage.write_with(path, write)
-    else:
-        sink = storage.open_output_stream(path)
-        out = ChecksumWriter(sink)
-        try:
-            write(out)
-        except BaseException:
-            storage._discard(sink, storage.full_path(path))
-            raise
-        sink.close()
-        entry = out.entry
-    logger.debug("wrote %s: %d bytes, crc32 %s", storage.uri_of(path), entry.size, entry.crc32)
-    return entry
+        logger.debug("wrote %s: %d bytes, crc32 %s", storage.uri_of(path), entry.size, entry.crc32)
+        return entry
+    writer = IpcFileWriter(storage, path, schema or data.schema, compression=compression)
+    try:
+        for batch in batches:
+            writer.write(batch)
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def check_entry(storage: Storage, path: str, buf: pa.Buffer, expected: FileEntry) -> None:

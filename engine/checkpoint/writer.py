@@ -35,7 +35,7 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from hdfs_io import Storage, write_ipc_file
+from hdfs_io import IpcFileWriter, Storage, write_ipc_file
 from sparse_tables import SparseTable
 
 from ..sharding import routing
@@ -111,6 +111,56 @@ def _split_by_group(batches: list[pa.RecordBatch], num_vshards: int, groups: int
     return out
 
 
+# rows a group's part file receives at a time in a base save: a shard being saved holds at most
+# ``groups`` x this many rows beyond its RAM copy (16 x 16,384 x ~100 bytes ~ 26 MB), not the shard
+STREAM_ROWS = 16_384
+
+
+class _GroupFiles:
+    """A shard's part files of a base, one per vshard group, written as its rows stream in: the rows of
+    a group wait until ``STREAM_ROWS`` of them, then go to that group's file as one record batch, so
+    the save never holds the shard's rows (at 100M keys a server's shards are ~10 GB of Arrow). A
+    group's file opens at its first rows. Each file is one streamed attempt (``IpcFileWriter``): a
+    storage error fails the save, which is then never published, and ``abort`` removes the files."""
+
+    def __init__(self, ckpt: Storage, name: str, server: int, j: int, schema: pa.Schema, num_vshards: int,
+                 groups: int):
+        self.ckpt, self.schema, self.num_vshards, self.groups = ckpt, schema, num_vshards, groups
+        self.prefix, self.suffix = f"sparse/{name}/g", f"-s{server:04d}-j{j:02d}.arrow"
+        self.rows = 0
+        self._pending: dict[int, list[pa.RecordBatch]] = {}
+        self._files: dict[int, IpcFileWriter] = {}
+
+    def _name(self, g: int) -> str:
+        return f"{self.prefix}{g:02d}{self.suffix}"
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        for g, parts in _split_by_group([batch], self.num_vshards, self.groups).items():
+            pending = self._pending.setdefault(g, [])
+            pending.extend(parts)
+            if sum(p.num_rows for p in pending) >= STREAM_ROWS:
+                self._flush(g)
+
+    def _flush(self, g: int) -> None:
+        parts = self._pending.pop(g, [])
+        if not parts:
+            return
+        if g not in self._files:
+            self._files[g] = IpcFileWriter(self.ckpt, self._name(g), self.schema)
+        self._files[g].write(pa.Table.from_batches(parts, schema=self.schema).combine_chunks())
+        self.rows += sum(p.num_rows for p in parts)
+
+    def close(self) -> dict:
+        """Write what waits and finish every file; returns {file name: FileEntry json}."""
+        for g in sorted(self._pending):
+            self._flush(g)
+        return {self._name(g): f.close().to_json() for g, f in sorted(self._files.items())}
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            f.abort()
+
+
 def _dense_table(state: DenseState) -> pa.Table:
     blocks = sorted(state.blocks)
 
@@ -144,7 +194,9 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
     groups : int
         Vshard groups per table (the manifest records it).
     threads : int
-        Local shards captured and written concurrently.
+        Local shards captured and written concurrently. A base streams each shard's rows into its part
+        files (``_GroupFiles``): memory holds the shard's RAM rows copied at one instant plus
+        ``groups x STREAM_ROWS`` rows, never the shard's RocksDB rows; a delta gathers its dirty rows first.
 
     Returns
     -------
@@ -170,9 +222,15 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
     def one_shard(name: str, j: int, shard: SparseTable):
         if kind == "base":
             shard.clear_dirty()                 # before the dump: a racing push also lands in the next delta
-            batches, deleted = list(shard.rows()), np.empty(0, np.uint64)
-        else:
-            batches, deleted = shard.dirty_rows(clear=True)
+            files = _GroupFiles(ckpt, name, server, j, shard.schema, num_vshards, groups)
+            try:
+                for batch in shard.rows():      # RAM rows (copied at one instant), then RocksDB's snapshot
+                    files.add(batch)
+                return name, files.close(), files.rows, np.empty(0, np.uint64)
+            except BaseException:
+                files.abort()
+                raise
+        batches, deleted = shard.dirty_rows(clear=True)
         written = {}
         n = 0
         for g, parts in sorted(_split_by_group(batches, num_vshards, groups).items()):

@@ -1,0 +1,95 @@
+"""A base checkpoint streams each shard's rows into its part files (``engine.checkpoint.writer``'s
+``_GroupFiles``): files are written while the shard's rows are still being read, the restore is
+bit-exact, and a storage error mid-stream fails the save, leaves none of the shard's files behind and
+publishes nothing, so the next save starts clean."""
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import pytest
+
+from engine.checkpoint import CheckpointManager
+from engine.checkpoint import writer as W
+from hdfs_io import IpcFileWriter
+from sparse_tables import TableConfig
+from tests.contract.test_ckpt_format import ShardCluster
+
+T0 = dt.datetime(2024, 1, 1, 0, 0, tzinfo=dt.timezone.utc)
+
+
+def _spilled_cluster(tmp_path, n=40_000):
+    cfg = TableConfig(dim=4, optimizer="adagrad", learning_rate=0.1, memory_rows=5_000,
+                      spill_path=str(tmp_path / "spill"), num_threads=1)
+    c = ShardCluster(1, {"emb": cfg}, local=1)
+    keys = np.random.default_rng(0).choice(1 << 40, n, replace=False).astype(np.uint64)
+    grads = np.random.default_rng(1).normal(size=(n, 4)).astype(np.float32)
+    for i in range(0, n, 4_000):
+        c.push("emb", keys[i:i + 4_000], grads[i:i + 4_000])
+    return c
+
+
+def test_a_base_writes_part_files_while_the_shard_is_still_being_read_and_restores_bit_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "STREAM_ROWS", 500)
+    src = _spilled_cluster(tmp_path / "src")
+    shard = src.tables[0]["emb"][0]
+    assert shard.stats()["rows_spilled"] > 30_000
+    yielded = [0]
+    rows = shard.rows
+
+    def counted(chunk_rows=65536):
+        for batch in rows(chunk_rows=4_096):       # ten batches and more: RAM rows, then RocksDB's
+            yielded[0] += 1
+            yield batch
+    monkeypatch.setattr(shard, "rows", counted)
+    at_write = []
+    write = IpcFileWriter.write
+    monkeypatch.setattr(IpcFileWriter, "write", lambda self, data: (at_write.append(yielded[0]), write(self, data)))
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), "job", groups=8)
+    mgr.save(src, "base", when=T0)
+    assert yielded[0] >= 10 and at_write and at_write[0] <= 2, (yielded[0], at_write[:5])
+    dst = ShardCluster(1, {"emb": src.configs["emb"]}, local=1)
+    try:
+        assert mgr.restore(dst)["kind"] == "base"
+        assert dst.dump("emb") == src.dump("emb") and len(dst.dump("emb")) == 40_000
+    finally:
+        dst.close()
+        src.close()
+
+
+def test_a_storage_error_mid_stream_fails_the_base_and_leaves_no_part_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "STREAM_ROWS", 500)
+    src = _spilled_cluster(tmp_path / "src")
+    write, calls = IpcFileWriter.write, [0]
+
+    def failing(self, data):
+        calls[0] += 1
+        if calls[0] == 12:
+            raise OSError("connection reset while writing (injected)")
+        write(self, data)
+    monkeypatch.setattr(IpcFileWriter, "write", failing)
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(str(root), "job", groups=8)
+    try:
+        with pytest.raises(OSError, match="injected"):
+            mgr.save(src, "base", when=T0)
+        assert not list(root.rglob("*.arrow")), "a failed base left part files behind"
+        assert not list(root.rglob("_SUCCESS"))
+        monkeypatch.setattr(IpcFileWriter, "write", write)
+        m = mgr.save(src, "base", when=T0 + dt.timedelta(hours=1))        # the next save starts clean
+        dst = ShardCluster(1, {"emb": src.configs["emb"]}, local=1)
+        try:
+            assert mgr.restore(dst)["name"] == m["name"] and dst.dump("emb") == src.dump("emb")
+        finally:
+            dst.close()
+    finally:
+        src.close()
+
+
+def test_a_shard_with_no_rows_writes_no_part_file(tmp_path):
+    c = ShardCluster(1, {"emb": TableConfig(dim=4)}, local=2)
+    try:
+        m = CheckpointManager(str(tmp_path / "ckpt"), "job", groups=8).save(c, "base", when=T0)
+        assert not list((tmp_path / "ckpt").rglob("*.arrow")) and m["kind"] == "base"
+    finally:
+        c.close()
