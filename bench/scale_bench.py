@@ -29,7 +29,9 @@ so 27-31% of all the traffic was uniform over every key, not Zipf, and most of i
 and at the end one ``scale_summary`` row: ``keys_held`` (the server's rows), ``server_rss_at_start``
 (the server process before any row: Python, numpy, Numba's compiled kernels, gRPC; the constant RSS
 has beyond the budget), ``rss_max_bytes`` and ``rss_max_over_budget``
-(the largest RSS sampled every 0.5 s after the RAM tier first spilled / the budget; target <= 1.1),
+(the largest RSS sampled every 0.5 s after the RAM tier first spilled / the budget; target <= 1.1;
+``rss_max_over_budget_by_phase`` gives the same for the growth, the base save, the expiry pass and the
+restore into a fresh server),
 ``throughput_ratio_last_vs_first_full`` (pull keys/s of the last row / of the first row after the RAM
 tier filled; target >= 0.7), ``disk_bytes_per_row`` (RocksDB's files / keys, compaction's space
 amplification included; the record is 96 bytes at dim 16 Adagrad), ``base_save_s`` and ``restore_s``
@@ -142,6 +144,37 @@ def rss_parts(pid: int) -> dict:
                 out[names[parts[0]]] = int(parts[1]) * 1024
     out["rss_file"] = out.get("rss", 0) - out.get("rss_anon", 0)
     return out
+
+
+class RssPeaks:
+    """The largest RSS of a process per phase, sampled every 0.5 s from a thread: ``phase(name)``
+    starts a phase (None: not recorded), ``peaks`` holds {phase: bytes}. The process may change
+    (``watch(pid)``, a restore's fresh server)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.current, self.peaks = pid, None, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def phase(self, name: str | None, pid: int | None = None) -> None:
+        self.pid = pid or self.pid
+        self.current = name
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            name = self.current
+            if name is None:
+                continue
+            try:
+                r = rss_bytes(self.pid)
+            except OSError:
+                continue            # the process ended between phases
+            self.peaks[name] = max(self.peaks.get(name, 0), r)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
 
 
 def dir_bytes(path: Path) -> int:
@@ -295,16 +328,8 @@ def main(argv=None) -> int:
         readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in clients]
         for t in readers:
             t.start()
-        rss_max = [0, False]        # max RSS once the RAM tier spilled, and whether it has
-        done = threading.Event()
-
-        def sample():
-            while not done.wait(0.5):
-                r = rss_bytes(pid)
-                if rss_max[1]:
-                    rss_max[0] = max(rss_max[0], r)
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        spilled = False             # whether the RAM tier has spilled: RSS peaks are recorded from then on
+        peaks = RssPeaks(pid)
         t_start = time.perf_counter()
         rows, first_full = [], None
         seen, mark, taken, since, promoted = 0, args.keys // 10, 0, 0, 0
@@ -313,13 +338,14 @@ def main(argv=None) -> int:
             with lock:
                 new_steps, taken = steps[taken:], len(steps)
             seen += sum(s["made"] for s in new_steps)
-            if not rss_max[1] and new_steps:
-                rss_max[1] = table_stats(admin)["rows_spilled"] > 0
+            if not spilled and new_steps:
+                spilled = table_stats(admin)["rows_spilled"] > 0
+                peaks.phase("growth" if spilled else None)
             if seen >= mark or (not running and since < taken):
                 with lock:
                     window = steps[since:taken]
                 since = taken
-                rec = interval_row(window, seen, pid, work, budget, t_start, rss_max[1])
+                rec = interval_row(window, seen, pid, work, budget, t_start, spilled)
                 ts = table_stats(admin)
                 pulled = sum(s["keys"] for s in window)
                 rec.update(rows_in_ram=ts["rows_in_ram"], rocksdb=ts.get("rocksdb"), **rss_parts(pid),
@@ -335,7 +361,7 @@ def main(argv=None) -> int:
             if not running and since >= len(steps):
                 break
             time.sleep(0.2)
-        done.set()
+        peaks.phase(None)
         for p in clients:
             if p.wait() != 0:
                 raise SystemExit(f"scale_bench: client exited with {p.returncode}")
@@ -344,11 +370,14 @@ def main(argv=None) -> int:
         disk = dir_bytes(work / "spill")
         t0 = time.perf_counter()
         mgr = CheckpointManager(str(work / "ckpt"), "scale")
+        peaks.phase("base_save")
         mgr.save(admin, "base", when=0.0)
         out["base_save_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
+        peaks.phase("shrink")
         out["shrink_rows_deleted"] = admin.shrink("emb")
         out["shrink_s"] = round(time.perf_counter() - t0, 1)
+        peaks.phase(None)
         admin.close()
         cl.stop_servers()
     shutil.rmtree(work / "spill", ignore_errors=True)
@@ -357,16 +386,22 @@ def main(argv=None) -> int:
         eps = cl.start_servers()
         with PSClient(eps, name="scale-restore") as c:
             t0 = time.perf_counter()
+            peaks.phase("restore", cl.pids()[0])
             CheckpointManager(str(work / "ckpt"), "scale").restore(c)
             out["restore_s"] = round(time.perf_counter() - t0, 1)
+            peaks.phase(None)
             restored = table_stats(c)["rows"]
         cl.stop_servers()
+    peaks.stop()
     last = rows[-1]
+    rss_max = peaks.peaks.get("growth", 0)
     summary = {
         "bench": "scale_summary", "target_keys": args.keys, "tail": args.tail, "eviction": args.eviction, "keys_held": out["keys_held"],
         "keys_restored": restored, "budget_bytes": budget, "server_rss_at_start": rss_at_start,
-        "rss_max_bytes": rss_max[0],
-        "rss_max_over_budget": round(rss_max[0] / budget, 3) if rss_max[0] else None,
+        "rss_max_bytes": rss_max,
+        "rss_max_over_budget": round(rss_max / budget, 3) if rss_max else None,
+        # the same during the base save, the expiry pass and the restore (a fresh server)
+        "rss_max_over_budget_by_phase": {k: round(v / budget, 3) for k, v in peaks.peaks.items()},
         "throughput_ratio_last_vs_first_full": (round(last["pull_keys_per_s"] / first_full["pull_keys_per_s"], 3)
                                                 if first_full else None),
         "first_full_keys": first_full["keys"] if first_full else None,

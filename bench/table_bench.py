@@ -21,7 +21,8 @@
                    keys_per_s, ratio_vs_in_memory (same draws, memory_rows large enough for all),
                    peak_rss_bytes and the target limit 2 x (2M x row bytes) + 1 GB; ``--spill-rounds``
                    (3) interleaved rounds of both runs, rates the medians over rounds, each round's
-                   ratio in ``ratio_per_round``
+                   ratio in ``ratio_per_round``; ``--eviction lru`` measures the spilling table under
+                   plain LRU instead of segmented LRU (the default)
     bytes_per_row  RAM per row beyond its value and optimizer floats, measured as RSS growth while
                    inserting 10M rows (and the table's own accounting, for comparison)
 
@@ -30,6 +31,7 @@ only adds time); the pull variants are timed in interleaved rounds, so a burst o
 hits all of them alike. Each measurement runs in a fresh subprocess so its peak RSS is its own.
 ``--quick`` divides sizes by 10.
 Usage: python bench/table_bench.py [--quick] [--only machine,pull,push,spill,bytes_per_row] [--spill-rounds 3]
+                                  [--eviction slru|lru]
 """
 from __future__ import annotations
 
@@ -237,7 +239,7 @@ def zipf_ranks(n: int, universe: int, s: float, rng: np.random.Generator) -> np.
     return np.minimum(np.floor(x ** (1.0 / a)).astype(np.int64) - 1, universe - 1)
 
 
-def bench_spill_run(scale: int, in_memory: bool) -> dict:
+def bench_spill_run(scale: int, in_memory: bool, eviction: str = "slru") -> dict:
     from sparse_tables import SparseTable, TableConfig
 
     universe = 20_000_000 // scale
@@ -246,7 +248,7 @@ def bench_spill_run(scale: int, in_memory: bool) -> dict:
     rng = np.random.default_rng(7)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         cfg = TableConfig(dim=DIM, optimizer="adagrad", memory_rows=memory_rows,
-                          spill_path=None if in_memory else f"{tmp}/spill")
+                          spill_path=None if in_memory else f"{tmp}/spill", eviction=eviction)
         table = SparseTable(cfg, initial_rows=memory_rows)
         grads = (rng.standard_normal((BATCH, DIM)) * 0.01).astype(np.float32)
         # draws are generated outside the timed region, batch by batch, to keep RSS honest
@@ -264,7 +266,7 @@ def bench_spill_run(scale: int, in_memory: bool) -> dict:
     row_bytes = stats["row_bytes"]
     return {"keys_per_s": total / elapsed, "rows": stats["rows"], "rows_in_ram": stats["rows_in_ram"],
             "rows_spilled": stats["rows_spilled"], "evictions": stats["evictions"],
-            "promotions": stats["promotions"], "memory_rows": memory_rows, "universe": universe,
+            "promotions": stats["promotions"], "eviction": eviction, "memory_rows": memory_rows, "universe": universe,
             "keys_pushed": total, "row_bytes": row_bytes, "peak_rss_bytes": peak_rss_bytes()}
 
 
@@ -288,18 +290,18 @@ def bench_bytes_per_row(scale: int) -> dict:
             "index_slots": stats["index_slots"], "target": 48, "excluded_input_keys_bytes": keys_bytes}
 
 
-def run_child(name: str, scale: int) -> list[dict]:
+def run_child(name: str, scale: int, eviction: str = "slru") -> list[dict]:
     if name == "pull_push":
         return bench_pull_push(scale)
     if name in ("spill", "spill_in_memory"):
-        return [bench_spill_run(scale, in_memory=name == "spill_in_memory")]
+        return [bench_spill_run(scale, in_memory=name == "spill_in_memory", eviction=eviction)]
     if name == "bytes_per_row":
         return [bench_bytes_per_row(scale)]
     raise SystemExit(f"unknown measurement {name!r}")
 
 
-def spawn(name: str, scale: int) -> list[dict]:
-    cmd = [sys.executable, __file__, "--child", name, "--scale", str(scale)]
+def spawn(name: str, scale: int, eviction: str = "slru") -> list[dict]:
+    cmd = [sys.executable, __file__, "--child", name, "--scale", str(scale), "--eviction", eviction]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
@@ -312,9 +314,11 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--spill-rounds", type=int, default=3,
                     help="interleaved rounds of the spill and in-memory runs; rates are their medians")
+    ap.add_argument("--eviction", choices=("slru", "lru"), default="slru",
+                    help="the spilling table's eviction order (TableConfig.eviction)")
     args = ap.parse_args()
     if args.child:
-        for rec in run_child(args.child, args.scale):
+        for rec in run_child(args.child, args.scale, args.eviction):
             print(json.dumps(rec), flush=True)
         return
     scale = 10 if args.quick else 1
@@ -330,7 +334,7 @@ def main() -> None:
         # both sides; the ratio is of the medians (one round's ratio ranged 0.41-0.61 on a quiet day)
         spills, rams = [], []
         for _ in range(args.spill_rounds):
-            spills.append(spawn("spill", scale)[0])
+            spills.append(spawn("spill", scale, args.eviction)[0])
             rams.append(spawn("spill_in_memory", scale)[0])
         spill_rate = float(np.median([r["keys_per_s"] for r in spills]))
         ram_rate = float(np.median([r["keys_per_s"] for r in rams]))
