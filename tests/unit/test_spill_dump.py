@@ -1,0 +1,41 @@
+"""A spilling table's dump (``SparseTable.rows``, what a base checkpoint writes) is the table at one
+instant, however long it takes to read while pushes go on: no row twice, no row made later, every
+value as it was."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from sparse_tables import SparseTable, TableConfig
+
+DIM = 4
+
+
+def _rows(batches) -> dict:
+    tab = pa.Table.from_batches(batches)
+    keys = tab.column("key").to_numpy()
+    values = np.asarray(tab.column("values").combine_chunks().flatten()).reshape(len(keys), DIM)
+    assert len(np.unique(keys)) == len(keys), f"{len(keys) - len(np.unique(keys))} key(s) dumped twice"
+    return {int(k): v.tolist() for k, v in zip(keys, values)}
+
+
+def test_a_dump_read_while_pushes_evict_and_create_rows_is_the_table_at_its_instant(tmp_path):
+    t = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                                memory_rows=2_000, spill_path=str(tmp_path / "spill"), num_threads=1))
+    old = np.arange(1, 6_001, dtype=np.uint64)
+    for i in range(0, len(old), 1_000):
+        t.push(old[i:i + 1_000], np.ones((1_000, DIM), np.float32))
+    t.push(old[:500], np.ones((500, DIM), np.float32))         # some rows in RAM and on disk differ
+    assert t.stats()["rows_spilled"] > 3_000 and t.stats()["rows_in_ram"] > 1_000
+    before = _rows(list(t.rows()))
+    dump = t.rows(chunk_rows=256)
+    first = [next(dump)]                     # the dump's instant: RAM rows copied, RocksDB's view made
+    # then, before the rest is read: new rows, updates, and evictions of rows the RAM copy holds
+    t.push(np.arange(100_001, 104_001, dtype=np.uint64), np.full((4_000, DIM), 2.0, np.float32))
+    t.push(old[::2], np.full((3_000, DIM), 5.0, np.float32))
+    assert t.stats()["evictions"] > 6_000
+    got = _rows(first + list(dump))
+    assert got == before and len(got) == 6_000
+    after = _rows(list(t.rows()))
+    assert len(after) == 10_000 and after[int(old[0])] == [-7.0] * DIM
+    t.close()
