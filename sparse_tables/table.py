@@ -375,7 +375,8 @@ class SparseTable(SpillTier):
         """
         with self._lock.shared():
             records = self._gather_live(0)
-            snapshot = self._spill.snapshot() if self._spill is not None else None
+            spill = self._spill         # the dump's own reference: a close meanwhile does not drop it
+            snapshot = spill.snapshot() if spill is not None else None
         fo = self.layout.meta + K.M_FLAGS
         ram_on_disk = KeySet(max(16, len(records)))
         on_disk = (records[:, fo] & K.F_ON_DISK) != 0
@@ -383,7 +384,7 @@ class SparseTable(SpillTier):
         for start in range(0, len(records), chunk_rows):
             yield records_to_batch(records[start:start + chunk_rows], self.layout, self.schema)
         if snapshot is not None:
-            for keys, recs in self._spill.scan(snapshot, chunk_rows):
+            for keys, recs in spill.scan(snapshot, chunk_rows):
                 keep = ~ram_on_disk.contains(keys)
                 if keep.any():
                     yield records_to_batch(recs[keep], self.layout, self.schema)

@@ -25,6 +25,7 @@ locked step, so a push racing with the save lands in the next delta).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -36,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 
 from hdfs_io import IpcFileWriter, Storage, write_ipc_file
+from hdfs_io.retry import call_with_retry
 from sparse_tables import SparseTable
 
 from ..sharding import routing
@@ -104,10 +106,9 @@ def _split_by_group(batches: list[pa.RecordBatch], num_vshards: int, groups: int
         order = np.empty(len(g), np.int64)
         bounds = np.empty(groups + 1, np.int64)
         _group(g, groups, order, bounds)
-        taken = b.take(pa.array(order))
-        for k in range(groups):
+        for k in range(groups):         # a copy per group: a slice of one copy would keep it all alive
             if bounds[k + 1] > bounds[k]:
-                out.setdefault(k, []).append(taken.slice(int(bounds[k]), int(bounds[k + 1] - bounds[k])))
+                out.setdefault(k, []).append(b.take(pa.array(order[bounds[k]:bounds[k + 1]])))
     return out
 
 
@@ -120,8 +121,9 @@ class _GroupFiles:
     """A shard's part files of a base, one per vshard group, written as its rows stream in: the rows of
     a group wait until ``STREAM_ROWS`` of them, then go to that group's file as one record batch, so
     the save never holds the shard's rows (at 100M keys a server's shards are ~10 GB of Arrow). A
-    group's file opens at its first rows. Each file is one streamed attempt (``IpcFileWriter``): a
-    storage error fails the save, which is then never published, and ``abort`` removes the files."""
+    group's file opens at its first rows. Each file is streamed (``IpcFileWriter``), so a storage error
+    fails the attempt: ``abort`` removes the files, and ``_dump_base`` retries the shard's whole dump on
+    transient errors (the storage's retry policy); past that the save fails and is never published."""
 
     def __init__(self, ckpt: Storage, name: str, server: int, j: int, schema: pa.Schema, num_vshards: int,
                  groups: int):
@@ -159,6 +161,23 @@ class _GroupFiles:
     def abort(self) -> None:
         for f in self._files.values():
             f.abort()
+
+
+def _dump_base(ckpt: Storage, name: str, server: int, j: int, shard: SparseTable, num_vshards: int,
+               groups: int) -> tuple[dict, int]:
+    """One attempt at a shard's part files of a base: (file entries, rows). A failed attempt removes its
+    files and releases the dump (its RocksDB iterator); a retry dumps the shard afresh, which is as
+    consistent: its dirty marks are cleared again first, so what changed since lands in the next delta."""
+    shard.clear_dirty()                 # before the dump: a racing push also lands in the next delta
+    files = _GroupFiles(ckpt, name, server, j, shard.schema, num_vshards, groups)
+    try:
+        with contextlib.closing(shard.rows()) as rows:   # RAM rows copied at one instant, then RocksDB's
+            for batch in rows:
+                files.add(batch)
+        return files.close(), files.rows
+    except BaseException:
+        files.abort()
+        raise
 
 
 def _dense_table(state: DenseState) -> pa.Table:
@@ -221,15 +240,10 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
 
     def one_shard(name: str, j: int, shard: SparseTable):
         if kind == "base":
-            shard.clear_dirty()                 # before the dump: a racing push also lands in the next delta
-            files = _GroupFiles(ckpt, name, server, j, shard.schema, num_vshards, groups)
-            try:
-                for batch in shard.rows():      # RAM rows (copied at one instant), then RocksDB's snapshot
-                    files.add(batch)
-                return name, files.close(), files.rows, np.empty(0, np.uint64)
-            except BaseException:
-                files.abort()
-                raise
+            written, n = call_with_retry(lambda: _dump_base(ckpt, name, server, j, shard, num_vshards, groups),
+                                         policy=ckpt.retry, stats=ckpt.retry_stats, uri=ckpt.uri,
+                                         what=f"base of table {name!r} shard {j} to {ckpt.uri}")
+            return name, written, n, np.empty(0, np.uint64)
         batches, deleted = shard.dirty_rows(clear=True)
         written = {}
         n = 0

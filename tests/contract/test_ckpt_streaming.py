@@ -1,7 +1,7 @@
 """A base checkpoint streams each shard's rows into its part files (``engine.checkpoint.writer``'s
 ``_GroupFiles``): files are written while the shard's rows are still being read, the restore is
-bit-exact, and a storage error mid-stream fails the save, leaves none of the shard's files behind and
-publishes nothing, so the next save starts clean."""
+bit-exact, a transient storage error mid-stream redoes the shard's dump, and a permanent one fails the
+save, leaves none of the shard's files behind and publishes nothing, so the next save starts clean."""
 from __future__ import annotations
 
 import datetime as dt
@@ -11,7 +11,7 @@ import pytest
 
 from engine.checkpoint import CheckpointManager
 from engine.checkpoint import writer as W
-from hdfs_io import IpcFileWriter
+from hdfs_io import IpcFileWriter, RetryPolicy
 from sparse_tables import TableConfig
 from tests.contract.test_ckpt_format import ShardCluster
 
@@ -27,6 +27,20 @@ def _spilled_cluster(tmp_path, n=40_000):
     for i in range(0, n, 4_000):
         c.push("emb", keys[i:i + 4_000], grads[i:i + 4_000])
     return c
+
+
+def _fail_12th_write(monkeypatch, exc: OSError) -> list:
+    """IpcFileWriter.write raises ``exc`` on its 12th call (mid-stream: a few files open); returns the
+    call counter."""
+    write, calls = IpcFileWriter.write, [0]
+
+    def failing(self, data):
+        calls[0] += 1
+        if calls[0] == 12:
+            raise exc
+        write(self, data)
+    monkeypatch.setattr(IpcFileWriter, "write", failing)
+    return calls
 
 
 def test_a_base_writes_part_files_while_the_shard_is_still_being_read_and_restores_bit_exact(tmp_path, monkeypatch):
@@ -60,14 +74,8 @@ def test_a_base_writes_part_files_while_the_shard_is_still_being_read_and_restor
 def test_a_storage_error_mid_stream_fails_the_base_and_leaves_no_part_file(tmp_path, monkeypatch):
     monkeypatch.setattr(W, "STREAM_ROWS", 500)
     src = _spilled_cluster(tmp_path / "src")
-    write, calls = IpcFileWriter.write, [0]
-
-    def failing(self, data):
-        calls[0] += 1
-        if calls[0] == 12:
-            raise OSError("connection reset while writing (injected)")
-        write(self, data)
-    monkeypatch.setattr(IpcFileWriter, "write", failing)
+    write = IpcFileWriter.write
+    _fail_12th_write(monkeypatch, PermissionError("write refused (injected)"))     # permanent: not retried
     root = tmp_path / "ckpt"
     mgr = CheckpointManager(str(root), "job", groups=8)
     try:
@@ -83,6 +91,21 @@ def test_a_storage_error_mid_stream_fails_the_base_and_leaves_no_part_file(tmp_p
         finally:
             dst.close()
     finally:
+        src.close()
+
+
+def test_a_transient_error_mid_stream_redoes_the_shards_dump_and_the_base_is_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "STREAM_ROWS", 500)
+    src = _spilled_cluster(tmp_path / "src")
+    calls = _fail_12th_write(monkeypatch, ConnectionResetError("connection reset by peer (injected)"))
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), "job", groups=8, retry=RetryPolicy(initial_delay_s=0.01))
+    dst = ShardCluster(1, {"emb": src.configs["emb"]}, local=1)
+    try:
+        m = mgr.save(src, "base", when=T0)
+        assert calls[0] > 12                    # the error happened, and the dump was done again
+        assert mgr.restore(dst)["name"] == m["name"] and dst.dump("emb") == src.dump("emb")
+    finally:
+        dst.close()
         src.close()
 
 

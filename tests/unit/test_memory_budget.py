@@ -161,7 +161,7 @@ def test_sampled_lru_picks_distinct_live_rows_and_spares_the_hot_ones():
     assert np.mean(ticks <= np.quantile(all_ticks, 0.34)) > 0.8
     # as many draws as rows handed out: the strata are single rows, every live row is a candidate and
     # the choice is exact LRU
-    n = sample_lru(t._arena_u, t._state, t._lay, 200, 100, np.uint64(9), out, True)
+    n = sample_lru(t._arena_u, t._state, t._lay, 200, 100, np.uint64(9), out, False)
     assert n == 200 and np.sort(t._arena_u[out, t.layout.meta + K.M_TICK]).tolist() == \
         np.sort(all_ticks)[:200].tolist()
     t.close()
