@@ -148,8 +148,8 @@ def rss_parts(pid: int) -> dict:
 
 class RssPeaks:
     """The largest RSS of a process per phase, sampled every 0.5 s from a thread: ``phase(name)``
-    starts a phase (None: not recorded), ``peaks`` holds {phase: bytes}. The process may change
-    (``watch(pid)``, a restore's fresh server)."""
+    starts a phase (None: not recorded), ``peaks`` holds {phase: bytes}. ``phase(name, pid)`` also
+    switches the process watched (a restore's fresh server)."""
 
     def __init__(self, pid: int):
         self.pid, self.current, self.peaks = pid, None, {}

@@ -104,23 +104,23 @@ def exact_victims(arena_u, state, lay, k, per_victim, segmented, out):
             continue
         rows[live] = r
         ranks[live] = U64(arena_u[r, tick_w])
-        if segmented and not f & F_REUSED:
-            probation += 1
+        if segmented:
+            if f & F_REUSED:
+                ranks[live] += U64(1) << U64(32)       # protected: after every probationary row
+            else:
+                probation += 1
         live += 1
     kk = min(k, live)
     if kk <= 0:
         return 0
     first = min(kk, max(0, probation - live // per_victim)) if segmented else 0
-    # probationary rows rank by tick, protected ones after all of them: the ``first`` oldest
-    # probationary rows go, then the oldest of all the others (a second partition over ticks alone)
+    # the ``first`` oldest probationary rows go, then the oldest of all the others (a second
+    # partition over ticks alone)
     taken = np.empty(kk, np.int64)          # positions into rows / ranks
     n = 0
     if first > 0:
-        for i in range(live):
-            if arena_u[rows[i], flags_w] & F_REUSED:
-                ranks[i] += U64(1) << U64(32)
-        threshold = np.partition(ranks[:live], first - 1)[first - 1]
-        n = _take(ranks, live, threshold, first, taken, 0)
+        n = _take(ranks, live, np.partition(ranks[:live], first - 1)[first - 1], first, taken, 0)
+    if segmented:
         for i in range(live):
             ranks[i] &= U64(0xFFFFFFFF)
         for j in range(n):                  # out of the second partition: ranked past every tick

@@ -20,8 +20,8 @@ from .errors import TableConfigError
 OPTIMIZERS = ("sgd", "adagrad", "std_adagrad", "adam", "ftrl")
 OPTIMIZER_CODE = {name: i for i, name in enumerate(OPTIMIZERS)}
 INITIALIZERS = ("uniform", "normal", "zeros")
-EVICTIONS = ("slru", "lru")
 INITIALIZER_CODE = {name: i for i, name in enumerate(INITIALIZERS)}
+EVICTIONS = ("slru", "lru")
 
 #: Row layout format version, recorded with every row dump.
 LAYOUT_VERSION = 1

@@ -480,22 +480,21 @@ class SpillStore:
         self.count -= len(keys)
 
     def snapshot(self):
-        """A read view of the database as of now, for ``scan``. RocksDB fixes an iterator's view when
-        the iterator is made, so it is made here: rocksdict's ``Snapshot.items()`` called later (at the
-        first read of a dump, after its RAM rows) saw every write up to then, so a dump taken while
-        pushes went on held rows evicted after its instant twice (RAM copy and RocksDB) and rows made
-        after it. The scan reads ahead ``SCAN_READAHEAD`` bytes per file and leaves the block cache to
-        the point reads."""
+        """A read view of the database as of now, for ``scan``: an iterator over (key, record). RocksDB
+        fixes an iterator's view when the iterator is made, so it is made here; a view made later (as
+        rocksdict's ``Snapshot.items()`` was, at the first read of a dump, after its RAM rows) sees every
+        write up to then, and a dump taken while pushes went on held rows evicted after its instant twice
+        (RAM copy and RocksDB) and rows made after it. The scan reads ahead ``SCAN_READAHEAD`` bytes per
+        file and leaves the block cache to the point reads."""
         ro = ReadOptions()
         ro.set_readahead_size(SCAN_READAHEAD)
         ro.fill_cache(False)
-        snap = self._db.snapshot()
-        return snap, snap.items(read_opt=ro)
+        return self._db.items(read_opt=ro)
 
     def scan(self, view, chunk_rows: int = 65536):
         """Yield (keys : uint64[m], records : uint32[m, stride]) of a ``snapshot()`` view, in key order.
         A view is read once."""
-        _, items = view
+        items = view
         while True:
             chunk = list(itertools.islice(items, chunk_rows))
             if not chunk:

@@ -370,8 +370,8 @@ class SparseTable(SpillTier):
     def rows(self, chunk_rows: int = 65536) -> Iterator[pa.RecordBatch]:
         """Every row, RAM and RocksDB, exactly once, as RecordBatches of ``self.schema``.
 
-        The RAM rows are copied and a RocksDB snapshot taken at one instant under the lock, so the dump
-        is one consistent state of the shard even while pushes go on.
+        The RAM rows are copied and RocksDB's read view made (``SpillStore.snapshot``) at one instant under
+        the lock, so the dump is one consistent state of the shard even while pushes go on.
         """
         with self._lock.shared():
             records = self._gather_live(0)

@@ -112,6 +112,11 @@ def _split_by_group(batches: list[pa.RecordBatch], num_vshards: int, groups: int
     return out
 
 
+def _part_name(table: str, g: int, server: int, j: int) -> str:
+    """A sparse part file: vshard group g of local shard j of server ``server`` (``reader._SPARSE_RE``)."""
+    return f"sparse/{table}/g{g:02d}-s{server:04d}-j{j:02d}.arrow"
+
+
 # rows a group's part file receives at a time in a base save: a shard being saved holds at most
 # ``groups`` x this many rows beyond its RAM copy (16 x 16,384 x ~100 bytes ~ 26 MB), not the shard
 STREAM_ROWS = 16_384
@@ -128,13 +133,13 @@ class _GroupFiles:
     def __init__(self, ckpt: Storage, name: str, server: int, j: int, schema: pa.Schema, num_vshards: int,
                  groups: int):
         self.ckpt, self.schema, self.num_vshards, self.groups = ckpt, schema, num_vshards, groups
-        self.prefix, self.suffix = f"sparse/{name}/g", f"-s{server:04d}-j{j:02d}.arrow"
+        self.name, self.server, self.j = name, server, j
         self.rows = 0
         self._pending: dict[int, list[pa.RecordBatch]] = {}
         self._files: dict[int, IpcFileWriter] = {}
 
     def _name(self, g: int) -> str:
-        return f"{self.prefix}{g:02d}{self.suffix}"
+        return _part_name(self.name, g, self.server, self.j)
 
     def add(self, batch: pa.RecordBatch) -> None:
         for g, parts in _split_by_group([batch], self.num_vshards, self.groups).items():
@@ -248,7 +253,7 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
         written = {}
         n = 0
         for g, parts in sorted(_split_by_group(batches, num_vshards, groups).items()):
-            fname = f"sparse/{name}/g{g:02d}-s{server:04d}-j{j:02d}.arrow"
+            fname = _part_name(name, g, server, j)
             entry = write_ipc_file(ckpt, fname, parts, schema=shard.schema)
             written[fname] = entry.to_json()
             n += sum(p.num_rows for p in parts)
