@@ -13,6 +13,7 @@ from engine.checkpoint import CheckpointManager
 from engine.checkpoint import writer as W
 from hdfs_io import IpcFileWriter, RetryPolicy
 from sparse_tables import TableConfig
+from sparse_tables.errors import SpillError
 from tests.contract.test_ckpt_format import ShardCluster
 
 T0 = dt.datetime(2024, 1, 1, 0, 0, tzinfo=dt.timezone.utc)
@@ -116,3 +117,19 @@ def test_a_shard_with_no_rows_writes_no_part_file(tmp_path):
         assert not list((tmp_path / "ckpt").rglob("*.arrow")) and m["kind"] == "base"
     finally:
         c.close()
+
+
+def test_a_base_over_a_corrupt_spill_store_fails_naming_it_and_publishes_nothing(tmp_path):
+    from tests.unit.test_spill_dump import _corrupt_middle_of_largest_sst
+    src = _spilled_cluster(tmp_path / "src")
+    shard = src.tables[0]["emb"][0]
+    shard._spill._db.flush()
+    _corrupt_middle_of_largest_sst(shard._spill._dir.db_path)
+    root = tmp_path / "ckpt"
+    try:
+        with pytest.raises(SpillError, match="a scan stopped after .* on a read error: Corruption"):
+            CheckpointManager(str(root), "job", groups=8).save(src, "base", when=T0)
+        assert not list(root.rglob("*.arrow")), "a failed base left part files behind"
+        assert not list(root.rglob("_SUCCESS")) and not list(root.rglob("manifest.json"))
+    finally:
+        src.close()
