@@ -16,6 +16,7 @@ from ._evict import exact_victims, sample_lru
 from ._inputs import record_keys as _record_keys
 from ._load_kernels import DUPLICATES, SORTED_UNIQUE
 from .budget import HEADROOM_ROWS, MAX_LOAD
+from .keysets import unique_keys
 
 RELEASED_ROWS = 16                  # arena rows and index slots between release_ram and restore_ram
 EVICT_PASS_ROWS = 1 << 16           # rows an eviction pass may write beyond what brings RAM under its cap
@@ -96,7 +97,7 @@ class SpillTier:
         if self._released:
             return self._pull_disk(keys, miss, out)
         sub = keys[miss]
-        ukeys = np.unique(sub)
+        ukeys = unique_keys(sub)
         if self._budget is not None and len(ukeys) > self._promote_room():
             on_disk = self._spill.may_contain(ukeys)
             rows = np.empty(len(ukeys), np.int64)

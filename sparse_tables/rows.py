@@ -89,3 +89,36 @@ def batch_to_records(batch: pa.RecordBatch, layout: RowLayout) -> np.ndarray:
     fill_records(rec, keys, vals, state, words("show", pa.float32()), words("click", pa.float32()),
                  words("last_seen", pa.uint32()), layout.values, layout.state, layout.meta)
     return rec
+
+
+class DirtyRows:
+    """The rows of a delta (``SparseTable.dirty_dump``) at one instant, read as record batches of the
+    row schema; iterable more than once (a retried delta file reads the same rows again).
+
+    The RAM rows were copied at the instant; the spilled ones are read from a RocksDB view made at the
+    same instant, ``chunk_rows`` at a time, so a delta holds at most one chunk of them at once.
+
+    Attributes
+    ----------
+    deleted : uint64[k]
+        Sorted keys deleted since the last clear and not re-created (the delta's tombstones).
+    """
+
+    def __init__(self, records: np.ndarray, spilled: np.ndarray, spill, view, deleted: np.ndarray,
+                 layout: RowLayout, schema: pa.Schema, chunk_rows: int = 65536):
+        self._records, self._spilled, self._spill, self._view = records, spilled, spill, view
+        self.deleted = deleted
+        self._layout, self._schema, self._chunk = layout, schema, chunk_rows
+
+    def __iter__(self):
+        for start in range(0, len(self._records), self._chunk):
+            yield records_to_batch(self._records[start:start + self._chunk], self._layout, self._schema)
+        if self._view is not None:
+            for _, recs in self._spill.seek_records(self._view, self._spilled, self._chunk):
+                yield records_to_batch(recs, self._layout, self._schema)
+
+    def close(self) -> None:
+        """Drop the RAM copy and the RocksDB view (its iterators pin the files they read)."""
+        self._records = self._records[:0]
+        self._spilled = self._spilled[:0]
+        self._view = None

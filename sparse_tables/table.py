@@ -40,8 +40,8 @@ from .budget import HEADROOM_ROWS, MemoryBudget
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
 from .errors import TableFullError, TableInputError
 from ._warn import WARN_GATES as _WARN_GATES, WARN_GATES_LOCK as _WARN_GATES_LOCK, WarnGate as _WarnGate
-from .keysets import KeySet, SortedKeySet
-from .rows import batch_to_records, records_to_batch, row_schema
+from .keysets import KeySet, SortedKeySet, unique_keys
+from .rows import DirtyRows, batch_to_records, records_to_batch, row_schema
 from .rwlock import RWLock
 from .spill import SpillStore
 
@@ -260,7 +260,7 @@ class SparseTable(SpillTier):
     def delete(self, keys: np.ndarray) -> int:
         """Delete the rows of keys : uint64[n] (absent keys are ignored); they are reported as
         tombstones by ``dirty_rows``. Returns the number of rows deleted."""
-        keys = np.unique(_check_keys(keys))
+        keys = unique_keys(_check_keys(keys))
         with self._lock.exclusive():
             rows = np.empty(len(keys), np.int64)
             K.find_rows(self._index, self._arena_u, keys, rows)
@@ -425,7 +425,7 @@ class SparseTable(SpillTier):
                     records, keys, n_new = self._load_to_disk(records, keys, rows, n_new, order)
                 self._reserve(n_new)
                 if self._spill is not None:
-                    self._promote(keys if order != DUPLICATES else np.unique(keys))
+                    self._promote(keys if order != DUPLICATES else unique_keys(keys))
                 ok = K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,
                                       np.zeros(len(records), np.uint32), self._tick)
                 if not ok:
@@ -434,13 +434,8 @@ class SparseTable(SpillTier):
         return total
 
     def dirty_rows(self, clear: bool = False) -> tuple[list[pa.RecordBatch], np.ndarray]:
-        """Rows changed and keys deleted since the last clear (for delta checkpoints).
-
-        Parameters
-        ----------
-        clear : bool
-            Clear the dirty state in the same locked step, so a push racing with a delta save lands in
-            the next delta rather than being lost.
+        """Rows changed and keys deleted since the last clear, gathered in memory (``dirty_dump``
+        streams them).
 
         Returns
         -------
@@ -448,24 +443,48 @@ class SparseTable(SpillTier):
             batches : list of RecordBatch of ``self.schema``, each changed row once (RAM and spilled);
             deleted : uint64[k] sorted keys deleted and not re-created since (tombstones).
         """
+        dump = self.dirty_dump(clear)
+        return list(dump), dump.deleted
+
+    def dirty_dump(self, clear: bool = False, chunk_rows: int = 65536) -> DirtyRows:
+        """Rows changed and keys deleted since the last clear (for delta checkpoints), as of now.
+
+        The dirty RAM rows are copied and RocksDB's read view made at one instant under the lock; the
+        spilled dirty rows are read from that view as the dump is iterated, outside the lock and
+        ``chunk_rows`` at a time. (Read by one multi-get under the exclusive lock, an hour of an online
+        job whose pushes touched millions of spilled rows stalled training for the whole read and held
+        every row at once.)
+
+        Parameters
+        ----------
+        clear : bool
+            Clear the dirty state in the same locked step, so a push racing with a delta save lands in
+            the next delta rather than being lost.
+        chunk_rows : int
+            Rows per record batch.
+
+        Returns
+        -------
+        DirtyRows
+            Iterable (more than once) of RecordBatch of ``self.schema``, each changed row once; its
+            ``deleted`` : uint64[k] sorted keys deleted and not re-created since (tombstones).
+        """
         lock = self._lock.exclusive() if clear else self._lock.shared()
         with lock:
-            records = [self._gather_live(int(K.F_DIRTY))]
+            records = self._gather_live(int(K.F_DIRTY))
             spilled = self._spilled_dirty.to_array()
-            if len(spilled) and self._spill is not None:
+            spill, view = self._spill, None
+            if len(spilled) and spill is not None:
                 rows = np.empty(len(spilled), np.int64)
                 K.find_rows(self._index, self._arena_u, spilled, rows)
-                pos, recs = self._spill.get(spilled[rows < 0])
-                records.append(recs)
-            deleted = np.unique(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.uint64)
+                spilled = spilled[rows < 0]                 # sorted: the dirty RAM rows are copied above
+                view = spill.snapshot(readahead=False) if len(spilled) else None
+            deleted = unique_keys(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.uint64)
             if len(deleted):
                 deleted = deleted[~self._present(deleted)]
             if clear:
                 self._clear_dirty_locked()
-        recs = np.concatenate(records)
-        batches = [records_to_batch(recs[s:s + 65536], self.layout, self.schema)
-                   for s in range(0, len(recs), 65536)]
-        return batches, deleted
+        return DirtyRows(records, spilled, spill, view, deleted, self.layout, self.schema, chunk_rows)
 
     def clear_dirty(self) -> None:
         """Forget which rows changed and which keys were deleted."""

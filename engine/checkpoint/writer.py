@@ -20,8 +20,9 @@ cluster size reads only the groups overlapping its own vshard range.
 
 Consistency. Each local shard is captured at one instant: a base clears the shard's dirty state and
 then dumps ``rows()`` (a push in between is in the base AND the next delta, never in neither); a delta
-takes ``dirty_rows(clear=True)`` (rows and tombstones captured and the dirty state cleared in one
-locked step, so a push racing with the save lands in the next delta).
+takes ``dirty_dump(clear=True)`` (rows and tombstones captured and the dirty state cleared in one
+locked step, so a push racing with the save lands in the next delta). Both stream their rows into the
+part files (``_GroupFiles``): neither holds a shard's spilled rows in memory.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import pyarrow as pa
 from hdfs_io import IpcFileWriter, Storage, write_ipc_file
 from hdfs_io.retry import call_with_retry
 from sparse_tables import SparseTable
+from sparse_tables.keysets import unique_keys
 
 from ..sharding import routing
 from ..sharding._kernels import group as _group
@@ -123,12 +125,13 @@ STREAM_ROWS = 16_384
 
 
 class _GroupFiles:
-    """A shard's part files of a base, one per vshard group, written as its rows stream in: the rows of
-    a group wait until ``STREAM_ROWS`` of them, then go to that group's file as one record batch, so
-    the save never holds the shard's rows (at 100M keys a server's shards are ~10 GB of Arrow). A
-    group's file opens at its first rows. Each file is streamed (``IpcFileWriter``), so a storage error
-    fails the attempt: ``abort`` removes the files, and ``_dump_base`` retries the shard's whole dump on
-    transient errors (the storage's retry policy); past that the save fails and is never published."""
+    """A shard's part files of a base or delta, one per vshard group, written as its rows stream in: the
+    rows of a group wait until ``STREAM_ROWS`` of them, then go to that group's file as one record
+    batch, so the save never holds the shard's rows (at 100M keys a server's shards are ~10 GB of
+    Arrow). A group's file opens at its first rows. Each file is streamed (``IpcFileWriter``), so a
+    storage error fails the attempt: ``abort`` removes the files, and the shard's whole part is written
+    again on transient errors (the storage's retry policy: a base dumps the shard afresh, a delta reads
+    its instant's rows again); past that the save fails and is never published."""
 
     def __init__(self, ckpt: Storage, name: str, server: int, j: int, schema: pa.Schema, num_vshards: int,
                  groups: int):
@@ -168,21 +171,28 @@ class _GroupFiles:
             f.abort()
 
 
+def _stream_parts(ckpt: Storage, name: str, server: int, j: int, schema: pa.Schema, batches: Iterable,
+                  num_vshards: int, groups: int) -> tuple[dict, int]:
+    """One attempt at writing a shard's rows into its part files: (file entries, rows). A failed attempt
+    removes its files."""
+    files = _GroupFiles(ckpt, name, server, j, schema, num_vshards, groups)
+    try:
+        for batch in batches:
+            files.add(batch)
+        return files.close(), files.rows
+    except BaseException:
+        files.abort()
+        raise
+
+
 def _dump_base(ckpt: Storage, name: str, server: int, j: int, shard: SparseTable, num_vshards: int,
                groups: int) -> tuple[dict, int]:
     """One attempt at a shard's part files of a base: (file entries, rows). A failed attempt removes its
     files and releases the dump (its RocksDB iterator); a retry dumps the shard afresh, which is as
     consistent: its dirty marks are cleared again first, so what changed since lands in the next delta."""
     shard.clear_dirty()                 # before the dump: a racing push also lands in the next delta
-    files = _GroupFiles(ckpt, name, server, j, shard.schema, num_vshards, groups)
-    try:
-        with contextlib.closing(shard.rows()) as rows:   # RAM rows copied at one instant, then RocksDB's
-            for batch in rows:
-                files.add(batch)
-        return files.close(), files.rows
-    except BaseException:
-        files.abort()
-        raise
+    with contextlib.closing(shard.rows()) as rows:   # RAM rows copied at one instant, then RocksDB's
+        return _stream_parts(ckpt, name, server, j, shard.schema, rows, num_vshards, groups)
 
 
 def _dense_table(state: DenseState) -> pa.Table:
@@ -220,7 +230,9 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
     threads : int
         Local shards captured and written concurrently. A base streams each shard's rows into its part
         files (``_GroupFiles``): memory holds the shard's RAM rows copied at one instant plus
-        ``groups x STREAM_ROWS`` rows, never the shard's RocksDB rows; a delta gathers its dirty rows first.
+        ``groups x STREAM_ROWS`` rows, never the shard's RocksDB rows; a delta holds its dirty RAM rows
+        copied at its instant plus ``groups x STREAM_ROWS`` rows, reading its spilled dirty rows as it
+        writes them.
 
     Returns
     -------
@@ -249,15 +261,17 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
                                          policy=ckpt.retry, stats=ckpt.retry_stats, uri=ckpt.uri,
                                          what=f"base of table {name!r} shard {j} to {ckpt.uri}")
             return name, written, n, np.empty(0, np.uint64)
-        batches, deleted = shard.dirty_rows(clear=True)
-        written = {}
-        n = 0
-        for g, parts in sorted(_split_by_group(batches, num_vshards, groups).items()):
-            fname = _part_name(name, g, server, j)
-            entry = write_ipc_file(ckpt, fname, parts, schema=shard.schema)
-            written[fname] = entry.to_json()
-            n += sum(p.num_rows for p in parts)
-        return name, written, n, deleted
+        # the delta's instant: dirty marks cleared, RAM rows copied and RocksDB's view made at once; a
+        # retry (transient storage error) writes the same rows again from that instant
+        dump = shard.dirty_dump(clear=True)
+        try:
+            written, n = call_with_retry(
+                lambda: _stream_parts(ckpt, name, server, j, shard.schema, dump, num_vshards, groups),
+                policy=ckpt.retry, stats=ckpt.retry_stats, uri=ckpt.uri,
+                what=f"delta of table {name!r} shard {j} to {ckpt.uri}")
+        finally:
+            dump.close()
+        return name, written, n, dump.deleted
 
     jobs = [(name, j, shard) for name, shards in sparse.items() for j, shard in enumerate(shards)]
     deleted_by_table: dict[str, list[np.ndarray]] = {name: [] for name in sparse}
@@ -268,7 +282,7 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
             deleted_by_table[name].append(deleted)
     for name in sparse:
         rows.setdefault(name, 0)
-        keys = np.unique(np.concatenate(deleted_by_table[name])) if deleted_by_table[name] else \
+        keys = unique_keys(np.concatenate(deleted_by_table[name])) if deleted_by_table[name] else \
             np.empty(0, np.uint64)
         tombs[name] = int(len(keys))
         if kind == "delta" and len(keys):

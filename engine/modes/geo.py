@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparse_tables import SparseTable, TableConfig
+from sparse_tables.keysets import unique_keys
 
 from ..errors import ConfigError
 from ..ps.warmup import read_only
@@ -210,7 +211,7 @@ class GeoMode(Mode):
         missing = keys if t is None else keys[~t.local.contains(keys)]
         if not len(missing):
             return None
-        missing = np.unique(missing)
+        missing = unique_keys(missing)
         return missing, self.client.pull(table, missing, init_missing=True)
 
     def pull_sparse(self, table: str, keys: np.ndarray, prefetched=None) -> np.ndarray:
@@ -224,7 +225,7 @@ class GeoMode(Mode):
         if len(keys):
             missing = keys[~t.local.contains(keys)]
             if len(missing):
-                missing = np.unique(missing)
+                missing = unique_keys(missing)
                 values = np.empty((len(missing), t.dim), np.float32)
                 have = np.zeros(len(missing), np.bool_)
                 if prefetched is not None:            # never empty: prefetch_sparse gives None then

@@ -133,3 +133,23 @@ def test_a_base_over_a_corrupt_spill_store_fails_naming_it_and_publishes_nothing
         assert not list(root.rglob("_SUCCESS")) and not list(root.rglob("manifest.json"))
     finally:
         src.close()
+
+
+def test_a_transient_error_mid_delta_writes_its_instants_rows_again_and_the_chain_restores_bit_exact(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "STREAM_ROWS", 500)
+    src = _spilled_cluster(tmp_path / "src")
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), "job", groups=8, retry=RetryPolicy(initial_delay_s=0.01))
+    dst = ShardCluster(1, {"emb": src.configs["emb"]}, local=1)
+    try:
+        mgr.save(src, "base", when=T0)
+        keys = np.sort(np.asarray(list(src.dump("emb")), np.uint64))[::2]   # half the rows, most spilled
+        src.push("emb", keys, np.full((len(keys), 4), 0.5, np.float32))
+        assert src.tables[0]["emb"][0].stats()["rows_spilled"] > 15_000
+        calls = _fail_12th_write(monkeypatch, ConnectionResetError("connection reset by peer (injected)"))
+        m = mgr.save(src, "delta", when=T0 + dt.timedelta(hours=1))
+        assert calls[0] > 12 and m["kind"] == "delta" and m["tables"]["sparse"]["emb"]["rows"] == len(keys)
+        assert mgr.restore(dst)["name"] == m["name"] and dst.dump("emb") == src.dump("emb")
+    finally:
+        dst.close()
+        src.close()

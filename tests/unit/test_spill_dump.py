@@ -24,12 +24,18 @@ def _rows(batches) -> dict:
     return {int(k): v.tolist() for k, v in zip(keys, values)}
 
 
-def test_a_dump_read_while_pushes_evict_and_create_rows_is_the_table_at_its_instant(tmp_path):
+def _spilling_table(tmp_path, rows: int) -> tuple[SparseTable, np.ndarray]:
+    """An SGD table of 2,000 RAM rows holding keys 1..rows, each pushed once with gradient 1."""
     t = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
                                 memory_rows=2_000, spill_path=str(tmp_path / "spill"), num_threads=1))
-    old = np.arange(1, 6_001, dtype=np.uint64)
+    old = np.arange(1, rows + 1, dtype=np.uint64)
     for i in range(0, len(old), 1_000):
         t.push(old[i:i + 1_000], np.ones((1_000, DIM), np.float32))
+    return t, old
+
+
+def test_a_dump_read_while_pushes_evict_and_create_rows_is_the_table_at_its_instant(tmp_path):
+    t, old = _spilling_table(tmp_path, 6_000)
     t.push(old[:500], np.ones((500, DIM), np.float32))         # some rows in RAM and on disk differ
     assert t.stats()["rows_spilled"] > 3_000 and t.stats()["rows_in_ram"] > 1_000
     before = _rows(list(t.rows()))
@@ -78,3 +84,29 @@ def test_a_scan_that_hits_a_corrupt_block_fails_naming_the_store_instead_of_endi
         assert 0 < n < len(keys) and f"after {n} rows" in str(e.value)
     finally:
         st.close()
+
+
+def test_a_delta_reads_its_spilled_rows_outside_the_lock_as_of_its_instant_and_twice_alike(tmp_path):
+    t, old = _spilling_table(tmp_path, 8_000)
+    t.clear_dirty()                                              # a base was taken here
+    touched = old[::3]                                           # then an hour's pushes: mostly spilled rows
+    t.push(touched, np.full((len(touched), DIM), 2.0, np.float32))
+    t.delete(old[1:40:3])                                        # and deletions: the delta's tombstones
+    assert t.stats()["rows_spilled"] > 3_000
+    want, want_deleted = _rows(t.dirty_rows()[0]), np.sort(old[1:40:3])
+    assert len(want) == len(touched) and want[int(touched[0])] == [-3.0] * DIM
+
+    dump = t.dirty_dump(clear=True, chunk_rows=256)
+    batches = iter(dump)
+    first = [next(batches)]                  # the delta's instant is past: its dirty marks are cleared
+    # pushes while it is read (the table's lock is free): updates of rows it holds, RAM and spilled,
+    # new rows and the evictions they cause
+    t.push(touched, np.full((len(touched), DIM), 5.0, np.float32))
+    t.push(np.arange(100_001, 103_001, dtype=np.uint64), np.ones((3_000, DIM), np.float32))
+    assert _rows(first + list(batches)) == want
+    assert _rows(list(dump)) == want                            # read again (a retried file): the same rows
+    assert np.array_equal(dump.deleted, want_deleted)
+    dump.close()
+    later = _rows(t.dirty_rows()[0])                            # what changed since is in the next delta
+    assert len(later) == len(touched) + 3_000 and later[int(touched[0])] == [-8.0] * DIM
+    t.close()

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparse_tables import TableConfig, optimizer_state_width
 from sparse_tables import _kernels as K
 from sparse_tables._optimizers import HP_SIZE, apply_updates, init_states
 from sparse_tables.config import OPTIMIZER_CODE, OPTIMIZERS
-from sparse_tables.keysets import KeySet, ScalableBloom
+from sparse_tables.keysets import KeySet, ScalableBloom, unique_keys
 from tests import naive
 
 pytestmark = pytest.mark.nojit
@@ -198,3 +200,11 @@ def test_fill_records_matches_the_column_copies():
             keys = part.column(0).to_numpy()
             np.testing.assert_array_equal(got[:, :2].copy().view(np.uint64).ravel(), keys)
         assert isinstance(batch, pa.RecordBatch)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, (1 << 64) - 1), max_size=300), st.integers(0, 4))
+def test_unique_keys_is_np_unique(values, repeats):
+    keys = np.array(values * (1 + repeats) if values else [], dtype=np.uint64)
+    got = unique_keys(keys)
+    assert got.dtype == np.uint64 and np.array_equal(got, np.unique(keys))
