@@ -52,8 +52,10 @@ def _key_bytes(keys: np.ndarray) -> list:
 
 class ScanView(NamedTuple):
     """A read view of a ``SpillStore`` (``snapshot``): two iterators made at one instant, so they see the
-    same rows: ``items`` yields (key, record) pairs, ``probe`` checks where ``items`` stopped."""
-    items: object
+    same rows: ``values`` yields the records in key order (each holds its key: the scan needs no key
+    objects, 2.35-2.68M rows/s against 1.51-1.58M/s for (key, record) pairs), ``probe`` seeks (it
+    checks where ``values`` stopped, and ``seek_records`` reads through it)."""
+    values: object
     probe: object
 
 
@@ -501,7 +503,7 @@ class SpillStore:
         if readahead:               # a scan; seeks (``seek_records``) read less without it (12,000 keys
             ro.set_readahead_size(SCAN_READAHEAD)     # among 4M: 76-79k/s without, 63k/s with)
         ro.fill_cache(False)
-        return ScanView(self._db.items(read_opt=ro), self._db.iter(ro))
+        return ScanView(self._db.values(read_opt=ro), self._db.iter(ro))
 
     def scan(self, view: "ScanView", chunk_rows: int = 65536):
         """Yield (keys : uint64[m], records : uint32[m, stride]) of a ``snapshot()`` view, in key order.
@@ -511,24 +513,32 @@ class SpillStore:
         ------
         SpillError
             RocksDB stopped the scan with a read error (a corrupt block, an I/O error), naming the store
-            and the rows read. rocksdict's item iterator ends quietly on an error as if the database
+            and the rows read. rocksdict's value iterator ends quietly on an error as if the database
             ended there (200,000 rows with one corrupt block in the middle of their file scanned as
             101,417, no error), which would make a base checkpoint that misses rows and looks complete;
             so at its end a second iterator of the same view checks that nothing follows the last row
             read and asks RocksDB for the error.
         """
-        items = view.items
+        values = view.values
         n, last = 0, None
         while True:
-            chunk = list(itertools.islice(items, chunk_rows))
+            chunk = list(itertools.islice(values, chunk_rows))
             if not chunk:
                 break
+            blob = b"".join(chunk)
+            if len(blob) != 4 * self.stride * len(chunk):
+                raise SpillError(f"RocksDB spill store {self._dir.db_path}: a record after row {n} of a scan "
+                                 f"is not {4 * self.stride} bytes")
+            records = np.frombuffer(blob, dtype="<u4").reshape(len(chunk), self.stride).copy()
+            keys = np.ascontiguousarray(records[:, :2]).view(np.uint64).reshape(-1)
+            # the database's keys are the records' own, in key order: increasing keys check both
+            if not bool(np.all(keys[1:] > keys[:-1])) or (last is not None and keys[0] <= last):
+                raise SpillError(f"RocksDB spill store {self._dir.db_path}: records after row {n} of a scan are "
+                                 f"out of key order (a record does not hold its own key)")
             n += len(chunk)
-            last = chunk[-1][0]
-            keys = np.frombuffer(b"".join([k for k, _ in chunk]), dtype=">u8").astype(np.uint64)
-            blob = b"".join([v for _, v in chunk])
-            yield keys, np.frombuffer(blob, dtype="<u4").reshape(len(chunk), self.stride).copy()
-        self._check_scan_end(view.probe, last, n)
+            last = keys[-1]
+            yield keys, records
+        self._check_scan_end(view.probe, None if last is None else int(last).to_bytes(8, "big"), n)
 
     def seek_records(self, view: "ScanView", keys: np.ndarray, chunk_rows: int = 65536):
         """Yield (keys : uint64[m], records : uint32[m, stride]) of the ``keys`` present in a

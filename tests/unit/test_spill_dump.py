@@ -62,12 +62,33 @@ def _corrupt_middle_of_largest_sst(db_path) -> None:
         f.write(bytes(range(256)) * 32)
 
 
+def _records_of(keys: np.ndarray, stride: int = 24) -> np.ndarray:
+    """Records of random words that hold their keys (the first two words), as a table's do."""
+    recs = np.random.default_rng(0).integers(0, 1 << 32, (len(keys), stride), dtype=np.uint64).astype(np.uint32)
+    recs[:, :2] = keys.astype(np.uint64).view(np.uint32).reshape(-1, 2)
+    return recs
+
+
+def test_a_scan_of_records_that_do_not_hold_their_keys_fails_naming_the_store(tmp_path):
+    st = SpillStore(str(tmp_path / "spill"), stride=24)
+    keys = np.arange(1, 1_001, dtype=np.uint64)
+    recs = _records_of(keys)
+    recs[500:, :2] = recs[:500, :2]                     # garbage: rows 500.. hold the keys of rows 0..
+    st.put(keys, recs, np.ones(len(keys), bool))
+    try:
+        with pytest.raises(SpillError, match=r"spill store .*rocksdb: records after row 0 of a scan are out of "
+                                             r"key order"):
+            list(st.scan(st.snapshot()))
+    finally:
+        st.close()
+
+
 def test_a_scan_that_hits_a_corrupt_block_fails_naming_the_store_instead_of_ending_short(tmp_path):
     # rocksdict's item iterator ends quietly on a read error: a base dump would miss every row after the
     # corrupt block and still look complete
     st = SpillStore(str(tmp_path / "spill"), stride=24)
     keys = np.arange(1, 200_001, dtype=np.uint64)
-    recs = np.random.default_rng(0).integers(0, 1 << 32, (len(keys), 24), dtype=np.uint64).astype(np.uint32)
+    recs = _records_of(keys)
     st.put(keys, recs, np.ones(len(keys), bool))
     st._db.flush()                      # into an SST file: the memtable cannot be corrupted on disk
     try:
