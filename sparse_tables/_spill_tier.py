@@ -317,9 +317,9 @@ class SpillTier:
         K.remove_rows(self._index, self._arena_u, self._state, self._lay, sel)
         self._count(evictions=k, spill_writes=int(write.sum()))
 
-    def _shrink_disk(self, args) -> list[np.ndarray]:
-        """Expiry over rows authoritative in RocksDB; returns the deleted keys."""
-        deleted = []
+    def _shrink_disk(self, args, deleted: list) -> None:
+        """Expiry over rows authoritative in RocksDB; appends the keys of each chunk it deletes to
+        ``deleted`` as it goes, so a pass a read error stops has recorded what it deleted."""
         decayed = args[2] != 1.0
         for keys, recs in self._spill.scan(self._spill.snapshot()):
             rows = np.empty(len(keys), np.int64)
@@ -334,5 +334,4 @@ class SpillTier:
                 keep = ~kill
                 self._spill.put(keys[keep], recs[keep], np.zeros(int(keep.sum()), np.bool_))
                 self._spilled_dirty.add(keys[keep])
-        return deleted
 

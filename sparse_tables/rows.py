@@ -102,6 +102,15 @@ class DirtyRows:
     ----------
     deleted : uint64[k]
         Sorted keys deleted since the last clear and not re-created (the delta's tombstones).
+
+    Raises
+    ------
+    SpillError
+        While iterated: RocksDB reported a read error.
+    RuntimeError
+        Iterated after ``close`` (it would otherwise yield nothing: an empty delta that looks whole).
+
+    One thread at a time: its spilled rows are read through one RocksDB iterator.
     """
 
     def __init__(self, records: np.ndarray, spilled: np.ndarray, spill, view, deleted: np.ndarray,
@@ -111,6 +120,8 @@ class DirtyRows:
         self._layout, self._schema, self._chunk = layout, schema, chunk_rows
 
     def __iter__(self):
+        if self._records is None:
+            raise RuntimeError("DirtyRows: iterated after close()")
         for start in range(0, len(self._records), self._chunk):
             yield records_to_batch(self._records[start:start + self._chunk], self._layout, self._schema)
         if self._view is not None:
@@ -119,6 +130,4 @@ class DirtyRows:
 
     def close(self) -> None:
         """Drop the RAM copy and the RocksDB view (its iterators pin the files they read)."""
-        self._records = self._records[:0]
-        self._spilled = self._spilled[:0]
-        self._view = None
+        self._records = self._spilled = self._view = None

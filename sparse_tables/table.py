@@ -294,6 +294,12 @@ class SparseTable(SpillTier):
         Returns
         -------
         int : rows deleted
+
+        Raises
+        ------
+        SpillError
+            RocksDB reported a read error while the pass scanned it (``SpillStore.scan``); the rows the
+            pass deleted before it are gone and reported as tombstones by ``dirty_rows``, as a whole pass's.
         """
         now_s = int(self._clock() if now is None else now)
         cfg = self.config
@@ -307,14 +313,16 @@ class SparseTable(SpillTier):
             n = K.shrink_ram(self._index, self._arena_u, self._arena_f, self._state, self._lay, *args,
                              out_keys, out_disk)
             deleted = [out_keys[:n].copy()]
-            if self._spill is not None:
-                self._spill.delete(out_keys[:n][out_disk[:n]])
-                deleted += self._shrink_disk(args)
-            deleted_keys = np.concatenate(deleted)
-            self._deleted.append(deleted_keys)
+            try:
+                if self._spill is not None:
+                    self._spill.delete(out_keys[:n][out_disk[:n]])
+                    self._shrink_disk(args, deleted)    # appends each chunk's keys as it deletes them
+            finally:        # a read error mid-pass: the rows deleted so far still become tombstones
+                deleted_keys = np.concatenate(deleted)
+                self._deleted.append(deleted_keys)
+                self._count(deleted=len(deleted_keys))
             if self._sketch.size:
                 self._sketch >>= 1
-        self._count(deleted=len(deleted_keys))
         return len(deleted_keys)
 
     @property
@@ -468,6 +476,11 @@ class SparseTable(SpillTier):
         DirtyRows
             Iterable (more than once) of RecordBatch of ``self.schema``, each changed row once; its
             ``deleted`` : uint64[k] sorted keys deleted and not re-created since (tombstones).
+
+        Raises
+        ------
+        SpillError
+            While iterated: RocksDB reported a read error (``SpillStore.seek_records``).
         """
         lock = self._lock.exclusive() if clear else self._lock.shared()
         with lock:
@@ -478,7 +491,7 @@ class SparseTable(SpillTier):
                 rows = np.empty(len(spilled), np.int64)
                 K.find_rows(self._index, self._arena_u, spilled, rows)
                 spilled = spilled[rows < 0]                 # sorted: the dirty RAM rows are copied above
-                view = spill.snapshot(readahead=False) if len(spilled) else None
+                view = spill.seek_view() if len(spilled) else None
             deleted = unique_keys(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.uint64)
             if len(deleted):
                 deleted = deleted[~self._present(deleted)]

@@ -119,8 +119,8 @@ def _part_name(table: str, g: int, server: int, j: int) -> str:
     return f"sparse/{table}/g{g:02d}-s{server:04d}-j{j:02d}.arrow"
 
 
-# rows a group's part file receives at a time in a base save: a shard being saved holds at most
-# ``groups`` x this many rows beyond its RAM copy (16 x 16,384 x ~100 bytes ~ 26 MB), not the shard
+# rows a group's part file receives at a time in a base or delta save: a shard being saved holds at
+# most ``groups`` x this many rows beyond its RAM copy (16 x 16,384 x ~100 bytes ~ 26 MB), not the shard
 STREAM_ROWS = 16_384
 
 
@@ -246,6 +246,9 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
         Bad kind or table name.
     OSError
         Storage errors (typed ``hdfs_io.StorageError`` subclasses where hdfs_io raises them).
+    sparse_tables.errors.SpillError
+        RocksDB reported a read error while a shard's rows were read (not retried: the save fails and
+        its files are removed).
     """
     if kind not in ("base", "delta"):
         raise ValueError(f"kind must be 'base' or 'delta', got {kind!r}")

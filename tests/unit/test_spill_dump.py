@@ -131,3 +131,26 @@ def test_a_delta_reads_its_spilled_rows_outside_the_lock_as_of_its_instant_and_t
     later = _rows(t.dirty_rows()[0])                            # what changed since is in the next delta
     assert len(later) == len(touched) + 3_000 and later[int(touched[0])] == [-8.0] * DIM
     t.close()
+
+
+def test_an_expiry_pass_stopped_by_a_read_error_keeps_the_tombstones_of_what_it_deleted(tmp_path):
+    t = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                                memory_rows=2_000, spill_path=str(tmp_path / "spill"), num_threads=1,
+                                expire_after=100), clock=lambda: 1_000.0)
+    keys = np.arange(1, 200_001, dtype=np.uint64)
+    for i in range(0, len(keys), 20_000):
+        t.push(keys[i:i + 20_000], np.ones((20_000, DIM), np.float32))
+    t.clear_dirty()
+    t._spill._db.flush()
+    _corrupt_middle_of_largest_sst(t._spill._dir.db_path)
+    with pytest.raises(SpillError, match="a scan stopped after"):
+        t.shrink(now=5_000.0)                   # every row expired: RAM rows, then RocksDB's chunk by chunk
+    batches, deleted = t.dirty_rows()
+    gone = int(t.stats()["deleted"])
+    assert 2_000 < gone < len(keys) and len(deleted) == gone     # each deleted row is a tombstone
+    assert not t.contains(deleted).any() and len(batches) == 0
+    dump = t.dirty_dump()
+    dump.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        list(dump)
+    t.close()

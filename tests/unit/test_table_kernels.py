@@ -208,3 +208,8 @@ def test_unique_keys_is_np_unique(values, repeats):
     keys = np.array(values * (1 + repeats) if values else [], dtype=np.uint64)
     got = unique_keys(keys)
     assert got.dtype == np.uint64 and np.array_equal(got, np.unique(keys))
+
+
+def test_unique_keys_refuses_other_dtypes_instead_of_wrapping_them():
+    with pytest.raises(TypeError, match="uint64 array, got int64"):
+        unique_keys(np.array([-1, 2], np.int64))
