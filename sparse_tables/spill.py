@@ -295,6 +295,9 @@ RATE_LIMIT_BYTES_PER_S = 256 << 20
 # (44-49 s, against 31 s with these raised; bench/scale_bench.py --keep, then the restore in-process).
 # Compaction catches up after the load, while the triggers are back.
 L0_TRIGGERS = (20, 36)
+# rows per RocksDB write batch: the longest a write holds the GIL (8,192 rows of 152 bytes: ~2 ms to
+# build, ~2 ms to write)
+WRITE_BATCH_ROWS = 8192
 # a full scan (a base dump, an expiry pass) reads each file sequentially: 2 MiB of readahead turns its
 # 4 KiB block reads into few large ones (pread was 18% of a 20M-row base save's busy time without)
 SCAN_READAHEAD = 2 << 20
@@ -432,9 +435,16 @@ class SpillStore:
 
     def put(self, keys: np.ndarray, records: np.ndarray, new_mask: np.ndarray, *,
             presorted: bool = False) -> None:
-        """Write records in one batch. keys : uint64[m], distinct; records : uint32[m, stride];
-        new_mask : bool[m], True where the key was not in the database before (keeps ``count``);
-        presorted : the caller knows keys are increasing (no sort, no reordering copy)."""
+        """Write records in batches of ``WRITE_BATCH_ROWS``. keys : uint64[m], distinct; records :
+        uint32[m, stride]; new_mask : bool[m], True where the key was not in the database before (keeps
+        ``count``); presorted : the caller knows keys are increasing (no sort, no reordering copy).
+
+        rocksdict's ``write`` holds the GIL for its whole call (its multi-get does not), and building a
+        batch is one C loop that holds it too: one batch of an eviction pass froze every Python thread
+        of the server, other shards' requests included, for as long as it took (400k rows: 84 ms). A
+        batch at a time, the other threads run between batches. A failed write leaves the batches
+        before it written and counted; each batch's keys enter the Bloom filter before it is written
+        (a key there that is not on disk costs one read; one on disk but not there would be lost)."""
         if len(keys) == 0:
             return
         # in key order: RocksDB's memtable (a skiplist) inserts sorted keys 2-10x faster than random
@@ -442,14 +452,17 @@ class SpillStore:
         if not presorted:
             order = np.argsort(keys)
             keys, records, new_mask = keys[order], records[order], new_mask[order]
-        wb = WriteBatch(raw_mode=True)
-        put = wb.put
-        vals = np.ascontiguousarray(records, dtype="<u4").view(f"V{4 * self.stride}").ravel().tolist()
-        collections.deque(map(put, _key_bytes(keys), vals), maxlen=0)   # the loop runs in C
-        self._db.write(wb, self._write_opts)
-        self._bloom.add(np.ascontiguousarray(keys[new_mask], dtype=np.uint64))
-        self.count += int(new_mask.sum())
-        self.writes += len(keys)
+        records = np.ascontiguousarray(records, dtype="<u4")
+        for start in range(0, len(keys), WRITE_BATCH_ROWS):
+            part = slice(start, start + WRITE_BATCH_ROWS)
+            k, new = keys[part], new_mask[part]
+            wb = WriteBatch(raw_mode=True)
+            vals = records[part].view(f"V{4 * self.stride}").ravel().tolist()
+            collections.deque(map(wb.put, _key_bytes(k), vals), maxlen=0)   # the loop runs in C
+            self._bloom.add(np.ascontiguousarray(k[new], dtype=np.uint64))
+            self._db.write(wb, self._write_opts)
+            self.count += int(new.sum())
+            self.writes += len(k)
 
     def may_contain(self, keys: np.ndarray) -> np.ndarray:
         """keys : uint64[n] -> bool[n]; False: the key was never written here (the Bloom filter)."""

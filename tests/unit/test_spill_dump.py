@@ -154,3 +154,35 @@ def test_an_expiry_pass_stopped_by_a_read_error_keeps_the_tombstones_of_what_it_
     with pytest.raises(RuntimeError, match="after close"):
         list(dump)
     t.close()
+
+
+def test_a_put_writes_batch_by_batch_and_a_failed_batch_leaves_the_earlier_ones_counted_and_found(tmp_path,
+                                                                                                monkeypatch):
+    from sparse_tables import spill
+    monkeypatch.setattr(spill, "WRITE_BATCH_ROWS", 1_000)
+    st = SpillStore(str(tmp_path / "spill"), stride=24)
+    real, calls = st._db, [0]
+
+    class FailingThird:                 # rocksdict's Rdict is a builtin type: wrap it
+        def write(self, wb, opts):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise OSError("write refused (injected)")
+            real.write(wb, opts)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    keys = np.arange(1, 5_001, dtype=np.uint64)
+    st._db = FailingThird()
+    try:
+        with pytest.raises(OSError, match="injected"):
+            st.put(keys, _records_of(keys), np.ones(len(keys), bool))
+        assert st.count == 2_000 and st.may_contain(keys[:2_000]).all()
+        pos, recs = st.get(keys)
+        assert np.array_equal(keys[pos], keys[:2_000]) and np.array_equal(recs, _records_of(keys)[:2_000])
+        st.put(keys[2_000:], _records_of(keys)[2_000:], np.ones(3_000, bool))     # the rest, 3 batches
+        assert calls[0] == 6 and st.count == 5_000
+    finally:
+        st._db = real
+        st.close()
