@@ -40,6 +40,7 @@ import numpy as np
 from rocksdict import (BlockBasedOptions, Cache, DBCompactionStyle, DBCompressionType, Options, Rdict,
                        ReadOptions, WriteBatch, WriteBufferManager, WriteOptions)
 
+from ._inputs import record_keys as _record_keys
 from .errors import SpillDirError, SpillError
 from .keysets import ScalableBloom
 
@@ -295,8 +296,8 @@ RATE_LIMIT_BYTES_PER_S = 256 << 20
 # (44-49 s, against 31 s with these raised; bench/scale_bench.py --keep, then the restore in-process).
 # Compaction catches up after the load, while the triggers are back.
 L0_TRIGGERS = (20, 36)
-# rows per RocksDB write batch: the longest a write holds the GIL (8,192 rows of 152 bytes: ~2 ms to
-# build, ~2 ms to write)
+# rows per RocksDB write batch, which bounds how long a write holds the GIL (a thread beside a 400k-row
+# put of 152-byte records paused at most 3.4-5.9 ms in these batches, 114-120 ms in one batch)
 WRITE_BATCH_ROWS = 8192
 # a full scan (a base dump, an expiry pass) reads each file sequentially: 2 MiB of readahead turns its
 # 4 KiB block reads into few large ones (pread was 18% of a 20M-row base save's busy time without)
@@ -485,10 +486,7 @@ class SpillStore:
         hit = [i for i, v in enumerate(vals) if v is not None]
         if not hit:
             return np.empty(0, np.int64), np.empty((0, self.stride), np.uint32)
-        blob = b"".join([vals[i] for i in hit])
-        if len(blob) != 4 * self.stride * len(hit):
-            raise SpillError(f"RocksDB spill store {self.path}: record size differs from {4 * self.stride} bytes")
-        records = np.frombuffer(blob, dtype="<u4").reshape(len(hit), self.stride).copy()
+        records = self._records([vals[i] for i in hit], "a multi-get")
         found = maybe[np.asarray(hit, dtype=np.int64)]
         order = np.argsort(found, kind="stable")   # callers get positions in their own order
         return found[order], records[order]
@@ -545,12 +543,8 @@ class SpillStore:
             chunk = list(itertools.islice(values, chunk_rows))
             if not chunk:
                 break
-            blob = b"".join(chunk)
-            if len(blob) != 4 * self.stride * len(chunk):
-                raise SpillError(f"RocksDB spill store {self._dir.db_path}: a record after row {n} of a scan "
-                                 f"is not {4 * self.stride} bytes")
-            records = np.frombuffer(blob, dtype="<u4").reshape(len(chunk), self.stride).copy()
-            keys = np.ascontiguousarray(records[:, :2]).view(np.uint64).reshape(-1)
+            records = self._records(chunk, f"a scan after row {n}")
+            keys = _record_keys(records)
             # the database's keys are the records' own, in key order: increasing keys check both
             if not bool(np.all(keys[1:] > keys[:-1])) or (last is not None and keys[0] <= last):
                 raise SpillError(f"RocksDB spill store {self._dir.db_path}: records after row {n} of a scan are "
@@ -558,7 +552,7 @@ class SpillStore:
             n += len(chunk)
             last = keys[-1]
             yield keys, records
-        self._check_scan_end(view.probe, None if last is None else int(last).to_bytes(8, "big"), n)
+        self._check_scan_end(view.probe, last, n)
 
     def seek_records(self, view: "ScanView", keys: np.ndarray, chunk_rows: int = 65536):
         """Yield (keys : uint64[m], records : uint32[m, stride]) of the ``keys`` present in a
@@ -580,12 +574,11 @@ class SpillStore:
         it = view.probe
         seek, valid, key, value = it.seek, it.valid, it.key, it.value
         for start in range(0, len(keys), chunk_rows):
-            found, vals = [], []
+            vals = []
             for b in _key_bytes(keys[start:start + chunk_rows]):
                 seek(b)
                 if valid():
                     if key() == b:
-                        found.append(b)
                         vals.append(value())
                     continue
                 try:
@@ -593,17 +586,24 @@ class SpillStore:
                 except Exception as exc:  # rocksdict raises plain Exception subclasses
                     raise SpillError(f"RocksDB spill store {self._dir.db_path}: reading key "
                                      f"{int.from_bytes(b, 'big')} failed: {exc}") from exc
-            if found:
-                got = np.frombuffer(b"".join(found), dtype=">u8").astype(np.uint64)
-                yield got, np.frombuffer(b"".join(vals), dtype="<u4").reshape(len(found), self.stride).copy()
+            if vals:
+                records = self._records(vals, "a seek")
+                yield _record_keys(records), records
 
-    def _check_scan_end(self, probe, last: bytes | None, n: int) -> None:
-        where = "before its first row" if last is None else \
-            f"after {n} rows (last key {int.from_bytes(last, 'big')})"
+    def _records(self, values: list, what: str) -> np.ndarray:
+        """RocksDB values (bytes) -> uint32[n, stride] records; SpillError when one has another size."""
+        blob = b"".join(values)
+        if len(blob) != 4 * self.stride * len(values):
+            raise SpillError(f"RocksDB spill store {self._dir.db_path}: {what}: a record is not "
+                             f"{4 * self.stride} bytes")
+        return np.frombuffer(blob, dtype="<u4").reshape(len(values), self.stride).copy()
+
+    def _check_scan_end(self, probe, last: np.uint64 | None, n: int) -> None:
+        where = "before its first row" if last is None else f"after {n} rows (last key {int(last)})"
         if last is None:
             probe.seek_to_first()
         else:
-            probe.seek(last)
+            probe.seek(int(last).to_bytes(8, "big"))
             if probe.valid():
                 probe.next()
         try:
