@@ -27,6 +27,11 @@ pipeline, no merging) and add ``ratio_vs_async`` (examples/s over ``ctr_dnn_asyn
 ``deepfm_async_shared_config``'s) when those rows ran before them, and per rank the wall and CPU
 milliseconds per step spent completing the all-reduce (``rankN_allreduce_ms_per_step``: the
 test-and-yield loop's cost).
+Every job's record carries ``cpu_cores_busy`` and ``cpu_ms_per_1k_examples`` (``TreeCPU``: the CPU of its
+server, its workers and the rest, sampled with psutil over the middle 80% of training), and each hybrid
+ratio a ``_cpu_bound`` twin: the ratio the hybrid job would reach if it kept every core busy at the CPU
+per example it used (``cpu_bound``). On a machine whose cores a job saturates, that bounds what any
+scheduling of the same work can reach.
 Reference, NOT measured by this bench: every record carries ``paddle_reference_examples_per_s`` (22,000),
 the figure this repository has quoted since 2026-11-21 for Paddle 2.6.2's parameter server (1 server + 2
 trainers, same net, batch 512, "on this kind of machine"), with ``paddle_reference_date``,
@@ -160,7 +165,11 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
     sets = [*run_sets(name, train, test, batch, work), *extra]
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / config), *cli] + [a for s in sets for a in ("--set", s)]
     t, started = time.perf_counter(), time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as popen:
+        cpu = TreeCPU(popen.pid)
+        stdout, stderr = popen.communicate()
+        cpu.stop()
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise SystemExit(f"{name}: engine train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -168,6 +177,8 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
     profile = {}
     for line in Path(final["metrics_file"]).read_text().splitlines():
         ev = json.loads(line)
+        if ev.get("event") == "final" and final.get("train_started_at"):
+            profile.update(cpu.busy(final["train_started_at"], ev["train_seconds"], final["examples_per_s"]))
         if ev.get("event") == "profile":
             steps = max(1, ev.get("steps", 0))
             profile[f"rank{ev['rank']}_ms_per_step"] = {k: round(1000 * v / steps, 2)
@@ -185,6 +196,71 @@ def run(name: str, train: Path, test: Path, batch: int, work: Path, roof_before:
     if final.get("train_started_at"):       # command start to the first training step
         out["startup_s"] = round(final["train_started_at"] - started, 2)
     return out
+
+
+class TreeCPU:
+    """CPU seconds (user + system, psutil) of a job's process tree by role, sampled every ``period``
+    seconds from the job's start: ``server`` (``--role server``), ``workers`` (``--role worker`` and the MPI
+    ranks), ``other`` (the launcher, mpiexec and its proxies). A process that ends takes its CPU out of the
+    sum, so only a window in which the tree is stable (training) is read: :meth:`busy`."""
+
+    def __init__(self, pid: int, period: float = 0.25):
+        import threading
+        self.samples: list[tuple[float, dict[str, float]]] = []    # (wall clock s, {role: CPU s})
+        self._pid, self._period, self._stop = pid, period, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _role(cmd: list[str]) -> str:
+        if "--role" in cmd:
+            return "server" if cmd[cmd.index("--role") + 1] == "server" else "workers"
+        return "workers" if "engine.launch.mpi" in cmd else "other"
+
+    def _run(self) -> None:
+        import psutil
+        procs: dict[int, tuple[psutil.Process, str]] = {}
+        try:
+            root = psutil.Process(self._pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self._stop.wait(self._period):
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            sums = {"server": 0.0, "workers": 0.0, "other": 0.0}
+            for p in tree:
+                try:
+                    if p.pid not in procs:       # the role by its command line, read once (an exec'd rank
+                        procs[p.pid] = (p, self._role(p.cmdline()))   # shows its new line from the start)
+                    proc, role = procs[p.pid]
+                    if role == "other":          # it may have exec'd into a role since it was first seen
+                        role = self._role(proc.cmdline())
+                        procs[p.pid] = (proc, role)
+                    t = proc.cpu_times()
+                    sums[role] += t.user + t.system
+                except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, IndexError):
+                    continue
+            self.samples.append((time.time(), sums))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy(self, started_at: float, train_s: float, examples_per_s: float) -> dict:
+        """Cores busy per role over the middle 80% of training (``started_at``: wall clock s of the first
+        step, ``train_s``: the longest worker's training seconds) and the CPU milliseconds per 1000
+        training examples: ``cores_busy / examples_per_s * 1e6``; {} without two samples in the window."""
+        lo, hi = started_at + 0.1 * train_s, started_at + 0.9 * train_s
+        inside = [s for s in self.samples if lo <= s[0] <= hi]
+        if len(inside) < 2:
+            return {}
+        (t0, a), (t1, b) = inside[0], inside[-1]
+        cores = {role: (b[role] - a[role]) / (t1 - t0) for role in a}
+        cores["total"] = sum(cores.values())
+        return {"cpu_cores_busy": {k: round(v, 3) for k, v in cores.items()},
+                "cpu_ms_per_1k_examples": {k: round(v / examples_per_s * 1e6, 2) for k, v in cores.items()}}
 
 
 def ray_record(train: Path, test: Path, batch: int, work: Path, roof_before: dict, extra: list[str]) -> dict:
@@ -318,9 +394,23 @@ def medians(rounds: list[dict[str, dict]]) -> dict:
     for name in rounds[0]:
         recs = [r[name] for r in rounds if name in r]
         out[name] = {k: round(float(np.median([r[k] for r in recs])), 4) for k in
-                     ("examples_per_s", "ratio_vs_roofline", "ratio_vs_async", "ratio_vs_exact", "test_auc")
+                     ("examples_per_s", "ratio_vs_roofline", "ratio_vs_async", "ratio_vs_exact", "test_auc",
+                      "ratio_vs_async_cpu_bound", "ratio_vs_exact_cpu_bound")
                      if all(k in r for r in recs)}
+        if all("cpu_ms_per_1k_examples" in r for r in recs):     # the whole job's CPU per 1000 examples
+            out[name]["cpu_ms_per_1k_examples"] = round(float(np.median(
+                [r["cpu_ms_per_1k_examples"]["total"] for r in recs])), 2)
+            out[name]["cpu_cores_busy"] = round(float(np.median([r["cpu_cores_busy"]["total"] for r in recs])), 3)
     return out
+
+
+def cpu_bound(hybrid: dict, other: dict) -> float:
+    """The ratio over ``other``'s examples/s that ``hybrid`` would reach if its processes kept every core of
+    this machine busy at the CPU per example they used: cores / (CPU seconds per example) / other's
+    examples/s. Below 1 it is a floor under the ratio that no scheduling can lift on this machine."""
+    cores = len(os.sched_getaffinity(0))
+    best = cores / (hybrid["cpu_ms_per_1k_examples"]["total"] / 1e6)
+    return round(best / other["examples_per_s"], 3)
 
 
 def measure(args, names, train, test, rows, work, roof_before) -> dict[str, dict]:
@@ -345,6 +435,8 @@ def measure(args, names, train, test, rows, work, roof_before) -> dict[str, dict
         for key, other in zip(("ratio_vs_async", "ratio_vs_exact"), HYBRID_VS.get(name, ())):
             if other in measured:
                 out[key] = round(out["examples_per_s"] / measured[other]["examples_per_s"], 3)
+                if "cpu_ms_per_1k_examples" in out:
+                    out[key + "_cpu_bound"] = cpu_bound(out, measured[other])
         if args.set:
             out["set"] = args.set
         print(json.dumps(out), flush=True)
