@@ -304,6 +304,17 @@ WRITE_BATCH_ROWS = 8192
 SCAN_READAHEAD = 2 << 20
 L0_TRIGGERS_BULK = (400, 800)
 BULK_SETTLE_S = 600.0
+# Write stalls. RocksDB delays writes (to its delayed write rate) once compaction falls behind (level 0 at
+# the slowdown trigger, pending compaction bytes) and stops them at the stop trigger or with every memtable
+# waiting for its flush. rocksdict's write holds the GIL for its whole call, so a stalled write froze every
+# Python thread of the server for the stall's length: the RPC threads of every shard and the health
+# service; a stop even blocked the thread that would have lifted it (``bulk``'s settler needs the GIL to
+# call SetOptions). Writes therefore ask RocksDB not to wait (``no_slowdown``: it refuses with "Result
+# incomplete: Write stall") and ``SpillStore._write`` waits here with the GIL released, then writes the
+# batch again: the writing shard waits out the stall as before (its lock held), the other threads run.
+# A stall longer than STALL_TIMEOUT_S (compaction stuck, the disk gone) fails the write with SpillError.
+STALL_TIMEOUT_S = 300.0
+STOP_NAP_S = 0.005          # poll period while writes are stopped (RocksDB's own stop waits on a signal)
 
 
 class SpillStore:
@@ -336,6 +347,11 @@ class SpillStore:
             raise SpillError(f"cannot open RocksDB spill store at {self._dir.db_path}: {exc}") from exc
         self._write_opts = WriteOptions()
         self._write_opts.disable_wal = True
+        self._write_opts.no_slowdown = True      # stalls are waited out GIL-free (STALL_TIMEOUT_S)
+        self.stall_timeout_s = STALL_TIMEOUT_S
+        self.stalls = 0                          # writes RocksDB refused at least once because of a stall
+        self.stall_s = 0.0                       # seconds writes spent waiting out stalls
+        self._paced = False                      # the last write met a slowdown: pace the next one
         self._bloom = ScalableBloom()
         self._settled = threading.Event()      # set: RocksDB's own level-0 triggers are in force
         self._settled.set()
@@ -457,13 +473,58 @@ class SpillStore:
         for start in range(0, len(keys), WRITE_BATCH_ROWS):
             part = slice(start, start + WRITE_BATCH_ROWS)
             k, new = keys[part], new_mask[part]
-            wb = WriteBatch(raw_mode=True)
-            vals = records[part].view(f"V{4 * self.stride}").ravel().tolist()
-            collections.deque(map(wb.put, _key_bytes(k), vals), maxlen=0)   # the loop runs in C
+            kb, vals = _key_bytes(k), records[part].view(f"V{4 * self.stride}").ravel().tolist()
             self._bloom.add(np.ascontiguousarray(k[new], dtype=np.uint64))
-            self._db.write(wb, self._write_opts)
+            self._write(lambda wb: collections.deque(map(wb.put, kb, vals), maxlen=0),   # the loop runs in C
+                        len(k) * (8 + 4 * self.stride), f"{len(k)} rows")
             self.count += int(new.sum())
             self.writes += len(k)
+
+    def _write(self, fill, nbytes: int, what: str) -> None:
+        """Write one batch, ``fill(batch)`` adding its operations, waiting out RocksDB's write stalls with
+        the GIL released (``STALL_TIMEOUT_S``). A refused write consumed its batch, so each attempt
+        fills a new one. RocksDB reserves a refused batch's delay (``nbytes`` at its delayed write rate,
+        WriteController::GetDelay) and credits time only after it: a retry under a slowdown waits twice
+        that, and the next write after a slowdown first waits its own delay, so it is not refused.
+
+        Raises
+        ------
+        SpillError
+            RocksDB failed the write, or stalled it for longer than ``stall_timeout_s`` (the message
+            names the store and RocksDB's state: level-0 files, pending compaction bytes).
+        """
+        started = None
+        while True:
+            if self._paced and started is None:    # pay the slowdown's delay here, GIL released
+                rate = self._properties((("r", "rocksdb.actual-delayed-write-rate"),))["r"]
+                self._paced = rate > 0
+                if rate > 0:
+                    time.sleep(min(nbytes / rate, 0.1))
+            wb = WriteBatch(raw_mode=True)
+            fill(wb)
+            try:
+                self._db.write(wb, self._write_opts)
+                break
+            except Exception as exc:  # rocksdict raises plain Exception subclasses
+                if "Write stall" not in str(exc):
+                    raise SpillError(f"RocksDB spill store at {self._dir.db_path}: writing {what} failed: "
+                                     f"{exc}") from exc
+            now = time.monotonic()
+            started = now if started is None else started
+            state = self.compaction()
+            if now - started > self.stall_timeout_s:
+                raise SpillError(
+                    f"RocksDB spill store at {self._dir.db_path}: writes stalled for {now - started:.0f} s "
+                    f"(limit {self.stall_timeout_s:g} s): {state['level0_files']} level-0 files, "
+                    f"{state['pending_compaction_bytes']} bytes of compaction pending, "
+                    f"{state['running_compactions']} compactions running, stopped={bool(state['write_stopped'])}; "
+                    f"writing {what} failed, nothing of it was written")
+            rate = state["delayed_write_rate"]
+            self._paced = not state["write_stopped"] and rate > 0
+            time.sleep(min(2 * nbytes / rate + 0.001, 0.1) if self._paced else STOP_NAP_S)
+        if started is not None:
+            self.stalls += 1
+            self.stall_s += time.monotonic() - started
 
     def may_contain(self, keys: np.ndarray) -> np.ndarray:
         """keys : uint64[n] -> bool[n]; False: the key was never written here (the Bloom filter)."""
@@ -495,9 +556,8 @@ class SpillStore:
         """Delete keys known to be present (one batch)."""
         if len(keys) == 0:
             return
-        wb = WriteBatch(raw_mode=True)
-        collections.deque(map(wb.delete, _key_bytes(np.sort(keys))), maxlen=0)
-        self._db.write(wb, self._write_opts)
+        kb = _key_bytes(np.sort(keys))
+        self._write(lambda wb: collections.deque(map(wb.delete, kb), maxlen=0), 8 * len(kb), f"{len(kb)} deletes")
         self.count -= len(keys)
 
     def snapshot(self) -> "ScanView":

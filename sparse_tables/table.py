@@ -369,7 +369,8 @@ class SparseTable(SpillTier):
             "dirty_keys": dirty_bytes, "sketch": self._sketch.nbytes,
             **(self._spill.memory() if self._spill is not None else {})}
         if self._spill is not None:
-            out["rocksdb"] = self._spill.compaction()
+            out["rocksdb"] = {**self._spill.compaction(), "write_stalls": self._spill.stalls,
+                              "write_stall_s": round(self._spill.stall_s, 3)}
         if self._budget is not None:
             out["memory_budget"] = self._budget.parts()
             out["rows_cap"] = self._budget.rows_cap()

@@ -446,6 +446,11 @@ class ServerCollector:
                                 labels=["table", "part"])
         disk = GaugeMetricFamily("engine_ps_disk_bytes", "RocksDB files of the table on this server",
                                  labels=["table"])
+        stall = CounterMetricFamily("engine_ps_rocksdb_write_stall_seconds", "Time this server's spill "
+                                    "writes waited out RocksDB write stalls (compaction behind)", labels=["table"])
+        l0 = GaugeMetricFamily("engine_ps_rocksdb_level0_files", "Level-0 files of the table's RocksDB "
+                               "stores on this server (writes slow down at 20 per store, stop at 36)",
+                               labels=["table"])
         for table, host in list(self.core.sparse.items()):
             try:
                 s = host.stats()
@@ -459,8 +464,11 @@ class ServerCollector:
             for part, v in (s.get("memory") or {}).items():
                 mem.add_metric([table, part], float(v))
             disk.add_metric([table], float(s.get("disk_bytes", 0)))
+            if "rocksdb" in s:
+                stall.add_metric([table], float(s["rocksdb"].get("write_stall_s", 0)))
+                l0.add_metric([table], float(s["rocksdb"].get("level0_files", 0)))
         yield from fams.values()
-        yield from (rows, mem, disk)
+        yield from (rows, mem, disk, stall, l0)
         parts = getattr(self.core, "checkpoint_parts", None) or {}
         secs = CounterMetricFamily("engine_ps_checkpoint_part_seconds", "Time this server spent writing "
                                    "(save) or reading (load) its checkpoint parts", labels=["op"])

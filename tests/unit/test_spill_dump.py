@@ -176,7 +176,7 @@ def test_a_put_writes_batch_by_batch_and_a_failed_batch_leaves_the_earlier_ones_
     keys = np.arange(1, 5_001, dtype=np.uint64)
     st._db = FailingThird()
     try:
-        with pytest.raises(OSError, match="injected"):
+        with pytest.raises(SpillError, match="writing 1000 rows failed: write refused .injected"):
             st.put(keys, _records_of(keys), np.ones(len(keys), bool))
         assert st.count == 2_000 and st.may_contain(keys[:2_000]).all()
         pos, recs = st.get(keys)

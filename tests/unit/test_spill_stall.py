@@ -1,0 +1,171 @@
+"""RocksDB write stalls are waited out with the GIL released (``SpillStore._write``).
+
+Each test drives a real RocksDB into a stall: level-0 compaction is put off (trigger 100) and the
+slowdown / stop triggers are lowered to 2 / 3 files, so flushing memtables by hand slows writes (2 files)
+or stops them (3 files) until the triggers go back up. A ticker thread measures the longest time it could
+not run: before the change, rocksdict's write held the GIL through the stall, so a stopped write froze
+every thread, the one that would lift the stop included.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparse_tables import spill
+from sparse_tables.errors import SpillError
+from sparse_tables.spill import SpillStore
+
+STRIDE = 24
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    """A stall that held the GIL would hang this process where no Python code can run: faulthandler's C
+    watchdog thread dumps every thread's stack and ends the process after 60 s instead."""
+    import faulthandler
+    faulthandler.dump_traceback_later(60, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _records_of(keys: np.ndarray) -> np.ndarray:
+    recs = np.random.default_rng(0).integers(0, 1 << 32, (len(keys), STRIDE), dtype=np.uint64).astype(np.uint32)
+    recs[:, :2] = keys.astype(np.uint64).view(np.uint32).reshape(-1, 2)
+    return recs
+
+
+def _stalled_store(tmp_path, level0_files: int) -> SpillStore:
+    """A store whose level 0 holds ``level0_files`` files, with slowdown / stop at 2 / 3 files."""
+    st = SpillStore(str(tmp_path / "spill"), stride=STRIDE)
+    st._db.set_options({"level0_file_num_compaction_trigger": "100", "level0_slowdown_writes_trigger": "2",
+                        "level0_stop_writes_trigger": "3"})
+    for i in range(level0_files):
+        keys = np.arange(1, 101, dtype=np.uint64) + np.uint64(1_000_000 * (i + 1))
+        st.put(keys, _records_of(keys), np.ones(100, bool))
+        st._db.flush()
+    assert st.compaction()["level0_files"] == level0_files
+    return st
+
+
+class Ticker:
+    """A thread that sleeps 1 ms at a time and records the longest gap between its wake-ups (seconds)."""
+
+    def __init__(self):
+        self.gap, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        time.sleep(0.05)
+
+    def _run(self):
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            self.gap, last = max(self.gap, now - last), now
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.gap
+
+
+def test_a_stopped_write_waits_without_the_gil_and_completes_when_the_stop_lifts(tmp_path):
+    st = _stalled_store(tmp_path, 3)
+    try:
+        assert st.compaction()["write_stopped"] == 1
+        keys = np.arange(1, 5_001, dtype=np.uint64)
+        done, errors = threading.Event(), []
+
+        def writer():
+            try:
+                st.put(keys, _records_of(keys), np.ones(len(keys), bool))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            done.set()
+
+        ticker = Ticker()
+        t = threading.Thread(target=writer)
+        t.start()
+        time.sleep(0.6)
+        assert not done.is_set(), "the write went through a stop"
+        # this thread needs the GIL to lift the stop: with the GIL held by the stalled write it would hang
+        st._db.set_options({"level0_slowdown_writes_trigger": "20", "level0_stop_writes_trigger": "36"})
+        assert done.wait(10.0)
+        t.join()
+        gap = ticker.stop()
+        assert errors == []
+        assert gap < 0.25, f"another thread was frozen for {gap:.3f} s during the stall"
+        pos, recs = st.get(keys)
+        assert len(pos) == len(keys) and np.array_equal(recs, _records_of(keys)[pos])
+        assert st.count == 300 + len(keys) and st.stalls == 1 and st.stall_s >= 0.5
+    finally:
+        st.close()
+
+
+def test_a_stall_longer_than_the_limit_fails_the_write_naming_the_store_and_writes_nothing_of_it(tmp_path):
+    st = _stalled_store(tmp_path, 3)
+    try:
+        st.stall_timeout_s = 0.3
+        keys = np.arange(1, 2_001, dtype=np.uint64)
+        t0 = time.monotonic()
+        with pytest.raises(SpillError, match=r"writes stalled for .* 3 level-0 files.*stopped=True.*2000 rows"):
+            st.put(keys, _records_of(keys), np.ones(len(keys), bool))
+        assert time.monotonic() - t0 < 5.0
+        assert st.count == 300
+        pos, _ = st.get(keys)
+        assert len(pos) == 0
+        assert str(st.path) in str(_raised(st, keys))
+    finally:
+        st.close()
+
+
+def _raised(st: SpillStore, keys: np.ndarray) -> Exception:
+    try:
+        st.put(keys, _records_of(keys), np.ones(len(keys), bool))
+    except SpillError as e:
+        return e
+    raise AssertionError("the stalled write did not fail")
+
+
+def test_writes_under_a_slowdown_go_through_paced_without_freezing_other_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(spill, "WRITE_BATCH_ROWS", 1_000)
+    st = _stalled_store(tmp_path, 2)
+    try:
+        assert st.compaction()["delayed_write_rate"] > 0 and st.compaction()["write_stopped"] == 0
+        keys = np.arange(1, 20_001, dtype=np.uint64)
+        ticker = Ticker()
+        t0 = time.monotonic()
+        st.put(keys, _records_of(keys), np.ones(len(keys), bool))
+        took, gap = time.monotonic() - t0, ticker.stop()
+        assert gap < 0.25, f"another thread was frozen for {gap:.3f} s during the slowdown"
+        pos, recs = st.get(keys)
+        assert len(pos) == len(keys) and np.array_equal(recs, _records_of(keys)[pos])
+        assert st.stalls >= 1 and took < 20.0
+    finally:
+        st.close()
+
+
+def test_a_failed_write_is_a_spill_error_naming_the_store(tmp_path):
+    st = SpillStore(str(tmp_path / "spill"), stride=STRIDE)
+    real = st._db
+
+    class Refusing:                     # rocksdict's Rdict is a builtin type: wrap it
+        def write(self, wb, opts):
+            raise OSError("IO error: No space left on device (injected)")
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    st._db = Refusing()
+    try:
+        keys = np.arange(1, 11, dtype=np.uint64)
+        with pytest.raises(SpillError, match=r"spill.*writing 10 rows failed: IO error: No space left"):
+            st.put(keys, _records_of(keys), np.ones(10, bool))
+        with pytest.raises(SpillError, match=r"writing 3 deletes failed"):
+            st.delete(keys[:3])
+    finally:
+        st._db = real
+        st.close()
