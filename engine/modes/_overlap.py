@@ -85,21 +85,15 @@ class OverlappedDenseStep:
         self._thread: threading.Thread | None = None
 
     def attach(self, live: np.ndarray) -> None:
-        """Make ``live : float32[P]`` (the model's parameter vector) the replica's parameters, after
-        copying the replica's values into it; from now on steps update it in place.
+        """Make ``live : float32[P]`` (the model's parameter vector) the replica's parameters
+        (``DenseReplica.attach``); from now on steps update it in place.
 
         Raises
         ------
         ValueError
             ``live`` is not float32[P].
         """
-        rep = self.rep
-        if not isinstance(live, np.ndarray) or live.dtype != np.float32 or live.shape != rep.params.shape:
-            raise ValueError(f"attach: expected float32[{len(rep.params)}], got "
-                             f"{getattr(live, 'dtype', type(live).__name__)}{getattr(live, 'shape', '')}")
-        if live is not rep.params:
-            live[...] = rep.params
-            rep.params = live
+        self.rep.attach(live)
 
     # ------------------------------------------------------------------------ the worker's thread
     def begin(self):

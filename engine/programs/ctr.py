@@ -551,6 +551,8 @@ class CTRTrainer:
         local_dense = self.mode.dense_on_workers     # hybrid: the dense step is an all-reduce, never stale
         # hybrid k = 1: all-reduced and stepped range by range during the backward pass, in the model's vector
         overlap = local_dense and self.mode.overlap_dense(dense_table, self.model.dense_params)
+        if local_dense and not overlap and self.model.dense_params.dtype == np.float32:   # stepped in place
+            self.mode.attach_dense(dense_table, self.model.dense_params)
         stepped = None                               # local_dense: the parameters the last dense step gave
         read_next = self._batch_reader(it, max_steps)
 
