@@ -24,7 +24,9 @@ so 27-31% of all the traffic was uniform over every key, not Zipf, and most of i
                      rows read back from RocksDB in the interval / keys pulled (server Stats): the
                      miss rate of the RAM tier, which sets how far pull throughput falls once it fills
     rocksdb          RocksDB's running compactions, pending compaction bytes, level-0 files and write
-                     stalls at the end of the interval: the p99 above is measured while it compacts
+                     stalls at the end of the interval: the p99 above is measured while it compacts;
+                     ``write_stalls`` / ``write_stall_s``: the writes RocksDB refused for a stall so far
+                     and the seconds they waited it out (GIL released), summed over the shards
 
 and at the end one ``scale_summary`` row: ``keys_held`` (the server's rows), ``server_rss_at_start``
 (the server process before any row: Python, numpy, Numba's compiled kernels, gRPC; the constant RSS
