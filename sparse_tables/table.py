@@ -123,6 +123,7 @@ class SparseTable(SpillTier):
         self._alloc_arrays(*self._sizes)
         self._spill = SpillStore(config.spill_path, lay.stride, budget) if config.spill_path else None
         self._spilled_dirty = SortedKeySet()   # 8 bytes per key: it grows with the keys on disk
+        self._load_distinct = False            # inside bulk_load(distinct=True)
         self._deleted: list[np.ndarray] = []
         self._tick = 1
         self._evict_seed = 0

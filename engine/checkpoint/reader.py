@@ -108,8 +108,13 @@ def _check_columns(table: pa.Table, schema: pa.Schema, uri: str, what: str) -> N
             raise CheckpointCorruptError(f"{uri}: {what}: column {f.name!r} has {col.null_count} nulls", uri=uri)
 
 
+def _group_range(g: int, groups: int, ckpt_vshards: int) -> tuple[int, int]:
+    """Vshards [lo, hi) of group ``g``: those with ``v * groups // ckpt_vshards == g`` (``writer.group_of``)."""
+    return -(-g * ckpt_vshards // groups), -(-(g + 1) * ckpt_vshards // groups)
+
+
 def _group_overlaps(g: int, groups: int, ckpt_vshards: int, local_owner: np.ndarray) -> bool:
-    lo, hi = g * ckpt_vshards // groups, (g + 1) * ckpt_vshards // groups
+    lo, hi = _group_range(g, groups, ckpt_vshards)
     return bool((local_owner[lo:hi] >= 0).any())
 
 
@@ -215,17 +220,43 @@ class _BaseBudget:
             return name not in self.over
 
 
+def _check_group(plan: _Plan, fname: str, keys: np.ndarray, g: int, groups: int, ck_vshards: int, at: int) -> None:
+    """Every key of part file ``g...`` must fall in vshard group ``g`` of the checkpoint's cut: that is
+    what makes each key live in one file (a base loads with ``bulk_load(distinct=True)``), and what lets a
+    server read only the files of its groups. ``at``: the file's row of ``keys[0]``.
+
+    Raises
+    ------
+    CheckpointCorruptError
+        Naming the file, the first row out of place, its key and vshard, and the group's range.
+    """
+    lo, hi = _group_range(g, groups, ck_vshards)
+    v = routing.vshard_of(keys, ck_vshards)
+    bad = np.flatnonzero((v < lo) | (v >= hi))
+    if len(bad):
+        i = int(bad[0])
+        uri = plan.uri(fname)
+        raise CheckpointCorruptError(f"{uri}: row {at + i}: key {int(keys[i])} is in vshard {int(v[i])}, outside "
+                                     f"this file's group {g} (vshards [{lo}, {hi}) of {ck_vshards}); "
+                                     f"{len(bad)} row(s) of this batch are misplaced", uri=uri)
+
+
 def _load_rows(plan: _Plan, threads: int, budget: _BaseBudget | None) -> tuple[dict, dict]:
     """Read the sparse files and load the rows routed here into the shards. Returns (rows loaded,
     rows read) by table."""
+
+    ck_vshards, groups = plan.manifest["num_vshards"], plan.manifest["groups"]
 
     def load_one(item):
         name, fname, entry = item
         table = _read_rows(plan, name, fname, entry)
         shards = plan.sparse[name]
-        n = 0
+        g = int(_SPARSE_RE.match(fname).group(2))
+        n, at = 0, 0
         for batch in table.to_batches():
             keys = np.ascontiguousarray(batch.column(0).to_numpy())
+            _check_group(plan, fname, keys, g, groups, ck_vshards, at)
+            at += len(keys)
             local = routing.lookup(keys, plan.num_vshards, plan.local_owner)
             if budget is not None and not budget.take(name, local):
                 continue
@@ -389,7 +420,7 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
         with ExitStack() as bulk:   # fresh shards: RocksDB's write stalls raised while the base loads
             for shards in sparse.values():
                 for shard in shards:
-                    bulk.enter_context(shard.bulk_load())
+                    bulk.enter_context(shard.bulk_load(distinct=True))   # fresh shards, keys checked below
             rows, read = _load_rows(plan, threads, budget)
         for name in sorted(budget.over):
             raise _capacity_error(plan, name, budget.rows[name], "the tables in use were not changed")

@@ -27,8 +27,9 @@ class ShardCluster:
     """``num_servers`` x ``local`` SparseTable shards per table + dense blocks, with the PS client's
     save/load shape (each "server" runs the real writer / reader)."""
 
-    def __init__(self, num_servers: int, configs: dict, *, local: int = 2, storage_options=None, dense_size=0):
-        self.num_servers, self.local, self.configs = num_servers, local, configs
+    def __init__(self, num_servers: int, configs: dict, *, local: int = 2, storage_options=None, dense_size=0,
+                 groups: int = 8):
+        self.num_servers, self.local, self.configs, self.groups = num_servers, local, configs, groups
         self.storage_options = storage_options
         self.tables = [self._fresh(s) for s in range(num_servers)]
         self.dense_size = dense_size
@@ -94,7 +95,7 @@ class ShardCluster:
                 raise OSError(f"server {s} killed mid-write")
             dense = {"dense": self.dense[s]} if self.dense[s] is not None else {}
             save_server_parts(self.storage(uri), kind=kind, server=s, num_servers=self.num_servers,
-                              num_vshards=NV, sparse=self.tables[s], dense=dense, groups=8)
+                              num_vshards=NV, sparse=self.tables[s], dense=dense, groups=self.groups)
         return 0
 
     def load(self, uri):
@@ -160,7 +161,8 @@ def mk(storage, tmp_path, request):
         clusters.append(c)
         return c
 
-    make.manager = lambda: CheckpointManager(storage.uri, "job", storage_options=opts, keep_bases=2, groups=8)
+    make.manager = lambda groups=8: CheckpointManager(storage.uri, "job", storage_options=opts, keep_bases=2,
+                                                     groups=groups)
     yield make, make.manager()
     for c in clusters:
         c.close()
@@ -307,3 +309,57 @@ def test_nothing_to_restore(mk):
     _, mgr = mk
     with pytest.raises(CheckpointNotFoundError):
         mgr.restore(ShardCluster(1, {}))
+
+
+def test_groups_that_do_not_divide_the_vshards_restore_every_row_on_any_cluster_size(mk):
+    """Group g holds the vshards v with v * groups // NV == g (the writer's group_of); a reader that took
+    [g * NV // groups, (g + 1) * NV // groups) instead skipped a file holding some of its vshards when
+    groups does not divide NV (64 / 7 here), and lost those rows on 2 and 3 servers."""
+    make, _ = mk
+    mgr = make.manager(groups=7)
+    rng = np.random.default_rng(5)
+    src = make(2, spill=True, groups=7)
+    keys = rng.choice(1 << 40, 2000, replace=False).astype(np.uint64)
+    src.push("emb", keys, _grads(rng, len(keys)), shows=np.ones(len(keys), np.float32))
+    mgr.save(src, "base", when=T0)
+    want = src.dump("emb")
+    for n in (3, 2, 1):
+        dst = make(n, spill=True, groups=7)
+        mgr.restore(dst)
+        got = dst.dump("emb")
+        assert len(got) == 2000 and got == want, f"restore onto {n} servers differs"
+        spilled = sum(sh.stats()["rows_spilled"] + sh.stats()["rows_in_ram"] for t in dst.tables for sh in t["emb"])
+        assert spilled == 2000          # a base loads with bulk_load(distinct=True): each row counted once
+
+
+def test_a_row_in_the_wrong_group_file_fails_the_restore_naming_file_row_and_key(mk, monkeypatch):
+    make, mgr = mk
+    rng = np.random.default_rng(6)
+    src = make(1)
+    keys = rng.choice(1 << 40, 500, replace=False).astype(np.uint64)
+    src.push("emb", keys, _grads(rng, len(keys)))
+    from engine.checkpoint import writer
+    real = writer.group_of
+    # a writer that misfiles one key (its checksums are right: only the reader's group check can see it)
+    monkeypatch.setattr(writer, "group_of", lambda k, nv, g: np.where(k == keys[7], (real(k, nv, g) + 1) % g,
+                                                                      real(k, nv, g)))
+    mgr.save(src, "base", when=T0)
+    monkeypatch.setattr(writer, "group_of", real)
+    dst = make(1)
+    with pytest.raises(CheckpointCorruptError, match=rf"sparse/emb/g\d+-s0000-j\d+\.arrow: row \d+: key "
+                                                     rf"{int(keys[7])} is in vshard \d+, outside this file's group"):
+        mgr.restore(dst)
+
+
+def test_a_distinct_bulk_load_needs_an_empty_table(tmp_path):
+    from sparse_tables import TableInputError
+    t = SparseTable(_cfg(tmp_path, spill=True))
+    try:
+        t.push(np.arange(1, 11, dtype=np.uint64), np.ones((10, 4), np.float32))
+        with pytest.raises(TableInputError, match="needs an empty table, this one holds 10 rows"):
+            with t.bulk_load(distinct=True):
+                pass
+        with t.bulk_load():             # not distinct: any table
+            pass
+    finally:
+        t.close()
