@@ -215,6 +215,8 @@ class TreeCPU:
     def _role(cmd: list[str]) -> str:
         if "--role" in cmd:
             return "server" if cmd[cmd.index("--role") + 1] == "server" else "workers"
+        if not cmd or "mpiexec" in os.path.basename(cmd[0]) or "--tied-to" in cmd:
+            return "other"              # mpiexec, and the shim that execs into it
         return "workers" if "engine.launch.mpi" in cmd else "other"
 
     def _run(self) -> None:
@@ -407,7 +409,8 @@ def medians(rounds: list[dict[str, dict]]) -> dict:
 def cpu_bound(hybrid: dict, other: dict) -> float:
     """The ratio over ``other``'s examples/s that ``hybrid`` would reach if its processes kept every core of
     this machine busy at the CPU per example they used: cores / (CPU seconds per example) / other's
-    examples/s. Below 1 it is a floor under the ratio that no scheduling can lift on this machine."""
+    examples/s. It is a ceiling on the ratio that no scheduling of the same work can pass on this machine
+    (the test-and-yield loop's CPU counts as work here)."""
     cores = len(os.sched_getaffinity(0))
     best = cores / (hybrid["cpu_ms_per_1k_examples"]["total"] / 1e6)
     return round(best / other["examples_per_s"], 3)

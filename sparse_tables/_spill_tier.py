@@ -16,7 +16,7 @@ from ._evict import exact_victims, sample_lru
 from ._inputs import record_keys as _record_keys
 from ._load_kernels import DUPLICATES, SORTED_UNIQUE
 from .budget import HEADROOM_ROWS, MAX_LOAD
-from .errors import TableInputError
+from .errors import SpillError, TableInputError
 from .keysets import unique_keys
 
 RELEASED_ROWS = 16                  # arena rows and index slots between release_ram and restore_ram
@@ -335,7 +335,17 @@ class SpillTier:
         flags = records[:, self.layout.meta + K.M_FLAGS]
         synced = K.F_ON_DISK | K.F_SYNCED
         write = (flags & synced) != synced
-        self._spill.put(keys[write], records[write], (flags[write] & K.F_ON_DISK) == 0)
+        try:
+            self._spill.put(keys[write], records[write], (flags[write] & K.F_ON_DISK) == 0)
+        except SpillError as exc:
+            # the rows stay in RAM; those whose batches were written must say they are on disk, or
+            # deleting (or expiring) one would leave its copy there to come back on the next pull
+            done = getattr(exc, "written", None)
+            if done is not None and len(done):
+                at = np.empty(len(done), np.int64)
+                K.find_rows(self._index, self._arena_u, done, at)
+                self._arena_u[at[at >= 0], self.layout.meta + K.M_FLAGS] |= np.uint32(K.F_ON_DISK)
+            raise
         self._spilled_dirty.add(keys[(flags & K.F_DIRTY) != 0])
         K.remove_rows(self._index, self._arena_u, self._state, self._lay, sel)
         self._count(evictions=k, spill_writes=int(write.sum()))

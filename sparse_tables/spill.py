@@ -352,6 +352,7 @@ class SpillStore:
         self.stalls = 0                          # writes RocksDB refused at least once because of a stall
         self.stall_s = 0.0                       # seconds writes spent waiting out stalls
         self._paced = False                      # the last write met a slowdown: pace the next one
+        self._last_nbytes = 0                    # bytes of the last write (RocksDB's delay charges it)
         self._bloom = ScalableBloom()
         self._settled = threading.Event()      # set: RocksDB's own level-0 triggers are in force
         self._settled.set()
@@ -460,8 +461,15 @@ class SpillStore:
         batch is one C loop that holds it too: one batch of an eviction pass froze every Python thread
         of the server, other shards' requests included, for as long as it took (400k rows: 84 ms). A
         batch at a time, the other threads run between batches. A failed write leaves the batches
-        before it written and counted; each batch's keys enter the Bloom filter before it is written
-        (a key there that is not on disk costs one read; one on disk but not there would be lost)."""
+        before it written and counted, and the ``SpillError`` carries their keys as ``written``
+        (uint64[j], increasing unless the caller passed ``presorted`` keys); each batch's keys enter the
+        Bloom filter before it is written (a key there that is not on disk costs one read; one on disk
+        but not there would be lost).
+
+        Raises
+        ------
+        SpillError
+            A write failed or stalled too long (``_write``); ``written``: the keys already on disk."""
         if len(keys) == 0:
             return
         # in key order: RocksDB's memtable (a skiplist) inserts sorted keys 2-10x faster than random
@@ -475,17 +483,19 @@ class SpillStore:
             k, new = keys[part], new_mask[part]
             kb, vals = _key_bytes(k), records[part].view(f"V{4 * self.stride}").ravel().tolist()
             self._bloom.add(np.ascontiguousarray(k[new], dtype=np.uint64))
-            self._write(lambda wb: collections.deque(map(wb.put, kb, vals), maxlen=0),   # the loop runs in C
-                        len(k) * (8 + 4 * self.stride), f"{len(k)} rows")
+            try:
+                self._write(lambda wb: collections.deque(map(wb.put, kb, vals), maxlen=0),   # the loop runs in C
+                            len(k) * (8 + 4 * self.stride), f"{len(k)} rows")
+            except SpillError as exc:
+                exc.written = keys[:start]     # the keys the batches before this one wrote (see put)
+                raise
             self.count += int(new.sum())
             self.writes += len(k)
 
     def _write(self, fill, nbytes: int, what: str) -> None:
-        """Write one batch, ``fill(batch)`` adding its operations, waiting out RocksDB's write stalls with
-        the GIL released (``STALL_TIMEOUT_S``). A refused write consumed its batch, so each attempt
-        fills a new one. RocksDB reserves a refused batch's delay (``nbytes`` at its delayed write rate,
-        WriteController::GetDelay) and credits time only after it: a retry under a slowdown waits twice
-        that, and the next write after a slowdown first waits its own delay, so it is not refused.
+        """Write one batch of ``nbytes`` bytes, ``fill(batch)`` adding its operations, waiting out RocksDB's
+        write stalls with the GIL released (``STALL_TIMEOUT_S``). A refused write consumed its batch, so
+        each attempt fills a new one.
 
         Raises
         ------
@@ -494,12 +504,9 @@ class SpillStore:
             names the store and RocksDB's state: level-0 files, pending compaction bytes).
         """
         started = None
+        if self._paced:                        # the last write met a slowdown: pay this one's delay here
+            self._wait_delay(nbytes, 1.0, time.monotonic(), what)
         while True:
-            if self._paced and started is None:    # pay the slowdown's delay here, GIL released
-                rate = self._properties((("r", "rocksdb.actual-delayed-write-rate"),))["r"]
-                self._paced = rate > 0
-                if rate > 0:
-                    time.sleep(min(nbytes / rate, 0.1))
             wb = WriteBatch(raw_mode=True)
             fill(wb)
             try:
@@ -509,22 +516,55 @@ class SpillStore:
                 if "Write stall" not in str(exc):
                     raise SpillError(f"RocksDB spill store at {self._dir.db_path}: writing {what} failed: "
                                      f"{exc}") from exc
-            now = time.monotonic()
-            started = now if started is None else started
-            state = self.compaction()
-            if now - started > self.stall_timeout_s:
-                raise SpillError(
-                    f"RocksDB spill store at {self._dir.db_path}: writes stalled for {now - started:.0f} s "
-                    f"(limit {self.stall_timeout_s:g} s): {state['level0_files']} level-0 files, "
-                    f"{state['pending_compaction_bytes']} bytes of compaction pending, "
-                    f"{state['running_compactions']} compactions running, stopped={bool(state['write_stopped'])}; "
-                    f"writing {what} failed, nothing of it was written")
-            rate = state["delayed_write_rate"]
-            self._paced = not state["write_stopped"] and rate > 0
-            time.sleep(min(2 * nbytes / rate + 0.001, 0.1) if self._paced else STOP_NAP_S)
+            started = time.monotonic() if started is None else started
+            self._wait_stop(started, what)
+            # RocksDB reserved the refused write's delay (WriteController::GetDelay: its credit zeroed,
+            # the next refill that much later) and credits only the time after it: wait twice the delay.
+            # It charges the size of the previous write group, not this one's: take the larger.
+            self._wait_delay(nbytes, 2.0, started, what)
+            if not self._paced:                # refused, and no stall left to wait on: never spin
+                time.sleep(STOP_NAP_S)
+        self._last_nbytes = nbytes
         if started is not None:
             self.stalls += 1
             self.stall_s += time.monotonic() - started
+
+    def _stall_state(self, started: float, what: str) -> dict:
+        """RocksDB's state (``compaction``); past ``stall_timeout_s`` since ``started``, a SpillError."""
+        state = self.compaction()
+        waited = time.monotonic() - started
+        if waited > self.stall_timeout_s:
+            raise SpillError(
+                f"RocksDB spill store at {self._dir.db_path}: writes stalled for {waited:.0f} s "
+                f"(limit {self.stall_timeout_s:g} s): {state['level0_files']} level-0 files, "
+                f"{state['pending_compaction_bytes']} bytes of compaction pending, "
+                f"{state['running_compactions']} compactions running, stopped={bool(state['write_stopped'])}; "
+                f"writing {what} failed, nothing of it was written")
+        return state
+
+    def _wait_stop(self, started: float, what: str) -> None:
+        """While RocksDB stops writes, poll its state (naps of 5 ms growing to 50 ms; nothing is rebuilt
+        or written meanwhile)."""
+        nap = STOP_NAP_S
+        while self._stall_state(started, what)["write_stopped"]:
+            time.sleep(nap)
+            nap = min(2 * nap, 0.05)
+
+    def _wait_delay(self, nbytes: int, times: float, started: float, what: str) -> None:
+        """Under a slowdown, sleep ``times`` x the delay RocksDB charges a write (the larger of ``nbytes``
+        and the last write's size, at its delayed write rate), in naps of at most 0.1 s that end early
+        when the slowdown lifts. Sets ``_paced`` to whether a slowdown is on."""
+        state = self._stall_state(started, what)
+        rate = state["delayed_write_rate"]
+        self._paced = rate > 0
+        if not self._paced or state["write_stopped"]:
+            return
+        end = time.monotonic() + times * max(nbytes, self._last_nbytes) / rate + 0.001
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.1))
+            state = self._stall_state(started, what)
+            if state["write_stopped"] or not state["delayed_write_rate"]:
+                return
 
     def may_contain(self, keys: np.ndarray) -> np.ndarray:
         """keys : uint64[n] -> bool[n]; False: the key was never written here (the Bloom filter)."""

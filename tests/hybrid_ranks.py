@@ -84,6 +84,9 @@ def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -
         ov = OverlappedDenseStep(rep, bucket_floats=size // 4)
         ov.attach(live)
         assert rep.params is live and np.array_equal(live, initial(size))
+    elif how == "attached":             # the pipelined loop: the model's vector is the replica's
+        rep.attach(live)
+        assert rep.params is live and np.array_equal(live, initial(size))
     keep = {"params": [], "m": [], "v": []}
     for t in range(steps):
         if ov is None:
@@ -93,7 +96,7 @@ def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -
             for lo, hi in ranges(size):
                 on_grad(g, lo, hi)
             ov.finish()
-        for k, a in (("params", rep.params), ("m", rep.opt.m), ("v", rep.opt.v)):
+        for k, a in (("params", live if how == "attached" else rep.params), ("m", rep.opt.m), ("v", rep.opt.v)):
             got = comm.gather(a.copy(), root=0)
             if comm.rank == 0:
                 keep[k].append(np.stack(got))

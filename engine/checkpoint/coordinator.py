@@ -234,6 +234,10 @@ class CheckpointManager:
             if len(nv) != 1:
                 raise CheckpointCorruptError(f"{uri}: servers disagree on num_vshards: {sorted(nv)}", uri=uri)
             pub.manifest.update(tables=tables, num_vshards=nv.pop())
+            cut = {rep.get("groups", self.groups) for rep in reports}
+            if cut != {self.groups}:    # readers find a row's file by the manifest's groups
+                raise CheckpointCorruptError(f"{uri}: the servers cut their part files into {sorted(cut)} vshard "
+                                             f"groups, the manifest would say {self.groups}", uri=uri)
             failpoints.hit("checkpoint.before_publish")
         manifest = pub.written_manifest
         self.head = ref.name

@@ -238,7 +238,7 @@ def _check_group(plan: _Plan, fname: str, keys: np.ndarray, g: int, groups: int,
         uri = plan.uri(fname)
         raise CheckpointCorruptError(f"{uri}: row {at + i}: key {int(keys[i])} is in vshard {int(v[i])}, outside "
                                      f"this file's group {g} (vshards [{lo}, {hi}) of {ck_vshards}); "
-                                     f"{len(bad)} row(s) of this batch are misplaced", uri=uri)
+                                     f"{len(bad)} row(s) read with it are misplaced", uri=uri)
 
 
 def _load_rows(plan: _Plan, threads: int, budget: _BaseBudget | None) -> tuple[dict, dict]:
@@ -307,10 +307,10 @@ def _verify_delta(plan: _Plan, threads: int) -> None:
     def check_one(item):
         name, fname, entry = item
         table = _read_rows(plan, name, fname, entry)
-        fresh = None
-        if name in limited:
-            keys = np.ascontiguousarray(table.column("key").to_numpy())
-            fresh = per_shard(name, keys, present=False)
+        keys = np.ascontiguousarray(table.column("key").to_numpy())
+        _check_group(plan, fname, keys, int(_SPARSE_RE.match(fname).group(2)), plan.manifest["groups"],
+                     plan.manifest["num_vshards"], 0)            # before any row changes, not midway
+        fresh = per_shard(name, keys, present=False) if name in limited else None
         return name, table.num_rows, fresh
 
     read = {name: 0 for name in plan.tables}

@@ -109,7 +109,8 @@ class DenseReplica:
     Attributes
     ----------
     params : float32[P]
-        The live parameters (the model loads a copy).
+        The live parameters: the model's own vector once ``attach``ed (the pipelined loop), else a
+        vector the model loads copies of.
     steps : int
         Optimizer steps taken.
     wait_s, wait_cpu_s : float, seconds
@@ -384,9 +385,10 @@ class HybridMode(AsyncMode):
         """One dense step with this worker's ``grad : float32[P]`` (collective: every worker calls it)."""
         self.push_pull_dense(table, grad)
 
-    def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray:
+    def push_pull_dense(self, table: str, grad: np.ndarray) -> np.ndarray | None:
         """One dense step with this worker's ``grad : float32[P]``: start the all-reduce (k = 1), complete
-        it on this thread with the test-and-yield loop, step the optimizer -> the fresh parameters (a copy).
+        it on this thread with the test-and-yield loop, step the optimizer -> the fresh parameters (a copy),
+        or None once ``attach_dense`` made the model's vector the replica's (it is stepped in place).
         The pipelined loop calls it right after sending the step's sparse request, so the all-reduce runs
         beside that round trip (``dense_on_workers``). Collective: every worker calls it."""
         rep = self._replica(table)

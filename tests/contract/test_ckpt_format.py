@@ -363,3 +363,27 @@ def test_a_distinct_bulk_load_needs_an_empty_table(tmp_path):
             pass
     finally:
         t.close()
+
+
+def test_a_delta_with_a_misfiled_row_changes_no_row(mk, monkeypatch):
+    """A delta is verified whole before any live row changes: the group check is part of that."""
+    make, mgr = mk
+    rng = np.random.default_rng(7)
+    live = make(1)
+    keys = rng.choice(1 << 40, 500, replace=False).astype(np.uint64)
+    live.push("emb", keys, _grads(rng, len(keys)))
+    mgr.save(live, "base", when=T0)
+    base = live.dump("emb")
+    live.push("emb", keys[:200], _grads(rng, 200))
+    from engine.checkpoint import writer
+    real = writer.group_of
+    monkeypatch.setattr(writer, "group_of", lambda k, nv, g: np.where(k == keys[150], (real(k, nv, g) + 1) % g,
+                                                                      real(k, nv, g)))
+    mgr.save(live, "delta", when=T0 + dt.timedelta(hours=1))
+    monkeypatch.setattr(writer, "group_of", real)
+    dst = make(1)
+    mgr.restore(dst, "20240101/0000-base")
+    assert dst.dump("emb") == base
+    with pytest.raises(CheckpointCorruptError, match=rf"row \d+: key {int(keys[150])} is in vshard"):
+        dst.load(mgr.uri_of("20240101/0100-delta"))
+    assert dst.dump("emb") == base          # nothing of the delta applied, though most of it was fine

@@ -122,9 +122,11 @@ def overlap_buckets(size: int, smallest: int) -> list[tuple[int, int]]:
     return out + ([cur] if cur else [])
 
 
-def test_model_averaging_is_identical_at_every_sync_point(tmp_path):
+@pytest.mark.parametrize("how", ["whole", "attached"])
+def test_model_averaging_is_identical_at_every_sync_point(tmp_path, how):
+    """``attached``: the replica steps and averages the model's own vector in place (``DenseReplica.attach``)."""
     k, steps, ranks = 3, 7, 2
-    got = run_world(tmp_path, ranks, sync_steps=k, steps=steps)
+    got = run_world(tmp_path, ranks, sync_steps=k, steps=steps, how=how)
     refs = [hr.initial(SIZE) for _ in range(ranks)]
     opts = [make_optimizer(SIZE, hr.table_config()) for _ in range(ranks)]
     for t in range(steps):
