@@ -104,7 +104,8 @@ class CheckpointManager:
     keep_bases : int
         Retention: keep this many newest bases and their deltas.
     groups : int
-        Vshard groups per table (recorded; servers cut their files with the same number).
+        Vshard groups per table the servers are expected to cut (the manifest records what their part
+        reports say they cut).
     clock : callable -> float, seconds since the epoch
         Names checkpoints when ``save`` is given no ``when``.
     """
@@ -233,11 +234,12 @@ class CheckpointManager:
             nv = {rep["num_vshards"] for rep in reports}
             if len(nv) != 1:
                 raise CheckpointCorruptError(f"{uri}: servers disagree on num_vshards: {sorted(nv)}", uri=uri)
-            pub.manifest.update(tables=tables, num_vshards=nv.pop())
+            # readers find a row's file by the manifest's groups: record the cut the servers made
             cut = {rep.get("groups", self.groups) for rep in reports}
-            if cut != {self.groups}:    # readers find a row's file by the manifest's groups
-                raise CheckpointCorruptError(f"{uri}: the servers cut their part files into {sorted(cut)} vshard "
-                                             f"groups, the manifest would say {self.groups}", uri=uri)
+            if len(cut) != 1:
+                raise CheckpointCorruptError(f"{uri}: servers cut their part files into different numbers of "
+                                             f"vshard groups: {sorted(cut)}", uri=uri)
+            pub.manifest.update(tables=tables, num_vshards=nv.pop(), groups=cut.pop())
             failpoints.hit("checkpoint.before_publish")
         manifest = pub.written_manifest
         self.head = ref.name

@@ -387,3 +387,20 @@ def test_a_delta_with_a_misfiled_row_changes_no_row(mk, monkeypatch):
     with pytest.raises(CheckpointCorruptError, match=rf"row \d+: key {int(keys[150])} is in vshard"):
         dst.load(mgr.uri_of("20240101/0100-delta"))
     assert dst.dump("emb") == base          # nothing of the delta applied, though most of it was fine
+
+
+def test_the_manifest_records_the_groups_the_servers_cut(mk):
+    """Servers cut their part files into 4 groups, the manager expects 8: the manifest must say 4, or a
+    reader on several servers would look for rows in the wrong files (the group check refuses them)."""
+    make, mgr = mk
+    rng = np.random.default_rng(8)
+    src = make(2, groups=4)
+    keys = rng.choice(1 << 40, 1000, replace=False).astype(np.uint64)
+    src.push("emb", keys, _grads(rng, len(keys)))
+    m = mgr.save(src, "base", when=T0)
+    assert m["groups"] == 4
+    want = src.dump("emb")
+    for n in (3, 1):
+        dst = make(n)
+        mgr.restore(dst)
+        assert dst.dump("emb") == want
