@@ -353,6 +353,7 @@ class SpillStore:
         self.stall_s = 0.0                       # seconds writes spent waiting out stalls
         self._paced = False                      # the last write met a slowdown: pace the next one
         self._last_nbytes = 0                    # bytes of the last write (RocksDB's delay charges it)
+        self._nap = STOP_NAP_S / 2               # back-off after a refusal no stall explains
         self._bloom = ScalableBloom()
         self._settled = threading.Event()      # set: RocksDB's own level-0 triggers are in force
         self._settled.set()
@@ -485,17 +486,18 @@ class SpillStore:
             self._bloom.add(np.ascontiguousarray(k[new], dtype=np.uint64))
             try:
                 self._write(lambda wb: collections.deque(map(wb.put, kb, vals), maxlen=0),   # the loop runs in C
-                            len(k) * (8 + 4 * self.stride), f"{len(k)} rows")
+                            f"{len(k)} rows")
             except SpillError as exc:
                 exc.written = keys[:start]     # the keys the batches before this one wrote (see put)
                 raise
             self.count += int(new.sum())
             self.writes += len(k)
 
-    def _write(self, fill, nbytes: int, what: str) -> None:
-        """Write one batch of ``nbytes`` bytes, ``fill(batch)`` adding its operations, waiting out RocksDB's
-        write stalls with the GIL released (``STALL_TIMEOUT_S``). A refused write consumed its batch, so
-        each attempt fills a new one.
+    def _write(self, fill, what: str) -> None:
+        """Write one batch, ``fill(batch)`` adding its operations, waiting out RocksDB's write stalls with
+        the GIL released (``STALL_TIMEOUT_S``). A refused write consumed its batch, so each attempt
+        fills a new one. ``stall_s`` gains every second waited (after a refusal, and the pacing before
+        a write under a slowdown); ``stalls`` counts the writes RocksDB refused at least once.
 
         Raises
         ------
@@ -504,30 +506,40 @@ class SpillStore:
             names the store and RocksDB's state: level-0 files, pending compaction bytes).
         """
         started = None
-        if self._paced:                        # the last write met a slowdown: pay this one's delay here
-            self._wait_delay(nbytes, 1.0, time.monotonic(), what)
-        while True:
-            wb = WriteBatch(raw_mode=True)
-            fill(wb)
-            try:
-                self._db.write(wb, self._write_opts)
-                break
-            except Exception as exc:  # rocksdict raises plain Exception subclasses
-                if "Write stall" not in str(exc):
-                    raise SpillError(f"RocksDB spill store at {self._dir.db_path}: writing {what} failed: "
-                                     f"{exc}") from exc
-            started = time.monotonic() if started is None else started
-            self._wait_stop(started, what)
-            # RocksDB reserved the refused write's delay (WriteController::GetDelay: its credit zeroed,
-            # the next refill that much later) and credits only the time after it: wait twice the delay.
-            # It charges the size of the previous write group, not this one's: take the larger.
-            self._wait_delay(nbytes, 2.0, started, what)
-            if not self._paced:                # refused, and no stall left to wait on: never spin
-                time.sleep(STOP_NAP_S)
-        self._last_nbytes = nbytes
-        if started is not None:
-            self.stalls += 1
-            self.stall_s += time.monotonic() - started
+        t0 = time.monotonic()
+        paced = False
+        try:
+            while True:
+                wb = WriteBatch(raw_mode=True)
+                fill(wb)
+                nbytes = wb.size_in_bytes()          # what RocksDB's delay charges (header and varints too)
+                if self._paced and started is None and not paced:   # the last write met a slowdown
+                    paced = True
+                    self._wait_delay(nbytes, 1.0, t0, what)
+                try:
+                    self._db.write(wb, self._write_opts)
+                    break
+                except Exception as exc:  # rocksdict raises plain Exception subclasses
+                    if "Write stall" not in str(exc):
+                        raise SpillError(f"RocksDB spill store at {self._dir.db_path}: writing {what} failed: "
+                                         f"{exc}") from exc
+                finally:
+                    self._last_nbytes = nbytes       # RocksDB charges the next write for it, refused or not
+                started = time.monotonic() if started is None else started
+                if self._wait_stop(started, what):
+                    continue                         # a stop reserves no delay: write again at once
+                # RocksDB reserved the refused write's delay (WriteController::GetDelay: its credit zeroed,
+                # the next refill that much later) and credits only the time after it: wait twice the delay
+                self._wait_delay(nbytes, 2.0, started, what)
+                if not self._paced:                  # refused, and no stall visible: back off, never spin
+                    self._nap = min(2 * self._nap, 0.05)
+                    time.sleep(self._nap)
+        finally:
+            self._nap = STOP_NAP_S / 2
+            if started is not None:
+                self.stalls += 1
+            if started is not None or paced:
+                self.stall_s += time.monotonic() - t0
 
     def _stall_state(self, started: float, what: str) -> dict:
         """RocksDB's state (``compaction``); past ``stall_timeout_s`` since ``started``, a SpillError."""
@@ -542,13 +554,14 @@ class SpillStore:
                 f"writing {what} failed, nothing of it was written")
         return state
 
-    def _wait_stop(self, started: float, what: str) -> None:
+    def _wait_stop(self, started: float, what: str) -> bool:
         """While RocksDB stops writes, poll its state (naps of 5 ms growing to 50 ms; nothing is rebuilt
-        or written meanwhile)."""
-        nap = STOP_NAP_S
+        or written meanwhile). True if it waited."""
+        nap, waited = STOP_NAP_S, False
         while self._stall_state(started, what)["write_stopped"]:
             time.sleep(nap)
-            nap = min(2 * nap, 0.05)
+            nap, waited = min(2 * nap, 0.05), True
+        return waited
 
     def _wait_delay(self, nbytes: int, times: float, started: float, what: str) -> None:
         """Under a slowdown, sleep ``times`` x the delay RocksDB charges a write (the larger of ``nbytes``
@@ -597,7 +610,7 @@ class SpillStore:
         if len(keys) == 0:
             return
         kb = _key_bytes(np.sort(keys))
-        self._write(lambda wb: collections.deque(map(wb.delete, kb), maxlen=0), 8 * len(kb), f"{len(kb)} deletes")
+        self._write(lambda wb: collections.deque(map(wb.delete, kb), maxlen=0), f"{len(kb)} deletes")
         self.count -= len(keys)
 
     def snapshot(self) -> "ScanView":

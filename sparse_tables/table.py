@@ -269,10 +269,11 @@ class SparseTable(SpillTier):
             gone = [keys[in_ram]]
             if self._spill is not None:
                 flags = self._arena_u[rows[in_ram], self.layout.meta + K.M_FLAGS]
-                self._spill.delete(keys[in_ram][(flags & K.F_ON_DISK) != 0])
                 pos, _ = self._spill.get(keys[~in_ram])
                 on_disk = keys[~in_ram][pos]
-                self._spill.delete(on_disk)
+                # one batch, all or nothing: a second write failing after a first would leave RAM rows
+                # flagged on disk whose copies are gone
+                self._spill.delete(np.concatenate([keys[in_ram][(flags & K.F_ON_DISK) != 0], on_disk]))
                 gone.append(on_disk)
             K.remove_rows(self._index, self._arena_u, self._state, self._lay, rows[in_ram])
             deleted = np.concatenate(gone)

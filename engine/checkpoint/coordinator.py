@@ -236,7 +236,7 @@ class CheckpointManager:
                 raise CheckpointCorruptError(f"{uri}: servers disagree on num_vshards: {sorted(nv)}", uri=uri)
             # readers find a row's file by the manifest's groups: record the cut the servers made
             cut = {rep.get("groups", self.groups) for rep in reports}
-            if len(cut) != 1:
+            if len(cut) != 1 or not all(isinstance(g, int) and g >= 1 for g in cut):
                 raise CheckpointCorruptError(f"{uri}: servers cut their part files into different numbers of "
                                              f"vshard groups: {sorted(cut)}", uri=uri)
             pub.manifest.update(tables=tables, num_vshards=nv.pop(), groups=cut.pop())

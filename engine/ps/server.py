@@ -139,6 +139,8 @@ class PSServer:
                  load_roots=(), clock=None):
         if not 0 <= index < num_servers:
             raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
+        if not (isinstance(checkpoint_groups, int) and checkpoint_groups >= 1):
+            raise ValueError(f"checkpoint_groups must be an int >= 1, got {checkpoint_groups!r}")
         self.index, self.num_servers, self.num_vshards = index, num_servers, num_vshards
         self.storage_options = storage_options            # checkpoint storage (None: AWS env vars)
         self.checkpoint_root = checkpoint_root

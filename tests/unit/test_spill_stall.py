@@ -175,7 +175,8 @@ def test_a_batch_whose_delay_is_longer_than_a_nap_still_goes_through_under_a_slo
         took, gap = time.monotonic() - t0, ticker.stop()
         # RocksDB's own wait (0.13 s a batch) held the GIL: the delays are now slept with it released
         assert gap < 0.1, f"another thread was frozen for {gap:.3f} s during the slowdown"
-        assert took < 5.0 and st.stalls >= 1 and st.stall_s >= 0.2
+        assert took < 5.0 and st.stalls >= 1
+        assert 0.5 <= st.stall_s <= took     # the pacing before each later batch counts too
         pos, recs = st.get(keys[::997])
         assert len(pos) == len(keys[::997]) and np.array_equal(recs, _records_of(keys)[::997][pos])
         assert st.count == 200 + len(keys)
