@@ -234,10 +234,8 @@ class TreeCPU:
             sums = {"server": 0.0, "workers": 0.0, "other": 0.0}
             for p in tree:
                 try:
-                    if p.pid not in procs:       # the role by its command line, read once (an exec'd rank
-                        procs[p.pid] = (p, self._role(p.cmdline()))   # shows its new line from the start)
-                    proc, role = procs[p.pid]
-                    if role == "other":          # it may have exec'd into a role since it was first seen
+                    proc, role = procs.get(p.pid, (p, "other"))
+                    if role == "other":          # new, or it may have exec'd into a role since last seen
                         role = self._role(proc.cmdline())
                         procs[p.pid] = (proc, role)
                     t = proc.cpu_times()

@@ -353,7 +353,6 @@ class SpillStore:
         self.stall_s = 0.0                       # seconds writes spent waiting out stalls
         self._paced = False                      # the last write met a slowdown: pace the next one
         self._last_nbytes = 0                    # bytes of the last write (RocksDB's delay charges it)
-        self._nap = STOP_NAP_S / 2               # back-off after a refusal no stall explains
         self._bloom = ScalableBloom()
         self._settled = threading.Event()      # set: RocksDB's own level-0 triggers are in force
         self._settled.set()
@@ -508,6 +507,7 @@ class SpillStore:
         started = None
         t0 = time.monotonic()
         paced = False
+        nap = STOP_NAP_S / 2                         # back-off after a refusal no stall explains
         try:
             while True:
                 wb = WriteBatch(raw_mode=True)
@@ -532,10 +532,9 @@ class SpillStore:
                 # the next refill that much later) and credits only the time after it: wait twice the delay
                 self._wait_delay(nbytes, 2.0, started, what)
                 if not self._paced:                  # refused, and no stall visible: back off, never spin
-                    self._nap = min(2 * self._nap, 0.05)
-                    time.sleep(self._nap)
+                    nap = min(2 * nap, 0.05)
+                    time.sleep(nap)
         finally:
-            self._nap = STOP_NAP_S / 2
             if started is not None:
                 self.stalls += 1
             if started is not None or paced:

@@ -84,3 +84,21 @@ class ServerClock:
 
     def __call__(self) -> float:
         return time.time() + self.offset
+
+
+class FailingWrites:
+    """A RocksDB store's ``Rdict`` (a builtin type: wrapped, not patched) whose write call number
+    ``fail_on`` (1-based; 0: every call) raises ``OSError(message)``; every other call and attribute goes
+    to ``real``. ``calls`` counts the write calls."""
+
+    def __init__(self, real, fail_on: int, message: str):
+        self.real, self.fail_on, self.message, self.calls = real, fail_on, message, 0
+
+    def write(self, wb, opts):
+        self.calls += 1
+        if self.fail_on in (0, self.calls):
+            raise OSError(self.message)
+        self.real.write(wb, opts)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)

@@ -41,7 +41,7 @@ from sparse_tables import SparseTable, TableFullError, TableInputError
 
 from ..sharding import routing
 from .manifest import read_checkpoint_manifest
-from .writer import DENSE_SCHEMA, TOMBSTONE_SCHEMA, DenseBlockState
+from .writer import DENSE_SCHEMA, TOMBSTONE_SCHEMA, DenseBlockState, group_of
 
 __all__ = ["load_server_parts", "CheckpointMismatchError", "CheckpointCapacityError"]
 
@@ -108,6 +108,11 @@ def _check_columns(table: pa.Table, schema: pa.Schema, uri: str, what: str) -> N
             raise CheckpointCorruptError(f"{uri}: {what}: column {f.name!r} has {col.null_count} nulls", uri=uri)
 
 
+def _file_group(fname: str) -> int:
+    """The vshard group of a sparse part file's name (``writer._part_name``)."""
+    return int(_SPARSE_RE.match(fname).group(2))
+
+
 def _group_range(g: int, groups: int, ckpt_vshards: int) -> tuple[int, int]:
     """Vshards [lo, hi) of group ``g``: those with ``v * groups // ckpt_vshards == g`` (``writer.group_of``)."""
     return -(-g * ckpt_vshards // groups), -(-(g + 1) * ckpt_vshards // groups)
@@ -144,7 +149,7 @@ def _plan(ckpt: Storage, manifest: dict, num_vshards: int, local_owner: np.ndarr
             name = m.group(1)
             if name not in sparse:
                 continue
-            if not same_cut or _group_overlaps(int(m.group(2)), groups, num_vshards, local_owner):
+            if not same_cut or _group_overlaps(_file_group(fname), groups, num_vshards, local_owner):
                 plan.sparse_files.append((name, fname, entry))
             else:
                 plan.every_file.discard(name)
@@ -230,13 +235,13 @@ def _check_group(plan: _Plan, fname: str, keys: np.ndarray, g: int, groups: int,
     CheckpointCorruptError
         Naming the file, the first row out of place, its key and vshard, and the group's range.
     """
-    lo, hi = _group_range(g, groups, ck_vshards)
-    v = routing.vshard_of(keys, ck_vshards)
-    bad = np.flatnonzero((v < lo) | (v >= hi))
+    bad = np.flatnonzero(group_of(keys, ck_vshards, groups) != g)
     if len(bad):
         i = int(bad[0])
+        lo, hi = _group_range(g, groups, ck_vshards)
+        v = int(routing.vshard_of(keys[i:i + 1], ck_vshards)[0])
         uri = plan.uri(fname)
-        raise CheckpointCorruptError(f"{uri}: row {at + i}: key {int(keys[i])} is in vshard {int(v[i])}, outside "
+        raise CheckpointCorruptError(f"{uri}: row {at + i}: key {int(keys[i])} is in vshard {v}, outside "
                                      f"this file's group {g} (vshards [{lo}, {hi}) of {ck_vshards}); "
                                      f"{len(bad)} row(s) read with it are misplaced", uri=uri)
 
@@ -251,7 +256,7 @@ def _load_rows(plan: _Plan, threads: int, budget: _BaseBudget | None) -> tuple[d
         name, fname, entry = item
         table = _read_rows(plan, name, fname, entry)
         shards = plan.sparse[name]
-        g = int(_SPARSE_RE.match(fname).group(2))
+        g = _file_group(fname)
         n, at = 0, 0
         for batch in table.to_batches():
             keys = np.ascontiguousarray(batch.column(0).to_numpy())
@@ -308,7 +313,7 @@ def _verify_delta(plan: _Plan, threads: int) -> None:
         name, fname, entry = item
         table = _read_rows(plan, name, fname, entry)
         keys = np.ascontiguousarray(table.column("key").to_numpy())
-        _check_group(plan, fname, keys, int(_SPARSE_RE.match(fname).group(2)), plan.manifest["groups"],
+        _check_group(plan, fname, keys, _file_group(fname), plan.manifest["groups"],
                      plan.manifest["num_vshards"], 0)            # before any row changes, not midway
         fresh = per_shard(name, keys, present=False) if name in limited else None
         return name, table.num_rows, fresh

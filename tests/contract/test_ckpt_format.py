@@ -5,6 +5,7 @@ retention. The cluster here is SparseTable shards in this process driven through
 writer/reader the PS servers use."""
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 
@@ -332,19 +333,28 @@ def test_groups_that_do_not_divide_the_vshards_restore_every_row_on_any_cluster_
         assert spilled == 2000          # a base loads with bulk_load(distinct=True): each row counted once
 
 
+@contextlib.contextmanager
+def _misfiling(monkeypatch, key):
+    """A writer that files ``key`` in the next vshard group: its checksums are right, so only the
+    reader's group check can see it."""
+    from engine.checkpoint import writer
+    real = writer.group_of
+    monkeypatch.setattr(writer, "group_of", lambda k, nv, g: np.where(k == key, (real(k, nv, g) + 1) % g,
+                                                                      real(k, nv, g)))
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(writer, "group_of", real)
+
+
 def test_a_row_in_the_wrong_group_file_fails_the_restore_naming_file_row_and_key(mk, monkeypatch):
     make, mgr = mk
     rng = np.random.default_rng(6)
     src = make(1)
     keys = rng.choice(1 << 40, 500, replace=False).astype(np.uint64)
     src.push("emb", keys, _grads(rng, len(keys)))
-    from engine.checkpoint import writer
-    real = writer.group_of
-    # a writer that misfiles one key (its checksums are right: only the reader's group check can see it)
-    monkeypatch.setattr(writer, "group_of", lambda k, nv, g: np.where(k == keys[7], (real(k, nv, g) + 1) % g,
-                                                                      real(k, nv, g)))
-    mgr.save(src, "base", when=T0)
-    monkeypatch.setattr(writer, "group_of", real)
+    with _misfiling(monkeypatch, keys[7]):
+        mgr.save(src, "base", when=T0)
     dst = make(1)
     with pytest.raises(CheckpointCorruptError, match=rf"sparse/emb/g\d+-s0000-j\d+\.arrow: row \d+: key "
                                                      rf"{int(keys[7])} is in vshard \d+, outside this file's group"):
@@ -375,12 +385,8 @@ def test_a_delta_with_a_misfiled_row_changes_no_row(mk, monkeypatch):
     mgr.save(live, "base", when=T0)
     base = live.dump("emb")
     live.push("emb", keys[:200], _grads(rng, 200))
-    from engine.checkpoint import writer
-    real = writer.group_of
-    monkeypatch.setattr(writer, "group_of", lambda k, nv, g: np.where(k == keys[150], (real(k, nv, g) + 1) % g,
-                                                                      real(k, nv, g)))
-    mgr.save(live, "delta", when=T0 + dt.timedelta(hours=1))
-    monkeypatch.setattr(writer, "group_of", real)
+    with _misfiling(monkeypatch, keys[150]):
+        mgr.save(live, "delta", when=T0 + dt.timedelta(hours=1))
     dst = make(1)
     mgr.restore(dst, "20240101/0000-base")
     assert dst.dump("emb") == base

@@ -12,6 +12,7 @@ import pytest
 from sparse_tables import SparseTable, TableConfig
 from sparse_tables.errors import SpillError
 from sparse_tables.spill import SpillStore
+from tests.faults import FailingWrites
 
 DIM = 4
 
@@ -161,20 +162,9 @@ def test_a_put_writes_batch_by_batch_and_a_failed_batch_leaves_the_earlier_ones_
     from sparse_tables import spill
     monkeypatch.setattr(spill, "WRITE_BATCH_ROWS", 1_000)
     st = SpillStore(str(tmp_path / "spill"), stride=24)
-    real, calls = st._db, [0]
-
-    class FailingThird:                 # rocksdict's Rdict is a builtin type: wrap it
-        def write(self, wb, opts):
-            calls[0] += 1
-            if calls[0] == 3:
-                raise OSError("write refused (injected)")
-            real.write(wb, opts)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
+    real = st._db
     keys = np.arange(1, 5_001, dtype=np.uint64)
-    st._db = FailingThird()
+    st._db = failing = FailingWrites(real, 3, "write refused (injected)")
     try:
         with pytest.raises(SpillError, match="writing 1000 rows failed: write refused .injected"):
             st.put(keys, _records_of(keys), np.ones(len(keys), bool))
@@ -182,7 +172,7 @@ def test_a_put_writes_batch_by_batch_and_a_failed_batch_leaves_the_earlier_ones_
         pos, recs = st.get(keys)
         assert np.array_equal(keys[pos], keys[:2_000]) and np.array_equal(recs, _records_of(keys)[:2_000])
         st.put(keys[2_000:], _records_of(keys)[2_000:], np.ones(3_000, bool))     # the rest, 3 batches
-        assert calls[0] == 6 and st.count == 5_000
+        assert failing.calls == 6 and st.count == 5_000
     finally:
         st._db = real
         st.close()

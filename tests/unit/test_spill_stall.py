@@ -17,6 +17,7 @@ import pytest
 from sparse_tables import spill
 from sparse_tables.errors import SpillError
 from sparse_tables.spill import SpillStore
+from tests.faults import FailingWrites
 
 STRIDE = 24
 
@@ -133,15 +134,7 @@ def _raised(st: SpillStore, keys: np.ndarray) -> Exception:
 def test_a_failed_write_is_a_spill_error_naming_the_store(tmp_path):
     st = SpillStore(str(tmp_path / "spill"), stride=STRIDE)
     real = st._db
-
-    class Refusing:                     # rocksdict's Rdict is a builtin type: wrap it
-        def write(self, wb, opts):
-            raise OSError("IO error: No space left on device (injected)")
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    st._db = Refusing()
+    st._db = FailingWrites(real, 0, "IO error: No space left on device (injected)")
     try:
         keys = np.arange(1, 11, dtype=np.uint64)
         with pytest.raises(SpillError, match=r"spill.*writing 10 rows failed: IO error: No space left"):
@@ -190,21 +183,10 @@ def test_an_eviction_whose_write_fails_midway_marks_the_rows_it_wrote_as_on_disk
     from sparse_tables import SparseTable, TableConfig
     monkeypatch.setattr(spill, "WRITE_BATCH_ROWS", 100)
     t = SparseTable(TableConfig(dim=4, memory_rows=1_000, spill_path=str(tmp_path / "spill"), num_threads=1))
-    real, calls = t._spill._db, [0]
-
-    class FailingSecond:                # rocksdict's Rdict is a builtin type: wrap it
-        def write(self, wb, opts):
-            calls[0] += 1
-            if calls[0] == 2:
-                raise OSError("IO error: write refused (injected)")
-            real.write(wb, opts)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
+    real = t._spill._db
     try:
         t.push(np.arange(1, 1_001, dtype=np.uint64), np.ones((1_000, 4), np.float32))
-        t._spill._db = FailingSecond()
+        t._spill._db = FailingWrites(real, 2, "IO error: write refused (injected)")
         with pytest.raises(SpillError, match="injected") as info:
             t.push(np.arange(10_001, 10_601, dtype=np.uint64), np.ones((600, 4), np.float32))
         t._spill._db = real
