@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -252,7 +253,9 @@ class LocalCluster:
             self.workers.append(child)
 
     def _check_alive(self, children: list[Child], *, finished_ok: bool = False) -> None:
-        for c in children:
+        # the first to end is named when its process tells (an MPI world's ranks: the others were
+        # killed by mpiexec after it); plain processes keep their order
+        for c in sorted(children, key=lambda c: getattr(c.proc, "ended_at", None) or math.inf):
             code = c.proc.poll()
             if code is None or (finished_ok and code in (0, preempt.EXIT_PREEMPTED)):
                 continue

@@ -26,6 +26,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 WORLD_FILE = "mpi-world.json"
@@ -109,6 +111,46 @@ class World:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
         self._codes: dict[int, int] | None = None
+        self.ended_at: dict[int, float] = {}     # rank -> monotonic seconds it was seen to end
+        threading.Thread(target=self._watch_ends, name="mpi-world-ends", daemon=True).start()
+
+    def _watch_ends(self) -> None:
+        """Record when each rank's process ends (a pidfd per rank, which works for processes that are
+        not our children), so the launcher can name the rank that died first: hydra's report names the
+        lowest rank with a bad status, and when one rank is killed mpiexec kills the others with the
+        same signal (a SIGKILLed rank 1 was reported as rank 0's SIGKILL). Best effort: where pidfds are
+        missing or both ends are seen in one wake-up, the order stays the ranks' own."""
+        import select
+        fds: dict[int, int] = {}
+        poller = select.poll()
+        try:
+            while self.proc.poll() is None or len(fds):
+                for r in range(len(self.pid_paths)):
+                    if r in fds or r in self.ended_at:
+                        continue
+                    pid = self.rank_pid(r)
+                    if pid is None:
+                        continue
+                    try:
+                        fds[r] = os.pidfd_open(pid)
+                        poller.register(fds[r], select.POLLIN)
+                    except ProcessLookupError:
+                        self.ended_at[r] = time.monotonic()
+                ready = poller.poll(50)
+                now = time.monotonic()
+                by_fd = {fd: r for r, fd in fds.items()}
+                for fd, _ in ready:
+                    r = by_fd[fd]
+                    self.ended_at.setdefault(r, now)
+                    poller.unregister(fd)
+                    os.close(fds.pop(r))
+                if self.proc.poll() is not None and not ready:
+                    break
+        except (OSError, AttributeError):       # no pidfd_open here: the ranks' own order is used
+            pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def rank_pid(self, rank: int) -> int | None:
         try:
@@ -146,7 +188,20 @@ class World:
             codes[rank], named = code, True
         if not named:       # mpiexec itself failed or was killed: every rank shares its exit
             codes = dict.fromkeys(range(n), rc if rc > 0 else rc or 1)
+        first = self._first_ended()
+        bad = next((c for c in codes.values() if c != 0), None)
+        if first is not None and bad is not None and codes[first] == 0:
+            # hydra reports the lowest rank it found failed, not the first to fail: a SIGKILLed rank 1
+            # came out as code 0 and rank 0, which mpiexec then killed, as signal 9
+            codes[first] = bad
         return codes
+
+    def _first_ended(self) -> int | None:
+        """The rank seen to end strictly before every other (``_watch_ends``), or None."""
+        times = sorted((t, r) for r, t in dict(self.ended_at).items())
+        if not times or (len(times) > 1 and times[1][0] <= times[0][0]):
+            return None
+        return times[0][1]
 
     def signal_all(self, sig: int) -> None:
         """``sig`` to mpiexec's process group (mpiexec, hydra's proxy and every rank)."""
@@ -176,6 +231,11 @@ class RankProcess:
     @property
     def returncode(self) -> int | None:
         return self.poll()
+
+    @property
+    def ended_at(self) -> float | None:
+        """Monotonic seconds this rank's process was seen to end, or None."""
+        return self.world.ended_at.get(self.rank)
 
     def poll(self) -> int | None:
         codes = self.world.codes()
