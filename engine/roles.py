@@ -137,8 +137,11 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     health checking port (``engine.ps.health``). ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
     from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
+    from .ps import _malloc
     from .ps.server import PSServer, serve
 
+    # before any thread: glibc latches its arena limit when a thread first needs a ninth arena
+    _malloc.tune(budgeted=any(t.memory_bytes for t in cfg.sparse_tables.values()))
     cfg = restore_secrets(cfg)
     if not 0 <= rank < cfg.cluster.servers:
         raise ConfigError(f"--rank must be in [0, cluster.servers={cfg.cluster.servers}), got {rank}")

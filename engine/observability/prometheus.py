@@ -421,6 +421,24 @@ _TABLE_COUNTERS = (("pull_keys", "pull_keys", "Keys pulled from this server's sh
                    ("spill_writes", "rocksdb_writes", "Row writes to RocksDB"))
 
 
+def _malloc_families():
+    """glibc's heap of this process (``engine.ps._malloc.heap_stats``): most of a budgeted server's RSS
+    beyond its tables' parts. Nothing off glibc."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from ..ps import _malloc
+    h = _malloc.heap_stats()
+    if h is None:
+        return
+    heap = GaugeMetricFamily("engine_ps_malloc_bytes", "This process's malloc heap by state: in_use, free "
+                             "(fragments inside the heap), mmap (large chunks mapped on their own)",
+                             labels=["state"])
+    for state in ("in_use", "free", "mmap"):
+        heap.add_metric([state], float(h[f"{state}_bytes"]))
+    yield heap
+    yield GaugeMetricFamily("engine_ps_malloc_arenas", "malloc arenas of this process", value=h["arenas"])
+
+
 class ServerCollector:
     """A PS server's tables, read at scrape time from ``SparseHost.stats()`` (no hot-path cost).
 
@@ -469,6 +487,7 @@ class ServerCollector:
                 l0.add_metric([table], float(s["rocksdb"].get("level0_files", 0)))
         yield from fams.values()
         yield from (rows, mem, disk, stall, l0)
+        yield from _malloc_families()
         parts = getattr(self.core, "checkpoint_parts", None) or {}
         secs = CounterMetricFamily("engine_ps_checkpoint_part_seconds", "Time this server spent writing "
                                    "(save) or reading (load) its checkpoint parts", labels=["op"])

@@ -603,7 +603,7 @@ class PSServer:
             latency_sum = {m: self._latency_sum[m] for m in latency}
         out = {"server": self.index, "num_servers": self.num_servers, "requests": reqs, "errors": errors,
                "latency_bounds_s": list(LATENCY_BOUNDS_S), "latency": latency, "latency_sum_s": latency_sum,
-               "rss_bytes": _rss_bytes(), "pid": os.getpid(),
+               "rss_bytes": _rss_bytes(), "malloc": _malloc.heap_stats(), "pid": os.getpid(),
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
                "barriers": self.barriers.stats(),
                "auth_denied": dict(self.auth.denied) if self.auth is not None else {},

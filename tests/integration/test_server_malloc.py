@@ -1,0 +1,70 @@
+"""A budgeted server's malloc (``engine.ps._malloc``) in a real ``--role server`` process: its arena
+limit takes effect however many threads serve it, and glibc's account of the heap reaches ``Stats`` and
+the Prometheus scrape."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from engine.ps import PSClient
+from engine.ps._malloc import BUDGET_ARENAS
+
+from .test_observability import REPO, scrape, wait_file
+
+
+def _traffic(ep: str, rank: int, rounds: int, errors: list) -> None:
+    try:
+        rng = np.random.default_rng(rank)
+        with PSClient([ep], timeout_s=60, retries=1, name=f"malloc-{rank}") as c:
+            for _ in range(rounds):
+                keys = rng.integers(1, 1 << 40, 20_000, dtype=np.uint64)
+                c.push("embedding", keys, np.full((len(keys), 10), 0.01, np.float32))
+                c.pull("embedding", keys)
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        errors.append(f"client {rank}: {e!r}")
+
+
+def test_a_budgeted_server_keeps_its_malloc_arenas_bounded_under_concurrent_calls(tmp_path):
+    """Eight clients at once on a server with eight RPC threads and a spilling table: glibc would give
+    each allocating thread an arena (up to 8 per core); the server asked for ``BUDGET_ARENAS`` before it
+    started any thread, and ``Stats``/metrics report glibc's own count and heap."""
+    ready, metrics = tmp_path / "ready", tmp_path / "metrics"
+    env = {**os.environ, "ENGINE_PROMETHEUS_FILE": str(metrics)}
+    env.pop("ENGINE_PS_MALLOC_TUNE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--role",
+                             "server", "--rank", "0", "--port", "0", "--ready-file", str(ready),
+                             "--set", "observability.prometheus_port=0",
+                             "--set", "cluster.server_threads=8",
+                             "--set", "tables.sparse.embedding.memory_bytes=200000000",
+                             "--set", f"tables.sparse.embedding.spill_path={tmp_path / 'spill'}"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        ep = wait_file(ready, proc)
+        url = wait_file(metrics, proc)
+        errors: list[str] = []
+        threads = [threading.Thread(target=_traffic, args=(ep, r, 15, errors)) for r in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+        with PSClient([ep], timeout_s=20, retries=1) as c:
+            (stats,) = c.stats()
+            m = stats["malloc"]
+            assert 1 <= m["arenas"] <= BUDGET_ARENAS, m
+            assert m["heap_bytes"] == m["in_use_bytes"] + m["free_bytes"] and m["in_use_bytes"] > 0, m
+            assert stats["sparse"]["embedding"]["rows_spilled"] > 0      # the RocksDB tier worked too
+            got = scrape(url)
+            assert got["engine_ps_malloc_arenas", ()] == m["arenas"]
+            assert got["engine_ps_malloc_bytes", (("state", "in_use"),)] > 0
+            c.stop()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
