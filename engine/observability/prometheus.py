@@ -421,13 +421,12 @@ _TABLE_COUNTERS = (("pull_keys", "pull_keys", "Keys pulled from this server's sh
                    ("spill_writes", "rocksdb_writes", "Row writes to RocksDB"))
 
 
-def _malloc_families():
-    """glibc's heap of this process (``engine.ps._malloc.heap_stats``): most of a budgeted server's RSS
+def _malloc_families(core):
+    """glibc's heap of the server's process (``PSServer.heap_stats``): most of a budgeted server's RSS
     beyond its tables' parts. Nothing off glibc."""
     from prometheus_client.core import GaugeMetricFamily
 
-    from ..ps import _malloc
-    h = _malloc.heap_stats()
+    h = core.heap_stats() if hasattr(core, "heap_stats") else None
     if h is None:
         return
     heap = GaugeMetricFamily("engine_ps_malloc_bytes", "This process's malloc heap by state: in_use, free "
@@ -487,7 +486,7 @@ class ServerCollector:
                 l0.add_metric([table], float(s["rocksdb"].get("level0_files", 0)))
         yield from fams.values()
         yield from (rows, mem, disk, stall, l0)
-        yield from _malloc_families()
+        yield from _malloc_families(self.core)
         parts = getattr(self.core, "checkpoint_parts", None) or {}
         secs = CounterMetricFamily("engine_ps_checkpoint_part_seconds", "Time this server spent writing "
                                    "(save) or reading (load) its checkpoint parts", labels=["op"])

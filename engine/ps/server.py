@@ -603,13 +603,18 @@ class PSServer:
             latency_sum = {m: self._latency_sum[m] for m in latency}
         out = {"server": self.index, "num_servers": self.num_servers, "requests": reqs, "errors": errors,
                "latency_bounds_s": list(LATENCY_BOUNDS_S), "latency": latency, "latency_sum_s": latency_sum,
-               "rss_bytes": _rss_bytes(), "malloc": _malloc.heap_stats(), "pid": os.getpid(),
+               "rss_bytes": _rss_bytes(), "malloc": self.heap_stats(), "pid": os.getpid(),
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
                "barriers": self.barriers.stats(),
                "auth_denied": dict(self.auth.denied) if self.auth is not None else {},
                "sparse": {n: h.stats() for n, h in self.sparse.items()},
                "dense": {n: h.stats() for n, h in self.dense.items()}}
         return pb.JsonResponse(request_id=req.request_id, json=json.dumps(out))
+
+    @staticmethod
+    def heap_stats() -> dict | None:
+        """glibc's malloc heap of this process (``_malloc.heap_stats``), for ``Stats`` and metrics."""
+        return _malloc.heap_stats()
 
     def Health(self, req: pb.Empty) -> pb.JsonResponse:
         out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
