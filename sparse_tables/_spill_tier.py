@@ -312,8 +312,10 @@ class SpillTier:
             self._budget.report(self._budget_token, self._growing_bytes(), int(self._state[K.S_NEXT]))
 
     def _growing_bytes(self) -> int:
-        """Bytes that grow with the keys on disk: the spill Bloom filter and the dirty spilled keys."""
-        return (self._spill.bloom_bytes if self._spill is not None else 0) + self._spilled_dirty.nbytes
+        """Bytes that grow with the keys on disk: the spill Bloom filter, the dirty spilled keys and the
+        pending deletes' keys."""
+        spill = self._spill
+        return (spill.bloom_bytes + spill.pending_bytes if spill is not None else 0) + self._spilled_dirty.nbytes
 
     def _evict(self, k: int) -> None:
         """Write k RAM rows, the first in ``config.eviction``'s order (``sparse_tables._evict``), to RocksDB
@@ -352,7 +354,9 @@ class SpillTier:
 
     def _shrink_disk(self, args, deleted: list) -> None:
         """Expiry over rows authoritative in RocksDB; appends the keys of each chunk it deletes to
-        ``deleted`` as it goes, so a pass a read error stops has recorded what it deleted."""
+        ``deleted`` as it goes, so a pass a read error stops has recorded what it deleted. A chunk whose
+        delete RocksDB refuses raises before its keys are recorded: those rows are still there, in
+        RocksDB only, and read as they were (nothing of them is pending)."""
         decayed = args[2] != 1.0
         for keys, recs in self._spill.scan(self._spill.snapshot()):
             rows = np.empty(len(keys), np.int64)

@@ -38,7 +38,7 @@ from ._inputs import check_keys as _check_keys, check_vector as _check_vector, r
 from ._optimizers import HP_SIZE
 from .budget import HEADROOM_ROWS, MemoryBudget
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
-from .errors import TableFullError, TableInputError
+from .errors import SpillError, TableFullError, TableInputError
 from ._warn import WARN_GATES as _WARN_GATES, WARN_GATES_LOCK as _WARN_GATES_LOCK, WarnGate as _WarnGate
 from .keysets import KeySet, SortedKeySet, unique_keys
 from .rows import DirtyRows, batch_to_records, records_to_batch, row_schema
@@ -260,7 +260,13 @@ class SparseTable(SpillTier):
 
     def delete(self, keys: np.ndarray) -> int:
         """Delete the rows of keys : uint64[n] (absent keys are ignored); they are reported as
-        tombstones by ``dirty_rows``. Returns the number of rows deleted."""
+        tombstones by ``dirty_rows``. Returns the number of rows deleted.
+
+        Raises
+        ------
+        SpillError
+            RocksDB refused the delete of the rows' disk copies (one batch): nothing was deleted.
+        """
         keys = unique_keys(_check_keys(keys))
         with self._lock.exclusive():
             rows = np.empty(len(keys), np.int64)
@@ -300,8 +306,15 @@ class SparseTable(SpillTier):
         Raises
         ------
         SpillError
-            RocksDB reported a read error while the pass scanned it (``SpillStore.scan``); the rows the
-            pass deleted before it are gone and reported as tombstones by ``dirty_rows``, as a whole pass's.
+            RocksDB reported a read error while the pass scanned it (``SpillStore.scan``), or refused a
+            write of the pass. The rows the pass deleted before are gone and reported as tombstones by
+            ``dirty_rows``, as a whole pass's. The pass first removes the expired rows from RAM, then
+            deletes their RocksDB copies: if that write fails, those rows stay deleted (their copies
+            become pending deletes, ``SpillStore.delete(defer=True)``: read as absent by pull, contains,
+            dumps and checkpoints, and deleted by the next write that succeeds; ``stats()
+            ["pending_deletes"]``), the error says so and carries ``pending`` (uint64[k], those keys) and
+            ``deleted`` (int, the rows the pass deleted), and the pass stops there: the rows only on
+            disk are expired by the next pass, and admission counts are not halved.
         """
         now_s = int(self._clock() if now is None else now)
         cfg = self.config
@@ -317,7 +330,7 @@ class SparseTable(SpillTier):
             deleted = [out_keys[:n].copy()]
             try:
                 if self._spill is not None:
-                    self._spill.delete(out_keys[:n][out_disk[:n]])
+                    self._delete_expired_copies(out_keys[:n][out_disk[:n]], n)
                     self._shrink_disk(args, deleted)    # appends each chunk's keys as it deletes them
             finally:        # a read error mid-pass: the rows deleted so far still become tombstones
                 deleted_keys = np.concatenate(deleted)
@@ -326,6 +339,22 @@ class SparseTable(SpillTier):
             if self._sketch.size:
                 self._sketch >>= 1
         return len(deleted_keys)
+
+    def _delete_expired_copies(self, keys: np.ndarray, n: int) -> None:
+        """Delete the RocksDB copies of expired rows the pass removed from RAM (keys : uint64[k], of its
+        ``n`` RAM rows deleted); with none, the deletes still pending are retried. A refused write keeps
+        the keys as pending deletes, so the rows never come back, and raises (see ``shrink``)."""
+        try:
+            self._spill.delete(keys, defer=True)
+        except SpillError as exc:
+            what = (f"to delete {len(keys)} disk copies of them: they are pending deletes" if len(keys) else
+                    "the retry of earlier pending deletes")
+            err = SpillError(
+                f"{self.name}: expiry pass: {n} expired row(s) are deleted, but RocksDB refused {what} "
+                f"({self._spill.pending_deletes} in all, read as absent, deleted by the next write that "
+                f"succeeds); the pass stopped before the rows on disk: {exc}")
+            err.pending, err.deleted = getattr(exc, "pending", keys), n
+            raise err from exc
 
     @property
     def budget(self) -> MemoryBudget | None:
@@ -348,7 +377,9 @@ class SparseTable(SpillTier):
         ``ram_bytes`` (arena rows in use, index, sketch, filters), ``disk_bytes``, ``pull_keys``,
         ``pull_hits``/``pull_misses`` (RAM), ``push_keys``, ``created``, ``rejected`` (not admitted),
         ``rows_refused_full`` (new keys refused because the table held ``max_rows`` rows), ``max_rows``
-        (0: no limit), ``deleted``, ``evictions``, ``promotions``, ``spill_writes``.
+        (0: no limit), ``deleted``, ``evictions``, ``promotions``, ``spill_writes``, ``pending_deletes``
+        (keys whose RocksDB delete was refused, read as absent until the next write deletes them; not
+        counted in ``rows_spilled``).
         """
         with self._stats_lock:
             out = dict(self._counters)
@@ -361,11 +392,12 @@ class SparseTable(SpillTier):
             index_bytes, index_slots = self._index.nbytes, len(self._index)
             dirty_bytes = self._spilled_dirty.nbytes
             bloom_bytes = self._spill.bloom_bytes if self._spill is not None else 0
+            pending = self._spill.pending_deletes if self._spill is not None else 0
         ram = rows_bytes + index_bytes + self._sketch.nbytes + dirty_bytes + bloom_bytes
         disk = self._spill.disk_bytes() if self._spill is not None else 0
         out.update(rows=nram + spilled, rows_in_ram=nram, rows_spilled=spilled, ram_bytes=ram,
                    disk_bytes=disk, index_slots=index_slots, row_bytes=self.layout.row_bytes,
-                   max_rows=self.config.max_rows)
+                   max_rows=self.config.max_rows, pending_deletes=pending)
         out["memory"] = {
             "rows": rows_bytes, "index": index_bytes, "filters": bloom_bytes,
             "dirty_keys": dirty_bytes, "sketch": self._sketch.nbytes,
@@ -666,6 +698,8 @@ class SparseTable(SpillTier):
         self._deleted = []
 
     def _rows_spilled(self) -> int:
+        """Rows only in RocksDB: its keys (pending deletes excluded: ``SpillStore.count``) less the RAM
+        rows with a copy there."""
         if self._spill is None:
             return 0
         return self._spill.count - K.count_flag(self._arena_u, self._state, self._lay, K.F_ON_DISK)
