@@ -27,6 +27,8 @@ so 27-31% of all the traffic was uniform over every key, not Zipf, and most of i
                      stalls at the end of the interval: the p99 above is measured while it compacts;
                      ``write_stalls`` / ``write_stall_s``: the writes RocksDB refused for a stall so far
                      and the seconds they waited it out (GIL released), summed over the shards
+    malloc           glibc's heap in the server (``Stats``: arenas, heap, in-use, free and mmap bytes):
+                     RocksDB's block cache and memtables, request buffers and the fragments between
 
 and at the end one ``scale_summary`` row: ``keys_held`` (the server's rows), ``server_rss_at_start``
 (the server process before any row: Python, numpy, Numba's compiled kernels, gRPC; the constant RSS
@@ -348,9 +350,11 @@ def main(argv=None) -> int:
                     window = steps[since:taken]
                 since = taken
                 rec = interval_row(window, seen, pid, work, budget, t_start, spilled)
-                ts = table_stats(admin)
+                server = admin.stats()[0]
+                ts = server["sparse"]["emb"]
                 pulled = sum(s["keys"] for s in window)
                 rec.update(rows_in_ram=ts["rows_in_ram"], rocksdb=ts.get("rocksdb"), **rss_parts(pid),
+                           malloc=server.get("malloc"),
                            promotions_per_pulled_key=round((ts["promotions"] - promoted) / max(1, pulled), 4),
                            table_memory=sum(v for k, v in ts.get("memory", {}).items()
                                             if k not in ("rocksdb_memtables", "rocksdb_table_readers")))

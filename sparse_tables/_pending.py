@@ -15,20 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from .keysets import in_sorted
+
 EMPTY = np.empty(0, np.uint64)
 EMPTY.flags.writeable = False
 
 
 def pending_mask(pending: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """keys : uint64[n] -> bool[n], True where the key is in ``pending`` (uint64[p], sorted).
-
-    A binary search per key (O(n log p)); callers skip the call when ``pending`` is empty.
-    """
-    if len(pending) == 0 or len(keys) == 0:
-        return np.zeros(len(keys), np.bool_)
-    at = np.searchsorted(pending, keys)
-    at[at == len(pending)] = 0
-    return pending[at] == keys
+    """keys : uint64[n] -> bool[n], True where the key is in ``pending`` (uint64[p], sorted)."""
+    return in_sorted(pending, keys)
 
 
 class PendingDeletes:
