@@ -95,7 +95,8 @@ class DirtyRows:
     """The rows of a delta (``SparseTable.dirty_dump``) at one instant, read as record batches of the
     row schema; iterable more than once (a retried delta file reads the same rows again).
 
-    The RAM rows were copied at the instant; the spilled ones are read from a RocksDB view made at the
+    The RAM rows were copied at the instant (``_snapshot.RecordSnapshot``: into a spool file in the
+    spill directory when the table spills); the spilled ones are read from a RocksDB view made at the
     same instant, ``chunk_rows`` at a time, so a delta holds at most one chunk of them at once.
 
     Attributes
@@ -113,7 +114,7 @@ class DirtyRows:
     One thread at a time: its spilled rows are read through one RocksDB iterator.
     """
 
-    def __init__(self, records: np.ndarray, spilled: np.ndarray, spill, view, deleted: np.ndarray,
+    def __init__(self, records, spilled: np.ndarray, spill, view, deleted: np.ndarray,
                  layout: RowLayout, schema: pa.Schema, chunk_rows: int = 65536):
         self._records, self._spilled, self._spill, self._view = records, spilled, spill, view
         self.deleted = deleted
@@ -122,12 +123,15 @@ class DirtyRows:
     def __iter__(self):
         if self._records is None:
             raise RuntimeError("DirtyRows: iterated after close()")
-        for start in range(0, len(self._records), self._chunk):
-            yield records_to_batch(self._records[start:start + self._chunk], self._layout, self._schema)
+        for recs in self._records.chunks(self._chunk):
+            yield records_to_batch(recs, self._layout, self._schema)
         if self._view is not None:
             for _, recs in self._spill.seek_records(self._view, self._spilled, self._chunk):
                 yield records_to_batch(recs, self._layout, self._schema)
 
     def close(self) -> None:
-        """Drop the RAM copy and the RocksDB view (its iterators pin the files they read)."""
+        """Drop the RAM rows' copy (its spool file) and the RocksDB view (its iterators pin the files
+        they read)."""
+        if self._records is not None:
+            self._records.close()
         self._records = self._spilled = self._view = None

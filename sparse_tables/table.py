@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from . import _kernels as K
 from ._arena import big_array as _big_array, pow2 as _pow2
+from ._snapshot import RecordSnapshot, take as take_snapshot
 from ._spill_tier import SpillTier
 from ._load_kernels import DUPLICATES, key_order
 from ._inputs import check_keys as _check_keys, check_vector as _check_vector, record_keys as _record_keys
@@ -414,24 +415,24 @@ class SparseTable(SpillTier):
         """Every row, RAM and RocksDB, exactly once, as RecordBatches of ``self.schema``.
 
         The RAM rows are copied and RocksDB's read view made (``SpillStore.snapshot``) at one instant under
-        the lock, so the dump is one consistent state of the shard even while pushes go on.
+        the lock, so the dump is one consistent state of the shard even while pushes go on. A table that
+        spills copies its RAM rows into a spool file in its spill directory (``_snapshot``), not RAM.
         """
         with self._lock.shared():
-            records = self._gather_live(0)
             spill = self._spill         # the dump's own reference: a close meanwhile does not drop it
+            # the RAM rows with an older copy on disk (which the scan skips) come as a sorted key array
+            ram = self._snapshot_live(0, int(K.F_ON_DISK))
             snapshot = spill.snapshot() if spill is not None else None
-        fo = self.layout.meta + K.M_FLAGS
-        # the RAM rows with an older copy on disk, which the scan skips: a sorted array (8 bytes a key;
-        # a KeySet sized for the RAM tier took 150 MB a shard at 100M keys, twice the shards saving)
-        ram_on_disk = _record_keys(records)[(records[:, fo] & K.F_ON_DISK) != 0]
-        ram_on_disk.sort()
-        for start in range(0, len(records), chunk_rows):
-            yield records_to_batch(records[start:start + chunk_rows], self.layout, self.schema)
-        if snapshot is not None:
-            for keys, recs in spill.scan(snapshot, chunk_rows):
-                keep = ~in_sorted(ram_on_disk, keys)
-                if keep.any():
-                    yield records_to_batch(recs[keep], self.layout, self.schema)
+        try:
+            for recs in ram.chunks(chunk_rows):
+                yield records_to_batch(recs, self.layout, self.schema)
+            if snapshot is not None:
+                for keys, recs in spill.scan(snapshot, chunk_rows):
+                    keep = ~in_sorted(ram.flagged_keys, keys)
+                    if keep.any():
+                        yield records_to_batch(recs[keep], self.layout, self.schema)
+        finally:
+            ram.close()
 
     def load_rows(self, batches: Iterable[pa.RecordBatch]) -> int:
         """Insert or overwrite rows from RecordBatches of the row schema (bit-exact, optimizer state
@@ -520,7 +521,7 @@ class SparseTable(SpillTier):
         """
         lock = self._lock.exclusive() if clear else self._lock.shared()
         with lock:
-            records = self._gather_live(int(K.F_DIRTY))
+            records = self._snapshot_live(int(K.F_DIRTY), 0)
             spilled = self._spilled_dirty.to_array()
             spill, view = self._spill, None
             if len(spilled) and spill is not None:
@@ -675,12 +676,14 @@ class SparseTable(SpillTier):
         futures = [self._pool.submit(part, bounds[i], bounds[i + 1]) for i in range(threads)]
         return np.concatenate([f.result() for f in futures])
 
-    def _gather_live(self, flag_mask: int) -> np.ndarray:
+    def _snapshot_live(self, flag_mask: int, collect_flag: int) -> RecordSnapshot:
+        """The live RAM rows (with any of ``flag_mask``'s flags when it is not 0) copied now, into the
+        spill directory's spool file when the table spills (``_snapshot.take``); the keys of those with
+        ``collect_flag`` come sorted in ``flagged_keys``. Lock held."""
         rows = np.empty(int(self._state[K.S_NRAM]), np.int64)
         n = K.live_rows(self._arena_u, self._state, self._lay, flag_mask, rows)
-        records = np.empty((n, self.layout.stride), np.uint32)
-        K.gather_records(self._arena_u, rows[:n], records)
-        return records
+        spool = self._spill.path if self._spill is not None else None
+        return take_snapshot(self._arena_u, rows[:n], self.layout.meta + K.M_FLAGS, collect_flag, spool)
 
     def _present(self, keys: np.ndarray) -> np.ndarray:
         """bool[n]: key has a row in RAM or on disk (lock held)."""
