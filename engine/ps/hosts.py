@@ -17,6 +17,7 @@ import numpy as np
 
 from models.optim import SGD, Adam
 from sparse_tables import SparseTable, TableConfig, TableConfigError, TableInputError
+from sparse_tables.errors import SpillError
 from sparse_tables.budget import MemoryBudget
 from sparse_tables.config import RowLayout
 
@@ -228,8 +229,31 @@ class SparseHost:
             raise invalid(str(e), shard=j) from None
 
     def shrink(self) -> int:
-        """Expiry pass over the local shards at the tables' own clock; returns rows deleted."""
-        return sum(s.shrink() for s in self.shards)
+        """Expiry pass over the local shards at the tables' own clock; returns rows deleted.
+
+        Every shard's pass runs even when one fails (RocksDB refused a write or a read), so one bad
+        shard does not leave the others unexpired.
+
+        Raises
+        ------
+        SpillError
+            A shard's pass failed: the message names the shard(s), the first error and the rows the
+            passes deleted (``deleted``, int, also an attribute); chained to the first error.
+        """
+        total, failed = 0, []
+        for j, shard in enumerate(self.shards):
+            try:
+                total += shard.shrink()
+            except SpillError as exc:
+                total += int(getattr(exc, "deleted", 0) or 0)
+                failed.append((j, exc))
+        if failed:
+            err = SpillError(f"table {self.name!r} on server {self.server}: the expiry pass failed on shard(s) "
+                             f"{[j for j, _ in failed]} of {len(self.shards)} (the others ran; {total} row(s) "
+                             f"deleted in all): {failed[0][1]}")
+            err.deleted = total
+            raise err from failed[0][1]
+        return total
 
     @property
     def budget(self) -> MemoryBudget | None:

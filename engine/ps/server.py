@@ -34,6 +34,7 @@ import numpy as np
 
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
 from sparse_tables import TableConfigError
+from sparse_tables.errors import SpillError
 from sparse_tables.rwlock import RWLock
 
 from .. import failpoints
@@ -558,7 +559,17 @@ class PSServer:
             raise ProtocolError("now: Shrink expires at the server's own clock; a request may not name a time")
         hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())
         failpoints.hit("server.shrink")
-        return pb.CountResponse(request_id=req.request_id, count=sum(h.shrink() for h in hosts))
+        total, failed = 0, []
+        for h in hosts:             # every table's pass runs; a failed one is reported after the rest
+            try:
+                total += h.shrink()
+            except SpillError as exc:
+                total += int(getattr(exc, "deleted", 0) or 0)
+                failed.append(exc)
+        if failed:
+            raise SpillError(f"{len(failed)} of {len(hosts)} table(s) failed their expiry pass ({total} row(s) "
+                             f"deleted in all): " + "; ".join(map(str, failed))) from failed[0]
+        return pb.CountResponse(request_id=req.request_id, count=total)
 
     def Metric(self, req: pb.MetricRequest) -> pb.MetricResponse | codec.Wire:
         """Exact metric sums: ADD ``counts : int64[c]`` and ``sums : float64[s]`` into accumulator

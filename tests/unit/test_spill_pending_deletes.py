@@ -202,3 +202,33 @@ def test_pending_deletes_survive_failed_writes_and_the_first_write_that_succeeds
     finally:
         t._spill._db = real
         t.close()
+
+
+def test_a_shard_whose_expiry_pass_fails_does_not_stop_the_other_shards_passes(tmp_path):
+    """A server's expiry pass over a table (``SparseHost.shrink``, what the Shrink RPC runs) goes on past
+    a shard whose RocksDB refuses its writes, then raises one error naming that shard."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.ps.hosts import SparseHost
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros", memory_rows=300,
+                      spill_path=str(tmp_path / "spill"), delete_threshold=0.5, num_threads=1)
+    host = SparseHost("emb", cfg, server=0, num_servers=1, num_vshards=8, num_local=2, pool=ThreadPoolExecutor(2))
+    try:
+        keys = _keys(1, 2_000)
+        host.shards[0].push(keys[:1_000], np.ones((1_000, DIM), np.float32))   # show 0: every row expires
+        host.shards[1].push(keys[1_000:], np.ones((1_000, DIM), np.float32))
+        host.shards[0].pull(keys[:100])             # evicted rows back in RAM: their expiry deletes on disk
+        assert all(s.stats()["rows_spilled"] > 0 for s in host.shards), "setup: nothing went to RocksDB"
+        ram0 = host.shards[0].stats()["rows_in_ram"]
+        real = host.shards[0]._spill._db
+        host.shards[0]._spill._db = FailingWrites(real, 0, DISK_FULL)
+        with pytest.raises(SpillError, match=r"shard\(s\) \[0\] of 2 \(the others ran.*No space left") as info:
+            host.shrink()
+        assert len(host.shards[1]) == 0, "the healthy shard's pass did not run"
+        assert info.value.deleted == 1_000 + ram0     # shard 1's rows and shard 0's RAM rows
+        host.shards[0]._spill._db = real
+        host.shrink()                                 # the failed shard's next pass finishes the job
+        assert len(host.shards[0]) == 0 and host.stats()["pending_deletes"] == 0
+    finally:
+        for s in host.shards:
+            s.close()
