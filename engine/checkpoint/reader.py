@@ -31,12 +31,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from hdfs_io import CheckpointCorruptError, FileEntry, Storage, file_entries, read_ipc_file
+from hdfs_io.arrow_io import open_ipc_batches
 from sparse_tables import SparseTable, TableFullError, TableInputError
 
 from ..sharding import routing
@@ -161,10 +162,19 @@ def _plan(ckpt: Storage, manifest: dict, num_vshards: int, local_owner: np.ndarr
     return plan
 
 
-def _read_rows(plan: _Plan, name: str, fname: str, entry: FileEntry) -> pa.Table:
-    table = _read(plan.ckpt, fname, entry)
-    _check_columns(table, plan.sparse[name][0].schema, plan.uri(fname), f"rows do not fit table {name!r}")
-    return table
+def _read_rows(plan: _Plan, name: str, fname: str, entry: FileEntry) -> Iterator[pa.RecordBatch]:
+    """The checked batches of a sparse part file, one at a time (``open_ipc_batches``: a large file is
+    checksummed by a streaming pass, then read a batch at a time, never held whole)."""
+    try:
+        batches = open_ipc_batches(plan.ckpt, fname, expected=entry)
+    except FileNotFoundError as exc:
+        uri = plan.ckpt.uri_of(fname)
+        raise CheckpointCorruptError(f"{uri}: listed in the manifest but missing", uri=uri) from exc
+    schema, uri, what = plan.sparse[name][0].schema, plan.uri(fname), f"rows do not fit table {name!r}"
+    _check_columns(batches.schema.empty_table(), schema, uri, what)
+    for batch in batches:
+        _check_columns(batch, schema, uri, what)
+        yield batch
 
 
 def _read_tombstones(plan: _Plan, name: str, fname: str, entry: FileEntry) -> np.ndarray:
@@ -254,11 +264,10 @@ def _load_rows(plan: _Plan, threads: int, budget: _BaseBudget | None) -> tuple[d
 
     def load_one(item):
         name, fname, entry = item
-        table = _read_rows(plan, name, fname, entry)
         shards = plan.sparse[name]
         g = _file_group(fname)
         n, at = 0, 0
-        for batch in table.to_batches():
+        for batch in _read_rows(plan, name, fname, entry):
             keys = np.ascontiguousarray(batch.column(0).to_numpy())
             _check_group(plan, fname, keys, g, groups, ck_vshards, at)
             at += len(keys)
@@ -281,7 +290,7 @@ def _load_rows(plan: _Plan, threads: int, budget: _BaseBudget | None) -> tuple[d
                 raise CheckpointCapacityError(f"sparse table {name!r}: loading {plan.ckpt.uri} stopped at "
                                               f"{plan.uri(fname)}: {exc}; the table holds part of it",
                                               table=name, limit=exc.limit, rows=exc.rows) from exc
-        return name, n, table.num_rows
+        return name, n, at
 
     rows = {name: 0 for name in plan.tables}
     read = dict(rows)
@@ -311,12 +320,12 @@ def _verify_delta(plan: _Plan, threads: int) -> None:
 
     def check_one(item):
         name, fname, entry = item
-        table = _read_rows(plan, name, fname, entry)
-        keys = np.ascontiguousarray(table.column("key").to_numpy())
+        parts = [np.ascontiguousarray(b.column("key").to_numpy()) for b in _read_rows(plan, name, fname, entry)]
+        keys = np.concatenate(parts) if parts else np.empty(0, np.uint64)
         _check_group(plan, fname, keys, _file_group(fname), plan.manifest["groups"],
                      plan.manifest["num_vshards"], 0)            # before any row changes, not midway
         fresh = per_shard(name, keys, present=False) if name in limited else None
-        return name, table.num_rows, fresh
+        return name, len(keys), fresh
 
     read = {name: 0 for name in plan.tables}
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-verify") as pool:

@@ -222,3 +222,33 @@ def test_truncated_arrow_file_is_corrupt(storage: Storage):
     assert err.value.uri == storage.uri_of("t.arrow")
     with pytest.raises(hdfs_io.CheckpointCorruptError, match="size"):
         hdfs_io.read_ipc_file(storage, "t.arrow", expected=entry)
+
+
+def test_a_large_arrow_file_is_checksummed_then_read_a_batch_at_a_time(storage: Storage, monkeypatch):
+    """``open_ipc_batches`` over ``STREAM_MIN_BYTES`` (here: every file): a streaming pass checks size and
+    CRC-32 before any batch is returned, then batches come one at a time, as often as asked; damage is a
+    ``CheckpointCorruptError`` naming the file, before the first batch."""
+    from hdfs_io import arrow_io
+    monkeypatch.setattr(arrow_io, "STREAM_MIN_BYTES", 0)
+    schema = pa.schema([("key", pa.uint64()), ("value", pa.float32())])
+    batches = [pa.record_batch([pa.array(range(i * 5_000, (i + 1) * 5_000), pa.uint64()),
+                                pa.array([float(i)] * 5_000, pa.float32())], schema=schema) for i in range(8)]
+    entry = hdfs_io.write_ipc_file(storage, "big/part.arrow", iter(batches), schema=schema)
+    got = arrow_io.open_ipc_batches(storage, "big/part.arrow", expected=entry)
+    assert got.streamed and got.num_rows == 40_000 and got.schema.equals(schema)
+    for _ in range(2):
+        read = list(got)
+        assert len(read) == 8 and pa.Table.from_batches(read).equals(pa.Table.from_batches(batches))
+    data = bytearray(storage.read_bytes("big/part.arrow"))
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes("big/part.arrow", bytes(data))
+    with pytest.raises(hdfs_io.CheckpointCorruptError, match="crc32") as err:
+        arrow_io.open_ipc_batches(storage, "big/part.arrow", expected=entry)
+    assert err.value.uri == storage.uri_of("big/part.arrow")
+    storage.write_bytes("big/part.arrow", bytes(data[: len(data) // 3]))
+    with pytest.raises(hdfs_io.CheckpointCorruptError, match="size"):
+        arrow_io.open_ipc_batches(storage, "big/part.arrow", expected=entry)
+    monkeypatch.setattr(arrow_io, "STREAM_MIN_BYTES", 1 << 20)
+    small = arrow_io.open_ipc_batches(storage, "it.arrow", expected=hdfs_io.write_ipc_file(
+        storage, "it.arrow", pa.Table.from_batches(batches[:1])))
+    assert not small.streamed and small.num_rows == 5_000      # under the threshold: one read, in memory
