@@ -110,6 +110,13 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
         for s in servers:
             s.close()
         spill_dir.cleanup()
+    if any(getattr(t, "spill_path", None) for t in sparse.values()):
+        # the dirty-keys set of a spilling table merges its runs once 64k keys were evicted dirty: a merge
+        # of two runs compiles here, not under a shard's lock in the middle of a push
+        from sparse_tables.keysets import SortedKeySet
+        s = SortedKeySet()
+        s.add(np.arange(2 * SortedKeySet.TAIL, dtype=np.uint64))
+        s.add(np.arange(SortedKeySet.TAIL, dtype=np.uint64) * np.uint64(3))
     seconds = time.perf_counter() - t0
     log.info("parameter-server kernels ready in %.1f s", seconds)
     return seconds
