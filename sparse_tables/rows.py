@@ -19,6 +19,7 @@ import pyarrow as pa
 from ._load_kernels import fill_records
 from .config import KEY_WORDS, LAYOUT_VERSION, RowLayout
 from .errors import TableInputError
+from .keysets import merged_chunks
 
 
 def row_schema(layout: RowLayout, optimizer: str) -> pa.Schema:
@@ -97,7 +98,9 @@ class DirtyRows:
 
     The RAM rows were copied at the instant (``_snapshot.RecordSnapshot``: into a spool file in the
     spill directory when the table spills); the spilled ones are read from a RocksDB view made at the
-    same instant, ``chunk_rows`` at a time, so a delta holds at most one chunk of them at once.
+    same instant, ``chunk_rows`` at a time, so a delta holds at most one chunk of them at once. Their
+    keys are the dirty-keys set's own runs at the instant with a mask of those not in RAM
+    (``keysets.merged_chunks``), never one sorted array of them all.
 
     Attributes
     ----------
@@ -114,7 +117,7 @@ class DirtyRows:
     One thread at a time: its spilled rows are read through one RocksDB iterator.
     """
 
-    def __init__(self, records, spilled: np.ndarray, spill, view, deleted: np.ndarray,
+    def __init__(self, records, spilled: list, spill, view, deleted: np.ndarray,
                  layout: RowLayout, schema: pa.Schema, chunk_rows: int = 65536):
         self._records, self._spilled, self._spill, self._view = records, spilled, spill, view
         self.deleted = deleted
@@ -126,8 +129,9 @@ class DirtyRows:
         for recs in self._records.chunks(self._chunk):
             yield records_to_batch(recs, self._layout, self._schema)
         if self._view is not None:
-            for _, recs in self._spill.seek_records(self._view, self._spilled, self._chunk):
-                yield records_to_batch(recs, self._layout, self._schema)
+            for keys in merged_chunks(self._spilled, self._chunk):
+                for _, recs in self._spill.seek_records(self._view, keys, self._chunk):
+                    yield records_to_batch(recs, self._layout, self._schema)
 
     def close(self) -> None:
         """Drop the RAM rows' copy (its spool file) and the RocksDB view (its iterators pin the files

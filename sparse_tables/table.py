@@ -522,13 +522,17 @@ class SparseTable(SpillTier):
         lock = self._lock.exclusive() if clear else self._lock.shared()
         with lock:
             records = self._snapshot_live(int(K.F_DIRTY), 0)
-            spilled = self._spilled_dirty.to_array()
-            spill, view = self._spill, None
-            if len(spilled) and spill is not None:
-                rows = np.empty(len(spilled), np.int64)
-                K.find_rows(self._index, self._arena_u, spilled, rows)
-                spilled = spilled[rows < 0]                 # sorted: the dirty RAM rows are copied above
-                view = spill.seek_view() if len(spilled) else None
+            spill, view, spilled = self._spill, None, []
+            if spill is not None:
+                # the spilled dirty keys not in RAM now (the dirty RAM rows are copied above): the set's
+                # own runs, each with a mask, read and merged in chunks as the dump is iterated
+                for run in self._spilled_dirty.runs():
+                    at = np.empty(len(run), np.int64)
+                    K.find_rows(self._index, self._arena_u, run, at)
+                    keep = at < 0
+                    if keep.any():
+                        spilled.append((run, None if keep.all() else keep))
+                view = spill.seek_view() if spilled else None
             deleted = unique_keys(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.uint64)
             if len(deleted):
                 deleted = deleted[~self._present(deleted)]

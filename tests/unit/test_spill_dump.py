@@ -176,3 +176,26 @@ def test_a_put_writes_batch_by_batch_and_a_failed_batch_leaves_the_earlier_ones_
     finally:
         st._db = real
         st.close()
+
+
+def test_a_delta_reads_its_spilled_dirty_keys_from_the_sets_runs_in_chunks(tmp_path, monkeypatch):
+    """The spilled dirty keys of a delta come from the dirty-keys set's many runs, merged a chunk at a
+    time (``keysets.merged_chunks``), never one sorted array: each changed row once, none missing, the
+    ones back in RAM from RAM, all with their values of the dump's instant."""
+    from sparse_tables.keysets import SortedKeySet
+    monkeypatch.setattr(SortedKeySet, "TAIL", 50)
+    monkeypatch.setattr(SortedKeySet, "MAX_RUN", 400)
+    t, old = _spilling_table(tmp_path, 6_000)
+    t.clear_dirty()
+    touched = old[::2]
+    for i in range(0, len(touched), 500):
+        t.push(touched[i:i + 500], np.full((len(touched[i:i + 500]), DIM), 2.0, np.float32))
+    t.pull(touched[:300])                               # some spilled dirty rows come back into RAM
+    assert len(t._spilled_dirty.runs()) > 3, "setup: the dirty keys are not in several runs"
+    want = dict(zip((int(k) for k in touched), t.pull(touched).tolist()))
+    d = t.dirty_dump(chunk_rows=64)
+    t.push(touched, np.ones((len(touched), DIM), np.float32))     # after the instant: not in the delta
+    for _ in range(2):                                  # a retried delta file reads the same rows
+        assert _rows(list(d)) == want
+    d.close()
+    t.close()
