@@ -29,6 +29,8 @@ so 27-31% of all the traffic was uniform over every key, not Zipf, and most of i
                      and the seconds they waited it out (GIL released), summed over the shards
     malloc           glibc's heap in the server (``Stats``: arenas, heap, in-use, free and mmap bytes):
                      RocksDB's block cache and memtables, request buffers and the fragments between
+    governor         the server's memory governor (``engine.ps.governor``): baseline, RSS, counted
+                     parts, the unaccounted rest and its high-water mark (the table's reserve), bytes
 
 and at the end one ``scale_summary`` row: ``keys_held`` (the server's rows), ``server_rss_at_start``
 (the server process before any row: Python, numpy, Numba's compiled kernels, gRPC; the constant RSS
@@ -354,7 +356,7 @@ def main(argv=None) -> int:
                 ts = server["sparse"]["emb"]
                 pulled = sum(s["keys"] for s in window)
                 rec.update(rows_in_ram=ts["rows_in_ram"], rocksdb=ts.get("rocksdb"), **rss_parts(pid),
-                           malloc=server.get("malloc"),
+                           malloc=server.get("malloc"), governor=server.get("memory_governor"),
                            promotions_per_pulled_key=round((ts["promotions"] - promoted) / max(1, pulled), 4),
                            table_memory=sum(v for k, v in ts.get("memory", {}).items()
                                             if k not in ("rocksdb_memtables", "rocksdb_table_readers")))

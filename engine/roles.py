@@ -137,11 +137,12 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     health checking port (``engine.ps.health``). ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
     from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
-    from .ps import _malloc
+    from .ps import _malloc, governor
     from .ps.server import PSServer, serve
 
     # before any thread: glibc latches its arena limit when a thread first needs a ninth arena
-    _malloc.tune(budgeted=any(t.memory_bytes for t in cfg.sparse_tables.values()))
+    budgeted = any(t.memory_bytes for t in cfg.sparse_tables.values())
+    _malloc.tune(budgeted=budgeted)
     cfg = restore_secrets(cfg)
     if not 0 <= rank < cfg.cluster.servers:
         raise ConfigError(f"--rank must be in [0, cluster.servers={cfg.cluster.servers}), got {rank}")
@@ -155,7 +156,11 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     if cfg.cluster.warm_up:        # before listening: no request of the job compiles a kernel
         from .ps.warmup import warm_up
         warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
+    baseline = governor.rss_bytes()             # the process before any table: RSS's constant beyond budgets
     core = PSServer.from_config(cfg, rank)
+    if budgeted and baseline is not None:       # RSS beyond the counted parts becomes the tables' reserve
+        core.governor = governor.MemoryGovernor(lambda: [h.budget for h in core.sparse.values()],
+                                                baseline).start()
     core.load_roots.extend(allow_load or ())
     if resume is not None:
         from . import job_checkpoints

@@ -24,8 +24,10 @@ RocksDB's tuning guide calls the block cache and the write buffers):
 
 * block cache: budget / 16, within [32 MiB, 1 GiB];
 * memtables: per shard 2 buffers of budget / 64 / shards, within [4 MiB, 64 MiB] each;
-* RAM rows: ``(budget - fixed - growing) / row_bytes`` less a reserve of 2% of the budget for what
-  no part counts (Python objects, request buffers): see ``rows_cap``.
+* RAM rows: ``(budget - fixed - growing) / row_bytes`` less a reserve for what no part counts
+  (Python objects, request buffers, allocator fragments): 2% of the budget, or what the process's owner
+  measured beyond the parts when more (``set_unaccounted``; a server's memory governor reads RSS):
+  see ``rows_cap``.
 
 The index is sized for the RAM tier at zero growth plus a push's worth of headroom (rows a call may add
 before its eviction pass runs), so a budgeted table never rehashes: growth is new arena pages touched,
@@ -95,6 +97,7 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._growing: dict[int, int] = {}     # shard token -> filters + dirty_keys bytes
         self._rows: dict[int, int] = {}        # shard token -> arena rows handed out (S_NEXT)
+        self._unaccounted = 0                  # measured by the process's owner (set_unaccounted)
         self.cache = None                      # the shared RocksDB block cache (made by the spill store)
         self.write_buffer_manager = None       # its memtables, charged to the cache
 
@@ -130,6 +133,18 @@ class MemoryBudget:
             self._growing.pop(token, None)
             self._rows.pop(token, None)
 
+    def set_unaccounted(self, nbytes: int) -> None:
+        """This table's share of what its process holds beyond every part and the process's own
+        baseline (bytes), measured by the process's owner: a server's memory governor
+        (``engine.ps.governor``) reads RSS. Allocator fragments, request buffers and RocksDB's memory
+        outside its cache show only there. When larger than the fixed reserve it replaces it in
+        ``rows_cap`` and ``rows_allowed``, so the RAM tier gives it room."""
+        with self._lock:
+            self._unaccounted = max(0, int(nbytes))
+
+    def _reserve_locked(self) -> int:
+        return max(self.reserve_bytes, self._unaccounted)
+
     def rows_cap(self) -> int:
         """RAM rows one shard may keep after a call (its eviction pass brings it to this or below).
 
@@ -139,8 +154,9 @@ class MemoryBudget:
         """
         with self._lock:
             growing = sum(self._growing.values())
+            reserve = self._reserve_locked()
         free = (self.budget_bytes - self.rocksdb_bytes - self.index_bytes - self.sketch_bytes
-                - self.reserve_bytes - growing)
+                - reserve - growing)
         rows = self.rows_allowed(free) - HEADROOM_ROWS - SLACK_ROWS
         return int(max(1024, min(rows, self.max_rows_per_shard - HEADROOM_ROWS)))
 
@@ -150,8 +166,9 @@ class MemoryBudget:
         if free is None:
             with self._lock:
                 growing = sum(self._growing.values())
+                reserve = self._reserve_locked()
             free = (self.budget_bytes - self.rocksdb_bytes - self.index_bytes - self.sketch_bytes
-                    - self.reserve_bytes - growing)
+                    - reserve - growing)
         return int(free // self.row_bytes // self.shards)
 
     def parts(self) -> dict:
@@ -159,7 +176,14 @@ class MemoryBudget:
         with self._lock:
             growing = sum(self._growing.values())
             rows = sum(self._rows.values())
+            reserve, unaccounted = self._reserve_locked(), self._unaccounted
         return {"budget": self.budget_bytes, "rows": rows * self.row_bytes, "index": self.index_bytes,
                 "rocksdb": self.rocksdb_bytes, "rocksdb_block_cache": self.cache_bytes,
                 "rocksdb_memtables": self.rocksdb_bytes - self.cache_bytes, "growing": growing,
-                "sketch": self.sketch_bytes, "reserve": self.reserve_bytes}
+                "sketch": self.sketch_bytes, "reserve": reserve, "unaccounted": unaccounted}
+
+    def counted_bytes(self) -> int:
+        """The parts this budget counts now (rows handed out, index, RocksDB, growing, sketch): what a
+        governor subtracts from RSS to find the unaccounted rest."""
+        p = self.parts()
+        return p["rows"] + p["index"] + p["rocksdb"] + p["growing"] + p["sketch"]

@@ -426,6 +426,7 @@ def _malloc_families(core):
     beyond its tables' parts. Nothing off glibc."""
     from prometheus_client.core import GaugeMetricFamily
 
+    yield from _governor_family(core)
     h = core.heap_stats() if hasattr(core, "heap_stats") else None
     if h is None:
         return
@@ -436,6 +437,22 @@ def _malloc_families(core):
         heap.add_metric([state], float(h[f"{state}_bytes"]))
     yield heap
     yield GaugeMetricFamily("engine_ps_malloc_arenas", "malloc arenas of this process", value=h["arenas"])
+
+
+def _governor_family(core):
+    """The memory governor's last reading (``engine.ps.governor``), on a budgeted role server."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    gov = getattr(core, "governor", None)
+    if gov is not None:
+        g = gov.stats()
+        fam = GaugeMetricFamily("engine_ps_memory_governor_bytes", "A budgeted server's RSS by the memory "
+                                "governor's reading: baseline (before any table), counted (the tables' parts), "
+                                "unaccounted (the rest) and its high-water mark (the tables' reserve)",
+                                labels=["part"])
+        for part in ("baseline", "counted", "unaccounted", "high_water"):
+            fam.add_metric([part], float(g[f"{part}_bytes"]))
+        yield fam
 
 
 class ServerCollector:

@@ -147,6 +147,7 @@ class PSServer:
         self.checkpoint_root = checkpoint_root
         self.load_roots = [r for r in load_roots if r]
         self.auth = None                                  # the gRPC AuthInterceptor (serve), for Stats
+        self.governor = None                              # engine.ps.governor (a budgeted role server)
         self.checkpoint_groups, self.checkpoint_threads = checkpoint_groups, checkpoint_threads
         self._pool = ThreadPoolExecutor(max(2, local_shards), thread_name_prefix=f"ps{index}-shard")
         self._inflight = 0                       # Pull/Push requests being handled
@@ -615,6 +616,7 @@ class PSServer:
         out = {"server": self.index, "num_servers": self.num_servers, "requests": reqs, "errors": errors,
                "latency_bounds_s": list(LATENCY_BOUNDS_S), "latency": latency, "latency_sum_s": latency_sum,
                "rss_bytes": _rss_bytes(), "malloc": self.heap_stats(), "pid": os.getpid(),
+               "memory_governor": self.governor.stats() if self.governor is not None else None,
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
                "barriers": self.barriers.stats(),
                "auth_denied": dict(self.auth.denied) if self.auth is not None else {},
@@ -646,6 +648,8 @@ class PSServer:
     def close(self) -> None:
         self.stopped.set()
         self.barriers.stop()
+        if self.governor is not None:
+            self.governor.stop()
         for h in self.sparse.values():
             h.close()
         self._pool.shutdown(wait=False)

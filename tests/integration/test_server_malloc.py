@@ -1,6 +1,6 @@
-"""A budgeted server's malloc (``engine.ps._malloc``) in a real ``--role server`` process: its arena
-limit takes effect however many threads serve it, and glibc's account of the heap reaches ``Stats`` and
-the Prometheus scrape."""
+"""A budgeted server's malloc (``engine.ps._malloc``) and memory governor (``engine.ps.governor``) in a
+real ``--role server`` process: its arena limit takes effect however many threads serve it, and glibc's
+account of the heap and the governor's reading reach ``Stats``, the budget and the Prometheus scrape."""
 from __future__ import annotations
 
 import os
@@ -59,7 +59,19 @@ def test_a_budgeted_server_keeps_its_malloc_arenas_bounded_under_concurrent_call
             assert 1 <= m["arenas"] <= BUDGET_ARENAS, m
             assert m["heap_bytes"] == m["in_use_bytes"] + m["free_bytes"] and m["in_use_bytes"] > 0, m
             assert stats["sparse"]["embedding"]["rows_spilled"] > 0      # the RocksDB tier worked too
+            g = stats["memory_governor"]          # engine.ps.governor: reads RSS every second
+            assert 0 < g["baseline_bytes"] < g["rss_bytes"] and g["counted_bytes"] > 0, g
+            assert g["high_water_bytes"] >= g["unaccounted_bytes"] >= 0, g
+            budget = stats["sparse"]["embedding"]["memory_budget"]
+            assert budget["reserve"] == max(budget["unaccounted"], 4_000_000)      # 2% of 200 MB
+            for _ in range(5):          # the only table: its share is all (unless a step fell between)
+                if budget["unaccounted"] == g["high_water_bytes"]:
+                    break
+                (again,) = c.stats()
+                g, budget = again["memory_governor"], again["sparse"]["embedding"]["memory_budget"]
+            assert budget["unaccounted"] == g["high_water_bytes"], (budget, g)
             got = scrape(url)
+            assert got["engine_ps_memory_governor_bytes", (("part", "baseline"),)] == g["baseline_bytes"]
             assert got["engine_ps_malloc_arenas", ()] == m["arenas"]
             assert got["engine_ps_malloc_bytes", (("state", "in_use"),)] > 0
             c.stop()
