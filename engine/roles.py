@@ -156,11 +156,18 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     if cfg.cluster.warm_up:        # before listening: no request of the job compiles a kernel
         from .ps.warmup import warm_up
         warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
+    _malloc.trim_now()                          # the warm-up's freed heap is not the process's own
     baseline = governor.rss_bytes()             # the process before any table: RSS's constant beyond budgets
     core = PSServer.from_config(cfg, rank)
-    if budgeted and baseline is not None:       # RSS beyond the counted parts becomes the tables' reserve
-        core.governor = governor.MemoryGovernor(lambda: [h.budget for h in core.sparse.values()],
-                                                baseline).start()
+    unbudgeted = sorted(n for n, t in cfg.sparse_tables.items() if not t.memory_bytes)
+    if budgeted and baseline is not None and not unbudgeted:   # RSS beyond the parts: the tables' reserve
+        core.governor = governor.MemoryGovernor(
+            lambda: [h.budget for h in core.sparse.values()], baseline,
+            other_bytes=lambda: sum(h.nbytes for h in core.dense.values())).start()
+    elif budgeted:
+        log.warning("server %d: no memory governor: sparse table(s) %s have no memory_bytes, and their RAM "
+                    "would read as the budgeted tables' overhead; the budgets keep their fixed reserve",
+                    rank, unbudgeted)
     core.load_roots.extend(allow_load or ())
     if resume is not None:
         from . import job_checkpoints

@@ -217,13 +217,12 @@ class IpcBatches:
     Attributes
     ----------
     schema : pyarrow.Schema
-    num_rows : int
     streamed : bool
         Batches are read from storage one at a time (the file was at least ``STREAM_MIN_BYTES``).
     """
 
-    def __init__(self, schema: pa.Schema, num_rows: int, batches=None, opener=None, uri: str = ""):
-        self.schema, self.num_rows = schema, num_rows
+    def __init__(self, schema: pa.Schema, batches=None, opener=None, uri: str = ""):
+        self.schema = schema
         self._batches, self._opener, self._uri = batches, opener, uri
         self.streamed = opener is not None
 
@@ -242,7 +241,8 @@ class IpcBatches:
 
 
 def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> IpcBatches:
-    """An Arrow IPC file's batches, checked against its manifest entry before any is returned.
+    """An Arrow IPC file's batches, checked against its manifest entry before any is returned (a large
+    file's second open is checked for its size again).
 
     A file under ``STREAM_MIN_BYTES`` is read once into memory (``read_ipc_file``). A larger one is
     never held whole: a first pass streams it in 16 MiB reads through CRC-32 and compares size and
@@ -268,7 +268,7 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
     uri = storage.uri_of(path)
     if expected.size < STREAM_MIN_BYTES:
         table = read_ipc_file(storage, path, expected=expected)
-        return IpcBatches(table.schema, table.num_rows, batches=table.to_batches(), uri=uri)
+        return IpcBatches(table.schema, batches=table.to_batches(), uri=uri)
     crc, size = 0, 0
     with storage.open_input_stream(path) as f:
         while chunk := f.read(_VERIFY_CHUNK):
@@ -277,12 +277,16 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
     _compare(storage, path, FileEntry(size=size, crc32=crc32_hex(crc)), expected)
 
     def opener():
-        return storage.open_input_file(path)
+        f = storage.open_input_file(path)
+        if f.size() != expected.size:       # replaced since its checksum was read
+            f.close()
+            raise CheckpointCorruptError(f"{uri}: size is {f.size()} bytes, manifest says {expected.size} "
+                                         f"(changed while read)", uri=uri)
+        return f
     try:
         with opener() as f:
-            reader = ipc.open_file(f)
-            schema, rows = reader.schema, reader.count_rows()
+            schema = ipc.open_file(f).schema    # the footer only; no batch is read twice
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise CheckpointCorruptError(f"{uri}: not a readable Arrow IPC file ({size} bytes): {exc}", uri=uri) from exc
-    return IpcBatches(schema, rows, opener=opener, uri=uri)
+    return IpcBatches(schema, opener=opener, uri=uri)
 

@@ -9,7 +9,8 @@ ahead of its own operations, the set emptying when such a write succeeds.
 The set is one sorted ``uint64`` array, never changed in place: a change makes a new array, so a read
 view of the database (``SpillStore.snapshot`` / ``seek_view``) keeps the array of its instant and
 filters exactly the keys that were dead then, whatever writes happen while it is read. Memory: 8 bytes
-per key (a failed delete of an expiry pass of 10M disk rows: 80 MB until the next write succeeds).
+per key (a failed delete of an expiry pass of 10M disk rows: 80 MB until the next write succeeds; a
+backlog over ``WRITE_BATCH_ROWS`` keys is then written in batches of its own).
 """
 from __future__ import annotations
 
@@ -59,6 +60,12 @@ class PendingDeletes:
     def contains(self, keys: np.ndarray) -> np.ndarray:
         """keys : uint64[n] -> bool[n], True where the key is pending."""
         return pending_mask(self.keys, keys)
+
+    def forget_first(self, n: int) -> None:
+        """Forget the ``n`` smallest keys (their deletes were written)."""
+        rest = self.keys[n:]
+        rest.flags.writeable = False
+        self.keys = rest if len(rest) else EMPTY
 
     def clear(self) -> None:
         """Forget every key (their deletes were written)."""

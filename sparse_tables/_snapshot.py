@@ -5,7 +5,8 @@ released, so pushes wait only for the copy. Held in memory, the copy of a full R
 RAM as the tier: at 100M keys and a 4 GB budget, 514 MB a shard, two shards saving at once, which took
 a budgeted server's RSS from 1.2 to 1.45 times its budget during every base save. A table that spills
 has a local disk for RocksDB; there the copy goes, chunk by chunk, into an unlinked temporary file in
-the spill directory instead (``O_TMPFILE``: never visible, gone when closed or when the process dies).
+the spill directory instead (``O_TMPFILE`` where the filesystem has it; elsewhere ``tempfile`` unlinks it
+at once, and a claim of the directory wipes any leftover): gone when closed or when the process dies.
 Its pages are the kernel's page cache, not the process's RSS, and the kernel may write them back or
 drop them under memory pressure. Reading it back costs a ``pread`` per chunk.
 
@@ -43,8 +44,9 @@ class RecordSnapshot:
         The records are in a file, not in RAM.
     """
 
-    def __init__(self, n: int, stride: int, records: np.ndarray | None, file, flagged_keys: np.ndarray):
-        self._n, self._stride = n, stride
+    def __init__(self, n: int, stride: int, records: np.ndarray | None, file, flagged_keys: np.ndarray,
+                 spool_dir=None):
+        self._n, self._stride, self._dir = n, stride, spool_dir
         self._records, self._file = records, file
         self.flagged_keys = flagged_keys
         self.spooled = file is not None
@@ -72,16 +74,20 @@ class RecordSnapshot:
             for start in range(0, self._n, chunk_rows):
                 yield self._records[start:start + chunk_rows]
             return
-        fd, row_bytes = self._file.fileno(), self._stride * 4
+        row_bytes = self._stride * 4
         for start in range(0, self._n, chunk_rows):
+            f = self._file
+            if f is None:                   # closed while a reader was suspended between chunks
+                raise RuntimeError("RecordSnapshot: read after close()")
             m = min(chunk_rows, self._n - start)
             out = np.empty((m, self._stride), np.uint32)
             view, off, need = memoryview(out).cast("B"), start * row_bytes, m * row_bytes
             got = 0
             while got < need:
-                k = os.preadv(fd, [view[got:]], off + got)
+                k = os.preadv(f.fileno(), [view[got:]], off + got)
                 if k <= 0:
-                    raise OSError(f"spooled RAM rows: short read at byte {off + got} of {self._n * row_bytes}")
+                    raise OSError(f"RAM rows spooled in {self._dir}: short read at byte {off + got} of "
+                                  f"{self._n * row_bytes}")
                 got += k
             yield out
 
@@ -139,4 +145,4 @@ def _spool(arena_u, rows, flags_w, flag, spool_dir) -> RecordSnapshot:
         f.close()
         raise
     keys = np.sort(np.concatenate(flagged)) if flagged else np.empty(0, np.uint64)
-    return RecordSnapshot(n, stride, None, f, keys)
+    return RecordSnapshot(n, stride, None, f, keys, spool_dir)

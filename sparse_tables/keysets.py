@@ -192,12 +192,14 @@ class SortedKeySet:
         return out
 
     def runs(self) -> list[np.ndarray]:
-        """The set's sorted runs now (the tail sorted into one first), uint64 arrays that repeat keys
-        across runs. The set never changes an array it made (an add makes a run, a merge a new array),
-        so a delta dump reads these later, outside the table's lock, while the set goes on
-        (``merged_chunks``)."""
-        self._flush_tail()
-        return list(self._runs)
+        """The set's sorted runs now (the tail sorted into a run of its own), uint64 arrays that may
+        repeat keys. Changes nothing, so it is safe under a shared lock beside other readers; and the
+        set never changes an array it made (an add makes a run, a merge a new array), so a delta dump
+        reads these later, outside the table's lock, while the set goes on (``merged_chunks``)."""
+        runs = list(self._runs)
+        if self._tail:
+            runs.append(np.sort(np.concatenate(self._tail)))
+        return runs
 
     def to_array(self) -> np.ndarray:
         """All keys, uint64[len(self)], sorted, each once."""

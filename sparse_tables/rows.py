@@ -13,6 +13,8 @@ Float columns are bit copies of the record words, so a dump and load is bit-exac
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pyarrow as pa
 
@@ -122,6 +124,11 @@ class DirtyRows:
         self._records, self._spilled, self._spill, self._view = records, spilled, spill, view
         self.deleted = deleted
         self._layout, self._schema, self._chunk = layout, schema, chunk_rows
+        self._finalizers: list = []
+
+    def on_close(self, fn) -> None:
+        """Call ``fn()`` once when the dump is closed or collected (a budget's count of its keys)."""
+        self._finalizers.append(weakref.finalize(self, fn))
 
     def __iter__(self):
         if self._records is None:
@@ -139,3 +146,5 @@ class DirtyRows:
         if self._records is not None:
             self._records.close()
         self._records = self._spilled = self._view = None
+        for f in self._finalizers:
+            f()

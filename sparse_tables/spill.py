@@ -329,7 +329,7 @@ class SpillStore:
             self.count += int(new.sum())
             self.writes += len(k)
 
-    def _write(self, fill, what: str) -> None:
+    def _write(self, fill, what: str, with_pending: bool = True) -> None:
         """Write one batch, ``fill(batch)`` adding its operations, waiting out RocksDB's write stalls with
         the GIL released (``STALL_TIMEOUT_S``). A refused write consumed its batch, so each attempt
         fills a new one. ``stall_s`` gains every second waited (after a refusal, and the pacing before
@@ -343,7 +343,16 @@ class SpillStore:
             RocksDB failed the write, or stalled it for longer than ``stall_timeout_s`` (the message
             names the store and RocksDB's state: level-0 files, pending compaction bytes).
         """
-        dead = self._pending.keys
+        dead = self._pending.keys if with_pending else _NO_KEYS
+        if len(dead) > WRITE_BATCH_ROWS:
+            # a large backlog is written first in batches of its own, each forgotten once written: one
+            # batch of 10M deletes would build ~0.5 GB of key bytes on every attempt, holding the GIL
+            for start in range(0, len(dead), WRITE_BATCH_ROWS):
+                kb = _key_bytes(dead[start:start + WRITE_BATCH_ROWS])
+                self._write(lambda wb: collections.deque(map(wb.delete, kb), maxlen=0),
+                            f"{len(kb)} pending deletes", with_pending=False)
+                self._pending.forget_first(len(kb))
+            dead = self._pending.keys
         if len(dead):                                # deletes refused before: first in every batch
             dead_kb, inner = _key_bytes(dead), fill
             what = f"{what} and {len(dead)} pending deletes"

@@ -422,7 +422,11 @@ class SparseTable(SpillTier):
             spill = self._spill         # the dump's own reference: a close meanwhile does not drop it
             # the RAM rows with an older copy on disk (which the scan skips) come as a sorted key array
             ram = self._snapshot_live(0, int(K.F_ON_DISK))
-            snapshot = spill.snapshot() if spill is not None else None
+            try:
+                snapshot = spill.snapshot() if spill is not None else None
+            except BaseException:
+                ram.close()
+                raise
         try:
             for recs in ram.chunks(chunk_rows):
                 yield records_to_batch(recs, self.layout, self.schema)
@@ -489,7 +493,10 @@ class SparseTable(SpillTier):
             deleted : uint64[k] sorted keys deleted and not re-created since (tombstones).
         """
         dump = self.dirty_dump(clear)
-        return list(dump), dump.deleted
+        try:
+            return list(dump), dump.deleted
+        finally:
+            dump.close()
 
     def dirty_dump(self, clear: bool = False, chunk_rows: int = 65536) -> DirtyRows:
         """Rows changed and keys deleted since the last clear (for delta checkpoints), as of now.
@@ -522,23 +529,37 @@ class SparseTable(SpillTier):
         lock = self._lock.exclusive() if clear else self._lock.shared()
         with lock:
             records = self._snapshot_live(int(K.F_DIRTY), 0)
-            spill, view, spilled = self._spill, None, []
-            if spill is not None:
-                # the spilled dirty keys not in RAM now (the dirty RAM rows are copied above): the set's
-                # own runs, each with a mask, read and merged in chunks as the dump is iterated
-                for run in self._spilled_dirty.runs():
-                    at = np.empty(len(run), np.int64)
-                    K.find_rows(self._index, self._arena_u, run, at)
-                    keep = at < 0
-                    if keep.any():
-                        spilled.append((run, None if keep.all() else keep))
-                view = spill.seek_view() if spilled else None
-            deleted = unique_keys(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.uint64)
-            if len(deleted):
-                deleted = deleted[~self._present(deleted)]
-            if clear:
-                self._clear_dirty_locked()
-        return DirtyRows(records, spilled, spill, view, deleted, self.layout, self.schema, chunk_rows)
+            try:
+                return self._dirty_dump_locked(records, clear, chunk_rows)
+            except BaseException:
+                records.close()
+                raise
+
+    def _dirty_dump_locked(self, records, clear: bool, chunk_rows: int) -> DirtyRows:
+        spill, view, spilled = self._spill, None, []
+        if spill is not None:
+            # the spilled dirty keys not in RAM now (the dirty RAM rows are copied above): the set's own
+            # runs, each with a mask, read and merged in chunks as the dump is iterated
+            for run in self._spilled_dirty.runs():
+                at = np.empty(len(run), np.int64)
+                K.find_rows(self._index, self._arena_u, run, at)
+                keep = at < 0
+                if keep.any():
+                    spilled.append((run, None if keep.all() else keep))
+            view = spill.seek_view() if spilled else None
+        deleted = unique_keys(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.uint64)
+        if len(deleted):
+            deleted = deleted[~self._present(deleted)]
+        out = DirtyRows(records, spilled, spill, view, deleted, self.layout, self.schema, chunk_rows)
+        if clear:
+            self._clear_dirty_locked()
+            if self._budget is not None and spilled:
+                # the cleared set's runs live on in the dump: the budget counts them until it is closed
+                # (or collected), not as RAM the tier may fill meanwhile
+                budget, token = self._budget, self._budget.register()
+                budget.report(token, sum(r.nbytes + (0 if m is None else m.nbytes) for r, m in spilled), 0)
+                out.on_close(lambda: budget.forget(token))
+        return out
 
     def clear_dirty(self) -> None:
         """Forget which rows changed and which keys were deleted."""

@@ -126,6 +126,14 @@ def _parse_malloc_info(xml: str) -> dict | None:
             "in_use_bytes": max(0, heap - free), "mmap_bytes": totals.get("mmap", 0)}
 
 
+def trim_now() -> None:
+    """One ``malloc_trim(0)``: free pages inside the heap go back to the OS (before a baseline reading)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        pass
+
+
 TRIM_INTERVAL_S = 2.0
 _trimmer = None
 

@@ -15,8 +15,9 @@ beyond them fit the budget again. The high-water mark over minutes rather than t
 room for transients that come back (an eviction pass, a save) instead of letting the RAM tier grow
 into it between them. This is the correction ClickHouse applies to its memory tracker from RSS.
 
-The baseline is RSS after the kernel warm-up and before the tables are made (``engine.roles``): the
-"documented constant" a budgeted server's RSS has beyond ``memory_bytes`` (~0.28 GB here).
+The baseline is RSS after the kernel warm-up (and a ``malloc_trim``) and before the tables are made
+(``engine.roles``): the "documented constant" a budgeted server's RSS has beyond ``memory_bytes``
+(~0.28 GB here). Dense tables' blocks are counted as parts too (``other_bytes``).
 
 Fault behaviour: RSS unreadable (not Linux): the governor does nothing and says so once. A budget
 smaller than what RSS shows beyond the parts leaves the RAM tier at its floor (1,024 rows per shard);
@@ -58,11 +59,15 @@ class MemoryGovernor:
         Seconds between steps; seconds the high-water mark looks back.
     rss : callable returning int or None
         RSS in bytes (default ``rss_bytes``).
+    other_bytes : callable returning int
+        Bytes of the server's state outside any budget that the governor must not read as overhead
+        (its dense tables' blocks). A server with unbudgeted sparse tables gets no governor
+        (``engine.roles``): their growth would read as overhead and starve the budgeted ones.
     """
 
     def __init__(self, budgets, baseline_bytes: int, interval_s: float = INTERVAL_S,
-                 window_s: float = WINDOW_S, rss=rss_bytes, clock=time.monotonic):
-        self._budgets, self.baseline_bytes = budgets, int(baseline_bytes)
+                 window_s: float = WINDOW_S, rss=rss_bytes, clock=time.monotonic, other_bytes=lambda: 0):
+        self._budgets, self.baseline_bytes, self._other = budgets, int(baseline_bytes), other_bytes
         self.interval_s, self.window_s = interval_s, window_s
         self._rss, self._clock = rss, clock
         self._samples: collections.deque = collections.deque()     # (time, unaccounted bytes)
@@ -79,7 +84,7 @@ class MemoryGovernor:
         rss = self._rss()
         if not budgets or rss is None:
             return None
-        counted = sum(b.counted_bytes() for b in budgets)
+        counted = sum(b.counted_bytes() for b in budgets) + int(self._other())
         unaccounted = max(0, rss - self.baseline_bytes - counted)
         now = self._clock()
         self._samples.append((now, unaccounted))

@@ -578,6 +578,12 @@ class DenseHost:
                     b.pending[:] = 0
                     b.pending_n = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this server's blocks, estimated as four arrays of each block's parameters (the
+        parameters, a merged gradient and up to two optimizer moments)."""
+        return sum(4 * b.params.nbytes for b in list(self.blocks.values()))
+
     def stats(self) -> dict:
         return {"size": self.size, "num_blocks": self.num_blocks, "blocks_here": sorted(self.blocks),
                 "optimizer": self.config.optimizer}

@@ -568,8 +568,10 @@ class PSServer:
                 total += int(getattr(exc, "deleted", 0) or 0)
                 failed.append(exc)
         if failed:
-            raise SpillError(f"{len(failed)} of {len(hosts)} table(s) failed their expiry pass ({total} row(s) "
-                             f"deleted in all): " + "; ".join(map(str, failed))) from failed[0]
+            err = SpillError(f"{len(failed)} of {len(hosts)} table(s) failed their expiry pass ({total} row(s) "
+                             f"deleted in all): " + "; ".join(map(str, failed)))
+            err.deleted = total
+            raise err from failed[0]
         return pb.CountResponse(request_id=req.request_id, count=total)
 
     def Metric(self, req: pb.MetricRequest) -> pb.MetricResponse | codec.Wire:

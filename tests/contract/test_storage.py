@@ -235,7 +235,7 @@ def test_a_large_arrow_file_is_checksummed_then_read_a_batch_at_a_time(storage: 
                                 pa.array([float(i)] * 5_000, pa.float32())], schema=schema) for i in range(8)]
     entry = hdfs_io.write_ipc_file(storage, "big/part.arrow", iter(batches), schema=schema)
     got = arrow_io.open_ipc_batches(storage, "big/part.arrow", expected=entry)
-    assert got.streamed and got.num_rows == 40_000 and got.schema.equals(schema)
+    assert got.streamed and got.schema.equals(schema)
     for _ in range(2):
         read = list(got)
         assert len(read) == 8 and pa.Table.from_batches(read).equals(pa.Table.from_batches(batches))
@@ -251,4 +251,4 @@ def test_a_large_arrow_file_is_checksummed_then_read_a_batch_at_a_time(storage: 
     monkeypatch.setattr(arrow_io, "STREAM_MIN_BYTES", 1 << 20)
     small = arrow_io.open_ipc_batches(storage, "it.arrow", expected=hdfs_io.write_ipc_file(
         storage, "it.arrow", pa.Table.from_batches(batches[:1])))
-    assert not small.streamed and small.num_rows == 5_000      # under the threshold: one read, in memory
+    assert not small.streamed and sum(b.num_rows for b in small) == 5_000     # under the threshold: in memory

@@ -57,7 +57,7 @@ def test_a_budgeted_server_keeps_its_malloc_arenas_bounded_under_concurrent_call
             (stats,) = c.stats()
             m = stats["malloc"]
             assert 1 <= m["arenas"] <= BUDGET_ARENAS, m
-            assert m["heap_bytes"] == m["in_use_bytes"] + m["free_bytes"] and m["in_use_bytes"] > 0, m
+            assert m["heap_bytes"] >= m["in_use_bytes"] > 1 << 20 and m["free_bytes"] >= 0, m
             assert stats["sparse"]["embedding"]["rows_spilled"] > 0      # the RocksDB tier worked too
             g = stats["memory_governor"]          # engine.ps.governor: reads RSS every second
             assert 0 < g["baseline_bytes"] < g["rss_bytes"] and g["counted_bytes"] > 0, g

@@ -125,8 +125,8 @@ def test_rows_an_expiry_pass_could_not_delete_on_disk_never_come_back(tmp_path):
 
 
 def test_a_key_deleted_pending_then_pushed_anew_and_evicted_again_keeps_its_new_value(tmp_path, monkeypatch):
-    # small batches: the eviction's first batch carries the pending deletes and the smallest re-put keys,
-    # the later batches the others
+    # small batches: the 100 pending deletes, more than a batch, are written first in batches of their own
+    # (each forgotten once written), then the eviction's batches put the re-pushed keys back
     monkeypatch.setattr(spill, "WRITE_BATCH_ROWS", 16)
     clock = Clock(1000.0)
     t = _table(tmp_path, clock)
