@@ -61,3 +61,26 @@ def test_without_budgets_or_rss_the_governor_does_nothing():
     assert MemoryGovernor(lambda: [], 0).step() is None
     assert MemoryGovernor(lambda: [object()], 0, rss=lambda: None).step() is None
     assert rss_bytes() > 10 * MiB
+
+
+def test_a_deltas_cleared_dirty_keys_stay_counted_until_the_dump_is_closed(tmp_path):
+    """``dirty_dump(clear=True)`` empties the dirty-keys set but the dump still holds its runs: the budget
+    counts them under the dump until it is closed, so neither the RAM tier nor a governor's reading takes
+    that memory for free room or overhead."""
+    t, ref = _budgeted_and_reference(tmp_path)
+    for i in range(5):
+        k = _keys(150_000, i)
+        t.push(k, np.ones((len(k), DIM), np.float32))
+    dirty = t.stats()["memory"]["dirty_keys"]
+    assert dirty > 0, "setup: no row was evicted dirty"
+    d = t.dirty_dump(clear=True)
+    t.push(_keys(10, 7), np.ones((10, DIM), np.float32))          # the shard reports its parts again
+    st = t.stats()
+    assert st["memory"]["dirty_keys"] < dirty
+    held = st["memory_budget"]["growing"] - st["memory"]["filters"] - st["memory"]["dirty_keys"]
+    assert held >= dirty // 2, "the dump's runs are not counted"
+    d.close()
+    st = t.stats()
+    assert st["memory_budget"]["growing"] == st["memory"]["filters"] + st["memory"]["dirty_keys"] + 0
+    t.close()
+    ref.close()
