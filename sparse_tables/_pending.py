@@ -22,11 +22,6 @@ EMPTY = np.empty(0, np.uint64)
 EMPTY.flags.writeable = False
 
 
-def pending_mask(pending: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """keys : uint64[n] -> bool[n], True where the key is in ``pending`` (uint64[p], sorted)."""
-    return in_sorted(pending, keys)
-
-
 class PendingDeletes:
     """The sorted, immutable-array set of a store's pending deletes (see the module docstring).
 
@@ -59,7 +54,7 @@ class PendingDeletes:
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         """keys : uint64[n] -> bool[n], True where the key is pending."""
-        return pending_mask(self.keys, keys)
+        return in_sorted(self.keys, keys)
 
     def forget_first(self, n: int) -> None:
         """Forget the ``n`` smallest keys (their deletes were written)."""

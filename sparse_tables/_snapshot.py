@@ -40,8 +40,6 @@ class RecordSnapshot:
     flagged_keys : uint64[k]
         Sorted keys of the records that had ``flag`` (``take``) set, e.g. the RAM rows with a copy in
         RocksDB, which a base dump's scan skips.
-    spooled : bool
-        The records are in a file, not in RAM.
     """
 
     def __init__(self, n: int, stride: int, records: np.ndarray | None, file, flagged_keys: np.ndarray,
@@ -49,14 +47,9 @@ class RecordSnapshot:
         self._n, self._stride, self._dir = n, stride, spool_dir
         self._records, self._file = records, file
         self.flagged_keys = flagged_keys
-        self.spooled = file is not None
 
     def __len__(self) -> int:
         return self._n
-
-    @property
-    def nbytes_in_ram(self) -> int:
-        return 0 if self._records is None else self._records.nbytes
 
     def chunks(self, chunk_rows: int) -> Iterator[np.ndarray]:
         """Yield uint32[m, stride] blocks of at most ``chunk_rows`` records, in order (m >= 1).
@@ -123,8 +116,14 @@ def take(arena_u: np.ndarray, rows: np.ndarray, flags_w: int, flag: int,
                         "(%d bytes)", spool_dir, exc, n * stride * 4)
     records = np.empty((n, stride), np.uint32)
     K.gather_records(arena_u, rows, records)
-    flagged = np.sort(record_keys(records)[(records[:, flags_w] & flag) != 0]) if flag else np.empty(0, np.uint64)
-    return RecordSnapshot(n, stride, records, None, flagged)
+    return RecordSnapshot(n, stride, records, None, np.sort(_flagged(records, flags_w, flag)))
+
+
+def _flagged(records: np.ndarray, flags_w: int, flag: int) -> np.ndarray:
+    """Keys of the records with ``flag`` set (none when flag is 0), uint64[k] in record order."""
+    if not flag:
+        return np.empty(0, np.uint64)
+    return record_keys(records)[(records[:, flags_w] & flag) != 0]
 
 
 def _spool(arena_u, rows, flags_w, flag, spool_dir) -> RecordSnapshot:
@@ -136,8 +135,7 @@ def _spool(arena_u, rows, flags_w, flag, spool_dir) -> RecordSnapshot:
         for start in range(0, n, SPOOL_CHUNK_ROWS):
             m = min(SPOOL_CHUNK_ROWS, n - start)
             K.gather_records(arena_u, rows[start:start + m], buf[:m])
-            if flag:
-                flagged.append(record_keys(buf[:m])[(buf[:m, flags_w] & flag) != 0])
+            flagged.append(_flagged(buf[:m], flags_w, flag))
             view, done = memoryview(buf[:m]).cast("B"), 0
             while done < len(view):
                 done += f.write(view[done:])

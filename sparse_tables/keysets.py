@@ -186,9 +186,7 @@ class SortedKeySet:
         self._flush_tail()              # a sorted run: binary search (np.isin would sort the tail each call)
         out = np.zeros(len(keys), np.bool_)
         for run in self._runs:
-            pos = np.searchsorted(run, keys)
-            ok = pos < len(run)
-            out[ok] |= run[pos[ok]] == keys[ok]
+            out |= in_sorted(run, keys)
         return out
 
     def runs(self) -> list[np.ndarray]:

@@ -34,10 +34,10 @@ from rocksdict import (BlockBasedOptions, Cache, DBCompactionStyle, DBCompressio
                        ReadOptions, WriteBatch, WriteBufferManager, WriteOptions)
 
 from ._inputs import record_keys as _record_keys
-from ._pending import EMPTY as _NO_KEYS, PendingDeletes, pending_mask
+from ._pending import EMPTY as _NO_KEYS, PendingDeletes
 from ._spill_dir import DB_NAME, LOCK_NAME, MARKER_NAME, SpillDir  # noqa: F401 (part of this module's API)
 from .errors import SpillError
-from .keysets import ScalableBloom
+from .keysets import ScalableBloom, in_sorted
 
 log = logging.getLogger(__name__)
 
@@ -564,7 +564,7 @@ class SpillStore:
             n += len(chunk)
             last = keys[-1]
             if len(view.dead):
-                live = ~pending_mask(view.dead, keys)
+                live = ~in_sorted(view.dead, keys)
                 if not live.all():
                     keys, records = keys[live], records[live]
                     if not len(keys):
@@ -593,7 +593,7 @@ class SpillStore:
         it = view.probe
         seek, valid, key, value = it.seek, it.valid, it.key, it.value
         if len(view.dead):
-            keys = keys[~pending_mask(view.dead, keys)]
+            keys = keys[~in_sorted(view.dead, keys)]
         for start in range(0, len(keys), chunk_rows):
             vals = []
             for b in _key_bytes(keys[start:start + chunk_rows]):

@@ -426,7 +426,6 @@ def _malloc_families(core):
     beyond its tables' parts. Nothing off glibc."""
     from prometheus_client.core import GaugeMetricFamily
 
-    yield from _governor_family(core)
     h = core.heap_stats() if hasattr(core, "heap_stats") else None
     if h is None:
         return
@@ -504,6 +503,7 @@ class ServerCollector:
         yield from fams.values()
         yield from (rows, mem, disk, stall, l0)
         yield from _malloc_families(self.core)
+        yield from _governor_family(self.core)
         parts = getattr(self.core, "checkpoint_parts", None) or {}
         secs = CounterMetricFamily("engine_ps_checkpoint_part_seconds", "Time this server spent writing "
                                    "(save) or reading (load) its checkpoint parts", labels=["op"])

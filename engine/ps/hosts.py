@@ -52,6 +52,33 @@ def invalid(msg: str, shard: int | None = None) -> HostError:
     return HostError("INVALID_ARGUMENT", msg, shard)
 
 
+def shrink_each(units, where: str, kind: str) -> int:
+    """Run ``unit.shrink()`` over every unit (shards of a table, tables of a server) even when one fails;
+    returns the rows deleted.
+
+    Raises
+    ------
+    SpillError
+        Some unit's pass failed (RocksDB refused a write or a read): after all ran, one error naming
+        ``where``, the failed units (by index) and the rows deleted in all (``deleted``, int, also an
+        attribute, counting a failed pass's own ``deleted``); chained to the first failure.
+    """
+    total, failed = 0, []
+    for j, unit in enumerate(units):
+        try:
+            total += unit.shrink()
+        except SpillError as exc:
+            total += int(getattr(exc, "deleted", 0) or 0)
+            failed.append((j, exc))
+    if failed:
+        err = SpillError(f"{where}: the expiry pass failed on {kind}(s) {[j for j, _ in failed]} of {len(units)} "
+                         f"(the others ran; {total} row(s) deleted in all): "
+                         + "; ".join(str(e) for _, e in failed))
+        err.deleted = total
+        raise err from failed[0][1]
+    return total
+
+
 class SparseHost:
     """One sparse table on one server: ``num_local`` SparseTable shards over this server's vshards.
 
@@ -240,20 +267,7 @@ class SparseHost:
             A shard's pass failed: the message names the shard(s), the first error and the rows the
             passes deleted (``deleted``, int, also an attribute); chained to the first error.
         """
-        total, failed = 0, []
-        for j, shard in enumerate(self.shards):
-            try:
-                total += shard.shrink()
-            except SpillError as exc:
-                total += int(getattr(exc, "deleted", 0) or 0)
-                failed.append((j, exc))
-        if failed:
-            err = SpillError(f"table {self.name!r} on server {self.server}: the expiry pass failed on shard(s) "
-                             f"{[j for j, _ in failed]} of {len(self.shards)} (the others ran; {total} row(s) "
-                             f"deleted in all): {failed[0][1]}")
-            err.deleted = total
-            raise err from failed[0][1]
-        return total
+        return shrink_each(self.shards, f"table {self.name!r} on server {self.server}", "shard")
 
     @property
     def budget(self) -> MemoryBudget | None:

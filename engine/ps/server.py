@@ -34,7 +34,6 @@ import numpy as np
 
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
 from sparse_tables import TableConfigError
-from sparse_tables.errors import SpillError
 from sparse_tables.rwlock import RWLock
 
 from .. import failpoints
@@ -45,11 +44,11 @@ from ..config import EngineConfig
 from ..errors import ProtocolError
 from ..security.confine import OutsideRootError, confine
 from ..sharding import routing
-from . import _malloc, codec, dense_handler
+from . import _malloc, codec, dense_handler, governor
 from . import ps_pb2 as pb
 from .barrier import BarrierError, Barriers
 from .dedup import Expired, InProgress, ReplyWindow
-from .hosts import DenseHost, HostError, SparseHost, invalid
+from .hosts import DenseHost, HostError, SparseHost, invalid, shrink_each
 from .routing import DEFAULT_NUM_VSHARDS
 
 log = logging.getLogger(__name__)
@@ -560,19 +559,8 @@ class PSServer:
             raise ProtocolError("now: Shrink expires at the server's own clock; a request may not name a time")
         hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())
         failpoints.hit("server.shrink")
-        total, failed = 0, []
-        for h in hosts:             # every table's pass runs; a failed one is reported after the rest
-            try:
-                total += h.shrink()
-            except SpillError as exc:
-                total += int(getattr(exc, "deleted", 0) or 0)
-                failed.append(exc)
-        if failed:
-            err = SpillError(f"{len(failed)} of {len(hosts)} table(s) failed their expiry pass ({total} row(s) "
-                             f"deleted in all): " + "; ".join(map(str, failed)))
-            err.deleted = total
-            raise err from failed[0]
-        return pb.CountResponse(request_id=req.request_id, count=total)
+        count = shrink_each(hosts, f"server {self.index}", "table")    # every table's pass runs
+        return pb.CountResponse(request_id=req.request_id, count=count)
 
     def Metric(self, req: pb.MetricRequest) -> pb.MetricResponse | codec.Wire:
         """Exact metric sums: ADD ``counts : int64[c]`` and ``sums : float64[s]`` into accumulator
@@ -617,7 +605,7 @@ class PSServer:
             latency_sum = {m: self._latency_sum[m] for m in latency}
         out = {"server": self.index, "num_servers": self.num_servers, "requests": reqs, "errors": errors,
                "latency_bounds_s": list(LATENCY_BOUNDS_S), "latency": latency, "latency_sum_s": latency_sum,
-               "rss_bytes": _rss_bytes(), "malloc": self.heap_stats(), "pid": os.getpid(),
+               "rss_bytes": governor.rss_bytes(), "malloc": self.heap_stats(), "pid": os.getpid(),
                "memory_governor": self.governor.stats() if self.governor is not None else None,
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
                "barriers": self.barriers.stats(),
@@ -655,15 +643,6 @@ class PSServer:
         for h in self.sparse.values():
             h.close()
         self._pool.shutdown(wait=False)
-
-
-def _rss_bytes() -> int | None:
-    """This process's resident memory in bytes (Linux ``/proc/self/statm``), None where unavailable."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _stamped(reply, generation: int):

@@ -3,6 +3,7 @@ while it trains, its TensorBoard event files read back with TensorBoard's own re
 server whose row gauges equal its tables' statistics taken through the PS client."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -35,6 +36,25 @@ def wait_file(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> str
         assert proc.poll() is None, f"exited with {proc.returncode} before writing {path}"
         time.sleep(0.05)
     raise AssertionError(f"{path} not written within {timeout}s")
+
+
+@contextlib.contextmanager
+def role_server(tmp_path: Path, *sets: str):
+    """``engine train configs/ctr.yaml --role server`` with a metrics port and ``--set`` overrides:
+    yields (process, endpoint, metrics URL); the process is killed if the test leaves it running."""
+    ready, metrics = tmp_path / "ready", tmp_path / "metrics"
+    env = {**os.environ, "ENGINE_PROMETHEUS_FILE": str(metrics)}
+    env.pop("ENGINE_PS_MALLOC_TUNE", None)
+    args = [a for kv in ("observability.prometheus_port=0",) + sets for a in ("--set", kv)]
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--role",
+                             "server", "--rank", "0", "--port", "0", "--ready-file", str(ready), *args],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc, wait_file(ready, proc), wait_file(metrics, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_path):
@@ -96,15 +116,7 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
 def test_role_server_row_gauges_equal_the_tables_stats_and_keys_pulled_move(tmp_path):
     """A server started with --role (as a scheduler would): its metrics port comes from the config; on
     an idle server the row gauges equal ``stats()`` taken through the client at the same moment."""
-    ready, metrics = tmp_path / "ready", tmp_path / "metrics"
-    env = {**os.environ, "ENGINE_PROMETHEUS_FILE": str(metrics)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--role",
-                             "server", "--rank", "0", "--port", "0", "--ready-file", str(ready),
-                             "--set", "observability.prometheus_port=0", "--set", "cluster.warm_up=false"],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        ep = wait_file(ready, proc)
-        url = wait_file(metrics, proc)
+    with role_server(tmp_path, "cluster.warm_up=false") as (proc, ep, url):
         with PSClient([ep], timeout_s=20, retries=1) as c:
             keys = np.arange(1, 5001, dtype=np.uint64) * np.uint64(7919)
             c.push("embedding", keys, np.ones((len(keys), 10), np.float32))
@@ -119,7 +131,3 @@ def test_role_server_row_gauges_equal_the_tables_stats_and_keys_pulled_move(tmp_
             assert scrape(url)["engine_ps_pull_keys_total", (("table", "embedding"),)] == before + 1000
             c.stop()
         proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

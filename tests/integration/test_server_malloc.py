@@ -3,18 +3,14 @@ real ``--role server`` process: its arena limit takes effect however many thread
 account of the heap and the governor's reading reach ``Stats``, the budget and the Prometheus scrape."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 
 from engine.ps import PSClient
 from engine.ps._malloc import BUDGET_ARENAS
 
-from .test_observability import REPO, scrape, wait_file
+from .test_observability import role_server, scrape
 
 
 def _traffic(ep: str, rank: int, rounds: int, errors: list) -> None:
@@ -33,19 +29,8 @@ def test_a_budgeted_server_keeps_its_malloc_arenas_bounded_under_concurrent_call
     """Eight clients at once on a server with eight RPC threads and a spilling table: glibc would give
     each allocating thread an arena (up to 8 per core); the server asked for ``BUDGET_ARENAS`` before it
     started any thread, and ``Stats``/metrics report glibc's own count and heap."""
-    ready, metrics = tmp_path / "ready", tmp_path / "metrics"
-    env = {**os.environ, "ENGINE_PROMETHEUS_FILE": str(metrics)}
-    env.pop("ENGINE_PS_MALLOC_TUNE", None)
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--role",
-                             "server", "--rank", "0", "--port", "0", "--ready-file", str(ready),
-                             "--set", "observability.prometheus_port=0",
-                             "--set", "cluster.server_threads=8",
-                             "--set", "tables.sparse.embedding.memory_bytes=200000000",
-                             "--set", f"tables.sparse.embedding.spill_path={tmp_path / 'spill'}"],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        ep = wait_file(ready, proc)
-        url = wait_file(metrics, proc)
+    with role_server(tmp_path, "cluster.server_threads=8", "tables.sparse.embedding.memory_bytes=200000000",
+                     f"tables.sparse.embedding.spill_path={tmp_path / 'spill'}") as (proc, ep, url):
         errors: list[str] = []
         threads = [threading.Thread(target=_traffic, args=(ep, r, 15, errors)) for r in range(8)]
         for t in threads:
@@ -76,7 +61,3 @@ def test_a_budgeted_server_keeps_its_malloc_arenas_bounded_under_concurrent_call
             assert got["engine_ps_malloc_bytes", (("state", "in_use"),)] > 0
             c.stop()
         proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
