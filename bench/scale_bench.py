@@ -71,6 +71,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from _procstat import cpu_split  # noqa: E402
 
 DIM = 16
 BATCH = 100_000
@@ -339,6 +342,7 @@ def main(argv=None) -> int:
         t_start = time.perf_counter()
         rows, first_full = [], None
         seen, mark, taken, since, promoted = 0, args.keys // 10, 0, 0, 0
+        cpu_before, wall_before, seen_before = cpu_split(pid, [p.pid for p in clients]), t_start, 0
         while True:
             running = any(p.poll() is None for p in clients)
             with lock:
@@ -361,6 +365,13 @@ def main(argv=None) -> int:
                            table_memory=sum(v for k, v in ts.get("memory", {}).items()
                                             if k not in ("rocksdb_memtables", "rocksdb_table_readers")))
                 promoted = ts["promotions"]
+                # where the machine's cores went in the interval, and the wall rate of new keys (each one
+                # is written to RocksDB once it leaves the RAM tier: the ingest compaction has to keep up with)
+                cpu_now, wall_now = cpu_split(pid, [p.pid for p in clients]), time.perf_counter()
+                span = max(1e-9, wall_now - wall_before)
+                rec.update(cpu_cores={k: round((cpu_now[k] - cpu_before[k]) / span, 3) for k in cpu_now},
+                           new_keys_per_s=round((seen - seen_before) / span))
+                cpu_before, wall_before, seen_before = cpu_now, wall_now, seen
                 emit(rec)
                 rows.append(rec)
                 if rec["ram_tier_spilled"] and first_full is None:
