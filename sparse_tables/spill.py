@@ -100,10 +100,11 @@ def rocksdb_options(budget=None) -> Options:
     # background writing leaves the disk and a core to the requests
     opts.set_compaction_style(DBCompactionStyle.level())
     opts.set_level_compaction_dynamic_level_bytes(True)
-    opts.set_level_zero_file_num_compaction_trigger(4)
-    opts.set_level_zero_slowdown_writes_trigger(L0_TRIGGERS[0])
-    opts.set_level_zero_stop_writes_trigger(L0_TRIGGERS[1])
-    opts.set_max_background_jobs(2)
+    opts.set_level_zero_file_num_compaction_trigger(L0_TRIGGERS[0])
+    opts.set_level_zero_slowdown_writes_trigger(L0_TRIGGERS[1])
+    opts.set_level_zero_stop_writes_trigger(L0_TRIGGERS[2])
+    opts.set_max_background_jobs(BACKGROUND_JOBS)
+    opts.set_max_subcompactions(SUBCOMPACTIONS)
     opts.set_ratelimiter(RATE_LIMIT_BYTES_PER_S, 100_000, 10)
     return opts
 
@@ -118,19 +119,33 @@ def rocksdb_options(budget=None) -> Options:
 BLOCK_SIZE = 4096
 COMPRESSION = DBCompressionType.lz4
 RATE_LIMIT_BYTES_PER_S = 256 << 20
-# level-0 files before writes slow down / stop: RocksDB's defaults, and while a base restore loads
-# (``SpillStore.bulk``) far more: its small memtables (a budget's share per shard: 4-64 MiB) flush faster
-# than two background jobs compact them, and the default slowdown made a 30M-row restore wait on stalls
+# Compaction must keep up with a budgeted server's eviction writes, or its backlog grows without bound
+# (scale_bench, 100M keys, 4 GB: 17 GB pending, ~50 level-0 files and 66 s of write stalls at the end with
+# 2 background jobs). RocksDB's thread pools are per process, shared by the shards' databases: 2 jobs
+# gave them 1 flush and 1 compaction thread at a time, and a level-0 compaction of random keys into the
+# base level (which every flush overlaps) cannot run beside that level's own compaction, so level 0
+# piled up. 4 jobs (3 compaction threads) and 2 subcompactions (a level-0 compaction split in two key
+# ranges): bench/spill_ingest_bench.py, RocksDB alone, 100M rows, 275 s against 377 s, no stall until
+# 80M rows; scale_bench: 1.7 GB pending, 14 level-0 files and 0.2 s stalled at 100M keys.
+BACKGROUND_JOBS = 4
+SUBCOMPACTIONS = 2
+# level-0 files (compaction trigger, writes slow down, stop): RocksDB's defaults, and while a base restore
+# loads (``SpillStore.bulk``) far more: its small memtables (a budget's share per shard: 4-64 MiB) flush
+# faster than compaction merges them, and the default slowdown made a 30M-row restore wait on stalls
 # (44-49 s, against 31 s with these raised; bench/scale_bench.py --keep, then the restore in-process).
-# Compaction catches up after the load, while the triggers are back.
-L0_TRIGGERS = (20, 36)
+# The compaction trigger goes up too: with 3 compaction threads merging every 4 files the restore took
+# 37.5 s of that 30M-row load (1 GB budget), against 25.4-26.4 s with the 2 background jobs of before,
+# 28.5-29.6 s with a trigger of 32 and 24.2-24.8 s with 64 (fewer, larger merges; the cores go to the
+# load). Compaction catches up after the load (the trigger back at once, the stall triggers once level 0
+# is under the slowdown trigger).
+L0_TRIGGERS = (4, 20, 36)
 # rows per RocksDB write batch, which bounds how long a write holds the GIL (a thread beside a 400k-row
 # put of 152-byte records paused at most 3.4-5.9 ms in these batches, 114-120 ms in one batch)
 WRITE_BATCH_ROWS = 8192
 # a full scan (a base dump, an expiry pass) reads each file sequentially: 2 MiB of readahead turns its
 # 4 KiB block reads into few large ones (pread was 18% of a 20M-row base save's busy time without)
 SCAN_READAHEAD = 2 << 20
-L0_TRIGGERS_BULK = (400, 800)
+L0_TRIGGERS_BULK = (64, 400, 800)
 BULK_SETTLE_S = 600.0
 # Write stalls. RocksDB delays writes (to its delayed write rate) once compaction falls behind (level 0 at
 # the slowdown trigger, pending compaction bytes) and stops them at the stop trigger or with every memtable
@@ -223,8 +238,10 @@ class SpillStore:
                                  ("rocksdb_table_readers", "rocksdb.estimate-table-readers-mem")))
 
     def bulk(self, on: bool) -> None:
-        """A bulk load starts (True) or ends (False). Starting raises RocksDB's level-0 write-stall
-        triggers to ``L0_TRIGGERS_BULK`` (a live ``SetOptions``). Ending puts ``L0_TRIGGERS`` back once
+        """A bulk load starts (True) or ends (False). Starting raises RocksDB's level-0 triggers to
+        ``L0_TRIGGERS_BULK`` (a live ``SetOptions``): compaction waits for more level-0 files and merges
+        them in fewer, larger passes, and writes neither slow down nor stop. Ending puts the compaction
+        trigger back at once, so level 0 drains, and the write-stall triggers of ``L0_TRIGGERS`` once
         compaction has brought level 0 under the slowdown trigger: at once if it is there, else from a
         background thread polling every 0.5 s (at most ``BULK_SETTLE_S``), so the first writes after a
         restore are not stopped while level 0 drains (a 30M-row restore ended with 79 level-0 files on
@@ -240,7 +257,8 @@ class SpillStore:
             self._set_l0(L0_TRIGGERS_BULK)
             self._settled.clear()
             return
-        if self._level0_files() < L0_TRIGGERS[0]:
+        self._set_l0((L0_TRIGGERS[0], *L0_TRIGGERS_BULK[1:]))
+        if self._level0_files() < L0_TRIGGERS[1]:
             self._settle_now()
             return
         self._settler = threading.Thread(target=self._settle, name="spill-bulk-settle", daemon=True)
@@ -260,10 +278,11 @@ class SpillStore:
             self._settler.join(5.0)
             self._settler = None
 
-    def _set_l0(self, triggers: tuple[int, int]) -> None:
+    def _set_l0(self, triggers: tuple[int, int, int]) -> None:
         try:
-            self._db.set_options({"level0_slowdown_writes_trigger": str(triggers[0]),
-                                  "level0_stop_writes_trigger": str(triggers[1])})
+            self._db.set_options({"level0_file_num_compaction_trigger": str(triggers[0]),
+                                  "level0_slowdown_writes_trigger": str(triggers[1]),
+                                  "level0_stop_writes_trigger": str(triggers[2])})
         except Exception as exc:  # rocksdict raises plain Exception subclasses
             raise SpillError(f"RocksDB spill store at {self._dir.db_path}: set_options: {exc}") from exc
 
@@ -275,7 +294,7 @@ class SpillStore:
         deadline = time.monotonic() + BULK_SETTLE_S
         while not self._settled.wait(0.5):      # set by _stop_settler (a new load, close): stop here
             try:
-                if self._level0_files() < L0_TRIGGERS[0] or time.monotonic() > deadline:
+                if self._level0_files() < L0_TRIGGERS[1] or time.monotonic() > deadline:
                     self._settle_now()
             except SpillError as e:
                 log.warning("%s", e)

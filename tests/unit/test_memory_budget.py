@@ -491,7 +491,7 @@ def test_the_write_stall_triggers_come_back_from_a_background_thread_once_level0
     import time
 
     from sparse_tables import spill
-    monkeypatch.setattr(spill, "L0_TRIGGERS", (1, 36))
+    monkeypatch.setattr(spill, "L0_TRIGGERS", (4, 1, 36))
     monkeypatch.setattr(spill, "BULK_SETTLE_S", 1.0)
     st = spill.SpillStore(str(tmp_path / "s"), 4)
     keys = np.arange(1, 1001, dtype=np.uint64)
