@@ -39,10 +39,11 @@ def threads_cpu_s(pid: int, prefix: str) -> float:
     return total
 
 
-def cpu_split(server: int, clients: list[int]) -> dict:
+def cpu_split(server: int, clients: list[int], last: dict | None = None) -> dict:
     """Cumulative CPU seconds: ``server_rocksdb`` (the server's RocksDB background threads),
     ``server_rest`` (the process total, exited threads included, minus those) and ``clients``. A
-    process already gone counts 0."""
+    client already gone counts what ``last`` ({pid: CPU seconds}, updated here) last saw of it, or 0."""
+    last = {} if last is None else last
     out = {"server_rocksdb": 0.0, "server_rest": 0.0, "clients": 0.0}
     try:
         total = cpu_s(f"/proc/{server}/stat")
@@ -52,7 +53,8 @@ def cpu_split(server: int, clients: list[int]) -> dict:
         pass
     for pid in clients:
         try:
-            out["clients"] += cpu_s(f"/proc/{pid}/stat")
+            last[pid] = cpu_s(f"/proc/{pid}/stat")
         except OSError:
             pass
+        out["clients"] += last.get(pid, 0.0)
     return out

@@ -342,7 +342,8 @@ def main(argv=None) -> int:
         t_start = time.perf_counter()
         rows, first_full = [], None
         seen, mark, taken, since, promoted = 0, args.keys // 10, 0, 0, 0
-        cpu_before, wall_before, seen_before = cpu_split(pid, [p.pid for p in clients]), t_start, 0
+        client_cpu: dict[int, float] = {}
+        cpu_before, wall_before, seen_before = cpu_split(pid, [p.pid for p in clients], client_cpu), t_start, 0
         while True:
             running = any(p.poll() is None for p in clients)
             with lock:
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
                 promoted = ts["promotions"]
                 # where the machine's cores went in the interval, and the wall rate of new keys (each one
                 # is written to RocksDB once it leaves the RAM tier: the ingest compaction has to keep up with)
-                cpu_now, wall_now = cpu_split(pid, [p.pid for p in clients]), time.perf_counter()
+                cpu_now, wall_now = cpu_split(pid, [p.pid for p in clients], client_cpu), time.perf_counter()
                 span = max(1e-9, wall_now - wall_before)
                 rec.update(cpu_cores={k: round((cpu_now[k] - cpu_before[k]) / span, 3) for k in cpu_now},
                            new_keys_per_s=round((seen - seen_before) / span))
