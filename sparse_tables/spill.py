@@ -133,11 +133,16 @@ SUBCOMPACTIONS = 2
 # loads (``SpillStore.bulk``) far more: its small memtables (a budget's share per shard: 4-64 MiB) flush
 # faster than compaction merges them, and the default slowdown made a 30M-row restore wait on stalls
 # (44-49 s, against 31 s with these raised; bench/scale_bench.py --keep, then the restore in-process).
-# The compaction trigger goes up too: with 3 compaction threads merging every 4 files the restore took
-# 37.5 s of that 30M-row load (1 GB budget), against 25.4-26.4 s with the 2 background jobs of before,
-# 28.5-29.6 s with a trigger of 32 and 24.2-24.8 s with 64 (fewer, larger merges; the cores go to the
-# load). Compaction catches up after the load (the trigger back at once, the stall triggers once level 0
-# is under the slowdown trigger).
+# Compaction waits too, as RocksDB's own PrepareForBulkLoad has it (auto compaction off; a raised file
+# trigger alone does not hold it, since RocksDB also scores level 0 by its bytes): merging while loading
+# spends the cores on rows that the next flushes overlap again. A 100M-row restore (4 GB budget, 4
+# shards) took 105 s with 3 compaction threads merging as usual, 98 s with the file trigger at 256,
+# 81-83 s with the single compaction thread of before, and 62.7-66.9 s with compaction off; level 0 then
+# held 148 files a shard, merged 30 s after the load (RSS 1.045 of the budget during the load, 1.04 while
+# merging: the level-0 filters are pinned in the block cache). RocksDB applies no level-0 stall while
+# auto compaction is off, so a load that leaves as many level-0 files as the raised slowdown trigger turns
+# compaction back on (``_write``). Compaction starts again when the load ends, the stall triggers come
+# back once level 0 is under the slowdown trigger.
 L0_TRIGGERS = (4, 20, 36)
 # rows per RocksDB write batch, which bounds how long a write holds the GIL (a thread beside a 400k-row
 # put of 152-byte records paused at most 3.4-5.9 ms in these batches, 114-120 ms in one batch)
@@ -145,7 +150,7 @@ WRITE_BATCH_ROWS = 8192
 # a full scan (a base dump, an expiry pass) reads each file sequentially: 2 MiB of readahead turns its
 # 4 KiB block reads into few large ones (pread was 18% of a 20M-row base save's busy time without)
 SCAN_READAHEAD = 2 << 20
-L0_TRIGGERS_BULK = (64, 400, 800)
+L0_TRIGGERS_BULK = (L0_TRIGGERS[0], 400, 800)
 BULK_SETTLE_S = 600.0
 # Write stalls. RocksDB delays writes (to its delayed write rate) once compaction falls behind (level 0 at
 # the slowdown trigger, pending compaction bytes) and stops them at the stop trigger or with every memtable
@@ -205,6 +210,7 @@ class SpillStore:
         self._settled = threading.Event()      # set: RocksDB's own level-0 triggers are in force
         self._settled.set()
         self._settler: threading.Thread | None = None
+        self._compaction_deferred = False       # a bulk load holds auto compaction off (``bulk``)
         self._pending = PendingDeletes()         # deletes RocksDB refused, carried by the next write
         self.count = 0  # keys present in the database (pending deletes not counted)
         self.reads = 0
@@ -238,14 +244,14 @@ class SpillStore:
                                  ("rocksdb_table_readers", "rocksdb.estimate-table-readers-mem")))
 
     def bulk(self, on: bool) -> None:
-        """A bulk load starts (True) or ends (False). Starting raises RocksDB's level-0 triggers to
-        ``L0_TRIGGERS_BULK`` (a live ``SetOptions``): compaction waits for more level-0 files and merges
-        them in fewer, larger passes, and writes neither slow down nor stop. Ending puts the compaction
-        trigger back at once, so level 0 drains, and the write-stall triggers of ``L0_TRIGGERS`` once
-        compaction has brought level 0 under the slowdown trigger: at once if it is there, else from a
-        background thread polling every 0.5 s (at most ``BULK_SETTLE_S``), so the first writes after a
-        restore are not stopped while level 0 drains (a 30M-row restore ended with 79 level-0 files on
-        one shard, drained in under 20 s).
+        """A bulk load starts (True) or ends (False). Starting turns RocksDB's auto compaction off and
+        raises its level-0 write-stall triggers to ``L0_TRIGGERS_BULK`` (live ``SetOptions``), so the
+        load neither merges while it writes nor slows down (a load that leaves as many level-0 files as
+        the raised slowdown trigger turns compaction back on: ``_write``). Ending turns compaction on at once, so level 0
+        drains, and puts the write-stall triggers of ``L0_TRIGGERS`` back once compaction has brought
+        level 0 under the slowdown trigger: at once if it is there, else from a background thread polling
+        every 0.5 s (at most ``BULK_SETTLE_S``), so the first writes after a restore are not stopped while
+        level 0 drains (a 100M-row restore left 148 level-0 files a shard, merged in 30 s).
 
         Raises
         ------
@@ -254,15 +260,23 @@ class SpillStore:
         """
         if on:
             self._stop_settler()                     # of an earlier load: the triggers go up again
+            self._set_options({"disable_auto_compactions": "true"})
+            self._compaction_deferred = True
             self._set_l0(L0_TRIGGERS_BULK)
             self._settled.clear()
             return
-        self._set_l0((L0_TRIGGERS[0], *L0_TRIGGERS_BULK[1:]))
+        self._resume_compaction()
         if self._level0_files() < L0_TRIGGERS[1]:
             self._settle_now()
             return
         self._settler = threading.Thread(target=self._settle, name="spill-bulk-settle", daemon=True)
         self._settler.start()
+
+    def _resume_compaction(self) -> None:
+        """Auto compaction back on after ``bulk(True)`` put it off (nothing otherwise)."""
+        if self._compaction_deferred:
+            self._set_options({"disable_auto_compactions": "false"})
+            self._compaction_deferred = False
 
     @property
     def bulk_loading(self) -> bool:
@@ -279,10 +293,13 @@ class SpillStore:
             self._settler = None
 
     def _set_l0(self, triggers: tuple[int, int, int]) -> None:
+        self._set_options({"level0_file_num_compaction_trigger": str(triggers[0]),
+                           "level0_slowdown_writes_trigger": str(triggers[1]),
+                           "level0_stop_writes_trigger": str(triggers[2])})
+
+    def _set_options(self, options: dict) -> None:
         try:
-            self._db.set_options({"level0_file_num_compaction_trigger": str(triggers[0]),
-                                  "level0_slowdown_writes_trigger": str(triggers[1]),
-                                  "level0_stop_writes_trigger": str(triggers[2])})
+            self._db.set_options(options)
         except Exception as exc:  # rocksdict raises plain Exception subclasses
             raise SpillError(f"RocksDB spill store at {self._dir.db_path}: set_options: {exc}") from exc
 
@@ -397,6 +414,12 @@ class SpillStore:
                         self._pending.clear()        # nothing else writes meanwhile (the table's lock)
                         log.info("RocksDB spill store at %s: %d pending deletes written", self._dir.db_path,
                                  len(dead))
+                    if self._compaction_deferred and self._level0_files() >= L0_TRIGGERS_BULK[1]:
+                        # RocksDB applies no level-0 stall while auto compaction is off: nothing else
+                        # would bound level 0 (and its filters pinned in the cache) in a load this big
+                        log.warning("RocksDB spill store at %s: a bulk load reached %d level-0 files; "
+                                    "compaction resumes", self._dir.db_path, L0_TRIGGERS_BULK[1])
+                        self._resume_compaction()
                     break
                 except Exception as exc:  # rocksdict raises plain Exception subclasses
                     if "Write stall" not in str(exc):

@@ -229,3 +229,37 @@ def test_a_bulk_load_puts_compaction_off_and_its_end_lets_level0_drain_before_th
         assert st.count == sum(1 for _ in st._db.keys())      # nothing lost in the compaction
     finally:
         st.close()
+
+
+def test_a_bulk_load_that_piles_up_level0_turns_compaction_back_on(tmp_path, monkeypatch, caplog):
+    """Compaction is off during a bulk load, and RocksDB then applies no level-0 stall: nothing would
+    bound level 0 (each file's filter pinned in the block cache) in a load big enough. The write that
+    leaves as many level-0 files as the raised slowdown trigger turns compaction back on and says so;
+    level 0 then drains while the load goes on."""
+    import logging
+    monkeypatch.setattr(spill, "L0_TRIGGERS_BULK", (2, 3, 800))
+    rng = np.random.default_rng(1)
+    st = SpillStore(str(tmp_path / "s"), STRIDE)
+    try:
+        st.bulk(True)
+        with caplog.at_level(logging.WARNING, logger="sparse_tables.spill"):
+            for _ in range(2):
+                keys = np.unique(rng.integers(1, 2**63, 2000, dtype=np.uint64))
+                st.put(keys, np.ones((len(keys), STRIDE), np.uint32), np.ones(len(keys), bool))
+                st._db.flush()
+            assert st._level0_files() == 2 and st._compaction_deferred
+            keys = np.unique(rng.integers(1, 2**63, 2000, dtype=np.uint64))
+            st.put(keys, np.ones((len(keys), STRIDE), np.uint32), np.ones(len(keys), bool))
+            st._db.flush()                        # the third file: the next write sees it
+            st.put(keys[:10], np.ones((10, STRIDE), np.uint32), np.zeros(10, bool))
+        assert not st._compaction_deferred
+        assert any("compaction resumes" in r.getMessage() for r in caplog.records)
+        deadline = time.monotonic() + 20
+        while st._level0_files() >= 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st._level0_files() < 3            # merged while the load still holds the stall triggers up
+        assert st.bulk_loading
+        st.bulk(False)
+        assert st.count == sum(1 for _ in st._db.keys())
+    finally:
+        st.close()
