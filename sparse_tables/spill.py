@@ -247,11 +247,12 @@ class SpillStore:
         """A bulk load starts (True) or ends (False). Starting turns RocksDB's auto compaction off and
         raises its level-0 write-stall triggers to ``L0_TRIGGERS_BULK`` (live ``SetOptions``), so the
         load neither merges while it writes nor slows down (a load that leaves as many level-0 files as
-        the raised slowdown trigger turns compaction back on: ``_write``). Ending turns compaction on at once, so level 0
-        drains, and puts the write-stall triggers of ``L0_TRIGGERS`` back once compaction has brought
-        level 0 under the slowdown trigger: at once if it is there, else from a background thread polling
-        every 0.5 s (at most ``BULK_SETTLE_S``), so the first writes after a restore are not stopped while
-        level 0 drains (a 100M-row restore left 148 level-0 files a shard, merged in 30 s).
+        the raised slowdown trigger turns compaction back on: ``_write``). Ending turns compaction on at
+        once, so level 0 drains, and puts the write-stall triggers of ``L0_TRIGGERS`` back once
+        compaction has brought level 0 under the slowdown trigger: at once if it is there, else from a
+        background thread polling every 0.5 s (at most ``BULK_SETTLE_S``), so the first writes after a
+        restore are not stopped while level 0 drains (a 100M-row restore left 148 level-0 files a shard,
+        merged in 30 s).
 
         Raises
         ------
