@@ -160,9 +160,9 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     baseline = governor.rss_bytes()             # the process before any table: RSS's constant beyond budgets
     core = PSServer.from_config(cfg, rank)
     unbudgeted = sorted(n for n, t in cfg.sparse_tables.items() if not t.memory_bytes)
-    if budgeted and baseline is not None and not unbudgeted:   # RSS beyond the parts: the tables' reserve
-        core.governor = governor.MemoryGovernor(
-            lambda: [h.budget for h in core.sparse.values()], baseline,
+    if budgeted and not unbudgeted:         # RSS beyond the parts: the tables' reserve (start() says so
+        core.governor = governor.MemoryGovernor(   # and does nothing where RSS cannot be read)
+            lambda: [h.budget for h in core.sparse.values()], baseline or 0,
             other_bytes=lambda: sum(h.nbytes for h in core.dense.values())).start()
     elif budgeted:
         log.warning("server %d: no memory governor: sparse table(s) %s have no memory_bytes, and their RAM "

@@ -8,13 +8,12 @@ it zero-copy; ``open_ipc_batches`` reads a large file batch by batch after a str
 from __future__ import annotations
 
 import logging
-import zlib
 from typing import Iterable
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from hdfs_io.checksum import ChecksumWriter, FileEntry, crc32_hex
+from hdfs_io.checksum import ChecksumWriter, FileEntry, checksum_stream
 from hdfs_io.errors import CheckpointCorruptError
 from hdfs_io.storage import Storage
 
@@ -208,7 +207,6 @@ def read_ipc_file(storage: Storage, path: str, *, expected: FileEntry | None = N
 
 #: files this large are checked and read batch by batch, never held whole (bytes)
 STREAM_MIN_BYTES = 64 << 20
-_VERIFY_CHUNK = 16 << 20
 
 
 class IpcBatches:
@@ -245,7 +243,7 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
     file's second open is checked for its size again).
 
     A file under ``STREAM_MIN_BYTES`` is read once into memory (``read_ipc_file``). A larger one is
-    never held whole: a first pass streams it in 16 MiB reads through CRC-32 and compares size and
+    never held whole: a first pass streams it through CRC-32 (``checksum_stream``) and compares size and
     checksum with ``expected``; the batches are then read one at a time from a random-access handle
     (on local disk, the second read comes from the page cache; on S3 or HDFS it is a second fetch).
     A restore of 100M rows read two 350 MB part files at once into memory: 0.7 GB of a budgeted
@@ -269,12 +267,10 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
     if expected.size < STREAM_MIN_BYTES:
         table = read_ipc_file(storage, path, expected=expected)
         return IpcBatches(table.schema, batches=table.to_batches(), uri=uri)
-    crc, size = 0, 0
     with storage.open_input_stream(path) as f:
-        while chunk := f.read(_VERIFY_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    _compare(storage, path, FileEntry(size=size, crc32=crc32_hex(crc)), expected)
+        got = checksum_stream(f)
+    _compare(storage, path, got, expected)
+    size = got.size
 
     def opener():
         f = storage.open_input_file(path)

@@ -126,12 +126,21 @@ def _parse_malloc_info(xml: str) -> dict | None:
             "in_use_bytes": max(0, heap - free), "mmap_bytes": totals.get("mmap", 0)}
 
 
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (argument: bytes to keep at the heap's top), None off glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return trim
+
+
 def trim_now() -> None:
     """One ``malloc_trim(0)``: free pages inside the heap go back to the OS (before a baseline reading)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
-    except (OSError, AttributeError):
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 TRIM_INTERVAL_S = 2.0
@@ -149,11 +158,9 @@ def start_trimming(interval_s: float = TRIM_INTERVAL_S):
         return None
     if _trimmer is not None:            # one per process, however many servers it runs
         return _trimmer
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    trim = _malloc_trim()
+    if trim is None:
         return None
-    trim.argtypes = [ctypes.c_size_t]
     stop = threading.Event()
 
     def loop():
