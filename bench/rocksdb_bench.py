@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         maybe = sb.may_contain(absent)
         ns = 1e9 * (time.perf_counter() - t0) / len(absent)
-        print(json.dumps({"bench": "bloom", "filter": "scalable_bloom_10_bits (keysets.ScalableBloom)",
+        print(json.dumps({"bench": "bloom", "filter": "blocked_bloom_10_bits (keysets.ScalableBloom)",
                           "ns_per_absent_key": round(ns, 1), "false_positive_rate": round(float(maybe.mean()), 4),
                           "filter_bytes_per_key": round(sb.nbytes / args.rows, 2), **common}), flush=True)
     finally:

@@ -2,7 +2,8 @@
 
 ``KeySet`` tracks keys that must be found again exactly (rows evicted while dirty). ``ScalableBloom``
 answers "may this key be on disk?" so that pulls and pushes of brand-new keys skip the RocksDB read;
-it never forgets a key, so false positives only cost a read. Both run their loops in Numba.
+it never forgets a key, so false positives only cost a read. Both run their loops in Numba
+(``bench/bloom_bench.py`` measures the filter against the classic one it replaced).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 from numba import njit
 
 from ._kernels import fmix64
+from ._prefetch import prefetch
 
 U64 = np.uint64
 _H1 = np.uint64(0x2545F4914F6CDD1D)
@@ -266,78 +268,119 @@ def _merge_distinct(a, b, out):
     return n
 
 
-@njit(nogil=True, cache=True)
-def _bloom_add(bits, nhash, keys):
-    nbits = U64(bits.shape[0] * 64)
-    for i in range(keys.shape[0]):
-        h1 = fmix64(keys[i] ^ _H1)
-        h2 = fmix64(keys[i] ^ _H2) | U64(1)
-        for j in range(nhash):
-            b = (h1 + U64(j) * h2) % nbits
-            bits[b >> U64(6)] |= U64(1) << (b & U64(63))
+_BLOCK_WORDS = 8                    # a block is 512 bits: one 64-byte cache line
+_PREFETCH_KEYS = 8                  # keys ahead whose blocks a query asks the CPU to fetch
+
+
+@njit(inline="always")
+def _block_start(h, start, nblocks):
+    """The first word of a key's block: ``start`` + 8 x (the high 32 bits of h scaled to nblocks),
+    Lemire's multiply-shift range reduction (no division; nblocks < 2**32)."""
+    return U64(start) + ((((h >> U64(32)) * U64(nblocks)) >> U64(32)) << U64(3))
 
 
 @njit(nogil=True, cache=True)
-def _bloom_query(bits, nhash, keys, out):
-    nbits = U64(bits.shape[0] * 64)
+def _bloom_add(pool, start, nblocks, nhash, keys):
     for i in range(keys.shape[0]):
-        if out[i]:
-            continue
-        h1 = fmix64(keys[i] ^ _H1)
-        h2 = fmix64(keys[i] ^ _H2) | U64(1)
-        hit = True
+        h = fmix64(keys[i] ^ _H1)
+        base = _block_start(h, start, nblocks)
+        bits = h * _H2                  # the in-block bit positions: 9-bit slices of a second mix
         for j in range(nhash):
-            b = (h1 + U64(j) * h2) % nbits
-            if ((bits[b >> U64(6)] >> (b & U64(63))) & U64(1)) == U64(0):
-                hit = False
+            q = (bits >> U64(9 * j)) & U64(511)
+            pool[base + (q >> U64(6))] |= U64(1) << (q & U64(63))
+
+
+@njit(nogil=True, cache=True)
+def _bloom_query(pool, starts, nblocks, nhash, keys, out):
+    n, nf = keys.shape[0], starts.shape[0]
+    for i in range(min(_PREFETCH_KEYS, n)):
+        h = fmix64(keys[i] ^ _H1)
+        for f in range(nf):
+            prefetch(pool, _block_start(h, starts[f], nblocks[f]))
+    for i in range(n):
+        if i + _PREFETCH_KEYS < n:      # the blocks of a key 8 ahead: their cache misses overlap
+            h = fmix64(keys[i + _PREFETCH_KEYS] ^ _H1)
+            for f in range(nf):
+                prefetch(pool, _block_start(h, starts[f], nblocks[f]))
+        h = fmix64(keys[i] ^ _H1)
+        bits = h * _H2
+        hit = False
+        for f in range(nf - 1, -1, -1):     # the newest, largest filter first: it holds most keys
+            base = _block_start(h, starts[f], nblocks[f])
+            hit = True
+            for j in range(nhash):
+                q = (bits >> U64(9 * j)) & U64(511)
+                if ((pool[base + (q >> U64(6))] >> (q & U64(63))) & U64(1)) == U64(0):
+                    hit = False
+                    break
+            if hit:
                 break
         out[i] = hit
 
 
 class ScalableBloom:
-    """Scalable Bloom filter (Almeida et al. 2007): a chain of filters, each twice the capacity of the
-    previous, so the false-positive rate stays near ``fp_rate`` however many keys arrive.
+    """Scalable Bloom filter (Almeida et al. 2007) of blocked filters: a chain of filters, each twice the
+    capacity of the previous, so that each keeps its false-positive rate however many keys arrive.
 
-    10 bits and 7 hashes per key give about 1% false positives per filter (Kirsch & Mitzenmacher
-    double hashing).
+    Each filter is cache-line blocked (Putze, Sanders & Singler 2007, "Cache-, hash- and space-efficient
+    Bloom filters"): a key's ``nhash`` bits all fall in one 512-bit block, chosen by Lemire's
+    multiply-shift reduction of one 64-bit hash, so a query costs one cache miss per filter, and a query
+    of a batch prefetches the blocks of the key 8 ahead in every filter of the chain at once. 10 bits and
+    6 bits set per key give 0.96% false positives per full filter (measured: 16M keys; the classic filter
+    with 7 hashes, 0.81%), so a chain of 5 full filters answers "maybe" for ~4% of absent keys.
+    All filters live in one pool, each aligned to a cache line; a new filter copies the pool once
+    (as many bytes as the filters before it, a few milliseconds).
     """
 
-    def __init__(self, initial_capacity: int = 1 << 20, bits_per_key: int = 10, nhash: int = 7):
+    def __init__(self, initial_capacity: int = 1 << 20, bits_per_key: int = 10, nhash: int = 6):
+        if not 1 <= nhash <= 7:
+            raise ValueError(f"ScalableBloom: nhash must be in 1..7 (9 bits of a 64-bit hash each), got {nhash}")
         self._bits_per_key = bits_per_key
         self._nhash = nhash
-        self._filters: list[np.ndarray] = []
-        self._capacities: list[int] = []
-        self._counts: list[int] = []
-        self._next_capacity = initial_capacity
+        self._initial_capacity = initial_capacity
+        self.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(f.nbytes for f in self._filters)
+        return self._pool.nbytes
 
     def add(self, keys: np.ndarray) -> None:
         """Record keys : uint64[n] (duplicates only cost capacity)."""
         start = 0
         while start < len(keys):
-            if not self._filters or self._counts[-1] >= self._capacities[-1]:
-                cap = self._next_capacity
-                self._filters.append(np.zeros((cap * self._bits_per_key + 63) // 64, np.uint64))
-                self._capacities.append(cap)
-                self._counts.append(0)
-                self._next_capacity = cap * 2
-            room = self._capacities[-1] - self._counts[-1]
-            chunk = keys[start:start + room]
-            _bloom_add(self._filters[-1], self._nhash, chunk)
-            self._counts[-1] += len(chunk)
+            if self._count >= self._capacity:
+                self._grow()
+            chunk = keys[start:start + self._capacity - self._count]
+            _bloom_add(self._pool, self._starts[-1], self._nblocks[-1], self._nhash, chunk)
+            self._count += len(chunk)
             start += len(chunk)
+
+    def _grow(self) -> None:
+        """Append a filter of ``_next_capacity`` keys: a new pool, the old filters copied to its start."""
+        cap = self._next_capacity
+        nblocks = -(-cap * self._bits_per_key // 512)
+        used = int(self._starts[-1] + 8 * self._nblocks[-1]) - self._align if len(self._starts) else 0
+        pool = np.zeros(used + 8 * nblocks + _BLOCK_WORDS, np.uint64)
+        align = (-(pool.ctypes.data // 8)) % _BLOCK_WORDS      # the first word on a 64-byte boundary
+        pool[align:align + used] = self._pool[self._align:self._align + used]
+        self._starts = np.append(self._starts - self._align + align, align + used)
+        self._nblocks = np.append(self._nblocks, nblocks)
+        self._pool, self._align = pool, align
+        self._capacity, self._count = cap, 0
+        self._next_capacity = 2 * cap
 
     def may_contain(self, keys: np.ndarray) -> np.ndarray:
         """keys : uint64[n] -> bool[n]; False means certainly never added."""
         out = np.zeros(len(keys), np.bool_)
-        for bits in self._filters:
-            _bloom_query(bits, self._nhash, keys, out)
+        if len(self._starts) and len(keys):
+            _bloom_query(self._pool, self._starts, self._nblocks, self._nhash,
+                         np.ascontiguousarray(keys, dtype=np.uint64), out)
         return out
 
     def clear(self) -> None:
-        self._filters.clear()
-        self._capacities.clear()
-        self._counts.clear()
+        self._pool = np.zeros(0, np.uint64)
+        self._align = 0
+        self._starts = np.zeros(0, np.int64)     # each filter's first word in the pool
+        self._nblocks = np.zeros(0, np.int64)    # each filter's 512-bit blocks
+        self._capacity = self._count = 0
+        self._next_capacity = self._initial_capacity
