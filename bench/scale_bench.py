@@ -39,11 +39,17 @@ has beyond the budget), ``rss_max_bytes`` and ``rss_max_over_budget``
 ``rss_max_over_budget_by_phase`` gives the same for the growth, the base save, the expiry pass and the
 restore into a fresh server),
 ``throughput_ratio_last_vs_first_full`` (pull keys/s of the last row / of the first row after the RAM
-tier filled; target >= 0.7), ``disk_bytes_per_row`` (RocksDB's files / keys, compaction's space
+tier filled; target >= 0.7), ``max_pull_ms_while_ram_tier_grows`` (the longest pull in the rows before
+that one: the RAM tier only grew) and ``max_pull_ms_as_ram_tier_fills`` (the longest in that row's
+interval, where eviction and RocksDB's first compactions began), ``disk_bytes_per_row`` (RocksDB's files / keys, compaction's space
 amplification included; the record is 96 bytes at dim 16 Adagrad), ``base_save_s`` and ``restore_s``
 (a base checkpoint of the whole table to local disk and its restore into a fresh server; target >= 1M
-rows/s each, also given as ``*_rows_per_s``), ``shrink_s`` (an expiry pass over all rows), and the
-server's memory parts (``memory``, ``memory_budget``) from its Stats.
+rows/s each, also given as ``*_rows_per_s``), ``shrink_s`` (an expiry pass over all rows), the delta
+path (on the restored server, the same traffic until a tenth of ``--keys`` more new keys, then a delta
+checkpoint on top of the base: ``delta_rows``, ``delta_save_s``, ``delta_save_rows_per_s``; then the
+base + delta chain restored into a third server: ``chain_restore_s``, and ``keys_restored_chain``, which
+must equal ``keys_before_delta``), and the server's memory parts (``memory``, ``memory_budget``) from its
+Stats.
 
 The free disk is checked first (a row costs ~115 bytes in RocksDB and a base save as much again); when
 it is short the bench says so and stops.
@@ -109,18 +115,19 @@ def zipf_ranks(rng, m: int, seen: int, tail: str) -> np.ndarray:
 def client_main(args) -> None:
     """One client: steps until the clients together made ``--keys`` keys; one JSON line per step."""
     from engine.ps import PSClient
-    rng = np.random.default_rng(1000 + args.rank)
+    rng = np.random.default_rng(1000 + args.rank + args.offset)
     c = PSClient(args.endpoints.split(","), name=f"scale{args.rank}")
     n_new = int(BATCH * NEW_FRACTION)
-    made = 0                     # ids this client made: rank, rank + 2, rank + 4, ...
+    made = 0                     # ids this client made: offset + rank, offset + rank + 2, ...
+    offset = args.offset         # ids both clients made before (a later phase goes on from there)
     grads = np.full((BATCH, DIM), 0.001, np.float32)
     mine = args.keys // 2
     step = -1
     while made < mine:
         step += 1
-        seen = max(1, 2 * made)
+        seen = max(1, offset + 2 * made)
         hot = zipf_ranks(rng, BATCH - n_new, seen, args.tail)         # ranks over ids seen by both
-        new = args.rank + 2 * np.arange(made, min(mine, made + n_new))
+        new = offset + args.rank + 2 * np.arange(made, min(mine, made + n_new))
         made += len(new)
         keys = np.unique(key_of(np.concatenate([hot, new])))
         t0 = time.perf_counter()
@@ -237,6 +244,24 @@ def config(work: Path, budget: int, eviction: str = "slru"):
         "checkpoint": {"root": str(work / "ckpt")}})
 
 
+def run_clients(eps: list[str], args, keys: int, offset: int) -> list[dict]:
+    """Run both clients until they made ``keys`` more keys after the ``offset`` ids made before, and
+    return their step lines. Raises SystemExit when a client fails."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--client", "--rank", str(r), "--endpoints",
+                               ",".join(eps), "--keys", str(keys), "--offset", str(offset), "--tail", args.tail],
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate()[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"scale_bench: a client exited with {[p.returncode for p in procs]}")
+    return [json.loads(line) for out in outs for line in out.splitlines() if line.strip()]
+
+
 def growth_pause(rows: int, budget: int, work: Path) -> list[dict]:
     """The longest call while a RAM tier grows to ``rows`` rows, in this process: a table that grows
     by doubling (``memory_rows``: arena copies and index rehashes under the lock) against one sized once
@@ -277,6 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(REPO / "runs" / "scale"))
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
     ap.add_argument("--tail", choices=("truncated", "fold"), default="truncated",
                     help="Zipf draws truncated to the keys seen (default), or folded modulo seen as before "
@@ -403,15 +429,42 @@ def main(argv=None) -> int:
         cl.stop_servers()
     shutil.rmtree(work / "spill", ignore_errors=True)
     cfg2 = config(work, budget, args.eviction)
+    delta_keys = args.keys // 10
     with LocalCluster(cfg2, work / "run2") as cl:
         eps = cl.start_servers()
         with PSClient(eps, name="scale-restore") as c:
             t0 = time.perf_counter()
             peaks.phase("restore", cl.pids()[0])
-            CheckpointManager(str(work / "ckpt"), "scale").restore(c)
+            mgr = CheckpointManager(str(work / "ckpt"), "scale")
+            mgr.restore(c)
             out["restore_s"] = round(time.perf_counter() - t0, 1)
             peaks.phase(None)
             restored = table_stats(c)["rows"]
+            # the delta path at this size: the same traffic with delta_keys more new keys (their rows and
+            # the old rows it updates are the delta), then a delta checkpoint on top of the base
+            t0 = time.perf_counter()
+            peaks.phase("delta_traffic")
+            run_clients(eps, args, delta_keys, offset=args.keys)
+            out["delta_traffic_s"] = round(time.perf_counter() - t0, 1)
+            out["keys_before_delta"] = table_stats(c)["rows"]
+            t0 = time.perf_counter()
+            peaks.phase("delta_save")
+            manifest = mgr.save(c, "delta", when=3600.0)
+            out["delta_save_s"] = round(time.perf_counter() - t0, 1)
+            peaks.phase(None)
+            out["delta_kind"] = manifest["kind"]
+            out["delta_rows"] = sum(t["rows"] for t in manifest["tables"]["sparse"].values())
+        cl.stop_servers()
+    shutil.rmtree(work / "spill", ignore_errors=True)
+    with LocalCluster(config(work, budget, args.eviction), work / "run3") as cl:
+        eps = cl.start_servers()
+        with PSClient(eps, name="scale-chain") as c:
+            t0 = time.perf_counter()
+            peaks.phase("chain_restore", cl.pids()[0])
+            CheckpointManager(str(work / "ckpt"), "scale").restore(c)
+            out["chain_restore_s"] = round(time.perf_counter() - t0, 1)
+            peaks.phase(None)
+            out["keys_restored_chain"] = table_stats(c)["rows"]
         cl.stop_servers()
     peaks.stop()
     last = rows[-1]
@@ -426,14 +479,26 @@ def main(argv=None) -> int:
         "throughput_ratio_last_vs_first_full": (round(last["pull_keys_per_s"] / first_full["pull_keys_per_s"], 3)
                                                 if first_full else None),
         "first_full_keys": first_full["keys"] if first_full else None,
-        # the RAM tier's growth (no rehash or arena copy under a budget): the longest pull until it filled
-        "max_pull_ms_while_ram_tier_grows": max((r["max_pull_ms"] or 0) for r in rows[:rows.index(first_full) + 1])
-        if first_full else None,
+        # the RAM tier's growth (no rehash or arena copy under a budget): the longest pull in the intervals
+        # that ended before it spilled; then the longest in the interval in which it filled and eviction,
+        # RocksDB's first flushes and compactions began (until the seventeenth session the first figure
+        # took both, and the second set it)
+        "max_pull_ms_while_ram_tier_grows": max([(r["max_pull_ms"] or 0) for r in rows[:rows.index(first_full)]]
+                                                or [None]) if first_full else None,
+        "max_pull_ms_as_ram_tier_fills": first_full["max_pull_ms"] if first_full else None,
         "ram_rows_at_full": out["rows_in_ram"],
         "disk_bytes_per_row": round(disk / max(1, out["keys_held"]), 1), "record_bytes": 96,
         "base_save_s": out["base_save_s"], "base_save_rows_per_s": round(out["keys_held"] / out["base_save_s"]),
         "restore_s": out["restore_s"], "restore_rows_per_s": round(restored / out["restore_s"]),
-        "shrink_s": out["shrink_s"], "memory": out["memory"], "memory_budget": out["memory_budget"],
+        "shrink_s": out["shrink_s"],
+        # a delta after delta_keys more new keys on the restored server, and the base + delta chain
+        # restored into a fresh one (keys_restored_chain must equal keys_before_delta)
+        "delta_new_keys": delta_keys, "delta_traffic_s": out["delta_traffic_s"], "delta_kind": out["delta_kind"],
+        "delta_rows": out["delta_rows"], "delta_save_s": out["delta_save_s"],
+        "delta_save_rows_per_s": round(out["delta_rows"] / max(out["delta_save_s"], 1e-3)),
+        "keys_before_delta": out["keys_before_delta"], "keys_restored_chain": out["keys_restored_chain"],
+        "chain_restore_s": out["chain_restore_s"],
+        "memory": out["memory"], "memory_budget": out["memory_budget"],
         # RocksDB at the end of the growth, summed over the shards: compaction's backlog, and the seconds
         # eviction writes waited out write stalls (GIL released: other requests went on meanwhile)
         "rocksdb_at_end": out["rocksdb"],
