@@ -3,7 +3,7 @@
 ``KeySet`` tracks keys that must be found again exactly (rows evicted while dirty). ``ScalableBloom``
 answers "may this key be on disk?" so that pulls and pushes of brand-new keys skip the RocksDB read;
 it never forgets a key, so false positives only cost a read. Both run their loops in Numba
-(``bench/bloom_bench.py`` measures the filter against the classic one it replaced).
+(``bench/keyset_bench.py`` measures the filter against the classic one it replaced).
 """
 from __future__ import annotations
 
@@ -75,17 +75,47 @@ def _set_contains(slots, occupied, keys, out):
         out[i] = found
 
 
-def in_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """keys : uint64[n] -> bool[n], True where the key is in ``sorted_keys`` (uint64[p], sorted).
+_SEARCH_GROUP = 32                  # binary searches run in lockstep: their cache misses overlap
+
+
+@njit(nogil=True, cache=True)
+def _in_sorted(run, keys, out):
+    """out[i] |= keys[i] in run (uint64[p] sorted, p >= 1): branchless binary searches, 32 keys in
+    lockstep, so each level's 32 loads are independent and their cache misses overlap (a search's own
+    loads depend on each other); numpy's searchsorted does one search at a time."""
+    n, m = run.shape[0], keys.shape[0]
+    base = np.empty(_SEARCH_GROUP, np.int64)
+    for g0 in range(0, m, _SEARCH_GROUP):
+        g = min(_SEARCH_GROUP, m - g0)
+        for t in range(g):
+            base[t] = 0
+        size = n
+        while size > 1:                 # invariant: run[base] <= key, or base = 0
+            half = size >> 1
+            for t in range(g):
+                if run[base[t] + half] <= keys[g0 + t]:
+                    base[t] += half
+            size -= half
+        for t in range(g):
+            if run[base[t]] == keys[g0 + t]:
+                out[g0 + t] = True
+
+
+def in_sorted(sorted_keys: np.ndarray, keys: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """keys : uint64[n] -> bool[n], True where the key is in ``sorted_keys`` (uint64[p], sorted,
+    repeats allowed); with ``out`` (bool[n]) the answers are OR-ed into it, and it is returned.
 
     A binary search per key (O(n log p)) over a plain sorted array: 8 bytes per member where a
-    ``KeySet`` takes 17-34 per slot, for sets built once and only queried.
+    ``KeySet`` takes 17-34 per slot, for sets built once and only queried. The searches run 32 at a
+    time in lockstep (``_in_sorted``): 22M spilled dirty keys in 9 runs, calls of 2,000 sorted keys,
+    1.27 us a key against 2.25 us through numpy's ``searchsorted`` (``bench/keyset_bench.py``).
     """
-    if len(sorted_keys) == 0 or len(keys) == 0:
-        return np.zeros(len(keys), np.bool_)
-    at = np.searchsorted(sorted_keys, keys)
-    at[at == len(sorted_keys)] = 0
-    return sorted_keys[at] == keys
+    if out is None:
+        out = np.zeros(len(keys), np.bool_)
+    if len(sorted_keys) and len(keys):
+        _in_sorted(np.ascontiguousarray(sorted_keys, dtype=np.uint64),
+                   np.ascontiguousarray(keys, dtype=np.uint64), out)
+    return out
 
 
 class KeySet:
@@ -188,7 +218,7 @@ class SortedKeySet:
         self._flush_tail()              # a sorted run: binary search (np.isin would sort the tail each call)
         out = np.zeros(len(keys), np.bool_)
         for run in self._runs:
-            out |= in_sorted(run, keys)
+            in_sorted(run, keys, out)
         return out
 
     def runs(self) -> list[np.ndarray]:

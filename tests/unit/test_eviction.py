@@ -112,3 +112,28 @@ def test_sampled_slru_spares_reused_rows_while_the_draws_find_enough_never_reuse
 def test_an_unknown_eviction_is_refused_with_the_field_named():
     with pytest.raises(TableConfigError, match="eviction"):
         TableConfig(eviction="lfu")
+
+
+def test_an_excess_far_over_the_cap_is_evicted_in_bounded_passes(tmp_path, monkeypatch):
+    """When a call leaves RAM far above its cap (a memory budget whose cap the governor shrank, or one
+    call's many new rows), the rows go out in passes of at most EVICT_PASS_ROWS: one pass of the whole
+    excess held its records, sorted copies and write batches at once (~250 MB at 1M rows). Every row
+    stays readable with its value, and the table counts each once."""
+    from sparse_tables import _spill_tier
+    monkeypatch.setattr(_spill_tier, "EVICT_PASS_ROWS", 500)
+    t = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros", memory_rows=1000,
+                                spill_path=str(tmp_path / "spill")))
+    passes = []
+    real = t._evict
+
+    def counted(k):
+        passes.append(k)
+        return real(k)
+    monkeypatch.setattr(t, "_evict", counted)
+    keys = np.arange(1, 6001, dtype=np.uint64)
+    grads = -np.repeat(np.arange(1, 6001, dtype=np.float32)[:, None], DIM, axis=1)
+    t.push(keys, grads)                        # 6000 rows into a tier of 1000: the 5000 over the cap go
+    assert len(passes) == 10 and max(passes) == 500 and sum(passes) == 5000
+    assert int(_in_ram(t, keys).sum()) == 1000 and len(t) == 6000
+    np.testing.assert_array_equal(t.pull(keys), -grads)
+    t.close()

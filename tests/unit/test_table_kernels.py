@@ -10,7 +10,7 @@ from sparse_tables import TableConfig, optimizer_state_width
 from sparse_tables import _kernels as K
 from sparse_tables._optimizers import HP_SIZE, apply_updates, init_states
 from sparse_tables.config import OPTIMIZER_CODE, OPTIMIZERS
-from sparse_tables.keysets import KeySet, ScalableBloom, unique_keys
+from sparse_tables.keysets import KeySet, ScalableBloom, SortedKeySet, in_sorted, unique_keys
 from tests import naive
 
 pytestmark = pytest.mark.nojit
@@ -165,6 +165,25 @@ def test_blocked_bloom_chain_keeps_every_key_through_growth(batches, nhash, seed
         assert bloom.may_contain(allk[::-1][::2]).all()           # a strided view
     assert all((bloom._pool.ctypes.data + 8 * int(s)) % 64 == 0 for s in bloom._starts)
     assert bloom.nbytes == bloom._pool.nbytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=0, max_size=70),
+       st.lists(st.integers(0, 2**64 - 1), min_size=0, max_size=70), st.integers(0, 3))
+def test_in_sorted_is_membership(members, others, repeat):
+    """The lockstep binary searches answer exactly np.isin, for runs with repeated keys, the extreme
+    keys 0 and 2**64 - 1, queries in any order and in groups that do not fill the lockstep's 32; ``out``
+    is OR-ed into, not overwritten."""
+    run = np.sort(np.array(members + members[:repeat] + [0, 2**64 - 1][:repeat], np.uint64))
+    queries = np.array(others + members[::2] + [0, 1, 2**64 - 2, 2**64 - 1], np.uint64)
+    assert np.array_equal(in_sorted(run, queries), np.isin(queries, run))
+    out = np.zeros(len(queries), np.bool_)
+    out[::3] = True
+    assert np.array_equal(in_sorted(run, queries, out), np.isin(queries, run) | (np.arange(len(queries)) % 3 == 0))
+    sk = SortedKeySet()
+    sk.add(run)
+    sk.add(queries[:5])
+    assert np.array_equal(sk.contains(queries), np.isin(queries, np.concatenate([run, queries[:5]])))
 
 
 def test_blocked_bloom_false_positive_rate_and_arguments():

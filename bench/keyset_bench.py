@@ -1,4 +1,8 @@
-"""The spill store's Bloom filter at one shard's size at 100M keys: the blocked chain against the classic one.
+"""The spill tier's per-key questions at one shard's size at 100M keys, each against the code it replaced.
+
+1. "May this key be on disk?": the spill store's Bloom filter, the blocked chain against the classic one.
+2. "Was this row evicted while dirty?": ``keysets.SortedKeySet.contains`` over the spilled dirty keys
+   (asked for every row read back from RocksDB), lockstep binary searches against numpy's searchsorted.
 
 Deliberate, never in CI. Every pull and push of a budgeted table asks its spill stores' filter
 (``sparse_tables.keysets.ScalableBloom``) which keys may be on disk; a py-spy profile of ``scale_bench``'s
@@ -24,7 +28,14 @@ keys (a pull's unique keys per shard). One ``bloom`` row per filter::
 and a ``bloom_summary`` row with ``absent_speedup`` and ``present_speedup`` (classic ns / blocked ns,
 the same run) and both false-positive rates.
 
-    python bench/bloom_bench.py [--keys 25000000] [--queries 2000000] [--batch 25000] [--repeat 3]
+Then ``--dirty-keys`` (22M: one shard's spilled dirty keys at 100M keys when no delta has cleared them)
+random keys go into a ``SortedKeySet`` in batches of 20,000 (an eviction pass's dirty rows), and sorted
+calls of ``--dirty-batch`` keys (a pull's promotions on one shard; half of them members) ask it. One
+``dirty_keys`` row: ``runs``, ``ns_per_key`` (today's ``contains``), ``numpy_ns_per_key`` (the same
+runs through ``np.searchsorted``, as until the eighteenth session) and ``speedup``.
+
+    python bench/keyset_bench.py [--keys 25000000] [--queries 2000000] [--batch 25000] [--repeat 3]
+                                 [--dirty-keys 22000000] [--dirty-batch 2000]
 """
 from __future__ import annotations
 
@@ -42,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sparse_tables._kernels import fmix64  # noqa: E402
-from sparse_tables.keysets import ScalableBloom  # noqa: E402
+from sparse_tables.keysets import ScalableBloom, SortedKeySet  # noqa: E402
 
 U64 = np.uint64
 _H1 = np.uint64(0x2545F4914F6CDD1D)
@@ -141,12 +152,54 @@ def measure(name, make, keys, absent, present, batch, repeat):
             "false_positive_rate": round(fp / len(absent), 5), "batch": batch}
 
 
+def numpy_in_sorted(run, keys):
+    """The reference: membership by numpy's searchsorted (``keysets.in_sorted`` until the eighteenth
+    session)."""
+    at = np.searchsorted(run, keys)
+    at[at == len(run)] = 0
+    return run[at] == keys
+
+
+def dirty_keys(n: int, batch: int, repeat: int, rng) -> dict:
+    keys = rng.integers(0, 2**64, n, dtype=np.uint64)
+    s = SortedKeySet()
+    for a in range(0, n, 20_000):
+        s.add(keys[a:a + 20_000])
+    s.contains(keys[:10])                                  # the tail into a run; compile outside the clock
+    calls = [np.sort(np.concatenate([keys[rng.integers(0, n, batch // 2)],
+                                     rng.integers(0, 2**64, batch - batch // 2, dtype=np.uint64)]))
+             for _ in range(50)]
+
+    def clock(ask):
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for q in calls:
+                ask(q)
+            best = min(best, time.perf_counter() - t0)
+        return 1e9 * best / (len(calls) * batch)
+
+    def by_numpy(q):
+        out = np.zeros(len(q), np.bool_)
+        for run in s._runs:
+            out |= numpy_in_sorted(run, q)
+        return out
+    for q in calls[:5]:
+        if not np.array_equal(s.contains(q), by_numpy(q)):
+            raise SystemExit("dirty_keys: SortedKeySet.contains disagrees with np.searchsorted")
+    ours, ref = clock(s.contains), clock(by_numpy)
+    return {"bench": "dirty_keys", "keys": n, "runs": len(s._runs), "batch": batch,
+            "ns_per_key": round(ours, 1), "numpy_ns_per_key": round(ref, 1), "speedup": round(ref / ours, 2)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=25_000_000)
     ap.add_argument("--queries", type=int, default=2_000_000)
     ap.add_argument("--batch", type=int, default=25_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dirty-keys", type=int, default=22_000_000)
+    ap.add_argument("--dirty-batch", type=int, default=2_000)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     keys = rng.integers(0, 2**63, args.keys, dtype=np.uint64)        # added: the low half of the key space
@@ -164,6 +217,8 @@ def main(argv=None) -> int:
                       "add_speedup": round(c["add_ns_per_key"] / b["add_ns_per_key"], 2),
                       "false_positive_rate_classic": c["false_positive_rate"],
                       "false_positive_rate_blocked": b["false_positive_rate"], **machine}), flush=True)
+    del keys, absent, present
+    print(json.dumps({**dirty_keys(args.dirty_keys, args.dirty_batch, args.repeat, rng), **machine}), flush=True)
     return 0
 
 
