@@ -1,9 +1,10 @@
 """Key sets in bounded, flat memory: an exact uint64 hash set and a scalable Bloom filter.
 
-``KeySet`` tracks keys that must be found again exactly (rows evicted while dirty). ``ScalableBloom``
-answers "may this key be on disk?" so that pulls and pushes of brand-new keys skip the RocksDB read;
-it never forgets a key, so false positives only cost a read. Both run their loops in Numba
-(``bench/keyset_bench.py`` measures the filter against the classic one it replaced).
+``SortedKeySet`` tracks keys that must be found again exactly (rows evicted while dirty) in 8 bytes a
+key (``KeySet`` is an exact hash set, 17-34 bytes a slot). ``ScalableBloom`` answers "may this key be on
+disk?" so that pulls and pushes of brand-new keys skip the RocksDB read; it never forgets a key, so
+false positives only cost a read. Their loops run in Numba (``bench/keyset_bench.py`` measures the
+filter and the sorted set's membership against the code they replaced).
 """
 from __future__ import annotations
 
