@@ -247,19 +247,28 @@ def config(work: Path, budget: int, eviction: str = "slru"):
 def run_clients(eps: list[str], args, keys: int, offset: int) -> list[dict]:
     """Run both clients until they made ``keys`` more keys after the ``offset`` ids made before, and
     return their step lines. Raises SystemExit when a client fails."""
-    procs = [subprocess.Popen([sys.executable, __file__, "--client", "--rank", str(r), "--endpoints",
-                               ",".join(eps), "--keys", str(keys), "--offset", str(offset), "--tail", args.tail],
-                              stdout=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate()[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    import tempfile
+    with tempfile.TemporaryFile("w+") as out0, tempfile.TemporaryFile("w+") as out1:
+        # each client's lines into a file of its own: a pipe read after the other client's would fill
+        # and stop that client midway
+        procs = [subprocess.Popen([sys.executable, __file__, "--client", "--rank", str(r), "--endpoints",
+                                   ",".join(eps), "--keys", str(keys), "--offset", str(offset), "--tail", args.tail],
+                                  stdout=out, text=True) for r, out in enumerate((out0, out1))]
+        try:
+            for p in procs:
                 p.wait()
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"scale_bench: a client exited with {[p.returncode for p in procs]}")
-    return [json.loads(line) for out in outs for line in out.splitlines() if line.strip()]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"scale_bench: a client exited with {[p.returncode for p in procs]}")
+        lines = []
+        for out in (out0, out1):
+            out.seek(0)
+            lines += [json.loads(line) for line in out if line.strip()]
+    return lines
 
 
 def growth_pause(rows: int, budget: int, work: Path) -> list[dict]:
