@@ -244,31 +244,28 @@ def config(work: Path, budget: int, eviction: str = "slru"):
         "checkpoint": {"root": str(work / "ckpt")}})
 
 
-def run_clients(eps: list[str], args, keys: int, offset: int) -> list[dict]:
-    """Run both clients until they made ``keys`` more keys after the ``offset`` ids made before, and
-    return their step lines. Raises SystemExit when a client fails."""
-    import tempfile
-    with tempfile.TemporaryFile("w+") as out0, tempfile.TemporaryFile("w+") as out1:
-        # each client's lines into a file of its own: a pipe read after the other client's would fill
-        # and stop that client midway
-        procs = [subprocess.Popen([sys.executable, __file__, "--client", "--rank", str(r), "--endpoints",
-                                   ",".join(eps), "--keys", str(keys), "--offset", str(offset), "--tail", args.tail],
-                                  stdout=out, text=True) for r, out in enumerate((out0, out1))]
-        try:
-            for p in procs:
+def client_cmd(eps: list[str], args, rank: int, keys: int, offset: int = 0) -> list[str]:
+    """The command line of client ``rank``: it steps until both clients made ``keys`` keys after the
+    ``offset`` ids made before."""
+    return [sys.executable, __file__, "--client", "--rank", str(rank), "--endpoints", ",".join(eps),
+            "--keys", str(keys), "--offset", str(offset), "--tail", args.tail]
+
+
+def run_clients(eps: list[str], args, keys: int, offset: int) -> None:
+    """Run both clients until they made ``keys`` more keys after the ``offset`` ids made before (their
+    step lines are not needed here). Raises SystemExit when a client fails."""
+    procs = [subprocess.Popen(client_cmd(eps, args, r, keys, offset), stdout=subprocess.DEVNULL)
+             for r in range(2)]
+    try:
+        for p in procs:
+            p.wait()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
                 p.wait()
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"scale_bench: a client exited with {[p.returncode for p in procs]}")
-        lines = []
-        for out in (out0, out1):
-            out.seek(0)
-            lines += [json.loads(line) for line in out if line.strip()]
-    return lines
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"scale_bench: a client exited with {[p.returncode for p in procs]}")
 
 
 def growth_pause(rows: int, budget: int, work: Path) -> list[dict]:
@@ -359,9 +356,8 @@ def main(argv=None) -> int:
         pid = cl.pids()[0]
         admin = PSClient(eps, name="scale-admin")
         rss_at_start = rss_bytes(pid)
-        clients = [subprocess.Popen([sys.executable, __file__, "--client", "--rank", str(r), "--endpoints",
-                                     ",".join(eps), "--keys", str(args.keys), "--tail", args.tail],
-                                    stdout=subprocess.PIPE, text=True) for r in range(2)]
+        clients = [subprocess.Popen(client_cmd(eps, args, r, args.keys), stdout=subprocess.PIPE, text=True)
+                   for r in range(2)]
         lock = threading.Lock()
         steps: list[dict] = []
 
@@ -513,6 +509,10 @@ def main(argv=None) -> int:
         "rocksdb_at_end": out["rocksdb"],
         "cpus_granted": len(os.sched_getaffinity(0))}
     emit(summary)
+    if out["keys_restored_chain"] != out["keys_before_delta"]:
+        print(f"scale_bench: the base + delta chain restored {out['keys_restored_chain']} keys; the server "
+              f"held {out['keys_before_delta']} when the delta was written", file=sys.stderr)
+        return 1
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -205,10 +205,10 @@ def test_an_eviction_whose_write_fails_midway_marks_the_rows_it_wrote_as_on_disk
 
 def test_a_bulk_load_puts_compaction_off_and_its_end_lets_level0_drain_before_the_stall_triggers_return(
         tmp_path, monkeypatch):
-    """``bulk(True)`` raises the level-0 compaction trigger (``L0_TRIGGERS_BULK``: 8 flushed files stay
-    in level 0); ``bulk(False)`` puts it back at once, so level 0 drains and the settler restores the stall
-    triggers. Here level 0 ends the load over the (patched) slowdown trigger: had the compaction trigger
-    waited for the settler, as the stall triggers do, level 0 would never drain."""
+    """``bulk(True)`` turns auto compaction off (8 flushed files stay in level 0); ``bulk(False)`` turns it
+    on at once, so level 0 drains and the settler restores the stall triggers. Here level 0 ends the load
+    over the (patched) slowdown trigger: had compaction waited for the settler, as the stall triggers do,
+    level 0 would never drain."""
     monkeypatch.setattr(spill, "L0_TRIGGERS", (4, 6, 36))
     rng = np.random.default_rng(0)
     st = SpillStore(str(tmp_path / "s"), STRIDE)
@@ -219,7 +219,7 @@ def test_a_bulk_load_puts_compaction_off_and_its_end_lets_level0_drain_before_th
             st.put(keys, np.ones((len(keys), STRIDE), np.uint32), np.ones(len(keys), bool))
             st._db.flush()
         time.sleep(0.5)
-        assert st._level0_files() == 8        # over the normal trigger (4), under the bulk one (64)
+        assert st._level0_files() == 8        # over the compaction trigger (4): compaction is off
         st.bulk(False)
         assert st.bulk_loading                # 8 files >= the slowdown trigger: the settler waits
         deadline = time.monotonic() + 20
