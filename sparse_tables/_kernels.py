@@ -45,12 +45,29 @@ F_ON_DISK = np.uint32(2)  # a copy of this row exists in RocksDB
 F_SYNCED = np.uint32(4)   # ... and that copy equals the RAM row (eviction need not rewrite it)
 F_FREE = np.uint32(8)     # arena row is on the free list
 F_REUSED = np.uint32(16)  # a pull found it in RAM, or it was read back from RocksDB (SLRU's protected rows)
+# bits GEN_SHIFT.. of the flags word: the generation in which a push created the row (0: loaded), see
+# ``sparse_tables._delta``; the flags above stay below 1 << GEN_SHIFT
+GEN_SHIFT = 8
+GEN_MAX = (1 << (32 - GEN_SHIFT)) - 1
+FLAG_BITS = np.uint32((1 << GEN_SHIFT) - 1)
 
 # state slots
 S_NRAM = 0
 S_NEXT = 1
 S_FREE_HEAD = 2
 S_NFREE = 3
+S_GEN = 4       # the current generation (1..GEN_MAX), stamped on the rows a push creates
+STATE_SLOTS = 5
+
+def next_generation(gen: int) -> int:
+    """The generation after ``gen``: 1..GEN_MAX, wrapping past 0 (which marks loaded rows)."""
+    return gen + 1 if gen < GEN_MAX else 1
+
+
+def generations(records: np.ndarray, flags_w: int) -> np.ndarray:
+    """records : uint32[m, stride] -> uint32[m], each row's generation (0: loaded)."""
+    return records[:, flags_w] >> np.uint32(GEN_SHIFT)
+
 
 # lay slots
 L_DIM = 0
@@ -286,7 +303,7 @@ def new_row(index, arena_u, arena_f, state, lay, key, now_s, tick, opt, hp, seed
     arena_f[r, moff + M_CLICK] = 0.0
     arena_u[r, moff + M_SEEN] = now_s
     arena_u[r, moff + M_TICK] = tick
-    arena_u[r, moff + M_FLAGS] = 0
+    arena_u[r, moff + M_FLAGS] = np.uint32(state[S_GEN] << GEN_SHIFT)
     index_insert(index, key, r)
     state[S_NRAM] += 1
     return r
@@ -721,9 +738,10 @@ def shrink_record(rec_u, rec_f, i, moff, now_s, expire_s, decay, threshold, nonc
 
 @njit(nogil=True, cache=True)
 def shrink_ram(index, arena_u, arena_f, state, lay, now_s, expire_s, decay, threshold, nonclk, clk,
-               out_keys, out_on_disk):
+               out_keys, out_on_disk, out_earlier):
     """Expiry pass over RAM rows. Deleted keys go to out_keys (uint64) with whether a disk copy
-    exists (out_on_disk, bool); returns their count. Decay marks surviving rows dirty."""
+    exists (out_on_disk, bool) and whether the row was created in an earlier generation than the
+    current one (out_earlier, bool); returns their count. Decay marks surviving rows dirty."""
     moff = lay[L_META]
     flags_w = moff + M_FLAGS
     n = 0
@@ -735,6 +753,7 @@ def shrink_ram(index, arena_u, arena_f, state, lay, now_s, expire_s, decay, thre
             key = row_key(arena_u, r)
             out_keys[n] = key
             out_on_disk[n] = (f & F_ON_DISK) != 0
+            out_earlier[n] = np.int64(f >> np.uint32(GEN_SHIFT)) != state[S_GEN]
             n += 1
             index_remove(index, arena_u, key)
             free_row(arena_u, state, r, flags_w)

@@ -18,6 +18,7 @@ from ._load_kernels import DUPLICATES, SORTED_UNIQUE
 from .budget import HEADROOM_ROWS, MAX_LOAD
 from .errors import SpillError, TableInputError
 from .keysets import unique_keys
+from .rows import EXISTED_NO, EXISTED_UNKNOWN
 
 RELEASED_ROWS = 16                  # arena rows and index slots between release_ram and restore_ram
 EVICT_PASS_ROWS = 1 << 16           # rows a call may evict beyond its cap, and the most one pass gathers and writes
@@ -191,15 +192,17 @@ class SpillTier:
         found[pos] = True
         return miss[~found[inverse]]
 
-    def _load_to_disk(self, records, keys, rows, n_new, order):
+    def _load_to_disk(self, records, keys, rows, n_new, order, known=None):
         """A load into a full RAM tier: the rows beyond its room that are not in RAM go straight to
         RocksDB (one sorted batch) instead of into RAM and out again by eviction. ``order`` is
-        ``_load_kernels.key_order(keys)``. Returns the records, keys and count of new rows left for RAM.
-        Lock held exclusively."""
+        ``_load_kernels.key_order(keys)``; ``known`` : uint8[m] or None, the trusted ``existed`` of a
+        delta's rows (``_delta``): a row that says ``EXISTED_NO`` or ``EXISTED_YES`` is written without
+        asking RocksDB whether its key is there. Returns (keep, n_new): the rows left for RAM (a slice
+        or bool[m]) and how many of them are not in RAM. Lock held exclusively."""
         nram = int(self._state[K.S_NRAM])
         cap = self._ram_cap()
         if nram + n_new <= cap or order == DUPLICATES:
-            return records, keys, n_new        # duplicate keys in one batch: the RAM path overwrites in order
+            return slice(None), n_new          # duplicate keys in one batch: the RAM path overwrites in order
         room = max(0, cap - nram)
         if n_new == len(keys):                 # every row new (a base restore): the tail as views, no copies
             direct = slice(room, len(keys))
@@ -214,17 +217,23 @@ class SpillTier:
         recs[:, self.layout.meta + K.M_TICK] = 0
         recs[:, self.layout.meta + K.M_FLAGS] = 0      # clean: a load is what a checkpoint holds
         if self._load_distinct:                        # bulk_load(distinct=True): none of them is there
-            new_mask = np.ones(len(dk), np.bool_)
+            new_mask, ask = np.ones(len(dk), np.bool_), np.empty(0, np.int64)
+        elif known is not None:                        # a delta's own answer; the unknown ones are asked
+            kd = known[direct]
+            new_mask, ask = kd == EXISTED_NO, np.flatnonzero(kd == EXISTED_UNKNOWN)
         else:
-            new_mask = ~self._spill.may_contain(dk)
-        if not new_mask.all():                         # already on disk: overwritten, not counted again
-            maybe = np.flatnonzero(~new_mask)
-            pos, _ = self._spill.get(dk[maybe], filtered=True)
-            new_mask[maybe] = True
-            new_mask[maybe[pos]] = False
+            new_mask, ask = np.zeros(len(dk), np.bool_), np.arange(len(dk))
+        if len(ask):
+            maybe = self._spill.may_contain(dk[ask])
+            new_mask[ask[~maybe]] = True
+            maybe = ask[maybe]
+            if len(maybe):                             # already on disk: overwritten, not counted again
+                pos, _ = self._spill.get(dk[maybe], filtered=True)
+                new_mask[maybe] = True
+                new_mask[maybe[pos]] = False
         self._spill.put(dk, recs, new_mask, presorted=order == SORTED_UNIQUE)
-        self._count(loaded_to_disk=len(dk))
-        return records[keep], keys[keep], n_new - len(dk)
+        self._count(loaded_to_disk=len(dk), loaded_unasked=len(dk) - len(ask))
+        return keep, n_new - len(dk)
 
     def _promote(self, ukeys: np.ndarray) -> None:
         """Bring rows of unique keys that are on disk into RAM (one multi-get). Lock held exclusively."""
@@ -241,7 +250,9 @@ class SpillTier:
         dirty = self._spilled_dirty.contains(missing[pos])
         # read back: the key came again after its eviction, so the row is reused (SLRU's protected rows)
         clean = K.F_ON_DISK | K.F_SYNCED | K.F_REUSED
-        flags = np.where(dirty, clean | K.F_DIRTY, clean)
+        # the generation a row was created in comes back with it (a delta's ``existed``, ``_delta``)
+        gens = records[:, self.layout.meta + K.M_FLAGS] & ~K.FLAG_BITS
+        flags = np.where(dirty, clean | K.F_DIRTY, clean) | gens
         K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,
                          flags.astype(np.uint32), self._tick)
         self._count(promotions=len(pos))
@@ -360,9 +371,9 @@ class SpillTier:
         K.remove_rows(self._index, self._arena_u, self._state, self._lay, sel)
         self._count(evictions=k, spill_writes=int(write.sum()))
 
-    def _shrink_disk(self, args, deleted: list) -> None:
+    def _shrink_disk(self, args, deleted: list, earlier: list) -> None:
         """Expiry over rows authoritative in RocksDB; appends the keys of each chunk it deletes to
-        ``deleted`` as it goes, so a pass a read error stops has recorded what it deleted. A chunk whose
+        ``deleted`` as it goes (and those of rows of an earlier generation to ``earlier``, ``_delta``), so a pass a read error stops has recorded what it deleted. A chunk whose
         delete RocksDB refuses raises before its keys are recorded: those rows are still there, in
         RocksDB only, and read as they were (nothing of them is pending)."""
         decayed = args[2] != 1.0
@@ -375,6 +386,7 @@ class SpillTier:
             K.shrink_records(recs, self._lay, *args, kill)
             self._spill.delete(keys[kill])
             deleted.append(keys[kill])
+            earlier.append(keys[kill][self._earlier(recs[kill, self.layout.meta + K.M_FLAGS])])
             if decayed:
                 keep = ~kill
                 self._spill.put(keys[keep], recs[keep], np.zeros(int(keep.sum()), np.bool_))

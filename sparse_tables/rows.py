@@ -9,6 +9,11 @@ Schema (metadata ``layout_version``, ``optimizer``, ``dim``, ``state_width``)::
     click      float32
     last_seen  uint32, seconds of the table clock
 
+A delta's rows (``SparseTable.dirty_dump``, ``delta_schema``) add::
+
+    existed    uint8: did the key hold a row at the parent checkpoint? EXISTED_NO 0, EXISTED_YES 1,
+               EXISTED_UNKNOWN 2 (not written today; a loader asks RocksDB); ``sparse_tables._delta``
+
 Float columns are bit copies of the record words, so a dump and load is bit-exact.
 """
 from __future__ import annotations
@@ -18,10 +23,15 @@ import weakref
 import numpy as np
 import pyarrow as pa
 
+from . import _kernels as K
+from ._inputs import record_keys
 from ._load_kernels import fill_records
 from .config import KEY_WORDS, LAYOUT_VERSION, RowLayout
 from .errors import TableInputError
-from .keysets import merged_chunks
+from .keysets import in_sorted, merged_chunks
+
+EXISTED_NO, EXISTED_YES, EXISTED_UNKNOWN = 0, 1, 2
+EXISTED_FIELD = pa.field("existed", pa.uint8(), nullable=False)
 
 
 def row_schema(layout: RowLayout, optimizer: str) -> pa.Schema:
@@ -35,6 +45,46 @@ def row_schema(layout: RowLayout, optimizer: str) -> pa.Schema:
     meta = {"layout_version": str(LAYOUT_VERSION), "optimizer": optimizer, "dim": str(layout.dim),
             "state_width": str(layout.state_width)}
     return pa.schema(fields, metadata=meta)
+
+
+def delta_schema(schema: pa.Schema) -> pa.Schema:
+    """The row schema of a delta: ``schema`` and the ``existed`` column (module docstring)."""
+    return schema.append(EXISTED_FIELD)
+
+
+def existed_column(batch: pa.RecordBatch) -> np.ndarray | None:
+    """A batch's ``existed`` column as uint8[m], or None when it has none (a base, or a delta written
+    before the column existed).
+
+    Raises
+    ------
+    TableInputError
+        The column is not uint8, has nulls, or holds a value other than 0, 1 or 2 (the first row named).
+    """
+    i = batch.schema.get_field_index("existed")
+    if i < 0:
+        return None
+    col = _column(batch, "existed", pa.uint8())
+    out = col.to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(out > EXISTED_UNKNOWN)
+    if len(bad):
+        raise TableInputError(f"row batch: column 'existed': row {int(bad[0])} holds {int(out[bad[0]])}, "
+                              f"expected 0 (no row at the parent), 1 (a row) or 2 (unknown); "
+                              f"{len(bad)} such row(s)")
+    return out
+
+
+def _existed(records: np.ndarray, layout: RowLayout, generation: int, removed: np.ndarray) -> pa.Array:
+    """``existed`` of a delta's records (``DirtyRows``): a row stamped with the capture's generation was
+    created since the parent, and its key had no row there unless a row of an earlier generation was
+    deleted under it since (``removed``: sorted keys; the key was created again)."""
+    created = K.generations(records, layout.meta + K.M_FLAGS) == generation
+    out = np.where(created, EXISTED_NO, EXISTED_YES).astype(np.uint8)
+    if len(removed) and created.any():
+        at = np.flatnonzero(created)
+        again = in_sorted(removed, record_keys(records[at]))
+        out[at[again]] = EXISTED_YES
+    return pa.array(out, type=pa.uint8())
 
 
 def _fixed_list(block: np.ndarray, width: int) -> pa.FixedSizeListArray:
@@ -96,7 +146,8 @@ def batch_to_records(batch: pa.RecordBatch, layout: RowLayout) -> np.ndarray:
 
 class DirtyRows:
     """The rows of a delta (``SparseTable.dirty_dump``) at one instant, read as record batches of the
-    row schema; iterable more than once (a retried delta file reads the same rows again).
+    delta schema (``delta_schema``: the row schema and ``existed``); iterable more than once (a
+    retried delta file reads the same rows again).
 
     The RAM rows were copied at the instant (``_snapshot.RecordSnapshot``: into a spool file in the
     spill directory when the table spills); the spilled ones are read from a RocksDB view made at the
@@ -107,7 +158,9 @@ class DirtyRows:
     Attributes
     ----------
     deleted : uint64[k]
-        Sorted keys deleted since the last clear and not re-created (the delta's tombstones).
+        Sorted keys that had a row at the last clear and have none now (the delta's tombstones).
+    schema : pa.Schema
+        Of the batches it yields (``delta_schema`` of the table's row schema).
 
     Raises
     ------
@@ -120,11 +173,21 @@ class DirtyRows:
     """
 
     def __init__(self, records, spilled: list, spill, view, deleted: np.ndarray,
-                 layout: RowLayout, schema: pa.Schema, chunk_rows: int = 65536):
+                 layout: RowLayout, schema: pa.Schema, chunk_rows: int = 65536, *, generation: int = -1,
+                 removed: np.ndarray | None = None):
+        # generation, removed: the capture's generation and the keys whose row of an earlier one was
+        # deleted since the parent (sorted), for ``existed``
         self._records, self._spilled, self._spill, self._view = records, spilled, spill, view
         self.deleted = deleted
         self._layout, self._schema, self._chunk = layout, schema, chunk_rows
+        self.schema = delta_schema(schema)
+        self._generation = generation
+        self._removed = np.empty(0, np.uint64) if removed is None else removed
         self._finalizers: list = []
+
+    def _batch(self, recs: np.ndarray) -> pa.RecordBatch:
+        base = records_to_batch(recs, self._layout, self._schema)
+        return base.append_column(EXISTED_FIELD, _existed(recs, self._layout, self._generation, self._removed))
 
     def on_close(self, fn) -> None:
         """Call ``fn()`` once when the dump is closed or collected (a budget's count of its keys)."""
@@ -134,11 +197,11 @@ class DirtyRows:
         if self._records is None:
             raise RuntimeError("DirtyRows: iterated after close()")
         for recs in self._records.chunks(self._chunk):
-            yield records_to_batch(recs, self._layout, self._schema)
+            yield self._batch(recs)
         if self._view is not None:
             for keys in merged_chunks(self._spilled, self._chunk):
                 for _, recs in self._spill.seek_records(self._view, keys, self._chunk):
-                    yield records_to_batch(recs, self._layout, self._schema)
+                    yield self._batch(recs)
 
     def close(self) -> None:
         """Drop the RAM rows' copy (its spool file) and the RocksDB view (its iterators pin the files

@@ -33,6 +33,7 @@ import pyarrow as pa
 from . import _kernels as K
 from ._arena import big_array as _big_array, pow2 as _pow2
 from ._snapshot import RecordSnapshot, take as take_snapshot
+from ._delta import DeltaCapture
 from ._spill_tier import SpillTier
 from ._load_kernels import DUPLICATES, key_order
 from ._inputs import check_keys as _check_keys, check_vector as _check_vector, record_keys as _record_keys
@@ -42,7 +43,7 @@ from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
 from .errors import SpillError, TableFullError, TableInputError
 from ._warn import WARN_GATES as _WARN_GATES, WARN_GATES_LOCK as _WARN_GATES_LOCK, WarnGate as _WarnGate
 from .keysets import SortedKeySet, in_sorted, unique_keys
-from .rows import DirtyRows, batch_to_records, records_to_batch, row_schema
+from .rows import EXISTED_UNKNOWN, EXISTED_YES, batch_to_records, existed_column, records_to_batch, row_schema
 from .rwlock import RWLock
 from .spill import SpillStore
 
@@ -54,7 +55,7 @@ TICK_REBASE = 1 << 31
 FULL_WARNING_INTERVAL_S = 60.0   # a full table (max_rows) logs at most one warning per interval and name
 
 
-class SparseTable(SpillTier):
+class SparseTable(SpillTier, DeltaCapture):
     """One shard of a sparse table.
 
     Parameters
@@ -99,8 +100,9 @@ class SparseTable(SpillTier):
         self._hp = hp
         self._seed = np.uint64(config.seed % (1 << 64))
         self._init_kind = INITIALIZER_CODE[config.initializer]
-        self._state = np.zeros(4, np.int64)
+        self._state = np.zeros(K.STATE_SLOTS, np.int64)
         self._state[K.S_FREE_HEAD] = -1
+        self._state[K.S_GEN] = 1
         if config.uses_admission:
             self._sketch = np.zeros((config.sketch_depth, config.sketch_width), np.uint32)
         else:
@@ -126,6 +128,8 @@ class SparseTable(SpillTier):
         self._spilled_dirty = SortedKeySet()   # 8 bytes per key: it grows with the keys on disk
         self._load_distinct = False            # inside bulk_load(distinct=True)
         self._deleted: list[np.ndarray] = []
+        self._checkpoint: str | None = None    # the checkpoint this table holds exactly (mark_checkpoint)
+        self._existed_trusted = False          # inside delta_load of a delta whose parent it holds
         self._tick = 1
         self._evict_seed = 0
         self._lock = RWLock()
@@ -134,7 +138,7 @@ class SparseTable(SpillTier):
         self._counters = dict(pull_keys=0, pull_hits=0, pull_misses=0, push_keys=0, created=0,
                               rejected=0, rows_refused_full=0, deleted=0, evictions=0, promotions=0,
                               spill_writes=0, compactions=0, compacted_rows=0, released_bytes=0,
-                              loaded_to_disk=0)
+                              loaded_to_disk=0, loaded_unasked=0)
         if name:
             with _WARN_GATES_LOCK:
                 self._full_gate = _WARN_GATES.setdefault(name, _WarnGate())
@@ -259,9 +263,14 @@ class SparseTable(SpillTier):
         with self._lock.shared():
             return self._present(keys)
 
-    def delete(self, keys: np.ndarray) -> int:
-        """Delete the rows of keys : uint64[n] (absent keys are ignored); they are reported as
-        tombstones by ``dirty_rows``. Returns the number of rows deleted.
+    def delete(self, keys: np.ndarray, *, at_parent: bool = False) -> int:
+        """Delete the rows of keys : uint64[n] (absent keys are ignored); those the last clear's
+        checkpoint held are reported as tombstones by ``dirty_rows`` (a row created since and deleted
+        again needs none). Returns the number of rows deleted.
+
+        ``at_parent``: the keys are a delta's tombstones, each with a row at the delta's parent
+        checkpoint; inside a trusted ``delta_load`` (``sparse_tables._delta``) those not in RAM are
+        deleted from RocksDB without reading them first.
 
         Raises
         ------
@@ -270,21 +279,29 @@ class SparseTable(SpillTier):
         """
         keys = unique_keys(_check_keys(keys))
         with self._lock.exclusive():
+            trusted = at_parent and self._existed_trusted
+            if not trusted:
+                self._changed()
             rows = np.empty(len(keys), np.int64)
             K.find_rows(self._index, self._arena_u, keys, rows)
             in_ram = rows >= 0
-            gone = [keys[in_ram]]
+            flags = self._arena_u[rows[in_ram], self.layout.meta + K.M_FLAGS]
+            gone, earlier = [keys[in_ram]], [keys[in_ram][self._earlier(flags)]]
             if self._spill is not None:
-                flags = self._arena_u[rows[in_ram], self.layout.meta + K.M_FLAGS]
-                pos, _ = self._spill.get(keys[~in_ram])
-                on_disk = keys[~in_ram][pos]
+                if trusted:                     # tombstones of the parent this table holds: on disk
+                    on_disk = keys[~in_ram]
+                    earlier.append(on_disk)
+                else:
+                    pos, recs = self._spill.get(keys[~in_ram])
+                    on_disk = keys[~in_ram][pos]
+                    earlier.append(on_disk[self._earlier(recs[:, self.layout.meta + K.M_FLAGS])])
                 # one batch, all or nothing: a second write failing after a first would leave RAM rows
                 # flagged on disk whose copies are gone
                 self._spill.delete(np.concatenate([keys[in_ram][(flags & K.F_ON_DISK) != 0], on_disk]))
                 gone.append(on_disk)
             K.remove_rows(self._index, self._arena_u, self._state, self._lay, rows[in_ram])
             deleted = np.concatenate(gone)
-            self._deleted.append(deleted)
+            self._deleted.append(np.concatenate(earlier))
         self._count(deleted=len(deleted))
         return len(deleted)
 
@@ -294,7 +311,7 @@ class SparseTable(SpillTier):
         Show and click are multiplied by ``show_click_decay``; a row is deleted when its score
         ``(show - click) * nonclk_coeff + click * click_coeff`` is below ``delete_threshold`` or it was
         last pushed more than ``expire_after`` seconds before ``now``. Deleted keys are reported as
-        tombstones by ``dirty_rows``. Admission counts are halved (they age like TinyLFU's).
+        tombstones by ``dirty_rows`` (as by ``delete``). Admission counts are halved (they age like TinyLFU's).
 
         Parameters
         ----------
@@ -323,19 +340,22 @@ class SparseTable(SpillTier):
         args = (now_s, expire_s, cfg.show_click_decay, cfg.delete_threshold, cfg.nonclk_coeff,
                 cfg.click_coeff)
         with self._lock.exclusive():
+            self._changed()
             nram = int(self._state[K.S_NRAM])
             out_keys = np.empty(nram, np.uint64)
             out_disk = np.empty(nram, np.bool_)
+            out_earlier = np.empty(nram, np.bool_)
             n = K.shrink_ram(self._index, self._arena_u, self._arena_f, self._state, self._lay, *args,
-                             out_keys, out_disk)
+                             out_keys, out_disk, out_earlier)
             deleted = [out_keys[:n].copy()]
+            earlier = [out_keys[:n][out_earlier[:n]]]
             try:
                 if self._spill is not None:
                     self._delete_expired_copies(out_keys[:n][out_disk[:n]], n)
-                    self._shrink_disk(args, deleted)    # appends each chunk's keys as it deletes them
+                    self._shrink_disk(args, deleted, earlier)    # appends each chunk's keys as it deletes them
             finally:        # a read error mid-pass: the rows deleted so far still become tombstones
                 deleted_keys = np.concatenate(deleted)
-                self._deleted.append(deleted_keys)
+                self._deleted.append(np.concatenate(earlier))
                 self._count(deleted=len(deleted_keys))
             if self._sketch.size:
                 self._sketch >>= 1
@@ -374,13 +394,16 @@ class SparseTable(SpillTier):
         ``rocksdb_memtables``, ``rocksdb_table_readers``), with a budget ``memory_budget`` (the
         server's parts, ``MemoryBudget.parts``) and ``rows_cap``; ``compactions``,
         ``compacted_rows``, ``released_bytes`` (arena pages given back under a budget), ``rocksdb``
-        (spilling tables: RocksDB's compactions and write stalls, ``SpillStore.compaction``),
+        (spilling tables: RocksDB's compactions, write stalls, and ``point_reads``: keys asked by
+        multi-gets, ``SpillStore.compaction``),
         ``ram_bytes`` (arena rows in use, index, sketch, filters), ``disk_bytes``, ``pull_keys``,
         ``pull_hits``/``pull_misses`` (RAM), ``push_keys``, ``created``, ``rejected`` (not admitted),
         ``rows_refused_full`` (new keys refused because the table held ``max_rows`` rows), ``max_rows``
         (0: no limit), ``deleted``, ``evictions``, ``promotions``, ``spill_writes``, ``pending_deletes``
         (keys whose RocksDB delete was refused, read as absent until the next write deletes them; not
-        counted in ``rows_spilled``).
+        counted in ``rows_spilled``), ``loaded_to_disk`` (rows a load wrote straight to RocksDB) and
+        ``loaded_unasked`` (those of them written without asking RocksDB whether the key was there: a
+        base's, or a trusted delta's, ``sparse_tables._delta``).
         """
         with self._stats_lock:
             out = dict(self._counters)
@@ -405,20 +428,25 @@ class SparseTable(SpillTier):
             **(self._spill.memory() if self._spill is not None else {})}
         if self._spill is not None:
             out["rocksdb"] = {**self._spill.compaction(), "write_stalls": self._spill.stalls,
-                              "write_stall_s": round(self._spill.stall_s, 3)}
+                              "write_stall_s": round(self._spill.stall_s, 3), "point_reads": self._spill.reads}
         if self._budget is not None:
             out["memory_budget"] = self._budget.parts()
             out["rows_cap"] = self._budget.rows_cap()
         return out
 
-    def rows(self, chunk_rows: int = 65536) -> Iterator[pa.RecordBatch]:
+    def rows(self, chunk_rows: int = 65536, *, clear: bool = False) -> Iterator[pa.RecordBatch]:
         """Every row, RAM and RocksDB, exactly once, as RecordBatches of ``self.schema``.
 
         The RAM rows are copied and RocksDB's read view made (``SpillStore.snapshot``) at one instant under
         the lock, so the dump is one consistent state of the shard even while pushes go on. A table that
         spills copies its RAM rows into a spool file in its spill directory (``_snapshot``), not RAM.
+        ``clear``: a base's instant; the dirty state is cleared (``clear_dirty``) in the same locked step
+        when iteration starts, so every row the next delta holds changed after the base's instant and
+        its ``existed`` answers for the base (``sparse_tables._delta``).
         """
-        with self._lock.shared():
+        with self._lock.exclusive() if clear else self._lock.shared():
+            if clear:
+                self._clear_dirty_locked()
             spill = self._spill         # the dump's own reference: a close meanwhile does not drop it
             # the RAM rows with an older copy on disk (which the scan skips) come as a sorted key array
             ram = self._snapshot_live(0, int(K.F_ON_DISK))
@@ -442,10 +470,15 @@ class SparseTable(SpillTier):
         """Insert or overwrite rows from RecordBatches of the row schema (bit-exact, optimizer state
         included). Loaded rows are clean (not dirty). Returns the number of rows loaded.
 
+        A batch of a delta may carry ``existed`` (``rows.delta_schema``): inside ``delta_load`` of a
+        delta whose parent this table holds, a table that spills takes it as the truth about each key
+        (no RocksDB read to learn whether a row is new); elsewhere it is checked and ignored.
+
         Raises
         ------
         TableInputError
-            A batch misses a column, has a wrong type or width, or nulls (that batch is not applied).
+            A batch misses a column, has a wrong type or width, or nulls, or an ``existed`` value
+            other than 0, 1 or 2 (that batch is not applied).
         TableFullError
             A batch would take the table past ``max_rows`` (that batch is not applied; earlier ones are).
             A checkpoint reader counts the rows it will load before it loads them.
@@ -454,6 +487,7 @@ class SparseTable(SpillTier):
         limit = self.config.max_rows
         for batch in batches:
             records = batch_to_records(batch, self.layout)
+            existed = existed_column(batch)
             keys = _record_keys(records)
             total += len(records)
             with self._lock.exclusive():
@@ -470,101 +504,28 @@ class SparseTable(SpillTier):
                 # checkpoint rows never repeat a key, and rows dumped from RocksDB come sorted: one
                 # O(n) pass instead of np.unique's sort (the RAM path applies repeats in order)
                 order = key_order(keys) if self._spill is not None else DUPLICATES
+                known = existed if self._existed_trusted and order != DUPLICATES else None
                 if self._spill is not None and n_new:
-                    records, keys, n_new = self._load_to_disk(records, keys, rows, n_new, order)
+                    keep, n_new = self._load_to_disk(records, keys, rows, n_new, order, known)
+                    records, keys, rows = records[keep], keys[keep], rows[keep]
+                    known = known[keep] if known is not None else None
                 self._reserve(n_new)
-                if self._spill is not None:
+                flags = np.zeros(len(records), np.uint32)
+                if self._spill is not None and known is None:
                     self._promote(keys if order != DUPLICATES else unique_keys(keys))
+                elif self._spill is not None:
+                    # a key the parent held and RAM does not is on disk: its row comes in flagged so
+                    # (its copy there is stale) without reading it; only the unknown ones are asked
+                    unknown = known == EXISTED_UNKNOWN
+                    if unknown.any():
+                        self._promote(keys[unknown])
+                    flags[(known == EXISTED_YES) & (rows < 0)] = K.F_ON_DISK
                 ok = K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,
-                                      np.zeros(len(records), np.uint32), self._tick)
+                                      flags, self._tick)
                 if not ok:
                     raise RuntimeError("arena full after reserve: internal capacity error")
                 self._maybe_evict()
         return total
-
-    def dirty_rows(self, clear: bool = False) -> tuple[list[pa.RecordBatch], np.ndarray]:
-        """Rows changed and keys deleted since the last clear, gathered in memory (``dirty_dump``
-        streams them).
-
-        Returns
-        -------
-        (batches, deleted)
-            batches : list of RecordBatch of ``self.schema``, each changed row once (RAM and spilled);
-            deleted : uint64[k] sorted keys deleted and not re-created since (tombstones).
-        """
-        dump = self.dirty_dump(clear)
-        try:
-            return list(dump), dump.deleted
-        finally:
-            dump.close()
-
-    def dirty_dump(self, clear: bool = False, chunk_rows: int = 65536) -> DirtyRows:
-        """Rows changed and keys deleted since the last clear (for delta checkpoints), as of now.
-
-        The dirty RAM rows are copied and RocksDB's read view made at one instant under the lock; the
-        spilled dirty rows are read from that view as the dump is iterated, outside the lock and
-        ``chunk_rows`` at a time. (Read by one multi-get under the exclusive lock, an hour of an online
-        job whose pushes touched millions of spilled rows stalled training for the whole read and held
-        every row at once.)
-
-        Parameters
-        ----------
-        clear : bool
-            Clear the dirty state in the same locked step, so a push racing with a delta save lands in
-            the next delta rather than being lost.
-        chunk_rows : int
-            Rows per record batch.
-
-        Returns
-        -------
-        DirtyRows
-            Iterable (more than once) of RecordBatch of ``self.schema``, each changed row once; its
-            ``deleted`` : uint64[k] sorted keys deleted and not re-created since (tombstones).
-
-        Raises
-        ------
-        SpillError
-            While iterated: RocksDB reported a read error (``SpillStore.seek_records``).
-        """
-        lock = self._lock.exclusive() if clear else self._lock.shared()
-        with lock:
-            records = self._snapshot_live(int(K.F_DIRTY), 0)
-            try:
-                return self._dirty_dump_locked(records, clear, chunk_rows)
-            except BaseException:
-                records.close()
-                raise
-
-    def _dirty_dump_locked(self, records, clear: bool, chunk_rows: int) -> DirtyRows:
-        spill, view, spilled = self._spill, None, []
-        if spill is not None:
-            # the spilled dirty keys not in RAM now (the dirty RAM rows are copied above): the set's own
-            # runs, each with a mask, read and merged in chunks as the dump is iterated
-            for run in self._spilled_dirty.runs():
-                at = np.empty(len(run), np.int64)
-                K.find_rows(self._index, self._arena_u, run, at)
-                keep = at < 0
-                if keep.any():
-                    spilled.append((run, None if keep.all() else keep))
-            view = spill.seek_view() if spilled else None
-        deleted = unique_keys(np.concatenate(self._deleted)) if self._deleted else np.empty(0, np.uint64)
-        if len(deleted):
-            deleted = deleted[~self._present(deleted)]
-        out = DirtyRows(records, spilled, spill, view, deleted, self.layout, self.schema, chunk_rows)
-        if clear:
-            self._clear_dirty_locked()
-            if self._budget is not None and spilled:
-                # the cleared set's runs live on in the dump: the budget counts them until it is closed
-                # (or collected), not as RAM the tier may fill meanwhile
-                budget, token = self._budget, self._budget.register()
-                budget.report(token, sum(r.nbytes + (0 if m is None else m.nbytes) for r, m in spilled), 0)
-                out.on_close(lambda: budget.forget(token))
-        return out
-
-    def clear_dirty(self) -> None:
-        """Forget which rows changed and which keys were deleted."""
-        with self._lock.exclusive():
-            self._clear_dirty_locked()
 
     def close(self) -> None:
         """Release the RocksDB tier (its directory is removed) and the pull threads."""
@@ -611,6 +572,7 @@ class SparseTable(SpillTier):
         created = rejected = refused = 0
         limit = self.config.max_rows
         with self._lock.exclusive():
+            self._changed()
             self._next_tick()
             now_s = self._now_s()
             # keys done..end have their rows in RAM (all keys, but under a budget those that fit)
@@ -721,11 +683,6 @@ class SparseTable(SpillTier):
             present[absent[pos]] = True
         return present
 
-    def _clear_dirty_locked(self) -> None:
-        K.clear_flag(self._arena_u, self._state, self._lay, K.F_DIRTY)
-        self._spilled_dirty.clear()
-        self._deleted = []
-
     def _rows_spilled(self) -> int:
         """Rows only in RocksDB: its keys (pending deletes excluded: ``SpillStore.count``) less the RAM
         rows with a copy there."""
@@ -740,8 +697,10 @@ class SparseTable(SpillTier):
         self._arena_f = self._arena_u.view(np.float32)
         self._index = _big_array((slots,), np.uint64)
         self._index.fill(K.EMPTY)
+        gen = self._state[K.S_GEN]          # the generation outlives the arrays (release_ram, restore_ram)
         self._state[:] = 0
         self._state[K.S_FREE_HEAD] = -1
+        self._state[K.S_GEN] = gen
 
     def _reserve(self, n_new: int) -> None:
         """Make room for n_new more rows in the arena and the index (lock held exclusively)."""

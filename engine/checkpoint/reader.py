@@ -39,6 +39,7 @@ import pyarrow as pa
 from hdfs_io import CheckpointCorruptError, FileEntry, Storage, file_entries, read_ipc_file
 from hdfs_io.arrow_io import open_ipc_batches
 from sparse_tables import SparseTable, TableFullError, TableInputError
+from sparse_tables.rows import existed_column
 
 from ..sharding import routing
 from .manifest import read_checkpoint_manifest
@@ -172,15 +173,46 @@ def _read_rows(plan: _Plan, name: str, fname: str, entry: FileEntry) -> Iterator
         raise CheckpointCorruptError(f"{uri}: listed in the manifest but missing", uri=uri) from exc
     schema, uri, what = plan.sparse[name][0].schema, plan.uri(fname), f"rows do not fit table {name!r}"
     _check_columns(batches.schema.empty_table(), schema, uri, what)
+    at = 0
     for batch in batches:
         _check_columns(batch, schema, uri, what)
+        try:
+            existed_column(batch)       # a delta's (sparse_tables.rows.delta_schema), checked when present
+        except TableInputError as exc:
+            raise CheckpointCorruptError(f"{uri}: rows {at}..{at + batch.num_rows - 1}: {exc}", uri=uri) from exc
+        at += batch.num_rows
         yield batch
 
 
-def _read_tombstones(plan: _Plan, name: str, fname: str, entry: FileEntry) -> np.ndarray:
+def _read_tombstones(plan: _Plan, name: str, fname: str, entry: FileEntry) -> tuple[np.ndarray, bool]:
+    """(keys : uint64[k], at_parent): at_parent when the writer vouches that every key had a row at the
+    parent (schema metadata, ``writer``; older deltas do not)."""
     table = _read(plan.ckpt, fname, entry)
     _check_columns(table, TOMBSTONE_SCHEMA, plan.uri(fname), f"tombstones of table {name!r}")
-    return np.ascontiguousarray(table.column("key").to_numpy())
+    at_parent = (table.schema.metadata or {}).get(b"at_parent") == b"1"
+    return np.ascontiguousarray(table.column("key").to_numpy()), at_parent
+
+
+def _apply_tombstones(plan: _Plan, tomb_keys: list, rows: dict) -> dict:
+    """Delete each tombstone file's keys (``(table, (keys, at_parent))`` items) from the shards they
+    route to; returns rows deleted by table."""
+    tombs = {name: 0 for name in rows}
+    for name, (keys, at_parent) in tomb_keys:
+        local = routing.lookup(keys, plan.num_vshards, plan.local_owner)
+        for j, shard in enumerate(plan.sparse[name]):
+            mine = keys[local == j]
+            if len(mine):
+                tombs[name] = tombs.get(name, 0) + shard.delete(mine, at_parent=at_parent)
+    return tombs
+
+
+def _parent_uri(uri: str, manifest: dict) -> str | None:
+    """URI of a delta's parent checkpoint: ``uri`` (the delta's own) ends with the manifest's ``name``,
+    which the parent's name replaces; None when it does not (a checkpoint moved and renamed)."""
+    uri, name, parent = uri.rstrip("/"), manifest.get("name"), manifest.get("parent")
+    if not name or not parent or not uri.endswith("/" + name):
+        return None
+    return uri[:-len(name)] + parent
 
 
 def _check_row_counts(plan: _Plan, rows_read: dict, tombs_read: dict) -> None:
@@ -335,7 +367,7 @@ def _verify_delta(plan: _Plan, threads: int) -> None:
                 new[name] += fresh
     tombs = {name: 0 for name in plan.tables}
     for name, fname, entry in plan.tomb_files:
-        keys = _read_tombstones(plan, name, fname, entry)
+        keys, _ = _read_tombstones(plan, name, fname, entry)
         tombs[name] = tombs.get(name, 0) + len(keys)
         if name in limited:
             new[name] -= per_shard(name, keys, present=True)
@@ -439,21 +471,23 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
         for name in sorted(budget.over):
             raise _capacity_error(plan, name, budget.rows[name], "the tables in use were not changed")
         tomb_keys = [(name, _read_tombstones(plan, name, fname, entry)) for name, fname, entry in plan.tomb_files]
-        _check_row_counts(plan, read, {n: sum(len(k) for t, k in tomb_keys if t == n) for n in plan.every_file})
+        _check_row_counts(plan, read, {n: sum(len(k) for t, (k, _) in tomb_keys if t == n) for n in plan.every_file})
+        tombs = _apply_tombstones(plan, tomb_keys, rows)
     else:
         _verify_delta(plan, threads)
-        rows, _ = _load_rows(plan, threads, None)
-        tomb_keys = [(name, _read_tombstones(plan, name, fname, entry)) for name, fname, entry in plan.tomb_files]
-    tombs = {name: 0 for name in rows}
-    for name, keys in tomb_keys:
-        local = routing.lookup(keys, num_vshards, local_owner)
-        for j, shard in enumerate(sparse[name]):
-            mine = keys[local == j]
-            if len(mine):
-                tombs[name] = tombs.get(name, 0) + shard.delete(mine)
-    for shards in sparse.values():     # restored state is the new "clean" point for the next delta
+        parent = _parent_uri(ckpt.uri, manifest)
+        with ExitStack() as trust:  # shards holding exactly the parent take its rows' ``existed`` as true
+            for shards in sparse.values():
+                for shard in shards:
+                    trust.enter_context(shard.delta_load(parent))
+            rows, _ = _load_rows(plan, threads, None)
+            tomb_keys = [(name, _read_tombstones(plan, name, fname, entry)) for name, fname, entry in plan.tomb_files]
+            tombs = _apply_tombstones(plan, tomb_keys, rows)
+    for name, shards in sparse.items():     # restored state is the new "clean" point for the next delta
         for shard in shards:
             shard.clear_dirty()
+            if name in plan.tables:             # ... and exactly this checkpoint, for its child delta
+                shard.mark_checkpoint(ckpt.uri)
     log.info("loaded %s %s: rows %s, tombstones %s, dense %s", manifest["kind"], ckpt.uri, rows, tombs,
              {k: len(v[1]) for k, v in dense.items()})
     return rows, tombs, dense

@@ -10,8 +10,11 @@ Part files (Arrow IPC file format, zstd buffers)::
 
     sparse/{table}/g{GG}-s{SSSS}-j{JJ}.arrow   rows of vshard group GG held by local shard JJ of server
                                                SSSS; columns = SparseTable.schema (key, values, state,
-                                               show, click, last_seen), bit copies of the rows
-    tombstones/{table}/s{SSSS}.arrow           deltas only: key uint64, deleted since the parent
+                                               show, click, last_seen), bit copies of the rows; a
+                                               delta's add ``existed`` (sparse_tables.rows.delta_schema:
+                                               whether the key held a row at the parent)
+    tombstones/{table}/s{SSSS}.arrow           deltas only: key uint64, a row at the parent and none
+                                               at the delta (schema metadata "at_parent": "1")
     dense/{table}/s{SSSS}.arrow                block int32, params/m/v list<float32>, t int64;
                                                schema metadata "size" (floats in the whole table)
 
@@ -19,7 +22,8 @@ Group of a row: ``vshard(key) * groups // num_vshards`` (contiguous vshard range
 cluster size reads only the groups overlapping its own vshard range.
 
 Consistency. Each local shard is captured at one instant: a base clears the shard's dirty state and
-then dumps ``rows()`` (a push in between is in the base AND the next delta, never in neither); a delta
+copies its rows in one locked step (``rows(clear=True)``: a push racing with the save is in the next
+delta, never in neither, and a delta's ``existed`` describes its parent exactly); a delta
 takes ``dirty_dump(clear=True)`` (rows and tombstones captured and the dirty state cleared in one
 locked step, so a push racing with the save lands in the next delta). Both stream their rows into the
 part files (``_GroupFiles``): neither holds a shard's spilled rows in memory.
@@ -190,8 +194,9 @@ def _dump_base(ckpt: Storage, name: str, server: int, j: int, shard: SparseTable
     """One attempt at a shard's part files of a base: (file entries, rows). A failed attempt removes its
     files and releases the dump (its RocksDB iterator); a retry dumps the shard afresh, which is as
     consistent: its dirty marks are cleared again first, so what changed since lands in the next delta."""
-    shard.clear_dirty()                 # before the dump: a racing push also lands in the next delta
-    with contextlib.closing(shard.rows()) as rows:   # RAM rows copied at one instant, then RocksDB's
+    # the dirty marks cleared and the RAM rows copied (then RocksDB's view made) in one locked step: a
+    # racing push lands in the next delta only, so that delta's ``existed`` answers for this base
+    with contextlib.closing(shard.rows(clear=True)) as rows:
         return _stream_parts(ckpt, name, server, j, shard.schema, rows, num_vshards, groups)
 
 
@@ -269,7 +274,7 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
         dump = shard.dirty_dump(clear=True)
         try:
             written, n = call_with_retry(
-                lambda: _stream_parts(ckpt, name, server, j, shard.schema, dump, num_vshards, groups),
+                lambda: _stream_parts(ckpt, name, server, j, dump.schema, dump, num_vshards, groups),
                 policy=ckpt.retry, stats=ckpt.retry_stats, uri=ckpt.uri,
                 what=f"delta of table {name!r} shard {j} to {ckpt.uri}")
         finally:
@@ -290,7 +295,10 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
         tombs[name] = int(len(keys))
         if kind == "delta" and len(keys):
             fname = f"tombstones/{name}/s{server:04d}.arrow"
-            table = pa.Table.from_arrays([pa.array(keys, pa.uint64())], schema=TOMBSTONE_SCHEMA)
+            # "at_parent": every key had a row at the parent (``sparse_tables._delta``), so a restore
+            # that holds the parent deletes them without reading RocksDB; files without it may not
+            table = pa.Table.from_arrays([pa.array(keys, pa.uint64())],
+                                         schema=TOMBSTONE_SCHEMA.with_metadata({"at_parent": "1"}))
             files[fname] = write_ipc_file(ckpt, fname, table).to_json()
     dense_sizes = {}
     for name, state in dense.items():

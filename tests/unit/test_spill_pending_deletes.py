@@ -89,6 +89,7 @@ def test_rows_an_expiry_pass_could_not_delete_on_disk_never_come_back(tmp_path):
     try:
         _push(t, old)
         _push(t, cold)
+        t.clear_dirty()                      # a checkpoint's instant: a delta's tombstones are its rows'
         clock.now = 1100.0
         _push(t, fresh)                      # the oldest rows go to RocksDB
         _on_disk_and_in_ram(t, old)          # back in RAM, their copies stay on disk
