@@ -15,12 +15,15 @@ import sys
 import pytest
 
 from engine.checkpoint import CheckpointManager
+from engine.programs.ctr import BLAS_ENV
 from tests.integration.test_chaos_offline import REPO, args, run
 from tests.integration.test_offline_resume import assert_same_model
 
 pytestmark = pytest.mark.slow
 
-SETS = ("mode=sync", "cluster.workers=1", "model.pipeline=sequential")
+# model.blas_threads=1: the full run's launcher gives its children one BLAS thread on any machine (auto
+# would give cores // processes), which role_env gives the roles this file starts by hand
+SETS = ("mode=sync", "cluster.workers=1", "model.pipeline=sequential", "model.blas_threads=1")
 
 
 def free_ports(n: int) -> list[int]:
@@ -34,6 +37,16 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def role_env(ports: list[int]) -> dict:
+    """The environment of the roles started by hand: the servers' endpoints, one worker, and the BLAS
+    threads the full run's launcher gave its children (one, unless this environment sets them, as
+    there). OpenBLAS's float32 products round differently with another thread count (with its default
+    of one thread per core, ~1/3 of the tower's outputs differ by an ulp), so without them a role-mode
+    run would not reproduce the launcher's bit for bit."""
+    return {**{var: "1" for var in BLAS_ENV}, **os.environ,
+            "ENGINE_SERVERS": ",".join(f"127.0.0.1:{p}" for p in ports), "ENGINE_NUM_WORKERS": "1"}
+
+
 def role_cmd(tmp, tag: str, role: str, rank: int, *extra: str) -> list[str]:
     """The full run's resolved config (its data converted to Arrow, as role mode needs), checkpoints
     under a root of this job's own."""
@@ -45,7 +58,7 @@ def role_job(tmp, tag: str, resumes: list[str]) -> tuple[int, dict | None, str]:
     """Two servers (server r with ``--resume resumes[r]``) and one worker, as a scheduler starts them;
     returns (worker exit code, its result, its stderr)."""
     ports = free_ports(2)
-    env = {**os.environ, "ENGINE_SERVERS": ",".join(f"127.0.0.1:{p}" for p in ports), "ENGINE_NUM_WORKERS": "1"}
+    env = role_env(ports)
     servers = [subprocess.Popen(role_cmd(tmp, tag, "server", r, "--port", str(ports[r]), "--resume", resumes[r]),
                                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True) for r in range(2)]
@@ -97,7 +110,7 @@ def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_c
     slow = ("model.batch_size=16", "checkpoint.delta_every=64steps")
     full = run(args(tmp_path, "full", *SETS, *slow))
     ports = free_ports(2)
-    env = {**os.environ, "ENGINE_SERVERS": ",".join(f"127.0.0.1:{p}" for p in ports), "ENGINE_NUM_WORKERS": "1"}
+    env = role_env(ports)
 
     def server(r: int, *extra: str) -> subprocess.Popen:
         return subprocess.Popen(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), *extra), cwd=REPO,
