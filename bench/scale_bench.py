@@ -469,6 +469,7 @@ def main(argv=None) -> int:
             peaks.phase("chain_restore", cl.pids()[0])
             mgr = CheckpointManager(str(work / "ckpt"), "scale")
             chain = [r.name for r in mgr.list()]        # the base, then the delta (as restore loads them)
+            t1, reads = time.perf_counter(), 0
             for i, name in enumerate(chain):
                 if i == len(chain) - 1:
                     t1, reads = time.perf_counter(), table_stats(c)["rocksdb"]["point_reads"]

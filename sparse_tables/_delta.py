@@ -49,8 +49,8 @@ class DeltaCapture:
         -------
         (batches, deleted)
             batches : list of RecordBatch of ``rows.delta_schema(self.schema)`` (the row schema and
-            ``existed``), each changed row once (RAM and spilled); deleted : uint64[k] sorted keys
-            deleted and not re-created since (tombstones).
+            ``existed``), each changed row once (RAM and spilled); deleted : uint64[k] sorted keys that
+            had a row at the last clear and have none now (tombstones).
         """
         dump = self.dirty_dump(clear)
         try:
@@ -137,12 +137,28 @@ class DeltaCapture:
         self._checkpoint = None
 
     def mark_checkpoint(self, uri: str) -> None:
-        """Record that this table holds exactly its share of the checkpoint at ``uri`` and nothing has
-        changed since (the checkpoint reader calls this after a restore and its ``clear_dirty``). A
-        later ``delta_load`` whose parent is ``uri`` then trusts the delta's ``existed`` column. Any
-        push, delete, expiry pass or clear forgets it."""
+        """Record that this table holds exactly its share of the checkpoint at ``uri`` (the caller
+        vouches for it; the checkpoint reader uses ``finish_restore``). A later ``delta_load`` whose
+        parent is ``uri`` then trusts the delta's ``existed`` column. Any push, delete, expiry pass or
+        clear forgets it."""
         with self._lock.exclusive():
             self._checkpoint = str(uri).rstrip("/")
+
+    def finish_restore(self, uri: str) -> bool:
+        """End a restore of the checkpoint at ``uri`` into this table (a base inside ``bulk_load
+        (distinct=True)``, a delta inside ``delta_load``), in one locked step: forget the dirty state
+        (the restored rows are the clean point of the next delta) and, when the table held the delta's
+        parent at the load's start (a base: it was empty) and nothing but the load changed it since (no
+        push, delete or expiry pass), record that it holds exactly ``uri`` (``mark_checkpoint``).
+        Returns whether it did. Traffic during a load leaves the table unmarked, so the next delta
+        loaded on it asks RocksDB about each row."""
+        with self._lock.exclusive():
+            start, self._restore_start = self._restore_start, None
+            self._clear_dirty_locked()
+            exact = start is not None and start[1] and start[0] == self._changes
+            if exact:
+                self._checkpoint = str(uri).rstrip("/")
+            return exact
 
     @property
     def checkpoint(self) -> str | None:
@@ -162,6 +178,7 @@ class DeltaCapture:
                 and self._checkpoint == str(parent).rstrip("/")
             self._checkpoint = None
             self._existed_trusted = trusted
+            self._restore_start = (self._changes, trusted)      # for finish_restore
         try:
             yield trusted
         finally:
@@ -178,3 +195,4 @@ class DeltaCapture:
         (lock held exclusively)."""
         self._checkpoint = None
         self._existed_trusted = False
+        self._changes += 1

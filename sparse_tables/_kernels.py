@@ -636,7 +636,8 @@ def upsert_records(index, arena_u, state, lay, records, add_flags, tick):
 
     records : uint32[m, stride] (key, values, state, show, click, last_seen are taken; tick and flags
     are not); add_flags : uint32[m]. An existing row is overwritten and keeps only its F_ON_DISK flag
-    (its disk copy is now stale); a new row gets ``add_flags[i]``. Returns False if the arena is full.
+    (its disk copy is now stale) beside ``add_flags[i]`` (its generation bits too: a loaded row's are
+    0); a new row gets ``add_flags[i]``. Returns False if the arena is full.
     """
     moff = lay[L_META]
     for i in range(records.shape[0]):

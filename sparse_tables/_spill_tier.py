@@ -56,6 +56,8 @@ class SpillTier:
                                   f"holds {len(self)} rows")
         self._spill.bulk(True)
         self._load_distinct = distinct
+        if distinct:            # an empty table: a base restored into it is exact (``finish_restore``)
+            self._restore_start = (self._changes, True)
         try:
             yield self
         finally:

@@ -130,6 +130,8 @@ class SparseTable(SpillTier, DeltaCapture):
         self._deleted: list[np.ndarray] = []
         self._checkpoint: str | None = None    # the checkpoint this table holds exactly (mark_checkpoint)
         self._existed_trusted = False          # inside delta_load of a delta whose parent it holds
+        self._changes = 0                      # pushes, deletes and expiry passes so far (_delta)
+        self._restore_start = None             # (changes, held the parent) at a restore's start
         self._tick = 1
         self._evict_seed = 0
         self._lock = RWLock()
@@ -263,14 +265,15 @@ class SparseTable(SpillTier, DeltaCapture):
         with self._lock.shared():
             return self._present(keys)
 
-    def delete(self, keys: np.ndarray, *, at_parent: bool = False) -> int:
+    def delete(self, keys: np.ndarray, *, tombstones: bool = False, at_parent: bool = False) -> int:
         """Delete the rows of keys : uint64[n] (absent keys are ignored); those the last clear's
         checkpoint held are reported as tombstones by ``dirty_rows`` (a row created since and deleted
         again needs none). Returns the number of rows deleted.
 
-        ``at_parent``: the keys are a delta's tombstones, each with a row at the delta's parent
-        checkpoint; inside a trusted ``delta_load`` (``sparse_tables._delta``) those not in RAM are
-        deleted from RocksDB without reading them first.
+        ``tombstones``: the keys are a delta's tombstones, applied as part of its load (not a change
+        that would keep ``finish_restore`` from marking the table); ``at_parent``: each of them had a
+        row at the delta's parent checkpoint, so inside a trusted ``delta_load``
+        (``sparse_tables._delta``) those not in RAM are deleted from RocksDB without reading them first.
 
         Raises
         ------
@@ -279,8 +282,8 @@ class SparseTable(SpillTier, DeltaCapture):
         """
         keys = unique_keys(_check_keys(keys))
         with self._lock.exclusive():
-            trusted = at_parent and self._existed_trusted
-            if not trusted:
+            trusted = tombstones and at_parent and self._existed_trusted
+            if not tombstones:
                 self._changed()
             rows = np.empty(len(keys), np.int64)
             K.find_rows(self._index, self._arena_u, keys, rows)

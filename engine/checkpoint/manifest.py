@@ -10,7 +10,7 @@ Layout under a job root (``{root}/{job}``)::
         _SUCCESS                              written last; without it the checkpoint does not exist
     20240101/0100-delta/                      rows changed since the parent + tombstones
         sparse/emb/g03-s0001-j02.arrow
-        tombstones/emb/s0001.arrow            keys deleted since the parent (one uint64 column "key")
+        tombstones/emb/s0001.arrow            keys with a row at the parent and none now (one uint64 column "key")
     20240101/0100-delta.2/                    a second checkpoint in the same minute (tests, fast jobs)
 
 Names sort by ``(day, HHMM, sequence)``: ``0100-base`` < ``0100-delta.1`` < ``0100-delta.2`` <

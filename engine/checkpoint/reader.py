@@ -202,7 +202,7 @@ def _apply_tombstones(plan: _Plan, tomb_keys: list, rows: dict) -> dict:
         for j, shard in enumerate(plan.sparse[name]):
             mine = keys[local == j]
             if len(mine):
-                tombs[name] = tombs.get(name, 0) + shard.delete(mine, at_parent=at_parent)
+                tombs[name] = tombs.get(name, 0) + shard.delete(mine, tombstones=True, at_parent=at_parent)
     return tombs
 
 
@@ -485,9 +485,10 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
             tombs = _apply_tombstones(plan, tomb_keys, rows)
     for name, shards in sparse.items():     # restored state is the new "clean" point for the next delta
         for shard in shards:
-            shard.clear_dirty()
-            if name in plan.tables:             # ... and exactly this checkpoint, for its child delta
-                shard.mark_checkpoint(ckpt.uri)
+            if name in plan.tables:             # ... and, with no traffic meanwhile, exactly this checkpoint
+                shard.finish_restore(ckpt.uri)
+            else:
+                shard.clear_dirty()
     log.info("loaded %s %s: rows %s, tombstones %s, dense %s", manifest["kind"], ckpt.uri, rows, tombs,
              {k: len(v[1]) for k, v in dense.items()})
     return rows, tombs, dense

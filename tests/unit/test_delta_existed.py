@@ -273,3 +273,29 @@ def test_rows_without_an_answer_are_asked(tmp_path, column):
         assert t.stats()["rocksdb"]["point_reads"] > reads
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("traffic", ["push", "delete", "expire", "none"])
+def test_traffic_during_a_restore_leaves_the_table_unmarked(tmp_path, traffic):
+    """A push, delete or expiry pass while a delta loads: the table holds neither the parent nor the
+    delta exactly, so ``finish_restore`` does not mark it and the next delta is asked about; the load's
+    own tombstones do not count as traffic."""
+    t = spilled_table(tmp_path / "t")
+    try:
+        t.push(np.arange(40, dtype=np.uint64), np.ones((40, DIM), np.float32))
+        t.mark_checkpoint("mem://parent")
+        with t.delta_load("mem://parent") as trusted:
+            assert trusted
+            t.delete(np.array([3], np.uint64), tombstones=True, at_parent=True)
+            if traffic == "push":
+                t.push(np.array([1000], np.uint64), np.ones((1, DIM), np.float32))
+            elif traffic == "delete":
+                t.delete(np.array([4], np.uint64))
+            elif traffic == "expire":
+                t.shrink(now=0.0)
+        assert t.finish_restore("mem://child") == (traffic == "none")
+        assert t.checkpoint == ("mem://child" if traffic == "none" else None)
+        with t.delta_load("mem://child") as trusted:
+            assert trusted == (traffic == "none")
+    finally:
+        t.close()
