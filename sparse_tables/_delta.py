@@ -188,7 +188,7 @@ class DeltaCapture:
     def _earlier(self, flags: np.ndarray) -> np.ndarray:
         """flags : uint32[m] flags words of rows -> bool[m], created in an earlier generation than the
         current one (rows the last clear's checkpoint held). Lock held."""
-        return (flags >> np.uint32(K.GEN_SHIFT)) != np.uint32(self._state[K.S_GEN])
+        return K.generations(flags) != np.uint32(self._state[K.S_GEN])
 
     def _changed(self) -> None:
         """A push, delete or expiry pass changed the table: it holds no checkpoint exactly any more

@@ -64,9 +64,9 @@ def next_generation(gen: int) -> int:
     return gen + 1 if gen < GEN_MAX else 1
 
 
-def generations(records: np.ndarray, flags_w: int) -> np.ndarray:
-    """records : uint32[m, stride] -> uint32[m], each row's generation (0: loaded)."""
-    return records[:, flags_w] >> np.uint32(GEN_SHIFT)
+def generations(flags: np.ndarray) -> np.ndarray:
+    """flags : uint32[m] flags words of rows -> uint32[m], each row's generation (0: loaded)."""
+    return flags >> np.uint32(GEN_SHIFT)
 
 
 # lay slots

@@ -78,13 +78,11 @@ def _existed(records: np.ndarray, layout: RowLayout, generation: int, removed: n
     """``existed`` of a delta's records (``DirtyRows``): a row stamped with the capture's generation was
     created since the parent, and its key had no row there unless a row of an earlier generation was
     deleted under it since (``removed``: sorted keys; the key was created again)."""
-    created = K.generations(records, layout.meta + K.M_FLAGS) == generation
-    out = np.where(created, EXISTED_NO, EXISTED_YES).astype(np.uint8)
+    created = K.generations(records[:, layout.meta + K.M_FLAGS]) == generation
     if len(removed) and created.any():
         at = np.flatnonzero(created)
-        again = in_sorted(removed, record_keys(records[at]))
-        out[at[again]] = EXISTED_YES
-    return pa.array(out, type=pa.uint8())
+        created[at[in_sorted(removed, record_keys(records[at]))]] = False
+    return pa.array(np.where(created, EXISTED_NO, EXISTED_YES).astype(np.uint8), type=pa.uint8())
 
 
 def _fixed_list(block: np.ndarray, width: int) -> pa.FixedSizeListArray:
@@ -173,8 +171,8 @@ class DirtyRows:
     """
 
     def __init__(self, records, spilled: list, spill, view, deleted: np.ndarray,
-                 layout: RowLayout, schema: pa.Schema, chunk_rows: int = 65536, *, generation: int = -1,
-                 removed: np.ndarray | None = None):
+                 layout: RowLayout, schema: pa.Schema, chunk_rows: int, *, generation: int,
+                 removed: np.ndarray):
         # generation, removed: the capture's generation and the keys whose row of an earlier one was
         # deleted since the parent (sorted), for ``existed``
         self._records, self._spilled, self._spill, self._view = records, spilled, spill, view
@@ -182,7 +180,7 @@ class DirtyRows:
         self._layout, self._schema, self._chunk = layout, schema, chunk_rows
         self.schema = delta_schema(schema)
         self._generation = generation
-        self._removed = np.empty(0, np.uint64) if removed is None else removed
+        self._removed = removed
         self._finalizers: list = []
 
     def _batch(self, recs: np.ndarray) -> pa.RecordBatch:
