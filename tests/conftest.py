@@ -2,12 +2,26 @@
 with a clear message when it is absent."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Give every test the environment it started with. In-process launcher runs set variables for the
+    processes they start (``OPENBLAS_NUM_THREADS`` among them); left in pytest's own environment, they
+    reach the subprocesses of whichever test the same xdist worker runs next, so a test's numbers would
+    depend on the file order."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

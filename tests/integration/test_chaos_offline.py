@@ -95,6 +95,7 @@ def chaos(tmp: Path, tag: str, seed: int, *sets: str) -> tuple[dict, str]:
     return json.loads(out.strip().splitlines()[-1]), err
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): bit-identical resume is also test_offline_resume's
 def test_sync_one_worker_recovers_to_the_bit_identical_model(tmp_path):
     # 2 epochs (the shared args say 3): seed 7's kills land in epoch 0 (steps 4-13, then the next checkpoint
     # write), so the recovered job still trains on through an epoch boundary before the models are compared

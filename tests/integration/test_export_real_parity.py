@@ -67,7 +67,8 @@ def _predict(bundle: Path, data: str, out: Path) -> tuple[dict, np.ndarray]:
     return res, ipc.open_file(str(out)).read_all().column("prob").to_numpy()
 
 
-@pytest.mark.parametrize("config, kind", [("configs/ctr.yaml", "ctr_dnn"), ("configs/deepfm.yaml", "deepfm")])
+@pytest.mark.parametrize("config, kind", [("configs/ctr.yaml", "ctr_dnn"),
+                                          pytest.param("configs/deepfm.yaml", "deepfm", marks=pytest.mark.long)])
 def test_predict_equals_trainer_forward_on_shared_criteo(config, kind, tmp_path):
     final = _engine("train", str(REPO / config), "--run-dir", str(tmp_path / "run"),
                     "--set", f"model.data.cache_dir={tmp_path / 'cache'}",

@@ -68,7 +68,7 @@ def test_one_hybrid_worker_trains_exactly_what_async_trains(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipeline", ["exact", "stale"])
+@pytest.mark.parametrize("pipeline", ["exact", pytest.param("stale", marks=pytest.mark.long)])
 def test_two_hybrid_workers_on_the_shared_criteo_rows(tmp_path, pipeline):
     """configs/ctr.yaml as shipped (1 server + 2 workers, 1 epoch, seed 0) in mode hybrid. The target is
     0.755 as the mean of 3 seeds (bench/hybrid_acceptance.py); one seed here, a looser bound. With the

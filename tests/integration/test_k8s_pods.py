@@ -26,7 +26,9 @@ What stands in for Kubernetes (``Kubelet`` below), and nothing else is changed:
 One deviation, to save compile time only: the first test starts every pod cold (its own empty
 ``NUMBA_CACHE_DIR`` on the ``/tmp`` emptyDir: the servers compile every kernel and must still answer
 the startup probe in time); the preemption tests point ``NUMBA_CACHE_DIR`` of every pod at one directory
-of the module (a node-local cache), seeded with what the first test's worker 0 compiled. A compile cache
+of the module (a node-local cache), seeded with what the first test's worker 0 compiled (``make test``
+leaves the first test to ``make test-long``; the first pods of the preemption test then fill that cache
+cold, and must answer the probe in time as well). A compile cache
 holds machine code only, so nothing they check (exit codes, the checkpoint, the resume position) can
 depend on it. The reference run of the local launcher is one per session (``loopback_reference``).
 """
@@ -266,6 +268,7 @@ def node_numba_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("node-numba-cache")
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): the preemption test starts the pods of the same rendering
 def test_rendered_pods_train_ctr_to_the_local_launchers_auc_and_all_exit_0(tmp_path, loopback_reference,
                                                                            node_numba_cache):
     reference, resolved = loopback_reference       # sync, 2 servers, 2 workers; converts the data to Arrow
@@ -295,7 +298,7 @@ def test_rendered_pods_train_ctr_to_the_local_launchers_auc_and_all_exit_0(tmp_p
     shutil.copytree(cold, node_numba_cache, dirs_exist_ok=True)     # one pod's whole cache: a consistent index
 
 
-@pytest.mark.parametrize("evicted", ["one_worker", "every_pod"])
+@pytest.mark.parametrize("evicted", [pytest.param("one_worker", marks=pytest.mark.long), "every_pod"])
 def test_a_preempted_job_resumes_at_its_checkpoint_in_replacement_pods(tmp_path, evicted, loopback_reference,
                                                                        node_numba_cache):
     """SIGTERM (what the kubelet sends on eviction) to worker 1 only, or to every pod: the workers write a

@@ -90,7 +90,7 @@ def assert_same_model(ckpt_a: str, ckpt_b: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sets", [
-    ("mode=sync", "cluster.workers=1", "model.pipeline=sequential"),
+    pytest.param(("mode=sync", "cluster.workers=1", "model.pipeline=sequential"), marks=pytest.mark.long),
     # Paddle-style async (configs/*_bigdata.yaml): with one worker its fixed request order is deterministic,
     # and every aligned point drains the two requests in flight and the merged dense gradients
     ("mode=async", "cluster.workers=1", "model.pipeline=stale", "model.dense_merge_steps=3"),

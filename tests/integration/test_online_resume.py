@@ -74,7 +74,7 @@ def _check_exactly_once(mgr: CheckpointManager, names: list[str]) -> dict:
     return chain[-1]
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.long)])
 def test_online_kill9_mid_hour_then_resume_consumes_each_partition_once(backend, rows, tmp_path, request):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     opts = None

@@ -77,6 +77,7 @@ def test_sigterm_to_one_worker_stops_every_worker_at_one_checkpoint(tmp_path):
     assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): the same meeting as SIGTERM to one worker
 def test_sigterm_to_a_server_checkpoints_at_the_next_meeting(tmp_path):
     """A server told to stop (as Kubernetes does before it kills a pod) keeps serving and says so in
     Health; rank 0 checkpoints at its next meeting and every worker stops there with exit 75."""

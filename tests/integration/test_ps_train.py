@@ -50,7 +50,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
                 proc.kill()
 
 
-@pytest.mark.parametrize("mode", ["async", "sync", "geo"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=pytest.mark.long),
+                                  pytest.param("geo", marks=pytest.mark.long)])
 def test_logreg_converges_to_the_planted_weights(mode, tmp_path):
     proc = engine("--set", f"mode={mode}", "--set", "model.examples_per_worker=6000", run_dir=tmp_path)
     out, err = finish(proc, 180)

@@ -178,6 +178,7 @@ def test_without_ray_the_launcher_says_how_to_install_it(tmp_path):
     assert "pip install 'sparse-engine[ray]'" in p.stderr
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): the killed-actor test tears the roles down too
 def test_ctrl_c_on_the_driver_stops_every_role(ray_cluster, tmp_path):
     address, head, _, _ = ray_cluster
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.2"}      # a run of ~13 s

@@ -65,7 +65,7 @@ def _run(*args, timeout=240) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["geo", "async"])
+@pytest.mark.parametrize("mode", [pytest.param("geo", marks=pytest.mark.long), "async"])
 def test_train_export_eval(corpus, tmp_path, mode):
     gensim = pytest.importorskip("gensim")
     cfg = REPO / "configs" / "word2vec.yaml"

@@ -71,6 +71,7 @@ def test_quality_floors(trained, shared_data):
     assert 0 < res.stats.effective_words < res.stats.raw_words  # subsampling dropped frequent words
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): test_word2vec_ps_quality has gensim read an export too
 def test_gensim_evaluates_our_export_the_same(trained, shared_data, tmp_path):
     gensim = pytest.importorskip("gensim")
     vocab, res = trained
