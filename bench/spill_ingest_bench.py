@@ -25,10 +25,13 @@ synthetic rows (values N(0, 0.01), ``"records": "synthetic"``). One ``spill_inge
 and a final ``spill_ingest_summary``: the rate and CPU per row over the last 10%, the seconds stalled,
 RocksDB's bytes written by compaction and flushes over the bytes ingested (``write_amplification``,
 from ``rocksdb.stats``), and the disk bytes per row. ``--background-jobs`` and ``--subcompactions``
-override the spill store's settings (``spill.BACKGROUND_JOBS``, ``spill.SUBCOMPACTIONS``) to compare.
+override the spill store's settings (``spill.BACKGROUND_JOBS``, ``spill.SUBCOMPACTIONS``) to compare, and
+``--compaction universal`` (``--universal-max-amp`` percent of space amplification) measures RocksDB's
+tiered compaction against the stores' leveled one.
 
     python bench/spill_ingest_bench.py [--rows 100000000] [--shards 4] [--budget-gb 4]
                                        [--background-jobs N] [--subcompactions N] [--work DIR]
+                                       [--compaction level|universal] [--universal-max-amp PERCENT]
 """
 from __future__ import annotations
 
@@ -88,11 +91,15 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gb", type=float, default=4.0)
     ap.add_argument("--background-jobs", type=int, default=spill.BACKGROUND_JOBS)
     ap.add_argument("--subcompactions", type=int, default=spill.SUBCOMPACTIONS)
+    ap.add_argument("--compaction", choices=("level", "universal"), default=spill.COMPACTION)
+    ap.add_argument("--universal-max-amp", type=int, default=spill.UNIVERSAL_MAX_AMP_PERCENT,
+                    help="universal compaction's max_size_amplification_percent")
     ap.add_argument("--checkpoint", default=str(REPO / "runs" / "ckpt"))
     ap.add_argument("--work", default=str(REPO / "runs" / "spill_ingest_bench"))
     args = ap.parse_args(argv)
     total = int(args.rows)
     spill.BACKGROUND_JOBS, spill.SUBCOMPACTIONS = args.background_jobs, args.subcompactions
+    spill.COMPACTION, spill.UNIVERSAL_MAX_AMP_PERCENT = args.compaction, args.universal_max_amp
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -107,6 +114,8 @@ def main(argv=None) -> int:
     stores = [spill.SpillStore(str(work / f"shard{i}"), stride, budget) for i in range(args.shards)]
     common = {"shards": args.shards, "budget_bytes": budget.budget_bytes, "records": kind,
               "background_jobs": args.background_jobs, "subcompactions": args.subcompactions,
+              "compaction": args.compaction,
+              **({"universal_max_amp_percent": args.universal_max_amp} if args.compaction == "universal" else {}),
               "cpus_granted": len(os.sched_getaffinity(0))}
     me = os.getpid()
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 from rocksdict import (BlockBasedOptions, Cache, DBCompactionStyle, DBCompressionType, Options, Rdict,
-                       ReadOptions, WriteBatch, WriteBufferManager, WriteOptions)
+                       ReadOptions, UniversalCompactOptions, WriteBatch, WriteBufferManager, WriteOptions)
 
 from ._inputs import record_keys as _record_keys
 from ._pending import EMPTY as _NO_KEYS, PendingDeletes
@@ -98,8 +98,14 @@ def rocksdb_options(budget=None) -> Options:
     # leveled compaction with dynamic level sizes (space amplification ~1.1); RocksDB's default
     # write-stall triggers (20 / 36 level-0 files) and a rate limit on flush and compaction writes, so
     # background writing leaves the disk and a core to the requests
-    opts.set_compaction_style(DBCompactionStyle.level())
-    opts.set_level_compaction_dynamic_level_bytes(True)
+    if COMPACTION == "universal":          # measured against leveled by bench/spill_ingest_bench.py only
+        opts.set_compaction_style(DBCompactionStyle.universal())
+        universal = UniversalCompactOptions()
+        universal.max_size_amplification_percent = UNIVERSAL_MAX_AMP_PERCENT
+        opts.set_universal_compaction_options(universal)
+    else:
+        opts.set_compaction_style(DBCompactionStyle.level())
+        opts.set_level_compaction_dynamic_level_bytes(True)
     opts.set_level_zero_file_num_compaction_trigger(L0_TRIGGERS[0])
     opts.set_level_zero_slowdown_writes_trigger(L0_TRIGGERS[1])
     opts.set_level_zero_stop_writes_trigger(L0_TRIGGERS[2])
@@ -129,6 +135,11 @@ RATE_LIMIT_BYTES_PER_S = 256 << 20
 # 80M rows; scale_bench: 1.7 GB pending, 14 level-0 files and 0.2 s stalled at 100M keys.
 BACKGROUND_JOBS = 4
 SUBCOMPACTIONS = 2
+# "level" (above) or "universal": tiered sorted runs, each row rewritten fewer times, at up to
+# UNIVERSAL_MAX_AMP_PERCENT more bytes on disk than the live rows (RocksDB's default is 200). Stores use
+# leveled compaction; bench/spill_ingest_bench.py --compaction universal measures the other.
+COMPACTION = "level"
+UNIVERSAL_MAX_AMP_PERCENT = 50
 # level-0 files (compaction trigger, writes slow down, stop): RocksDB's defaults, and while a base restore
 # loads (``SpillStore.bulk``) far more: its small memtables (a budget's share per shard: 4-64 MiB) flush
 # faster than compaction merges them, and the default slowdown made a 30M-row restore wait on stalls

@@ -48,11 +48,26 @@ def _test_hosts_factory():
 
 
 @pytest.fixture(scope="session")
-def loopback_reference(tmp_path_factory) -> tuple[dict, Path]:
+def loopback_reference(tmp_path_factory, worker_id) -> tuple[dict, Path]:
     """``tests.integration.test_multihost.loopback_run`` once per session: (worker 0's result, the
     resolved config) of CTR-DNN sync, 2 servers, 2 workers under the local launcher on 127.0.0.1, its
     data converted to Arrow beside it. Several integration tests compare against this one deterministic
-    run; they only read it (their own checkpoints go under their own tmp_path)."""
+    run; they only read it (their own checkpoints go under their own tmp_path). Under xdist the workers
+    share one run: the first to need it makes it in the session's common directory, under a file lock."""
+    import json
+    import shutil
+
+    from filelock import FileLock
+
     from tests.integration.test_multihost import loopback_run
 
-    return loopback_run(tmp_path_factory.mktemp("loopback-reference"))
+    if worker_id == "master":
+        return loopback_run(tmp_path_factory.mktemp("loopback-reference"))
+    root = tmp_path_factory.getbasetemp().parent / "loopback-reference"     # this session's, every worker's
+    with FileLock(f"{root}.lock"):
+        result = root / "run-lo" / "worker-0.result.json"
+        if result.is_file():
+            return json.loads(result.read_text()), root / "run-lo" / "config.yaml"
+        shutil.rmtree(root, ignore_errors=True)         # what a failed attempt of another worker left
+        root.mkdir()
+        return loopback_run(root)
