@@ -81,7 +81,7 @@ def test_train_prints_final_line_and_writes_metrics(config, mode, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, model", [("configs/ctr_bigdata.yaml", "ctr_dnn"),
-                                           ("configs/deepfm_bigdata.yaml", "deepfm")])
+                                           pytest.param("configs/deepfm_bigdata.yaml", "deepfm", marks=pytest.mark.long)])
 def test_bigdata_configs_train_with_merged_dense_steps(config, model, tmp_path):
     """The configs for large data (what bench/ctr_bench.py measures) run as shipped, but on 40k generated
     rows and a small tower: async, batch 512, each worker sends one dense gradient per 4 steps (the last

@@ -26,9 +26,8 @@ What stands in for Kubernetes (``Kubelet`` below), and nothing else is changed:
 One deviation, to save compile time only: the first test starts every pod cold (its own empty
 ``NUMBA_CACHE_DIR`` on the ``/tmp`` emptyDir: the servers compile every kernel and must still answer
 the startup probe in time); the preemption tests point ``NUMBA_CACHE_DIR`` of every pod at one directory
-of the module (a node-local cache), seeded with what the first test's worker 0 compiled (``make test``
-leaves the first test to ``make test-long``; the first pods of the preemption test then fill that cache
-cold, and must answer the probe in time as well). A compile cache
+of the module (a node-local cache), seeded with the repository's own compiled kernels and what the first
+test's worker 0 compiled (``make test`` leaves the first test to ``make test-long``). A compile cache
 holds machine code only, so nothing they check (exit codes, the checkpoint, the resume position) can
 depend on it. The reference run of the local launcher is one per session (``loopback_reference``).
 """
@@ -263,9 +262,23 @@ def job_sets(tmp: Path, resolved: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def node_numba_cache(tmp_path_factory) -> Path:
-    """The preemption tests' shared ``NUMBA_CACHE_DIR`` (module docstring); the first test seeds it."""
-    return tmp_path_factory.mktemp("node-numba-cache")
+def node_numba_cache(tmp_path_factory, loopback_reference) -> Path:
+    """The preemption tests' shared ``NUMBA_CACHE_DIR`` (module docstring), seeded with the repository's
+    own Numba cache (the reference run, which ran the same CTR job, filled it) laid out as Numba lays out
+    a ``NUMBA_CACHE_DIR``; the first test adds what its worker 0 compiled. An entry that is missing or
+    stale is compiled again, so the seed can only save time."""
+    from numba.core.caching import UserProvidedCacheLocator
+
+    cache = tmp_path_factory.mktemp("node-numba-cache")
+    for package in ("engine", "sparse_tables", "models", "streaming", "hdfs_io"):
+        for pycache in (REPO / package).glob("**/__pycache__"):
+            files = [*pycache.glob("*.nbi"), *pycache.glob("*.nbc")]
+            if files:
+                sub = cache / UserProvidedCacheLocator.get_suitable_cache_subpath(str(pycache.parent / "_.py"))
+                sub.mkdir(parents=True, exist_ok=True)
+                for f in files:
+                    shutil.copy2(f, sub / f.name)
+    return cache
 
 
 @pytest.mark.long   # make test-long (see pyproject.toml): the preemption test starts the pods of the same rendering

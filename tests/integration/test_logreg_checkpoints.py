@@ -31,6 +31,7 @@ def train(tmp: Path, tag: str, *extra: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): test_offline_resume resumes CTR jobs bit-identically
 def test_a_resumed_logreg_job_ends_with_the_uninterrupted_weights(tmp_path):
     full = train(tmp_path, "full")
     mgr = CheckpointManager(str(tmp_path / "ckpt"), "logreg")
