@@ -60,6 +60,7 @@ RAM tier grows to 30M rows, for a table that grows by doubling (``memory_rows``)
 once (``memory_bytes``): ``scale_growth`` rows with ``max_push_ms``, ``p99_push_ms``, ``max_pull_ms``.
 
     python bench/scale_bench.py [--quick] [--keys N] [--budget-gb G] [--tail truncated|fold] [--eviction slru|lru]
+                                [--compaction level|universal]
                                 [--work DIR] [--keep] [--growth]
 """
 from __future__ import annotations
@@ -235,13 +236,13 @@ def emit(rec: dict) -> None:
     print(json.dumps(rec), flush=True)
 
 
-def config(work: Path, budget: int, eviction: str = "slru"):
+def config(work: Path, budget: int, eviction: str = "slru", compaction: str = "level"):
     from engine.config import from_dict
     return from_dict({
         "cluster": {"servers": 1, "workers": 2},
         "tables": {"sparse": {"emb": {"dim": DIM, "optimizer": "adagrad", "learning_rate": 0.05,
                                       "memory_bytes": budget, "spill_path": str(work / "spill"),
-                                      "eviction": eviction}}},
+                                      "eviction": eviction, "spill_compaction": compaction}}},
         "checkpoint": {"root": str(work / "ckpt")}})
 
 
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
                          "2026-11-27 (a uniform share of ~30%% of the traffic)")
     ap.add_argument("--eviction", choices=("slru", "lru"), default="slru",
                     help="the table's eviction order (TableConfig.eviction)")
+    ap.add_argument("--compaction", choices=("level", "universal"), default="level",
+                    help="RocksDB's compaction of the spill store (TableConfig.spill_compaction)")
     ap.add_argument("--keep", action="store_true",
                     help="keep the work directory (the base checkpoint under WORK/ckpt: profile a restore of it)")
     ap.add_argument("--growth", action="store_true",
@@ -350,7 +353,7 @@ def main(argv=None) -> int:
     from engine.checkpoint import CheckpointManager
     from engine.launch.local import LocalCluster
     from engine.ps import PSClient
-    cfg = config(work, budget, args.eviction)
+    cfg = config(work, budget, args.eviction, args.compaction)
     out = {}
     with LocalCluster(cfg, work / "run") as cl:
         eps = cl.start_servers()
@@ -434,7 +437,7 @@ def main(argv=None) -> int:
         admin.close()
         cl.stop_servers()
     shutil.rmtree(work / "spill", ignore_errors=True)
-    cfg2 = config(work, budget, args.eviction)
+    cfg2 = config(work, budget, args.eviction, args.compaction)
     delta_keys = args.keys // 10
     with LocalCluster(cfg2, work / "run2") as cl:
         eps = cl.start_servers()
@@ -462,7 +465,7 @@ def main(argv=None) -> int:
             out["delta_rows"] = sum(t["rows"] for t in manifest["tables"]["sparse"].values())
         cl.stop_servers()
     shutil.rmtree(work / "spill", ignore_errors=True)
-    with LocalCluster(config(work, budget, args.eviction), work / "run3") as cl:
+    with LocalCluster(config(work, budget, args.eviction, args.compaction), work / "run3") as cl:
         eps = cl.start_servers()
         with PSClient(eps, name="scale-chain") as c:
             t0 = time.perf_counter()
@@ -485,7 +488,7 @@ def main(argv=None) -> int:
     last = rows[-1]
     rss_max = peaks.peaks.get("growth", 0)
     summary = {
-        "bench": "scale_summary", "target_keys": args.keys, "tail": args.tail, "eviction": args.eviction, "keys_held": out["keys_held"],
+        "bench": "scale_summary", "target_keys": args.keys, "tail": args.tail, "eviction": args.eviction, "compaction": args.compaction, "keys_held": out["keys_held"],
         "keys_restored": restored, "budget_bytes": budget, "server_rss_at_start": rss_at_start,
         "rss_max_bytes": rss_max,
         "rss_max_over_budget": round(rss_max / budget, 3) if rss_max else None,

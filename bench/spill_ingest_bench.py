@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gb", type=float, default=4.0)
     ap.add_argument("--background-jobs", type=int, default=spill.BACKGROUND_JOBS)
     ap.add_argument("--subcompactions", type=int, default=spill.SUBCOMPACTIONS)
-    ap.add_argument("--compaction", choices=("level", "universal"), default=spill.COMPACTION)
+    ap.add_argument("--compaction", choices=("level", "universal"), default="level")
     ap.add_argument("--universal-max-amp", type=int, default=spill.UNIVERSAL_MAX_AMP_PERCENT,
                     help="universal compaction's max_size_amplification_percent")
     ap.add_argument("--checkpoint", default=str(REPO / "runs" / "ckpt"))
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     total = int(args.rows)
     spill.BACKGROUND_JOBS, spill.SUBCOMPACTIONS = args.background_jobs, args.subcompactions
-    spill.COMPACTION, spill.UNIVERSAL_MAX_AMP_PERCENT = args.compaction, args.universal_max_amp
+    spill.UNIVERSAL_MAX_AMP_PERCENT = args.universal_max_amp
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     pool, kind = rows_for(1 << 16, Path(args.checkpoint), rng)
     stride = pool.shape[1]
     budget = MemoryBudget(int(args.budget_gb * 1e9), args.shards, 4 * stride)
-    stores = [spill.SpillStore(str(work / f"shard{i}"), stride, budget) for i in range(args.shards)]
+    stores = [spill.SpillStore(str(work / f"shard{i}"), stride, budget, args.compaction) for i in range(args.shards)]
     common = {"shards": args.shards, "budget_bytes": budget.budget_bytes, "records": kind,
               "background_jobs": args.background_jobs, "subcompactions": args.subcompactions,
               "compaction": args.compaction,

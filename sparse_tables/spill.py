@@ -57,12 +57,13 @@ class ScanView(NamedTuple):
     dead: np.ndarray = _NO_KEYS
 
 
-def rocksdb_options(budget=None) -> Options:
+def rocksdb_options(budget=None, compaction: str = "level") -> Options:
     """RocksDB options for a spill store: point lookups of ~100-byte records, batched writes.
 
     With a ``budget.MemoryBudget`` its stores share one block cache of ``budget.rocksdb_bytes`` and one
     write-buffer manager whose memtables are charged to that cache, so RocksDB's memory is one number
     the budget counts; without one, a store gets a cache of its own (32 MiB, RocksDB's default).
+    ``compaction``: ``level`` or ``universal`` (``TableConfig.spill_compaction``).
     """
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
@@ -98,7 +99,7 @@ def rocksdb_options(budget=None) -> Options:
     # leveled compaction with dynamic level sizes (space amplification ~1.1); RocksDB's default
     # write-stall triggers (20 / 36 level-0 files) and a rate limit on flush and compaction writes, so
     # background writing leaves the disk and a core to the requests
-    if COMPACTION == "universal":          # measured against leveled by bench/spill_ingest_bench.py only
+    if compaction == "universal":           # TableConfig.spill_compaction; bench/spill_ingest_bench.py
         opts.set_compaction_style(DBCompactionStyle.universal())
         universal = UniversalCompactOptions()
         universal.max_size_amplification_percent = UNIVERSAL_MAX_AMP_PERCENT
@@ -135,10 +136,9 @@ RATE_LIMIT_BYTES_PER_S = 256 << 20
 # 80M rows; scale_bench: 1.7 GB pending, 14 level-0 files and 0.2 s stalled at 100M keys.
 BACKGROUND_JOBS = 4
 SUBCOMPACTIONS = 2
-# "level" (above) or "universal": tiered sorted runs, each row rewritten fewer times, at up to
-# UNIVERSAL_MAX_AMP_PERCENT more bytes on disk than the live rows (RocksDB's default is 200). Stores use
-# leveled compaction; bench/spill_ingest_bench.py --compaction universal measures the other.
-COMPACTION = "level"
+# universal compaction (TableConfig.spill_compaction): tiered sorted runs, each row rewritten fewer times,
+# at up to this many percent more bytes on disk than the live rows while a merge runs (RocksDB's default
+# is 200; the disk target of a budgeted table is 1.2x the record size)
 UNIVERSAL_MAX_AMP_PERCENT = 50
 # level-0 files (compaction trigger, writes slow down, stop): RocksDB's defaults, and while a base restore
 # loads (``SpillStore.bulk``) far more: its small memtables (a budget's share per shard: 4-64 MiB) flush
@@ -191,6 +191,10 @@ class SpillStore:
         in use); the database lives in its ``rocksdb/`` subdirectory.
     stride : int
         Words (uint32) per record.
+    budget : budget.MemoryBudget, optional
+        The server's budget this store's RocksDB memory is part of (``rocksdb_options``).
+    compaction : str
+        ``level`` or ``universal`` (``TableConfig.spill_compaction``).
 
     Raises
     ------
@@ -200,12 +204,12 @@ class SpillStore:
         RocksDB cannot open the database.
     """
 
-    def __init__(self, path: str, stride: int, budget=None):
+    def __init__(self, path: str, stride: int, budget=None, compaction: str = "level"):
         self.path = Path(path)
         self.stride = stride
         self._dir = SpillDir(self.path)
         try:
-            self._db = Rdict(str(self._dir.db_path), rocksdb_options(budget))
+            self._db = Rdict(str(self._dir.db_path), rocksdb_options(budget, compaction))
         except Exception as exc:  # rocksdict raises plain Exception subclasses
             self._dir.release()
             raise SpillError(f"cannot open RocksDB spill store at {self._dir.db_path}: {exc}") from exc
