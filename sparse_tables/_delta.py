@@ -38,6 +38,11 @@ from .keysets import unique_keys
 from .rows import DirtyRows
 
 
+def _uri_key(uri) -> str:
+    """A checkpoint URI as the table records it (``mark_checkpoint``, ``delta_load``): no trailing slash."""
+    return str(uri).rstrip("/")
+
+
 class DeltaCapture:
     """Methods of ``SparseTable`` for delta checkpoints (see the module docstring)."""
 
@@ -142,7 +147,7 @@ class DeltaCapture:
         parent is ``uri`` then trusts the delta's ``existed`` column. Any push, delete, expiry pass or
         clear forgets it."""
         with self._lock.exclusive():
-            self._checkpoint = str(uri).rstrip("/")
+            self._checkpoint = _uri_key(uri)
 
     def finish_restore(self, uri: str) -> bool:
         """End a restore of the checkpoint at ``uri`` into this table (a base inside ``bulk_load
@@ -157,7 +162,7 @@ class DeltaCapture:
             self._clear_dirty_locked()
             exact = start is not None and start[1] and start[0] == self._changes
             if exact:
-                self._checkpoint = str(uri).rstrip("/")
+                self._checkpoint = _uri_key(uri)
             return exact
 
     @property
@@ -175,7 +180,7 @@ class DeltaCapture:
         trust for the rest of the load. Yields whether the column is trusted."""
         with self._lock.exclusive():
             trusted = parent is not None and self._checkpoint is not None \
-                and self._checkpoint == str(parent).rstrip("/")
+                and self._checkpoint == _uri_key(parent)
             self._checkpoint = None
             self._existed_trusted = trusted
             self._restore_start = (self._changes, trusted)      # for finish_restore

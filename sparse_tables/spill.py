@@ -96,10 +96,11 @@ def rocksdb_options(budget=None, compaction: str = "level") -> Options:
     # 136-142 s against 157-165 s.
     opts.set_optimize_filters_for_hits(True)
     opts.set_compression_type(COMPRESSION())
-    # leveled compaction with dynamic level sizes (space amplification ~1.1); RocksDB's default
+    # leveled compaction with dynamic level sizes (space amplification ~1.1; the default), or universal
+    # (TableConfig.spill_compaction: fewer rewrites per row, README "Scale"); RocksDB's default
     # write-stall triggers (20 / 36 level-0 files) and a rate limit on flush and compaction writes, so
     # background writing leaves the disk and a core to the requests
-    if compaction == "universal":           # TableConfig.spill_compaction; bench/spill_ingest_bench.py
+    if compaction == "universal":
         opts.set_compaction_style(DBCompactionStyle.universal())
         universal = UniversalCompactOptions()
         universal.max_size_amplification_percent = UNIVERSAL_MAX_AMP_PERCENT

@@ -124,7 +124,8 @@ class SparseTable(SpillTier, DeltaCapture):
         self._sizes = (max(16, initial_rows), slots)   # arena rows and index slots (restore_ram)
         self._released = False                          # release_ram: no rows in RAM until restore_ram
         self._alloc_arrays(*self._sizes)
-        self._spill = SpillStore(config.spill_path, lay.stride, budget, config.spill_compaction) if config.spill_path else None
+        self._spill = (SpillStore(config.spill_path, lay.stride, budget, config.spill_compaction)
+                       if config.spill_path else None)
         self._spilled_dirty = SortedKeySet()   # 8 bytes per key: it grows with the keys on disk
         self._load_distinct = False            # inside bulk_load(distinct=True)
         self._deleted: list[np.ndarray] = []
