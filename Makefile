@@ -8,10 +8,18 @@ STAMP := $(VENV)/.installed-stamp
 
 install: $(STAMP)
 
+# uv resolves and installs the same packages as pip from PyPI, in ~45 s where pip took ~2 min
+# of CI's 20 (measured 2026-11-28, fresh venv). --compile-bytecode: pip writes .pyc files of what it
+# installs and uv by default does not; where PYTHONDONTWRITEBYTECODE is set, every process would compile
+# numpy, numba and grpc again. Without uv (no wheel for this platform), pip does the same install.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,ray,hybrid]'
+	$(PY) -m pip install -q uv || echo "uv could not be installed: installing with pip (slower)"
+	if [ -x $(VENV)/bin/uv ]; then \
+	  $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e '.[test,bench,ray,hybrid]'; \
+	else \
+	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[test,bench,ray,hybrid]'; \
+	fi
 	touch $(STAMP)
 
 # The whole suite, then the kernel tests again with Numba's JIT off (pure Python, so

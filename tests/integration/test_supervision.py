@@ -55,6 +55,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
             proc.wait(10)
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): test_chaos_offline kills workers and the job finishes
 def test_a_killed_worker_restarts_the_job_which_finishes(tmp_path):
     proc = engine(run_dir=tmp_path)
     try:

@@ -121,6 +121,7 @@ def test_train_export_eval(corpus, tmp_path, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.long   # make test-long (see pyproject.toml): resume at the data position is test_offline_resume's (CTR)
 def test_a_resumed_job_trains_exactly_the_words_that_remained(corpus, tmp_path):
     """Word2Vec records its data position (epoch, step of the epoch) at aligned checkpoints, and a job
     resumed from one trains exactly the raw words after it: nothing skipped, nothing twice."""
