@@ -26,9 +26,9 @@ record being written is lost; readers skip a torn last record). ``close`` (also 
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import math
-import importlib
 import os
 import sys
 import threading
@@ -63,7 +63,7 @@ def _summary_writer_class(logdir: str):
     try:
         from tensorboardX import SummaryWriter
     finally:
-        if "boto3" in sys.modules and sys.modules["boto3"] is None:
+        if sys.modules.get("boto3", 0) is None:        # the block, not a boto3 loaded meanwhile
             del sys.modules["boto3"]
     return SummaryWriter
 
