@@ -42,7 +42,12 @@ restore into a fresh server),
 tier filled; target >= 0.7), ``max_pull_ms_while_ram_tier_grows`` (the longest pull in the rows before
 that one: the RAM tier only grew) and ``max_pull_ms_as_ram_tier_fills`` (the longest in that row's
 interval, where eviction and RocksDB's first compactions began), ``disk_bytes_per_row`` (RocksDB's files / keys, compaction's space
-amplification included; the record is 96 bytes at dim 16 Adagrad), ``base_save_s`` and ``restore_s``
+amplification included; the record is 96 bytes at dim 16 Adagrad; the issue's definition, all keys counted), ``disk_bytes_per_spilled_row``
+(the same over the rows only on disk, ``rows_spilled``: what ``engine plan`` sizes disk by),
+``disk_peak_over_live`` (the spill directory's bytes and the server's rows on disk, sampled every 5 s of
+every phase: the largest bytes / (rows on disk x ``disk_bytes_per_spilled_row``), where a compaction
+held its inputs and outputs at once; with ``disk_peak``, the sample, and ``disk_peak_bytes_by_phase``;
+an unlinked base-save spool in the spill directory is not seen by ``du``), ``base_save_s`` and ``restore_s``
 (a base checkpoint of the whole table to local disk and its restore into a fresh server; target >= 1M
 rows/s each, also given as ``*_rows_per_s``), ``shrink_s`` (an expiry pass over all rows), the delta
 path (on the restored server, the same traffic until a tenth of ``--keys`` more new keys, then a delta
@@ -89,6 +94,7 @@ NEW_FRACTION = 0.3
 WARMUP_STEPS = 5                       # a client's first steps (connections, first-touch) are not timed for max_pull_ms
 ZIPF_S = 1.05
 DISK_BYTES_PER_KEY = 2 * 115 + 20      # RocksDB + a base save, with room for compaction's files
+DISK_SAMPLE_S = 5.0                    # the spill directory's bytes and rows on disk, sampled this often
 
 
 def key_of(ids: np.ndarray) -> np.ndarray:
@@ -166,20 +172,29 @@ def rss_parts(pid: int) -> dict:
 
 class RssPeaks:
     """The largest RSS of a process per phase, sampled every 0.5 s from a thread: ``phase(name)``
-    starts a phase (None: not recorded), ``peaks`` holds {phase: bytes}. ``phase(name, pid)`` also
-    switches the process watched (a restore's fresh server)."""
+    starts a phase (None: not recorded), ``peaks`` holds {phase: bytes}. ``phase(name, pid, endpoints)``
+    also switches the process watched (a restore's fresh server) and the server whose rows are counted.
 
-    def __init__(self, pid: int):
+    Every ``DISK_SAMPLE_S`` seconds of a phase it also samples the spill directory's bytes (``spill``)
+    and, through the server's Stats, the rows only on disk at that moment: ``disk_samples`` holds
+    ``(phase, bytes, rows_spilled)``, from which ``disk_peak`` finds the largest bytes per live row (a
+    compaction holds its input files until its output is written: RocksDB's temporary space)."""
+
+    def __init__(self, pid: int, spill: Path | None = None, endpoints: list[str] | None = None):
         self.pid, self.current, self.peaks = pid, None, {}
+        self.spill, self.endpoints, self.disk_samples = spill, endpoints, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def phase(self, name: str | None, pid: int | None = None) -> None:
+    def phase(self, name: str | None, pid: int | None = None, endpoints: list[str] | None = None) -> None:
         self.pid = pid or self.pid
+        self.endpoints = endpoints or self.endpoints
         self.current = name
 
     def _run(self) -> None:
+        from engine.ps import PSClient
+        client, client_eps, tick = None, None, 0
         while not self._stop.wait(0.5):
             name = self.current
             if name is None:
@@ -189,10 +204,40 @@ class RssPeaks:
             except OSError:
                 continue            # the process ended between phases
             self.peaks[name] = max(self.peaks.get(name, 0), r)
+            tick += 1
+            if self.spill is None or not self.endpoints or tick % int(DISK_SAMPLE_S / 0.5):
+                continue
+            try:
+                if client_eps != self.endpoints:
+                    if client is not None:
+                        client.close()
+                    client, client_eps = PSClient(self.endpoints, name="scale-disk"), self.endpoints
+                size = dir_bytes(self.spill)
+                spilled = table_stats(client)["rows_spilled"]
+            except Exception:       # noqa: BLE001 - a server between phases, or a Stats call that timed out
+                continue
+            self.disk_samples.append((name, size, spilled))
+        if client is not None:
+            client.close()
+
+    def disk_peak(self, bytes_per_spilled_row: float, min_rows: int) -> dict:
+        """The sample with the most bytes per row on disk, against ``bytes_per_spilled_row`` (the end
+        of the growth's): ``over_live`` = bytes / (rows_spilled x bytes_per_spilled_row), over samples
+        with at least ``min_rows`` rows on disk (a first flush's files over a few rows say nothing of
+        a full server); also the largest bytes by phase."""
+        by_phase: dict[str, int] = {}
+        best = None
+        for name, size, rows in self.disk_samples:
+            by_phase[name] = max(by_phase.get(name, 0), size)
+            if rows >= min_rows and bytes_per_spilled_row > 0:
+                over = size / (rows * bytes_per_spilled_row)
+                if best is None or over > best["over_live"]:
+                    best = {"over_live": round(over, 3), "phase": name, "bytes": size, "rows_spilled": rows}
+        return {"peak": best, "bytes_by_phase": by_phase, "samples": len(self.disk_samples)}
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(2.0)
+        self._thread.join(10.0)
 
 
 def dir_bytes(path: Path) -> int:
@@ -373,7 +418,7 @@ def main(argv=None) -> int:
         for t in readers:
             t.start()
         spilled = False             # whether the RAM tier has spilled: RSS peaks are recorded from then on
-        peaks = RssPeaks(pid)
+        peaks = RssPeaks(pid, work / "spill", eps)
         t_start = time.perf_counter()
         rows, first_full = [], None
         seen, mark, taken, since, promoted = 0, args.keys // 10, 0, 0, 0
@@ -421,7 +466,7 @@ def main(argv=None) -> int:
             if p.wait() != 0:
                 raise SystemExit(f"scale_bench: client exited with {p.returncode}")
         table = table_stats(admin)
-        out.update(rows_in_ram=table["rows_in_ram"], keys_held=table["rows"], memory=table.get("memory"), memory_budget=table.get("memory_budget"),
+        out.update(rows_in_ram=table["rows_in_ram"], keys_held=table["rows"], rows_spilled=table["rows_spilled"], memory=table.get("memory"), memory_budget=table.get("memory_budget"),
                    rocksdb=table.get("rocksdb"))
         disk = dir_bytes(work / "spill")
         t0 = time.perf_counter()
@@ -443,7 +488,7 @@ def main(argv=None) -> int:
         eps = cl.start_servers()
         with PSClient(eps, name="scale-restore") as c:
             t0 = time.perf_counter()
-            peaks.phase("restore", cl.pids()[0])
+            peaks.phase("restore", cl.pids()[0], eps)
             mgr = CheckpointManager(str(work / "ckpt"), "scale")
             mgr.restore(c)
             out["restore_s"] = round(time.perf_counter() - t0, 1)
@@ -469,7 +514,7 @@ def main(argv=None) -> int:
         eps = cl.start_servers()
         with PSClient(eps, name="scale-chain") as c:
             t0 = time.perf_counter()
-            peaks.phase("chain_restore", cl.pids()[0])
+            peaks.phase("chain_restore", cl.pids()[0], eps)
             mgr = CheckpointManager(str(work / "ckpt"), "scale")
             chain = [r.name for r in mgr.list()]        # the base, then the delta (as restore loads them)
             t1, reads = time.perf_counter(), 0
@@ -487,6 +532,8 @@ def main(argv=None) -> int:
     peaks.stop()
     last = rows[-1]
     rss_max = peaks.peaks.get("growth", 0)
+    per_spilled = disk / max(1, out["rows_spilled"])
+    dpeak = peaks.disk_peak(per_spilled, out["rows_spilled"] // 4)
     summary = {
         "bench": "scale_summary", "target_keys": args.keys, "tail": args.tail, "eviction": args.eviction, "compaction": args.compaction, "keys_held": out["keys_held"],
         "keys_restored": restored, "budget_bytes": budget, "server_rss_at_start": rss_at_start,
@@ -506,6 +553,13 @@ def main(argv=None) -> int:
         "max_pull_ms_as_ram_tier_fills": first_full["max_pull_ms"] if first_full else None,
         "ram_rows_at_full": out["rows_in_ram"],
         "disk_bytes_per_row": round(disk / max(1, out["keys_held"]), 1), "record_bytes": 96,
+        # per row only on disk (rows in RAM keep no copy there, or one counted in RocksDB's files: the plan
+        # sizes disk by these rows), and the largest bytes per such row sampled over the whole bench (a
+        # compaction's inputs and outputs at once; rows_spilled a quarter of the growth's end at least)
+        "rows_spilled": out["rows_spilled"], "disk_bytes_per_spilled_row": round(per_spilled, 1),
+        "disk_peak_over_live": dpeak["peak"]["over_live"] if dpeak["peak"] else None,
+        "disk_peak": dpeak["peak"], "disk_peak_bytes_by_phase": dpeak["bytes_by_phase"],
+        "disk_samples": dpeak["samples"],
         "base_save_s": out["base_save_s"], "base_save_rows_per_s": round(out["keys_held"] / out["base_save_s"]),
         "restore_s": out["restore_s"], "restore_rows_per_s": round(restored / out["restore_s"]),
         "shrink_s": out["shrink_s"],
