@@ -23,10 +23,18 @@ RAM (``bytes_per_row`` of ``bench/table_bench.py``, measured at its own dim and 
               most (budget's free bytes - local_shards * (headroom + slack + 1024) rows) / (bloom_bits / 8)
               keys before its filters leave no RAM tier
 
-Disk (rows live in exactly one tier, so only spilled rows are on disk)::
+Disk (rows live in exactly one tier, so only spilled rows are on disk), from the latest ``scale_summary``
+measured with the table's ``spill_compaction`` (rows without the field were leveled)::
 
-    b_disk  = scale_summary.disk_bytes_per_row   (rescaled by record size when the row records its dim)
-            | (8 + row_bytes) * space_amplification     (assumption, when not measured)
+    b_spill = scale_summary.disk_bytes_per_spilled_row
+            | disk_bytes_per_row * keys_held / (keys_held - ram_rows_at_full)   (older rows: bytes per key
+                                             counted the RAM tier's keys too)
+    peak    = max(1, scale_summary.disk_peak_over_live)   the spill directory's largest bytes per live row,
+                                             sampled through the whole bench (a compaction holds its inputs
+                                             and outputs at once) | DISK_PEAK_ASSUMED[style] (RocksDB's own
+                                             figures, an assumption)
+    b_disk  = b_spill * (8 + row_bytes) / (8 + scale_summary.record_bytes) * peak
+            | (8 + row_bytes) * space_amplification     (assumption, peak included, when nothing is measured)
     disk    = rows_on_disk * b_disk
 
 Rows in RAM: ``--ram-fraction f`` keeps ``f * K`` rows in RAM; without the flag a config with ``spill_path``
@@ -62,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import json
 import math
 import os
 import shutil
@@ -70,7 +77,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, EngineError
+from .errors import ConfigError
+from .plan_inputs import BenchResults, Figure, PlanInputError, Where
+
+__all__ = ["BenchResults", "Figure", "PlanInputError", "make_plan", "measure_unique_keys", "servers_for",
+           "busiest_share", "this_machine"]
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BENCH_RESULTS = REPO / "bench" / "results" / "this_machine.jsonl"
@@ -81,123 +92,6 @@ DEFAULT_SPACE_AMPLIFICATION = 1.2
 CTR_KINDS = ("ctr_dnn", "deepfm", "ctr_online")
 
 
-class PlanInputError(EngineError, ValueError):
-    """A plan input is missing or malformed: a bench results file or line, a figure the plan needs, a
-    flag value, or training data to measure. The message names the file, line, bench, field or flag."""
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One number of a plan and its source. ``kind``: ``measured`` (a bench result), ``config``, ``flag``,
-    ``default`` (a flag's default, e.g. this machine), ``assumption``, ``computed`` or ``code`` (a constant
-    of the engine's source)."""
-
-    name: str
-    value: float
-    unit: str
-    kind: str
-    source: str
-
-
-# ------------------------------------------------------------------------------------ bench results
-def _ps(r: dict) -> bool:           # ps_bench's pull/push carry the cluster shape; table_bench's do not
-    return "servers" in r
-
-
-_TABLE, _CKPT = "python bench/table_bench.py --only", "python bench/ckpt_bench.py --backends local"
-#: what the plan reads: name -> (bench, which rows (said in errors), rows it takes, script that writes them)
-SOURCES = {
-    "bytes_per_row": ("bytes_per_row", "", None, f"{_TABLE} bytes_per_row"),
-    "table_pull": ("pull", "of bench/table_bench.py", lambda r: not _ps(r), f"{_TABLE} pull"),
-    "table_push": ("push", "of bench/table_bench.py", lambda r: not _ps(r), f"{_TABLE} push"),
-    "spill": ("spill", "", None, f"{_TABLE} spill"),
-    "ps_pull": ("pull", "of bench/ps_bench.py (with 'servers')", _ps, "python bench/ps_bench.py"),
-    "ps_push": ("push", "of bench/ps_bench.py (with 'servers')", _ps, "python bench/ps_bench.py"),
-    "ckpt_save": ("ckpt_base_save", "with backend 'local'", lambda r: r.get("backend", "local") == "local", _CKPT),
-    "ckpt_restore": ("ckpt_base_restore", "with backend 'local'", lambda r: r.get("backend", "local") == "local",
-                     _CKPT),
-    "scale_summary": ("scale_summary", "", None, "python bench/scale_bench.py"),
-    "machine": ("machine", "", None, f"{_TABLE} machine"),
-}
-
-
-class BenchResults:
-    """The rows of a JSON-lines bench results file, by bench.
-
-    Each non-blank line is one JSON object with a string ``bench`` field (lines starting with ``#`` are
-    comments, e.g. the date and commit of a run). Where several rows of one kind exist, the last one in
-    the file is used and its figure says so.
-
-    Raises
-    ------
-    PlanInputError
-        From ``read``: the file cannot be read, or a line is not such an object (``FILE:LINE`` named).
-    """
-
-    def __init__(self, path: str | Path, rows: list[tuple[int, dict]]):
-        self.path = str(path)
-        self.rows = rows
-
-    @classmethod
-    def read(cls, path: str | Path) -> BenchResults:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise PlanInputError(f"bench results {path}: cannot read ({e.strerror or e}); write it from the "
-                                 f"bench scripts' output (one JSON object per line) or pass --bench-results"
-                                 ) from None
-        rows = []
-        for n, line in enumerate(text.splitlines(), start=1):
-            s = line.strip()
-            if not s or s.startswith("#"):
-                continue
-            try:
-                row = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise PlanInputError(f"{path}:{n}: not JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("bench"), str):
-                raise PlanInputError(f"{path}:{n}: expected a JSON object with a string 'bench' field, "
-                                     f"got {s[:80]!r}")
-            rows.append((n, row))
-        return cls(path, rows)
-
-    def latest(self, source: str) -> tuple[int, dict, int] | None:
-        """``(line, row, matching rows)`` of the last row of ``SOURCES[source]``, or None."""
-        bench, _, pick, _ = SOURCES[source]
-        found = [(n, r) for n, r in self.rows if r["bench"] == bench and (pick is None or pick(r))]
-        return (*found[-1], len(found)) if found else None
-
-    def figure(self, source: str, key: str, *, unit: str, name: str = "", need: str = "",
-               required: bool = True, positive: bool = True) -> Figure | None:
-        """The number ``key`` of the latest row of ``source`` as a measured ``Figure``.
-
-        Raises
-        ------
-        PlanInputError
-            ``required`` and no such row or field, naming the bench, the field and the script to run;
-            or the field is not a finite number (> 0 when ``positive``), naming the line.
-        """
-        bench, which, _, script = SOURCES[source]
-        hit = self.latest(source)
-        if hit is None or key not in hit[1] or (hit[1][key] is None and not required):
-            if not required:
-                return None
-            where = (f"no '{bench}' row{' ' + which if which else ''}" if hit is None
-                     else f"the latest '{bench}' row (line {hit[0]}) has no field '{key}'")
-            raise PlanInputError(f"bench results {self.path}: {where}; the plan needs {bench}.{key}"
-                                 f"{' (' + need + ')' if need else ''}. Produce it with `{script}` and "
-                                 f"append its output to {self.path}")
-        n, row, count = hit
-        v = row[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
-                positive and v <= 0):
-            raise PlanInputError(f"{self.path}:{n}: {bench}.{key} must be a finite number"
-                                 f"{' > 0' if positive else ''}, got {v!r}")
-        src = f"{self.path}:{n} {bench}.{key}" + (f" (latest of {count} rows)" if count > 1 else "")
-        return Figure(name or f"{bench}.{key}", float(v), unit, "measured", src)
-
-
-# ------------------------------------------------------------------------------------ the server
 def this_machine(path: str | Path = ".") -> dict[str, Figure]:
     """Defaults for a server: this machine's RAM and cores, the free disk at ``path``, and an assumed
     network. Keys ``ram``, ``disk`` (bytes), ``cores``, ``network`` (bytes/s per direction)."""
@@ -393,7 +287,9 @@ class _Record:
         self.notes: list[str] = []
 
     def use(self, fig: Figure) -> float:
-        self.inputs.append(fig)
+        """Record ``fig`` (once: a figure of the same name and value already listed is not repeated)."""
+        if not any(f.name == fig.name and f.value == fig.value for f in self.inputs):
+            self.inputs.append(fig)
         return fig.value
 
     def conf(self, key: str, value: float, unit: str) -> float:
@@ -580,7 +476,13 @@ def _row_bytes(rec: _Record, bench: BenchResults, t, tk: str, space_amplificatio
     bits = inspect.signature(ScalableBloom).parameters["bits_per_key"].default
     bloom = rec.use(Figure("bloom_bits_per_spilled_key", bits, "bits", "code",
                            "sparse_tables.keysets.ScalableBloom bits_per_key")) / 8
-    rss = bench.figure("scale_summary", "rss_max_over_budget", unit="x", required=False)
+    style = getattr(t, "spill_compaction", "level")
+    where = Where("compaction", style, "level")       # scale_bench rows before --compaction were leveled
+    if bench.latest("scale_summary") is not None and bench.latest("scale_summary", where) is None:
+        rec.notes.append(f"no scale_summary row was measured with {tk}.spill_compaction {style!r}: the latest "
+                         f"row of another compaction is used for RSS and bytes per row")
+        where = None
+    rss = bench.figure("scale_summary", "rss_max_over_budget", unit="x", required=False, where=where)
     if rss is not None:
         rec.use(rss)
         if not getattr(t, "memory_bytes", 0):
@@ -589,30 +491,79 @@ def _row_bytes(rec: _Record, bench: BenchResults, t, tk: str, space_amplificatio
     elif not getattr(t, "memory_bytes", 0):
         rec.notes.append("RAM counts rows and the spill tier's Bloom filter only: RocksDB's block cache and "
                          "memtables are not measured (run bench/scale_bench.py for rss_max_over_budget)")
-    disk = bench.figure("scale_summary", "disk_bytes_per_row", unit="bytes", required=False)
+    b_disk, measured = _disk_bytes(rec, bench, record, space_amplification, where)
+    if measured:        # an assumed space amplification stands for compaction's peak too
+        b_disk = rec.computed("disk_bytes_per_row_at_peak", b_disk * _disk_peak(rec, bench, style, tk), "bytes",
+                              "bytes per spilled row x disk_peak_factor")
+    return _Rows(record, b_ram, b_disk, rss.value if rss else 1.0, bloom)
+
+
+#: RocksDB's own figures for the extra disk its compaction holds, used when scale_bench measured none for
+#: the table's compaction style: leveled with dynamic level sizes keeps ~1/(1 - 1/10) of the live data
+#: (a size ratio of 10 between levels); universal's full merge writes a copy of every input before it
+#: deletes them, up to twice the data (RocksDB wiki, "Leveled Compaction" and "Universal Compaction")
+DISK_PEAK_ASSUMED = {"level": 1.111, "universal": 2.0}
+
+
+def _disk_bytes(rec: _Record, bench: BenchResults, record: int, space_amplification: float,
+                where: Where | None) -> tuple[float, bool]:
+    """Disk bytes per spilled row between compactions, and whether they were measured (else assumed from
+    ``space_amplification``, compaction's peak included): see the module docstring."""
+    from sparse_tables import RowLayout, optimizer_state_width
+
     on_disk = 8 + record                                   # RocksDB key + the row's arena record
+    per_spilled = bench.figure("scale_summary", "disk_bytes_per_spilled_row", unit="bytes", required=False,
+                               where=where)
+    disk = per_spilled or bench.figure("scale_summary", "disk_bytes_per_row", unit="bytes", required=False,
+                                       where=where)
     if disk is None:
         amp = rec.use(Figure("space_amplification", space_amplification, "x", "assumption",
                              "--space-amplification (no scale_summary.disk_bytes_per_row measured)"))
-        b_disk = rec.computed("disk_bytes_per_row", on_disk * amp, "bytes",
-                              f"(8 key + {record} record) x space_amplification: an ASSUMPTION, not a measurement")
-    else:
-        b_disk = rec.use(disk)
-        srow = bench.latest("scale_summary")[1]
-        if "record_bytes" in srow or "dim" in srow:
-            if "record_bytes" in srow:
-                bench_rec = 8 + rec.use(bench.figure("scale_summary", "record_bytes", unit="bytes"))
-            else:
-                sdim = int(srow["dim"])
-                bench_rec = 8 + RowLayout(sdim, optimizer_state_width(srow.get("optimizer", "adagrad"),
-                                                                      sdim)).row_bytes
-            b_disk = rec.computed("disk_bytes_per_row_scaled", b_disk * on_disk / bench_rec, "bytes",
-                                  f"disk_bytes_per_row x {on_disk} / {bench_rec:g} (8 key + record bytes, "
-                                  f"config / bench)")
+        return rec.computed("disk_bytes_per_row", on_disk * amp, "bytes",
+                            f"(8 key + {record} record) x space_amplification: an ASSUMPTION, not a measurement"
+                            ), False
+    b_disk = rec.use(disk)
+    srow = bench.latest("scale_summary", where)[1]
+    if per_spilled is None:
+        # disk_bytes_per_row divides RocksDB's bytes by all keys, the RAM tier's too; only spilled rows
+        # are on disk, so the bytes per spilled row are larger by keys / (keys - rows in RAM)
+        held = srow.get("keys_held")
+        in_ram = srow.get("ram_rows_at_full")
+        if isinstance(held, (int, float)) and isinstance(in_ram, (int, float)) and 0 <= in_ram < held:
+            rec.use(bench.figure("scale_summary", "keys_held", unit="rows", where=where))
+            rec.use(bench.figure("scale_summary", "ram_rows_at_full", unit="rows", where=where, positive=False))
+            b_disk = rec.computed("disk_bytes_per_spilled_row", b_disk * held / (held - in_ram), "bytes",
+                                  "disk_bytes_per_row x keys_held / (keys_held - ram_rows_at_full)")
         else:
-            rec.notes.append("scale_summary records neither record_bytes nor dim: its disk_bytes_per_row is "
-                             "used as measured, not rescaled to this table's row")
-    return _Rows(record, b_ram, b_disk, rss.value if rss else 1.0, bloom)
+            rec.notes.append("scale_summary gives neither disk_bytes_per_spilled_row nor ram_rows_at_full: its "
+                             "disk_bytes_per_row (over all keys, the RAM tier's included) is used per spilled row")
+    if "record_bytes" in srow or "dim" in srow:
+        if "record_bytes" in srow:
+            bench_rec = 8 + rec.use(bench.figure("scale_summary", "record_bytes", unit="bytes", where=where))
+        else:
+            sdim = int(srow["dim"])
+            bench_rec = 8 + RowLayout(sdim, optimizer_state_width(srow.get("optimizer", "adagrad"), sdim)).row_bytes
+        return rec.computed("disk_bytes_per_row_scaled", b_disk * on_disk / bench_rec, "bytes",
+                            f"bytes per spilled row x {on_disk} / {bench_rec:g} (8 key + record bytes, "
+                            f"config / bench)"), True
+    rec.notes.append("scale_summary records neither record_bytes nor dim: its bytes per row are used as "
+                     "measured, not rescaled to this table's row")
+    return b_disk, True
+
+
+def _disk_peak(rec: _Record, bench: BenchResults, style: str, tk: str) -> float:
+    """The factor on a spilled row's disk bytes at compaction's peak (>= 1): ``disk_peak_over_live`` of
+    the latest scale_summary measured with the table's compaction style, else ``DISK_PEAK_ASSUMED``."""
+    fig = bench.figure("scale_summary", "disk_peak_over_live", unit="x", required=False,
+                       name="disk_peak_over_live", where=Where("compaction", style, "level"))
+    if fig is None:
+        fig = Figure("disk_peak_over_live", DISK_PEAK_ASSUMED[style], "x", "assumption",
+                     f"RocksDB's documented space amplification of {style} compaction ({tk}.spill_compaction; "
+                     f"no scale_summary row with compaction {style!r} measured it)")
+    peak = rec.use(fig)
+    return rec.computed("disk_peak_factor", max(1.0, peak), "x",
+                        "max(1, disk_peak_over_live): disk is sized for compaction's peak, never below the "
+                        "end of the growth")
 
 
 @dataclass

@@ -54,8 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="worker processes (adds each worker's network per second)")
     p.add_argument("--space-amplification", type=float, default=None, metavar="X",
-                   help="disk bytes per record byte when no scale_summary.disk_bytes_per_row is measured "
-                        "(default: an assumed 1.2)")
+                   help="disk bytes per record byte, compaction's peak included, when no "
+                        "scale_summary.disk_bytes_per_row is measured (default: an assumed 1.2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set model.batch_size=512")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")

@@ -187,9 +187,56 @@ def test_scale_summary_replaces_the_disk_assumption(tmp_path, ctr):
     assert "space_amplification" not in {f.name for f in p.inputs}
     assert not any("RocksDB's block cache" in n for n in p.notes)
     r = {x.name: x for x in p.resources}
-    assert r["disk"].demand == pytest.approx(0.75e9 * 120 * (8 + 72) / (8 + 96))   # rescaled by record
+    # rescaled by record; no ram_rows_at_full: per key as measured; leveled compaction's peak assumed
+    assert r["disk"].demand == pytest.approx(0.75e9 * 120 * (8 + 72) / (8 + 96) * 1.111)
+    assert any("neither disk_bytes_per_spilled_row nor ram_rows_at_full" in n for n in p.notes)
+    assert next(f for f in p.inputs if f.name == "disk_peak_over_live").kind == "assumption"
     assert r["ram"].demand == pytest.approx((0.25e9 * 88 + 0.75e9 * 1.25) * 1.3)
     assert any("extrapolated" in n for n in p.notes)           # 5e8 keys per server > 2e8 held
+
+
+SCALE = {"bench": "scale_summary", "keys_held": 100_000_000, "ram_rows_at_full": 20_000_000,
+         "rss_max_over_budget": 1.1, "disk_bytes_per_row": 88.0, "record_bytes": 96}
+
+
+def disk_demand(p) -> float:
+    return next(x for x in p.resources if x.name == "disk").demand
+
+
+def test_disk_is_sized_per_spilled_row_at_compactions_peak(tmp_path, ctr):
+    # bytes per key over all keys -> per spilled row: 88 x 100M / 80M = 110; measured peak 1.25
+    p = plan_1e9(ctr, bench(tmp_path, ROWS + [dict(SCALE, disk_peak_over_live=1.25)]))
+    assert disk_demand(p) == pytest.approx(0.75e9 * 110 * 80 / 104 * 1.25)
+    assert {f.name: f.kind for f in p.inputs}["disk_peak_over_live"] == "measured"
+    # the bench's own per-spilled-row figure wins over the one computed from the RAM tier's rows
+    p = plan_1e9(ctr, bench(tmp_path, ROWS + [dict(SCALE, disk_peak_over_live=1.25,
+                                                   disk_bytes_per_spilled_row=104.0)]))
+    assert disk_demand(p) == pytest.approx(0.75e9 * 104 * 80 / 104 * 1.25)
+    # a peak below the end of the growth's bytes (a backlog compacted later) sizes no less than the end
+    p = plan_1e9(ctr, bench(tmp_path, ROWS + [dict(SCALE, disk_peak_over_live=0.9)]))
+    assert disk_demand(p) == pytest.approx(0.75e9 * 110 * 80 / 104)
+
+
+def test_scale_rows_of_the_tables_compaction_style_are_used(tmp_path):
+    level = dict(SCALE, disk_peak_over_live=1.2, rss_max_over_budget=1.08)          # no field: leveled
+    universal = dict(SCALE, compaction="universal", disk_peak_over_live=1.9, rss_max_over_budget=1.09)
+    b = bench(tmp_path, ROWS + [level, universal])
+    lv = plan_1e9(load_config(CTR), b)
+    un = plan_1e9(load_config(CTR, ["tables.sparse.embedding.spill_compaction=universal"]), b)
+    assert disk_demand(lv) == pytest.approx(0.75e9 * 110 * 80 / 104 * 1.2)
+    assert disk_demand(un) == pytest.approx(0.75e9 * 110 * 80 / 104 * 1.9)
+    src = {f.name: f.source for f in un.inputs}
+    assert "bench.jsonl:12" in src["disk_peak_over_live"] and "with compaction 'universal'" in src[
+        "disk_peak_over_live"]
+    assert "with compaction 'level'" in {f.name: f.source for f in lv.inputs}["scale_summary.rss_max_over_budget"]
+    # universal measured nowhere: leveled's RSS and bytes with a note, universal's peak from RocksDB's figures
+    only_level = bench(tmp_path, ROWS + [level])
+    un = plan_1e9(load_config(CTR, ["tables.sparse.embedding.spill_compaction=universal"]), only_level)
+    assert any("no scale_summary row was measured with tables.sparse.embedding.spill_compaction 'universal'"
+               in n for n in un.notes)
+    peak = next(f for f in un.inputs if f.name == "disk_peak_over_live")
+    assert peak.kind == "assumption" and peak.value == 2.0
+    assert disk_demand(un) == pytest.approx(0.75e9 * 110 * 80 / 104 * 2.0)
 
 
 def test_unmeasured_rss_factor_is_left_out_not_refused(tmp_path, ctr):
