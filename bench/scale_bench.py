@@ -46,8 +46,9 @@ amplification included; the record is 96 bytes at dim 16 Adagrad; the issue's de
 (the same over the rows only on disk, ``rows_spilled``: what ``engine plan`` sizes disk by),
 ``disk_peak_over_live`` (the spill directory's bytes and the server's rows on disk, sampled every 5 s of
 every phase: the largest bytes / (rows on disk x ``disk_bytes_per_spilled_row``), where a compaction
-held its inputs and outputs at once; with ``disk_peak``, the sample, and ``disk_peak_bytes_by_phase``;
-an unlinked base-save spool in the spill directory is not seen by ``du``), ``base_save_s`` and ``restore_s``
+held its inputs and outputs at once; with ``disk_peak``, the sample, ``disk_peak_bytes_by_phase`` and
+``disk_peak_over_live_by_phase``; the bytes include files under the spill directory that the server holds
+open unlinked, as a base save's spool of the RAM tier), ``base_save_s`` and ``restore_s``
 (a base checkpoint of the whole table to local disk and its restore into a fresh server; target >= 1M
 rows/s each, also given as ``*_rows_per_s``), ``shrink_s`` (an expiry pass over all rows), the delta
 path (on the restored server, the same traffic until a tenth of ``--keys`` more new keys, then a delta
@@ -212,7 +213,7 @@ class RssPeaks:
                     if client is not None:
                         client.close()
                     client, client_eps = PSClient(self.endpoints, name="scale-disk"), self.endpoints
-                size = dir_bytes(self.spill)
+                size = dir_bytes(self.spill) + unlinked_bytes(self.pid, self.spill)
                 spilled = table_stats(client)["rows_spilled"]
             except Exception:       # noqa: BLE001 - a server between phases, or a Stats call that timed out
                 continue
@@ -226,14 +227,17 @@ class RssPeaks:
         with at least ``min_rows`` rows on disk (a first flush's files over a few rows say nothing of
         a full server); also the largest bytes by phase."""
         by_phase: dict[str, int] = {}
+        over_by_phase: dict[str, float] = {}
         best = None
         for name, size, rows in self.disk_samples:
             by_phase[name] = max(by_phase.get(name, 0), size)
             if rows >= min_rows and bytes_per_spilled_row > 0:
                 over = size / (rows * bytes_per_spilled_row)
+                over_by_phase[name] = max(over_by_phase.get(name, 0.0), round(over, 3))
                 if best is None or over > best["over_live"]:
                     best = {"over_live": round(over, 3), "phase": name, "bytes": size, "rows_spilled": rows}
-        return {"peak": best, "bytes_by_phase": by_phase, "samples": len(self.disk_samples)}
+        return {"peak": best, "bytes_by_phase": by_phase, "over_live_by_phase": over_by_phase,
+                "samples": len(self.disk_samples)}
 
     def stop(self) -> None:
         self._stop.set()
@@ -248,6 +252,24 @@ def dir_bytes(path: Path) -> int:
                 total += os.stat(os.path.join(root, name)).st_blocks * 512
             except FileNotFoundError:
                 pass        # a compaction removed it
+    return total
+
+
+def unlinked_bytes(pid: int, under: Path) -> int:
+    """Bytes on disk of the files under ``under`` that process ``pid`` holds open after unlinking them
+    (a base save's spool of the RAM tier's rows, ``sparse_tables._snapshot``): ``du`` no longer sees them."""
+    total, prefix = 0, str(under.resolve())
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(prefix) and target.endswith(" (deleted)"):
+                total += os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
+        except OSError:
+            pass            # closed meanwhile
     return total
 
 
@@ -559,6 +581,7 @@ def main(argv=None) -> int:
         "rows_spilled": out["rows_spilled"], "disk_bytes_per_spilled_row": round(per_spilled, 1),
         "disk_peak_over_live": dpeak["peak"]["over_live"] if dpeak["peak"] else None,
         "disk_peak": dpeak["peak"], "disk_peak_bytes_by_phase": dpeak["bytes_by_phase"],
+        "disk_peak_over_live_by_phase": dpeak["over_live_by_phase"],
         "disk_samples": dpeak["samples"],
         "base_save_s": out["base_save_s"], "base_save_rows_per_s": round(out["keys_held"] / out["base_save_s"]),
         "restore_s": out["restore_s"], "restore_rows_per_s": round(restored / out["restore_s"]),
