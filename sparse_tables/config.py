@@ -116,11 +116,14 @@ class TableConfig:
         A push does not mark a row reused: training pushes the keys it has just pulled.
     spill_compaction : str
         RocksDB's compaction of the spill store. ``level`` (leveled, dynamic level sizes: ~1.1x the
-        live rows on disk); ``universal`` (tiered sorted runs: up to 1.5x the live rows on disk between
-        merges, and a full merge keeps its inputs until it ends: 1.9x measured at 80M keys): in
+        live rows on disk while growing; 1.39x measured in the compaction that follows a base restore);
+        ``universal`` (tiered sorted runs: up to 1.5x the live rows on disk between merges, and a full
+        merge keeps its inputs until it ends: 1.63x-1.9x measured while growing to 100M keys): in
         ``bench/spill_ingest_bench.py`` at 100M rows it kept up with the writes at 19% less CPU per row
         where leveled fell 11 GB behind, and in ``bench/scale_bench.py`` at 100M keys it pulled
-        15-31% more keys/s than leveled from 60M keys on (README, "Scale"). Ignored without ``spill_path``.
+        25-54% more keys/s than leveled at the end (README, "Scale"). ``engine plan`` sizes disk by the
+        peak measured for the style; where disk binds (10^12 keys) leveled needs fewer servers, hence the
+        default. Ignored without ``spill_path``.
     """
 
     dim: int = 8

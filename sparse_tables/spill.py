@@ -140,7 +140,8 @@ SUBCOMPACTIONS = 2
 # universal compaction (TableConfig.spill_compaction): tiered sorted runs, each row rewritten fewer times,
 # at up to this many percent more bytes on disk than the live rows between merges (RocksDB's default is
 # 200; the disk target of a budgeted table is 1.2x the record size). A full merge keeps its inputs until
-# it ends: scale_bench at 100M keys, 4 GB, peaked at 10.1 GB for ~5.2 GB of live rows (1.9x)
+# it ends: scale_bench at 100M keys, 4 GB, peaked at 10.1 GB for ~5.2 GB of live rows (1.9x, du every 15 s),
+# and at 1.63x the bytes of the rows then on disk in a run that samples both (engine plan's disk_peak_over_live)
 UNIVERSAL_MAX_AMP_PERCENT = 50
 # level-0 files (compaction trigger, writes slow down, stop): RocksDB's defaults, and while a base restore
 # loads (``SpillStore.bulk``) far more: its small memtables (a budget's share per shard: 4-64 MiB) flush
