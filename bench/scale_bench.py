@@ -212,9 +212,11 @@ class RssPeaks:
                 if client_eps != self.endpoints:
                     if client is not None:
                         client.close()
-                    client, client_eps = PSClient(self.endpoints, name="scale-disk"), self.endpoints
-                size = dir_bytes(self.spill) + unlinked_bytes(self.pid, self.spill)
+                    # a short deadline, no retries: a sample that waits would pair old bytes with new rows
+                    client = PSClient(self.endpoints, name="scale-disk", timeout_s=2.0, retries=0)
+                    client_eps = self.endpoints
                 spilled = table_stats(client)["rows_spilled"]
+                size = dir_bytes(self.spill) + unlinked_bytes(self.pid, self.spill)
             except Exception:       # noqa: BLE001 - a server between phases, or a Stats call that timed out
                 continue
             self.disk_samples.append((name, size, spilled))
@@ -231,7 +233,7 @@ class RssPeaks:
         best = None
         for name, size, rows in self.disk_samples:
             by_phase[name] = max(by_phase.get(name, 0), size)
-            if rows >= min_rows and bytes_per_spilled_row > 0:
+            if rows > 0 and rows >= min_rows and bytes_per_spilled_row > 0:
                 over = size / (rows * bytes_per_spilled_row)
                 over_by_phase[name] = max(over_by_phase.get(name, 0.0), round(over, 3))
                 if best is None or over > best["over_live"]:
@@ -258,7 +260,7 @@ def dir_bytes(path: Path) -> int:
 def unlinked_bytes(pid: int, under: Path) -> int:
     """Bytes on disk of the files under ``under`` that process ``pid`` holds open after unlinking them
     (a base save's spool of the RAM tier's rows, ``sparse_tables._snapshot``): ``du`` no longer sees them."""
-    total, prefix = 0, str(under.resolve())
+    files, prefix = {}, str(under.resolve())
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
@@ -267,10 +269,11 @@ def unlinked_bytes(pid: int, under: Path) -> int:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
             if target.startswith(prefix) and target.endswith(" (deleted)"):
-                total += os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                files[(st.st_dev, st.st_ino)] = st.st_blocks * 512      # a file open twice counts once
         except OSError:
             pass            # closed meanwhile
-    return total
+    return sum(files.values())
 
 
 def table_stats(client) -> dict:
@@ -554,8 +557,8 @@ def main(argv=None) -> int:
     peaks.stop()
     last = rows[-1]
     rss_max = peaks.peaks.get("growth", 0)
-    per_spilled = disk / max(1, out["rows_spilled"])
-    dpeak = peaks.disk_peak(per_spilled, out["rows_spilled"] // 4)
+    per_spilled = disk / out["rows_spilled"] if out["rows_spilled"] else None      # None: nothing spilled
+    dpeak = peaks.disk_peak(per_spilled or 0.0, out["rows_spilled"] // 4)
     summary = {
         "bench": "scale_summary", "target_keys": args.keys, "tail": args.tail, "eviction": args.eviction, "compaction": args.compaction, "keys_held": out["keys_held"],
         "keys_restored": restored, "budget_bytes": budget, "server_rss_at_start": rss_at_start,
@@ -578,7 +581,7 @@ def main(argv=None) -> int:
         # per row only on disk (rows in RAM keep no copy there, or one counted in RocksDB's files: the plan
         # sizes disk by these rows), and the largest bytes per such row sampled over the whole bench (a
         # compaction's inputs and outputs at once; rows_spilled a quarter of the growth's end at least)
-        "rows_spilled": out["rows_spilled"], "disk_bytes_per_spilled_row": round(per_spilled, 1),
+        "rows_spilled": out["rows_spilled"], "disk_bytes_per_spilled_row": round(per_spilled, 1) if per_spilled else None,
         "disk_peak_over_live": dpeak["peak"]["over_live"] if dpeak["peak"] else None,
         "disk_peak": dpeak["peak"], "disk_peak_bytes_by_phase": dpeak["bytes_by_phase"],
         "disk_peak_over_live_by_phase": dpeak["over_live_by_phase"],

@@ -23,18 +23,22 @@ RAM (``bytes_per_row`` of ``bench/table_bench.py``, measured at its own dim and 
               most (budget's free bytes - local_shards * (headroom + slack + 1024) rows) / (bloom_bits / 8)
               keys before its filters leave no RAM tier
 
-Disk (rows live in exactly one tier, so only spilled rows are on disk), from the latest ``scale_summary``
-measured with the table's ``spill_compaction`` (rows without the field were leveled)::
+Disk (rows live in exactly one tier, so only spilled rows are on disk). Every ``scale_summary`` figure
+(here and ``rss_factor`` above) comes from the latest row measured with the table's ``spill_compaction``
+(rows without the field were leveled), or, when there is none, from the latest row of any style, with a
+note::
 
     b_spill = scale_summary.disk_bytes_per_spilled_row
             | disk_bytes_per_row * keys_held / (keys_held - ram_rows_at_full)   (older rows: bytes per key
                                              counted the RAM tier's keys too)
     peak    = max(1, scale_summary.disk_peak_over_live)   the spill directory's largest bytes per live row,
-                                             sampled through the whole bench (a compaction holds its inputs
-                                             and outputs at once) | DISK_PEAK_ASSUMED[style] (RocksDB's own
+                                             sampled through the whole bench (a compaction holding its inputs
+                                             and outputs at once; a base save's spool of the RAM tier) of the
+                                             table's style only | DISK_PEAK_ASSUMED[style] (RocksDB's own
                                              figures, an assumption)
     b_disk  = b_spill * (8 + row_bytes) / (8 + scale_summary.record_bytes) * peak
-            | (8 + row_bytes) * space_amplification     (assumption, peak included, when nothing is measured)
+            | (8 + row_bytes) * space_amplification     (assumption when nothing is measured, leveled's peak
+                                             included; x DISK_PEAK_ASSUMED[style] / DISK_PEAK_ASSUMED["level"])
     disk    = rows_on_disk * b_disk
 
 Rows in RAM: ``--ram-fraction f`` keeps ``f * K`` rows in RAM; without the flag a config with ``spill_path``
@@ -287,8 +291,8 @@ class _Record:
         self.notes: list[str] = []
 
     def use(self, fig: Figure) -> float:
-        """Record ``fig`` (once: a figure of the same name and value already listed is not repeated)."""
-        if not any(f.name == fig.name and f.value == fig.value for f in self.inputs):
+        """Record ``fig`` (once: the same figure, source included, is not listed twice)."""
+        if fig not in self.inputs:
             self.inputs.append(fig)
         return fig.value
 
@@ -434,7 +438,7 @@ def make_plan(cfg, bench: BenchResults, *, keys: float, examples_per_s: float,
         dep["network_per_worker_bytes_per_s"] = {"to_servers": steps / W * net.to_servers,
                                                  "from_servers": steps / W * net.from_servers}
         dep["examples_per_s_per_worker"] = E / W
-    held = bench.figure("scale_summary", "keys_held", unit="rows", required=False)
+    held = bench.figure("scale_summary", "keys_held", unit="rows", required=False, where=_scale_rows(bench, t))
     if held is not None and per > held.value:
         rec.use(held)
         rec.notes.append(f"{per:.3g} keys per server is {per / held.value:.3g}x the most one table held in "
@@ -477,11 +481,10 @@ def _row_bytes(rec: _Record, bench: BenchResults, t, tk: str, space_amplificatio
     bloom = rec.use(Figure("bloom_bits_per_spilled_key", bits, "bits", "code",
                            "sparse_tables.keysets.ScalableBloom bits_per_key")) / 8
     style = getattr(t, "spill_compaction", "level")
-    where = Where("compaction", style, "level")       # scale_bench rows before --compaction were leveled
-    if bench.latest("scale_summary") is not None and bench.latest("scale_summary", where) is None:
+    where = _scale_rows(bench, t)
+    if where is None and bench.latest("scale_summary") is not None:
         rec.notes.append(f"no scale_summary row was measured with {tk}.spill_compaction {style!r}: the latest "
                          f"row of another compaction is used for RSS and bytes per row")
-        where = None
     rss = bench.figure("scale_summary", "rss_max_over_budget", unit="x", required=False, where=where)
     if rss is not None:
         rec.use(rss)
@@ -492,10 +495,22 @@ def _row_bytes(rec: _Record, bench: BenchResults, t, tk: str, space_amplificatio
         rec.notes.append("RAM counts rows and the spill tier's Bloom filter only: RocksDB's block cache and "
                          "memtables are not measured (run bench/scale_bench.py for rss_max_over_budget)")
     b_disk, measured = _disk_bytes(rec, bench, record, space_amplification, where)
-    if measured:        # an assumed space amplification stands for compaction's peak too
+    if measured:
         b_disk = rec.computed("disk_bytes_per_row_at_peak", b_disk * _disk_peak(rec, bench, style, tk), "bytes",
                               "bytes per spilled row x disk_peak_factor")
+    elif style != "level":  # the assumed space amplification stands for leveled compaction, its peak included
+        f = rec.computed("disk_peak_factor", DISK_PEAK_ASSUMED[style] / DISK_PEAK_ASSUMED["level"], "x",
+                         f"DISK_PEAK_ASSUMED: {style}'s assumed peak over leveled's ({tk}.spill_compaction)")
+        b_disk = rec.computed("disk_bytes_per_row_at_peak", b_disk * f, "bytes",
+                              "disk_bytes_per_row x disk_peak_factor")
     return _Rows(record, b_ram, b_disk, rss.value if rss else 1.0, bloom)
+
+
+def _scale_rows(bench: BenchResults, t) -> Where | None:
+    """The ``scale_summary`` rows of table ``t``'s ``spill_compaction`` (rows without the field were
+    leveled: scale_bench had no --compaction then), or None (any row) when none was measured so."""
+    where = Where("compaction", getattr(t, "spill_compaction", "level"), "level")
+    return where if bench.latest("scale_summary", where) is not None else None
 
 
 #: RocksDB's own figures for the extra disk its compaction holds, used when scale_bench measured none for

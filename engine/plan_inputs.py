@@ -136,9 +136,9 @@ class BenchResults:
         if hit is None or key not in hit[1] or (hit[1][key] is None and not required):
             if not required:
                 return None
-            where = (f"no '{bench}' row{' ' + which if which else ''}" if hit is None
-                     else f"the latest '{bench}' row (line {hit[0]}) has no field '{key}'")
-            raise PlanInputError(f"bench results {self.path}: {where}; the plan needs {bench}.{key}"
+            what = (f"no '{bench}' row{' ' + which if which else ''}" if hit is None
+                    else f"the latest '{bench}' row (line {hit[0]}) has no field '{key}'")
+            raise PlanInputError(f"bench results {self.path}: {what}; the plan needs {bench}.{key}"
                                  f"{' (' + need + ')' if need else ''}. Produce it with `{script}` and "
                                  f"append its output to {self.path}")
         n, row, count = hit
@@ -150,6 +150,3 @@ class BenchResults:
         src = (f"{self.path}:{n} {bench}.{key}" + (f" ({where.text})" if where is not None else "")
                + (f" (latest of {count} rows)" if count > 1 else ""))
         return Figure(name or f"{bench}.{key}", float(v), unit, "measured", src)
-
-
-# ------------------------------------------------------------------------------------ the server

@@ -237,6 +237,12 @@ def test_scale_rows_of_the_tables_compaction_style_are_used(tmp_path):
     peak = next(f for f in un.inputs if f.name == "disk_peak_over_live")
     assert peak.kind == "assumption" and peak.value == 2.0
     assert disk_demand(un) == pytest.approx(0.75e9 * 110 * 80 / 104 * 2.0)
+    # nothing measured: the assumed space amplification stands for leveled; universal's peak scales it
+    un = plan_1e9(load_config(CTR, ["tables.sparse.embedding.spill_compaction=universal"]), bench(tmp_path))
+    assert disk_demand(un) == pytest.approx(0.75e9 * 96 * 2.0 / 1.111)
+    # the extrapolation note's keys_held comes from the style's own row too
+    held = [f for f in lv.inputs if f.name == "scale_summary.keys_held"]
+    assert len(held) == 1 and "bench.jsonl:11" in held[0].source
 
 
 def test_unmeasured_rss_factor_is_left_out_not_refused(tmp_path, ctr):
