@@ -171,7 +171,7 @@ def rss_parts(pid: int) -> dict:
     return out
 
 
-class RssPeaks:
+class PhasePeaks:
     """The largest RSS of a process per phase, sampled every 0.5 s from a thread: ``phase(name)``
     starts a phase (None: not recorded), ``peaks`` holds {phase: bytes}. ``phase(name, pid, endpoints)``
     also switches the process watched (a restore's fresh server) and the server whose rows are counted.
@@ -443,7 +443,7 @@ def main(argv=None) -> int:
         for t in readers:
             t.start()
         spilled = False             # whether the RAM tier has spilled: RSS peaks are recorded from then on
-        peaks = RssPeaks(pid, work / "spill", eps)
+        peaks = PhasePeaks(pid, work / "spill", eps)
         t_start = time.perf_counter()
         rows, first_full = [], None
         seen, mark, taken, since, promoted = 0, args.keys // 10, 0, 0, 0

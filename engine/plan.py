@@ -480,7 +480,7 @@ def _row_bytes(rec: _Record, bench: BenchResults, t, tk: str, space_amplificatio
     bits = inspect.signature(ScalableBloom).parameters["bits_per_key"].default
     bloom = rec.use(Figure("bloom_bits_per_spilled_key", bits, "bits", "code",
                            "sparse_tables.keysets.ScalableBloom bits_per_key")) / 8
-    style = getattr(t, "spill_compaction", "level")
+    style = t.spill_compaction
     where = _scale_rows(bench, t)
     if where is None and bench.latest("scale_summary") is not None:
         rec.notes.append(f"no scale_summary row was measured with {tk}.spill_compaction {style!r}: the latest "
@@ -506,10 +506,16 @@ def _row_bytes(rec: _Record, bench: BenchResults, t, tk: str, space_amplificatio
     return _Rows(record, b_ram, b_disk, rss.value if rss else 1.0, bloom)
 
 
+def _style_rows(style: str) -> Where:
+    """The ``scale_summary`` rows measured with compaction ``style`` (rows without the field were
+    leveled: scale_bench had no --compaction then)."""
+    return Where("compaction", style, "level")
+
+
 def _scale_rows(bench: BenchResults, t) -> Where | None:
-    """The ``scale_summary`` rows of table ``t``'s ``spill_compaction`` (rows without the field were
-    leveled: scale_bench had no --compaction then), or None (any row) when none was measured so."""
-    where = Where("compaction", getattr(t, "spill_compaction", "level"), "level")
+    """The ``scale_summary`` rows of table ``t``'s ``spill_compaction``, or None (any row) when none was
+    measured so."""
+    where = _style_rows(t.spill_compaction)
     return where if bench.latest("scale_summary", where) is not None else None
 
 
@@ -542,12 +548,12 @@ def _disk_bytes(rec: _Record, bench: BenchResults, record: int, space_amplificat
     if per_spilled is None:
         # disk_bytes_per_row divides RocksDB's bytes by all keys, the RAM tier's too; only spilled rows
         # are on disk, so the bytes per spilled row are larger by keys / (keys - rows in RAM)
-        held = srow.get("keys_held")
-        in_ram = srow.get("ram_rows_at_full")
-        if isinstance(held, (int, float)) and isinstance(in_ram, (int, float)) and 0 <= in_ram < held:
-            rec.use(bench.figure("scale_summary", "keys_held", unit="rows", where=where))
-            rec.use(bench.figure("scale_summary", "ram_rows_at_full", unit="rows", where=where, positive=False))
-            b_disk = rec.computed("disk_bytes_per_spilled_row", b_disk * held / (held - in_ram), "bytes",
+        held = bench.figure("scale_summary", "keys_held", unit="rows", required=False, where=where)
+        in_ram = bench.figure("scale_summary", "ram_rows_at_full", unit="rows", required=False, where=where,
+                              positive=False)
+        if held is not None and in_ram is not None and 0 <= in_ram.value < held.value:
+            k, r = rec.use(held), rec.use(in_ram)
+            b_disk = rec.computed("disk_bytes_per_spilled_row", b_disk * k / (k - r), "bytes",
                                   "disk_bytes_per_row x keys_held / (keys_held - ram_rows_at_full)")
         else:
             rec.notes.append("scale_summary gives neither disk_bytes_per_spilled_row nor ram_rows_at_full: its "
@@ -570,7 +576,7 @@ def _disk_peak(rec: _Record, bench: BenchResults, style: str, tk: str) -> float:
     """The factor on a spilled row's disk bytes at compaction's peak (>= 1): ``disk_peak_over_live`` of
     the latest scale_summary measured with the table's compaction style, else ``DISK_PEAK_ASSUMED``."""
     fig = bench.figure("scale_summary", "disk_peak_over_live", unit="x", required=False,
-                       name="disk_peak_over_live", where=Where("compaction", style, "level"))
+                       name="disk_peak_over_live", where=_style_rows(style))
     if fig is None:
         fig = Figure("disk_peak_over_live", DISK_PEAK_ASSUMED[style], "x", "assumption",
                      f"RocksDB's documented space amplification of {style} compaction ({tk}.spill_compaction; "
