@@ -57,7 +57,8 @@ def _kill(procs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, mode", [("configs/ctr.yaml", "async"), ("configs/deepfm.yaml", "sync"),
-                                          ("configs/ctr.yaml", "geo")])
+                                          # GEO on CTR: also test_geo_prefetch_trains_the_same_model_...
+                                          pytest.param("configs/ctr.yaml", "geo", marks=pytest.mark.long)])
 def test_train_prints_final_line_and_writes_metrics(config, mode, tmp_path):
     final, events = _train(config, tmp_path, f"mode={mode}", "model.epochs=2")
     model = "deepfm" if "deepfm" in config else "ctr_dnn"

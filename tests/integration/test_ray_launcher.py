@@ -96,6 +96,7 @@ def ray_cmd(tmp: Path, tag: str, address: str, node_ip: str, *sets: str) -> list
             "--run-dir", str(tmp / f"run-{tag}"), *[a for s in base for a in ("--set", s)]]
 
 
+@pytest.mark.long   # make test-long (pyproject.toml): the killed-actor test runs a CTR job on these Ray nodes too
 def test_sync_ctr_on_two_ray_nodes_matches_the_local_launcher(ray_cluster, tmp_path, loopback_reference):
     address, head, worker, _ = ray_cluster
     reference, _ = loopback_reference

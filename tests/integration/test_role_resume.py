@@ -86,6 +86,7 @@ def test_role_mode_servers_resume_and_the_worker_continues_bit_identically(tmp_p
     assert_same_model(full["checkpoint"], result["checkpoint"])
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): the roll-back to one checkpoint is also the next test's
 def test_servers_that_restored_different_checkpoints_are_rolled_back_to_the_newer(tmp_path):
     """One server restored an older checkpoint than the other (as when one server of a running job was
     restarted with --resume): rank 0 loads the newer onto every server and the job continues from it,

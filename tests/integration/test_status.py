@@ -136,6 +136,7 @@ def test_bad_targets_are_one_line_errors(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("engine status:") and words in lines[0], lines
 
 
+@pytest.mark.long   # make test-long (pyproject.toml): status by run directory is also the first test's
 @pytest.mark.slow
 def test_train_prints_a_findable_run_dir_and_status_follows_its_worker(tmp_path):
     root = tmp_path / "runs"

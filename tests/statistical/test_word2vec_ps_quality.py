@@ -75,6 +75,7 @@ def test_ps_geo_matches_the_reference_quality(run):
         assert final[k] >= ref - MARGIN[k], (k, final)
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): test_w2v_engine_train exports and evaluates the PS vectors
 def test_gensim_evaluates_the_exported_ps_vectors_the_same(run, shared_data):
     gensim = pytest.importorskip("gensim")
     final, vec = run
