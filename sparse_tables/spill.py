@@ -33,6 +33,7 @@ import numpy as np
 from rocksdict import (BlockBasedOptions, Cache, DBCompactionStyle, DBCompressionType, Options, Rdict,
                        ReadOptions, UniversalCompactOptions, WriteBatch, WriteBufferManager, WriteOptions)
 
+from ._catch_up import CATCH_UP
 from ._inputs import record_keys as _record_keys
 from ._pending import EMPTY as _NO_KEYS, PendingDeletes
 from ._spill_dir import DB_NAME, LOCK_NAME, MARKER_NAME, SpillDir  # noqa: F401 (part of this module's API)
@@ -155,8 +156,9 @@ UNIVERSAL_MAX_AMP_PERCENT = 50
 # held 148 files a shard, merged 30 s after the load (RSS 1.045 of the budget during the load, 1.04 while
 # merging: the level-0 filters are pinned in the block cache). RocksDB applies no level-0 stall while
 # auto compaction is off, so a load that leaves as many level-0 files as the raised slowdown trigger turns
-# compaction back on (``_write``). Compaction starts again when the load ends, the stall triggers come
-# back once level 0 is under the slowdown trigger.
+# compaction back on (``_write``). When the load ends, the process's stores catch up one at a time
+# (``_catch_up``: several at once held their rows on disk twice together, a server's disk peak), each
+# getting its stall triggers back once level 0 is under the slowdown trigger.
 L0_TRIGGERS = (4, 20, 36)
 # rows per RocksDB write batch, which bounds how long a write holds the GIL (a thread beside a 400k-row
 # put of 152-byte records paused at most 3.4-5.9 ms in these batches, 114-120 ms in one batch)
@@ -227,7 +229,7 @@ class SpillStore:
         self._bloom = ScalableBloom()
         self._settled = threading.Event()      # set: RocksDB's own level-0 triggers are in force
         self._settled.set()
-        self._settler: threading.Thread | None = None
+        self._catch_up_started = 0.0             # when CATCH_UP turned this store's compaction on
         self._compaction_deferred = False       # a bulk load holds auto compaction off (``bulk``)
         self._pending = PendingDeletes()         # deletes RocksDB refused, carried by the next write
         self.count = 0  # keys present in the database (pending deletes not counted)
@@ -265,12 +267,14 @@ class SpillStore:
         """A bulk load starts (True) or ends (False). Starting turns RocksDB's auto compaction off and
         raises its level-0 write-stall triggers to ``L0_TRIGGERS_BULK`` (live ``SetOptions``), so the
         load neither merges while it writes nor slows down (a load that leaves as many level-0 files as
-        the raised slowdown trigger turns compaction back on: ``_write``). Ending turns compaction on at
-        once, so level 0 drains, and puts the write-stall triggers of ``L0_TRIGGERS`` back once
-        compaction has brought level 0 under the slowdown trigger: at once if it is there, else from a
-        background thread polling every 0.5 s (at most ``BULK_SETTLE_S``), so the first writes after a
-        restore are not stopped while level 0 drains (a 100M-row restore left 148 level-0 files a shard,
-        merged in 30 s).
+        the raised slowdown trigger turns compaction back on: ``_write``). Ending with level 0 under the
+        slowdown trigger of ``L0_TRIGGERS`` turns compaction on and puts those triggers back at once.
+        Ending over it submits the store to the process's ``_catch_up.CATCH_UP``, which turns the
+        stores' compaction on one at a time, each once the one before it has brought level 0 under the
+        slowdown trigger (``catch_up_poll``, at most ``BULK_SETTLE_S``), and then puts its triggers
+        back: a catch-up compaction holds a shard's rows on disk twice while it runs, and several at
+        once were a server's disk peak (that module's docstring). Meanwhile ``bulk_loading`` stays True
+        and the first writes after a restore are not stopped by the level-0 files still waiting.
 
         Raises
         ------
@@ -284,12 +288,28 @@ class SpillStore:
             self._set_l0(L0_TRIGGERS_BULK)
             self._settled.clear()
             return
-        self._resume_compaction()
         if self._level0_files() < L0_TRIGGERS[1]:
+            self._resume_compaction()
             self._settle_now()
             return
-        self._settler = threading.Thread(target=self._settle, name="spill-bulk-settle", daemon=True)
-        self._settler.start()
+        CATCH_UP.submit(self)
+
+    def catch_up_start(self) -> None:
+        """``CATCH_UP``'s turn of this store: compaction on (SpillError when RocksDB refuses)."""
+        self._catch_up_started = time.monotonic()
+        self._resume_compaction()
+
+    def catch_up_poll(self) -> bool:
+        """``CATCH_UP`` asks whether this store has caught up: level 0 under the slowdown trigger, or
+        ``BULK_SETTLE_S`` since its turn began. Then its write-stall triggers are back and the answer
+        is True (SpillError when RocksDB refuses)."""
+        if (self._level0_files() < L0_TRIGGERS[1]
+                or time.monotonic() - self._catch_up_started > BULK_SETTLE_S):
+            self._settle_now()
+            log.info("RocksDB spill store at %s: caught up after a bulk load in %.1f s (%d level-0 files)",
+                     self._dir.db_path, time.monotonic() - self._catch_up_started, self._level0_files())
+            return True
+        return False
 
     def _resume_compaction(self) -> None:
         """Auto compaction back on after ``bulk(True)`` put it off (nothing otherwise)."""
@@ -299,17 +319,16 @@ class SpillStore:
 
     @property
     def bulk_loading(self) -> bool:
-        """True while ``bulk`` holds the level-0 triggers raised."""
+        """True from ``bulk(True)`` until the store has caught up (``bulk``)."""
         return not self._settled.is_set()
 
     def _level0_files(self) -> int:
         return self._properties((("l0", "rocksdb.num-files-at-level0"),))["l0"]
 
     def _stop_settler(self) -> None:
+        """Out of ``CATCH_UP`` (a new load, close): returns once its thread has let go of this store."""
+        CATCH_UP.cancel(self)
         self._settled.set()
-        if self._settler is not None:
-            self._settler.join(5.0)
-            self._settler = None
 
     def _set_l0(self, triggers: tuple[int, int, int]) -> None:
         self._set_options({"level0_file_num_compaction_trigger": str(triggers[0]),
@@ -326,15 +345,8 @@ class SpillStore:
         self._set_l0(L0_TRIGGERS)
         self._settled.set()
 
-    def _settle(self) -> None:
-        deadline = time.monotonic() + BULK_SETTLE_S
-        while not self._settled.wait(0.5):      # set by _stop_settler (a new load, close): stop here
-            try:
-                if self._level0_files() < L0_TRIGGERS[1] or time.monotonic() > deadline:
-                    self._settle_now()
-            except SpillError as e:
-                log.warning("%s", e)
-                return
+    def __repr__(self) -> str:
+        return f"SpillStore({str(self._dir.db_path)!r})"
 
     @property
     def bloom_bytes(self) -> int:

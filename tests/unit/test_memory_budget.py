@@ -487,7 +487,8 @@ def test_a_bulk_load_raises_rocksdbs_write_stalls_and_restores_them(tmp_path):
 def test_the_write_stall_triggers_come_back_from_a_background_thread_once_level0_drains(tmp_path, monkeypatch):
     """After a bulk load that left level 0 at or over the slowdown trigger, ``bulk(False)`` returns at
     once and a background thread puts RocksDB's triggers back when level 0 drains (here: never below a
-    trigger of 1 file, so at ``BULK_SETTLE_S``, 1 s); a new load or ``close`` stops that thread."""
+    trigger of 1 file, so at ``BULK_SETTLE_S``, 1 s); a new load or ``close`` takes the store out of
+    that thread's queue (``_catch_up.CATCH_UP``)."""
     import time
 
     from sparse_tables import spill
@@ -506,7 +507,7 @@ def test_the_write_stall_triggers_come_back_from_a_background_thread_once_level0
         time.sleep(0.05)
     assert not st.bulk_loading and 0.9 <= time.monotonic() - t0 < 5
     st.bulk(True)
-    st.bulk(False)                                   # level 0 still there: a settle thread again
-    assert st.bulk_loading
-    st.close()                                       # stops it; the database closes after it
-    assert not st.bulk_loading and st._settler is None
+    st.bulk(False)                                   # level 0 still there: queued for its catch-up again
+    assert st.bulk_loading and spill.CATCH_UP.queued(st)
+    st.close()                                       # takes it out; the database closes after that
+    assert not st.bulk_loading and not spill.CATCH_UP.queued(st)

@@ -231,6 +231,48 @@ def test_a_bulk_load_puts_compaction_off_and_its_end_lets_level0_drain_before_th
         st.close()
 
 
+def test_stores_whose_bulk_loads_end_together_catch_up_one_at_a_time(tmp_path, monkeypatch):
+    """Three stores end their loads with level 0 over the slowdown trigger (a base restore into a
+    server's shards). Their catch-up compactions run one at a time, in the order the loads ended: while
+    the first merges, the others keep compaction off and their level-0 files; each catches up (level 0
+    under the slowdown trigger, stall triggers back) and nothing is lost. Closing a store that waits
+    its turn takes it out of the queue, and the one after it still catches up."""
+    monkeypatch.setattr(spill, "L0_TRIGGERS", (4, 6, 36))
+    rng = np.random.default_rng(1)
+    stores = [SpillStore(str(tmp_path / f"s{i}"), STRIDE) for i in range(4)]
+    try:
+        for st in stores:
+            st.bulk(True)
+            for _ in range(8):                # overlapping random keys: each file spans the key range
+                keys = np.unique(rng.integers(1, 2**63, 3000, dtype=np.uint64))
+                st.put(keys, np.ones((len(keys), STRIDE), np.uint32), np.ones(len(keys), bool))
+                st._db.flush()
+        for st in stores:
+            st.bulk(False)
+        assert all(spill.CATCH_UP.queued(st) and st.bulk_loading for st in stores)
+        stores[2].close()                     # waiting its turn: out of the queue, closed at once
+        assert not spill.CATCH_UP.queued(stores[2])
+        live = [stores[0], stores[1], stores[3]]
+        order, deadline = [], time.monotonic() + 60
+        while len(order) < len(live) and time.monotonic() < deadline:
+            with spill.CATCH_UP._lock:        # the queue's thread turns compaction on and settles under it
+                merging = [st for st in live if not st._compaction_deferred and st.bulk_loading]
+                assert len(merging) <= 1, [str(st) for st in merging]     # never two at once
+                order += [st for st in live if not st._compaction_deferred and not st.bulk_loading
+                          and st not in order]
+                # the ones waiting their turn keep compaction off and their level-0 files
+                assert all(st._level0_files() == 8 for st in live if st._compaction_deferred)
+            time.sleep(0.02)
+        assert order == live
+        for st in live:
+            assert st._level0_files() < spill.L0_TRIGGERS[1]
+            assert st.count == sum(1 for _ in st._db.keys())     # nothing lost in the compactions
+    finally:
+        for st in stores:
+            if st._db is not None:
+                st.close()
+
+
 def test_a_bulk_load_that_piles_up_level0_turns_compaction_back_on(tmp_path, monkeypatch, caplog):
     """Compaction is off during a bulk load, and RocksDB then applies no level-0 stall: nothing would
     bound level 0 (each file's filter pinned in the block cache) in a load big enough. The write that
