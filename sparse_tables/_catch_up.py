@@ -6,7 +6,8 @@ compaction that follows moves a shard's level 0 into the base level as one compa
 leveled picker takes every level-0 file that is not being compacted (they all overlap), and a
 compaction deletes its inputs only when it ends, so while it runs the shard's rows are on disk twice.
 When every shard of a server caught up at once, as RocksDB's shared background threads let them (3
-compaction threads here), a server's disk held up to ``1 + k / shards`` times its rows: scale_bench,
+compaction threads here), a server's disk held up to ``1 + k / shards`` times its rows with ``k``
+merging at once: scale_bench,
 100M keys, 4 shards, leveled: 11.8 GB for 73.4M rows on disk (8.5 GB), 1.39x, the largest of the run
 and what ``engine plan`` sizes disk by. Taken one at a time, the peak is one shard's rows over the live
 bytes: ``1 + 1 / shards``.
@@ -16,8 +17,9 @@ submitted; one daemon thread resumes the stores' compaction in submission order,
 before it has caught up (``SpillStore.catch_up_poll`` says when), and exits when the queue is empty.
 A store waiting its turn keeps compaction off and its raised level-0 triggers: its reads probe every
 level-0 file's filter meanwhile (pinned in the block cache), and a store that piles up level 0 to the
-raised slowdown trigger turns compaction back on by itself (``SpillStore._write``), so nothing waits
-without bound. A store is cancelled (``cancel``) when a new load starts or it closes; cancelling the
+raised slowdown trigger turns compaction back on by itself (``SpillStore._write``). None waits with
+compaction off for longer than ``spill.BULK_SETTLE_S`` after its load ended, however many stores are
+ahead of it (``catch_up_poll`` settles a late one at once, and the next one starts). A store is cancelled (``cancel``) when a new load starts or it closes; cancelling the
 store being caught up waits until the thread has let go of it.
 """
 from __future__ import annotations
@@ -34,10 +36,10 @@ POLL_S = 0.5           # how often the thread asks the store being caught up whe
 class CatchUpQueue:
     """Stores whose bulk load ended with compaction off, caught up one at a time (module docstring).
 
-    A store here offers ``catch_up_start()`` (compaction on) and ``catch_up_poll() -> bool`` (True:
-    caught up, its write-stall triggers are back; it raises SpillError when RocksDB refuses). Both are
-    called from this queue's thread, under the queue's lock, so ``cancel`` never returns while either
-    runs.
+    A store here offers ``catch_up_start()`` (compaction on), ``catch_up_poll() -> bool`` (True:
+    caught up, its write-stall triggers are back) and ``catch_up_failed(exc)`` (either of those raised:
+    the store records and logs it; the queue goes on with the next store). All are called from this
+    queue's thread, under the queue's lock, so ``cancel`` never returns while one runs.
     """
 
     def __init__(self, poll_s: float = POLL_S):
@@ -78,32 +80,43 @@ class CatchUpQueue:
             return store is self._current or store in self._waiting
 
     def _run(self) -> None:
+        try:
+            while self._turn():
+                pass
+        finally:
+            with self._lock:               # also when a turn raised: the next submit starts a thread
+                self._thread = None
+                self._current = None
+                if self._waiting:
+                    self._thread = threading.Thread(target=self._run, name="spill-catch-up", daemon=True)
+                    self._thread.start()
+
+    def _turn(self) -> bool:
+        """Catch the next store up; False when none waits (the thread ends)."""
+        with self._lock:
+            if not self._waiting:
+                return False
+            store = self._current = self._waiting.popleft()
+            self._wake.clear()
+            try:
+                store.catch_up_start()
+            except Exception as e:   # SpillError: the store keeps it and says so; the next one goes on
+                store.catch_up_failed(e)
+                self._current = None
+                return True
         while True:
+            self._wake.wait(self.poll_s)
             with self._lock:
-                if not self._waiting:
-                    self._thread = None
-                    return
-                store = self._current = self._waiting.popleft()
-                self._wake.clear()
+                if self._current is not store:         # cancelled
+                    return True
                 try:
-                    store.catch_up_start()
-                except Exception as e:   # SpillError: the store says which; the next one still goes
-                    log.warning("catch-up compaction of %s: %s", store, e)
+                    done = store.catch_up_poll()
+                except Exception as e:
+                    store.catch_up_failed(e)
+                    done = True
+                if done:
                     self._current = None
-                    continue
-            while True:
-                self._wake.wait(self.poll_s)
-                with self._lock:
-                    if self._current is not store:         # cancelled
-                        break
-                    try:
-                        done = store.catch_up_poll()
-                    except Exception as e:
-                        log.warning("catch-up compaction of %s: %s", store, e)
-                        done = True
-                    if done:
-                        self._current = None
-                        break
+                    return True
 
 
 CATCH_UP = CatchUpQueue()

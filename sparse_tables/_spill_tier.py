@@ -31,9 +31,11 @@ class SpillTier:
 
     @contextmanager
     def bulk_load(self, distinct: bool = False):
-        """Context for a base restore into this (fresh) table: RocksDB's level-0 write stalls are raised
-        for its duration (``SpillStore.bulk``), so the load's many flushes do not wait on compaction,
-        which catches up afterwards. RAM-only tables: nothing changes.
+        """Context for a base restore into this (fresh) table: RocksDB's auto compaction is off and its
+        level-0 write stalls are raised for its duration (``SpillStore.bulk``), so the load's many
+        flushes do not wait on compaction. Compaction catches up afterwards, the process's stores one
+        at a time (``_catch_up``), each keeping the raised triggers until its turn has merged its level
+        0. RAM-only tables: nothing changes.
 
         ``distinct``: the caller vouches that the rows loaded within never repeat a key (a base
         checkpoint: each key lives in one part file, each batch is checked for repeats, and the reader

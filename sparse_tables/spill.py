@@ -172,7 +172,7 @@ BULK_SETTLE_S = 600.0
 # the slowdown trigger, pending compaction bytes) and stops them at the stop trigger or with every memtable
 # waiting for its flush. rocksdict's write holds the GIL for its whole call, so a stalled write froze every
 # Python thread of the server for the stall's length: the RPC threads of every shard and the health
-# service; a stop even blocked the thread that would have lifted it (``bulk``'s settler needs the GIL to
+# service; a stop even blocked the thread that would have lifted it (``_catch_up``'s thread needs the GIL to
 # call SetOptions). Writes therefore ask RocksDB not to wait (``no_slowdown``: it refuses with "Result
 # incomplete: Write stall") and ``SpillStore._write`` waits here with the GIL released, then writes the
 # batch again: the writing shard waits out the stall as before (its lock held), the other threads run.
@@ -229,7 +229,8 @@ class SpillStore:
         self._bloom = ScalableBloom()
         self._settled = threading.Event()      # set: RocksDB's own level-0 triggers are in force
         self._settled.set()
-        self._catch_up_started = 0.0             # when CATCH_UP turned this store's compaction on
+        self._catch_up_submitted = 0.0           # when bulk(False) handed this store to CATCH_UP
+        self.catch_up_error: str | None = None   # why CATCH_UP could not catch this store up
         self._compaction_deferred = False       # a bulk load holds auto compaction off (``bulk``)
         self._pending = PendingDeletes()         # deletes RocksDB refused, carried by the next write
         self.count = 0  # keys present in the database (pending deletes not counted)
@@ -292,24 +293,34 @@ class SpillStore:
             self._resume_compaction()
             self._settle_now()
             return
+        self._catch_up_submitted = time.monotonic()
         CATCH_UP.submit(self)
 
     def catch_up_start(self) -> None:
         """``CATCH_UP``'s turn of this store: compaction on (SpillError when RocksDB refuses)."""
-        self._catch_up_started = time.monotonic()
         self._resume_compaction()
 
     def catch_up_poll(self) -> bool:
-        """``CATCH_UP`` asks whether this store has caught up: level 0 under the slowdown trigger, or
-        ``BULK_SETTLE_S`` since its turn began. Then its write-stall triggers are back and the answer
-        is True (SpillError when RocksDB refuses)."""
-        if (self._level0_files() < L0_TRIGGERS[1]
-                or time.monotonic() - self._catch_up_started > BULK_SETTLE_S):
+        """``CATCH_UP`` asks whether this store has caught up: level 0 under the slowdown trigger (the
+        merge of the load's level-0 files, which all overlap, is one compaction and removes them as it
+        ends), or ``BULK_SETTLE_S`` since ``bulk(False)`` submitted it (a store whose turn comes later
+        than that is settled at its first poll, so none waits longer with compaction off, however many
+        stores are ahead of it). Then its write-stall triggers are back and the answer is True
+        (SpillError when RocksDB refuses)."""
+        waited = time.monotonic() - self._catch_up_submitted
+        if self._level0_files() < L0_TRIGGERS[1] or waited > BULK_SETTLE_S:
             self._settle_now()
-            log.info("RocksDB spill store at %s: caught up after a bulk load in %.1f s (%d level-0 files)",
-                     self._dir.db_path, time.monotonic() - self._catch_up_started, self._level0_files())
+            log.info("RocksDB spill store at %s: caught up %.1f s after its bulk load ended (%d level-0 "
+                     "files)", self._dir.db_path, waited, self._level0_files())
             return True
         return False
+
+    def catch_up_failed(self, exc: Exception) -> None:
+        """``CATCH_UP`` could not turn compaction on or read level 0 (RocksDB refused): said once, at
+        error level, and kept in ``catch_up_error``; ``bulk_loading`` stays True, and a write that piles
+        level 0 up to the raised slowdown trigger tries to turn compaction on again (``_write``)."""
+        self.catch_up_error = f"RocksDB spill store at {self._dir.db_path}: catch-up after a bulk load: {exc}"
+        log.error("%s", self.catch_up_error)
 
     def _resume_compaction(self) -> None:
         """Auto compaction back on after ``bulk(True)`` put it off (nothing otherwise)."""

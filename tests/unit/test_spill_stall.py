@@ -203,12 +203,50 @@ def test_an_eviction_whose_write_fails_midway_marks_the_rows_it_wrote_as_on_disk
         t.close()
 
 
+def test_a_store_whose_catch_up_rocksdb_refuses_says_so_and_the_next_store_still_catches_up(
+        tmp_path, monkeypatch, caplog):
+    """RocksDB refuses to turn a store's compaction back on when its turn comes: the store keeps the
+    error (``catch_up_error``, logged once at error level, naming the store) and stays bulk loading; the
+    queue goes on, and the store after it catches up."""
+    import logging
+
+    from sparse_tables._catch_up import CatchUpQueue
+    monkeypatch.setattr(spill, "L0_TRIGGERS", (4, 6, 36))
+    monkeypatch.setattr(spill, "CATCH_UP", CatchUpQueue(poll_s=0.1))
+    rng = np.random.default_rng(2)
+    bad, good = (SpillStore(str(tmp_path / n), STRIDE) for n in ("bad", "good"))
+    try:
+        for st in (bad, good):
+            st.bulk(True)
+            for _ in range(8):
+                keys = np.unique(rng.integers(1, 2**63, 1000, dtype=np.uint64))
+                st.put(keys, np.ones((len(keys), STRIDE), np.uint32), np.ones(len(keys), bool))
+                st._db.flush()
+
+        def refuse(options):
+            raise SpillError(f"RocksDB spill store at {bad._dir.db_path}: set_options: IO error (injected)")
+        monkeypatch.setattr(bad, "_set_options", refuse)
+        with caplog.at_level(logging.ERROR, logger="sparse_tables.spill"):
+            bad.bulk(False)
+            good.bulk(False)
+            deadline = time.monotonic() + 20
+            while good.bulk_loading and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert not good.bulk_loading and good._level0_files() < 6 and good.catch_up_error is None
+        assert bad.bulk_loading and bad._level0_files() == 8
+        assert "IO error (injected)" in bad.catch_up_error and str(bad._dir.db_path) in bad.catch_up_error
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [bad.catch_up_error]
+    finally:
+        monkeypatch.undo()
+        for st in (bad, good):
+            st.close()
+
+
 def test_a_bulk_load_puts_compaction_off_and_its_end_lets_level0_drain_before_the_stall_triggers_return(
         tmp_path, monkeypatch):
-    """``bulk(True)`` turns auto compaction off (8 flushed files stay in level 0); ``bulk(False)`` turns it
-    on at once, so level 0 drains and the settler restores the stall triggers. Here level 0 ends the load
-    over the (patched) slowdown trigger: had compaction waited for the settler, as the stall triggers do,
-    level 0 would never drain."""
+    """``bulk(True)`` turns auto compaction off (8 flushed files stay in level 0); ``bulk(False)`` hands the
+    store to the catch-up thread (``_catch_up``), which turns compaction on, so level 0 drains, and puts
+    the stall triggers back once it is under the (patched) slowdown trigger."""
     monkeypatch.setattr(spill, "L0_TRIGGERS", (4, 6, 36))
     rng = np.random.default_rng(0)
     st = SpillStore(str(tmp_path / "s"), STRIDE)
@@ -221,7 +259,7 @@ def test_a_bulk_load_puts_compaction_off_and_its_end_lets_level0_drain_before_th
         time.sleep(0.5)
         assert st._level0_files() == 8        # over the compaction trigger (4): compaction is off
         st.bulk(False)
-        assert st.bulk_loading                # 8 files >= the slowdown trigger: the settler waits
+        assert st.bulk_loading                # 8 files >= the slowdown trigger: caught up later
         deadline = time.monotonic() + 20
         while (st.bulk_loading or st._level0_files() >= 4) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -237,7 +275,9 @@ def test_stores_whose_bulk_loads_end_together_catch_up_one_at_a_time(tmp_path, m
     the first merges, the others keep compaction off and their level-0 files; each catches up (level 0
     under the slowdown trigger, stall triggers back) and nothing is lost. Closing a store that waits
     its turn takes it out of the queue, and the one after it still catches up."""
+    from sparse_tables._catch_up import CatchUpQueue
     monkeypatch.setattr(spill, "L0_TRIGGERS", (4, 6, 36))
+    monkeypatch.setattr(spill, "CATCH_UP", CatchUpQueue())      # this test's own queue and thread
     rng = np.random.default_rng(1)
     stores = [SpillStore(str(tmp_path / f"s{i}"), STRIDE) for i in range(4)]
     try:
@@ -249,11 +289,15 @@ def test_stores_whose_bulk_loads_end_together_catch_up_one_at_a_time(tmp_path, m
                 st._db.flush()
         for st in stores:
             st.bulk(False)
-        assert all(spill.CATCH_UP.queued(st) and st.bulk_loading for st in stores)
+        t0 = time.monotonic()                 # the first one's turn begins (its first poll after poll_s)
+        while spill.CATCH_UP._current is not stores[0] and time.monotonic() - t0 < 5:
+            time.sleep(0.001)
+        assert spill.CATCH_UP._current is stores[0] and list(spill.CATCH_UP._waiting) == stores[1:]
+        assert all(st.bulk_loading for st in stores)
         stores[2].close()                     # waiting its turn: out of the queue, closed at once
         assert not spill.CATCH_UP.queued(stores[2])
         live = [stores[0], stores[1], stores[3]]
-        order, deadline = [], time.monotonic() + 60
+        order, deadline = [], time.monotonic() + 30
         while len(order) < len(live) and time.monotonic() < deadline:
             with spill.CATCH_UP._lock:        # the queue's thread turns compaction on and settles under it
                 merging = [st for st in live if not st._compaction_deferred and st.bulk_loading]
@@ -264,6 +308,7 @@ def test_stores_whose_bulk_loads_end_together_catch_up_one_at_a_time(tmp_path, m
                 assert all(st._level0_files() == 8 for st in live if st._compaction_deferred)
             time.sleep(0.02)
         assert order == live
+        assert not spill.CATCH_UP.queued(live[-1]) and spill.CATCH_UP._thread is None
         for st in live:
             assert st._level0_files() < spill.L0_TRIGGERS[1]
             assert st.count == sum(1 for _ in st._db.keys())     # nothing lost in the compactions
