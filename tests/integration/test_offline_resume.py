@@ -111,6 +111,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, sets):
     assert resumed["test_auc"] == full["test_auc"] and resumed["test_logloss"] == full["test_logloss"]
 
 
+@pytest.mark.long   # make test-long (pyproject.toml): test_chaos_offline's async job counts every example once
 @pytest.mark.slow
 def test_async_workers_resume_with_exactly_the_remaining_examples(tmp_path):
     full, full_events = _train(tmp_path, "full")

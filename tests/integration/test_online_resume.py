@@ -74,7 +74,8 @@ def _check_exactly_once(mgr: CheckpointManager, names: list[str]) -> dict:
     return chain[-1]
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.long)])
+@pytest.mark.long   # make test-long (pyproject.toml): test_chaos_online kill -9s the job and checks each hour once
+@pytest.mark.parametrize("backend", ["local", "s3"])
 def test_online_kill9_mid_hour_then_resume_consumes_each_partition_once(backend, rows, tmp_path, request):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     opts = None
