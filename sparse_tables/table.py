@@ -398,8 +398,9 @@ class SparseTable(SpillTier, DeltaCapture):
         ``rocksdb_memtables``, ``rocksdb_table_readers``), with a budget ``memory_budget`` (the
         server's parts, ``MemoryBudget.parts``) and ``rows_cap``; ``compactions``,
         ``compacted_rows``, ``released_bytes`` (arena pages given back under a budget), ``rocksdb``
-        (spilling tables: RocksDB's compactions, write stalls, and ``point_reads``: keys asked by
-        multi-gets, ``SpillStore.compaction``),
+        (spilling tables: RocksDB's compactions, write stalls, ``point_reads``: keys asked by
+        multi-gets, ``SpillStore.compaction``; ``catching_up`` 1 from a bulk load until its catch-up
+        compaction is done, ``catch_up_failed`` 1 when RocksDB refused it, ``SpillStore.bulk``),
         ``ram_bytes`` (arena rows in use, index, sketch, filters), ``disk_bytes``, ``pull_keys``,
         ``pull_hits``/``pull_misses`` (RAM), ``push_keys``, ``created``, ``rejected`` (not admitted),
         ``rows_refused_full`` (new keys refused because the table held ``max_rows`` rows), ``max_rows``
@@ -432,7 +433,9 @@ class SparseTable(SpillTier, DeltaCapture):
             **(self._spill.memory() if self._spill is not None else {})}
         if self._spill is not None:
             out["rocksdb"] = {**self._spill.compaction(), "write_stalls": self._spill.stalls,
-                              "write_stall_s": round(self._spill.stall_s, 3), "point_reads": self._spill.reads}
+                              "write_stall_s": round(self._spill.stall_s, 3), "point_reads": self._spill.reads,
+                              "catching_up": int(self._spill.bulk_loading),
+                              "catch_up_failed": int(self._spill.catch_up_error is not None)}
         if self._budget is not None:
             out["memory_budget"] = self._budget.parts()
             out["rows_cap"] = self._budget.rows_cap()

@@ -484,6 +484,10 @@ class ServerCollector:
         l0 = GaugeMetricFamily("engine_ps_rocksdb_level0_files", "Level-0 files of the table's RocksDB "
                                "stores on this server (writes slow down at 20 per store, stop at 36)",
                                labels=["table"])
+        catch_up = GaugeMetricFamily("engine_ps_rocksdb_catch_up_stores", "RocksDB stores of the table on "
+                                     "this server whose compaction after a bulk load (a restore) is pending "
+                                     "(waiting its turn or merging), or was refused by RocksDB (failed)",
+                                     labels=["table", "state"])
         for table, host in list(self.core.sparse.items()):
             try:
                 s = host.stats()
@@ -500,8 +504,10 @@ class ServerCollector:
             if "rocksdb" in s:
                 stall.add_metric([table], float(s["rocksdb"].get("write_stall_s", 0)))
                 l0.add_metric([table], float(s["rocksdb"].get("level0_files", 0)))
+                catch_up.add_metric([table, "pending"], float(s["rocksdb"].get("catching_up", 0)))
+                catch_up.add_metric([table, "failed"], float(s["rocksdb"].get("catch_up_failed", 0)))
         yield from fams.values()
-        yield from (rows, mem, disk, stall, l0)
+        yield from (rows, mem, disk, stall, l0, catch_up)
         yield from _malloc_families(self.core)
         yield from _governor_family(self.core)
         parts = getattr(self.core, "checkpoint_parts", None) or {}

@@ -469,9 +469,10 @@ def test_a_bulk_load_raises_rocksdbs_write_stalls_and_restores_them(tmp_path):
     src.push(k, np.random.default_rng(8).standard_normal((len(k), DIM)).astype(np.float32))
     dst = SparseTable(TableConfig(dim=DIM, optimizer="adagrad", memory_rows=50_000, spill_path=str(tmp_path / "s")))
     with dst.bulk_load():
-        assert dst._spill.bulk_loading
+        assert dst._spill.bulk_loading and dst.stats()["rocksdb"]["catching_up"] == 1
         assert dst.load_rows(src.rows()) == len(k)
     assert not dst._spill.bulk_loading
+    assert dst.stats()["rocksdb"]["catching_up"] == 0 and dst.stats()["rocksdb"]["catch_up_failed"] == 0
     a, b = _dump(src), _dump(dst)
     for c in ("key", "values", "state"):
         np.testing.assert_array_equal(a[c], b[c])

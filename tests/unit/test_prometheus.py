@@ -217,3 +217,32 @@ def test_pushgateway_gets_the_registry_periodically_and_at_close_and_an_outage_i
     down = RoleMetrics("server", 0)
     down._push_url = f"http://127.0.0.1:{gw.server_address[1]}"      # nobody listens any more
     assert down.push() is False
+
+
+def test_the_catch_up_of_a_restores_stores_is_a_gauge_per_table_and_state(tmp_path):
+    """``engine_ps_rocksdb_catch_up_stores``: the stores of a spilling table whose compaction after a bulk
+    load is pending (here both shards, inside their loads), none once they caught up, and one that
+    RocksDB refused (``catch_up_error``) as failed; each equals the table's ``stats()["rocksdb"]``."""
+    m = RoleMetrics("server", 0)
+    core = PSServer({"emb": TableConfig(dim=DIM, optimizer="sgd", memory_rows=100,
+                                        spill_path=str(tmp_path / "spill"))}, local_shards=2)
+    m.watch_server(core)
+    m.serve("127.0.0.1", 0)
+    pending, failed = (("engine_ps_rocksdb_catch_up_stores", (("state", s), ("table", "emb")))
+                       for s in ("pending", "failed"))
+    try:
+        shards = core.sparse["emb"].shards
+        assert (scrape(m.url)[pending], scrape(m.url)[failed]) == (0, 0)
+        for shard in shards:
+            shard._spill.bulk(True)
+        got, stats = scrape(m.url), core.sparse["emb"].stats()["rocksdb"]
+        assert got[pending] == stats["catching_up"] == 2 and got[failed] == 0
+        for shard in shards:
+            shard._spill.bulk(False)             # nothing loaded: caught up at once
+        shards[1]._spill.catch_up_failed(RuntimeError("set_options: IO error (injected)"))
+        got, stats = scrape(m.url), core.sparse["emb"].stats()["rocksdb"]
+        assert got[pending] == stats["catching_up"] == 0
+        assert got[failed] == stats["catch_up_failed"] == 1
+    finally:
+        m.close()
+        core.close()
