@@ -59,22 +59,21 @@ class CatchUpQueue:
                 return
             self._waiting.append(store)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="spill-catch-up", daemon=True)
-                self._thread.start()
+                self._start_thread()
 
-    def cancel(self, store) -> bool:
-        """Take ``store`` out (waiting, or being caught up: the thread lets go of it and moves on).
-        Returns True when it was there."""
+    def _start_thread(self) -> None:
+        """The queue's thread (lock held)."""
+        self._thread = threading.Thread(target=self._run, name="spill-catch-up", daemon=True)
+        self._thread.start()
+
+    def cancel(self, store) -> None:
+        """Take ``store`` out (waiting, or being caught up: the thread lets go of it and moves on)."""
         with self._lock:
             if store is self._current:
                 self._current = None
                 self._wake.set()
-                return True
-            try:
+            elif store in self._waiting:
                 self._waiting.remove(store)
-            except ValueError:
-                return False
-            return True
 
     def queued(self, store) -> bool:
         """True while ``store`` waits or is being caught up."""
@@ -90,8 +89,7 @@ class CatchUpQueue:
                 self._thread = None
                 self._current = None
                 if self._waiting:
-                    self._thread = threading.Thread(target=self._run, name="spill-catch-up", daemon=True)
-                    self._thread.start()
+                    self._start_thread()
 
     def _turn(self) -> bool:
         """Catch the next store up; False when none waits (the thread ends)."""

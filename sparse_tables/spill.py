@@ -283,7 +283,7 @@ class SpillStore:
             RocksDB refused the options.
         """
         if on:
-            self._stop_settler()                     # of an earlier load: the triggers go up again
+            self._leave_catch_up()                     # of an earlier load: the triggers go up again
             self._set_options({"disable_auto_compactions": "true"})
             self._compaction_deferred = True
             self._set_l0(L0_TRIGGERS_BULK)
@@ -307,11 +307,11 @@ class SpillStore:
         than that is settled at its first poll, so none waits longer with compaction off, however many
         stores are ahead of it). Then its write-stall triggers are back and the answer is True
         (SpillError when RocksDB refuses)."""
-        waited = time.monotonic() - self._catch_up_submitted
-        if self._level0_files() < L0_TRIGGERS[1] or waited > BULK_SETTLE_S:
+        waited, l0 = time.monotonic() - self._catch_up_submitted, self._level0_files()
+        if l0 < L0_TRIGGERS[1] or waited > BULK_SETTLE_S:
             self._settle_now()
             log.info("RocksDB spill store at %s: caught up %.1f s after its bulk load ended (%d level-0 "
-                     "files)", self._dir.db_path, waited, self._level0_files())
+                     "files)", self._dir.db_path, waited, l0)
             return True
         return False
 
@@ -336,7 +336,7 @@ class SpillStore:
     def _level0_files(self) -> int:
         return self._properties((("l0", "rocksdb.num-files-at-level0"),))["l0"]
 
-    def _stop_settler(self) -> None:
+    def _leave_catch_up(self) -> None:
         """Out of ``CATCH_UP`` (a new load, close): returns once its thread has let go of this store."""
         CATCH_UP.cancel(self)
         self._settled.set()
@@ -732,7 +732,7 @@ class SpillStore:
 
     def close(self) -> None:
         """Close the database, delete the spill directory (it carries our marker) and drop its lock."""
-        self._stop_settler()
+        self._leave_catch_up()
         if self._db is not None:
             self._db.close()
             self._db = None

@@ -232,7 +232,8 @@ def test_the_catch_up_of_a_restores_stores_is_a_gauge_per_table_and_state(tmp_pa
                        for s in ("pending", "failed"))
     try:
         shards = core.sparse["emb"].shards
-        assert (scrape(m.url)[pending], scrape(m.url)[failed]) == (0, 0)
+        got = scrape(m.url)
+        assert (got[pending], got[failed]) == (0, 0)
         for shard in shards:
             shard._spill.bulk(True)
         got, stats = scrape(m.url), core.sparse["emb"].stats()["rocksdb"]

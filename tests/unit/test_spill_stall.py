@@ -237,7 +237,6 @@ def test_a_store_whose_catch_up_rocksdb_refuses_says_so_and_the_next_store_still
         assert "IO error (injected)" in bad.catch_up_error and str(bad._dir.db_path) in bad.catch_up_error
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [bad.catch_up_error]
     finally:
-        monkeypatch.undo()
         for st in (bad, good):
             st.close()
 
