@@ -82,3 +82,28 @@ def test_ranges_of_one_step_give_the_bits_of_the_whole_step(make):
         assert np.array_equal(p1.view(np.uint32), p2.view(np.uint32)), t
     with pytest.raises(ModelInputError, match="range"):
         parts.step_range(p2, g, 5, n + 1, parts.begin_step())
+
+
+def test_adam_kernel_gives_the_bits_of_float32_elementwise_arithmetic():
+    """The fused kernel (vectorized: packed sqrt and division) computes each element exactly as numpy's
+    float32 operations do one at a time, in the same order, with no fused multiply-add and no
+    reciprocal approximation: the bits hybrid mode's workers and the servers' dense table must share.
+    1003 elements: the vector body and a remainder."""
+    from models._kernels import adam_update
+    rng = np.random.default_rng(7)
+    n = 1003
+    p = rng.normal(size=n).astype(np.float32)
+    m = (rng.normal(size=n) * 1e-2).astype(np.float32)
+    v = (rng.random(n) * 1e-3).astype(np.float32)
+    v[:5] = 0.0                                  # sqrt(0): the denominator is eps alone
+    g = (rng.normal(size=n) * 1e-1).astype(np.float32)
+    lr, b1, b2, eps, t = 1e-3, 0.9, 0.999, 1e-8, 3
+    step_size, inv_sqrt_bc2 = lr / (1 - b1**t), 1 / np.sqrt(1 - b2**t)
+    f = np.float32
+    want_m = f(b1) * m + f(1 - b1) * g
+    want_v = f(b2) * v + f(1 - b2) * g * g
+    want_p = p - f(step_size) * want_m / (np.sqrt(want_v) * f(inv_sqrt_bc2) + f(eps))
+    adam_update(p, g, m, v, step_size, inv_sqrt_bc2, b1, b2, eps)
+    for got, want in ((m, want_m), (v, want_v), (p, want_p)):
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
