@@ -301,7 +301,8 @@ def fm_backward(g, x, num_slots, dim, col0, sum_v, dx):
 # ZeroDivisionError, and that branch keeps LLVM from vectorizing the loop (scalar vsqrtss/vdivss). Here
 # the divisor is >= eps > 0, so the check never fires and dropping it changes no bit (IEEE sqrt and
 # division are correctly rounded, packed or not): the 430k-parameter CTR-DNN step went from 1.5-1.8 ms to
-# 0.19-0.20 ms on this machine (vsqrtps/vdivps), bit-identical (tests/unit/test_models_optim.py).
+# 0.19-0.20 ms on this machine (vsqrtps/vdivps; both alternating in one process beside another benchmark,
+# 0.26 ms on the idle machine), bit-identical (tests/unit/test_models_optim.py).
 @njit(cache=True, nogil=True, error_model="numpy")
 def adam_update(params, grad, m, v, step_size, inv_sqrt_bc2, beta1, beta2, eps):
     """One Adam step in place (PyTorch's formulation), with float32 arithmetic.

@@ -283,7 +283,7 @@ class SpillStore:
             RocksDB refused the options.
         """
         if on:
-            self._leave_catch_up()                     # of an earlier load: the triggers go up again
+            self._leave_catch_up()                   # of an earlier load: the triggers go up again
             self._set_options({"disable_auto_compactions": "true"})
             self._compaction_deferred = True
             self._set_l0(L0_TRIGGERS_BULK)
