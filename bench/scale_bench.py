@@ -23,6 +23,14 @@ so 27-31% of all the traffic was uniform over every key, not Zipf, and most of i
     promotions_per_pulled_key
                      rows read back from RocksDB in the interval / keys pulled (server Stats): the
                      miss rate of the RAM tier, which sets how far pull throughput falls once it fills
+    table_call_ms_per_s
+                     where the server's table calls spent their wall time in the interval, thread-ms
+                     per second by part (``SparseTable.stats()``'s ``SPILL_TIME_NS`` counters, summed over
+                     the shards: lock waits and locked time of pulls that missed RAM and of pushes, the
+                     promotions and evictions inside them, and RocksDB's reads and writes inside those)
+    us_per_miss      the same per key pulled that missed RAM in the interval (microseconds): what one
+                     miss costs the server's threads, and of which part; ``us_per_promotion`` and
+                     ``us_per_eviction`` give RocksDB's read and write per row moved
     rocksdb          RocksDB's running compactions, pending compaction bytes, level-0 files and write
                      stalls at the end of the interval: the p99 above is measured while it compacts;
                      ``write_stalls`` / ``write_stall_s``: the writes RocksDB refused for a stall so far
@@ -88,6 +96,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from _procstat import cpu_split  # noqa: E402
+from sparse_tables._spill_tier import SPILL_TIME_NS  # noqa: E402
 
 DIM = 16
 BATCH = 100_000
@@ -276,6 +285,20 @@ def unlinked_bytes(pid: int, under: Path) -> int:
     return sum(files.values())
 
 
+def call_breakdown(ts: dict, prev: dict, span_s: float) -> dict:
+    """The server's table-call time between two ``table_stats`` readings ``span_s`` seconds apart:
+    ``table_call_ms_per_s`` (thread-ms per wall second by part), ``us_per_miss`` (the same per pulled key
+    that missed RAM), ``us_per_promotion`` (promotion and its RocksDB read per row read back) and
+    ``us_per_eviction`` (eviction and its RocksDB write per row written out)."""
+    d = {k: ts.get(k, 0) - prev.get(k, 0) for k in SPILL_TIME_NS + ("pull_misses", "promotions", "evictions")}
+    parts = [k[:-3] for k in SPILL_TIME_NS]
+    misses, promos, evicted = max(1, d["pull_misses"]), max(1, d["promotions"]), max(1, d["evictions"])
+    return {"table_call_ms_per_s": {p: round(d[p + "_ns"] / 1e6 / max(span_s, 1e-9), 1) for p in parts},
+            "us_per_miss": {p: round(d[p + "_ns"] / 1e3 / misses, 2) for p in parts},
+            "us_per_promotion": {p: round(d[p + "_ns"] / 1e3 / promos, 2) for p in ("promote", "promote_read", "promote_read_cpu")},
+            "us_per_eviction": {p: round(d[p + "_ns"] / 1e3 / evicted, 2) for p in ("evict", "evict_write", "evict_write_cpu")}}
+
+
 def table_stats(client) -> dict:
     """The bench table's statistics on server 0 (its Stats RPC)."""
     return client.stats()[0]["sparse"]["emb"]
@@ -447,6 +470,7 @@ def main(argv=None) -> int:
         t_start = time.perf_counter()
         rows, first_full = [], None
         seen, mark, taken, since, promoted = 0, args.keys // 10, 0, 0, 0
+        prev_ts, prev_t = table_stats(admin), time.perf_counter()
         client_cpu: dict[int, float] = {}
         cpu_before, wall_before, seen_before = cpu_split(pid, [p.pid for p in clients], client_cpu), t_start, 0
         while True:
@@ -471,6 +495,8 @@ def main(argv=None) -> int:
                            table_memory=sum(v for k, v in ts.get("memory", {}).items()
                                             if k not in ("rocksdb_memtables", "rocksdb_table_readers")))
                 promoted = ts["promotions"]
+                rec.update(call_breakdown(ts, prev_ts, time.perf_counter() - prev_t))
+                prev_ts, prev_t = ts, time.perf_counter()
                 # where the machine's cores went in the interval, and the wall rate of new keys (each one
                 # is written to RocksDB once it leaves the RAM tier: the ingest compaction has to keep up with)
                 cpu_now, wall_now = cpu_split(pid, [p.pid for p in clients], client_cpu), time.perf_counter()

@@ -5,6 +5,7 @@ lock held exclusively). A mixin of ``table.SparseTable`` that uses its arrays (`
 ``_state``, ...)."""
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -19,6 +20,21 @@ from .budget import HEADROOM_ROWS, MAX_LOAD
 from .errors import SpillError, TableInputError
 from .keysets import unique_keys
 from .rows import EXISTED_NO, EXISTED_UNKNOWN
+
+#: nanosecond counters of ``SparseTable.stats()`` that say where a spilling table's time goes (wall
+#: time of the calling thread, summed over calls; a budgeted server's shards share cores, locks and
+#: RocksDB's cache, so these include waits for them):
+#: ``spill_lock_wait_ns`` / ``pull_spilled_ns``: pulls that missed RAM, waiting for the shard's exclusive
+#: lock / holding it (promotion, read, the eviction the promotions cause);
+#: ``push_lock_wait_ns`` / ``push_locked_ns``: pushes, the same (every table: a RAM-only table's is the
+#: update itself);
+#: ``promote_ns`` (of it ``promote_read_ns``, RocksDB's multi-get): rows brought back into RAM;
+#: ``evict_ns`` (of it ``evict_write_ns``, RocksDB's write batches): rows written out of RAM;
+#: ``promote_read_cpu_ns`` / ``evict_write_cpu_ns``: the CPU time of the calling thread in those reads and
+#: writes (``time.thread_time_ns``): wall time beyond it waited for a core, the disk or a lock.
+SPILL_TIME_NS = ("spill_lock_wait_ns", "pull_spilled_ns", "push_lock_wait_ns", "push_locked_ns",
+                 "promote_ns", "promote_read_ns", "evict_ns", "evict_write_ns",
+                 "promote_read_cpu_ns", "evict_write_cpu_ns")
 
 RELEASED_ROWS = 16                  # arena rows and index slots between release_ram and restore_ram
 EVICT_PASS_ROWS = 1 << 16           # rows a call may evict beyond its cap, and the most one pass gathers and writes
@@ -241,14 +257,20 @@ class SpillTier:
 
     def _promote(self, ukeys: np.ndarray) -> None:
         """Bring rows of unique keys that are on disk into RAM (one multi-get). Lock held exclusively."""
+        t0 = time.perf_counter_ns()
         ukeys = ukeys[self._spill.may_contain(ukeys)]   # a key never written to disk needs no lookup here
         rows = np.empty(len(ukeys), np.int64)
         K.find_rows(self._index, self._arena_u, ukeys, rows)
         missing = ukeys[rows < 0]
         if not len(missing):
+            self._count(promote_ns=time.perf_counter_ns() - t0)
             return
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         pos, records = self._spill.get(missing, filtered=True)
+        t2, c2 = time.perf_counter_ns(), time.thread_time_ns()
+        read = {"promote_read_ns": t2 - t1, "promote_read_cpu_ns": c2 - c1}
         if not len(pos):
+            self._count(promote_ns=t2 - t0, **read)
             return
         self._reserve(len(pos))
         dirty = self._spilled_dirty.contains(missing[pos])
@@ -259,7 +281,7 @@ class SpillTier:
         flags = np.where(dirty, clean | K.F_DIRTY, clean) | gens
         K.upsert_records(self._index, self._arena_u, self._state, self._lay, records,
                          flags.astype(np.uint32), self._tick)
-        self._count(promotions=len(pos))
+        self._count(promotions=len(pos), promote_ns=time.perf_counter_ns() - t0, **read)
 
     def _maybe_evict(self) -> None:
         """Past the RAM tier's cap (``memory_rows``, or what the memory budget leaves), write rows (in
@@ -343,6 +365,7 @@ class SpillTier:
     def _evict(self, k: int) -> None:
         """Write k RAM rows, the first in ``config.eviction``'s order (``sparse_tables._evict``), to RocksDB
         (only rows not already there unchanged) and drop them from RAM. Lock held exclusively; spill tier present; 0 < k <= rows in RAM."""
+        t0 = time.perf_counter_ns()
         nram = int(self._state[K.S_NRAM])
         sel = np.empty(k, np.int64)
         segmented = self.config.eviction == "slru"
@@ -360,6 +383,7 @@ class SpillTier:
         flags = records[:, self.layout.meta + K.M_FLAGS]
         synced = K.F_ON_DISK | K.F_SYNCED
         write = (flags & synced) != synced
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             self._spill.put(keys[write], records[write], (flags[write] & K.F_ON_DISK) == 0)
         except SpillError as exc:
@@ -371,9 +395,11 @@ class SpillTier:
                 K.find_rows(self._index, self._arena_u, done, at)
                 self._arena_u[at[at >= 0], self.layout.meta + K.M_FLAGS] |= np.uint32(K.F_ON_DISK)
             raise
+        t2, c2 = time.perf_counter_ns(), time.thread_time_ns()
         self._spilled_dirty.add(keys[(flags & K.F_DIRTY) != 0])
         K.remove_rows(self._index, self._arena_u, self._state, self._lay, sel)
-        self._count(evictions=k, spill_writes=int(write.sum()))
+        self._count(evictions=k, spill_writes=int(write.sum()), evict_ns=time.perf_counter_ns() - t0,
+                    evict_write_ns=t2 - t1, evict_write_cpu_ns=c2 - c1)
 
     def _shrink_disk(self, args, deleted: list, earlier: list) -> None:
         """Expiry over rows authoritative in RocksDB; appends the keys of each chunk it deletes to

@@ -34,7 +34,7 @@ from . import _kernels as K
 from ._arena import big_array as _big_array, pow2 as _pow2
 from ._snapshot import RecordSnapshot, take as take_snapshot
 from ._delta import DeltaCapture
-from ._spill_tier import SpillTier
+from ._spill_tier import SPILL_TIME_NS, SpillTier
 from ._load_kernels import DUPLICATES, key_order
 from ._inputs import check_keys as _check_keys, check_vector as _check_vector, record_keys as _record_keys
 from ._optimizers import HP_SIZE
@@ -141,7 +141,7 @@ class SparseTable(SpillTier, DeltaCapture):
         self._counters = dict(pull_keys=0, pull_hits=0, pull_misses=0, push_keys=0, created=0,
                               rejected=0, rows_refused_full=0, deleted=0, evictions=0, promotions=0,
                               spill_writes=0, compactions=0, compacted_rows=0, released_bytes=0,
-                              loaded_to_disk=0, loaded_unasked=0)
+                              loaded_to_disk=0, loaded_unasked=0, **{k: 0 for k in SPILL_TIME_NS})
         if name:
             with _WARN_GATES_LOCK:
                 self._full_gate = _WARN_GATES.setdefault(name, _WarnGate())
@@ -203,8 +203,12 @@ class SparseTable(SpillTier, DeltaCapture):
                                             out, self._tick, track, miss)]
         hits = n - len(miss)
         if len(miss) and self._spill is not None:
+            t0 = time.perf_counter_ns()
             with self._lock.exclusive():
+                t1 = time.perf_counter_ns()
                 miss = self._pull_spilled(keys, miss, out)
+                t2 = time.perf_counter_ns()
+            self._count(spill_lock_wait_ns=t1 - t0, pull_spilled_ns=t2 - t1)
         if init_missing and len(miss) and not self.config.uses_admission:
             out[miss] = self.initial_values(keys[miss])
         self._count(pull_keys=n, pull_hits=hits, pull_misses=n - hits)
@@ -408,7 +412,8 @@ class SparseTable(SpillTier, DeltaCapture):
         (keys whose RocksDB delete was refused, read as absent until the next write deletes them; not
         counted in ``rows_spilled``), ``loaded_to_disk`` (rows a load wrote straight to RocksDB) and
         ``loaded_unasked`` (those of them written without asking RocksDB whether the key was there: a
-        base's, or a trusted delta's, ``sparse_tables._delta``).
+        base's, or a trusted delta's, ``sparse_tables._delta``); the nanosecond counters of
+        ``sparse_tables._spill_tier.SPILL_TIME_NS`` (where a spilling table's calls spend their time).
         """
         with self._stats_lock:
             out = dict(self._counters)
@@ -578,7 +583,9 @@ class SparseTable(SpillTier, DeltaCapture):
             K.dedup_sum(keys, grads, shows, clicks, inverse, ukeys, ugrads, ushows, uclicks, ucounts)
         created = rejected = refused = 0
         limit = self.config.max_rows
+        t0 = time.perf_counter_ns()
         with self._lock.exclusive():
+            t1 = time.perf_counter_ns()
             self._changed()
             self._next_tick()
             now_s = self._now_s()
@@ -608,7 +615,9 @@ class SparseTable(SpillTier, DeltaCapture):
                 if end < nu:
                     end = self._promote_prefix(ukeys, done)
             self._maybe_evict()
-        self._count(push_keys=n, created=created, rejected=rejected, rows_refused_full=refused)
+            t2 = time.perf_counter_ns()
+        self._count(push_keys=n, created=created, rejected=rejected, rows_refused_full=refused,
+                    push_lock_wait_ns=t1 - t0, push_locked_ns=t2 - t1)
         if refused:
             self._warn_full(refused)
 

@@ -421,6 +421,11 @@ _TABLE_COUNTERS = (("pull_keys", "pull_keys", "Keys pulled from this server's sh
                    ("spill_writes", "rocksdb_writes", "Row writes to RocksDB"))
 
 
+#: parts of ``engine_ps_table_call_seconds``: ``SparseTable.stats()``'s ``{part}_ns`` counters
+_SPILL_PARTS = ("spill_lock_wait", "pull_spilled", "push_lock_wait", "push_locked", "promote", "promote_read",
+                "evict", "evict_write")
+
+
 def _malloc_families(core):
     """glibc's heap of the server's process (``PSServer.heap_stats``): most of a budgeted server's RSS
     beyond its tables' parts. Nothing off glibc."""
@@ -488,6 +493,11 @@ class ServerCollector:
                                      "this server whose compaction after a bulk load (a restore) is pending "
                                      "(waiting its turn or merging), or was refused by RocksDB (failed)",
                                      labels=["table", "state"])
+        spill_time = CounterMetricFamily(
+            "engine_ps_table_call_seconds", "Wall time of this server's calls on the table by part (summed "
+            "over threads): spill_lock_wait / pull_spilled, pulls that missed RAM waiting for a shard's lock "
+            "/ holding it; push_lock_wait / push_locked, pushes; promote (of it promote_read, RocksDB's "
+            "reads) and evict (of it evict_write) inside them", labels=["table", "part"])
         for table, host in list(self.core.sparse.items()):
             try:
                 s = host.stats()
@@ -501,13 +511,15 @@ class ServerCollector:
             for part, v in (s.get("memory") or {}).items():
                 mem.add_metric([table, part], float(v))
             disk.add_metric([table], float(s.get("disk_bytes", 0)))
+            for part in _SPILL_PARTS:
+                spill_time.add_metric([table, part], s.get(f"{part}_ns", 0) / 1e9)
             if "rocksdb" in s:
                 stall.add_metric([table], float(s["rocksdb"].get("write_stall_s", 0)))
                 l0.add_metric([table], float(s["rocksdb"].get("level0_files", 0)))
                 catch_up.add_metric([table, "pending"], float(s["rocksdb"].get("catching_up", 0)))
                 catch_up.add_metric([table, "failed"], float(s["rocksdb"].get("catch_up_failed", 0)))
         yield from fams.values()
-        yield from (rows, mem, disk, stall, l0, catch_up)
+        yield from (rows, mem, disk, stall, l0, catch_up, spill_time)
         yield from _malloc_families(self.core)
         yield from _governor_family(self.core)
         parts = getattr(self.core, "checkpoint_parts", None) or {}

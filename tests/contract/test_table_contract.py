@@ -118,5 +118,11 @@ def test_spill_config_really_spills(tmp_path):
     s = table.stats()
     assert s["rows_spilled"] >= 190 and s["evictions"] > 0 and s["promotions"] > 0
     assert s["rows_in_ram"] <= table.config.memory_rows
+    # where the time went: every part moved, each inner part within its whole, and promotions and
+    # evictions (only inside pushes and the pulls that missed RAM here) within those calls' locked time
+    assert 0 < s["promote_read_ns"] <= s["promote_ns"] and 0 < s["evict_write_ns"] <= s["evict_ns"]
+    assert s["pull_spilled_ns"] > 0 and s["push_locked_ns"] > 0
+    assert s["promote_ns"] + s["evict_ns"] <= s["pull_spilled_ns"] + s["push_locked_ns"]
+    assert 0 < s["promote_read_cpu_ns"] and 0 < s["evict_write_cpu_ns"]
     table.close()
 
