@@ -495,8 +495,9 @@ def main(argv=None) -> int:
                            table_memory=sum(v for k, v in ts.get("memory", {}).items()
                                             if k not in ("rocksdb_memtables", "rocksdb_table_readers")))
                 promoted = ts["promotions"]
-                rec.update(call_breakdown(ts, prev_ts, time.perf_counter() - prev_t))
-                prev_ts, prev_t = ts, time.perf_counter()
+                now = time.perf_counter()
+                rec.update(call_breakdown(ts, prev_ts, now - prev_t))
+                prev_ts, prev_t = ts, now
                 # where the machine's cores went in the interval, and the wall rate of new keys (each one
                 # is written to RocksDB once it leaves the RAM tier: the ingest compaction has to keep up with)
                 cpu_now, wall_now = cpu_split(pid, [p.pid for p in clients], client_cpu), time.perf_counter()

@@ -202,16 +202,17 @@ class SparseTable(SpillTier, DeltaCapture):
                 miss = miss[:K.pull_rows_at(self._index, self._arena_u, self._arena_f, self._lay, keys, rows,
                                             out, self._tick, track, miss)]
         hits = n - len(miss)
+        t0 = t1 = t2 = 0
         if len(miss) and self._spill is not None:
             t0 = time.perf_counter_ns()
             with self._lock.exclusive():
                 t1 = time.perf_counter_ns()
                 miss = self._pull_spilled(keys, miss, out)
                 t2 = time.perf_counter_ns()
-            self._count(spill_lock_wait_ns=t1 - t0, pull_spilled_ns=t2 - t1)
         if init_missing and len(miss) and not self.config.uses_admission:
             out[miss] = self.initial_values(keys[miss])
-        self._count(pull_keys=n, pull_hits=hits, pull_misses=n - hits)
+        self._count(pull_keys=n, pull_hits=hits, pull_misses=n - hits, spill_lock_wait_ns=t1 - t0,
+                    pull_spilled_ns=t2 - t1)
         return out
 
     def push(self, keys: np.ndarray, grads: np.ndarray, *, shows: np.ndarray | None = None,

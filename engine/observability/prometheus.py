@@ -421,9 +421,12 @@ _TABLE_COUNTERS = (("pull_keys", "pull_keys", "Keys pulled from this server's sh
                    ("spill_writes", "rocksdb_writes", "Row writes to RocksDB"))
 
 
-#: parts of ``engine_ps_table_call_seconds``: ``SparseTable.stats()``'s ``{part}_ns`` counters
-_SPILL_PARTS = ("spill_lock_wait", "pull_spilled", "push_lock_wait", "push_locked", "promote", "promote_read",
-                "evict", "evict_write")
+def _spill_parts() -> tuple[str, ...]:
+    """Parts of ``engine_ps_table_call_seconds``: ``SparseTable.stats()``'s wall-time ``{part}_ns``
+    counters (the thread-CPU ones, ``*_cpu_ns``, stay in ``stats()``: a different quantity). Imported
+    here, not at the top: only a server's collector needs the tables (and Numba) loaded."""
+    from sparse_tables._spill_tier import SPILL_TIME_NS
+    return tuple(k[:-3] for k in SPILL_TIME_NS if not k.endswith("_cpu_ns"))
 
 
 def _malloc_families(core):
@@ -498,6 +501,7 @@ class ServerCollector:
             "over threads): spill_lock_wait / pull_spilled, pulls that missed RAM waiting for a shard's lock "
             "/ holding it; push_lock_wait / push_locked, pushes; promote (of it promote_read, RocksDB's "
             "reads) and evict (of it evict_write) inside them", labels=["table", "part"])
+        call_parts = _spill_parts()
         for table, host in list(self.core.sparse.items()):
             try:
                 s = host.stats()
@@ -511,7 +515,7 @@ class ServerCollector:
             for part, v in (s.get("memory") or {}).items():
                 mem.add_metric([table, part], float(v))
             disk.add_metric([table], float(s.get("disk_bytes", 0)))
-            for part in _SPILL_PARTS:
+            for part in call_parts:
                 spill_time.add_metric([table, part], s.get(f"{part}_ns", 0) / 1e9)
             if "rocksdb" in s:
                 stall.add_metric([table], float(s["rocksdb"].get("write_stall_s", 0)))

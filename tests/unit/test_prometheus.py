@@ -72,7 +72,7 @@ def test_rpc_counts_latencies_and_table_stats_move_with_traffic(server):
     assert after["engine_ps_rows", (("table", "emb"), ("tier", "rocksdb"))] == 0
     assert after["engine_ps_rows_created_total", table] == 300
     call_s = {part: after["engine_ps_table_call_seconds_total", (("part", part), ("table", "emb"))]
-              for part in prometheus._SPILL_PARTS}
+              for part in prometheus._spill_parts()}
     assert call_s["push_locked"] == stats["sparse"]["emb"]["push_locked_ns"] / 1e9 > 0   # a RAM-only table:
     assert call_s["promote"] == call_s["evict"] == call_s["pull_spilled"] == 0          # nothing spills
     ok = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Pull")))
