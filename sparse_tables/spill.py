@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from rocksdict import (BlockBasedOptions, Cache, DBCompactionStyle, DBCompressionType, Options, Rdict,
-                       ReadOptions, UniversalCompactOptions, WriteBatch, WriteBufferManager, WriteOptions)
+from rocksdict import (BlockBasedIndexType, BlockBasedOptions, Cache, DBCompactionStyle, DBCompressionType, Options,
+                       Rdict, ReadOptions, UniversalCompactOptions, WriteBatch, WriteBufferManager, WriteOptions)
 
 from ._catch_up import CATCH_UP
 from ._inputs import record_keys as _record_keys
@@ -58,6 +58,33 @@ class ScanView(NamedTuple):
     dead: np.ndarray = _NO_KEYS
 
 
+def table_options(budget=None, block_size: int | None = None, partitioned: bool = False) -> BlockBasedOptions:
+    """The block-based table options of a spill store (``rocksdb_options``); with a ``budget.MemoryBudget``
+    the budget's shared block cache (made here, with its write-buffer manager, by the first store).
+    ``block_size`` (bytes, default ``BLOCK_SIZE``) and ``partitioned`` (a two-level index and partitioned
+    filters) exist for ``bench/rocksdb_cold_read_bench.py``, which measured them (``BLOCK_SIZE``)."""
+    table = BlockBasedOptions()
+    # RocksDB's own Bloom filter, 10 bits per key (~1% false positives): a miss costs no data block
+    # read. Filter and index blocks live in the block cache (counted by its capacity instead of growing
+    # outside it), the level-0 ones pinned there.
+    table.set_bloom_filter(10, False)
+    table.set_cache_index_and_filter_blocks(True)
+    table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+    table.set_pin_top_level_index_and_filter(True)
+    table.set_block_size(BLOCK_SIZE if block_size is None else int(block_size))
+    if partitioned:
+        table.set_index_type(BlockBasedIndexType.two_level_index_search())
+        table.set_partition_filters(True)
+        table.set_metadata_block_size(4096)
+    if budget is not None:
+        if budget.cache is None:
+            budget.cache = Cache(budget.rocksdb_bytes)
+            budget.write_buffer_manager = WriteBufferManager.new_write_buffer_manager_with_cache(
+                budget.rocksdb_bytes - budget.cache_bytes, False, budget.cache)
+        table.set_block_cache(budget.cache)
+    return table
+
+
 def rocksdb_options(budget=None, compaction: str = "level") -> Options:
     """RocksDB options for a spill store: point lookups of ~100-byte records, batched writes.
 
@@ -68,21 +95,8 @@ def rocksdb_options(budget=None, compaction: str = "level") -> Options:
     """
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
-    table = BlockBasedOptions()
-    # RocksDB's own Bloom filter, 10 bits per key (~1% false positives): a miss costs no data block
-    # read. Filter and index blocks live in the block cache (counted by its capacity instead of growing
-    # outside it), the level-0 ones pinned there.
-    table.set_bloom_filter(10, False)
-    table.set_cache_index_and_filter_blocks(True)
-    table.set_pin_l0_filter_and_index_blocks_in_cache(True)
-    table.set_pin_top_level_index_and_filter(True)
-    table.set_block_size(BLOCK_SIZE)
+    table = table_options(budget)
     if budget is not None:
-        if budget.cache is None:
-            budget.cache = Cache(budget.rocksdb_bytes)
-            budget.write_buffer_manager = WriteBufferManager.new_write_buffer_manager_with_cache(
-                budget.rocksdb_bytes - budget.cache_bytes, False, budget.cache)
-        table.set_block_cache(budget.cache)
         opts.set_write_buffer_manager(budget.write_buffer_manager)
         opts.set_write_buffer_size(budget.write_buffer_bytes)
     else:
@@ -125,6 +139,8 @@ def rocksdb_options(budget=None, compaction: str = "level") -> Options:
 # (bench/scale_bench.py's traffic in-process, 10M-13M keys, a 1 GB budget) RocksDB's multi-gets took 27.6 s
 # with 16 KiB blocks and 15.8 s with 4 KiB (160k -> 210k keys/s); dense reads (many keys per block) favour
 # 16 KiB slightly. The index blocks are 4x larger than with 16 KiB (~45 MB of the block cache at 10^8 keys).
+# 2 KiB and 1 KiB blocks, and a two-level index with partitioned filters, left a cold read's CPU where it was
+# (bench/rocksdb_cold_read_bench.py, 25M rows: 12-18 us a key for every layout, 4.9 us warm; README "Scale").
 BLOCK_SIZE = 4096
 COMPRESSION = DBCompressionType.lz4
 RATE_LIMIT_BYTES_PER_S = 256 << 20
