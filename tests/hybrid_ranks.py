@@ -70,13 +70,11 @@ def hang(out: str, size: int, how: str) -> None:
 
 
 def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -> None:
-    from mpi4py import MPI
-
     from engine.modes._overlap import OverlappedDenseStep
-    from engine.modes.hybrid import DenseReplica
+    from engine.modes.hybrid import DenseReplica, world
     if how.startswith("hang"):
         return hang(out, size, how)
-    comm = MPI.COMM_WORLD
+    comm = world()              # as a worker starts MPI (the CMA probe first)
     rep = DenseReplica(initial(size), table_config(), comm, sync_steps=sync_steps, timeout_s=60)
     live = initial(size) * 0
     ov = None

@@ -5,6 +5,7 @@ single-process reference that averages the same per-rank gradients; model averag
 every rank at each sync point. Also the config's refusals, naming the keys."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from engine.config import DenseTableConfig, load_config
 from engine.errors import ConfigError
 from engine.launch.mpi import mpiexec_path
-from engine.modes.hybrid import DenseReplica, make_optimizer
+from engine.modes.hybrid import CMA_CVAR, DenseReplica, make_optimizer
 from tests import hybrid_ranks as hr
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +91,54 @@ def test_gradient_allreduce_keeps_ranks_identical_and_matches_the_reference(tmp_
     assert int(got["collectives"]) == STEPS * buckets
     if how == "whole":
         assert float(got["wait_cpu_s"]) <= float(got["wait_s"]) + 0.05    # the wait yields: CPU <= wall
+
+
+def _under_seccomp(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """``cmd`` run under ``tests/seccomp_exec.py``'s filter (process_vm_readv/writev refused with EPERM)."""
+    from tests import seccomp_exec
+    if not seccomp_exec.available():
+        pytest.skip("libseccomp is not installed: a seccomp profile cannot be applied to the ranks")
+    return subprocess.run([sys.executable, str(REPO / "tests" / "seccomp_exec.py"), *cmd], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_cma_probe_sees_a_seccomp_profile_that_refuses_process_vm_readv():
+    from engine.modes.hybrid import cma_refused
+    assert cma_refused() is None                       # this process may read its own memory
+    proc = _under_seccomp([sys.executable, "-c", "from engine.modes.hybrid import cma_refused; "
+                           "print(cma_refused())"], dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "EPERM"
+
+
+def test_ranks_whose_seccomp_profile_refuses_process_vm_readv_all_reduce_without_cma(tmp_path):
+    """A container whose seccomp profile refuses ``process_vm_readv``: MPICH's single-copy transfers
+    (CMA) fail there, so every all-reduce of a large vector fails, on every restart. First the fault
+    itself, with CMA forced on by the user (``world`` obeys a value the user set); then the ranks as a
+    worker starts them: the probe switches CMA off with a warning naming the call and the setting, and
+    the world trains with the same bits on every rank."""
+    env = {k: v for k, v in os.environ.items() if k != CMA_CVAR}
+    one_allreduce = ("import numpy as np; from mpi4py import MPI; from engine.modes.hybrid import world; "
+                     "comm = world(); comm.Set_errhandler(MPI.ERRORS_ARE_FATAL); x = np.ones(200003, np.float32); "
+                     "y = np.empty_like(x); comm.Allreduce(x, y, op=MPI.SUM); print('sum', y[0])")
+    forced = _under_seccomp([mpiexec_path(), "-launcher", "fork", "-n", "2", sys.executable, "-c", one_allreduce],
+                            {**env, CMA_CVAR: "1"})
+    assert forced.returncode != 0, forced.stdout[-2000:] + forced.stderr[-2000:]
+    assert "process_vm_readv failed" in forced.stdout + forced.stderr
+
+    cmd = [mpiexec_path(), "-launcher", "fork", "-n", "2", sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
+           str(tmp_path / "probed.npz"), "1", "2", str(SIZE), "whole"]
+    probed = _under_seccomp(cmd, env)
+    out = probed.stdout[-2000:] + probed.stderr[-3000:]
+    assert probed.returncode == 0, out
+    assert probed.stderr.count(f"process_vm_readv is refused in this process (EPERM") == 2, out   # each rank
+    assert f"{CMA_CVAR}=0 is set" in probed.stderr, out
+    with np.load(tmp_path / "probed.npz") as z:
+        params = z["params"]
+    assert params.shape == (2, 2, SIZE)
+    for t in range(2):
+        assert np.array_equal(bits(params[t, 1]), bits(params[t, 0])), t
+    assert not np.array_equal(params[1, 0], hr.initial(SIZE))
 
 
 @pytest.mark.parametrize("how", ["hang-whole", "hang-overlap"])
