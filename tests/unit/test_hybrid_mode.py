@@ -104,7 +104,7 @@ def _under_seccomp(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
 
 def test_the_cma_probe_sees_a_seccomp_profile_that_refuses_process_vm_readv():
     from engine.modes.hybrid import cma_refused
-    assert cma_refused() is None                       # this process may read its own memory
+    assert cma_refused() is None, "this process may read its own memory unless a filter refuses the call"
     proc = _under_seccomp([sys.executable, "-c", "from engine.modes.hybrid import cma_refused; "
                            "print(cma_refused())"], dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-2000:]
