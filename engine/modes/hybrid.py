@@ -75,12 +75,12 @@ CMA_CVAR = "MPIR_CVAR_CH4_CMA_ENABLE"
 
 def cma_refused() -> str | None:
     """Whether this process may not call ``process_vm_readv`` -> the errno's name (``"EPERM"``: a seccomp
-    profile refuses the call, as a container runtime's may), or None when it may (or this is not glibc).
+    profile refuses the call, as a container runtime's may), or None when it may (or the C library has no such function).
 
     MPICH moves every intranode message of 8 KiB or more with CMA: the receiving rank reads the sender's
     memory with ``process_vm_readv``. It turns CMA off by itself when Yama's ``ptrace_scope`` forbids it,
     but not when a seccomp filter refuses the call: every all-reduce of the dense tower then fails
-    (``copy_iovs: process_vm_readv failed (errno 1)``), on every restart. The probe reads 8 bytes of
+    (``copy_iovs: process_vm_readv failed (errno 1)``) or hangs, on every restart. The probe reads 8 bytes of
     this process's own memory, which the kernel allows any process unless a filter refuses the call.
     """
     try:
