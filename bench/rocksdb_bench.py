@@ -65,6 +65,16 @@ def real_records(root: Path) -> tuple[np.ndarray, int]:
     return np.concatenate(parts), layout.dim
 
 
+def keyed_records(real: np.ndarray, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` fresh random keys (uint64[n]) and the real records repeated under them (uint32[n, stride],
+    each record's key words rewritten), so every value stored is a real one at any row count."""
+    keys = rng.integers(1, 2**63, n, dtype=np.uint64)
+    records = np.tile(real, (-(-n // len(real)), 1))[:n].copy()
+    records[:, 0] = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    records[:, 1] = (keys >> np.uint64(32)).astype(np.uint32)
+    return keys, records
+
+
 def key_bytes(keys: np.ndarray) -> list:
     return np.frombuffer(np.ascontiguousarray(keys, dtype=">u8").tobytes(), dtype="V8").tolist()
 
@@ -120,11 +130,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     real, dim = real_records(Path(args.checkpoint))
     rng = np.random.default_rng(0)
-    reps = -(-args.rows // len(real))
-    records = np.tile(real, (reps, 1))[:args.rows].copy()
-    keys = rng.integers(1, 2**63, args.rows, dtype=np.uint64)
-    records[:, 0] = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    records[:, 1] = (keys >> np.uint64(32)).astype(np.uint32)
+    keys, records = keyed_records(real, args.rows, rng)
     probe = np.sort(rng.choice(keys, min(len(keys), 4 * CHUNK), replace=False))
     absent = rng.integers(1, 2**63, 4 * CHUNK, dtype=np.uint64)
     sparse_probes = [np.sort(rng.choice(keys, min(len(keys), SPARSE_PROBE), replace=False)) for _ in range(16)]

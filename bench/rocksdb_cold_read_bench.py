@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from rocksdb_bench import SPARSE_PROBE, key_bytes, real_records  # noqa: E402
+from rocksdb_bench import SPARSE_PROBE, key_bytes, keyed_records, real_records, sst_bytes  # noqa: E402
 
 BATCH = 8192          # rows per eviction write batch (sparse_tables.spill.WRITE_BATCH_ROWS)
 LAYOUTS = {           # name: (block size in bytes or None for BLOCK_SIZE, partitioned index and filters)
@@ -131,16 +131,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"rocksdb_cold_read_bench: {free / 1e9:.1f} GB free under {work}, need about "
                          f"{args.rows * 250 / 1e9:.1f} GB for {args.rows} rows")
     rng = np.random.default_rng(0)
-
-    def rows(n):
-        keys = rng.integers(1, 2**63, n, dtype=np.uint64)
-        rec = np.tile(real, (-(-n // len(real)), 1))[:n].copy()
-        rec[:, 0] = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        rec[:, 1] = (keys >> np.uint64(32)).astype(np.uint32)
-        return keys, rec
-
     try:
-        wk, wr = rows(args.warm_rows)
+        wk, wr = keyed_records(real, args.warm_rows, rng)
         db, _, _ = build(str(work / "warm"), "shipped", wk, wr)
         read(db, wk, 20, rng, True)
         warm = min(read(db, wk, args.calls, rng, True)[0] for _ in range(2))
@@ -148,11 +140,15 @@ def main(argv=None) -> int:
         del wk, wr
         print(json.dumps({"bench": "cold_read_warm", "rows": args.warm_rows, "cpu_us_per_key": round(warm, 2)}),
               flush=True)
-        keys, records = rows(args.rows)
+        keys, records = keyed_records(real, args.rows, rng)
         for layout in layouts:
             path = str(work / layout)
             db, opts, build_s = build(path, layout, keys, records)
             props = db.property_value("rocksdb.aggregated-table-properties") or ""
+            layout_figures = {
+                "build_s": round(build_s, 1), "disk_bytes_per_row": round(sst_bytes(path) / args.rows, 1),
+                "index_bytes": int(props.split("index block size")[1].split("=")[1].split(";")[0])
+                if "index block size" in props else None}
             read(db, keys, 20, rng, True)
             for rep in range(4):
                 fill = rep % 2 == 0
@@ -163,10 +159,7 @@ def main(argv=None) -> int:
                     "bench": "cold_read", "layout": layout, "fill_cache": fill, "rows": args.rows,
                     "record_bytes": 4 * records.shape[1], "dim": dim,
                     "cpu_us_per_key": round(cpu, 2), "wall_us_per_key": round(wall, 2),
-                    "ratio_vs_warm": round(cpu / warm, 2), "build_s": round(build_s, 1),
-                    "disk_bytes_per_row": round(sum(p.stat().st_size for p in Path(path).glob("*.sst")) / args.rows, 1),
-                    "index_bytes": int(props.split("index block size")[1].split("=")[1].split(";")[0])
-                    if "index block size" in props else None,
+                    "ratio_vs_warm": round(cpu / warm, 2), **layout_figures,
                     "per_1k_keys": {k: round(1000 * (after.get(k, 0) - before.get(k, 0)) / (args.calls * SPARSE_PROBE), 1)
                                     for k in STATS}}), flush=True)
             db.close()
