@@ -74,6 +74,8 @@ def role_job(tmp, tag: str, resumes: list[str]) -> tuple[int, dict | None, str]:
     return worker.returncode, json.loads(result.read_text()) if result.exists() else None, worker.stderr
 
 
+@pytest.mark.long   # make test-long (see pyproject.toml): the last test restarts a role-mode server with --resume and
+# ends bit-identical too, its worker resuming at its data position
 def test_role_mode_servers_resume_and_the_worker_continues_bit_identically(tmp_path):
     full = run(args(tmp_path, "full", *SETS))
     mgr = CheckpointManager(str(tmp_path / "ckpt-full"), "ctr_dnn")

@@ -61,11 +61,7 @@ def run(shared_data, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = json.loads(proc.stdout.strip().splitlines()[-1])
     assert final["words"] == 3 * n
-    vec = d / "vectors.txt"
-    proc = subprocess.run([sys.executable, "-m", "engine", "export", final["checkpoint"], str(vec), "--format",
-                           "word2vec"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return final, vec
+    return final, d
 
 
 def test_ps_geo_matches_the_reference_quality(run):
@@ -78,7 +74,11 @@ def test_ps_geo_matches_the_reference_quality(run):
 @pytest.mark.long   # make test-long (see pyproject.toml): test_w2v_engine_train exports and evaluates the PS vectors
 def test_gensim_evaluates_the_exported_ps_vectors_the_same(run, shared_data):
     gensim = pytest.importorskip("gensim")
-    final, vec = run
+    final, d = run
+    vec = d / "vectors.txt"
+    proc = subprocess.run([sys.executable, "-m", "engine", "export", final["checkpoint"], str(vec), "--format",
+                           "word2vec"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     words, vectors = load_word2vec_format(vec)
     ours = evaluate_all(words, vectors, shared_data / "text")
     assert ours["analogy_accuracy"] == pytest.approx(final["analogy_accuracy"], abs=1e-9)  # export == servers
