@@ -161,9 +161,17 @@ def pod_config(cfg: EngineConfig) -> tuple[EngineConfig, list[str]]:
         Inline storage secrets (``storage.access_key`` / ``storage.secret_key``); a ``storage.*_env``
         without ``kubernetes.storage_secret``; TLS, a token or an admin token missing without
         ``security.insecure: true`` (the keys are named); a CTR job whose data is not Arrow; a local
-        ``checkpoint.root`` without ``checkpoint.shared: true``.
+        ``checkpoint.root`` without ``checkpoint.shared: true``; ``mode: hybrid`` with more than one worker
+        (the worker Job's pods are not one MPI world).
     """
     warnings: list[str] = []
+    if cfg.mode == "hybrid" and cfg.cluster.workers > 1:
+        # each pod of the worker Job would start a world of its own and stop at HybridMode's rank check
+        raise ConfigError(f"mode hybrid with cluster.workers={cfg.cluster.workers}: the worker Job starts one "
+                          f"process per pod, but hybrid workers form one MPI world that a single mpiexec starts; "
+                          f"run them as a Kubeflow MPIJob whose launcher runs `mpiexec -n {cfg.cluster.workers} "
+                          f"engine train CONFIG --role worker --rank $PMI_RANK` (README, 'Hybrid mode'), or use "
+                          f"mode async")
     for key in StorageConfig.SECRETS:
         if getattr(cfg.storage, key):
             raise ConfigError(f"storage.{key}: inline credentials are refused in Kubernetes manifests (the "

@@ -309,6 +309,7 @@ def test_storage_credentials_come_from_the_storage_secret(creds):
     (["kubernetes.name=" + "a" * 60], "kubernetes.name"),
     (["kubernetes.namespace=No"], "kubernetes.namespace"),
     (["kubernetes.health_port=7000"], "kubernetes.health_port"),
+    (["mode=hybrid"], "mode hybrid with cluster.workers=2"),     # the worker pods are not one MPI world
 ])
 def test_what_cannot_run_in_pods_is_refused(tmp_path, creds, capsys, extra, key):
     assert cli(tmp_path / "out", sets(creds, *extra)) == 2
