@@ -316,6 +316,13 @@ def test_what_cannot_run_in_pods_is_refused(tmp_path, creds, capsys, extra, key)
     assert key in error_line(capsys)
 
 
+def test_a_one_worker_hybrid_job_renders(tmp_path, creds):
+    """One hybrid worker has no MPI peers: its pod runs without mpiexec, so only more workers are refused."""
+    assert cli(tmp_path / "out", sets(creds, "mode=hybrid", "cluster.workers=1")) == 0
+    assert yaml.safe_load(by_kind(render(creds, "mode=hybrid", "cluster.workers=1"))["ConfigMap"]["data"]
+                          ["config.yaml"])["mode"] == "hybrid"
+
+
 def test_an_image_is_required(tmp_path, creds, capsys):
     assert cli(tmp_path / "out", sets(creds), image=None) == 2
     assert "kubernetes.image" in error_line(capsys)
