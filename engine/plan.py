@@ -54,7 +54,8 @@ Throughput (``ps_bench.py``'s 1-server ``pull`` / ``push`` through gRPC, on ``c_
 
 Network per worker step (the wire protocol: uint64 keys, float32 rows and gradients, float32 show and
 click per pushed key; protobuf framing ignored; dense ``P`` floats each way every ``m`` steps,
-``m = model.dense_merge_steps`` in async mode, 1 in sync, no dense traffic in GEO)::
+``m = model.dense_merge_steps`` in async mode, 1 in sync, no dense traffic to the servers in GEO or
+hybrid, whose workers all-reduce the tower among themselves: a note gives its bytes)::
 
     to servers   = U * (8 + 8 + 4 * dim + 8) + 4 * P / m
     from servers = U * 4 * dim + 4 * P / m
@@ -721,7 +722,14 @@ def _network(rec: _Record, cfg, dim: int, U: float, steps: float, V: int, nic: f
     else:
         rec.use(Figure("dense_floats", P, "floats", "computed", f"models.build_model({kind!r}, ...).dense_size"))
         merge = cfg.model.params.dense_merge_steps if cfg.mode == "async" else 1
-        dense_step = 0.0 if cfg.mode == "geo" else 4 * P / merge
+        dense_step = 0.0 if cfg.mode in ("geo", "hybrid") else 4 * P / merge
+        if cfg.mode == "hybrid":
+            W = cfg.cluster.workers
+            ring = 2 * (W - 1) / W * 4 * P          # a ring all-reduce's bytes sent (and received) per rank
+            rec.notes.append(f"mode hybrid: the dense tower ({P} floats) does not travel to the servers while "
+                             f"training (rank 0 uploads it at checkpoints); the workers all-reduce it over MPI "
+                             f"every step, {ring / 1e6:.3g} MB each way per worker step at cluster.workers={W} "
+                             f"(ring: 2 (W - 1) / W x 4 P bytes), on the workers' network")
     shows = 8 if kind in CTR_KINDS else 0
     to_srv = U * (8 + 8 + 4 * dim + shows) + dense_step
     from_srv = U * 4 * dim + dense_step
@@ -739,7 +747,7 @@ def _network(rec: _Record, cfg, dim: int, U: float, steps: float, V: int, nic: f
                          f"largest block) exceeds the network: more servers do not help; raise model.batch_size"
                          f"{' or model.dense_merge_steps' if cfg.mode == 'async' else ''}")
     else:
-        note = "the busier direction (full duplex), dense blocks included"
+        note = "the busier direction (full duplex)" + (", dense blocks included" if dense_step else "")
         n = servers_for(sparse, nic, V)
         while n < blocks and busiest(n) > nic:
             n += 1

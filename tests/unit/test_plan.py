@@ -138,6 +138,19 @@ def test_dense_traffic_over_the_network_is_infeasible_whatever_the_servers(tmp_p
     assert p.servers == 2                         # the other resources still plan
 
 
+def test_hybrid_sends_no_dense_tower_to_the_servers_and_notes_the_all_reduce(tmp_path):
+    # mode hybrid: the workers all-reduce the dense tower over MPI; the servers see the sparse traffic only
+    p = plan_1e9(load_config(CTR, ["mode=hybrid", "cluster.workers=4"]), bench(tmp_path), network_gbps=10)
+    d = p.deployment
+    assert d["network_per_step_per_worker_bytes"] == {"to_servers": pytest.approx(1500 * 64),
+                                                      "from_servers": pytest.approx(1500 * 40)}
+    assert d["network_per_server_bytes_per_s"] == pytest.approx(781.25 * 0.5 * 1500 * 64)
+    assert p.feasible        # async's dense tower alone overran 10 Gb/s (the test above)
+    ring_mb = 2 * 3 / 4 * 4 * 430_801 / 1e6
+    (note,) = [n for n in p.notes if n.startswith("mode hybrid")]
+    assert f"{ring_mb:.3g} MB each way per worker step at cluster.workers=4" in note
+
+
 @pytest.mark.parametrize("overrides, binding", [
     ({"server_ram_bytes": 1e9}, "ram"),
     ({"server_disk_bytes": 1e9}, "disk"),
