@@ -170,8 +170,8 @@ def pod_config(cfg: EngineConfig) -> tuple[EngineConfig, list[str]]:
         raise ConfigError(f"mode hybrid with cluster.workers={cfg.cluster.workers}: the worker Job starts one "
                           f"process per pod, but hybrid workers form one MPI world that a single mpiexec starts; "
                           f"run them as a Kubeflow MPIJob whose launcher runs `mpiexec -n {cfg.cluster.workers} "
-                          f"engine train CONFIG --role worker --rank $PMI_RANK` (README, 'Hybrid mode'), or use "
-                          f"mode async")
+                          f"sh -c 'engine train CONFIG --role worker --rank $PMI_RANK'` (each rank's own "
+                          f"PMI_RANK; README, 'Hybrid mode'), or use mode async")
     for key in StorageConfig.SECRETS:
         if getattr(cfg.storage, key):
             raise ConfigError(f"storage.{key}: inline credentials are refused in Kubernetes manifests (the "
