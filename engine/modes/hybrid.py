@@ -519,7 +519,7 @@ class HybridMode(AsyncMode):
         when overlapped with the backward pass), dense steps taken, and the wall and CPU seconds spent
         completing them (the test-and-yield loop; overlapped: the wait after the pass, and the progress
         thread's CPU, its optimizer ranges included)."""
-        reps = self.replicas.values()
+        reps = list(self.replicas.values())      # one copy: Prometheus reads this from its own thread
         return {"allreduce": {"calls": sum(r.collectives for r in reps), "dense_steps": sum(r.steps for r in reps),
                               "overlapped": bool(self._overlaps),
                               "wait_s": round(sum(r.wait_s for r in reps), 4),

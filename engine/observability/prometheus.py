@@ -28,6 +28,8 @@ engine_ps_checkpoint_part_bytes_total        server  bytes of part files written
 engine_worker_examples_total                 worker  training examples (CTR) consumed
 engine_worker_steps_total                    worker  training steps
 engine_worker_phase_seconds_total{phase}     worker  step time by phase (read, pull_sparse, compute, ...)
+engine_worker_allreduce_total                worker  hybrid: all-reduces of the dense tower completed
+engine_worker_allreduce_seconds_total{kind}  worker  hybrid: completing them, wall (wait) and CPU (cpu)
 engine_worker_train_seconds_total            worker  time in training loops
 engine_worker_examples_per_second            worker  the last reporting window's rate (words/s: W2V)
 engine_worker_train_logloss / _auc           worker  the last reporting window's values
@@ -542,7 +544,8 @@ class ServerCollector:
 
 class TrainerCollector:
     """A worker program's counters, read at scrape time from its attributes (``examples``, ``steps``,
-    ``train_seconds``, ``phases``: phase -> seconds); missing attributes are skipped."""
+    ``train_seconds``, ``phases``: phase -> seconds), and its mode's all-reduce figures in mode hybrid
+    (``mode.profile()["allreduce"]``); missing attributes are skipped."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -568,6 +571,26 @@ class TrainerCollector:
             for phase, v in list(phases.items()):
                 fam.add_metric([phase], float(v))
             yield fam
+        yield from self._allreduce(getattr(getattr(t, "mode", None), "profile", None))
+
+    @staticmethod
+    def _allreduce(profile):
+        """Mode hybrid (``HybridMode.profile``): the dense tower's all-reduces completed, and the wall and
+        CPU seconds spent completing them: a worker whose wait grows while its CPU does not is waiting
+        for a slower peer (a straggler)."""
+        from prometheus_client.core import CounterMetricFamily
+        stats = profile().get("allreduce") if callable(profile) else None
+        if not isinstance(stats, dict):
+            return
+        yield CounterMetricFamily("engine_worker_allreduce", "All-reduces of the dense tower completed (mode hybrid; "
+                                  "one per bucket when overlapped with the backward pass)",
+                                  value=float(stats["calls"]))
+        fam = CounterMetricFamily("engine_worker_allreduce_seconds", "Seconds completing the dense tower's "
+                                  "all-reduces (mode hybrid): wall (wait) and this thread's CPU (cpu)",
+                                  labels=["kind"])
+        fam.add_metric(["wait"], float(stats["wait_s"]))
+        fam.add_metric(["cpu"], float(stats["wait_cpu_s"]))
+        yield fam
 
 
 class EventGauges:

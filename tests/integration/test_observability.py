@@ -1,6 +1,7 @@
-"""Observability of real processes: a CTR job (``engine train``, 1 server + 2 workers) scraped over HTTP
-while it trains, its TensorBoard event files read back with TensorBoard's own reader, and a role-mode
-server whose row gauges equal its tables' statistics taken through the PS client."""
+"""Observability of real processes: a CTR job (``engine train``, 1 server + 2 workers, mode hybrid: the
+sparse side as in async, plus the workers' all-reduce figures) scraped over HTTP while it trains, its
+TensorBoard event files read back with TensorBoard's own reader, and a role-mode server whose row gauges
+equal its tables' statistics taken through the PS client."""
 from __future__ import annotations
 
 import contextlib
@@ -60,7 +61,8 @@ def role_server(tmp_path: Path, *sets: str):
 def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_path):
     run, tb = tmp_path / "run", tmp_path / "tb"
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(run),
-           *[a for s in ("model.data.source=generated", "model.data.generated_rows=30000", "model.epochs=3",
+           *[a for s in ("mode=hybrid", "model.data.source=generated", "model.data.generated_rows=30000",
+                         "model.epochs=3",
                          f"model.data.cache_dir={tmp_path / 'cache'}", f"model.metrics_dir={tmp_path / 'm'}",
                          "checkpoint.root=", "model.hidden=[32]", "model.log_every_s=0.2",
                          "observability.prometheus_port=0", f"observability.tensorboard_dir={tb}")
@@ -93,6 +95,10 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
     assert second["engine_ps_rows", (("table", "embedding"), ("tier", "ram"))] > 0
     assert w_second[examples] > w_first[examples] > 0
     assert w_second["engine_worker_phase_seconds_total", (("phase", "compute"),)] > 0
+    calls = ("engine_worker_allreduce_total", ())
+    wait, cpu = (("engine_worker_allreduce_seconds_total", (("kind", k),)) for k in ("wait", "cpu"))
+    assert w_second[calls] > w_first.get(calls, 0)            # one all-reduce per step
+    assert 0 < w_second[cpu] <= w_second[wait] + 1e-3         # the waiting thread's CPU within its wall time
     assert w_second["engine_restarts_total", ()] == 0
     targets = json.loads((run / "prometheus.json").read_text())
     assert sorted((t["labels"]["role"], t["labels"]["rank"]) for t in targets) == [
