@@ -123,7 +123,7 @@ class TableConfig:
         merge keeps its inputs until it ends: 1.63x-1.9x measured while growing to 100M keys): in
         ``bench/spill_ingest_bench.py`` at 100M rows it kept up with the writes at 19% less CPU per row
         where leveled fell 11 GB behind, and in ``bench/scale_bench.py`` at 100M keys it pulled
-        25-54% more keys/s than leveled at the end (README, "Scale"). ``engine plan`` sizes disk by the
+        25-54% more keys/s than leveled at the end (docs/scale-measurements.md). ``engine plan`` sizes disk by the
         peak measured for the style; where disk binds (10^12 keys) leveled needs fewer servers, hence the
         default. Ignored without ``spill_path``.
     """

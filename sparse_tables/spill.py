@@ -112,7 +112,7 @@ def rocksdb_options(budget=None, compaction: str = "level") -> Options:
     opts.set_optimize_filters_for_hits(True)
     opts.set_compression_type(COMPRESSION())
     # leveled compaction with dynamic level sizes (space amplification ~1.1; the default), or universal
-    # (TableConfig.spill_compaction: fewer rewrites per row, README "Scale"); RocksDB's default
+    # (TableConfig.spill_compaction: fewer rewrites per row, docs/scale-measurements.md); RocksDB's default
     # write-stall triggers (20 / 36 level-0 files) and a rate limit on flush and compaction writes, so
     # background writing leaves the disk and a core to the requests
     if compaction == "universal":
@@ -132,7 +132,7 @@ def rocksdb_options(budget=None, compaction: str = "level") -> Options:
     return opts
 
 
-# bench/rocksdb_bench.py on real trained rows (README, "Scale"): lz4 stores them in 78% of the bytes of
+# bench/rocksdb_bench.py on real trained rows (docs/scale-measurements.md): lz4 stores them in 78% of the bytes of
 # no compression (70 vs 91 bytes per row of 72) at the same point-read rate; zstd saves 10% more but reads
 # up to 2x slower. Blocks of 4 KiB (RocksDB's default): a promotion reads one random row of a big table,
 # so each read decompresses and checksums a whole block for one record. In the scale workload
@@ -140,7 +140,8 @@ def rocksdb_options(budget=None, compaction: str = "level") -> Options:
 # with 16 KiB blocks and 15.8 s with 4 KiB (160k -> 210k keys/s); dense reads (many keys per block) favour
 # 16 KiB slightly. The index blocks are 4x larger than with 16 KiB (~45 MB of the block cache at 10^8 keys).
 # 2 KiB and 1 KiB blocks, and a two-level index with partitioned filters, left a cold read's CPU where it was
-# (bench/rocksdb_cold_read_bench.py, 25M rows: 12-18 us a key for every layout, 4.9 us warm; README "Scale").
+# (bench/rocksdb_cold_read_bench.py, 25M rows: 12-18 us a key for every layout, 4.9 us warm;
+# docs/scale-measurements.md).
 BLOCK_SIZE = 4096
 COMPRESSION = DBCompressionType.lz4
 RATE_LIMIT_BYTES_PER_S = 256 << 20
