@@ -11,6 +11,8 @@ from .base import Mode
 
 class AsyncMode(Mode):
     name = "async"
+    pipelines_requests = True
+    dense_step_replies_params = True
 
     def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
         return self.client.pull(table, keys, init_missing=True)
@@ -40,6 +42,10 @@ class AsyncMode(Mode):
             return super().push_pull(table, keys, grads, shows, clicks, pull_keys, dense_table, dense_grad)
         return self.client.push_pull(table, keys, grads, pull_keys, shows=shows, clicks=clicks,
                                      dense_table=dense_table, dense_grad=dense_grad)
+
+    def drain(self) -> None:
+        """Send what the background push queue holds (``client.async_queue``)."""
+        self.client.flush()
 
     def finish(self) -> None:
         self.client.flush()

@@ -49,6 +49,18 @@ class Mode(ABC):
     #: loop then sends only sparse rows in its round trips and calls ``push_pull_dense`` itself at the step
     #: boundary, beside the sparse request in flight, so the dense tower is never stale
     dense_on_workers = False
+    #: True when ``push_pull`` sends a step's pushes and the next step's pull together (async, hybrid): a
+    #: worker program may keep such requests in flight beside its matrix products (``model.pipeline``)
+    pipelines_requests = False
+    #: True when ``prefetch_sparse`` fetches ahead what a later pull needs (GEO's missing rows)
+    prefetches_rows = False
+    #: True when the dense step (``push_pull_dense``) replies with the fresh parameters (async's
+    #: DENSE_STEP): the worker loads them instead of pulling, keeps its parameters between two of its own
+    #: dense steps, and may merge k steps' gradients into one (``model.dense_merge_steps``)
+    dense_step_replies_params = False
+    #: True when every worker must run the same number of steps per epoch (a collective every step:
+    #: sync's barrier, hybrid's all-reduce); ``steps_per_epoch`` gives the count
+    lockstep = False
 
     def __init__(self, client: PSClient, *, rank: int, num_workers: int, barrier_timeout_s: float = 600.0):
         self.client = client
@@ -125,6 +137,16 @@ class Mode(ABC):
             self.client.init_dense(table, params)
         self.barrier(f"init-dense-{table}")
         return self.pull_dense(table)
+
+    def drain(self) -> None:
+        """Make every update this worker holds visible on the servers (before an evaluation, a checkpoint
+        meeting, the end): queued pushes, GEO's deltas, hybrid's dense tower. Default: nothing is held
+        (sync applies every step at its barrier)."""
+
+    def steps_per_epoch(self, shard_rows: int, batch_size: int) -> int:
+        """With ``lockstep``: the steps every worker runs per epoch when the smallest shard holds
+        ``shard_rows`` rows, in batches of ``batch_size``: its full batches (hybrid overrides it)."""
+        return shard_rows // batch_size
 
     def warm_up(self, dims) -> None:
         """Compile the kernels of the mode's own local state (GEO's local copy) for the sparse row widths

@@ -120,6 +120,7 @@ class GeoMode(Mode):
     """
 
     name = "geo"
+    prefetches_rows = True
 
     def __init__(self, client, *, rank: int, num_workers: int, barrier_timeout_s: float = 600.0,
                  k_steps: int = 10, learning_rate: float = 0.05, dense_learning_rate: float = 0.05,
@@ -279,6 +280,10 @@ class GeoMode(Mode):
         super().end_step(examples)
         if self.step % self.k_steps == 0:
             self.sync()
+
+    def drain(self) -> None:
+        """``sync`` now."""
+        self.sync()
 
     def sync(self) -> None:
         """Push the deltas of every touched row and of the dense tables, then refresh them."""

@@ -386,6 +386,8 @@ class HybridMode(AsyncMode):
 
     name = "hybrid"
     dense_on_workers = True
+    dense_step_replies_params = False      # the step is local: the model's vector, stepped in place
+    lockstep = True
 
     def __init__(self, client, *, rank: int, num_workers: int, dense_tables: dict, sync_steps: int = 1,
                  comm=None, barrier_timeout_s: float = 600.0, overlap_buckets: int | None = None):
@@ -501,6 +503,14 @@ class HybridMode(AsyncMode):
         rows, _ = super().push_pull(table, keys, grads, shows, clicks, pull_keys, None, None)
         fresh = self.push_pull_dense(dense_table, dense_grad) if dense_table is not None else None
         return rows, fresh
+
+    def steps_per_epoch(self, shard_rows: int, batch_size: int) -> int:
+        """Every batch of the smallest shard, its last one partial (a worker with more rows stops there)."""
+        return -(-shard_rows // batch_size)
+
+    def drain(self) -> None:
+        """``sync`` now."""
+        self.sync()
 
     def sync(self) -> None:
         """A drain (evaluation, checkpoint meeting, end): the sparse pushes are flushed, model averaging

@@ -19,6 +19,7 @@ from .base import Mode
 
 class SyncMode(Mode):
     name = "sync"
+    lockstep = True
 
     def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
         return self.client.pull(table, keys, init_missing=True)

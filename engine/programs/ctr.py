@@ -236,8 +236,8 @@ class CTRTrainer:
         self.dense_steps = 0          # dense gradients sent (async)
         self._dense_lock = threading.Lock()
         # hybrid: async's sparse pipeline, the dense step beside it on this thread (Mode.dense_on_workers)
-        self.pipelined = p.pipeline != "sequential" and self.mode.name in ("async", "hybrid")
-        self.prefetching = p.pipeline != "sequential" and self.mode.name == "geo"
+        self.pipelined = p.pipeline != "sequential" and self.mode.pipelines_requests
+        self.prefetching = p.pipeline != "sequential" and self.mode.prefetches_rows
         observability.watch_trainer(self)     # Prometheus reads examples, steps, phases at scrape time
         self.evaluation = ctr_eval.Evaluation(self)    # rows, group metrics and their merge (ctr_eval)
 
@@ -309,7 +309,7 @@ class CTRTrainer:
             fresh, self._fresh_dense = self._fresh_dense, None
         if fresh is not None:
             self.model.set_dense(fresh)
-        elif self._dense_stale or self.mode.name != "async":
+        elif self._dense_stale or not self.mode.dense_step_replies_params:
             self.model.set_dense(self.mode.pull_dense(self.cfg.dense_table))
         self._dense_stale = False
 
@@ -323,7 +323,7 @@ class CTRTrainer:
 
     def _flush_dense(self) -> None:
         """Async: send the dense gradients merged so far (a segment ends)."""
-        if self.mode.name == "async":
+        if self.mode.dense_step_replies_params:
             self._send_dense(self.merge_dense(None, flush=True))
 
     def merge_dense(self, grad: np.ndarray | None, flush: bool = False) -> np.ndarray | None:
@@ -368,7 +368,7 @@ class CTRTrainer:
         t0 = time.perf_counter()
         self.mode.push_sparse_grads(self.cfg.sparse_table, uniq, grads, shows=shows, clicks=clicks)
         t1 = time.perf_counter()
-        if self.mode.name == "async":
+        if self.mode.dense_step_replies_params:
             self._send_dense(self.merge_dense(res.grad_dense))
         else:
             self.mode.push_dense_grads(self.cfg.dense_table, res.grad_dense)
@@ -641,10 +641,7 @@ class CTRTrainer:
         self._flush_dense()
         self._fresh_dense = None
         self._dense_stale = True
-        if self.mode.name in ("geo", "hybrid"):     # hybrid: rank 0 uploads the dense tower
-            self.mode.sync()
-        elif self.mode.name == "async":
-            self.client.flush()
+        self.mode.drain()                            # hybrid: rank 0 uploads the dense tower
 
     def evaluate(self, tag: str, epoch: int) -> dict | None:
         """Global metrics of the test split (every worker scores its shard; merged on the servers).
@@ -679,12 +676,12 @@ class CTRTrainer:
         self.checkpoints = AlignedCheckpoints(self)
         start, self.steps = self.checkpoints.restored()
         max_steps = None
-        lockstep = self.mode.name in ("sync", "hybrid")    # every worker must run the same number of steps
+        lockstep = self.mode.lockstep      # every worker must run the same number of steps
         need_min = lockstep or (self.checkpoints.enabled and self.checkpoints.ck.align_steps > 0)
         rows = min(shard_rows(p.data.train_path, self.num_workers)) if need_min else 0
         min_batches = rows // p.batch_size
-        if lockstep:     # hybrid: every shard has at least ceil(rows / batch) batches, the last may be partial
-            max_steps = min_batches if self.mode.name == "sync" else -(-rows // p.batch_size)
+        if lockstep:
+            max_steps = self.mode.steps_per_epoch(rows, p.batch_size)
             log.info("%s mode: %d steps per epoch on every worker", self.mode.name, max_steps)
         for epoch in range(start.epoch, p.epochs):
             self.train_epoch(epoch, max_steps, skip=start.batch if epoch == start.epoch else 0,

@@ -58,10 +58,7 @@ class _Loop:
 
     def _drain(self) -> None:
         """Every update of this worker visible on the servers (GEO deltas, queued async pushes)."""
-        if self.mode.name == "geo":
-            self.mode.sync()
-        elif self.mode.name == "async":
-            self.client.flush()
+        self.mode.drain()
 
 
 def run(ctx) -> dict:

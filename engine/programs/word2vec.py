@@ -290,10 +290,7 @@ class Word2VecTrainer:
 
     def _drain(self) -> None:
         """Every update of this worker visible on the servers (GEO deltas, queued async pushes)."""
-        if self.mode.name == "geo":
-            self.mode.sync()
-        elif self.mode.name == "async":
-            self.client.flush()
+        self.mode.drain()
 
     def warm_up(self) -> float:
         """Compile this worker's kernels (subsampling and negatives, the SGNS step on replicas and on
