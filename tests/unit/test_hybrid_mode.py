@@ -118,13 +118,18 @@ def test_ranks_whose_seccomp_profile_refuses_process_vm_readv_all_reduce_without
     worker starts them: the probe switches CMA off with a warning naming the call and the setting, and
     the world trains with the same bits on every rank."""
     env = {k: v for k, v in os.environ.items() if k != CMA_CVAR}
-    one_allreduce = ("import numpy as np; from mpi4py import MPI; from engine.modes.hybrid import world; "
+    # each rank's stderr goes to its own file: hydra may drop what a rank wrote just before the abort
+    errs = tmp_path / "forced-stderr"
+    errs.mkdir()
+    one_allreduce = (f"import os; os.dup2(os.open({str(errs)!r} + '/rank-%d' % os.getpid(), os.O_WRONLY | os.O_CREAT), "
+                     "2); import numpy as np; from mpi4py import MPI; from engine.modes.hybrid import world; "
                      "comm = world(); comm.Set_errhandler(MPI.ERRORS_ARE_FATAL); x = np.ones(200003, np.float32); "
                      "y = np.empty_like(x); comm.Allreduce(x, y, op=MPI.SUM); print('sum', y[0])")
     forced = _under_seccomp([mpiexec_path(), "-launcher", "fork", "-n", "2", sys.executable, "-c", one_allreduce],
                             {**env, CMA_CVAR: "1"})
-    assert forced.returncode != 0, forced.stdout[-2000:] + forced.stderr[-2000:]
-    assert "process_vm_readv failed" in forced.stdout + forced.stderr
+    said = forced.stdout + forced.stderr + "".join(f.read_text(errors="replace") for f in errs.iterdir())
+    assert forced.returncode != 0, said[-4000:]
+    assert "process_vm_readv failed" in said
 
     cmd = [mpiexec_path(), "-launcher", "fork", "-n", "2", sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
            str(tmp_path / "probed.npz"), "1", "2", str(SIZE), "whole"]
