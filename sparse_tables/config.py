@@ -119,13 +119,13 @@ class TableConfig:
         live rows on disk at most while growing to 100M keys, 1.13x with a base save's spool beside
         them; the catch-up after a base restore, 1.39x while every shard merged at once, now runs one
         shard at a time, ``_catch_up``: 1.02x);
-        ``universal`` (tiered sorted runs: up to 1.5x the live rows on disk between merges, and a full
-        merge keeps its inputs until it ends: 1.63x-1.9x measured while growing to 100M keys): in
-        ``bench/spill_ingest_bench.py`` at 100M rows it kept up with the writes at 19% less CPU per row
-        where leveled fell 11 GB behind, and in ``bench/scale_bench.py`` at 100M keys it pulled
-        25-54% more keys/s than leveled at the end (docs/scale-measurements.md). ``engine plan`` sizes disk by the
-        peak measured for the style; where disk binds (10^12 keys) leveled needs fewer servers, hence the
-        default. Ignored without ``spill_path``.
+        ``universal`` (tiered sorted runs: up to 1.5x the live rows on disk between merges, and a full merge
+        keeps its inputs until it ends: 1.63x-1.9x measured while growing to 100M keys): in
+        ``bench/spill_ingest_bench.py`` at 100M rows it kept up with the writes at 19% less CPU per row where
+        leveled fell 11 GB behind, and in ``bench/scale_bench.py`` at 100M keys it pulled 25-54% more keys/s
+        than leveled at the end (docs/scale-measurements.md). ``engine plan`` sizes disk by the peak measured
+        for the style; where disk binds (10^12 keys) leveled needs fewer servers, hence the default. Ignored
+        without ``spill_path``.
     """
 
     dim: int = 8

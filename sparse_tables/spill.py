@@ -132,8 +132,8 @@ def rocksdb_options(budget=None, compaction: str = "level") -> Options:
     return opts
 
 
-# bench/rocksdb_bench.py on real trained rows (docs/scale-measurements.md): lz4 stores them in 78% of the bytes of
-# no compression (70 vs 91 bytes per row of 72) at the same point-read rate; zstd saves 10% more but reads
+# bench/rocksdb_bench.py on real trained rows (docs/scale-measurements.md): lz4 stores them in 78% of the
+# bytes of no compression (70 vs 91 bytes per row of 72) at the same point-read rate; zstd saves 10% more but reads
 # up to 2x slower. Blocks of 4 KiB (RocksDB's default): a promotion reads one random row of a big table,
 # so each read decompresses and checksums a whole block for one record. In the scale workload
 # (bench/scale_bench.py's traffic in-process, 10M-13M keys, a 1 GB budget) RocksDB's multi-gets took 27.6 s

@@ -12,8 +12,7 @@ that complete the deployment::
 
 Exit codes: 0 written; 2 a config error (an inline storage secret, security missing without
 ``security.insecure: true``, no image, a bad ``kubernetes`` value, ``mode: hybrid`` with more than one
-worker) or DIR not writable, with one
-``engine k8s: ...`` line on stderr.
+worker) or DIR not writable, with one ``engine k8s: ...`` line on stderr.
 """
 from __future__ import annotations
 
