@@ -82,6 +82,12 @@ class Barriers:
         self._stopped = False
         self._calls = 0
 
+    @property
+    def lingering(self) -> int:
+        """Polls lingering on the server now (each holds an RPC thread until it is answered)."""
+        with self._cond:
+            return self._lingering
+
     def arrive(self, name: str, token: str, world: int, timeout_s: float, on_open=None) -> BarrierReply:
         """Arrive at (or poll) barrier ``name`` as ``token``. ``on_open()`` runs once, under the
         barrier's lock, when the last arrival opens it (before anyone is released).

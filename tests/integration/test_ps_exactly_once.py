@@ -203,10 +203,16 @@ def test_overload_is_backed_off_and_a_too_large_request_is_not_retried():
         def wait_alone():
             with PSClient(ep, name="w") as w, pytest.raises(Exception, match="1 of 2 callers"):
                 w.barrier("b", 2, timeout=3)
+        core.barriers.linger_s = 1.0     # the window in which the raw call below must find the slot taken
         waiter = threading.Thread(target=wait_alone, daemon=True)
         raw = GrpcTransport(ep, retries=0)
         waiter.start()
-        time.sleep(0.1)
+        # not a fixed sleep: on a loaded machine the waiter's first poll took longer than 0.1 s to arrive,
+        # the slot was still free and the raw call succeeded (a CI-like run, 2026-11-29)
+        deadline = time.monotonic() + 10
+        while core.barriers.lingering < 1:
+            assert time.monotonic() < deadline, "the waiter's barrier poll never lingered on the server"
+            time.sleep(0.001)
         with pytest.raises(Exception) as raw_err:   # without back-off: refused by gRPC's limit
             raw.call(0, "Stats", pb.Empty(request_id="s"), 5.0)
         assert raw_err.value.code == "RESOURCE_EXHAUSTED"
