@@ -80,8 +80,15 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
         first, w_first = scrape(server_url), scrape(worker_url)
-        time.sleep(0.5)
-        second, w_second = scrape(server_url), scrape(worker_url)
+        calls = ("engine_worker_allreduce_total", ())
+        # until each counter moved (a fixed 0.5 s could fall in a pause of the lockstep job on a loaded machine)
+        while True:
+            time.sleep(0.2)
+            second, w_second = scrape(server_url), scrape(worker_url)
+            if (second[pulled] > first[pulled] and w_second[examples] > w_first[examples]
+                    and w_second.get(calls, 0) > w_first.get(calls, 0)):
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, "the job's counters stopped moving"
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -95,7 +102,6 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
     assert second["engine_ps_rows", (("table", "embedding"), ("tier", "ram"))] > 0
     assert w_second[examples] > w_first[examples] > 0
     assert w_second["engine_worker_phase_seconds_total", (("phase", "compute"),)] > 0
-    calls = ("engine_worker_allreduce_total", ())
     wait, cpu = (("engine_worker_allreduce_seconds_total", (("kind", k),)) for k in ("wait", "cpu"))
     assert w_second[calls] > w_first.get(calls, 0)            # one all-reduce per step
     assert 0 < w_second[cpu] <= w_second[wait] + 1e-3         # the waiting thread's CPU within its wall time

@@ -199,7 +199,8 @@ def test_overload_is_backed_off_and_a_too_large_request_is_not_retried():
     grpc_server, port = serve(core, "127.0.0.1", 0, threads=4, max_concurrent_rpcs=1)
     ep = [f"127.0.0.1:{port}"]
     try:
-        # a barrier poll lingers on the server and holds the only RPC slot for ~0.5 s
+        # a barrier poll lingers on the server and holds the only RPC slot (for up to linger_s, then polls
+        # again until its 3 s timeout)
         def wait_alone():
             with PSClient(ep, name="w") as w, pytest.raises(Exception, match="1 of 2 callers"):
                 w.barrier("b", 2, timeout=3)
@@ -218,6 +219,8 @@ def test_overload_is_backed_off_and_a_too_large_request_is_not_retried():
         assert raw_err.value.code == "RESOURCE_EXHAUSTED"
         with PSClient(ep, name="patient") as c:
             assert c.stats()[0]["server"] == 0      # backed off until the slot was free
+            waiter.join(10)                         # its polls no longer take the slot
+            assert not waiter.is_alive(), "the lone barrier waiter did not time out within 10 s"
             t0 = time.monotonic()
             with pytest.raises(MessageTooLargeError, match="max_message_bytes") as big:
                 c.init_dense("d", np.zeros(300_000, np.float32))   # a 1.2 MB block > 1 MiB limit

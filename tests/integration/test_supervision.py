@@ -91,8 +91,9 @@ def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
-    # the restart began after the stopped server's processes were killed (up to a few seconds more)
-    assert detected < dead_after + 2 + 5, f"recovery began {detected:.1f}s after SIGSTOP"
+    # the restart began after the stopped server's processes were killed (up to a few seconds more, and
+    # more on a loaded machine; far less than the 60 s a call would wait without the Health verdict)
+    assert detected < dead_after + 20, f"recovery began {detected:.1f}s after SIGSTOP"
     assert "server 1" in err and "hung: answered no Health call" in err, err[-2000:]
     assert json.loads(out.strip().splitlines()[-1])["restarts"] == 1
     assert not leftovers(tmp_path)

@@ -34,7 +34,7 @@ def test_a_failed_apply_at_the_opening_reaches_every_waiter_at_once():
             out["waiter"] = (e.code, str(e), time.monotonic() - t0)
     t = threading.Thread(target=waiter)
     t.start()
-    time.sleep(0.1)
+    _until_arrived(b, "sync", 1)      # w0 must be the last arrival, the one whose apply fails
 
     def boom():
         raise OSError("disk full")
@@ -48,8 +48,18 @@ def test_a_failed_apply_at_the_opening_reaches_every_waiter_at_once():
     r = [None]
     t = threading.Thread(target=lambda: r.__setitem__(0, b.arrive("sync", "w1b", 2, 60)))
     t.start()
+    _until_arrived(b, "sync", 1)
     assert b.arrive("sync", "w0b", 2, 60).released
     t.join(5)
+
+
+def _until_arrived(b: Barriers, name: str, n: int, timeout_s: float = 10.0) -> None:
+    """Wait until ``n`` callers have arrived at barrier ``name`` (another thread's arrival, not a fixed
+    sleep: on a loaded machine a thread can take longer than any short sleep to get there)."""
+    deadline = time.monotonic() + timeout_s
+    while b.stats().get(name, {}).get("arrived", 0) < n:
+        assert time.monotonic() < deadline, f"nobody arrived at barrier {name!r} within {timeout_s:g} s"
+        time.sleep(0.001)
 
 
 def test_barriers_nobody_waits_at_are_forgotten():
