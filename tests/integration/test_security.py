@@ -37,7 +37,7 @@ def security(d: Path, **kw) -> SecurityConfig:
     tls = TlsConfig(cert=str(d / "server.pem"), key=str(d / "server.key"), ca=str(d / "ca.pem"),
                     client_cert=str(d / "client.pem"), client_key=str(d / "client.key"))
     base = dict(tls=tls, token_file=str(d / "token"), admin_token_file=str(d / "admin_token"),
-                reload_interval_s=0.1, token_overlap_s=1.0)
+                reload_interval_s=0.1, token_overlap_s=3.0)
     return SecurityConfig(**{**base, **kw})
 
 
@@ -273,11 +273,11 @@ def test_the_old_token_is_accepted_during_the_overlap(secured, monkeypatch):
     with client(ep, old) as c:
         c.pull("emb", KEYS)
         certs.write_secret_file(d / "token", b"rotated-token-0123456789\n")
-        time.sleep(0.3)                                    # past reload_interval_s, within the 1 s overlap
+        time.sleep(0.3)                                    # past reload_interval_s, within the 3 s overlap
         with client(ep, sec) as new:
             new.pull("emb", KEYS)                          # the server re-read the file: new token works
         c.pull("emb", KEYS)                                # and the old one still does
-        time.sleep(1.2)
+        time.sleep(sec.token_overlap_s + 0.5)
         with pytest.raises(AccessDeniedError):
             c.pull("emb", KEYS)
 
