@@ -81,12 +81,18 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
             time.sleep(0.05)
         first, w_first = scrape(server_url), scrape(worker_url)
         calls = ("engine_worker_allreduce_total", ())
+        ok_pulls = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Pull")))
+        steps = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Step")))
+
+        def served(m: dict) -> float:
+            return m.get(ok_pulls, 0) + m.get(steps, 0)
         # until each counter moved (a fixed 0.5 s could fall in a pause of the lockstep job on a loaded machine)
+        deadline = time.monotonic() + 60
         while True:
             time.sleep(0.2)
             second, w_second = scrape(server_url), scrape(worker_url)
-            if (second[pulled] > first[pulled] and w_second[examples] > w_first[examples]
-                    and w_second.get(calls, 0) > w_first.get(calls, 0)):
+            if (second[pulled] > first[pulled] and served(second) > served(first)
+                    and w_second[examples] > w_first[examples] and w_second.get(calls, 0) > w_first.get(calls, 0)):
                 break
             assert time.monotonic() < deadline and proc.poll() is None, "the job's counters stopped moving"
         out, err = proc.communicate(timeout=240)
@@ -96,9 +102,7 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert second[pulled] > first[pulled] > 0
-    ok_pulls = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Pull")))
-    steps = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Step")))
-    assert second.get(ok_pulls, 0) + second.get(steps, 0) > first.get(ok_pulls, 0) + first.get(steps, 0)
+    assert served(second) > served(first)
     assert second["engine_ps_rows", (("table", "embedding"), ("tier", "ram"))] > 0
     assert w_second[examples] > w_first[examples] > 0
     assert w_second["engine_worker_phase_seconds_total", (("phase", "compute"),)] > 0

@@ -244,8 +244,10 @@ def test_rotation_of_tokens_and_certificates_under_traffic(secured):
         while _served_serial(port, d) == first_serial and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _served_serial(port, d) == x509.load_pem_x509_certificate((d / "server.pem").read_bytes()).serial_number
+        # past the old token's overlap, traffic goes on only if the clients re-read their token files
+        time.sleep(sec.token_overlap_s + 0.5)
         n = calls[0]
-        deadline = time.monotonic() + 20                   # clients re-read files and reconnect over TLS
+        deadline = time.monotonic() + 20
         while calls[0] <= n and not errors and time.monotonic() < deadline:
             time.sleep(0.05)
         assert calls[0] > n                                # traffic went on across the rotation

@@ -84,7 +84,7 @@ def _check_servers(snap: dict, c: LocalCluster, client: PSClient) -> None:
         assert s["rows"] == t["sparse"]["emb"]["rows"] + t["sparse"]["other"]["rows"]
         assert s["rows_in_ram"] == s["rows"] and s["rows_on_disk"] == 0
         assert s["rss_bytes"] > 10 << 20 and s["table_ram_bytes"] > 0
-        assert s["requests_per_s"] > 0                        # the pulling thread's requests
+        assert s["requests_per_s"] > 1                        # the pulling thread's requests
         assert 0 < s["p99_latency_s"] < 5.0
     assert sum(s["rows"] for s in snap["servers"]) == 1300
     assert all(0 < s["rows"] < 1300 for s in snap["servers"])      # both servers hold some

@@ -92,7 +92,8 @@ def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     # the restart began after the stopped server's processes were killed (up to a few seconds more, and
-    # more on a loaded machine; far less than the 60 s a call would wait without the Health verdict)
+    # more on a loaded machine); the message below is what tells the Health verdict from a worker that
+    # the stopped server left without steps (which progress would also declare hung)
     assert detected < dead_after + 20, f"recovery began {detected:.1f}s after SIGSTOP"
     assert "server 1" in err and "hung: answered no Health call" in err, err[-2000:]
     assert json.loads(out.strip().splitlines()[-1])["restarts"] == 1

@@ -101,8 +101,9 @@ def test_a_stopped_write_waits_without_the_gil_and_completes_when_the_stop_lifts
         t.join()
         gap = ticker.stop()
         assert errors == []
-        # a write holding the GIL through the stop would freeze the ticker for all of its >= 0.6 s; a
-        # loaded machine alone can delay a thread's wake-up by a good part of 0.25 s
+        # a write holding the GIL through the stop would hang this test (nobody could lift the stop); one
+        # holding it in stretches would freeze the ticker for them; a loaded machine alone can delay a
+        # thread's wake-up by a good part of 0.25 s
         assert gap < 0.45, f"another thread was frozen for {gap:.3f} s during the stall"
         pos, recs = st.get(keys)
         assert len(pos) == len(keys) and np.array_equal(recs, _records_of(keys)[pos])
