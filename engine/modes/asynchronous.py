@@ -48,5 +48,5 @@ class AsyncMode(Mode):
         self.client.flush()
 
     def finish(self) -> None:
-        self.client.flush()
+        self.drain()
         super().finish()

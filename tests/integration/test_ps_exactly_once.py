@@ -18,6 +18,7 @@ from engine.ps import ps_pb2 as pb
 from engine.ps.server import ServerError
 from sparse_tables import TableConfig
 from tests.faults import DroppingProxy
+from tests.waiting import until
 
 KEYS = np.arange(1, 2001, dtype=np.uint64)
 DIM = 4
@@ -210,10 +211,7 @@ def test_overload_is_backed_off_and_a_too_large_request_is_not_retried():
         waiter.start()
         # not a fixed sleep: on a loaded machine the waiter's first poll took longer than 0.1 s to arrive,
         # the slot was still free and the raw call succeeded (a CI-like run, 2026-11-29)
-        deadline = time.monotonic() + 10
-        while core.barriers.lingering < 1:
-            assert time.monotonic() < deadline, "the waiter's barrier poll never lingered on the server"
-            time.sleep(0.001)
+        until(lambda: core.barriers.lingering >= 1, "the waiter's barrier poll lingering on the server")
         with pytest.raises(Exception) as raw_err:   # without back-off: refused by gRPC's limit
             raw.call(0, "Stats", pb.Empty(request_id="s"), 5.0)
         assert raw_err.value.code == "RESOURCE_EXHAUSTED"

@@ -27,6 +27,7 @@ from engine.security.credentials import client_security, server_security
 from engine.security.settings import SecurityConfig, TlsConfig
 from sparse_tables import TableConfig
 from tests.netprobe import send_garbage
+from tests.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
 DIM = 4
@@ -247,9 +248,7 @@ def test_rotation_of_tokens_and_certificates_under_traffic(secured):
         # past the old token's overlap, traffic goes on only if the clients re-read their token files
         time.sleep(sec.token_overlap_s + 0.5)
         n = calls[0]
-        deadline = time.monotonic() + 20
-        while calls[0] <= n and not errors and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: calls[0] > n or errors, "traffic after the rotation", timeout_s=20, every_s=0.05)
         assert calls[0] > n                                # traffic went on across the rotation
     finally:
         stop.set()

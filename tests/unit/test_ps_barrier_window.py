@@ -16,6 +16,7 @@ from engine.ps import ps_pb2 as pb
 from engine.ps.barrier import BarrierError, Barriers
 from engine.ps.dedup import ReplyWindow
 from sparse_tables import TableConfig
+from tests.waiting import until
 
 DIM = 8
 SGD1 = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros")
@@ -53,13 +54,9 @@ def test_a_failed_apply_at_the_opening_reaches_every_waiter_at_once():
     t.join(5)
 
 
-def _until_arrived(b: Barriers, name: str, n: int, timeout_s: float = 10.0) -> None:
-    """Wait until ``n`` callers have arrived at barrier ``name`` (another thread's arrival, not a fixed
-    sleep: on a loaded machine a thread can take longer than any short sleep to get there)."""
-    deadline = time.monotonic() + timeout_s
-    while b.stats().get(name, {}).get("arrived", 0) < n:
-        assert time.monotonic() < deadline, f"nobody arrived at barrier {name!r} within {timeout_s:g} s"
-        time.sleep(0.001)
+def _until_arrived(b: Barriers, name: str, n: int) -> None:
+    """Wait until ``n`` callers have arrived at barrier ``name`` (another thread's arrival)."""
+    until(lambda: b.stats().get(name, {}).get("arrived", 0) >= n, f"{n} arrival(s) at barrier {name!r}")
 
 
 def test_barriers_nobody_waits_at_are_forgotten():

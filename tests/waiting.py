@@ -1,0 +1,20 @@
+"""Waiting in tests for a state another thread or process must reach: poll ``ok()`` until it holds, with a
+deadline, never a fixed sleep (on a loaded machine a thread or an RPC can take longer than any short
+sleep to get there)."""
+from __future__ import annotations
+
+import time
+
+
+def until(ok, what: str, timeout_s: float = 10.0, every_s: float = 0.001) -> None:
+    """Return once ``ok()`` is true; poll every ``every_s`` seconds.
+
+    Raises
+    ------
+    AssertionError
+        ``ok()`` was still false after ``timeout_s`` seconds; the message names ``what``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(every_s)
