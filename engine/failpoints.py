@@ -17,6 +17,9 @@ Actions: ``sleep:SECONDS`` (pause there). Unset, every point costs one dict look
 ``server.shrink``
     ``PSServer.Shrink``, before the expiry pass: a pass that takes longer than a client's per-call
     ``timeout_s``, as one over 10^8 keys does (47-89 s on one server here).
+``server.load``
+    ``PSServer.Load``, before the checkpoint is read: a restore held open, so that a chaos test can
+    kill or freeze a server inside it.
 ``export.before_publish``
     ``ctr_online`` rank 0, right before ``export_bundle`` writes and publishes the serving bundle of the
     checkpoint just published (the publish happens inside ``export_bundle``, so the point precedes the

@@ -283,6 +283,48 @@ class LocalCluster:
                 raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",
                                   role=c.role, rank=c.rank, exit_code=None, reason=reason, log_tail=c.tail())
 
+    def supervised(self, what: str, fn):
+        """Run ``fn()``, one of the launcher's own calls to the servers (a restore, the final checkpoint),
+        on a thread while the servers are watched as :meth:`wait_workers` watches them, so a server that
+        dies, or stays silent for ``client.dead_after_s``, ends the attempt within that bound (a
+        restart) rather than after the call's own deadline (an hour for a ``Load`` or a ``Save``).
+        Returns what ``fn`` returns.
+
+        Raises
+        ------
+        LaunchError
+            A server died or hung during the call (also when the call failed because of it: a server
+            seen dead within ``GRACE_S`` of the call's error explains it).
+        Exception
+            Whatever ``fn`` raised while every server stayed up (a damaged checkpoint, say).
+        """
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the launcher's thread below
+                box["error"] = e
+        t = threading.Thread(target=run, name=f"launcher-{what}", daemon=True)
+        t.start()
+        next_hang_check = time.monotonic() + HANG_CHECK_S
+        while t.is_alive():
+            t.join(POLL_S)
+            self._check_alive(self.servers)
+            if time.monotonic() >= next_hang_check:
+                self._check_hangs()
+                next_hang_check = time.monotonic() + HANG_CHECK_S
+        if "error" in box:
+            # the call fails as soon as a killed server's connection drops; its exit is seen a moment later
+            grace = time.monotonic() + self.GRACE_S
+            while time.monotonic() < grace:
+                self._check_alive(self.servers)
+                time.sleep(POLL_S)
+            raise box["error"]
+        return box.get("value")
+
+    GRACE_S = 1.0      # seconds a failed launcher call waits to see whether a server died under it
+
     def preempt(self) -> None:
         """Forward a preemption (SIGTERM) to every worker; they checkpoint at their next meeting and
         exit ``EXIT_PREEMPTED``. ``wait_workers`` gives up after ``cluster.preempt_timeout_s``."""

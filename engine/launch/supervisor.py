@@ -192,7 +192,9 @@ class Supervisor:
         cluster.start_servers()
         try:
             if self.resume is not None:
-                state["cfg"] = ckpt_job.resume(cfg, cluster.endpoints, self.resume or None, fallback=self.fallback)
+                # supervised: a server that dies or hangs inside the restore is a failure like any other
+                state["cfg"] = cluster.supervised("restore", lambda: ckpt_job.resume(
+                    cfg, cluster.endpoints, self.resume or None, fallback=self.fallback))
                 cluster.write_config(state["cfg"])
             if state["cfg"].checkpoint.enabled and not own_checkpoints:
                 state["periodic"] = ckpt_job.Periodic(state["cfg"], cluster.endpoints)
@@ -212,7 +214,8 @@ class Supervisor:
         else:
             mgr = state["periodic"].mgr if state["periodic"] is not None else None
             step = max([r.get("steps", 0) for r in results] + [0])
-            self.checkpoint = ckpt_job.final(state["cfg"], cluster.endpoints, step=step, mgr=mgr)
+            self.checkpoint = cluster.supervised("final checkpoint", lambda: ckpt_job.final(
+                state["cfg"], cluster.endpoints, step=step, mgr=mgr))
         cluster.stop_servers()
         return results
 

@@ -502,6 +502,7 @@ class PSServer:
             spill directory that cannot be claimed).
         """
         ckpt = self._checkpoint_storage(req.path if trusted else self._confine_load(req.path))
+        failpoints.hit("server.load")
         fresh: dict = {}
         try:
             manifest = read_checkpoint_manifest(ckpt, "")

@@ -136,3 +136,47 @@ def test_a_worker_whose_loop_hangs_is_declared_dead_and_the_job_recovers(tmp_pat
     assert proc.returncode == 1, err[-3000:]
     assert err.count("hung: no training step for") >= 2 and "giving up after 2 failure(s)" in err, err[-3000:]
     assert not leftovers(tmp_path)
+
+
+def wait_log(path: Path, text: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never said {text!r}")
+
+
+def test_a_server_that_hangs_or_dies_inside_the_restore_is_a_failure_like_any_other(tmp_path):
+    """The launcher's own calls (the restore of a restart, the final checkpoint) are watched as the
+    training is: a server frozen inside its Load is declared dead after client.dead_after_s (not after
+    the Load's hour-long deadline), and one killed inside it restarts the job (not a launcher crash).
+    The failpoint server.load holds every restore open for 4 s so that the faults land inside it."""
+    dead_after = 3.0
+    env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.load=sleep:4"}
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(DEMO), "--run-dir", str(tmp_path), *FAST,
+                             "--set", f"checkpoint.root={tmp_path / 'ckpt'}", "--set", "checkpoint.align_steps=10",
+                             "--set", "checkpoint.delta_every=10steps", "--set", f"client.dead_after_s={dead_after}",
+                             "--set", "cluster.max_restarts=5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    try:
+        wait_steps(tmp_path / "worker-0.progress.json", 25)        # a checkpoint stands at step 20
+        os.kill(role_pid(tmp_path, "server", 0), signal.SIGKILL)
+        wait_log(tmp_path / "restart-1" / "server-1.log", "failpoint server.load")
+        os.kill(role_pid(tmp_path / "restart-1", "server", 1), signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_log(tmp_path / "restart-2" / "server-0.log", "failpoint server.load", timeout=dead_after + 40)
+        detected = time.monotonic() - t0
+        os.kill(role_pid(tmp_path / "restart-2", "server", 0), signal.SIGKILL)
+        out, err = finish(proc, 180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert detected < dead_after + 30, f"the frozen restore was abandoned {detected:.1f}s after SIGSTOP"
+    assert "restart 2/5" in err and "server 1 failed (hung: answered no Health call" in err, err[-3000:]
+    assert "restart 3/5" in err and "server 0 failed (was killed by signal 9)" in err, err[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["restarts"] == 3, final
+    assert not leftovers(tmp_path)
