@@ -141,10 +141,14 @@ class Periodic:
             if client is not None:
                 client.close()
 
-    def stop(self) -> CheckpointManager:
-        """Stop the thread (waits for a save in progress); returns the manager (its head continues)."""
+    def stop(self, wait: bool = True) -> CheckpointManager:
+        """Stop the thread; returns the manager (its head continues). ``wait``: wait for a save in
+        progress (the default, at a job's end); False when the attempt failed, so a save stuck on a dead
+        or frozen server (its deadline is an hour) does not hold the restart; the thread is a daemon and
+        its save fails when the attempt's servers are stopped."""
         self._stop.set()
-        self._thread.join()
+        if wait:
+            self._thread.join()
         return self.mgr
 
 

@@ -24,14 +24,15 @@ clock time spent training.
 Step counts. ``delta_every`` and ``base_every`` each take either a time or a step count (they may differ:
 ``delta_every: 500steps`` with the default ``base_every: 24h``). A step is one batch of every worker (the
 manifest's ``step``): with 2 workers of 128 rows, ``500steps`` is 128,000 examples. A step period counts
-only where the program reports its step at its checkpoint points, i.e. the offline CTR programs
-(``ctr_dnn``, ``deepfm``; ``engine.programs.ctr_positions``), which check the schedule at aligned points
-only: every ``align_steps`` steps of an epoch and at epoch ends. A step period that is not a multiple of
-``align_steps`` therefore falls due at the first aligned point at or after it (``delta_every: 300steps``
-with ``align_steps: 256``: steps 512, 1024, ...), and with ``align_steps: 0`` only at epoch ends. Programs
-checkpointed by the launcher's wall-clock thread (``engine.job_checkpoints.Periodic``: logreg, Word2Vec)
-and the online CTR job see no steps: there a step period never falls due (a warning says so when the
-schedule is built); the time periods work as before.
+only where the program reports its step at its checkpoint points, i.e. the offline programs (``ctr_dnn``,
+``deepfm``, ``logreg``, ``word2vec``: ``engine.programs.ctr_positions.AlignedCheckpoints``), which check
+the schedule at aligned points only: every ``align_steps`` steps of an epoch and at epoch ends. A step
+period that is not a multiple of ``align_steps`` therefore falls due at the first aligned point at or
+after it (``delta_every: 300steps`` with ``align_steps: 256``: steps 512, 1024, ...), and with
+``align_steps: 0`` only at epoch ends. A program that does not write its own checkpoints is checkpointed
+by the launcher's wall-clock thread (``engine.job_checkpoints.Periodic``; none of the shipped ones), and
+the online CTR job checks after each partition: both see no steps, so a step period never falls due
+there (a warning says so when the schedule is built); the time periods work as before.
 
 Precedence, as for times: a base is due when its period has passed since the last base; otherwise a
 delta when its period has passed since the last checkpoint of either kind (a base restarts the delta

@@ -202,9 +202,14 @@ class Supervisor:
             if self.preempt_requested:
                 cluster.preempt()
             results = cluster.wait_workers()
-        finally:
+        except BaseException:
+            # a failed attempt does not wait for a scheduled save in progress: it may be stuck on the very
+            # server that failed, and what it would write is rolled back anyway (servers stop on return)
             if state["periodic"] is not None:
-                state["periodic"].stop()
+                state["periodic"].stop(wait=False)
+            raise
+        if state["periodic"] is not None:
+            state["periodic"].stop()
         if any(r.get("preempted") for r in results):
             self._stopped_preempted()
             cluster.stop_servers()

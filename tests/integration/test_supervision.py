@@ -180,3 +180,39 @@ def test_a_server_that_hangs_or_dies_inside_the_restore_is_a_failure_like_any_ot
     final = json.loads(out.strip().splitlines()[-1])
     assert final["restarts"] == 3, final
     assert not leftovers(tmp_path)
+
+
+def test_a_failed_attempt_does_not_wait_for_a_scheduled_save_stuck_on_a_frozen_server(tmp_path):
+    """The launcher's wall-clock checkpoint thread (job_checkpoints.Periodic, for programs that do not
+    write their own) may be inside a save when the attempt fails, stuck on the frozen server that failed
+    it: ``stop(wait=False)`` returns at once, and the save ends unpublished once the server is gone."""
+    from engine.config import load_config
+    from engine.connect import connect
+    from engine.job_checkpoints import Periodic, job_manager
+    from tests.integration.test_role_resume import free_ports
+    port = free_ports(1)[0]
+    sets = [f"checkpoint.root={tmp_path / 'ckpt'}", "checkpoint.delta_every=1s", "checkpoint.base_every=1s"]
+    cfg = load_config(DEMO, sets)
+    server = subprocess.Popen([sys.executable, "-m", "engine", "train", str(DEMO), *[a for s in sets for a in ("--set", s)],
+                               "--set", "cluster.warm_up=false", "--role", "server", "--rank", "0", "--port", str(port)],
+                              cwd=REPO, env={**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{port}", "ENGINE_NUM_WORKERS": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with connect(cfg, [f"127.0.0.1:{port}"], name="test", admin=True) as c:
+            c.wait_ready(60)
+        os.kill(server.pid, signal.SIGSTOP)            # frozen before the first save falls due (1 s)
+        periodic = Periodic(cfg, [f"127.0.0.1:{port}"], poll_s=0.1)
+        time.sleep(2.0)                                 # the save is due after 1 s: it is now waiting on the server
+        t0 = time.monotonic()
+        periodic.stop(wait=False)
+        assert time.monotonic() - t0 < 1.0
+        time.sleep(0.5)     # a thread between saves sees the stop flag within poll_s (0.1 s) and ends
+        assert periodic._thread.is_alive()              # still inside the save, as the failed attempt leaves it
+        os.killpg(server.pid, signal.SIGKILL)          # the attempt's servers stop: the save fails
+        periodic._thread.join(30)
+        assert not periodic._thread.is_alive()
+        assert job_manager(cfg).list() == []
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(10)
