@@ -1,16 +1,16 @@
-"""Chaos soak (issue 16), outside CI: CTR-DNN on the shared Criteo rows (``configs/ctr.yaml``), 1 server +
-2 workers, checkpoints every 16 steps, and ``--kills`` kill -9 of a random role at random moments (one
-per attempt: a server or a worker once it trained a random number of steps, or a server inside a
-checkpoint write held open by the failpoint ``checkpoint.before_publish``; with ``--early`` also 0-3 s after
-it started, inside its restore or warm-up). With ``--stop-share F`` that
-share of the attempts sends SIGSTOP instead (a hung role, which the launcher must find within
-``client.dead_after_s``, ``--dead-after-s`` here, and kill). The job must finish by itself
-with ``restarts`` equal to the faults injected; its held-out AUC is printed beside the AUC of an uninterrupted run of the same
-config measured in the same session.
+"""Chaos soak (issue 16), outside CI: CTR-DNN on the shared Criteo rows (``configs/ctr.yaml``), 1 server
+(or ``--set cluster.servers=N``: a random one is faulted) + 2 workers, checkpoints every 16 steps, and
+``--kills`` faults of a random role at random moments (one per attempt: a server or a worker once it
+trained a random number of steps, or a server inside a checkpoint write held open by the failpoint
+``checkpoint.before_publish``; with ``--early`` also 0-3 s after it started, inside its restore or
+warm-up). A fault is kill -9, or with ``--stop-share F`` for that share of them SIGSTOP (a hung role,
+which the launcher must find within ``client.dead_after_s``, ``--dead-after-s`` here, and kill). The job
+must finish by itself with ``restarts`` equal to the faults injected; its held-out AUC is printed beside
+the AUC of an uninterrupted run of the same config measured in the same session.
 
 Prints JSON lines with a ``bench`` field (``machine``, ``reference``, ``chaos_soak``)::
 
-    python bench/chaos_soak.py [--kills 8] [--stop-share 0.25] [--epochs 6] [--seed 0] [--set KEY=VALUE ...]
+    python bench/chaos_soak.py [--kills 8] [--stop-share 0.25] [--early] [--epochs 6] [--seed 0] [--set KEY=VALUE ...]
 
 ``--set`` goes to both jobs (the reference and the soak), e.g. ``--set mode=hybrid`` or a spilling table
 (``--set tables.sparse.embedding.spill_path=...``, where a path under the soak's temporary directory is
@@ -56,6 +56,7 @@ def wait_report(path: Path, ok, deadline: float) -> bool:
 
 def soak(work: Path, epochs: int, kills: int, seed: int, timeout_s: float, sets: tuple[str, ...] = (),
          stop_share: float = 0.0, dead_after_s: float = 5.0, early: bool = False) -> dict:
+    servers = next((int(kv.split("=", 1)[1]) for kv in sets if kv.startswith("cluster.servers=")), 1)
     rng = np.random.default_rng(seed)
     if stop_share > 0:
         sets = (*sets, f"client.dead_after_s={dead_after_s}")
@@ -72,7 +73,7 @@ def soak(work: Path, epochs: int, kills: int, seed: int, timeout_s: float, sets:
             d = work / "soak" if attempt == 0 else work / "soak" / f"restart-{attempt}"
             report = d / "worker-0.progress.json"
             how = rng.choice(["step", "step", "checkpoint", "start"] if early else ["step", "step", "checkpoint"])
-            role, rank = (("server", 0) if how == "checkpoint" or rng.random() < 0.5
+            role, rank = (("server", int(rng.integers(0, servers))) if how == "checkpoint" or rng.random() < 0.5
                           else ("worker", int(rng.integers(0, 2))))
             if how == "start":            # while the attempt starts: a restore, the warm-up, the first steps
                 at = -1
