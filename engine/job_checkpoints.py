@@ -119,8 +119,8 @@ class Periodic:
         self.schedule = Schedule(cfg.checkpoint, start_s=time.time())
         self.written: list[str] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(poll_s,), name="checkpoint-schedule", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, args=(poll_s,), name="checkpoint-schedule", daemon=True)
+        self.thread.start()
 
     def _run(self, poll_s: float) -> None:
         client = None
@@ -145,10 +145,10 @@ class Periodic:
         """Stop the thread; returns the manager (its head continues). ``wait``: wait for a save in
         progress (the default, at a job's end); False when the attempt failed, so a save stuck on a dead
         or frozen server (its deadline is an hour) does not hold the restart; the thread is a daemon and
-        its save fails when the attempt's servers are stopped."""
+        its save fails when the attempt's servers are stopped (``LocalCluster.join_abandoned`` waits for it)."""
         self._stop.set()
         if wait:
-            self._thread.join()
+            self.thread.join()
         return self.mgr
 
 

@@ -164,6 +164,7 @@ class LocalCluster:
         self._preempted: set[int] = set()               # worker ranks sent SIGTERM
         self.restarts = 0                 # the supervisor's count so far (engine_restarts_total)
         self._metrics_announced = False   # observability.prometheus_port: URLs logged + prometheus.json
+        self.abandoned: list[threading.Thread] = []     # calls a failure left running (``supervised``)
 
     def write_config(self, cfg: EngineConfig) -> None:
         """Write ``cfg`` as the children's config file (mode 0600, no inline storage secrets: those
@@ -307,13 +308,17 @@ class LocalCluster:
                 box["error"] = e
         t = threading.Thread(target=run, name=f"launcher-{what}", daemon=True)
         t.start()
+        self.abandoned.append(t)                # until it ends: joined after the servers are stopped
         next_hang_check = time.monotonic() + HANG_CHECK_S
-        while t.is_alive():
+        while True:
             t.join(POLL_S)
+            if not t.is_alive():                # a call that ended is judged by its own outcome
+                break
             self._check_alive(self.servers)
             if time.monotonic() >= next_hang_check:
                 self._check_hangs()
                 next_hang_check = time.monotonic() + HANG_CHECK_S
+        self.abandoned.remove(t)
         if "error" in box:
             # the call fails as soon as a killed server's connection drops; its exit is seen a moment later
             grace = time.monotonic() + self.GRACE_S
@@ -423,6 +428,23 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+        self.join_abandoned()
+
+    ABANDONED_JOIN_S = 60.0   # seconds to wait for a call a failure left running, once the servers are gone
+
+    def join_abandoned(self) -> None:
+        """Wait (up to ``ABANDONED_JOIN_S``) for the calls a failed attempt left running: a restore, a
+        checkpoint save. With the servers stopped their RPCs fail fast; a save whose every part was
+        already written may still publish, and it must do so before the next attempt looks for the
+        newest checkpoint, not while that attempt restores (a base's retention could prune the chain
+        being loaded)."""
+        deadline = time.monotonic() + self.ABANDONED_JOIN_S
+        for t in self.abandoned:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("the launcher's %s call is still running %gs after its attempt ended; the next "
+                            "attempt goes on without it", t.name, self.ABANDONED_JOIN_S)
+        self.abandoned = [t for t in self.abandoned if t.is_alive()]
 
 
 def new_run_dir(cfg: EngineConfig) -> Path:

@@ -203,13 +203,14 @@ class Supervisor:
                 cluster.preempt()
             results = cluster.wait_workers()
         except BaseException:
-            # a failed attempt does not wait for a scheduled save in progress: it may be stuck on the very
-            # server that failed, and what it would write is rolled back anyway (servers stop on return)
+            # a failed attempt does not wait here for a scheduled save in progress: it may be stuck on the
+            # very server that failed; the cluster joins it once its servers are stopped (join_abandoned)
             if state["periodic"] is not None:
                 state["periodic"].stop(wait=False)
+                cluster.abandoned.append(state["periodic"].thread)
             raise
-        if state["periodic"] is not None:
-            state["periodic"].stop()
+        if state["periodic"] is not None:       # a save in progress ends, watched like the final one
+            cluster.supervised("scheduled checkpoint", state["periodic"].stop)
         if any(r.get("preempted") for r in results):
             self._stopped_preempted()
             cluster.stop_servers()

@@ -207,10 +207,10 @@ def test_a_failed_attempt_does_not_wait_for_a_scheduled_save_stuck_on_a_frozen_s
         periodic.stop(wait=False)
         assert time.monotonic() - t0 < 1.0
         time.sleep(0.5)     # a thread between saves sees the stop flag within poll_s (0.1 s) and ends
-        assert periodic._thread.is_alive()              # still inside the save, as the failed attempt leaves it
+        assert periodic.thread.is_alive()              # still inside the save, as the failed attempt leaves it
         os.killpg(server.pid, signal.SIGKILL)          # the attempt's servers stop: the save fails
-        periodic._thread.join(30)
-        assert not periodic._thread.is_alive()
+        periodic.thread.join(30)
+        assert not periodic.thread.is_alive()
         assert job_manager(cfg).list() == []
     finally:
         if server.poll() is None:
