@@ -66,18 +66,19 @@ def make_cluster(n: int, cfg: TableConfig, storage_options, threads: int):
     return servers, PSClient(InProcessTransport(servers, serialize=False), timeout_s=3600)
 
 
-def fill(servers, rows: int, dim: int, seed: int = 0) -> np.ndarray:
-    """Load ``rows`` random rows (values, Adagrad accumulator, show/click) straight into the shards."""
+def fill(servers, rows: int, dim: int, seed: int = 0, *, table: str = "emb", num_vshards: int = NV) -> np.ndarray:
+    """Load ``rows`` random rows (values, Adagrad accumulator, show/click) of ``table`` straight into the
+    shards of ``servers`` (in-process ``PSServer``s of ``num_vshards`` vshards); returns the keys."""
     rng = np.random.default_rng(seed)
     keys = np.unique(rng.integers(1, 1 << 62, int(rows * 1.01), dtype=np.uint64))[:rows]
     rng.shuffle(keys)
     n_srv = len(servers)
-    srv = routing.route(keys, NV, n_srv)
+    srv = routing.route(keys, num_vshards, n_srv)
     chunk = 1 << 18
     for s, server in enumerate(servers):
-        host = server.sparse["emb"]
+        host = server.sparse[table]
         mine = keys[srv == s]
-        local = routing.lookup(mine, NV, host.local_owner)
+        local = routing.lookup(mine, num_vshards, host.local_owner)
         for j, shard in enumerate(host.shards):
             k = mine[local == j]
             for a in range(0, len(k), chunk):

@@ -29,9 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -39,32 +36,36 @@ from engine.checkpoint import CheckpointManager  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.connect import connect  # noqa: E402
 from engine.launch.local import ServerWatch  # noqa: E402
-from engine.ps import InProcessTransport, PSClient, PSServer, routing  # noqa: E402
-from tests.integration.test_role_resume import free_ports  # noqa: E402
+from engine.ps import InProcessTransport, PSClient, PSServer  # noqa: E402
+sys.path.insert(0, str(REPO / "bench"))
+from ckpt_bench import fill  # noqa: E402
 
 
-def write_base(cfg, mgr: CheckpointManager, rows: int, seed: int = 0) -> None:
+def write_base(cfg, mgr: CheckpointManager, rows: int) -> None:
     """A base of ``rows`` random rows (values, Adagrad accumulator, show/click) of ``embedding``."""
     tcfg = dataclasses.replace(cfg.sparse_tables["embedding"], spill_path=None)
     srv = PSServer({"embedding": tcfg}, {}, index=0, num_servers=1, num_vshards=cfg.cluster.num_vshards,
                    local_shards=cfg.cluster.local_shards)
-    host, rng, d = srv.sparse["embedding"], np.random.default_rng(seed), tcfg.dim
-    keys = np.unique(rng.integers(1, 1 << 62, int(rows * 1.01), dtype=np.uint64))[:rows]
-    local = routing.lookup(keys, cfg.cluster.num_vshards, host.local_owner)
-    for j, shard in enumerate(host.shards):
-        k = keys[local == j]
-        for a in range(0, len(k), 1 << 18):
-            kk = k[a:a + (1 << 18)]
-            m = len(kk)
-            cols = [pa.array(kk),
-                    pa.FixedSizeListArray.from_arrays(pa.array(rng.normal(0, .01, m * d).astype(np.float32)), d),
-                    pa.FixedSizeListArray.from_arrays(pa.array(rng.random(m, np.float32)), 1),
-                    pa.array(rng.integers(1, 100, m).astype(np.float32)),
-                    pa.array(rng.integers(0, 5, m).astype(np.float32)),
-                    pa.array(np.full(m, 1_700_000_000, np.uint32))]
-            shard.load_rows([pa.RecordBatch.from_arrays(cols, schema=shard.schema)])
+    fill([srv], rows, tcfg.dim, table="embedding", num_vshards=cfg.cluster.num_vshards)
     mgr.save(PSClient(InProcessTransport([srv], serialize=False), timeout_s=3600), "base", when=0.0)
     srv.close()
+
+
+def start_server(work: Path, sets: list[str]) -> tuple[subprocess.Popen, str]:
+    """A real server process on a free port it binds itself; returns it and its ``host:port``."""
+    ready = work / "server.ready"
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"),
+                             *[a for s in sets for a in ("--set", s)], "--role", "server", "--rank", "0",
+                             "--port", "0", "--ready-file", str(ready)], cwd=REPO,
+                            env={**os.environ, "ENGINE_NUM_WORKERS": "2"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"the server did not start (exit {proc.poll()})")
+        time.sleep(0.1)
+    return proc, ready.read_text().strip()
 
 
 def measure(work: Path, rows: int, spill: bool, memory_rows: int) -> dict:
@@ -75,13 +76,7 @@ def measure(work: Path, rows: int, spill: bool, memory_rows: int) -> dict:
     cfg = load_config(REPO / "configs/ctr.yaml", sets)
     mgr = CheckpointManager(str(work / "ckpt"), cfg.checkpoint.job)
     write_base(cfg, mgr, rows)
-    port = free_ports(1)[0]
-    ep = f"127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"),
-                             *[a for s in sets for a in ("--set", s)], "--role", "server", "--rank", "0",
-                             "--port", str(port)], cwd=REPO,
-                            env={**os.environ, "ENGINE_SERVERS": ep, "ENGINE_NUM_WORKERS": "2"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc, ep = start_server(work, sets)
     try:
         with connect(cfg, [ep], name="bench", admin=True) as client:
             client.wait_ready(120)

@@ -17,6 +17,7 @@ import pytest
 from engine import progress
 from engine.launch.procs import processes_of as leftovers
 from engine.launch.procs import role_pid
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +31,10 @@ FAST = ["--set", "cluster.warm_up=false", "--set", "model.examples_per_worker=30
 PACED = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.02"}
 
 
-def engine(*args, run_dir: Path) -> subprocess.Popen:
+def engine(*args, run_dir: Path, env: dict = PACED) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "engine", "train", str(DEMO), "--run-dir", str(run_dir),
                              *FAST, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=PACED, start_new_session=True)
+                            env=env, start_new_session=True)
 
 
 def wait_steps(path: Path, steps: int, timeout: float = 90.0) -> None:
@@ -139,12 +140,8 @@ def test_a_worker_whose_loop_hangs_is_declared_dead_and_the_job_recovers(tmp_pat
 
 
 def wait_log(path: Path, text: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{path} never said {text!r}")
+    until(lambda: path.exists() and text in path.read_text(errors="replace"), f"{path} saying {text!r}",
+          timeout, every_s=0.05)
 
 
 def test_a_server_that_hangs_or_dies_inside_the_restore_is_a_failure_like_any_other(tmp_path):
@@ -154,12 +151,9 @@ def test_a_server_that_hangs_or_dies_inside_the_restore_is_a_failure_like_any_ot
     The failpoint server.load holds every restore open for 4 s so that the faults land inside it."""
     dead_after = 3.0
     env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.load=sleep:4"}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(DEMO), "--run-dir", str(tmp_path), *FAST,
-                             "--set", f"checkpoint.root={tmp_path / 'ckpt'}", "--set", "checkpoint.align_steps=10",
-                             "--set", "checkpoint.delta_every=10steps", "--set", f"client.dead_after_s={dead_after}",
-                             "--set", "cluster.max_restarts=5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
-                            start_new_session=True)
+    proc = engine("--set", f"checkpoint.root={tmp_path / 'ckpt'}", "--set", "checkpoint.align_steps=10",
+                  "--set", "checkpoint.delta_every=10steps", "--set", f"client.dead_after_s={dead_after}",
+                  "--set", "cluster.max_restarts=5", run_dir=tmp_path, env=env)
     try:
         wait_steps(tmp_path / "worker-0.progress.json", 25)        # a checkpoint stands at step 20
         os.kill(role_pid(tmp_path, "server", 0), signal.SIGKILL)
