@@ -21,7 +21,8 @@ def connect(cfg: EngineConfig, endpoints, *, name: str, admin: bool, **overrides
 
     c = cfg.client
     kwargs = dict(timeout_s=c.timeout_s, retries=c.retries, backoff_s=c.backoff_s, max_backoff_s=c.max_backoff_s,
-                  threads=c.threads, name=name, max_message_bytes=cfg.server.max_message_bytes)
+                  threads=c.threads, name=name, max_message_bytes=cfg.server.max_message_bytes,
+                  dead_after_s=c.dead_after_s)
     kwargs.update(overrides)
     if not isinstance(endpoints, (list, tuple)):      # a Transport: it carries its own security
         return PSClient(endpoints, **kwargs)

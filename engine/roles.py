@@ -187,6 +187,7 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         metrics.watch_server(core)
     server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
                           max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security,
+                          dead_after_s=cfg.client.dead_after_s,
                           interceptors=[metrics.interceptor()] if metrics is not None else ())
     health_port = cfg.cluster.health_port if health_port is None else health_port
     probe = None

@@ -166,7 +166,7 @@ class TestHosts:
         _ip("netns", "add", sw)
         _ip("-n", sw, "link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0")
         _ip("-n", sw, "link", "set", "br0", "up")
-        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{self._ips[n]} {n}\n" for n in self.names)
+        hosts_file = self._hosts_text(self._ips)
         for i, name in enumerate(self.names):
             ns, peer = self.ns(name), f"v{i}"
             self._touched_ns.append(ns)
@@ -180,6 +180,9 @@ class TestHosts:
             _ip("-n", sw, "link", "set", peer, "up")
             self._touched_etc.append(self.etc_dir(name))
             self._write_hosts(self.etc_dir(name), hosts_file)
+
+    def _hosts_text(self, ips: dict[str, str]) -> str:
+        return "127.0.0.1 localhost\n" + "".join(f"{ips[n]} {n}\n" for n in self.names)
 
     @staticmethod
     def _write_hosts(d: str, text: str) -> None:
@@ -257,6 +260,31 @@ class TestHosts:
             time.sleep(0.02)
         print(f"WARNING: processes still alive in namespace {ns} after {_KILL_ROUNDS} kill rounds",
               file=sys.stderr)
+
+    # ---- faults of the network ---------------------------------------------------------------------
+    def cut(self, name: str) -> None:
+        """Silence host ``name``: its port leaves the switch's bridge, so every frame to or from it is
+        dropped with no error and no RST on either side, as for a host that lost power or its cable,
+        seen from the others; its own link stays up. ``heal`` undoes it. KeyError for an unknown host."""
+        self._check_active()
+        _ip("-n", self.switch_ns, "link", "set", "dev", self._port(name), "nomaster")
+
+    def heal(self, name: str) -> None:
+        """Put host ``name``'s port back on the bridge (after ``cut``)."""
+        self._check_active()
+        _ip("-n", self.switch_ns, "link", "set", "dev", self._port(name), "master", "br0")
+
+    def alias(self, name: str, to: str) -> None:
+        """Make the name of host ``name`` resolve to host ``to``'s address in every host, as a server
+        replaced on another machine keeps its DNS name (a StatefulSet's pod). KeyError for unknown hosts."""
+        self._check_active()
+        text = self._hosts_text(dict(self._ips, **{name: self.ip(to)}))
+        for n in self.names:
+            self._write_hosts(self.etc_dir(n), text)
+
+    def _port(self, name: str) -> str:
+        self.ns(name)
+        return f"v{self.names.index(name)}"
 
     # ---- running commands ----------------------------------------------------------------------
     def _check_active(self) -> None:

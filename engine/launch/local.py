@@ -58,7 +58,7 @@ class ServerWatch:
 
     def __init__(self, endpoints: list[str], dead_after_s: float, every_s: float = 1.0, security=None):
         self.dead_after_s = float(dead_after_s)
-        self._transport = GrpcTransport(endpoints, retries=0, security=security)
+        self._transport = GrpcTransport(endpoints, retries=0, security=security, dead_after_s=dead_after_s)
         self._last_ok = [time.monotonic()] * len(endpoints)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._poll, args=(i, every_s), daemon=True,

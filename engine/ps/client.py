@@ -105,14 +105,19 @@ class PSClient(DenseClient):
     max_message_bytes : int, bytes
         This client's gRPC message limit (``server.max_message_bytes``). Requests are chunked to the
         smaller of it and the limit each server reports in ``Health``.
+    dead_after_s : float, seconds
+        ``client.dead_after_s``: a connection to a server that stopped answering keepalive pings (a
+        host powered off, a network cut) is closed after about that long, and its calls fail UNAVAILABLE and are
+        retried on a new connection (``engine.ps.keepalive``) rather than waiting for ``timeout_s``.
     """
 
     def __init__(self, endpoints, *, timeout_s: float = 60.0, retries: int = 5, backoff_s: float = 0.05,
                  max_backoff_s: float = 2.0, threads: int = 8, async_queue: int = 0,
-                 name: str | None = None, security=None, max_message_bytes: int = codec.MAX_MESSAGE_BYTES):
+                 name: str | None = None, security=None, max_message_bytes: int = codec.MAX_MESSAGE_BYTES,
+                 dead_after_s: float = 30.0):
         self.transport: Transport = endpoints if isinstance(endpoints, Transport) else GrpcTransport(
             list(endpoints), retries=retries, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
-            security=security, max_message_bytes=max_message_bytes)
+            security=security, max_message_bytes=max_message_bytes, dead_after_s=dead_after_s)
         self.max_message_bytes = int(max_message_bytes)
         self.num_servers = self.transport.num_servers
         self.timeout_s, self.retries = float(timeout_s), int(retries)

@@ -49,6 +49,7 @@ from . import ps_pb2 as pb
 from .barrier import BarrierError, Barriers
 from .dedup import Expired, InProgress, ReplyWindow
 from .hosts import DenseHost, HostError, SparseHost, invalid, shrink_each
+from .keepalive import server_keepalive_options
 from .routing import DEFAULT_NUM_VSHARDS
 
 log = logging.getLogger(__name__)
@@ -706,7 +707,8 @@ def generic_handler(core: PSServer) -> grpc.GenericRpcHandler:
 
 
 def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int = 8,
-          max_concurrent_rpcs: int = 0, security=None, interceptors=()) -> tuple[grpc.Server, int]:
+          max_concurrent_rpcs: int = 0, security=None, interceptors=(),
+          dead_after_s: float = 30.0) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``core`` on host:port (port 0: a free port). Returns (server, port).
 
     ``security`` (``engine.security.credentials.ServerSecurity``, None: plaintext without tokens):
@@ -720,6 +722,9 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     unlimited) bounds the calls accepted at once: gRPC answers the excess RESOURCE_EXHAUSTED, which
     clients back off from and retry. ``interceptors`` run before the token check (the Prometheus
     ``engine.observability.prometheus.RpcMetricsInterceptor``, which so counts refused calls too).
+    ``dead_after_s`` (seconds, ``client.dead_after_s``): the server accepts its clients' keepalive pings
+    and pings them too, closing a connection from a host that went silent after about that long
+    (``keepalive.server_keepalive_options``).
 
     Raises
     ------
@@ -741,7 +746,7 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
                          interceptors=interceptors,
                          options=[("grpc.max_send_message_length", core.max_message_bytes),
                                   ("grpc.max_receive_message_length", core.max_message_bytes),
-                                  ("grpc.so_reuseport", 0)],
+                                  ("grpc.so_reuseport", 0), *server_keepalive_options(dead_after_s)],
                          maximum_concurrent_rpcs=max_concurrent_rpcs or None)
     server.add_generic_rpc_handlers((generic_handler(core),))
     creds = security.credentials() if security is not None else None

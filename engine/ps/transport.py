@@ -16,6 +16,10 @@ with arrays (Pull, Dense) come back as ``codec.Received``, read like the message
   With ``security`` (``engine.security.credentials.ClientSecurity``) the channels use TLS (reopened
   when the certificate files change) and every call carries ``authorization: Bearer <token>``: the
   admin token on admin methods when this role holds it.
+  Channels ping their server (HTTP/2 keepalive, ``keepalive_options``) so a connection to a host that
+  went silent (powered off, its network cut: no RST ever arrives) is closed after about ``dead_after_s``
+  seconds of silence; its calls then fail UNAVAILABLE and are retried on a new connection, to the address the
+  server's name resolves to then (a replacement), instead of waiting on the dead one until their deadline.
 - ``InProcessTransport(servers)``: ``PSServer`` objects in this process, no sockets; requests and
   replies go through the same codec by default, so unit tests exercise the same bytes.
 """
@@ -30,6 +34,7 @@ import grpc
 from ..errors import RemoteError
 from . import _malloc, codec
 from . import ps_pb2 as pb
+from .keepalive import keepalive_options
 from .server import ADMIN_METHODS, METHODS, PSServer, ServerError, admin_reason
 
 _SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -71,10 +76,13 @@ class GrpcTransport(Transport):
     """gRPC channels to ``endpoints`` (``["host:port", ...]`` in server-rank order).
 
     ``retries`` (UNAVAILABLE), ``backoff_s`` and ``max_backoff_s`` (seconds) set gRPC's retry policy;
-    gRPC makes at most ``GRPC_MAX_ATTEMPTS`` attempts per call (``attempts_per_call``)."""
+    gRPC makes at most ``GRPC_MAX_ATTEMPTS`` attempts per call (``attempts_per_call``).
+    ``dead_after_s`` (seconds, ``client.dead_after_s``): a connection whose server stopped answering
+    is closed after about that long (``keepalive_options``)."""
 
     def __init__(self, endpoints: list[str], *, max_message_bytes: int = codec.MAX_MESSAGE_BYTES,
-                 retries: int = 4, backoff_s: float = 0.05, max_backoff_s: float = 2.0, security=None):
+                 retries: int = 4, backoff_s: float = 0.05, max_backoff_s: float = 2.0, security=None,
+                 dead_after_s: float = 30.0):
         if not endpoints:
             raise ValueError("GrpcTransport: expected at least one endpoint host:port")
         self.endpoints = list(endpoints)
@@ -84,7 +92,8 @@ class GrpcTransport(Transport):
         opts = [("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
                 # a request is retried only while gRPC still holds its bytes: hold whole messages
-                ("grpc.per_rpc_retry_buffer_size", max_message_bytes + (1 << 20))]
+                ("grpc.per_rpc_retry_buffer_size", max_message_bytes + (1 << 20)),
+                *keepalive_options(dead_after_s)]
         if self.attempts_per_call > 1:
             opts += [("grpc.enable_retries", 1),
                      ("grpc.service_config", retry_service_config(self.attempts_per_call, backoff_s,
