@@ -29,13 +29,14 @@ from pathlib import Path
 from . import preempt, progress
 from .config import EngineConfig, restore_secrets
 from .connect import connect
-from .errors import ConfigError, GenerationChangedError
+from .errors import ConfigError, GenerationChangedError, ShardUnavailableError
 from .launch.procs import die_with_parent
 
 log = logging.getLogger(__name__)
 
 
-#: a worker's exit code when the servers' state changed under it (a generation mismatch): restart it
+#: a worker's exit code when the servers' state changed under it (a generation mismatch) or it lost a server
+#: (unreachable past client.dead_after_s and the retries): restart it
 EXIT_ROLLBACK = 76
 
 
@@ -385,6 +386,13 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
                       "with code %d: restarted, the workers roll every server back to one checkpoint and "
                       "resume there", rank, e.message, EXIT_ROLLBACK)
             result = {"rank": rank, "rollback": True, "reason": e.message}
+        except ShardUnavailableError as e:
+            # a server silent past client.dead_after_s and the retries (a lost host: engine.ps.keepalive):
+            # its replacement restores a checkpoint, so this worker's state is gone with it either way
+            log.error("worker %d: server %s is unreachable (%s); exiting with code %d: restarted, the workers "
+                      "roll every server back to one checkpoint and resume there (a replacement server must "
+                      "answer within cluster.startup_timeout_s)", rank, e.endpoint, e.message, EXIT_ROLLBACK)
+            result = {"rank": rank, "rollback": True, "reason": f"server {e.endpoint} unreachable: {e.message}"}
     finally:
         client.close()
         reporter.close()

@@ -12,8 +12,12 @@ can tell its clients, and its server that a client's host went silent.
   refuses them for their generation (the signal to roll back to a checkpoint).
 - A client host that goes silent: the server closes that connection after about ``dead_after_s``
   (gRPC's default keeps it for two hours).
+- A role-mode job (as a scheduler runs it) whose server host dies silently: the worker exits 76 after
+  about ``dead_after_s``; restarted while a replacement server starts on another host under the same
+  name with ``--resume``, it ends bit-identical to an uninterrupted run.
 Without keepalive the second case waits ``client.timeout_s`` (120 s here) per attempt, the third waits
-for ever on the dead connection, and the last keeps the connection.
+for ever on the dead connection, the fourth keeps the connection, and the worker of the last waits
+``client.timeout_s`` per attempt, then exits 1 with a traceback.
 """
 from __future__ import annotations
 
@@ -180,3 +184,66 @@ def test_a_server_host_that_dies_silently_is_left_for_its_replacement(cfg, tmp_p
         reached = next(r for r in calls if r.get("error") == "GenerationChangedError")
         assert "generation mismatch" in reached["message"], reached
         assert reached["t1"] - died < DEAD_AFTER_S + 30, reached   # a ping interval's re-resolution, a connect
+
+
+def test_a_role_mode_job_whose_server_host_dies_silently_resumes_on_a_replacement_bit_identically(tmp_path):
+    """The recovery rule across hosts without a launcher: the host of the job's server goes silent (its
+    network cut, its process killed), and the scheduler (this test) starts a replacement on another host
+    under the same name with ``--resume``. The worker leaves after about ``dead_after_s`` with exit code
+    76, not after ``client.timeout_s`` per attempt; restarted, it resumes at the checkpoint the
+    replacement restored and the job ends bit-identical to an uninterrupted run."""
+    require_netns()
+    from engine.checkpoint import CheckpointManager
+    from engine.programs.ctr import BLAS_ENV
+    from engine.roles import EXIT_ROLLBACK
+    from tests.integration.test_chaos_offline import args, run
+    from tests.integration.test_offline_resume import assert_same_model
+    from tests.integration.test_role_resume import SETS, role_cmd
+
+    sets = (*SETS, "cluster.servers=1", "model.batch_size=16", "checkpoint.delta_every=64steps")
+    full = run(args(tmp_path, "full", *sets))
+    here = ("--set", "security.insecure=true", "--set", f"client.dead_after_s={DEAD_AFTER_S:g}")
+    result = tmp_path / "role-result.json"
+    worker_cmd = role_cmd(tmp_path, "role", "worker", 0, *here, "--result-file", str(result))
+    with TestHosts(["server0", "server1", "worker0"]) as hosts:
+        hosts.env_overrides.update({**{var: "1" for var in BLAS_ENV}, "ENGINE_SERVERS": f"server0:{PORT}",
+                                    "ENGINE_NUM_WORKERS": "1"})
+
+        def server(host: str, *extra: str) -> subprocess.Popen:
+            ready = tmp_path / f"{host}.ready"
+            p = hosts.popen(host, role_cmd(tmp_path, "role", "server", 0, *here, "--host", hosts.ip(host), "--port",
+                                           str(PORT), "--ready-file", str(ready), *extra),
+                            stdout=open(tmp_path / f"{host}.log", "a"), stderr=subprocess.STDOUT, cwd=REPO)
+            until(lambda: ready.exists() or p.poll() is not None, f"server on {host} ready", timeout_s=120,
+                  every_s=0.1)
+            assert p.poll() is None, (tmp_path / f"{host}.log").read_text()[-3000:]
+            return p
+
+        first = server("server0")
+        worker = hosts.popen("worker0", worker_cmd, stdout=subprocess.DEVNULL,
+                             stderr=open(tmp_path / "worker.log", "w"), cwd=REPO)
+        mgr = CheckpointManager(str(tmp_path / "ckpt-role"), "ctr_dnn")
+        until(lambda: len(mgr.list()) >= 3 or worker.poll() is not None, "3 checkpoints", timeout_s=180,
+              every_s=0.05)
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+
+        died = time.monotonic()
+        hosts.cut("server0")                    # the host is gone: no RST, no FIN
+        first.send_signal(signal.SIGKILL)
+        code = worker.wait(timeout=DEAD_AFTER_S + 60)
+        left = time.monotonic() - died
+        log = (tmp_path / "worker.log").read_text()
+        assert code == EXIT_ROLLBACK, log[-3000:]
+        assert left < DEAD_AFTER_S + SLACK_S, (left, log[-3000:])
+        assert "Traceback" not in log, log[-3000:]
+        assert f"server server0:{PORT} is unreachable" in log and "exiting with code 76" in log, log[-3000:]
+
+        # the scheduler restarts the worker, which waits for its server; then the server's replacement
+        # starts on another host under the same name, from the newest checkpoint
+        again = hosts.popen("worker0", worker_cmd, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "worker-again.log", "w"), cwd=REPO)
+        server("server1", "--resume")
+        hosts.alias("server0", "server1")
+        assert again.wait(timeout=240) == 0, (tmp_path / "worker-again.log").read_text()[-3000:]
+        assert "the servers restored" in (tmp_path / "worker-again.log").read_text()
+    assert_same_model(full["checkpoint"], json.loads(result.read_text())["checkpoint"])
