@@ -20,6 +20,9 @@ Actions: ``sleep:SECONDS`` (pause there). Unset, every point costs one dict look
 ``server.load``
     ``PSServer.Load``, before the checkpoint is read: a restore held open, so that a chaos test can
     kill or freeze a server inside it.
+``server.before_ready``
+    ``engine.roles.run_server``, listening, right before the ready file is written: a start-up held
+    open, so that a chaos test can freeze a server that has no address for the launcher to poll yet.
 ``export.before_publish``
     ``ctr_online`` rank 0, right before ``export_bundle`` writes and publishes the serving bundle of the
     checkpoint just published (the publish happens inside ``export_bundle``, so the point precedes the

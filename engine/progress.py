@@ -1,4 +1,6 @@
-"""A worker's liveness and progress, as its supervisor sees them: one small JSON file per worker.
+"""A worker's liveness and progress, as its supervisor sees them: one small JSON file per worker. A
+server reports too, until it is ready (``engine.roles.run_server``: it has no address to poll before),
+only its beat and its start-up phase; after that its supervisor polls its ``Health``.
 
 A worker that a launcher supervises (``ENGINE_PROGRESS_FILE`` set) reports:
 

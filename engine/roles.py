@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import preempt, progress
+from . import failpoints, preempt, progress
 from .config import EngineConfig, restore_secrets
 from .connect import connect
 from .errors import ConfigError, GenerationChangedError, ShardUnavailableError
@@ -144,6 +144,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     # before any thread: glibc latches its arena limit when a thread first needs a ninth arena
     budgeted = any(t.memory_bytes for t in cfg.sparse_tables.values())
     _malloc.tune(budgeted=budgeted)
+    # a supervising launcher has no address to poll before the ready file: it watches beats till then
+    reporter = progress.install(startup_s=cfg.cluster.startup_timeout_s)
     cfg = restore_secrets(cfg)
     if not 0 <= rank < cfg.cluster.servers:
         raise ConfigError(f"--rank must be in [0, cluster.servers={cfg.cluster.servers}), got {rank}")
@@ -206,10 +208,12 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
             deadline[0] = time.monotonic() + cfg.cluster.preempt_timeout_s
     signal.signal(signal.SIGTERM, preempted)
     signal.signal(signal.SIGINT, lambda *_: core.stopped.set())
+    failpoints.hit("server.before_ready")
     if ready_file:
         tmp = Path(ready_file + ".tmp")
         tmp.write_text(f"{host}:{bound}\n")
         tmp.replace(ready_file)
+    reporter.close()            # from now on the launcher polls Health (ServerWatch)
     while not core.stopped.wait(0.5):
         if probe is not None:
             probe.set(not core.preempting)

@@ -210,25 +210,36 @@ class LocalCluster:
     def start_servers(self) -> list[str]:
         """Start the servers and wait until each reports its address. Returns ``host:port`` per rank.
 
+        A server beats (``engine.progress``) until it is ready, so one that freezes in its start-up
+        (SIGSTOP, a dead host) is found after ``client.dead_after_s``, not ``cluster.startup_timeout_s``.
+
         Raises
         ------
         LaunchError
-            A server exited or was not ready within ``cluster.startup_timeout_s``.
+            A server exited, stopped beating for ``client.dead_after_s``, or was not ready within
+            ``cluster.startup_timeout_s``.
         """
         for r in range(self.cfg.cluster.servers):
             ready = self.run_dir / f"server-{r}.ready"
-            ready.unlink(missing_ok=True)
+            prog = self.run_dir / f"server-{r}.progress.json"     # beats until ready (engine.progress)
+            for path in (ready, prog):
+                path.unlink(missing_ok=True)
             extra = [a for uri in self.allow_load for a in ("--allow-load", uri)]
-            child = self._spawn("server", r, ["--port", "0", "--ready-file", str(ready), *extra], {})
-            child.ready_path = ready
+            child = self._spawn("server", r, ["--port", "0", "--ready-file", str(ready), *extra],
+                                {progress.ENV: str(prog)})
+            child.ready_path, child.progress_path = ready, prog
             self.servers.append(child)
         deadline = time.monotonic() + self.cfg.cluster.startup_timeout_s
         endpoints: list[str | None] = [None] * len(self.servers)
+        next_hang_check = time.monotonic() + HANG_CHECK_S
         while None in endpoints:
             for i, s in enumerate(self.servers):
                 if endpoints[i] is None:
                     endpoints[i] = s.ready()
             self._check_alive(self.servers)
+            if time.monotonic() >= next_hang_check:    # a server frozen in its start-up stops beating
+                self._check_stalled([s for s, e in zip(self.servers, endpoints) if e is None], "before it was ready")
+                next_hang_check = time.monotonic() + HANG_CHECK_S
             if time.monotonic() > deadline:
                 late = [s.name for s, e in zip(self.servers, endpoints) if e is None]
                 raise LaunchError(f"{', '.join(late)} not ready within {self.cfg.cluster.startup_timeout_s}s")
@@ -273,14 +284,20 @@ class LocalCluster:
                 reason = f"hung: answered no Health call for {silent:.0f}s (client.dead_after_s={dead_after:g})"
                 raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",
                                   role=c.role, rank=c.rank, exit_code=None, reason=reason, log_tail=c.tail())
+        self._check_stalled([c for c in self.workers if c.role == "worker"])
+
+    def _check_stalled(self, children: list[Child], when: str = "") -> None:
+        """Raise LaunchError for the first running child whose progress report (``engine.progress``)
+        says it is dead or hung: a worker, or a server before it is ready (it has no address to poll)."""
+        dead_after = self.cfg.client.dead_after_s
         now = time.time()
-        for c in self.workers:
-            if c.proc.poll() is not None or c.role != "worker":
+        for c in children:
+            if c.proc.poll() is not None:
                 continue
             why = progress.stalled(c.report(), now, dead_after,
                                    c.started_wall + self.cfg.cluster.startup_timeout_s)
             if why:
-                reason = f"hung: {why} (client.dead_after_s={dead_after:g})"
+                reason = f"hung{' ' + when if when else ''}: {why} (client.dead_after_s={dead_after:g})"
                 raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",
                                   role=c.role, rank=c.rank, exit_code=None, reason=reason, log_tail=c.tail())
 

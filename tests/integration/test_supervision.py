@@ -101,6 +101,30 @@ def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
     assert not leftovers(tmp_path)
 
 
+def test_a_server_frozen_in_its_start_up_is_declared_dead_after_dead_after_s(tmp_path):
+    """Before its ready file a server has no address to poll: it beats instead (engine.progress), so one
+    frozen there is declared dead after client.dead_after_s, not after cluster.startup_timeout_s (120 s).
+    The failpoint server.before_ready holds every start-up open for 3 s so that the SIGSTOP lands in it."""
+    dead_after = 3.0
+    env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.before_ready=sleep:3"}
+    proc = engine("--set", f"client.dead_after_s={dead_after}", run_dir=tmp_path, env=env)
+    try:
+        wait_log(tmp_path / "server-0.log", "failpoint server.before_ready")
+        os.kill(role_pid(tmp_path, "server", 0), signal.SIGSTOP)
+        t0 = time.monotonic()
+        until(lambda: (tmp_path / "restart-1").exists(), "the restart", timeout_s=dead_after + 60, every_s=0.05)
+        detected = time.monotonic() - t0
+        out, err = finish(proc, 180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert detected < dead_after + 20, f"recovery began {detected:.1f}s after SIGSTOP"
+    assert "server 0 failed (hung before it was ready: no heartbeat" in err, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["restarts"] == 1
+    assert not leftovers(tmp_path)
+
+
 def test_more_failures_than_max_restarts_end_the_job_with_every_failure_listed(tmp_path):
     proc = engine("--set", "cluster.max_restarts=1", "--set", "model.epochs=50", run_dir=tmp_path)
     try:
