@@ -47,6 +47,14 @@ def wait_steps(path: Path, steps: int, timeout: float = 90.0) -> None:
     raise AssertionError(f"{path} never reached step {steps}: {progress.read(path)}")
 
 
+def freeze_until_restart(run_dir: Path, role: str, rank: int, timeout: float) -> float:
+    """SIGSTOP that role of the first attempt; returns the seconds until the job's restart began."""
+    os.kill(role_pid(run_dir, role, rank), signal.SIGSTOP)
+    t0 = time.monotonic()
+    until(lambda: (run_dir / "restart-1").exists(), "the restart", timeout_s=timeout, every_s=0.05)
+    return time.monotonic() - t0
+
+
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=timeout)
@@ -81,12 +89,7 @@ def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
     proc = engine("--set", f"client.dead_after_s={dead_after}", run_dir=tmp_path)
     try:
         wait_steps(tmp_path / "worker-0.progress.json", 20)
-        os.kill(role_pid(tmp_path, "server", 1), signal.SIGSTOP)
-        t0 = time.monotonic()
-        restarted = tmp_path / "restart-1"
-        while not restarted.exists() and time.monotonic() - t0 < dead_after + 30:
-            time.sleep(0.05)
-        detected = time.monotonic() - t0
+        detected = freeze_until_restart(tmp_path, "server", 1, dead_after + 60)
         out, err = finish(proc, 180)
     finally:
         if proc.poll() is None:
@@ -110,10 +113,7 @@ def test_a_server_frozen_in_its_start_up_is_declared_dead_after_dead_after_s(tmp
     proc = engine("--set", f"client.dead_after_s={dead_after}", run_dir=tmp_path, env=env)
     try:
         wait_log(tmp_path / "server-0.log", "failpoint server.before_ready")
-        os.kill(role_pid(tmp_path, "server", 0), signal.SIGSTOP)
-        t0 = time.monotonic()
-        until(lambda: (tmp_path / "restart-1").exists(), "the restart", timeout_s=dead_after + 60, every_s=0.05)
-        detected = time.monotonic() - t0
+        detected = freeze_until_restart(tmp_path, "server", 0, dead_after + 60)
         out, err = finish(proc, 180)
     finally:
         if proc.poll() is None:
