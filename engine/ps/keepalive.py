@@ -12,18 +12,23 @@ from __future__ import annotations
 MIN_KEEPALIVE_S = 1.0
 #: longest keepalive ping interval, seconds (a ping is an HTTP/2 frame of 17 bytes)
 MAX_KEEPALIVE_S = 10.0
+#: shortest wait for a ping's acknowledgement, seconds: gRPC's own threads answer it, but on a loaded
+#: machine they can wait seconds for a core, and a live connection closed for that costs its calls a
+#: retry (gRPC's default is 20 s)
+MIN_ACK_TIMEOUT_S = 10.0
 
 
 def keepalive_times(dead_after_s: float) -> tuple[float, float]:
     """(ping interval, acknowledgement timeout), seconds, for ``dead_after_s`` (``client.dead_after_s``).
 
     The interval is ``dead_after_s / 6`` within [``MIN_KEEPALIVE_S``, ``MAX_KEEPALIVE_S``] and the
-    timeout the rest of ``dead_after_s`` (at least ``MIN_KEEPALIVE_S``): a ping goes out after an
+    timeout the rest of ``dead_after_s``, at least ``MIN_ACK_TIMEOUT_S``: a ping goes out after an
     interval without a frame from the peer, so a connection is given up once its peer has been silent
-    for about ``dead_after_s`` (interval + timeout), and a shorter silence (a network that heals, a
-    long pause of the peer's machine) is ridden out, as the launcher's ``Health`` watch rides it out."""
+    for about ``dead_after_s`` (interval + timeout; at least 11 s), and a shorter silence (a network
+    that heals, a long pause of the peer's machine) is ridden out, as the launcher's ``Health`` watch
+    rides it out. At the default ``dead_after_s`` of 30 s: a ping after 5 s, given up after 25 more."""
     interval = min(MAX_KEEPALIVE_S, max(MIN_KEEPALIVE_S, float(dead_after_s) / 6))
-    return interval, max(MIN_KEEPALIVE_S, float(dead_after_s) - interval)
+    return interval, max(MIN_ACK_TIMEOUT_S, float(dead_after_s) - interval)
 
 
 def keepalive_options(dead_after_s: float) -> list[tuple[str, int]]:

@@ -196,7 +196,7 @@ def test_a_server_that_hangs_or_dies_inside_the_restore_is_a_failure_like_any_ot
     assert "restart 2/5" in err and "server 1 failed (hung: answered no Health call" in err, err[-3000:]
     assert "restart 3/5" in err and "server 0 failed (was killed by signal 9)" in err, err[-3000:]
     final = json.loads(out.strip().splitlines()[-1])
-    assert final["restarts"] == 3, final
+    assert final["restarts"] == 3, (final, err[-3000:])
     assert not leftovers(tmp_path)
 
 
