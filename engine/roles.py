@@ -103,12 +103,12 @@ class _OneServer:
     def __init__(self, core):
         self.core, self.num_servers = core, core.num_servers
 
-    def load(self, uri: str) -> int:
+    def load(self, uri: str, chain_end: str = "") -> int:
         from .ps import ps_pb2 as pb
         from .ps.server import ServerError
         try:
             # the operator's own --resume URI: trusted, may lie outside checkpoint.root
-            return self.core.handle("Load", pb.PathRequest(request_id=f"resume:{uri}", path=uri),
+            return self.core.handle("Load", pb.PathRequest(request_id=f"resume:{uri}", path=uri, chain_end=chain_end),
                                     trusted=True).count
         except ServerError as e:
             raise RuntimeError(str(e)) from None
@@ -230,72 +230,99 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     return preempt.EXIT_PREEMPTED if core.preempting else 0
 
 
-def _agreed(health: list[dict]) -> tuple[bool, str | None]:
-    """(the servers hold one state a starting worker can train from, the checkpoint it was restored
-    from or None): all restored the same checkpoint, or all are fresh (a new job). Servers in use that
-    restored nothing hold what workers trained since the last checkpoint, which a starting (so
-    restarted) worker cannot continue exactly: not agreed, roll back."""
+def _agreed(health: list[dict], name: str) -> tuple[bool, str | None]:
+    """(the servers hold one state that the starting worker ``name`` (``worker{rank}``) can train from,
+    the checkpoint it was restored from or None): all restored the same checkpoint and no earlier
+    incarnation of this worker wrote since (``writers``), or none restored one and all are fresh (a new
+    job). A worker whose name is among the writers was restarted: the servers hold what it trained
+    since, which it would train again. Servers in use that restored nothing hold what workers trained
+    since the last checkpoint, which a starting (so restarted) worker cannot continue exactly either.
+    Either way: not agreed, roll back."""
     restored = {h.get("restored") for h in health}
     fresh = {bool(h.get("fresh")) for h in health}
     if len(restored) == 1 and restored != {None}:
+        if any(name in h.get("writers", ()) for h in health):
+            return False, None
         return True, restored.pop()
     if restored == {None} and fresh == {True}:
         return True, None
     return False, None
 
 
+class NotAgreedError(RuntimeError):
+    """The servers did not agree on one state within ``cluster.startup_timeout_s`` (rank 0, which rolls
+    them back, did not come back in time): exit ``EXIT_ROLLBACK`` to be restarted and wait again."""
+
+
 def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1) -> EngineConfig:
     """Role mode: agree with the servers on one state before training (the recovery rule without a
     launcher), and resume at its data position.
 
-    The servers agree when they restored the same checkpoint (``--role server --resume``), or none of
-    them did and all are fresh (a new job). Otherwise workers restarted (a preemption, a crash: the
-    servers are in use and hold what was trained since the last checkpoint) or some servers restarted
-    while others kept training: rank 0 loads the newest checkpoint the servers report (or, when none
-    restored one, the job's newest complete checkpoint) onto every server, which rolls them all back to
-    it (and clears what they held for the replaced state: a preemption request, metric sums), and the
-    other ranks wait until the servers agree. The agreed checkpoint becomes
-    this worker's ``checkpoint.restored``. When every server is fresh (a new job), the workers meet at a
-    start barrier before any of them writes, so a worker that starts late (Ray or a scheduler start them
-    one by one) never mistakes servers its peers already wrote to for a restarted server.
+    The servers agree when they restored the same checkpoint (``--role server --resume``, or rank 0's
+    roll-back) and this worker did not write since, or none of them did and all are fresh (a new job).
+    Otherwise this worker restarted (a preemption, a crash: the servers are in use and hold what was
+    trained since the last checkpoint) or some servers restarted while others kept training:
+
+    - rank 0 loads the newest checkpoint (the newest the servers report or the job's newest complete
+      one) onto every server, which rolls them all back to it (and clears what they held for the
+      replaced state: a preemption request, metric sums) and ends the running workers' attempt: their
+      next request meets a new generation and they exit ``EXIT_ROLLBACK`` for their scheduler;
+    - another rank fences the servers (``PSClient.fence``): the workers still running exit the same way,
+      rank 0 among them, and restarted, rank 0 rolls every server back. Without the fence a worker
+      replaced alone would wait for an agreement that never comes while the others train on.
+
+    The other ranks wait until the servers agree. The agreed checkpoint becomes this worker's
+    ``checkpoint.restored``. When every server is fresh (a new job), the workers meet at a start barrier
+    before any of them writes, so a worker that starts late (Ray or a scheduler start them one by one)
+    never mistakes servers its peers already wrote to for a restarted server.
 
     Raises
     ------
     ConfigError
-        The servers disagree and there is no checkpoint to roll them back to, or they did not agree
-        within ``cluster.startup_timeout_s``.
+        The servers disagree and there is no checkpoint to roll them back to.
+    NotAgreedError
+        They did not agree within ``cluster.startup_timeout_s``.
     """
     from . import job_checkpoints
     from .checkpoint import parse_name
 
     if cfg.checkpoint.restored:
         return cfg
+    name = f"worker{rank}"
     health = client.health()
-    ok, uri = _agreed(health)
+    ok, uri = _agreed(health, name)
     if not ok and rank == 0:
         reported = [h.get("restored") for h in health if h.get("restored")]
-        if reported:
-            target = max(reported, key=lambda u: parse_name("/".join(u.rstrip("/").split("/")[-2:])))
-        else:
-            newest = job_checkpoints.newest(cfg)
-            if newest is None:
-                raise ConfigError("the servers hold state this worker cannot continue exactly (workers restarted "
-                                  "while the servers kept what was trained since, or some servers restarted "
-                                  "empty) and the job has no complete checkpoint to roll them back to: "
-                                  "restart the whole job")
-            target = newest[0]
-        log.warning("the servers hold different states %s: rolling every server back to %s",
+        newest = job_checkpoints.newest(cfg)
+        candidates = reported + ([newest[0]] if newest is not None else [])
+        if not candidates:
+            raise ConfigError("the servers hold state this worker cannot continue exactly (workers restarted "
+                              "while the servers kept what was trained since, or some servers restarted "
+                              "empty) and the job has no complete checkpoint to roll them back to: "
+                              "restart the whole job")
+        target = max(candidates, key=lambda u: parse_name("/".join(u.rstrip("/").split("/")[-2:])))
+        log.warning("the servers hold different states %s, or this worker's earlier self wrote since: rolling "
+                    "every server back to %s",
                     [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health], target)
-        mgr, name = job_checkpoints.manager_for(cfg, target)
-        mgr.restore(client, name, fallback=cfg.checkpoint.fallback)
+        mgr, ckpt = job_checkpoints.manager_for(cfg, target)
+        mgr.restore(client, ckpt, fallback=cfg.checkpoint.fallback)
+    elif not ok:
+        fenced = client.fence([int(h.get("generation", 0)) for h in health],
+                              f"worker {rank} restarted while the servers hold what was trained since "
+                              f"{health[0].get('restored') or 'the job started'}")
+        log.warning("worker %d: the servers hold state of an attempt this worker cannot join (%s); fenced %d "
+                    "of %d server(s): the running workers exit %d, and worker 0, restarted, rolls every "
+                    "server back to the newest checkpoint", rank,
+                    [(h.get("restored"), sorted(h.get("writers", ()))) for h in health], sum(fenced),
+                    len(fenced), EXIT_ROLLBACK)
     deadline = time.monotonic() + cfg.cluster.startup_timeout_s
     while not ok:
         if time.monotonic() > deadline:
-            raise ConfigError(f"the servers did not agree on one state within cluster.startup_timeout_s="
-                              f"{cfg.cluster.startup_timeout_s:g}s: {[h.get('restored') for h in health]}")
+            raise NotAgreedError(f"the servers did not agree on one state within cluster.startup_timeout_s="
+                                 f"{cfg.cluster.startup_timeout_s:g}s: {[h.get('restored') for h in health]}")
         time.sleep(0.5)
         health = client.health()
-        ok, uri = _agreed(health)
+        ok, uri = _agreed(health, name)
     if uri is None:
         if all(h.get("fresh") for h in health) and workers > 1:
             # a fresh job: nobody writes before every worker has looked, or a late worker would see some
@@ -370,13 +397,13 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
                      async_queue=cfg.client.async_queue)
     try:
         client.wait_ready(cfg.cluster.startup_timeout_s)
-        cfg = _restored_by_servers(cfg, client, rank, workers)
-        mode = make_mode(cfg, client, rank=rank, num_workers=workers)
-        if cfg.cluster.warm_up:    # the client's kernels (the servers' ones load from the cache they wrote)
-            from .ps.warmup import warm_up
-            warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
-            mode.warm_up(c.dim for c in cfg.sparse_tables.values())
         try:
+            cfg = _restored_by_servers(cfg, client, rank, workers)
+            mode = make_mode(cfg, client, rank=rank, num_workers=workers)
+            if cfg.cluster.warm_up:    # the client's kernels (the servers' ones load from the cache they wrote)
+                from .ps.warmup import warm_up
+                warm_up(cfg.sparse_tables, cfg.dense_tables, local_shards=cfg.cluster.local_shards)
+                mode.warm_up(c.dim for c in cfg.sparse_tables.values())
             result = program.run(WorkerContext(cfg, rank, workers, client, mode))
             if cfg.cluster.stop_servers_at_end:
                 _end_job(client, rank, workers, cfg.client.barrier_timeout_s)
@@ -397,6 +424,9 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
                       "roll every server back to one checkpoint and resume there (a replacement server must "
                       "answer within cluster.startup_timeout_s)", rank, e.endpoint, e.message, EXIT_ROLLBACK)
             result = {"rank": rank, "rollback": True, "reason": f"server {e.endpoint} unreachable: {e.message}"}
+        except NotAgreedError as e:
+            log.error("worker %d: %s; exiting with code %d to be restarted and wait again", rank, e, EXIT_ROLLBACK)
+            result = {"rank": rank, "rollback": True, "reason": str(e)}
     finally:
         client.close()
         reporter.close()

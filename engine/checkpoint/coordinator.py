@@ -55,7 +55,7 @@ class Cluster(Protocol):
 
     def save(self, uri: str) -> int: ...
 
-    def load(self, uri: str) -> int: ...
+    def load(self, uri: str, chain_end: str = "") -> int: ...
 
 
 class CheckpointNotFoundError(NotPublishedError):
@@ -350,8 +350,9 @@ class CheckpointManager:
                                              f"build's {HASH_VERSION}; its keys cannot be used", uri=uri)
             hdfs_io.verify(self.storage, m["name"], checksums=False)     # presence + sizes, before any load
         rows = 0
+        end = self.uri_of(chain[-1]["name"]) if len(chain) > 1 else ""
         for m in chain:
-            rows += cluster.load(self.uri_of(m["name"]))
+            rows += cluster.load(self.uri_of(m["name"]), chain_end=end)
         self.head = name
         self._force_base = False
         log.info("restored %s (base %s + %d delta(s)): %d row(s) loaded in %.2f s", self.uri_of(name),

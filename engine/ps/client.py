@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..errors import (
+    GenerationChangedError,
     ProtocolError,
     PSTimeoutError,
     RemoteError,
@@ -573,14 +574,15 @@ class PSClient(DenseClient):
             [(s, "Save", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
              for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
 
-    def load(self, path: str, *, timeout: float = 3600.0) -> int:
+    def load(self, path: str, chain_end: str = "", *, timeout: float = 3600.0) -> int:
         """Every server loads the rows it owns of the published checkpoint at ``path`` (written by any
         number of servers; a base replaces the tables, a delta is applied on top). Returns rows loaded.
-        ``CheckpointManager.restore(client)`` loads a whole base + deltas chain."""
+        ``CheckpointManager.restore(client)`` loads a whole base + deltas chain, each load naming the
+        chain's last checkpoint (``chain_end``; ``ps.proto``: PathRequest)."""
         rid = self._rid()
         try:
             return sum(r.count for r in self._fan_out(
-                [(s, "Load", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
+                [(s, "Load", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path), chain_end=chain_end))
                  for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
         finally:
             with self._info_lock:       # every Load changes the servers' generations: meet them again
@@ -654,6 +656,30 @@ class PSClient(DenseClient):
         return [json.loads(r.json) for r in self._fan_out(
             [(s, "Health", pb.Empty(request_id=f"{rid}.{s}")) for s in range(self.num_servers)],
             idempotent=True)]
+
+    def fence(self, generations: list[int], reason: str) -> list[bool]:
+        """End the attempt the servers serve, without changing their tables: each server whose generation
+        is still ``generations[s]`` (as read from ``health``) moves to a new one, so the running workers'
+        requests are refused (``GenerationChangedError``) and they exit to be restarted, and drops what it
+        held for that attempt (``ps.proto``: FenceRequest). ``reason`` is shown in each server's log and
+        ``Health`` (``fenced``). Returns, per server, whether this call fenced it (False: it had moved on
+        already: a load or another fence).
+
+        Raises
+        ------
+        ShardUnavailableError, PSTimeoutError
+            A server could not be reached.
+        """
+        rid = self._rid()
+        out = []
+        for s, g in enumerate(generations):
+            try:
+                self._call(s, "Fence", pb.FenceRequest(request_id=f"{rid}.{s}", generation=int(g), reason=reason),
+                           idempotent=False)
+                out.append(True)
+            except GenerationChangedError:
+                out.append(False)
+        return out
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Poll Health until every server answers ready.

@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=engine_dot_ps_dot_ps__pb2.MetricRequest.SerializeToString,
                 response_deserializer=engine_dot_ps_dot_ps__pb2.MetricResponse.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/engine.ps.ParameterServer/Fence',
+                request_serializer=engine_dot_ps_dot_ps__pb2.FenceRequest.SerializeToString,
+                response_deserializer=engine_dot_ps_dot_ps__pb2.JsonResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -171,6 +176,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +244,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Metric,
                     request_deserializer=engine_dot_ps_dot_ps__pb2.MetricRequest.FromString,
                     response_serializer=engine_dot_ps_dot_ps__pb2.MetricResponse.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=engine_dot_ps_dot_ps__pb2.FenceRequest.FromString,
+                    response_serializer=engine_dot_ps_dot_ps__pb2.JsonResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +575,33 @@ class ParameterServer:
             '/engine.ps.ParameterServer/Metric',
             engine_dot_ps_dot_ps__pb2.MetricRequest.SerializeToString,
             engine_dot_ps_dot_ps__pb2.MetricResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.ps.ParameterServer/Fence',
+            engine_dot_ps_dot_ps__pb2.FenceRequest.SerializeToString,
+            engine_dot_ps_dot_ps__pb2.JsonResponse.FromString,
             options,
             channel_credentials,
             insecure,

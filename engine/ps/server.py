@@ -55,12 +55,12 @@ from .routing import DEFAULT_NUM_VSHARDS
 log = logging.getLogger(__name__)
 
 METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink", "Stats", "Health", "Stop",
-           "Metric")
+           "Metric", "Fence")
 #: methods that change server state; answered at most once per request id (see dedup.ReplyWindow).
 #: Dense pulls and metric reads do not change anything and are not remembered (``_mutating``).
 MUTATING = frozenset({"Push", "Dense", "Step", "Save", "Load", "Shrink", "Metric"})
 #: data requests that carry the generation their sender expects (see ps.proto: Generations)
-GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric", "Save"})
+GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric", "Save", "Fence"})
 #: requests that change a table (a server that applied one is no longer ``fresh``)
 _WRITES = frozenset({"Push", "Dense", "Step"})
 #: methods that read or change the tables (they never overlap a Load)
@@ -162,9 +162,14 @@ class PSServer:
         self.stopped = threading.Event()
         self.preempting = False                  # SIGTERM: serving until the job checkpointed (Health)
         self.restored: str | None = None         # URI of the last checkpoint loaded (Health)
+        self.restoring: str | None = None        # the end of the chain a restore is loading (Health)
         # changes at every start and every Load: data requests that expect another one are refused
         self.generation = time.time_ns()
         self.fresh = True                        # nothing written or loaded since this server started
+        # clients that wrote since this server started or last loaded (their request ids' names: a
+        # worker's is ``worker{rank}``): a worker that finds its own name here is a restarted one (Health)
+        self.writers: set[str] = set()
+        self.fenced: str | None = None           # why the last Fence ended the attempt (Health)
         self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
         self.window = ReplyWindow(reply_window_bytes)
         self.max_message_bytes = int(max_message_bytes)
@@ -224,6 +229,7 @@ class PSServer:
                                         replay=lambda: self._reread(method, request))
                 if method in _WRITES:
                     self.fresh = False
+                    self.writers.add(request.request_id.split("@", 1)[0])
             else:
                 reply = self._run(method, request)
             return _stamped(reply, self.generation)
@@ -262,11 +268,19 @@ class PSServer:
                 reply = self.Load(request, trusted=trusted)
                 self._note_part("load", time.perf_counter() - t0)
                 self.window.clear()     # remembered replies were computed from the tables just replaced
-                self.restored = request.path
-                self.generation = max(time.time_ns(), self.generation + 1)
+                # half-way up a chain (base, deltas) is no state to start from: restored once at its end
+                end = request.chain_end or request.path
+                self.restored, self.restoring = (request.path, None) if end == request.path else (None, end)
                 self.fresh = False
-                self._drop_transient()
+                self.writers.clear()
+                self._new_generation()
             return reply
+        if method == "Fence":   # alone too: no write of the attempt it ends straddles it
+            with self._tables_lock.exclusive():
+                self.fenced = request.reason or request.request_id
+                log.warning("server %d: fenced by %s: generation %d ends", self.index, self.fenced, self.generation)
+                self._new_generation()
+            return self.Health(request)
         if method not in _ON_TABLES:
             return getattr(self, method)(request)
         with self._tables_lock.shared():
@@ -279,6 +293,11 @@ class PSServer:
             finally:
                 with self._inflight_lock:
                     self._inflight -= 1
+
+    def _new_generation(self) -> None:
+        """Move to a new generation (after a Load or a Fence) and drop what was held for the old one."""
+        self.generation = max(time.time_ns(), self.generation + 1)
+        self._drop_transient()
 
     def _drop_transient(self) -> None:
         """After a Load: what was held for the state the load replaced goes too (sync pushes and dense
@@ -623,7 +642,9 @@ class PSServer:
 
     def Health(self, req: pb.Empty) -> pb.JsonResponse:
         out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
-               "generation": self.generation, "fresh": self.fresh,
+               "restoring": self.restoring,
+               "generation": self.generation, "fresh": self.fresh, "writers": sorted(self.writers),
+               "fenced": self.fenced,
                "server": self.index, "num_servers": self.num_servers,
                "num_vshards": self.num_vshards, "max_message_bytes": self.max_message_bytes,
                "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},

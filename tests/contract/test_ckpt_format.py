@@ -99,7 +99,7 @@ class ShardCluster:
                               num_vshards=NV, sparse=self.tables[s], dense=dense, groups=self.groups)
         return 0
 
-    def load(self, uri):
+    def load(self, uri, chain_end=""):
         ckpt = self.storage(uri)
         manifest = hdfs_io.read_manifest(ckpt, "")
         n = 0

@@ -11,13 +11,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from engine.checkpoint import CheckpointManager
 from engine.programs.ctr import BLAS_ENV
-from tests.integration.test_chaos_offline import REPO, args, run
-from tests.integration.test_offline_resume import assert_same_model
+from tests.integration.test_chaos_offline import REPO, ROWS, SLOTS, args, run
+from tests.integration.test_offline_resume import _state, assert_same_model
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -37,14 +40,14 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def role_env(ports: list[int]) -> dict:
+def role_env(ports: list[int], workers: int = 1) -> dict:
     """The environment of the roles started by hand: the servers' endpoints, one worker, and the BLAS
     threads the full run's launcher gave its children (one, unless this environment sets them, as
     there). OpenBLAS's float32 products round differently with another thread count (with its default
     of one thread per core, ~1/3 of the tower's outputs differ by an ulp), so without them a role-mode
     run would not reproduce the launcher's bit for bit."""
     return {**{var: "1" for var in BLAS_ENV}, **os.environ,
-            "ENGINE_SERVERS": ",".join(f"127.0.0.1:{p}" for p in ports), "ENGINE_NUM_WORKERS": "1"}
+            "ENGINE_SERVERS": ",".join(f"127.0.0.1:{p}" for p in ports), "ENGINE_NUM_WORKERS": str(workers)}
 
 
 def role_cmd(tmp, tag: str, role: str, rank: int, *extra: str) -> list[str]:
@@ -107,8 +110,6 @@ def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_c
     restarts it with --resume. The worker's next request meets a new generation: it is refused (nothing
     applied) and the worker exits 76; restarted, rank 0 rolls every server back to the checkpoint server
     1 restored and the job ends bit-identical to an uninterrupted run."""
-    import time
-
     from engine.roles import EXIT_ROLLBACK
     slow = ("model.batch_size=16", "checkpoint.delta_every=64steps")
     full = run(args(tmp_path, "full", *SETS, *slow))
@@ -152,3 +153,88 @@ def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_c
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
     assert_same_model(full["checkpoint"], json.loads(result.read_text())["checkpoint"])
+
+
+class Scheduler:
+    """What a Job controller does for one worker rank: start it, and start it again after any exit but
+    0 and 2 (a config error), at most ``restarts`` times; ``codes`` lists its exit codes."""
+
+    def __init__(self, cmd: list[str], env: dict, log: str, restarts: int = 3):
+        self.cmd, self.env, self.log, self.restarts = cmd, env, log, restarts
+        self.codes: list[int] = []
+        self.proc: subprocess.Popen | None = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            with open(self.log, "a") as log:
+                self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL,
+                                             stderr=log, start_new_session=True)
+            self.codes.append(self.proc.wait())
+            if self.codes[-1] in (0, 2) or len(self.codes) > self.restarts:
+                return
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.thread.join(30)
+
+
+@pytest.mark.parametrize("servers", ["fresh", "restored"])
+def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_counting_every_example_once(tmp_path,
+                                                                                                    servers):
+    """A scheduler replaces one crashed worker while the other trains on (Kubernetes replaces a failed
+    pod of an Indexed Job alone). The replacement finds its own name among the servers' writers, so
+    the servers hold what its former self trained: it fences them (a new generation, tables untouched),
+    worker 0's next request is refused and it exits 76, and restarted, it rolls every server back to
+    the newest checkpoint, where both resume. Every training example is counted exactly once: the
+    servers' show counts (one per key of each example) equal the epochs' examples. Before the fence the
+    replacement waited cluster.startup_timeout_s and exited 2 (a config error, which fails a Kubernetes
+    Job at once) while worker 0 waited at its next checkpoint meeting for client.barrier_timeout_s.
+    With servers that restored a checkpoint at their start (``--resume``), the replacement found them
+    agreed on it and trained again what its former self had trained since."""
+    from engine.roles import EXIT_ROLLBACK
+    sets = ("mode=async", "cluster.workers=2", "model.blas_threads=1")
+    run(args(tmp_path, "full", *sets))          # the config, its data converted to Arrow, as role mode needs
+    resume = ()
+    if servers == "restored":                   # the full run's first checkpoint after a step: epoch 0, batch 8
+        full = CheckpointManager(str(tmp_path / "ckpt-full"), "ctr_dnn")
+        mid = next(m for m in (full.manifest(r.name) for r in full.list())
+                   if m["sources"]["train"]["epoch"] == 0 and m["sources"]["train"]["batch"] == 8)
+        resume = ("--resume", full.uri_of(mid["name"]))
+    ports = free_ports(2)
+    # 0.1 s a step: the kill below lands with most of the training still ahead (a resumed job has 30 steps)
+    env = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1"}
+    procs = [subprocess.Popen(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), *resume), cwd=REPO,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for r in range(2)]
+    result = tmp_path / "role-result.json"
+    workers = [Scheduler(role_cmd(tmp_path, "role", "worker", r, *(("--result-file", str(result)) if r == 0 else ())),
+                         env, str(tmp_path / f"worker-{r}.log")) for r in range(2)]
+    try:
+        mgr = CheckpointManager(str(tmp_path / "ckpt-role"), "ctr_dnn")
+        until(lambda: len(mgr.list()) >= 1 or any(w.codes for w in workers), "a checkpoint", timeout_s=180,
+              every_s=0.05)
+        assert not any(w.codes for w in workers), [w.codes for w in workers]
+        os.killpg(workers[1].proc.pid, signal.SIGKILL)
+        for w in workers:
+            w.thread.join(240)
+        assert workers[1].codes == [-signal.SIGKILL, 0], workers[1].codes
+        assert workers[0].codes == [EXIT_ROLLBACK, 0], workers[0].codes
+    finally:
+        for w in workers:
+            w.stop()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    log0, log1 = (tmp_path / "worker-0.log").read_text(), (tmp_path / "worker-1.log").read_text()
+    assert "fenced 2 of 2 server(s)" in log1, log1[-3000:]
+    assert "generation mismatch" in log0 and "rolling every server back to" in log0, log0[-3000:]
+    sparse, _ = _state(json.loads(result.read_text())["checkpoint"])
+    train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
+    # 3 epochs, 26 keys per example, one show each: more would be an example counted twice, less a lost one
+    assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS

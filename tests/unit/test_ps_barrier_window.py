@@ -1,4 +1,5 @@
-"""The barrier table and the reply window on their own and inside an in-process server: an apply that
+"""The barrier table and the reply window on their own and inside an in-process server (with generations,
+fences and the writers a starting worker checks): an apply that
 fails at the opening reaches every waiter; forgotten barriers; a retry whose reply left the window is
 answered by re-reading, never applied twice; remembered errors hold no request arrays."""
 from __future__ import annotations
@@ -222,3 +223,81 @@ def test_a_load_drops_sync_updates_held_for_the_state_it_replaced(tmp_path):
         np.testing.assert_array_equal(c.pull("emb", keys), -np.ones((20, DIM), np.float32))
         np.testing.assert_array_equal(c.pull_dense("d"), np.zeros(10, np.float32))
     core.close()
+
+
+def test_a_fence_ends_the_attempt_without_touching_the_tables_and_a_stale_one_is_refused():
+    """``Fence`` (a worker restarted while the others run): a new generation, so the running clients'
+    next requests are refused and apply nothing; the rows stay; a sync push held for the ended attempt
+    is dropped; a fence that expects a generation the server left is refused."""
+    from engine.errors import GenerationChangedError
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    keys = np.arange(1, 21, dtype=np.uint64)
+    with PSClient(InProcessTransport([core]), name="worker0") as running, \
+            PSClient(InProcessTransport([core]), name="worker1") as restarted:
+        running.push("emb", keys, np.ones((20, DIM), np.float32))
+        running.push("emb", keys, np.ones((20, DIM), np.float32), accumulate=True)   # held for a barrier
+        rows = restarted.pull("emb", keys)
+        seen = restarted.health()[0]
+        assert seen["writers"] == ["worker0"] and seen["fenced"] is None
+        assert restarted.fence([seen["generation"]], "worker 1 restarted") == [True]
+        assert restarted.fence([seen["generation"]], "again") == [False]     # moved on: refused, nothing done
+        health = restarted.health()[0]
+        assert health["generation"] != seen["generation"] and health["fenced"] == "worker 1 restarted"
+        with pytest.raises(GenerationChangedError, match="generation mismatch"):
+            running.push("emb", keys, np.ones((20, DIM), np.float32))
+        with pytest.raises(GenerationChangedError):
+            running.barrier("sync:step", 1, apply_pending=True)
+        with PSClient(InProcessTransport([core])) as fresh:
+            fresh.barrier("sync:step", 1, apply_pending=True)           # the held push was dropped
+            np.testing.assert_array_equal(fresh.pull("emb", keys), rows)
+    core.close()
+
+
+def test_writers_are_the_clients_that_wrote_since_the_last_load_and_a_chain_is_restored_at_its_end(tmp_path):
+    """``Health``: ``writers`` names the clients that wrote since the server started or loaded (a
+    worker that finds its own name there was restarted); during a restore of a base and its deltas the
+    server says ``restoring`` the chain's end and ``restored`` nothing until it loads it."""
+    from engine.checkpoint import CheckpointManager
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    keys = np.arange(1, 21, dtype=np.uint64)
+    loads = []
+
+    class Watching(InProcessTransport):
+        def call(self, server, method, request, timeout):
+            reply = super().call(server, method, request, timeout)
+            if method == "Load":
+                loads.append((core.restored, core.restoring))
+            return reply
+    with PSClient(Watching([core]), name="worker3") as c:
+        assert c.health()[0]["writers"] == [] and c.health()[0]["fresh"] is True
+        c.pull("emb", keys)
+        assert c.health()[0]["writers"] == []                 # a pull writes nothing
+        c.push("emb", keys, np.ones((20, DIM), np.float32))
+        assert c.health()[0]["writers"] == ["worker3"]
+        mgr = CheckpointManager(str(tmp_path / "ckpt"), "job")
+        base = mgr.save(c, "base", when=0.0)
+        c.push("emb", keys, np.ones((20, DIM), np.float32))
+        delta = mgr.save(c, "delta", when=60.0)
+        end = mgr.uri_of(delta["name"])
+        mgr.restore(c, delta["name"])
+        assert loads == [(None, end), (end, None)]          # half-way up the chain: restored nothing
+        health = c.health()[0]
+        assert health["writers"] == [] and health["restored"] == end and health["restoring"] is None
+        mgr.restore(c, base["name"])                         # a chain of one: restored at once
+        assert loads[-1] == (mgr.uri_of(base["name"]), None)
+    core.close()
+
+
+def test_a_starting_worker_agrees_only_with_one_state_its_former_self_did_not_write_to():
+    """``engine.roles._agreed``: the rule a role-mode worker applies to every server's Health."""
+    from engine.roles import _agreed
+
+    def h(restored=None, fresh=False, writers=()):
+        return {"restored": restored, "fresh": fresh, "writers": list(writers)}
+    assert _agreed([h(fresh=True), h(fresh=True)], "worker1") == (True, None)          # a new job
+    assert _agreed([h("u"), h("u")], "worker1") == (True, "u")                        # restored, untouched
+    assert _agreed([h("u", writers=["worker0"]), h("u")], "worker1") == (True, "u")   # a late start
+    assert _agreed([h("u"), h("u", writers=["worker1"])], "worker1") == (False, None)  # restarted
+    assert _agreed([h("u"), h("v")], "worker1") == (False, None)                      # restored apart
+    assert _agreed([h(), h()], "worker0") == (False, None)                            # in use, no checkpoint
+    assert _agreed([h(fresh=True), h()], "worker0") == (False, None)
