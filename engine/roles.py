@@ -29,7 +29,7 @@ from pathlib import Path
 from . import failpoints, preempt, progress
 from .config import EngineConfig, restore_secrets
 from .connect import connect
-from .errors import ConfigError, GenerationChangedError, ShardUnavailableError
+from .errors import ConfigError, GenerationChangedError, LaunchError, ShardUnavailableError
 from .launch.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -250,8 +250,9 @@ def _agreed(health: list[dict], name: str) -> tuple[bool, str | None]:
 
 
 class NotAgreedError(RuntimeError):
-    """The servers did not agree on one state within ``cluster.startup_timeout_s`` (rank 0, which rolls
-    them back, did not come back in time): exit ``EXIT_ROLLBACK`` to be restarted and wait again."""
+    """The servers did not agree on one state within ``cluster.startup_timeout_s`` though they moved
+    meanwhile (a roll-back or a restart under way): exit ``EXIT_ROLLBACK`` to be restarted and wait
+    again. When nothing moved, ``LaunchError`` instead (exit 1, which a scheduler counts)."""
 
 
 def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1) -> EngineConfig:
@@ -281,7 +282,9 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     ConfigError
         The servers disagree and there is no checkpoint to roll them back to.
     NotAgreedError
-        They did not agree within ``cluster.startup_timeout_s``.
+        They did not agree within ``cluster.startup_timeout_s``, but moved meanwhile.
+    LaunchError
+        They did not agree within it and nothing changed on them (worker 0 is not running).
     """
     from . import job_checkpoints
     from .checkpoint import parse_name
@@ -292,7 +295,7 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     health = client.health()
     ok, uri = _agreed(health, name)
     if not ok and rank == 0:
-        reported = [h.get("restored") for h in health if h.get("restored")]
+        reported = [u for h in health for u in (h.get("restored"), h.get("fenced_from")) if u]
         newest = job_checkpoints.newest(cfg)
         candidates = reported + ([newest[0]] if newest is not None else [])
         if not candidates:
@@ -316,10 +319,15 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
                     [(h.get("restored"), sorted(h.get("writers", ()))) for h in health], sum(fenced),
                     len(fenced), EXIT_ROLLBACK)
     deadline = time.monotonic() + cfg.cluster.startup_timeout_s
+    waited_at = [h.get("generation") for h in client.health()] if not ok else []
     while not ok:
         if time.monotonic() > deadline:
-            raise NotAgreedError(f"the servers did not agree on one state within cluster.startup_timeout_s="
-                                 f"{cfg.cluster.startup_timeout_s:g}s: {[h.get('restored') for h in health]}")
+            moved = [h.get("generation") for h in health] != waited_at
+            msg = (f"the servers did not agree on one state within cluster.startup_timeout_s="
+                   f"{cfg.cluster.startup_timeout_s:g}s: {[h.get('restored') for h in health]}")
+            if not moved:       # nobody rolled back, nor restarted: exit 1, which a scheduler counts
+                raise LaunchError(msg + "; nothing changed on the servers meanwhile (is worker 0 running?)")
+            raise NotAgreedError(msg)
         time.sleep(0.5)
         health = client.health()
         ok, uri = _agreed(health, name)

@@ -276,7 +276,7 @@ class TestHosts:
 
     def alias(self, name: str, to: str) -> None:
         """Make the name of host ``name`` resolve to host ``to``'s address in every host, as a server
-        replaced on another machine keeps its DNS name (a StatefulSet's pod). KeyError for unknown hosts."""
+        replaced on another machine keeps its DNS name (a pod of an Indexed Job keeps its hostname). KeyError for unknown hosts."""
         self._check_active()
         text = self._hosts_text(dict(self._ips, **{name: self.ip(to)}))
         for n in self.names:

@@ -15,8 +15,8 @@ at its next meeting, within ``cluster.preempt_timeout_s``, and stops; ``--resume
 
 Exit codes: 0 success, 2 bad config or arguments, 1 the job failed (more failures than
 ``cluster.max_restarts`` allows, every one listed) or a checkpoint could not be restored, 75 preempted
-(resumable: ``engine train CONFIG --resume``), 76 (a ``--role worker`` whose servers restarted or
-restored under it, or that lost one: restart it), 130 interrupted.
+(resumable: ``engine train CONFIG --resume``), 76 (a ``--role worker`` whose servers restarted,
+restored or were fenced under it, or that lost one: restart it), 130 interrupted.
 """
 from __future__ import annotations
 

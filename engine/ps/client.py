@@ -674,8 +674,9 @@ class PSClient(DenseClient):
         out = []
         for s, g in enumerate(generations):
             try:
+                # it waits for the tables to itself, as a Load does: behind a Save of a big table
                 self._call(s, "Fence", pb.FenceRequest(request_id=f"{rid}.{s}", generation=int(g), reason=reason),
-                           idempotent=False)
+                           idempotent=False, timeout=max(3600.0, self.timeout_s))
                 out.append(True)
             except GenerationChangedError:
                 out.append(False)

@@ -163,13 +163,14 @@ class PSServer:
         self.preempting = False                  # SIGTERM: serving until the job checkpointed (Health)
         self.restored: str | None = None         # URI of the last checkpoint loaded (Health)
         self.restoring: str | None = None        # the end of the chain a restore is loading (Health)
-        # changes at every start and every Load: data requests that expect another one are refused
+        # changes at every start, Load and Fence: data requests that expect another one are refused
         self.generation = time.time_ns()
         self.fresh = True                        # nothing written or loaded since this server started
         # clients that wrote since this server started or last loaded (their request ids' names: a
         # worker's is ``worker{rank}``): a worker that finds its own name here is a restarted one (Health)
         self.writers: set[str] = set()
         self.fenced: str | None = None           # why the last Fence ended the attempt (Health)
+        self.fenced_from: str | None = None      # what ``restored`` said when it came (Health)
         self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
         self.window = ReplyWindow(reply_window_bytes)
         self.max_message_bytes = int(max_message_bytes)
@@ -219,17 +220,10 @@ class PSServer:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
             if getattr(request, "error", None) is not None:     # codec.Received that did not parse
                 raise request.error
-            expected = getattr(request, "generation", 0) if method in GENERATION_CHECKED else 0
-            if expected and expected != self.generation:
-                raise HostError("ABORTED", f"generation mismatch: the request expects generation {expected}, "
-                                f"this server is at {self.generation} (it restarted or loaded a checkpoint "
-                                f"since; restored: {self.restored}); nothing was applied")
+            self._check_generation(method, request)    # again under the tables lock (_run)
             if _mutating(method, request):
                 reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted),
                                         replay=lambda: self._reread(method, request))
-                if method in _WRITES:
-                    self.fresh = False
-                    self.writers.add(request.request_id.split("@", 1)[0])
             else:
                 reply = self._run(method, request)
             return _stamped(reply, self.generation)
@@ -261,9 +255,22 @@ class PSServer:
                     self._latency[method][bisect.bisect_left(LATENCY_BOUNDS_S, dt)] += 1
                     self._latency_sum[method] += dt
 
+    def _check_generation(self, method: str, request) -> None:
+        """ABORTED unless the request expects this server's generation (or any: 0)."""
+        expected = getattr(request, "generation", 0) if method in GENERATION_CHECKED else 0
+        if expected and expected != self.generation:
+            raise HostError("ABORTED", f"generation mismatch: the request expects generation {expected}, "
+                            f"this server is at {self.generation} (it restarted, loaded a checkpoint or was "
+                            f"fenced since; restored: {self.restored}, fenced: {self.fenced}); nothing was applied")
+
     def _run(self, method: str, request, trusted: bool = False):
         if method == "Load":    # alone: no request may run on shards that Load swaps out
             with self._tables_lock.exclusive():
+                if request.chain_end and kind_of_uri(request.path) == "delta" and self.restoring != request.chain_end:
+                    # a delta of a chain whose base this process did not load (it restarted half-way)
+                    raise HostError("FAILED_PRECONDITION", f"{request.path} is a link of the chain ending at "
+                                    f"{request.chain_end}, whose base this server did not load (it restarted "
+                                    f"during the restore?): restore the chain again")
                 t0 = time.perf_counter()
                 reply = self.Load(request, trusted=trusted)
                 self._note_part("load", time.perf_counter() - t0)
@@ -273,26 +280,41 @@ class PSServer:
                 self.restored, self.restoring = (request.path, None) if end == request.path else (None, end)
                 self.fresh = False
                 self.writers.clear()
+                self.fenced_from = None
                 self._new_generation()
             return reply
         if method == "Fence":   # alone too: no write of the attempt it ends straddles it
             with self._tables_lock.exclusive():
+                self._check_generation(method, request)     # a Load or a fence since: refused
                 self.fenced = request.reason or request.request_id
                 log.warning("server %d: fenced by %s: generation %d ends", self.index, self.fenced, self.generation)
+                # the tables hold the restored checkpoint plus the ended attempt's writes: no longer it
+                self.fenced_from, self.restored = self.restored, None
                 self._new_generation()
             return self.Health(request)
         if method not in _ON_TABLES:
             return getattr(self, method)(request)
         with self._tables_lock.shared():
+            # a Load or a Fence (exclusive) changes the generation: checked here, it cannot change until
+            # this request is done, so nothing lands on tables it did not expect
+            self._check_generation(method, request)
             if method not in ("Pull", "Push", "Step"):
-                return getattr(self, method)(request)
+                return self._wrote(method, request, getattr(self, method)(request))
             with self._inflight_lock:
                 self._inflight += 1
             try:
-                return getattr(self, method)(request)
+                return self._wrote(method, request, getattr(self, method)(request))
             finally:
                 with self._inflight_lock:
                     self._inflight -= 1
+
+    def _wrote(self, method: str, request, reply):
+        """Note a write (under the tables lock: a Load that follows clears the note): the server is no
+        longer fresh, and the writer's name (its request id's, before ``@``) is listed in Health."""
+        if method in _WRITES and _mutating(method, request):
+            self.fresh = False
+            self.writers.add(request.request_id.split("@", 1)[0])
+        return reply
 
     def _new_generation(self) -> None:
         """Move to a new generation (after a Load or a Fence) and drop what was held for the old one."""
@@ -644,7 +666,7 @@ class PSServer:
         out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
                "restoring": self.restoring,
                "generation": self.generation, "fresh": self.fresh, "writers": sorted(self.writers),
-               "fenced": self.fenced,
+               "fenced": self.fenced, "fenced_from": self.fenced_from,
                "server": self.index, "num_servers": self.num_servers,
                "num_vshards": self.num_vshards, "max_message_bytes": self.max_message_bytes,
                "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},

@@ -139,7 +139,10 @@ def test_a_cut_network_is_ridden_out_or_failed_after_dead_after_s_and_nothing_is
         assert not caught["ok"] and caught["t1"] - long_cut < SILENT_S + SLACK_S, caught
         assert caught["error"] == "ShardUnavailableError" and "server0" in caught["message"], caught
         failed = [r for r in calls if not r["ok"]]
-        assert all(long_cut <= r["t1"] and r["t0"] <= healed for r in failed), failed
+        # after the heal, calls may fail fast until gRPC's reconnect back-off (grown through the cut) lets it
+        # connect again; once one succeeds, none fails
+        back = min(r["t0"] for r in calls if r["ok"] and r["t0"] > healed)
+        assert all(long_cut <= r["t1"] and r["t0"] < back for r in failed), failed
         assert {r["error"] for r in failed} == {"ShardUnavailableError"}, failed   # never a generation change
         final = records[-1]
         assert final["op"] == "final" and "rows" in final, final

@@ -107,9 +107,9 @@ def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
 def test_a_server_frozen_in_its_start_up_is_declared_dead_after_dead_after_s(tmp_path):
     """Before its ready file a server has no address to poll: it beats instead (engine.progress), so one
     frozen there is declared dead after client.dead_after_s, not after cluster.startup_timeout_s (120 s).
-    The failpoint server.before_ready holds every start-up open for 3 s so that the SIGSTOP lands in it."""
+    The failpoint server.before_ready holds every start-up open for 6 s so that the SIGSTOP lands in it."""
     dead_after = 3.0
-    env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.before_ready=sleep:3"}
+    env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.before_ready=sleep:6"}
     proc = engine("--set", f"client.dead_after_s={dead_after}", run_dir=tmp_path, env=env)
     try:
         wait_log(tmp_path / "server-0.log", "failpoint server.before_ready")

@@ -243,6 +243,8 @@ def test_a_fence_ends_the_attempt_without_touching_the_tables_and_a_stale_one_is
         assert restarted.fence([seen["generation"]], "again") == [False]     # moved on: refused, nothing done
         health = restarted.health()[0]
         assert health["generation"] != seen["generation"] and health["fenced"] == "worker 1 restarted"
+        # the tables now hold more than any checkpoint: nothing is "restored" (it is kept as fenced_from)
+        assert health["restored"] is None and health["fenced_from"] is None
         with pytest.raises(GenerationChangedError, match="generation mismatch"):
             running.push("emb", keys, np.ones((20, DIM), np.float32))
         with pytest.raises(GenerationChangedError):
@@ -285,6 +287,48 @@ def test_writers_are_the_clients_that_wrote_since_the_last_load_and_a_chain_is_r
         assert health["writers"] == [] and health["restored"] == end and health["restoring"] is None
         mgr.restore(c, base["name"])                         # a chain of one: restored at once
         assert loads[-1] == (mgr.uri_of(base["name"]), None)
+        with pytest.raises(RemoteError, match="whose base this server did not load"):
+            c.load(end, chain_end=end)                       # a delta of a chain, its base not loaded here
+        assert c.health()[0]["restored"] == mgr.uri_of(base["name"])
+        c.push("emb", keys, np.ones((20, DIM), np.float32))
+        c.fence([c.health()[0]["generation"]], "test")
+        assert c.health()[0]["restored"] is None and c.health()[0]["fenced_from"] == mgr.uri_of(base["name"])
+    core.close()
+
+
+def test_a_write_that_waited_for_a_load_is_refused_not_applied_to_the_restored_tables():
+    """The generation is checked again under the tables lock: a push that passed the first check while a
+    Load (or a Fence) held the tables finds a new generation once it gets them, and applies nothing."""
+    from engine.errors import GenerationChangedError
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    keys = np.arange(1, 21, dtype=np.uint64)
+    out = {}
+    with PSClient(InProcessTransport([core]), name="worker0") as c:
+        c.push("emb", keys, np.ones((20, DIM), np.float32))
+        before = c.pull("emb", keys)
+
+        def push():
+            try:
+                c.push("emb", keys, np.ones((20, DIM), np.float32))
+                out["push"] = "applied"
+            except GenerationChangedError as e:
+                out["push"] = e.message
+        lock, asked = core._tables_lock, threading.Event()
+        shared = lock.shared
+
+        def watched():                                     # the push asks for the tables: past its first check
+            asked.set()
+            return shared()
+        lock.shared = watched
+        with lock.exclusive():                             # a Load holding the tables
+            t = threading.Thread(target=push)
+            t.start()
+            until(asked.is_set, "the push waits for the tables", timeout_s=10)
+            core._new_generation()                         # what the Load does before it lets go
+        t.join(10)
+        assert "generation mismatch" in out["push"], out
+        with PSClient(InProcessTransport([core])) as fresh:
+            np.testing.assert_array_equal(fresh.pull("emb", keys), before)
     core.close()
 
 
