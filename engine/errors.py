@@ -61,7 +61,7 @@ class MessageTooLargeError(RequestRejectedError):
 
 
 class GenerationChangedError(RemoteError):
-    """A server restarted or loaded a checkpoint since this client met it (ABORTED "generation
+    """A server restarted, loaded a checkpoint or was fenced since this client met it (ABORTED "generation
     mismatch"); the request was not applied. The sender must roll back to the state the servers now
     hold: a worker exits (``engine.roles``) and resumes at the servers' restored checkpoint."""
 

@@ -421,7 +421,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
             if cfg.cluster.stop_servers_at_end:
                 _end_preempted(client, rank, workers, min(cfg.client.barrier_timeout_s, cfg.cluster.preempt_timeout_s))
         except GenerationChangedError as e:
-            log.error("worker %d: a server restarted or loaded a checkpoint under this worker (%s); exiting "
+            log.error("worker %d: a server restarted, loaded a checkpoint or was fenced under this worker (%s); "
+                      "exiting "
                       "with code %d: restarted, the workers roll every server back to one checkpoint and "
                       "resume there", rank, e.message, EXIT_ROLLBACK)
             result = {"rank": rank, "rollback": True, "reason": e.message}
