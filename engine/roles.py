@@ -331,6 +331,7 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
         time.sleep(0.5)
         health = client.health()
         ok, uri = _agreed(health, name)
+    client.pin_generations(health)      # the state agreed on: a load or fence after it is refused
     if uri is None:
         if all(h.get("fresh") for h in health) and workers > 1:
             # a fresh job: nobody writes before every worker has looked, or a late worker would see some

@@ -231,6 +231,14 @@ class PSClient(DenseClient):
         and a server at another generation refuses them (``GenerationChangedError``)."""
         return self.info()["generations"]
 
+    def pin_generations(self, health: list[dict]) -> None:
+        """Expect the generations of ``health`` (one ``Health`` answer per server, as ``health()`` gives
+        them) from now on: those of the state a starting worker agreed to train from, so a load or a
+        fence between that answer and its first data request is noticed, not trained on."""
+        self.info()
+        with self._info_lock:
+            self._info["generations"] = [int(h.get("generation", 0)) for h in health]
+
     def _sparse(self, table: str) -> dict:
         info = self.info()
         if table not in info["sparse"]:

@@ -252,6 +252,13 @@ def test_a_fence_ends_the_attempt_without_touching_the_tables_and_a_stale_one_is
         with PSClient(InProcessTransport([core])) as fresh:
             fresh.barrier("sync:step", 1, apply_pending=True)           # the held push was dropped
             np.testing.assert_array_equal(fresh.pull("emb", keys), rows)
+        # a starting worker pins the generation it agreed on: a fence after that answer is noticed
+        with PSClient(InProcessTransport([core]), name="worker2") as starting:
+            agreed = starting.health()
+            restarted.fence([agreed[0]["generation"]], "another restart")
+            starting.pin_generations(agreed)
+            with pytest.raises(GenerationChangedError):
+                starting.pull("emb", keys)
     core.close()
 
 
