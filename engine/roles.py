@@ -423,9 +423,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
                 _end_preempted(client, rank, workers, min(cfg.client.barrier_timeout_s, cfg.cluster.preempt_timeout_s))
         except GenerationChangedError as e:
             log.error("worker %d: a server restarted, loaded a checkpoint or was fenced under this worker (%s); "
-                      "exiting "
-                      "with code %d: restarted, the workers roll every server back to one checkpoint and "
-                      "resume there", rank, e.message, EXIT_ROLLBACK)
+                      "exiting with code %d: restarted, the workers roll every server back to one checkpoint "
+                      "and resume there", rank, e.message, EXIT_ROLLBACK)
             result = {"rank": rank, "rollback": True, "reason": e.message}
         except ShardUnavailableError as e:
             # a server silent past client.dead_after_s and the retries (a lost host: engine.ps.keepalive):

@@ -47,12 +47,20 @@ def wait_steps(path: Path, steps: int, timeout: float = 90.0) -> None:
     raise AssertionError(f"{path} never reached step {steps}: {progress.read(path)}")
 
 
-def freeze_until_restart(run_dir: Path, role: str, rank: int, timeout: float) -> float:
-    """SIGSTOP that role of the first attempt; returns the seconds until the job's restart began."""
-    os.kill(role_pid(run_dir, role, rank), signal.SIGSTOP)
-    t0 = time.monotonic()
-    until(lambda: (run_dir / "restart-1").exists(), "the restart", timeout_s=timeout, every_s=0.05)
-    return time.monotonic() - t0
+def frozen_run(proc: subprocess.Popen, ready, run_dir: Path, role: str, rank: int,
+               timeout: float) -> tuple[float, str, str]:
+    """Once ``ready()`` returns, SIGSTOP that role of the job's first attempt; returns the seconds until
+    the restart began and the job's stdout and stderr (the job is killed if anything fails)."""
+    try:
+        ready()
+        os.kill(role_pid(run_dir, role, rank), signal.SIGSTOP)
+        t0 = time.monotonic()
+        until(lambda: (run_dir / "restart-1").exists(), "the restart", timeout_s=timeout, every_s=0.05)
+        detected = time.monotonic() - t0
+        return (detected, *finish(proc, 180))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
@@ -87,13 +95,8 @@ def test_a_killed_worker_restarts_the_job_which_finishes(tmp_path):
 def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
     dead_after = 3.0
     proc = engine("--set", f"client.dead_after_s={dead_after}", run_dir=tmp_path)
-    try:
-        wait_steps(tmp_path / "worker-0.progress.json", 20)
-        detected = freeze_until_restart(tmp_path, "server", 1, dead_after + 60)
-        out, err = finish(proc, 180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    detected, out, err = frozen_run(proc, lambda: wait_steps(tmp_path / "worker-0.progress.json", 20),
+                                    tmp_path, "server", 1, dead_after + 60)
     assert proc.returncode == 0, err[-3000:]
     # the restart began after the stopped server's processes were killed (up to a few seconds more, and
     # more on a loaded machine); the message below is what tells the Health verdict from a worker that
@@ -111,13 +114,8 @@ def test_a_server_frozen_in_its_start_up_is_declared_dead_after_dead_after_s(tmp
     dead_after = 3.0
     env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.before_ready=sleep:6"}
     proc = engine("--set", f"client.dead_after_s={dead_after}", run_dir=tmp_path, env=env)
-    try:
-        wait_log(tmp_path / "server-0.log", "failpoint server.before_ready")
-        detected = freeze_until_restart(tmp_path, "server", 0, dead_after + 60)
-        out, err = finish(proc, 180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    detected, out, err = frozen_run(proc, lambda: wait_log(tmp_path / "server-0.log", "failpoint server.before_ready"),
+                                    tmp_path, "server", 0, dead_after + 60)
     assert proc.returncode == 0, err[-3000:]
     assert detected < dead_after + 20, f"recovery began {detected:.1f}s after SIGSTOP"
     assert "server 0 failed (hung before it was ready: no heartbeat" in err, err[-3000:]
