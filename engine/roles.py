@@ -139,7 +139,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
     from .ps import _malloc, governor
-    from .ps.server import PSServer, serve
+    from .ps.grpc_service import serve
+    from .ps.server import PSServer
 
     # before any thread: glibc latches its arena limit when a thread first needs a ninth arena
     budgeted = any(t.memory_bytes for t in cfg.sparse_tables.values())

@@ -8,7 +8,8 @@ The protocol and the command that regenerates the committed ``ps_pb2*.py`` are i
 """
 from .client import PSClient
 from .routing import DEFAULT_NUM_VSHARDS, mix64, route, vshard_of
-from .server import PSServer, serve
+from .grpc_service import serve
+from .server import PSServer
 from .transport import GrpcTransport, InProcessTransport, Transport
 
 __all__ = ["PSClient", "PSServer", "serve", "Transport", "GrpcTransport", "InProcessTransport",

@@ -1,4 +1,4 @@
-"""The parameter-server process: ``PSServer`` (transport-free request handling) and ``serve`` (gRPC).
+"""The parameter-server process: ``PSServer``, transport-free request handling (gRPC: ``grpc_service.serve``).
 
 ``PSServer`` hosts the sparse tables (each split into local SparseTable shards) and the dense-table
 blocks of one server rank. Its RPC methods (``Pull``, ``Push``, ``Dense``, ``Step``, ``Barrier``, ``Save``,
@@ -9,7 +9,7 @@ gRPC status code and a message naming the server, table, shard and request id, e
     INVALID_ARGUMENT: [server 1/2, table 'emb', shard all, request w0:17.0] grads: expected
     float32[3, 8] (one row of dim 8 per key), got float32[3, 4]
 
-The same object serves gRPC (``serve``) and the in-process transport, so a whole cluster can live in
+The same object serves gRPC (``grpc_service.serve``) and the in-process transport, so a whole cluster can live in
 one pytest process. A rejected request changes nothing: everything is validated before any shard is
 touched.
 
@@ -29,7 +29,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import numpy as np
 
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
@@ -49,7 +48,6 @@ from . import ps_pb2 as pb
 from .barrier import BarrierError, Barriers
 from .dedup import Expired, InProgress, ReplyWindow
 from .hosts import DenseHost, HostError, SparseHost, invalid, shrink_each
-from .keepalive import server_keepalive_options
 from .routing import DEFAULT_NUM_VSHARDS
 
 log = logging.getLogger(__name__)
@@ -724,84 +722,3 @@ def _push_arrays(req, dim: int, what: str, *, may_be_empty: bool = False):
     shows, clicks = (None if codec.is_absent(t) else codec.decode(t, name, codec.F32, 1, shape=(n,))
                      for name, t in (("shows", req.shows), ("clicks", req.clicks)))
     return keys, grads, shows, clicks
-
-
-def _make_handler(core: PSServer, method: str):
-    def handler(request, context):
-        try:
-            return core.handle(method, request)
-        except ServerError as e:
-            context.abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL), str(e))
-    handler.__name__ = method
-    return handler
-
-
-def generic_handler(core: PSServer) -> grpc.GenericRpcHandler:
-    """The ``engine.ps.ParameterServer`` service of ``core`` with the zero-copy codec: requests are
-    parsed by ``codec.parse`` (a malformed one reaches ``handle`` and gets INVALID_ARGUMENT with its
-    context instead of gRPC's bare deserialization error), replies written by ``codec.serialize``.
-    The bytes are the protobuf encoding of ps.proto, so generated stubs interoperate."""
-    service = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-    return grpc.method_handlers_generic_handler(service, {
-        m: grpc.unary_unary_rpc_method_handler(_make_handler(core, m),
-                                               request_deserializer=codec.parser(codec.REQUEST[m]),
-                                               response_serializer=codec.serialize)
-        for m in METHODS})
-
-
-def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int = 8,
-          max_concurrent_rpcs: int = 0, security=None, interceptors=(),
-          dead_after_s: float = 30.0) -> tuple[grpc.Server, int]:
-    """Start a gRPC server for ``core`` on host:port (port 0: a free port). Returns (server, port).
-
-    ``security`` (``engine.security.credentials.ServerSecurity``, None: plaintext without tokens):
-    with TLS the port is a TLS port whose certificate is re-read when its files change; with tokens an
-    ``AuthInterceptor`` checks every call's bearer token before any handler runs (``ADMIN_METHODS``,
-    forced dense re-initialisations and dense state sets need the admin token). Requests over ``core.max_message_bytes`` are
-    refused by gRPC with RESOURCE_EXHAUSTED before they are parsed.
-
-    ``threads`` RPC threads serve the calls; at most half of them linger in barrier polls, so arrivals
-    and other requests always find one. ``max_concurrent_rpcs`` (``server.max_concurrent_rpcs``; 0 =
-    unlimited) bounds the calls accepted at once: gRPC answers the excess RESOURCE_EXHAUSTED, which
-    clients back off from and retry. ``interceptors`` run before the token check (the Prometheus
-    ``engine.observability.prometheus.RpcMetricsInterceptor``, which so counts refused calls too).
-    ``dead_after_s`` (seconds, ``client.dead_after_s``): the server accepts its clients' keepalive pings
-    and pings them too, closing a connection from a host that went silent after about that long
-    (``keepalive.server_keepalive_options``).
-
-    Raises
-    ------
-    RuntimeError
-        The address could not be bound.
-    """
-    budgeted = any(h.config.memory_bytes for h in core.sparse.values())
-    _malloc.tune(budgeted=budgeted)
-    if budgeted:
-        _malloc.start_trimming()
-    core.barriers.max_lingering = max(0, threads // 2)
-    interceptors = list(interceptors)
-    if security is not None and security.tokens is not None:
-        from ..security.interceptor import AuthInterceptor
-        core.auth = AuthInterceptor(security.tokens, ADMIN_METHODS, name=f"server {core.index}/{core.num_servers}",
-                                    admin_request={"Dense": lambda req: admin_reason("Dense", req)})
-        interceptors.append(core.auth)
-    server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix=f"ps{core.index}-rpc"),
-                         interceptors=interceptors,
-                         options=[("grpc.max_send_message_length", core.max_message_bytes),
-                                  ("grpc.max_receive_message_length", core.max_message_bytes),
-                                  ("grpc.so_reuseport", 0), *server_keepalive_options(dead_after_s)],
-                         maximum_concurrent_rpcs=max_concurrent_rpcs or None)
-    server.add_generic_rpc_handlers((generic_handler(core),))
-    creds = security.credentials() if security is not None else None
-    try:
-        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
-    except RuntimeError as e:
-        raise RuntimeError(f"server {core.index}: cannot bind {host}:{port}: {e}") from None
-    if bound == 0:
-        raise RuntimeError(f"server {core.index}: cannot bind {host}:{port}")
-    server.start()
-    log.info("server %d/%d listening on %s:%d (%s%s)", core.index, core.num_servers, host, bound,
-             "TLS" if creds is not None else "plaintext", ", tokens" if core.auth is not None else "")
-    return server, bound
-
