@@ -28,7 +28,8 @@ from .checkpoint.schedule import Schedule
 from .errors import ConfigError
 from .connect import connect
 
-__all__ = ["job_name", "manager_for", "job_manager", "resume", "final", "Periodic"]
+__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "recovery_target", "resume", "final",
+           "Periodic"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,48 @@ def newest(cfg) -> tuple[str, dict] | None:
     except CheckpointNotFoundError:
         return None
     return mgr.uri_of(name), mgr.manifest(name)
+
+
+def newest_name(cfg) -> str | None:
+    """The name (``YYYYMMDD/HHMM-kind[.N]``) of the job's newest complete checkpoint under
+    ``checkpoint.root``/``job``: "" when it has none, None when checkpoints are off. Taken when a job (or
+    a role-mode server) starts, it is the job's *floor*: names under a job root only grow
+    (``CheckpointManager`` names each checkpoint after the newest), so every checkpoint named above it
+    was written since, by this job (``recovery_target``)."""
+    if not cfg.checkpoint.enabled:
+        return None
+    ref = job_manager(cfg).latest()
+    return ref.name if ref is not None else ""
+
+
+def above_floor(name: str, floor: str | None) -> bool:
+    """Whether checkpoint ``name`` was written after the floor ``floor`` was taken (``newest_name``;
+    None: no floor is known, every checkpoint counts)."""
+    if not floor:
+        return True
+    a, b = parse_name(name), parse_name(floor)
+    return a is None or b is None or a > b
+
+
+def recovery_target(cfg, floor: str | None, origin: str | None = None) -> tuple[str, dict] | None:
+    """(URI, manifest) of the checkpoint a restarted job restores: the job's newest complete checkpoint
+    when it lies above ``floor`` (this job wrote it), else ``origin`` (the checkpoint the job started
+    from: its first ``--resume``, possibly under another root), else None (start again from the
+    beginning). Never a checkpoint the job did not write or start from: after ``--resume`` of an older
+    checkpoint (an operator's deliberate roll-back), the newer ones it rolled back from are left alone,
+    and a job started afresh beside an earlier run's checkpoints never restores them. An ``origin``
+    whose manifest cannot be read comes with an empty manifest (its restore names the damage)."""
+    found = newest(cfg)
+    if found is not None and above_floor(found[1]["name"], floor):
+        return found
+    if origin:
+        mgr, name = manager_for(cfg, origin)
+        try:
+            return origin, mgr.manifest(mgr.resolve(name))
+        except (CheckpointNotFoundError, OSError, ValueError) as e:   # the restore will name what is wrong
+            log.warning("the checkpoint this job started from, %s, cannot be read now: %s", origin, e)
+            return origin, {}
+    return None
 
 
 def _client(cfg, endpoints):

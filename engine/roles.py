@@ -173,8 +173,12 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
                     "would read as the budgeted tables' overhead; the budgets keep their fixed reserve",
                     rank, unbudgeted)
     core.load_roots.extend(allow_load or ())
+    from . import job_checkpoints
+    try:        # before the restore: a worker rolling the job back never picks a checkpoint from before it
+        core.checkpoint_floor = job_checkpoints.newest_name(cfg)
+    except Exception as e:  # noqa: BLE001 - storage unreachable: no floor (every checkpoint counts)
+        log.warning("server %d: cannot list the job's checkpoints (%s): a roll-back may pick any of them", rank, e)
     if resume is not None:
-        from . import job_checkpoints
         from .checkpoint import CheckpointNotFoundError
         mgr, target = job_checkpoints.manager_for(cfg, resume or None)
         try:
@@ -256,6 +260,28 @@ class NotAgreedError(RuntimeError):
     again. When nothing moved, ``LaunchError`` instead (exit 1, which a scheduler counts)."""
 
 
+def _rollback_target(cfg: EngineConfig, health: list[dict]) -> str | None:
+    """URI of the checkpoint rank 0 rolls the servers back to: the job's newest complete checkpoint
+    when it lies above the servers' lowest ``checkpoint_floor`` (written since the earliest of them
+    started: by this job), else the newest of the checkpoints they report having restored or been
+    fenced from (what the job started from); None when there is neither. So an operator's ``--resume``
+    of an older checkpoint is not undone by a roll-back to the newer ones it abandoned. Servers that do
+    not report a floor (older versions) let every checkpoint of the job count."""
+    from . import job_checkpoints
+    from .checkpoint import CheckpointRef, parse_name
+
+    def ref(name: str) -> CheckpointRef:          # "" (no checkpoint) and foreign names sort first
+        return parse_name("/".join(name.rstrip("/").split("/")[-2:])) or CheckpointRef("", "", -1, "")
+
+    floors = [h.get("checkpoint_floor") for h in health]
+    floor = None if any(f is None for f in floors) else min(floors, key=ref)
+    found = job_checkpoints.recovery_target(cfg, floor)
+    if found is not None:
+        return found[0]
+    reported = [u for h in health for u in (h.get("restored"), h.get("fenced_from")) if u]
+    return max(reported, key=ref, default=None)
+
+
 def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1) -> EngineConfig:
     """Role mode: agree with the servers on one state before training (the recovery rule without a
     launcher), and resume at its data position.
@@ -265,8 +291,7 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     Otherwise this worker restarted (a preemption, a crash: the servers are in use and hold what was
     trained since the last checkpoint) or some servers restarted while others kept training:
 
-    - rank 0 loads the newest checkpoint (the newest the servers report or the job's newest complete
-      one) onto every server, which rolls them all back to it (and clears what they held for the
+    - rank 0 loads the newest checkpoint of the job's own (``_rollback_target``) onto every server, which rolls them all back to it (and clears what they held for the
       replaced state: a preemption request, metric sums) and ends the running workers' attempt: their
       next request meets a new generation and they exit ``EXIT_ROLLBACK`` for their scheduler;
     - another rank fences the servers (``PSClient.fence``): the workers still running exit the same way,
@@ -288,7 +313,6 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
         They did not agree within it and nothing changed on them (worker 0 is not running).
     """
     from . import job_checkpoints
-    from .checkpoint import parse_name
 
     if cfg.checkpoint.restored:
         return cfg
@@ -296,15 +320,12 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     health = client.health()
     ok, uri = _agreed(health, name)
     if not ok and rank == 0:
-        reported = [u for h in health for u in (h.get("restored"), h.get("fenced_from")) if u]
-        newest = job_checkpoints.newest(cfg)
-        candidates = reported + ([newest[0]] if newest is not None else [])
-        if not candidates:
+        target = _rollback_target(cfg, health)
+        if target is None:
             raise ConfigError("the servers hold state this worker cannot continue exactly (workers restarted "
                               "while the servers kept what was trained since, or some servers restarted "
                               "empty) and the job has no complete checkpoint to roll them back to: "
                               "restart the whole job")
-        target = max(candidates, key=lambda u: parse_name("/".join(u.rstrip("/").split("/")[-2:])))
         log.warning("the servers hold different states %s, or this worker's earlier self wrote since: rolling "
                     "every server back to %s",
                     [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health], target)

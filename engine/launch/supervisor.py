@@ -1,14 +1,16 @@
-"""The recovery rule: one job, run until it finishes, restarted whole from its newest complete checkpoint
-when any role dies or hangs.
+"""The recovery rule: one job, run until it finishes, restarted whole from the newest complete checkpoint
+of its own when any role dies or hangs.
 
 ``run_job`` is what ``engine train CONFIG`` runs. One attempt starts the servers, restores a checkpoint
 when there is one to resume from, starts the workers, and waits for them (``engine.launch.local``; a
 death or a hang is a ``LaunchError`` naming the role and rank). When an attempt fails, every process
-of it is stopped and the next attempt restores the newest complete checkpoint of the job
+of it is stopped and the next attempt restores the newest complete checkpoint the job wrote
 (``checkpoint.root``/``checkpoint.job``; a damaged one falls back to the previous complete one, naming
 what it skipped), so servers restore their vshards (onto any server count) and workers resume at the
-data position that checkpoint records. With no checkpoint yet, the job starts again from the
-beginning. After ``cluster.max_restarts`` restarts within ``cluster.restart_window_s`` seconds the
+data position that checkpoint records. With none written yet, it restores what the first attempt
+resumed from (``--resume``), else starts again from the beginning: never a checkpoint of the job root
+that predates the job (``job_checkpoints.recovery_target``), so a deliberate ``--resume`` of an older
+checkpoint is not undone by a crash, and a job started afresh never restores an earlier run's model. After ``cluster.max_restarts`` restarts within ``cluster.restart_window_s`` seconds the
 next failure ends the job with every failure listed (role, rank, exit, last log lines).
 
 The final JSON line gains ``restarts`` and ``examples_replayed``: the examples trained by failed
@@ -18,8 +20,8 @@ aligned checkpoint position (``"epoch:batch"``, online ``"partition:NAME"``); th
 a worker are its count at the failure minus its mark at the resumed checkpoint's position (all of
 them when there is no such mark: the attempt's whole work was lost).
 
-Only *who* restarts is local here: *what* state a restart resumes from is the newest complete
-checkpoint, the same for any launcher (``engine/launch/`` holds one per scheduler over this rule).
+Only *who* restarts is local here: *what* state a restart resumes from is
+``job_checkpoints.recovery_target``, the same for any launcher (``engine/launch/`` holds one per scheduler over this rule).
 """
 from __future__ import annotations
 
@@ -98,6 +100,11 @@ class Supervisor:
                  resume_fallback: bool = False):
         self.cfg, self.program, self.run_dir = cfg, program, run_dir
         self.resume, self.fallback = resume, resume_fallback
+        self.requested = resume
+        # the recovery rule's lineage: checkpoints named above the floor were written by this job; the
+        # origin is what its first attempt restored ("" nothing, None: its restore has not completed)
+        self.floor = ckpt_job.newest_name(cfg)
+        self.origin: str | None = None
         # the job root of an explicit --resume URI (its chain's base and deltas lie below it)
         self.first_resume = ckpt_job.manager_for(cfg, resume)[0].uri if resume else ""
         self.failures: list[Failure] = []
@@ -157,8 +164,8 @@ class Supervisor:
 
     def _stopped_preempted(self) -> None:
         self.preempted = True
-        newest = ckpt_job.newest(self.cfg)
-        self.checkpoint = newest[0] if newest else None
+        target = ckpt_job.recovery_target(self.cfg, self.floor, self.origin)
+        self.checkpoint = target[0] if target else None
 
     def _failed(self, attempt: int, e: LaunchError, cluster: LocalCluster) -> None:
         f = Failure(attempt, e.role, e.rank, e.exit_code, e.reason, e.log_tail, time.monotonic())
@@ -174,15 +181,21 @@ class Supervisor:
                               + "\n".join(x.describe() for x in self.failures),
                               role=e.role, rank=e.rank, exit_code=e.exit_code, reason=e.reason,
                               log_tail=e.log_tail) from None
-        newest = ckpt_job.newest(self.cfg)
-        lost = lost_examples(cluster.worker_reports(), position_key(newest[1]) if newest else None)
+        target = ckpt_job.recovery_target(self.cfg, self.floor, self.origin)
+        lost = lost_examples(cluster.worker_reports(), position_key(target[1]) if target else None)
         self.examples_replayed += lost
         self.restarts += 1
-        self.resume = "" if newest else None
+        if target is not None:
+            self.resume = target[0]
+        elif self.origin is None:         # the first restore did not complete: the same request again
+            self.resume = self.requested
+        else:
+            self.resume = None
         self.fallback = True
         log.warning("%s failed (%s); restart %d/%d from %s (%d examples to train again)",
                     f"{e.role} {e.rank}" if e.role else "the job", e.reason, self.restarts, c.max_restarts,
-                    newest[0] if newest else "the beginning (no checkpoint yet)", lost)
+                    target[0] if target else ("the beginning (no checkpoint yet)" if self.resume is None
+                                              else f"--resume {self.resume or '(the newest)'} again"), lost)
 
     def _attempt(self, cluster: LocalCluster) -> list[dict]:
         cfg, program = self.cfg, self.program
@@ -196,6 +209,8 @@ class Supervisor:
                 state["cfg"] = cluster.supervised("restore", lambda: ckpt_job.resume(
                     cfg, cluster.endpoints, self.resume or None, fallback=self.fallback))
                 cluster.write_config(state["cfg"])
+            if self.origin is None:
+                self.origin = state["cfg"].checkpoint.restored or ""
             if state["cfg"].checkpoint.enabled and not own_checkpoints:
                 state["periodic"] = ckpt_job.Periodic(state["cfg"], cluster.endpoints)
             cluster.start_workers()

@@ -169,6 +169,9 @@ class PSServer:
         self.writers: set[str] = set()
         self.fenced: str | None = None           # why the last Fence ended the attempt (Health)
         self.fenced_from: str | None = None      # what ``restored`` said when it came (Health)
+        # the job root's newest checkpoint when this server started ("" none; None unknown), set by
+        # ``roles.run_server``: the ones named above it were written since, by this job (Health)
+        self.checkpoint_floor: str | None = None
         self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
         self.window = ReplyWindow(reply_window_bytes)
         self.max_message_bytes = int(max_message_bytes)
@@ -664,7 +667,7 @@ class PSServer:
         out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
                "restoring": self.restoring,
                "generation": self.generation, "fresh": self.fresh, "writers": sorted(self.writers),
-               "fenced": self.fenced, "fenced_from": self.fenced_from,
+               "fenced": self.fenced, "fenced_from": self.fenced_from, "checkpoint_floor": self.checkpoint_floor,
                "server": self.index, "num_servers": self.num_servers,
                "num_vshards": self.num_vshards, "max_message_bytes": self.max_message_bytes,
                "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},

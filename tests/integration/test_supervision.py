@@ -198,6 +198,37 @@ def test_a_server_that_hangs_or_dies_inside_the_restore_is_a_failure_like_any_ot
     assert not leftovers(tmp_path)
 
 
+def test_a_restart_after_resume_of_an_older_checkpoint_restores_that_one_not_the_newer(tmp_path):
+    """An operator rolls the job back (``--resume`` of an older checkpoint than the job's newest); a
+    worker dies before the job writes a checkpoint of its own. The restart restores the checkpoint the
+    job started from: before, it restored the job root's newest, the very state the operator had rolled
+    back from, and trained on from it (``job_checkpoints.recovery_target``)."""
+    root = tmp_path / "ckpt"
+    sets = ["--set", f"checkpoint.root={root}"]
+    for i, extra in enumerate((["--set", "model.epochs=1"], ["--set", "model.epochs=2", "--resume"])):
+        first = engine(*sets, *extra, run_dir=tmp_path / f"before-{i}", env=dict(os.environ))   # unpaced
+        out, err = finish(first, 120)
+        assert first.returncode == 0, err[-3000:]
+    old, abandoned = [str(p.parent) for p in sorted(root.glob("*/*/*/_SUCCESS"))]     # steps 46 and 92
+    run = tmp_path / "run"
+    proc = engine(*sets, "--set", "model.epochs=3", "--resume", old, run_dir=run)
+    try:
+        wait_steps(run / "worker-1.progress.json", 66)
+        os.kill(role_pid(run, "worker", 1), signal.SIGKILL)
+        out, err = finish(proc, 180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"restart 1/3 from {old} " in err, err[-3000:]
+    assert err.count(f"resumed from {old} ") == 2 and f"resumed from {abandoned}" not in err, err[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["restarts"] == 1
+    manifest = json.loads((Path(final["checkpoint"]) / "manifest.json").read_text())
+    assert manifest["parent"] == old.split("/logreg/", 1)[1]       # the job's chain goes on from the old one
+    assert not leftovers(run)
+
+
 def test_a_failed_attempt_does_not_wait_for_a_scheduled_save_stuck_on_a_frozen_server(tmp_path):
     """The launcher's wall-clock checkpoint thread (job_checkpoints.Periodic, for programs that do not
     write their own) may be inside a save when the attempt fails, stuck on the frozen server that failed

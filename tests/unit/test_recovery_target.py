@@ -1,0 +1,80 @@
+"""What a restart restores (``job_checkpoints.recovery_target``, the role-mode ``roles._rollback_target``):
+the newest checkpoint the job wrote, else the one it started from, else nothing; never a checkpoint of
+the job root that predates the job. Real checkpoints written through in-process servers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from engine import job_checkpoints
+from engine.config import load_config
+from engine.ps import InProcessTransport, PSClient, PSServer
+from engine.roles import _rollback_target
+from sparse_tables import TableConfig
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "logreg_demo.yaml"
+
+
+def checkpoints(tmp_path: Path, job: str, n: int) -> list[str]:
+    """``n`` complete checkpoints (a base, then deltas) of ``job`` under ``tmp_path/ckpt``; their URIs."""
+    server = PSServer({"weights": TableConfig(dim=1)}, index=0, num_servers=1, num_vshards=16)
+    client = PSClient(InProcessTransport([server]))
+    client.push("weights", np.arange(1, 9, dtype=np.uint64), np.ones((8, 1), np.float32))
+    cfg = load_config(DEMO, [f"checkpoint.root={tmp_path / 'ckpt'}", f"checkpoint.job={job}"])
+    mgr = job_checkpoints.job_manager(cfg)
+    uris = []
+    for i in range(n):
+        m = mgr.save(client, "base" if i == 0 else "delta", when=3600.0 * (len(mgr.list()) + 1), step=i)
+        uris.append(mgr.uri_of(m["name"]))
+    server.close()
+    return uris
+
+
+def cfg_of(tmp_path: Path, job: str = "logreg"):
+    return load_config(DEMO, [f"checkpoint.root={tmp_path / 'ckpt'}", f"checkpoint.job={job}"])
+
+
+def test_a_restart_restores_what_the_job_wrote_else_what_it_started_from(tmp_path):
+    old, abandoned = checkpoints(tmp_path, "logreg", 2)
+    cfg = cfg_of(tmp_path)
+    floor = job_checkpoints.newest_name(cfg)             # the job starts: --resume of the older one
+    assert floor == abandoned.split("/logreg/", 1)[1]
+    # nothing written yet: the checkpoint it started from, not the newer one the operator rolled back from
+    assert job_checkpoints.recovery_target(cfg, floor, old)[0] == old
+    assert job_checkpoints.recovery_target(cfg, floor, old)[1]["step"] == 0
+    # without a floor (the rule before this one) the abandoned checkpoint came back
+    assert job_checkpoints.recovery_target(cfg, None, old)[0] == abandoned
+    # started afresh beside an earlier run's checkpoints: the beginning, never the earlier run's model
+    assert job_checkpoints.recovery_target(cfg, floor, "") is None
+    # once the job wrote one, that one
+    (written,) = checkpoints(tmp_path, "logreg", 1)
+    assert job_checkpoints.recovery_target(cfg, floor, old)[0] == written
+    assert job_checkpoints.recovery_target(cfg, floor, "")[0] == written
+
+
+def test_the_origin_may_lie_under_another_root_and_an_empty_root_has_floor_empty(tmp_path):
+    (warm,) = checkpoints(tmp_path, "other", 1)          # a warm start from another job's checkpoint
+    cfg = cfg_of(tmp_path)
+    assert job_checkpoints.newest_name(cfg) == ""
+    assert job_checkpoints.recovery_target(cfg, "", warm)[0] == warm
+    assert job_checkpoints.newest_name(load_config(DEMO, [])) is None      # checkpoints off
+
+
+def test_role_mode_rolls_back_above_the_lowest_floor_else_to_what_the_servers_restored(tmp_path):
+    old, abandoned = checkpoints(tmp_path, "logreg", 2)
+    cfg = cfg_of(tmp_path)
+    floor = job_checkpoints.newest_name(cfg)
+    health = [{"restored": None, "fenced_from": old, "checkpoint_floor": floor},
+              {"restored": old, "fenced_from": None, "checkpoint_floor": floor}]
+    assert _rollback_target(cfg, health) == old
+    # servers of an older version report no floor: every checkpoint of the job counts (the old rule)
+    assert _rollback_target(cfg, [{**h, "checkpoint_floor": None} for h in health]) == abandoned
+    (written,) = checkpoints(tmp_path, "logreg", 1)
+    # a server restarted after the job wrote a checkpoint has a higher floor: the lowest one decides
+    later = job_checkpoints.newest_name(cfg)
+    assert _rollback_target(cfg, [health[0], {**health[1], "checkpoint_floor": later}]) == written
+    assert _rollback_target(cfg, [{**h, "checkpoint_floor": later} for h in health]) == old
+    # servers that started on an empty root, fresh, with nothing written: nothing to roll back to
+    fresh = tmp_path / "fresh"
+    assert _rollback_target(cfg_of(fresh), [{"restored": None, "checkpoint_floor": ""}]) is None
