@@ -53,6 +53,9 @@ def server_keepalive_options(dead_after_s: float) -> list[tuple[str, int]]:
     "too_many_pings" and drop the calls in flight), and ping the clients the same way, so a connection
     from a worker host that went silent is closed after about ``dead_after_s`` instead of held open for the
     kernel's TCP timeout (about 15 minutes) or, idle, for ever."""
+    # gRPC core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; an unknown name is ignored
+    # without a word (the thirty-first session's "min_recv_ping_interval_without_data_ms" was, and idle
+    # clients were sent GOAWAY after two pings: tests/unit/test_keepalive.py)
     return keepalive_options(dead_after_s) + [
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", int(1000 * MIN_KEEPALIVE_S / 2))]
+        ("grpc.http2.min_ping_interval_without_data_ms", int(1000 * MIN_KEEPALIVE_S / 2))]
 
