@@ -291,7 +291,8 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     Otherwise this worker restarted (a preemption, a crash: the servers are in use and hold what was
     trained since the last checkpoint) or some servers restarted while others kept training:
 
-    - rank 0 loads the newest checkpoint of the job's own (``_rollback_target``) onto every server, which rolls them all back to it (and clears what they held for the
+    - rank 0 loads the newest checkpoint of the job's own (``_rollback_target``) onto every server (with
+      none, it empties them: ``PSClient.fence(clear=True)``, and the job starts again from its beginning), which rolls them all back to it (and clears what they held for the
       replaced state: a preemption request, metric sums) and ends the running workers' attempt: their
       next request meets a new generation and they exit ``EXIT_ROLLBACK`` for their scheduler;
     - another rank fences the servers (``PSClient.fence``): the workers still running exit the same way,
@@ -305,8 +306,6 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
 
     Raises
     ------
-    ConfigError
-        The servers disagree and there is no checkpoint to roll them back to.
     NotAgreedError
         They did not agree within ``cluster.startup_timeout_s``, but moved meanwhile.
     LaunchError
@@ -321,16 +320,20 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     ok, uri = _agreed(health, name)
     if not ok and rank == 0:
         target = _rollback_target(cfg, health)
+        states = [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health]
         if target is None:
-            raise ConfigError("the servers hold state this worker cannot continue exactly (workers restarted "
-                              "while the servers kept what was trained since, or some servers restarted "
-                              "empty) and the job has no complete checkpoint to roll them back to: "
-                              "restart the whole job")
-        log.warning("the servers hold different states %s, or this worker's earlier self wrote since: rolling "
-                    "every server back to %s",
-                    [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health], target)
-        mgr, ckpt = job_checkpoints.manager_for(cfg, target)
-        mgr.restore(client, ckpt, fallback=cfg.checkpoint.fallback)
+            # no checkpoint of the job's own, and it started from none: back to its beginning, as the
+            # launcher restarts such a job with fresh servers (before: exit 2, and the job was lost)
+            cleared = client.fence([int(h.get("generation", 0)) for h in health],
+                                   "worker 0 rolls the job back to its beginning (no checkpoint yet)", clear=True)
+            log.warning("the servers hold different states %s, or this worker's earlier self wrote since, and "
+                        "the job has no checkpoint of its own yet: emptied %d of %d server(s); the job starts "
+                        "again from its beginning", states, sum(cleared), len(cleared))
+        else:
+            log.warning("the servers hold different states %s, or this worker's earlier self wrote since: "
+                        "rolling every server back to %s", states, target)
+            mgr, ckpt = job_checkpoints.manager_for(cfg, target)
+            mgr.restore(client, ckpt, fallback=cfg.checkpoint.fallback)
     elif not ok:
         fenced = client.fence([int(h.get("generation", 0)) for h in health],
                               f"worker {rank} restarted while the servers hold what was trained since "

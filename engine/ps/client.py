@@ -665,13 +665,14 @@ class PSClient(DenseClient):
             [(s, "Health", pb.Empty(request_id=f"{rid}.{s}")) for s in range(self.num_servers)],
             idempotent=True)]
 
-    def fence(self, generations: list[int], reason: str) -> list[bool]:
+    def fence(self, generations: list[int], reason: str, *, clear: bool = False) -> list[bool]:
         """End the attempt the servers serve, without changing their tables: each server whose generation
         is still ``generations[s]`` (as read from ``health``) moves to a new one, so the running workers'
         requests are refused (``GenerationChangedError``) and they exit to be restarted, and drops what it
         held for that attempt (``ps.proto``: FenceRequest). ``reason`` is shown in each server's log and
-        ``Health`` (``fenced``). Returns, per server, whether this call fenced it (False: it had moved on
-        already: a load or another fence).
+        ``Health`` (``fenced``). ``clear`` (admin token): every table is emptied too and the servers are
+        fresh again, the roll-back of a job with no checkpoint to its beginning. Returns, per server,
+        whether this call fenced it (False: it had moved on already: a load or another fence).
 
         Raises
         ------
@@ -683,7 +684,8 @@ class PSClient(DenseClient):
         for s, g in enumerate(generations):
             try:
                 # it waits for the tables to itself, as a Load does: behind a Save of a big table
-                self._call(s, "Fence", pb.FenceRequest(request_id=f"{rid}.{s}", generation=int(g), reason=reason),
+                self._call(s, "Fence", pb.FenceRequest(request_id=f"{rid}.{s}", generation=int(g), reason=reason,
+                                                       clear=clear),
                            idempotent=False, timeout=max(3600.0, self.timeout_s))
                 out.append(True)
             except GenerationChangedError:

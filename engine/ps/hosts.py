@@ -367,6 +367,18 @@ class SparseHost:
         for sh in old:
             sh.close()
 
+    def clear(self) -> None:
+        """Drop every row: empty shards (same configs, budget and spill directory slots) replace the
+        live ones, which are closed (their spill directories removed). For a roll-back to a job's
+        beginning (``PSServer`` Fence with ``clear``); the caller holds the tables exclusively.
+
+        Raises
+        ------
+        TableConfigError
+            A spill directory cannot be claimed (``SpillDirError``, naming it); the live rows stay.
+        """
+        self.adopt(self._new_shards(1 - self._slot, 0, self.budget))
+
     def discard(self, shards: list[SparseTable]) -> None:
         """Close shards from ``fresh_shards`` that will not be used (their spill directories go); the
         live shards keep rows in RAM again (``SparseTable.restore_ram``)."""
@@ -460,6 +472,13 @@ class DenseHost:
                         self.blocks[bl] = _Block(self.block_length(bl), self.config)
             elif size != self.size:
                 raise invalid(f"init with size {size}, but the table was initialized with size {self.size}")
+
+    def clear(self) -> None:
+        """Forget the table: not initialized again until the next ``init`` (a roll-back to a job's
+        beginning)."""
+        with self._lock:
+            self.size = None
+            self.blocks = {}
 
     def init(self, block: int, size: int, values: np.ndarray, force: bool) -> bool:
         self._sized(size)

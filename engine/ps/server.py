@@ -76,7 +76,11 @@ def admin_reason(method: str, req) -> str | None:
     """Why a request of a method outside ``ADMIN_METHODS`` still needs the admin token, or None: the one
     rule both sides use (the server's ``AuthInterceptor`` refuses it with the worker token, the client's
     transport sends the admin token with it). ``req``: the message (a ``codec.Wire``'s or a parsed one)."""
-    if method != "Dense" or getattr(req, "error", None) is not None:
+    if getattr(req, "error", None) is not None:
+        return None
+    if method == "Fence":
+        return "Fence: emptying every table (clear)" if req.clear else None
+    if method != "Dense":
         return None
     if req.op == pb.DENSE_INIT and req.force:
         return f"Dense: a forced re-initialisation of table {req.table!r}"
@@ -288,9 +292,18 @@ class PSServer:
             with self._tables_lock.exclusive():
                 self._check_generation(method, request)     # a Load or a fence since: refused
                 self.fenced = request.reason or request.request_id
-                log.warning("server %d: fenced by %s: generation %d ends", self.index, self.fenced, self.generation)
+                log.warning("server %d: fenced by %s: generation %d ends%s", self.index, self.fenced,
+                            self.generation, "; every table emptied" if request.clear else "")
                 # the tables hold the restored checkpoint plus the ended attempt's writes: no longer it
                 self.fenced_from, self.restored = self.restored, None
+                if request.clear:       # back to the job's beginning: a fresh server's state
+                    for h in self.sparse.values():
+                        h.clear()
+                    for h in self.dense.values():
+                        h.clear()
+                    self.window.clear()
+                    self.fenced_from, self.restoring, self.fresh = None, None, True
+                    self.writers.clear()
                 self._new_generation()
             return self.Health(request)
         if method not in _ON_TABLES:

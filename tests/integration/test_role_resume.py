@@ -183,7 +183,7 @@ class Scheduler:
         self.thread.join(30)
 
 
-@pytest.mark.parametrize("servers", ["fresh", "restored"])
+@pytest.mark.parametrize("servers", ["fresh", "restored", "no-checkpoint"])
 def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_counting_every_example_once(tmp_path,
                                                                                                     servers):
     """A scheduler replaces one crashed worker while the other trains on (Kubernetes replaces a failed
@@ -195,7 +195,9 @@ def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_count
     replacement waited cluster.startup_timeout_s and exited 2 (a config error, which fails a Kubernetes
     Job at once) while worker 0 waited at its next checkpoint meeting for client.barrier_timeout_s.
     With servers that restored a checkpoint at their start (``--resume``), the replacement found them
-    agreed on it and trained again what its former self had trained since."""
+    agreed on it and trained again what its former self had trained since. With no checkpoint written
+    yet (``no-checkpoint``), rank 0 empties the servers (``Fence`` with ``clear``) and the job starts
+    again from its beginning; before, rank 0 exited 2 (a config error) and the job was lost."""
     from engine.roles import EXIT_ROLLBACK
     sets = ("mode=async", "cluster.workers=2", "model.blas_threads=1")
     run(args(tmp_path, "full", *sets))          # the config, its data converted to Arrow, as role mode needs
@@ -205,19 +207,30 @@ def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_count
         mid = next(m for m in (full.manifest(r.name) for r in full.list())
                    if m["sources"]["train"]["epoch"] == 0 and m["sources"]["train"]["batch"] == 8)
         resume = ("--resume", full.uri_of(mid["name"]))
+    # no-checkpoint: none falls due before the job's final one
+    never = ("--set", "checkpoint.delta_every=100000steps") if servers == "no-checkpoint" else ()
     ports = free_ports(2)
     # 0.1 s a step: the kill below lands with most of the training still ahead (a resumed job has 30 steps)
     env = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1"}
-    procs = [subprocess.Popen(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), *resume), cwd=REPO,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs = [subprocess.Popen(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), *resume, *never),
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
              for r in range(2)]
     result = tmp_path / "role-result.json"
-    workers = [Scheduler(role_cmd(tmp_path, "role", "worker", r, *(("--result-file", str(result)) if r == 0 else ())),
-                         env, str(tmp_path / f"worker-{r}.log")) for r in range(2)]
+    workers = [Scheduler(role_cmd(tmp_path, "role", "worker", r, *(("--result-file", str(result)) if r == 0 else ()),
+                                  *never), env, str(tmp_path / f"worker-{r}.log")) for r in range(2)]
     try:
         mgr = CheckpointManager(str(tmp_path / "ckpt-role"), "ctr_dnn")
-        until(lambda: len(mgr.list()) >= 1 or any(w.codes for w in workers), "a checkpoint", timeout_s=180,
-              every_s=0.05)
+        if never:
+            from engine.ps import PSClient
+            with PSClient([f"127.0.0.1:{p}" for p in ports], name="probe") as probe:
+                probe.wait_ready(120)
+                until(lambda: {"worker0", "worker1"} <= set(probe.health()[0]["writers"])
+                      or any(w.codes for w in workers), "both workers writing", timeout_s=180, every_s=0.05)
+            assert mgr.list() == []
+        else:
+            until(lambda: len(mgr.list()) >= 1 or any(w.codes for w in workers), "a checkpoint", timeout_s=180,
+                  every_s=0.05)
         assert not any(w.codes for w in workers), [w.codes for w in workers]
         os.killpg(workers[1].proc.pid, signal.SIGKILL)
         for w in workers:
@@ -233,7 +246,9 @@ def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_count
             p.wait(10)
     log0, log1 = (tmp_path / "worker-0.log").read_text(), (tmp_path / "worker-1.log").read_text()
     assert "fenced 2 of 2 server(s)" in log1, log1[-3000:]
-    assert "generation mismatch" in log0 and "rolling every server back to" in log0, log0[-3000:]
+    assert "generation mismatch" in log0, log0[-3000:]
+    assert ("the job starts again from its beginning" if never else "rolling every server back to") in log0, \
+        log0[-3000:]
     sparse, _ = _state(json.loads(result.read_text())["checkpoint"])
     train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
     # 3 epochs, 26 keys per example, one show each: more would be an example counted twice, less a lost one

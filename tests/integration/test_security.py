@@ -106,12 +106,16 @@ def test_tokens_and_the_admin_token(secured, monkeypatch):
             c.init_dense("d", np.ones(10, np.float32), force=True)
         assert c.init_dense("d", np.ones(10, np.float32)) is False     # already set; not forced: allowed
         np.testing.assert_array_equal(c.pull_dense("d"), np.zeros(10, np.float32))
+        generation = c.health()[0]["generation"]
+        with pytest.raises(AccessDeniedError, match="emptying every table .clear. needs the admin token"):
+            c.fence([generation], "a worker may not empty the tables", clear=True)
+        assert c.health()[0]["generation"] == generation                 # refused before the handler
     with client(ep, sec, admin=True) as c:                           # the coordinator may
         assert c.init_dense("d", np.ones(10, np.float32), force=True)
     t.close()
     assert not core.stopped.is_set()
     np.testing.assert_array_equal(rows(ep, sec), before)
-    assert core.auth.denied["UNAUTHENTICATED"] >= 2 and core.auth.denied["PERMISSION_DENIED"] >= 5
+    assert core.auth.denied["UNAUTHENTICATED"] >= 2 and core.auth.denied["PERMISSION_DENIED"] >= 6
 
 
 def test_tls_refuses_plaintext_and_other_cas(secured, tmp_path):

@@ -262,6 +262,37 @@ def test_a_fence_ends_the_attempt_without_touching_the_tables_and_a_stale_one_is
     core.close()
 
 
+def test_a_clearing_fence_empties_every_table_and_the_servers_are_fresh_again(tmp_path):
+    """``Fence`` with ``clear`` (rank 0 rolling back a job that has no checkpoint, to its beginning):
+    rows in RAM and spilled to RocksDB are gone, the dense table is not initialized any more, the server
+    is ``fresh`` with no writers (as at its start), and the running clients' requests are refused."""
+    from engine.errors import GenerationChangedError
+    spilled = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros", memory_rows=8,
+                          spill_path=str(tmp_path / "spill"))
+    core = PSServer({"emb": spilled}, {"d": DenseTableConfig(optimizer="sgd", learning_rate=1.0)}, local_shards=1)
+    keys = np.arange(1, 101, dtype=np.uint64)
+    with PSClient(InProcessTransport([core]), name="worker0") as running, \
+            PSClient(InProcessTransport([core]), name="worker0") as rank0:
+        running.init_dense("d", np.ones(10, np.float32))
+        running.push("emb", keys, np.ones((100, DIM), np.float32))
+        assert core.sparse["emb"].shards[0].stats()["rows_spilled"] > 0
+        seen = rank0.health()[0]
+        assert seen["fresh"] is False and seen["writers"] == ["worker0"]
+        assert rank0.fence([seen["generation"]], "back to the beginning", clear=True) == [True]
+        health = rank0.health()[0]
+        assert health["fresh"] is True and health["writers"] == [] and health["restored"] is None
+        assert health["fenced"] == "back to the beginning" and health["fenced_from"] is None
+        with pytest.raises(GenerationChangedError):
+            running.push("emb", keys, np.ones((100, DIM), np.float32))
+        assert sum(sh.stats()["rows"] for sh in core.sparse["emb"].shards) == 0
+        with PSClient(InProcessTransport([core])) as fresh:
+            np.testing.assert_array_equal(fresh.pull("emb", keys), np.zeros((100, DIM), np.float32))
+            with pytest.raises(RemoteError, match="not initialized"):
+                fresh.pull_dense("d")
+            assert fresh.init_dense("d", np.full(10, 2.0, np.float32)) is True      # a new job's init
+    core.close()
+
+
 def test_writers_are_the_clients_that_wrote_since_the_last_load_and_a_chain_is_restored_at_its_end(tmp_path):
     """``Health``: ``writers`` names the clients that wrote since the server started or loaded (a
     worker that finds its own name there was restarted); during a restore of a base and its deltas the
