@@ -237,17 +237,21 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
 
 def _agreed(health: list[dict], name: str) -> tuple[bool, str | None]:
     """(the servers hold one state that the starting worker ``name`` (``worker{rank}``) can train from,
-    the checkpoint it was restored from or None): all restored the same checkpoint and no earlier
-    incarnation of this worker wrote since (``writers``), or none restored one and all are fresh (a new
-    job). A worker whose name is among the writers was restarted: the servers hold what it trained
-    since, which it would train again. Servers in use that restored nothing hold what workers trained
-    since the last checkpoint, which a starting (so restarted) worker cannot continue exactly either.
-    Either way: not agreed, roll back."""
+    the checkpoint it was restored from or None): all restored the same checkpoint, or none restored
+    one and all are fresh (a new job); and no earlier incarnation of this worker wrote since
+    (``writers``) or sent a data request in the servers' present generation (``clients``).
+
+    A worker whose name is among the writers was restarted: the servers hold what it trained since,
+    which it would train again. One among the clients was restarted within the running attempt: the
+    others may be past the start's barriers, or a barrier counted its dead self's arrival, so it
+    cannot join. Servers in use that restored nothing hold what workers trained since the last
+    checkpoint, which a starting (so restarted) worker cannot continue exactly either. Either way: not
+    agreed, roll back (or fence)."""
     restored = {h.get("restored") for h in health}
     fresh = {bool(h.get("fresh")) for h in health}
+    if any(name in h.get("writers", ()) or name in h.get("clients", ()) for h in health):
+        return False, None
     if len(restored) == 1 and restored != {None}:
-        if any(name in h.get("writers", ()) for h in health):
-            return False, None
         return True, restored.pop()
     if restored == {None} and fresh == {True}:
         return True, None

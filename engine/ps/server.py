@@ -59,6 +59,8 @@ METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink",
 MUTATING = frozenset({"Push", "Dense", "Step", "Save", "Load", "Shrink", "Metric"})
 #: data requests that carry the generation their sender expects (see ps.proto: Generations)
 GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric", "Save", "Fence"})
+#: requests that make their sender a client of this generation (``clients`` in Health)
+_JOINS = GENERATION_CHECKED - {"Fence"}
 #: requests that change a table (a server that applied one is no longer ``fresh``)
 _WRITES = frozenset({"Push", "Dense", "Step"})
 #: methods that read or change the tables (they never overlap a Load)
@@ -171,6 +173,10 @@ class PSServer:
         # clients that wrote since this server started or last loaded (their request ids' names: a
         # worker's is ``worker{rank}``): a worker that finds its own name here is a restarted one (Health)
         self.writers: set[str] = set()
+        # clients whose data requests this generation accepted (names, as ``writers``): a starting worker
+        # that finds its own name here was restarted within the attempt, which cannot take it back (the
+        # others may be past the start's barriers, or counted its dead self's arrival at one) (Health)
+        self.clients: set[str] = set()
         self.fenced: str | None = None           # why the last Fence ended the attempt (Health)
         self.fenced_from: str | None = None      # what ``restored`` said when it came (Health)
         # the job root's newest checkpoint when this server started ("" none; None unknown), set by
@@ -225,7 +231,12 @@ class PSServer:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
             if getattr(request, "error", None) is not None:     # codec.Received that did not parse
                 raise request.error
+            generation = self.generation
             self._check_generation(method, request)    # again under the tables lock (_run)
+            if method in _JOINS and self.generation == generation:
+                name = rid.split("@", 1)[0]
+                if name not in self.clients:
+                    self.clients.add(name)
             if _mutating(method, request):
                 reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted),
                                         replay=lambda: self._reread(method, request))
@@ -333,6 +344,7 @@ class PSServer:
     def _new_generation(self) -> None:
         """Move to a new generation (after a Load or a Fence) and drop what was held for the old one."""
         self.generation = max(time.time_ns(), self.generation + 1)
+        self.clients = set()
         self._drop_transient()
 
     def _drop_transient(self) -> None:
@@ -680,6 +692,7 @@ class PSServer:
         out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
                "restoring": self.restoring,
                "generation": self.generation, "fresh": self.fresh, "writers": sorted(self.writers),
+               "clients": sorted(self.clients),
                "fenced": self.fenced, "fenced_from": self.fenced_from, "checkpoint_floor": self.checkpoint_floor,
                "server": self.index, "num_servers": self.num_servers,
                "num_vshards": self.num_vshards, "max_message_bytes": self.max_message_bytes,

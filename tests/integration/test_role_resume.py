@@ -253,3 +253,46 @@ def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_count
     train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
     # 3 epochs, 26 keys per example, one show each: more would be an example counted twice, less a lost one
     assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS
+
+
+def test_a_worker_restarted_while_it_waits_at_the_start_barrier_does_not_leave_its_dead_self_counted(tmp_path):
+    """A fresh role-mode job: worker 1 starts first and waits at the start barrier for worker 0; it is
+    killed there and its scheduler restarts it. Before, the restarted worker found the servers fresh
+    and agreed, and the barrier counted its dead self's arrival (withdrawn only after 30 s unpolled): it
+    opened for one of the two live workers and the other waited alone until its timeout, then failed
+    over and over. Now the restarted worker finds its name among the servers' ``clients`` (a data
+    request in the present generation) and fences them, and the job trains every example once."""
+    sets = ("mode=async", "cluster.workers=2", "model.blas_threads=1")
+    run(args(tmp_path, "full", *sets))
+    ports = free_ports(2)
+    env = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.02"}
+    procs = [subprocess.Popen(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r])), cwd=REPO, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for r in range(2)]
+    result = tmp_path / "role-result.json"
+    workers = [Scheduler(role_cmd(tmp_path, "role", "worker", 1), env, str(tmp_path / "worker-1.log"))]
+    try:
+        from engine.ps import PSClient
+        with PSClient([f"127.0.0.1:{p}" for p in ports], name="probe") as probe:
+            probe.wait_ready(120)
+            until(lambda: probe.stats()[0]["requests"]["Barrier"] >= 1 or workers[0].codes,
+                  "worker 1 at the start barrier", timeout_s=120, every_s=0.05)
+        assert not workers[0].codes, workers[0].codes
+        os.killpg(workers[0].proc.pid, signal.SIGKILL)      # its scheduler starts it again at once
+        workers.insert(0, Scheduler(role_cmd(tmp_path, "role", "worker", 0, "--result-file", str(result)), env,
+                                    str(tmp_path / "worker-0.log")))
+        for w in workers:
+            w.thread.join(240)
+        assert workers[1].codes == [-signal.SIGKILL, 0], workers[1].codes
+        assert workers[0].codes in ([0], [76, 0]), workers[0].codes     # 76: fenced after it began
+    finally:
+        for w in workers:
+            w.stop()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    assert "fenced 2 of 2 server(s)" in (tmp_path / "worker-1.log").read_text()
+    sparse, _ = _state(json.loads(result.read_text())["checkpoint"])
+    train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
+    assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS

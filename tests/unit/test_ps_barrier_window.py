@@ -370,13 +370,39 @@ def test_a_write_that_waited_for_a_load_is_refused_not_applied_to_the_restored_t
     core.close()
 
 
+def test_clients_are_the_names_whose_data_requests_this_generation_accepted():
+    """``Health``'s ``clients``: who sent a data request (a barrier arrival too) in the present
+    generation; a Load or a Fence starts an empty list, and a refused request joins nothing."""
+    from engine.errors import GenerationChangedError
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    with PSClient(InProcessTransport([core]), name="worker1") as w1, \
+            PSClient(InProcessTransport([core]), name="worker0") as w0:
+        assert w1.health()[0]["clients"] == []
+        assert w1.arrive("engine-start", 2) == 1                 # waiting at the start: no write
+        health = w0.health()[0]
+        assert health["clients"] == ["worker1"] and health["writers"] == [] and health["fresh"] is True
+        w0.pull("emb", np.arange(1, 5, dtype=np.uint64))
+        assert w0.health()[0]["clients"] == ["worker0", "worker1"]
+        w0.fence([health["generation"]], "worker 1 restarted")
+        assert w0.health()[0]["clients"] == []
+        with pytest.raises(GenerationChangedError):
+            w1.pull("emb", np.arange(1, 5, dtype=np.uint64))
+        assert w0.health()[0]["clients"] == []
+    core.close()
+
+
 def test_a_starting_worker_agrees_only_with_one_state_its_former_self_did_not_write_to():
     """``engine.roles._agreed``: the rule a role-mode worker applies to every server's Health."""
     from engine.roles import _agreed
 
-    def h(restored=None, fresh=False, writers=()):
-        return {"restored": restored, "fresh": fresh, "writers": list(writers)}
+    def h(restored=None, fresh=False, writers=(), clients=()):
+        return {"restored": restored, "fresh": fresh, "writers": list(writers), "clients": list(clients)}
     assert _agreed([h(fresh=True), h(fresh=True)], "worker1") == (True, None)          # a new job
+    # a late start beside a worker that began: agreed; restarted within the attempt (its dead self sent
+    # data requests, e.g. arrived at the start barrier, in this generation): not, in both cases
+    assert _agreed([h(fresh=True, clients=["worker0"])] * 2, "worker1") == (True, None)
+    assert _agreed([h(fresh=True, clients=["worker1"]), h(fresh=True)], "worker1") == (False, None)
+    assert _agreed([h("u", clients=["worker1"]), h("u")], "worker1") == (False, None)
     assert _agreed([h("u"), h("u")], "worker1") == (True, "u")                        # restored, untouched
     assert _agreed([h("u", writers=["worker0"]), h("u")], "worker1") == (True, "u")   # a late start
     assert _agreed([h("u"), h("u", writers=["worker1"])], "worker1") == (False, None)  # restarted
