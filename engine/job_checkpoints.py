@@ -73,6 +73,16 @@ def newest(cfg) -> tuple[str, dict] | None:
     return mgr.uri_of(name), mgr.manifest(name)
 
 
+def newest_name_or_none(cfg) -> str | None:
+    """``newest_name``, or None (no floor: every checkpoint counts) when the job root cannot be listed
+    now (the error is logged; the restore itself reports an unreachable storage)."""
+    try:
+        return newest_name(cfg)
+    except Exception as e:  # noqa: BLE001 - storage unreachable: no floor, as before floors existed
+        log.warning("cannot list the job's checkpoints (%s): a restart may restore any of them", e)
+        return None
+
+
 def newest_name(cfg) -> str | None:
     """The name (``YYYYMMDD/HHMM-kind[.N]``) of the job's newest complete checkpoint under
     ``checkpoint.root``/``job``: "" when it has none, None when checkpoints are off. Taken when a job (or
@@ -119,18 +129,33 @@ def _client(cfg, endpoints):
     return connect(cfg, endpoints, name="launcher", admin=True)
 
 
-def resume(cfg, endpoints: list[str], uri: str | None, *, fallback: bool = False):
+def resume(cfg, endpoints: list[str], uri: str | None, *, fallback: bool = False, floor: str | None = None,
+           origin: str | None = None):
     """Restore onto the servers at ``endpoints``; returns the config with ``checkpoint.restored`` set.
+
+    A restart's restore (``recovery_target``) passes the job's ``floor`` and ``origin``: a damaged
+    checkpoint falls back only to older ones the job wrote, then to ``origin`` (what it started from),
+    never to a checkpoint from before the job.
 
     Raises
     ------
     CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
         Nothing to restore / damaged (the message names the file).
     """
+    from hdfs_io import CheckpointCorruptError
+
     mgr, target = manager_for(cfg, uri)
     with _client(cfg, endpoints) as client:
         client.wait_ready(cfg.cluster.startup_timeout_s)
-        manifest = mgr.restore(client, target, fallback=fallback or cfg.checkpoint.fallback)
+        try:
+            manifest = mgr.restore(client, target, fallback=fallback or cfg.checkpoint.fallback, floor=floor)
+        except CheckpointCorruptError as e:
+            if not origin or origin == uri:
+                raise
+            log.warning("every checkpoint this job wrote is damaged (%s); falling back to %s, the one it "
+                        "started from", e, origin)
+            mgr, target = manager_for(cfg, origin)
+            manifest = mgr.restore(client, target)
     restored = mgr.uri_of(manifest["name"])
     log.info("resumed from %s (step %s)", restored, manifest.get("step"))
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=restored))

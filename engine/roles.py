@@ -174,10 +174,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
                     rank, unbudgeted)
     core.load_roots.extend(allow_load or ())
     from . import job_checkpoints
-    try:        # before the restore: a worker rolling the job back never picks a checkpoint from before it
-        core.checkpoint_floor = job_checkpoints.newest_name(cfg)
-    except Exception as e:  # noqa: BLE001 - storage unreachable: no floor (every checkpoint counts)
-        log.warning("server %d: cannot list the job's checkpoints (%s): a roll-back may pick any of them", rank, e)
+    # before the restore: a worker rolling the job back never picks a checkpoint from before it
+    core.checkpoint_floor = job_checkpoints.newest_name_or_none(cfg)
     if resume is not None:
         from .checkpoint import CheckpointNotFoundError
         mgr, target = job_checkpoints.manager_for(cfg, resume or None)
@@ -264,13 +262,14 @@ class NotAgreedError(RuntimeError):
     again. When nothing moved, ``LaunchError`` instead (exit 1, which a scheduler counts)."""
 
 
-def _rollback_target(cfg: EngineConfig, health: list[dict]) -> str | None:
-    """URI of the checkpoint rank 0 rolls the servers back to: the job's newest complete checkpoint
-    when it lies above the servers' lowest ``checkpoint_floor`` (written since the earliest of them
-    started: by this job), else the newest of the checkpoints they report having restored or been
-    fenced from (what the job started from); None when there is neither. So an operator's ``--resume``
-    of an older checkpoint is not undone by a roll-back to the newer ones it abandoned. Servers that do
-    not report a floor (older versions) let every checkpoint of the job count."""
+def _rollback_target(cfg: EngineConfig, health: list[dict]) -> tuple[str | None, str | None]:
+    """(URI of the checkpoint rank 0 rolls the servers back to, the floor its fallback keeps above):
+    the job's newest complete checkpoint when it lies above the servers' lowest ``checkpoint_floor``
+    (written since the earliest of them started: by this job), else the newest of the checkpoints they
+    report having restored, restoring (a chain half loaded) or been fenced from (what the job started
+    from; no floor); None when there is neither. So an operator's ``--resume`` of an older checkpoint is
+    not undone by a roll-back to the newer ones it abandoned. Servers that do not report a floor (older
+    versions) let every checkpoint of the job count."""
     from . import job_checkpoints
     from .checkpoint import CheckpointRef, parse_name
 
@@ -281,9 +280,36 @@ def _rollback_target(cfg: EngineConfig, health: list[dict]) -> str | None:
     floor = None if any(f is None for f in floors) else min(floors, key=ref)
     found = job_checkpoints.recovery_target(cfg, floor)
     if found is not None:
-        return found[0]
-    reported = [u for h in health for u in (h.get("restored"), h.get("fenced_from")) if u]
-    return max(reported, key=ref, default=None)
+        return found[0], floor
+    reported = [u for h in health for u in (h.get("restored"), h.get("restoring"), h.get("fenced_from")) if u]
+    return max(reported, key=ref, default=None), None
+
+
+def _roll_back(cfg: EngineConfig, client, health: list[dict]) -> None:
+    """Rank 0: roll every server back to ``_rollback_target``, or, with none (no checkpoint yet), empty
+    them (``PSClient.fence(clear=True)``) so the job starts again from its beginning, as the launcher
+    restarts such a job with fresh servers. A clear that a server refuses because it moved on meanwhile
+    (another worker's fence) is decided again on fresh ``Health``, at most 5 times (then the wait for
+    agreement times out and the worker exits ``EXIT_ROLLBACK``)."""
+    from . import job_checkpoints
+
+    for _ in range(5):
+        target, floor = _rollback_target(cfg, health)
+        states = [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health]
+        if target is not None:
+            log.warning("the servers hold different states %s, or this worker's earlier self took part since: "
+                        "rolling every server back to %s", states, target)
+            mgr, ckpt = job_checkpoints.manager_for(cfg, target)
+            mgr.restore(client, ckpt, fallback=cfg.checkpoint.fallback, floor=floor)
+            return
+        cleared = client.fence([int(h.get("generation", 0)) for h in health],
+                               "worker 0 rolls the job back to its beginning (no checkpoint yet)", clear=True)
+        log.warning("the servers hold different states %s, or this worker's earlier self took part since, and "
+                    "the job has no checkpoint yet: emptied %d of %d server(s); the job starts again from its "
+                    "beginning", states, sum(cleared), len(cleared))
+        if all(cleared):
+            return
+        health = client.health()
 
 
 def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1) -> EngineConfig:
@@ -295,10 +321,11 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     Otherwise this worker restarted (a preemption, a crash: the servers are in use and hold what was
     trained since the last checkpoint) or some servers restarted while others kept training:
 
-    - rank 0 loads the newest checkpoint of the job's own (``_rollback_target``) onto every server (with
-      none, it empties them: ``PSClient.fence(clear=True)``, and the job starts again from its beginning), which rolls them all back to it (and clears what they held for the
-      replaced state: a preemption request, metric sums) and ends the running workers' attempt: their
-      next request meets a new generation and they exit ``EXIT_ROLLBACK`` for their scheduler;
+    - rank 0 loads the newest checkpoint of the job's own (``_rollback_target``) onto every server, or
+      with none empties them (``_roll_back``: the job starts again from its beginning), which rolls them
+      all back (and clears what they held for the replaced state: a preemption request, metric sums)
+      and ends the running workers' attempt: their next request meets a new generation and they exit
+      ``EXIT_ROLLBACK`` for their scheduler;
     - another rank fences the servers (``PSClient.fence``): the workers still running exit the same way,
       rank 0 among them, and restarted, rank 0 rolls every server back. Without the fence a worker
       replaced alone would wait for an agreement that never comes while the others train on.
@@ -323,28 +350,14 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     health = client.health()
     ok, uri = _agreed(health, name)
     if not ok and rank == 0:
-        target = _rollback_target(cfg, health)
-        states = [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health]
-        if target is None:
-            # no checkpoint of the job's own, and it started from none: back to its beginning, as the
-            # launcher restarts such a job with fresh servers (before: exit 2, and the job was lost)
-            cleared = client.fence([int(h.get("generation", 0)) for h in health],
-                                   "worker 0 rolls the job back to its beginning (no checkpoint yet)", clear=True)
-            log.warning("the servers hold different states %s, or this worker's earlier self wrote since, and "
-                        "the job has no checkpoint of its own yet: emptied %d of %d server(s); the job starts "
-                        "again from its beginning", states, sum(cleared), len(cleared))
-        else:
-            log.warning("the servers hold different states %s, or this worker's earlier self wrote since: "
-                        "rolling every server back to %s", states, target)
-            mgr, ckpt = job_checkpoints.manager_for(cfg, target)
-            mgr.restore(client, ckpt, fallback=cfg.checkpoint.fallback)
+        _roll_back(cfg, client, health)
     elif not ok:
         fenced = client.fence([int(h.get("generation", 0)) for h in health],
                               f"worker {rank} restarted while the servers hold what was trained since "
                               f"{health[0].get('restored') or 'the job started'}")
         log.warning("worker %d: the servers hold state of an attempt this worker cannot join (%s); fenced %d "
                     "of %d server(s): the running workers exit %d, and worker 0, restarted, rolls every "
-                    "server back to the newest checkpoint", rank,
+                    "server back to the job's newest checkpoint (or its beginning)", rank,
                     [(h.get("restored"), sorted(h.get("writers", ()))) for h in health], sum(fenced),
                     len(fenced), EXIT_ROLLBACK)
     deadline = time.monotonic() + cfg.cluster.startup_timeout_s

@@ -294,7 +294,8 @@ class CheckpointManager:
                                           f"YYYYMMDD/HHMM-base|delta[.N] or a URI below it)", uri=target)
         return ref.name
 
-    def restore(self, cluster: Cluster, target: str | None = None, *, fallback: bool = False) -> dict[str, Any]:
+    def restore(self, cluster: Cluster, target: str | None = None, *, fallback: bool = False,
+                floor: str | None = None) -> dict[str, Any]:
         """Load a checkpoint's chain (base, then its deltas in order) onto every server.
 
         Parameters
@@ -304,6 +305,9 @@ class CheckpointManager:
             Checkpoint name or URI (default: the newest complete one).
         fallback : bool
             On a damaged checkpoint, try the previous complete checkpoint (then the one before, ...).
+        floor : str, optional
+            A checkpoint name: fall back only to checkpoints named above it (a job's recovery never
+            restores one from before the job: ``engine.job_checkpoints.recovery_target``).
 
         Returns
         -------
@@ -320,8 +324,9 @@ class CheckpointManager:
         name = self.resolve(target)
         candidates = [name]
         if fallback:
-            target_ref = parse_name(name)
-            candidates += [r.name for r in reversed(self.list()) if r < target_ref]
+            target_ref, floor_ref = parse_name(name), parse_name(floor) if floor else None
+            candidates += [r.name for r in reversed(self.list())
+                           if r < target_ref and (floor_ref is None or r > floor_ref)]
         first_error: BaseException | None = None
         for cand in candidates:
             try:

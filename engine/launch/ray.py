@@ -15,7 +15,7 @@ A server binds ``cluster.host`` when the Ray cluster is this one machine, else i
 
 Supervision is the local launcher's (``engine.launch.supervisor``): ``RayCluster`` is a ``LocalCluster``
 whose children are actors, so a dead actor, a dead role, a hang or a preemption is handled by the same
-rule (restart the whole job from the newest complete checkpoint, ``cluster.max_restarts``). With more
+rule (restart the whole job from ``job_checkpoints.recovery_target``, ``cluster.max_restarts``). With more
 than one node, a local ``checkpoint.root`` must be declared ``checkpoint.shared: true`` (a path every node
 mounts); otherwise checkpoints go to S3 or HDFS.
 

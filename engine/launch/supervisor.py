@@ -5,13 +5,15 @@ of its own when any role dies or hangs.
 when there is one to resume from, starts the workers, and waits for them (``engine.launch.local``; a
 death or a hang is a ``LaunchError`` naming the role and rank). When an attempt fails, every process
 of it is stopped and the next attempt restores the newest complete checkpoint the job wrote
-(``checkpoint.root``/``checkpoint.job``; a damaged one falls back to the previous complete one, naming
-what it skipped), so servers restore their vshards (onto any server count) and workers resume at the
-data position that checkpoint records. With none written yet, it restores what the first attempt
-resumed from (``--resume``), else starts again from the beginning: never a checkpoint of the job root
-that predates the job (``job_checkpoints.recovery_target``), so a deliberate ``--resume`` of an older
-checkpoint is not undone by a crash, and a job started afresh never restores an earlier run's model. After ``cluster.max_restarts`` restarts within ``cluster.restart_window_s`` seconds the
-next failure ends the job with every failure listed (role, rank, exit, last log lines).
+(``checkpoint.root``/``checkpoint.job``; a damaged one falls back to the previous complete one the job
+wrote, then to the one it started from, naming what it skipped), so servers restore their vshards (onto
+any server count) and workers resume at the data position that checkpoint records. With none written
+yet, it restores what the first attempt resumed from (``--resume``), else starts again from the
+beginning: never a checkpoint of the job root that predates the job (``job_checkpoints.recovery_target``),
+so a deliberate ``--resume`` of an older checkpoint is not undone by a crash, and a job started afresh
+never restores an earlier run's model. After ``cluster.max_restarts`` restarts within
+``cluster.restart_window_s`` seconds the next failure ends the job with every failure listed (role,
+rank, exit, last log lines).
 
 The final JSON line gains ``restarts`` and ``examples_replayed``: the examples trained by failed
 attempts after the checkpoint the next attempt resumed from (work that was lost and done again). A
@@ -21,7 +23,8 @@ a worker are its count at the failure minus its mark at the resumed checkpoint's
 them when there is no such mark: the attempt's whole work was lost).
 
 Only *who* restarts is local here: *what* state a restart resumes from is
-``job_checkpoints.recovery_target``, the same for any launcher (``engine/launch/`` holds one per scheduler over this rule).
+``job_checkpoints.recovery_target``, the same for any launcher (``engine/launch/`` holds one per
+scheduler over this rule).
 """
 from __future__ import annotations
 
@@ -103,7 +106,7 @@ class Supervisor:
         self.requested = resume
         # the recovery rule's lineage: checkpoints named above the floor were written by this job; the
         # origin is what its first attempt restored ("" nothing, None: its restore has not completed)
-        self.floor = ckpt_job.newest_name(cfg)
+        self.floor = ckpt_job.newest_name_or_none(cfg)
         self.origin: str | None = None
         # the job root of an explicit --resume URI (its chain's base and deltas lie below it)
         self.first_resume = ckpt_job.manager_for(cfg, resume)[0].uri if resume else ""
@@ -206,8 +209,11 @@ class Supervisor:
         try:
             if self.resume is not None:
                 # supervised: a server that dies or hangs inside the restore is a failure like any other
+                # a restart's restore of a checkpoint the job wrote keeps to the job's own, then its origin
+                restart = self.origin is not None and self.resume != self.origin
                 state["cfg"] = cluster.supervised("restore", lambda: ckpt_job.resume(
-                    cfg, cluster.endpoints, self.resume or None, fallback=self.fallback))
+                    cfg, cluster.endpoints, self.resume or None, fallback=self.fallback,
+                    floor=self.floor if restart else None, origin=self.origin if restart else None))
                 cluster.write_config(state["cfg"])
             if self.origin is None:
                 self.origin = state["cfg"].checkpoint.restored or ""

@@ -678,18 +678,25 @@ class PSClient(DenseClient):
         ------
         ShardUnavailableError, PSTimeoutError
             A server could not be reached.
+        RemoteError
+            FAILED_PRECONDITION: ``clear`` to a server too old to empty its tables.
         """
         rid = self._rid()
         out = []
         for s, g in enumerate(generations):
             try:
                 # it waits for the tables to itself, as a Load does: behind a Save of a big table
-                self._call(s, "Fence", pb.FenceRequest(request_id=f"{rid}.{s}", generation=int(g), reason=reason,
-                                                       clear=clear),
-                           idempotent=False, timeout=max(3600.0, self.timeout_s))
-                out.append(True)
+                reply = self._call(s, "Fence", pb.FenceRequest(request_id=f"{rid}.{s}", generation=int(g),
+                                                               reason=reason, clear=clear),
+                                   idempotent=False, timeout=max(3600.0, self.timeout_s))
             except GenerationChangedError:
                 out.append(False)
+                continue
+            if clear and not json.loads(reply.json).get("fresh"):
+                # an older server drops the unknown field and only fences
+                raise RemoteError("FAILED_PRECONDITION", f"server {s} fenced but did not empty its tables: "
+                                  f"it predates Fence with clear; upgrade the servers first")
+            out.append(True)
         return out
 
     def wait_ready(self, timeout: float = 60.0) -> None:

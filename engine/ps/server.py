@@ -177,6 +177,7 @@ class PSServer:
         # that finds its own name here was restarted within the attempt, which cannot take it back (the
         # others may be past the start's barriers, or counted its dead self's arrival at one) (Health)
         self.clients: set[str] = set()
+        self._clients_lock = threading.Lock()
         self.fenced: str | None = None           # why the last Fence ended the attempt (Health)
         self.fenced_from: str | None = None      # what ``restored`` said when it came (Health)
         # the job root's newest checkpoint when this server started ("" none; None unknown), set by
@@ -233,10 +234,11 @@ class PSServer:
                 raise request.error
             generation = self.generation
             self._check_generation(method, request)    # again under the tables lock (_run)
-            if method in _JOINS and self.generation == generation:
+            if method in _JOINS and "@" in rid:
                 name = rid.split("@", 1)[0]
-                if name not in self.clients:
-                    self.clients.add(name)
+                with self._clients_lock:    # not into a generation that began since the check
+                    if self.generation == generation:
+                        self.clients.add(name)
             if _mutating(method, request):
                 reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted),
                                         replay=lambda: self._reread(method, request))
@@ -293,10 +295,12 @@ class PSServer:
                 self.window.clear()     # remembered replies were computed from the tables just replaced
                 # half-way up a chain (base, deltas) is no state to start from: restored once at its end
                 end = request.chain_end or request.path
-                self.restored, self.restoring = (request.path, None) if end == request.path else (None, end)
+                if end == request.path:
+                    self.restored, self.restoring, self.fenced_from = request.path, None, None
+                else:       # fenced_from stays until the chain's end: a roll-back may still need it
+                    self.restored, self.restoring = None, end
                 self.fresh = False
                 self.writers.clear()
-                self.fenced_from = None
                 self._new_generation()
             return reply
         if method == "Fence":   # alone too: no write of the attempt it ends straddles it
@@ -305,17 +309,21 @@ class PSServer:
                 self.fenced = request.reason or request.request_id
                 log.warning("server %d: fenced by %s: generation %d ends%s", self.index, self.fenced,
                             self.generation, "; every table emptied" if request.clear else "")
-                # the tables hold the restored checkpoint plus the ended attempt's writes: no longer it
-                self.fenced_from, self.restored = self.restored, None
-                if request.clear:       # back to the job's beginning: a fresh server's state
-                    for h in self.sparse.values():
-                        h.clear()
-                    for h in self.dense.values():
-                        h.clear()
-                    self.window.clear()
-                    self.fenced_from, self.restoring, self.fresh = None, None, True
-                    self.writers.clear()
-                self._new_generation()
+                # the tables hold the restored checkpoint plus the ended attempt's writes: no longer it,
+                # but still what the job's state descends from (a second fence keeps the first's)
+                self.fenced_from, self.restored = self.restored or self.fenced_from, None
+                try:
+                    if request.clear:       # back to the job's beginning: a fresh server's state
+                        self.fresh = False
+                        for h in self.sparse.values():
+                            h.clear()
+                        for h in self.dense.values():
+                            h.clear()
+                        self.window.clear()
+                        self.fenced_from, self.restoring, self.fresh = None, None, True
+                        self.writers.clear()
+                finally:        # a clear that failed half-way ends the attempt all the same
+                    self._new_generation()
             return self.Health(request)
         if method not in _ON_TABLES:
             return getattr(self, method)(request)
@@ -343,8 +351,9 @@ class PSServer:
 
     def _new_generation(self) -> None:
         """Move to a new generation (after a Load or a Fence) and drop what was held for the old one."""
-        self.generation = max(time.time_ns(), self.generation + 1)
-        self.clients = set()
+        with self._clients_lock:
+            self.generation = max(time.time_ns(), self.generation + 1)
+            self.clients = set()
         self._drop_transient()
 
     def _drop_transient(self) -> None:

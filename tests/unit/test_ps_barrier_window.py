@@ -20,6 +20,7 @@ from sparse_tables import TableConfig
 from tests.waiting import until
 
 DIM = 8
+DEMO_CONFIG = __import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "logreg_demo.yaml"
 SGD1 = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros")
 
 
@@ -331,7 +332,47 @@ def test_writers_are_the_clients_that_wrote_since_the_last_load_and_a_chain_is_r
         c.push("emb", keys, np.ones((20, DIM), np.float32))
         c.fence([c.health()[0]["generation"]], "test")
         assert c.health()[0]["restored"] is None and c.health()[0]["fenced_from"] == mgr.uri_of(base["name"])
+        # a second fence keeps what the state descends from; so does a chain loaded half-way
+        c.fence([c.health()[0]["generation"]], "again")
+        assert c.health()[0]["fenced_from"] == mgr.uri_of(base["name"])
+        c.load(mgr.uri_of(base["name"]), chain_end=end)
+        assert c.health()[0]["restoring"] == end and c.health()[0]["fenced_from"] == mgr.uri_of(base["name"])
     core.close()
+
+
+def test_rank0_clears_again_when_a_server_moved_on_and_an_older_server_is_named():
+    """``roles._roll_back`` with no checkpoint: a clear refused by a server fenced meanwhile (its
+    generation moved) is decided again on fresh Health, and the servers end fresh. A server too old to
+    know ``clear`` (it drops the field and only fences) is an error naming it, not a silent success."""
+    from engine.config import load_config
+    from engine.errors import RemoteError
+    from engine.roles import _agreed, _roll_back
+    cfg = load_config(DEMO_CONFIG, [])                      # no checkpoint.root: nothing to roll back to
+    cores = [PSServer({"emb": SGD1}, index=i, num_servers=2, local_shards=1) for i in range(2)]
+    keys = np.arange(1, 21, dtype=np.uint64)
+    with PSClient(InProcessTransport(cores), name="worker0") as rank0, \
+            PSClient(InProcessTransport(cores), name="worker1") as other:
+        rank0.push("emb", keys, np.ones((20, DIM), np.float32))
+        stale = rank0.health()
+        other.fence([h["generation"] for h in other.health()], "worker 1 restarted")   # after rank 0 looked
+        _roll_back(cfg, rank0, stale)
+        health = rank0.health()
+        assert [h["fresh"] for h in health] == [True, True] and _agreed(health, "worker0") == (True, None)
+        rank0.pin_generations(health)
+        np.testing.assert_array_equal(rank0.pull("emb", keys), np.zeros((20, DIM), np.float32))
+
+    class OldServers(InProcessTransport):                    # drop the field, as an older server does
+        def call(self, server, method, request, timeout):
+            if method == "Fence":
+                request = pb.FenceRequest(request_id=request.request_id, generation=request.generation,
+                                          reason=request.reason)
+            return super().call(server, method, request, timeout)
+    with PSClient(OldServers(cores), name="worker0") as rank0:
+        rank0.push("emb", keys, np.ones((20, DIM), np.float32))
+        with pytest.raises(RemoteError, match="server 0 fenced but did not empty its tables"):
+            rank0.fence([h["generation"] for h in rank0.health()], "clear", clear=True)
+    for core in cores:
+        core.close()
 
 
 def test_a_write_that_waited_for_a_load_is_refused_not_applied_to_the_restored_tables():

@@ -11,17 +11,17 @@ from engine import job_checkpoints
 from engine.config import load_config
 from engine.ps import InProcessTransport, PSClient, PSServer
 from engine.roles import _rollback_target
-from sparse_tables import TableConfig
+from engine.ps import serve
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "logreg_demo.yaml"
 
 
 def checkpoints(tmp_path: Path, job: str, n: int) -> list[str]:
     """``n`` complete checkpoints (a base, then deltas) of ``job`` under ``tmp_path/ckpt``; their URIs."""
-    server = PSServer({"weights": TableConfig(dim=1)}, index=0, num_servers=1, num_vshards=16)
+    cfg = cfg_of(tmp_path, job)
+    server = PSServer.from_config(cfg, 0)
     client = PSClient(InProcessTransport([server]))
     client.push("weights", np.arange(1, 9, dtype=np.uint64), np.ones((8, 1), np.float32))
-    cfg = load_config(DEMO, [f"checkpoint.root={tmp_path / 'ckpt'}", f"checkpoint.job={job}"])
     mgr = job_checkpoints.job_manager(cfg)
     uris = []
     for i in range(n):
@@ -32,7 +32,8 @@ def checkpoints(tmp_path: Path, job: str, n: int) -> list[str]:
 
 
 def cfg_of(tmp_path: Path, job: str = "logreg"):
-    return load_config(DEMO, [f"checkpoint.root={tmp_path / 'ckpt'}", f"checkpoint.job={job}"])
+    return load_config(DEMO, [f"checkpoint.root={tmp_path / 'ckpt'}", f"checkpoint.job={job}", "cluster.servers=1",
+                              "cluster.warm_up=false"])
 
 
 def test_a_restart_restores_what_the_job_wrote_else_what_it_started_from(tmp_path):
@@ -67,14 +68,40 @@ def test_role_mode_rolls_back_above_the_lowest_floor_else_to_what_the_servers_re
     floor = job_checkpoints.newest_name(cfg)
     health = [{"restored": None, "fenced_from": old, "checkpoint_floor": floor},
               {"restored": old, "fenced_from": None, "checkpoint_floor": floor}]
-    assert _rollback_target(cfg, health) == old
+    assert _rollback_target(cfg, health) == (old, None)
     # servers of an older version report no floor: every checkpoint of the job counts (the old rule)
-    assert _rollback_target(cfg, [{**h, "checkpoint_floor": None} for h in health]) == abandoned
+    assert _rollback_target(cfg, [{**h, "checkpoint_floor": None} for h in health]) == (abandoned, None)
+    # a chain half loaded (rank 0 died inside its roll-back) still names where the job stands
+    assert _rollback_target(cfg, [{"restored": None, "restoring": old, "checkpoint_floor": floor}] * 2) == (old, None)
     (written,) = checkpoints(tmp_path, "logreg", 1)
     # a server restarted after the job wrote a checkpoint has a higher floor: the lowest one decides
     later = job_checkpoints.newest_name(cfg)
-    assert _rollback_target(cfg, [health[0], {**health[1], "checkpoint_floor": later}]) == written
-    assert _rollback_target(cfg, [{**h, "checkpoint_floor": later} for h in health]) == old
+    assert _rollback_target(cfg, [health[0], {**health[1], "checkpoint_floor": later}]) == (written, floor)
+    assert _rollback_target(cfg, [{**h, "checkpoint_floor": later} for h in health]) == (old, None)
     # servers that started on an empty root, fresh, with nothing written: nothing to roll back to
     fresh = tmp_path / "fresh"
-    assert _rollback_target(cfg_of(fresh), [{"restored": None, "checkpoint_floor": ""}]) is None
+    assert _rollback_target(cfg_of(fresh), [{"restored": None, "checkpoint_floor": ""}]) == (None, None)
+
+
+def test_a_damaged_checkpoint_of_the_job_falls_back_to_its_own_then_to_its_origin_never_before_it(tmp_path):
+    """A restart's restore (``job_checkpoints.resume`` with the job's floor and origin) of a damaged
+    checkpoint: the fallback keeps to older checkpoints the job wrote, then the one it started from;
+    before, it walked back through the whole root and restored the newer checkpoint the operator had
+    rolled back from."""
+    old, abandoned = checkpoints(tmp_path, "logreg", 2)
+    cfg = cfg_of(tmp_path)
+    floor = job_checkpoints.newest_name(cfg)
+    (written,) = checkpoints(tmp_path, "logreg", 1)
+    part = next(p for p in Path(written).rglob("*.arrow"))
+    part.write_bytes(part.read_bytes()[:-16] + bytes(16))            # damaged: its CRC-32 no longer matches
+    core = PSServer.from_config(cfg, 0)
+    server, port = serve(core, "127.0.0.1", 0)
+    try:
+        ep = [f"127.0.0.1:{port}"]
+        got = job_checkpoints.resume(cfg, ep, written, fallback=True, floor=floor, origin=old)
+        assert got.checkpoint.restored == old
+        got = job_checkpoints.resume(cfg, ep, written, fallback=True)        # the walk without a floor
+        assert got.checkpoint.restored == abandoned
+    finally:
+        server.stop(0)
+        core.close()
