@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -155,6 +156,24 @@ def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_c
     assert_same_model(full["checkpoint"], json.loads(result.read_text())["checkpoint"])
 
 
+def stop_all(schedulers: list, procs: list[subprocess.Popen]) -> None:
+    """Stop the schedulers (and their roles), then kill what else the test started."""
+    for w in schedulers:
+        w.stop()
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
+def assert_every_example_once(result: Path) -> None:
+    """3 epochs, 26 keys per example, one show each, in the final checkpoint's rows: more would be an
+    example counted twice, less a lost one."""
+    sparse, _ = _state(json.loads(result.read_text())["checkpoint"])
+    train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
+    assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS
+
+
 class Scheduler:
     """What a Job controller does for one worker rank: start it, and start it again after any exit but
     0 and 2 (a config error), at most ``restarts`` times; ``codes`` lists its exit codes."""
@@ -238,21 +257,13 @@ def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_count
         assert workers[1].codes == [-signal.SIGKILL, 0], workers[1].codes
         assert workers[0].codes == [EXIT_ROLLBACK, 0], workers[0].codes
     finally:
-        for w in workers:
-            w.stop()
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
+        stop_all(workers, procs)
     log0, log1 = (tmp_path / "worker-0.log").read_text(), (tmp_path / "worker-1.log").read_text()
     assert "fenced 2 of 2 server(s)" in log1, log1[-3000:]
     assert "generation mismatch" in log0, log0[-3000:]
     assert ("the job starts again from its beginning" if never else "rolling every server back to") in log0, \
         log0[-3000:]
-    sparse, _ = _state(json.loads(result.read_text())["checkpoint"])
-    train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
-    # 3 epochs, 26 keys per example, one show each: more would be an example counted twice, less a lost one
-    assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS
+    assert_every_example_once(result)
 
 
 def test_a_worker_restarted_while_it_waits_at_the_start_barrier_does_not_leave_its_dead_self_counted(tmp_path):
@@ -286,13 +297,6 @@ def test_a_worker_restarted_while_it_waits_at_the_start_barrier_does_not_leave_i
         assert workers[1].codes == [-signal.SIGKILL, 0], workers[1].codes
         assert workers[0].codes in ([0], [76, 0]), workers[0].codes     # 76: fenced after it began
     finally:
-        for w in workers:
-            w.stop()
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
+        stop_all(workers, procs)
     assert "fenced 2 of 2 server(s)" in (tmp_path / "worker-1.log").read_text()
-    sparse, _ = _state(json.loads(result.read_text())["checkpoint"])
-    train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
-    assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS
+    assert_every_example_once(result)

@@ -73,15 +73,21 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
 
 
 @pytest.mark.long   # make test-long (see pyproject.toml): test_chaos_offline kills workers and the job finishes
-def test_a_killed_worker_restarts_the_job_which_finishes(tmp_path):
-    proc = engine(run_dir=tmp_path)
+def worker1_killed_at(proc: subprocess.Popen, run_dir: Path, steps: int) -> tuple[str, str]:
+    """SIGKILL worker 1 of the job's first attempt once it trained ``steps`` steps; returns the job's
+    stdout and stderr once it ended (the job is killed if anything fails)."""
     try:
-        wait_steps(tmp_path / "worker-1.progress.json", 20)
-        os.kill(role_pid(tmp_path, "worker", 1), signal.SIGKILL)
-        out, err = finish(proc, 180)
+        wait_steps(run_dir / "worker-1.progress.json", steps)
+        os.kill(role_pid(run_dir, "worker", 1), signal.SIGKILL)
+        return finish(proc, 180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_killed_worker_restarts_the_job_which_finishes(tmp_path):
+    proc = engine(run_dir=tmp_path)
+    out, err = worker1_killed_at(proc, tmp_path, 20)
     assert proc.returncode == 0, err[-3000:]
     final = json.loads(out.strip().splitlines()[-1])
     # no checkpoint.root: the restart begins again from the first example, and the failed attempt's
@@ -212,13 +218,7 @@ def test_a_restart_after_resume_of_an_older_checkpoint_restores_that_one_not_the
     old, abandoned = [str(p.parent) for p in sorted(root.glob("*/*/*/_SUCCESS"))]     # steps 46 and 92
     run = tmp_path / "run"
     proc = engine(*sets, "--set", "model.epochs=3", "--resume", old, run_dir=run)
-    try:
-        wait_steps(run / "worker-1.progress.json", 66)
-        os.kill(role_pid(run, "worker", 1), signal.SIGKILL)
-        out, err = finish(proc, 180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = worker1_killed_at(proc, run, 66)
     assert proc.returncode == 0, err[-3000:]
     assert f"restart 1/3 from {old} " in err, err[-3000:]
     assert err.count(f"resumed from {old} ") == 2 and f"resumed from {abandoned}" not in err, err[-3000:]
