@@ -1,4 +1,4 @@
-"""``engine k8s CONFIG.yaml --image IMAGE --out DIR [--set KEY=VALUE ...]``.
+"""``engine k8s CONFIG.yaml --image IMAGE --out DIR [--resume URI] [--set KEY=VALUE ...]``.
 
 Renders the job as plain Kubernetes manifests, one YAML file per object in DIR (``engine.launch.k8s``):
 a ConfigMap with the resolved config (no secret in it), a headless Service naming the servers, the
@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; our files replaced)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set cluster.servers=2 --set kubernetes.namespace=ml")
+    p.add_argument("--resume", default=None, metavar="URI",
+                   help="a checkpoint (or job root) every server starts from: an operator's roll-back or a warm "
+                        "start (default: the job's newest complete checkpoint)")
 
 
 def run(args) -> int:
@@ -40,7 +43,7 @@ def run(args) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        manifests = k8s.render(cfg, image=args.image)
+        manifests = k8s.render(cfg, image=args.image, resume=args.resume)
     except ConfigError as e:
         print(f"engine k8s: {e}", file=sys.stderr)
         return 2

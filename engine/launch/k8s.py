@@ -245,7 +245,7 @@ def storage_env_names(cfg: EngineConfig) -> list[str]:
     return names
 
 
-def render(cfg: EngineConfig, image: str | None = None) -> Manifests:
+def render(cfg: EngineConfig, image: str | None = None, resume: str | None = None) -> Manifests:
     """The manifests of ``cfg`` (see the module docstring).
 
     Parameters
@@ -254,6 +254,12 @@ def render(cfg: EngineConfig, image: str | None = None) -> Manifests:
         As ``engine.config.load_config`` gives it; nothing is converted or prepared.
     image : str, optional
         The container image (``--image``); default ``kubernetes.image``.
+    resume : str, optional
+        A checkpoint (or job root) URI every server starts from (``--resume URI``: an operator's
+        roll-back, or a warm start from another job); default: the job's newest complete checkpoint.
+        Kept in the manifests for the job's life: a server restarted later loads it again, and worker
+        rank 0 then rolls every server forward to the newest checkpoint the job wrote since
+        (``engine.roles``: ``checkpoint_floor``).
 
     Raises
     ------
@@ -299,10 +305,10 @@ def render(cfg: EngineConfig, image: str | None = None) -> Manifests:
                                   {"name": "ENGINE_NUM_WORKERS", "value": str(cfg.cluster.workers)}])
     probe = {"grpc": {"port": k.health_port}, "timeoutSeconds": 5}
     # --resume at every start: a replacement server (eviction, preemption) loads its vshards of the job's
-    # newest complete checkpoint; the first start of a job finds none and starts empty
-    resume = ["--resume"] if cfg.checkpoint.enabled else []
+    # newest complete checkpoint (or the operator's URI); the first start of a job finds none and starts empty
+    resume_args = ["--resume", resume] if resume else ["--resume"] if cfg.checkpoint.enabled else []
     server = _container(image, ["train", CONFIG_PATH, "--role", "server", "--host", "0.0.0.0", "--port", str(k.port),
-                                "--health-port", str(k.health_port), *resume], server_env, k.server_cpu,
+                                "--health-port", str(k.health_port), *resume_args], server_env, k.server_cpu,
                         k.server_memory)
     server["ports"] = [{"name": "ps", "containerPort": k.port, "protocol": "TCP"},
                        {"name": "health", "containerPort": k.health_port, "protocol": "TCP"}]

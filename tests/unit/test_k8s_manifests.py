@@ -213,6 +213,20 @@ def test_engine_servers_are_the_server_pods_dns_names(creds):
     assert container(worker)["args"] == ["train", k8s.CONFIG_PATH, "--role", "worker"]
 
 
+def test_an_operators_resume_uri_is_what_every_server_starts_from(creds, tmp_path):
+    """``engine k8s --resume URI`` (a roll-back, or a warm start from another job): every server pod,
+    a replacement too, starts from that checkpoint; rank 0 rolls them forward to what the job wrote
+    since (its floor), so keeping it in the manifests is safe."""
+    uri = "s3://bucket/ckpt/ctr_dnn/20261128/0900-base"
+    server = by_kind(k8s.render(load_config(CTR, sets(creds)), image=IMAGE, resume=uri))["server"]
+    assert container(server)["args"][-2:] == ["--resume", uri]
+    argv = ["k8s", CTR, "--out", str(tmp_path / "out"), "--image", IMAGE, "--resume", uri]
+    assert main([*argv, *[a for kv in sets(creds) for a in ("--set", kv)]]) == 0
+    (job,) = [o for o in objects(tmp_path / "out").values()
+              if o.get("kind") == "Job" and o["metadata"]["name"].endswith("-server")]
+    assert container(job)["args"][-2:] == ["--resume", uri]
+
+
 def test_probes_use_the_plaintext_grpc_health_port(creds):
     server, worker = (by_kind(render(creds, "kubernetes.health_port=7201"))[r] for r in ("server", "worker"))
     c = container(server)
