@@ -98,10 +98,12 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float) -> d
     logs = work / tag
     logs.mkdir(exist_ok=True)
     result = logs / "result.json"
-    servers = [RoleScheduler(role_cmd(work, tag, "server", r, "--port", str(ports[r]), "--resume"), env,
-                             logs / f"server-{r}.log", faults + 3) for r in range(2)]
-    workers = [RoleScheduler(role_cmd(work, tag, "worker", r, *(("--result-file", str(result)) if r == 0 else ())),
-                             env, logs / f"worker-{r}.log", faults + 3) for r in range(2)]
+    # the resolved config of the first soak in ``work`` holds its epochs: this soak's are set again
+    epochs_set = ("--set", f"model.epochs={epochs}")
+    servers = [RoleScheduler(role_cmd(work, tag, "server", r, "--port", str(ports[r]), "--resume", *epochs_set),
+                             env, logs / f"server-{r}.log", faults + 3) for r in range(2)]
+    workers = [RoleScheduler(role_cmd(work, tag, "worker", r, *(("--result-file", str(result)) if r == 0 else ()),
+                                      *epochs_set), env, logs / f"worker-{r}.log", faults + 3) for r in range(2)]
     roles = [("server", r, s) for r, s in enumerate(servers)] + [("worker", r, w) for r, w in enumerate(workers)]
     injected: list[dict] = []
     t0 = time.monotonic()
