@@ -15,7 +15,7 @@ keys: more is an example trained twice, less a lost one). Exit codes on the way 
 
 Prints one JSON line per seed with a ``bench`` field (``role_chaos_soak``)::
 
-    python bench/role_chaos_soak.py [--faults 6] [--seeds 0 1 2] [--epochs 12] [--timeout-s 900]
+    python bench/role_chaos_soak.py [--faults 6] [--seeds 0 1 2] [--epochs 12] [--timeout-s 900] [--set mode=sync]
 """
 from __future__ import annotations
 
@@ -86,7 +86,11 @@ class RoleScheduler:
         self.thread.join(30)
 
 
-def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float) -> dict:
+def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extra: tuple[str, ...] = (),
+         shows_expected: float | None = None) -> dict:
+    """One soak; ``shows_expected``: the show count of an uninterrupted run of the same setting (None:
+    every training example of every epoch, which async trains; sync drops each shard's last partial
+    batch, so its expected count comes from a reference run, ``faults`` 0)."""
     rng = np.random.default_rng(seed)
     sets = ("mode=async", "cluster.workers=2", "model.blas_threads=1", f"model.epochs={epochs}",
             "cluster.stop_servers_at_end=true")
@@ -98,8 +102,9 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float) -> d
     logs = work / tag
     logs.mkdir(exist_ok=True)
     result = logs / "result.json"
-    # the resolved config of the first soak in ``work`` holds its epochs: this soak's are set again
-    epochs_set = ("--set", f"model.epochs={epochs}")
+    # the resolved config of the first soak in ``work`` holds its epochs: this soak's are set again,
+    # with the --set values of this run (e.g. mode=sync)
+    epochs_set = tuple(a for kv in (f"model.epochs={epochs}", *extra) for a in ("--set", kv))
     servers = [RoleScheduler(role_cmd(work, tag, "server", r, "--port", str(ports[r]), "--resume", *epochs_set),
                              env, logs / f"server-{r}.log", faults + 3) for r in range(2)]
     workers = [RoleScheduler(role_cmd(work, tag, "worker", r, *(("--result-file", str(result)) if r == 0 else ()),
@@ -123,14 +128,15 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float) -> d
     finally:
         for s in workers + servers:
             s.stop()
-    out = {"bench": "role_chaos_soak", "seed": seed, "faults": len(injected), "injected": injected,
+    out = {"bench": "role_chaos_soak", "sets": list(extra), "seed": seed, "faults": len(injected), "injected": injected,
            "epochs": epochs, "elapsed_s": round(time.monotonic() - t0, 1), "finished": finished,
            "worker_codes": [w.codes for w in workers], "server_codes": [s.codes for s in servers]}
     text = {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")}
     out["rollbacks"] = sum(t.count("rolling every server back to") for t in text.values())
     out["fences"] = sum(t.count(" server(s): the running workers exit") for t in text.values())
     out["tracebacks"] = {n: t.count("Traceback") for n, t in text.items() if "Traceback" in t}
-    shows_expected = epochs * sum(1 for i in range(ROWS) if i % 5 != 4) * SLOTS
+    if shows_expected is None:
+        shows_expected = epochs * sum(1 for i in range(ROWS) if i % 5 != 4) * SLOTS
     out["shows_expected"] = shows_expected
     if finished and result.exists():
         sparse, _ = _state(json.loads(result.read_text())["checkpoint"])
@@ -147,13 +153,22 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--timeout-s", type=float, default=900.0)
     ap.add_argument("--keep", help="work directory to keep (default: a temporary one, removed)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config value for the roles, e.g. --set mode=sync")
+    ap.add_argument("--reference", action="store_true",
+                    help="first run once without faults and expect its show count (needed for mode=sync)")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # the roles are stopped on the way out
     with tempfile.TemporaryDirectory(prefix="role-soak-") as tmp:
         work = Path(a.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
+        expected = None
+        if a.reference:
+            ref = soak(work, 1000, 0, a.epochs, a.timeout_s, tuple(a.sets))      # seed 1000: the reference
+            print(json.dumps({**ref, "bench": "role_chaos_soak_reference"}), flush=True)
+            expected = ref.get("shows")
         for seed in a.seeds:
-            print(json.dumps(soak(work, seed, a.faults, a.epochs, a.timeout_s)), flush=True)
+            print(json.dumps(soak(work, seed, a.faults, a.epochs, a.timeout_s, tuple(a.sets), expected)), flush=True)
 
 
 if __name__ == "__main__":
