@@ -23,7 +23,7 @@ import threading
 import time
 
 from .checkpoint.coordinator import CheckpointManager, CheckpointNotFoundError
-from .checkpoint.manifest import parse_name
+from .checkpoint.manifest import parse_name, ref_of_uri
 from .checkpoint.schedule import Schedule
 from .errors import ConfigError
 from .connect import connect
@@ -50,7 +50,8 @@ def manager_for(cfg, uri: str | None = None) -> tuple[CheckpointManager, str | N
     opts = cfg.storage.options()
     if uri:
         parts = uri.rstrip("/").split("/")
-        if len(parts) >= 4 and parse_name("/".join(parts[-2:])) is not None:
+        ref = ref_of_uri(uri)
+        if len(parts) >= 4 and ref is not None:
             return (CheckpointManager("/".join(parts[:-3]) or "/", parts[-3], keep_bases=ck.keep_bases,
                                       storage_options=opts), "/".join(parts[-2:]))
         return CheckpointManager("/".join(parts[:-1]) or "/", parts[-1], keep_bases=ck.keep_bases,
@@ -112,9 +113,10 @@ def recovery_target(cfg, floor: str | None, origin: str | None = None) -> tuple[
     checkpoint (an operator's deliberate roll-back), the newer ones it rolled back from are left alone,
     and a job started afresh beside an earlier run's checkpoints never restores them. An ``origin``
     whose manifest cannot be read comes with an empty manifest (its restore names the damage)."""
-    found = newest(cfg)
-    if found is not None and above_floor(found[1]["name"], floor):
-        return found
+    mgr = job_manager(cfg) if cfg.checkpoint.enabled else None
+    latest = mgr.latest() if mgr is not None else None
+    if latest is not None and above_floor(latest.name, floor):     # its manifest read only when it counts
+        return mgr.uri_of(latest.name), mgr.manifest(latest.name)
     if origin:
         mgr, name = manager_for(cfg, origin)
         try:

@@ -271,10 +271,10 @@ def _rollback_target(cfg: EngineConfig, health: list[dict]) -> tuple[str | None,
     not undone by a roll-back to the newer ones it abandoned. Servers that do not report a floor (older
     versions) let every checkpoint of the job count."""
     from . import job_checkpoints
-    from .checkpoint import CheckpointRef, parse_name
+    from .checkpoint import CheckpointRef, ref_of_uri
 
     def ref(name: str) -> CheckpointRef:          # "" (no checkpoint) and foreign names sort first
-        return parse_name("/".join(name.rstrip("/").split("/")[-2:])) or CheckpointRef("", "", -1, "")
+        return ref_of_uri(name) or CheckpointRef("", "", -1, "")
 
     floors = [h.get("checkpoint_floor") for h in health]
     floor = None if any(f is None for f in floors) else min(floors, key=ref)

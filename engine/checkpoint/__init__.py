@@ -8,12 +8,13 @@
 * ``schedule``    the ``checkpoint`` config section and when a delta / base is due
 """
 from .coordinator import CheckpointManager, CheckpointNotFoundError, Cluster
-from .manifest import DEFAULT_GROUPS, FORMAT_VERSION, CheckpointRef, chain_of, list_checkpoints, parse_name
+from .manifest import (DEFAULT_GROUPS, FORMAT_VERSION, CheckpointRef, chain_of, list_checkpoints, parse_name,
+                       ref_of_uri)
 from .reader import CheckpointMismatchError, load_server_parts
 from .schedule import CheckpointConfig, Schedule, parse_duration
 from .writer import DenseBlockState, DenseState, save_server_parts
 
 __all__ = ["CheckpointManager", "CheckpointNotFoundError", "Cluster", "DEFAULT_GROUPS", "FORMAT_VERSION",
-           "CheckpointRef", "chain_of", "list_checkpoints", "parse_name", "CheckpointMismatchError",
+           "CheckpointRef", "chain_of", "list_checkpoints", "parse_name", "ref_of_uri", "CheckpointMismatchError",
            "load_server_parts", "CheckpointConfig", "Schedule", "parse_duration", "DenseBlockState",
            "DenseState", "save_server_parts"]

@@ -113,6 +113,13 @@ def parse_name(name: str) -> CheckpointRef | None:
     return CheckpointRef(parts[0], m.group(1), int(m.group(3) or 0), m.group(2))
 
 
+def ref_of_uri(uri: str) -> CheckpointRef | None:
+    """The reference of a checkpoint directory URI from its last two components
+    (``.../ctr/20240101/0100-delta.2`` -> ``20240101/0100-delta.2``); None when they are not a
+    checkpoint's name (a job root, say)."""
+    return parse_name("/".join(uri.rstrip("/").split("/")[-2:]))
+
+
 def kind_of_uri(uri: str) -> str:
     """``base`` or ``delta`` from the last path component of a checkpoint directory URI.
 

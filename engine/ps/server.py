@@ -236,9 +236,10 @@ class PSServer:
             self._check_generation(method, request)    # again under the tables lock (_run)
             if method in _JOINS and "@" in rid:
                 name = rid.split("@", 1)[0]
-                with self._clients_lock:    # not into a generation that began since the check
-                    if self.generation == generation:
-                        self.clients.add(name)
+                if name not in self.clients:    # the lock only for a client's first request of a generation
+                    with self._clients_lock:    # not into a generation that began since the check
+                        if self.generation == generation:
+                            self.clients.add(name)
             if _mutating(method, request):
                 reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted),
                                         replay=lambda: self._reread(method, request))
