@@ -5,7 +5,12 @@ an exact instant (the way etcd's gofail and TiKV's fail-rs expose them).
 
     ENGINE_FAILPOINTS="checkpoint.before_publish=sleep:1.5"
 
-Actions: ``sleep:SECONDS`` (pause there). Unset, every point costs one dict lookup. Points:
+Actions: ``sleep:SECONDS`` (pause there at every hit), ``sleep:SECONDS@N`` (only at the point's N-th hit in
+this process, counted from 1), several separated by ``,``::
+
+    ENGINE_FAILPOINTS="worker.after_step=sleep:0.05,sleep:600@40"    # slow steps; the 40th step hangs
+
+Unset, every point costs one dict lookup. Points:
 
 ``worker.after_step``
     ``Mode.end_step``: a worker finished a step and reported it (a long sleep here is a training loop
@@ -37,36 +42,50 @@ import time
 log = logging.getLogger(__name__)
 
 ENV = "ENGINE_FAILPOINTS"
-_points: dict[str, tuple[str, float]] | None = None
+_points: dict[str, list[tuple[float, int | None]]] | None = None
+_hits: dict[str, int] = {}
 
 
-def _parse(text: str) -> dict[str, tuple[str, float]]:
-    """``"a=sleep:1;b=sleep:0.5"`` -> {"a": ("sleep", 1.0), ...}.
+def _parse(text: str) -> dict[str, list[tuple[float, int | None]]]:
+    """``"a=sleep:1;b=sleep:0.5,sleep:60@3"`` -> {"a": [(1.0, None)], "b": [(0.5, None), (60.0, 3)]}:
+    (seconds, the hit it applies to, or None for every hit).
 
     Raises
     ------
     ValueError
-        A pair is not ``name=sleep:SECONDS`` (the pair is named).
+        A pair is not ``name=sleep:SECONDS[@N][,...]`` (the pair is named).
     """
     out = {}
     for pair in filter(None, (p.strip() for p in text.split(";"))):
-        name, _, action = pair.partition("=")
-        kind, _, arg = action.partition(":")
-        if not name or kind != "sleep":
+        name, _, actions = pair.partition("=")
+        if not name.strip():
             raise ValueError(f"{ENV}: {pair!r} is not NAME=sleep:SECONDS")
-        try:
-            out[name.strip()] = (kind, float(arg))
-        except ValueError:
-            raise ValueError(f"{ENV}: {pair!r}: {arg!r} is not a number of seconds") from None
+        parsed = []
+        for action in actions.split(","):
+            kind, _, arg = action.strip().partition(":")
+            if kind != "sleep":
+                raise ValueError(f"{ENV}: {pair!r} is not NAME=sleep:SECONDS[@N]")
+            seconds, _, at = arg.partition("@")
+            try:
+                parsed.append((float(seconds), int(at) if at else None))
+            except ValueError:
+                raise ValueError(f"{ENV}: {pair!r}: {arg!r} is not SECONDS or SECONDS@N (N a hit count)") from None
+            if parsed[-1][1] is not None and parsed[-1][1] < 1:
+                raise ValueError(f"{ENV}: {pair!r}: hits are counted from 1, got @{at}")
+        out[name.strip()] = parsed
     return out
 
 
 def hit(name: str) -> None:
-    """Run the action configured for point ``name``, if any."""
+    """Run the actions configured for point ``name`` at this hit, if any."""
     global _points
     if _points is None:
         _points = _parse(os.environ.get(ENV, ""))
-    action = _points.get(name)
-    if action is not None:
-        log.warning("failpoint %s: %s %g s", name, *action)
-        time.sleep(action[1])
+    actions = _points.get(name)
+    if actions is None:
+        return
+    n = _hits[name] = _hits.get(name, 0) + 1
+    for seconds, at in actions:
+        if at is None or at == n:
+            log.warning("failpoint %s: sleep %g s%s", name, seconds, f" (hit {n})" if at is not None else "")
+            time.sleep(seconds)

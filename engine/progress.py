@@ -25,7 +25,9 @@ File format (written atomically: a temporary file renamed over the old one)::
     {"pid": 4242, "beat": 1764061200.5, "step": 1200, "step_time": 1764061200.1, "examples": 153600,
      "marks": {"0:0": 0, "0:256": 32768}, "last_mark": "0:256", "where": {"epoch": 0}, "phase": null}
 
-Without ``ENGINE_PROGRESS_FILE`` (role mode under another scheduler) every call is a no-op.
+Without ``ENGINE_PROGRESS_FILE`` (role mode under another scheduler) nothing is written; a role-mode
+worker with a health port (``engine.liveness``) keeps the same report in memory and answers its
+scheduler's liveness probe by the same rule.
 """
 from __future__ import annotations
 
@@ -88,6 +90,11 @@ class Progress:
             st["step"] += 1
             st["examples"] += int(examples)
             st["step_time"] = time.time()
+
+    def report(self) -> dict:
+        """A copy of the report as it stands (the beat is now: whoever asks, this process answers)."""
+        with self._lock:
+            return json.loads(json.dumps({**self._state, "beat": time.time()}))
 
     def mark(self, name: str) -> None:
         """Remember the examples count at point ``name`` (e.g. a checkpoint's data position)."""
@@ -152,13 +159,14 @@ def current() -> Progress:
     return _current
 
 
-def install(path: str | None = None, startup_s: float | None = None) -> Progress:
+def install(path: str | None = None, startup_s: float | None = None, *, in_memory: bool = False) -> Progress:
     """Start reporting to ``path`` (default: ``$ENGINE_PROGRESS_FILE``), in a start-up phase of
-    ``startup_s`` seconds until the first step; returns the reporter."""
+    ``startup_s`` seconds until the first step; with no file, ``in_memory`` keeps the report in this
+    process only (for ``engine.liveness``); returns the reporter."""
     global _current
     path = path if path is not None else os.environ.get(ENV)
-    if path:
-        _current = Progress(path, startup_s=startup_s)
+    if path or in_memory:
+        _current = Progress(path or None, startup_s=startup_s)
     return _current
 
 

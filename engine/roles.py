@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 #: a worker's exit code when the servers' state changed under it (a generation mismatch) or it lost a server
 #: (unreachable past client.dead_after_s and the retries): restart it
 EXIT_ROLLBACK = 76
+#: rank 0's roll-back of every server, as a liveness phase: a Load's own deadline (``PSClient.load``)
+ROLLBACK_DEADLINE_S = 3600.0
 
 
 @dataclass
@@ -300,7 +302,8 @@ def _roll_back(cfg: EngineConfig, client, health: list[dict]) -> None:
             log.warning("the servers hold different states %s, or this worker's earlier self took part since: "
                         "rolling every server back to %s", states, target)
             mgr, ckpt = job_checkpoints.manager_for(cfg, target)
-            mgr.restore(client, ckpt, fallback=cfg.checkpoint.fallback, floor=floor)
+            with progress.current().phase(f"roll-back to {target}", ROLLBACK_DEADLINE_S):
+                mgr.restore(client, ckpt, fallback=cfg.checkpoint.fallback, floor=floor)
             return
         cleared = client.fence([int(h.get("generation", 0)) for h in health],
                                "worker 0 rolls the job back to its beginning (no checkpoint yet)", clear=True)
@@ -362,23 +365,25 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
                     len(fenced), EXIT_ROLLBACK)
     deadline = time.monotonic() + cfg.cluster.startup_timeout_s
     waited_at = [h.get("generation") for h in client.health()] if not ok else []
-    while not ok:
-        if time.monotonic() > deadline:
-            moved = [h.get("generation") for h in health] != waited_at
-            msg = (f"the servers did not agree on one state within cluster.startup_timeout_s="
-                   f"{cfg.cluster.startup_timeout_s:g}s: {[h.get('restored') for h in health]}")
-            if not moved:       # nobody rolled back, nor restarted: exit 1, which a scheduler counts
-                raise LaunchError(msg + "; nothing changed on the servers meanwhile (is worker 0 running?)")
-            raise NotAgreedError(msg)
-        time.sleep(0.5)
-        health = client.health()
-        ok, uri = _agreed(health, name)
+    with progress.current().phase("waiting for the servers to agree", cfg.cluster.startup_timeout_s):
+        while not ok:
+            if time.monotonic() > deadline:
+                moved = [h.get("generation") for h in health] != waited_at
+                msg = (f"the servers did not agree on one state within cluster.startup_timeout_s="
+                       f"{cfg.cluster.startup_timeout_s:g}s: {[h.get('restored') for h in health]}")
+                if not moved:       # nobody rolled back, nor restarted: exit 1, which a scheduler counts
+                    raise LaunchError(msg + "; nothing changed on the servers meanwhile (is worker 0 running?)")
+                raise NotAgreedError(msg)
+            time.sleep(0.5)
+            health = client.health()
+            ok, uri = _agreed(health, name)
     client.pin_generations(health)      # the state agreed on: a load or fence after it is refused
     if uri is None:
         if all(h.get("fresh") for h in health) and workers > 1:
             # a fresh job: nobody writes before every worker has looked, or a late worker would see some
             # servers in use and others still fresh and take it for a restarted server
-            client.barrier("engine-start", workers, timeout=cfg.cluster.startup_timeout_s)
+            with progress.current().phase("start barrier", cfg.cluster.startup_timeout_s):
+                client.barrier("engine-start", workers, timeout=cfg.cluster.startup_timeout_s)
         return cfg
     log.info("the servers restored %s: resuming at its data position", uri)
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=uri))
@@ -421,15 +426,27 @@ def _end_preempted(client, rank: int, workers: int, timeout: float) -> None:
 def _end_job_barriers(client, rank: int, workers: int, timeout: float, name: str) -> None:
     """Every worker meets at barrier ``name``; the others then say they saw its release and leave, and
     rank 0 waits for all of them (so no worker still polls a server rank 0 then stops)."""
-    client.barrier(name, workers, timeout=timeout)
-    if rank != 0:
-        client.arrive(f"{name}-seen", workers, timeout=timeout)
-        return
-    client.barrier(f"{name}-seen", workers, timeout=timeout)
+    with progress.current().phase(f"barrier {name}", 2 * timeout):
+        client.barrier(name, workers, timeout=timeout)
+        if rank != 0:
+            client.arrive(f"{name}-seen", workers, timeout=timeout)
+            return
+        client.barrier(f"{name}-seen", workers, timeout=timeout)
 
 
-def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) -> dict:
-    """Connect to the servers, build the mode, run the ``model.kind`` program; returns its summary."""
+def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, host: str | None = None,
+               health_port: int | None = None) -> dict:
+    """Connect to the servers, build the mode, run the ``model.kind`` program; returns its summary.
+
+    ``health_port`` (``--health-port``; None or -1: off, 0: a free port): serve this worker's liveness
+    there, plaintext gRPC health checking on ``host`` (default ``cluster.host``), for a scheduler's
+    liveness probe (``engine.liveness``).
+
+    Raises
+    ------
+    RuntimeError
+        The health port could not be bound.
+    """
     from .modes import make_mode
     from .programs import load_program
 
@@ -440,14 +457,22 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
     if not 0 <= rank < workers:
         raise ConfigError(f"--rank must be in [0, {workers}) workers, got {rank}")
     program = load_program(cfg.model.kind)
-    # a supervising launcher watches this file: beats, steps, announced long phases (engine.progress)
-    reporter = progress.install(startup_s=cfg.cluster.startup_timeout_s)
+    # a supervising launcher watches this file: beats, steps, announced long phases (engine.progress);
+    # with a health port, the same report in memory answers a scheduler's liveness probe
+    watched = health_port is not None and health_port >= 0
+    reporter = progress.install(startup_s=cfg.cluster.startup_timeout_s, in_memory=watched)
+    liveness = None
+    if watched:
+        from .liveness import WorkerLiveness
+        liveness = WorkerLiveness(reporter, host or cfg.cluster.host, health_port, cfg.client.dead_after_s,
+                                  f"worker {rank}")
     from .observability import prometheus
     metrics = prometheus.start(cfg, "worker", rank)     # observability.prometheus_port; None: off
     client = connect(cfg, server_endpoints(cfg), name=f"worker{rank}", admin=rank == 0,
                      async_queue=cfg.client.async_queue)
     try:
-        client.wait_ready(cfg.cluster.startup_timeout_s)
+        with reporter.phase("waiting for the servers", cfg.cluster.startup_timeout_s):
+            client.wait_ready(cfg.cluster.startup_timeout_s)
         try:
             cfg = _restored_by_servers(cfg, client, rank, workers)
             mode = make_mode(cfg, client, rank=rank, num_workers=workers)
@@ -481,6 +506,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None) 
     finally:
         client.close()
         reporter.close()
+        if liveness is not None:
+            liveness.close()
         if metrics is not None:
             metrics.close()
     if result_file:

@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
                    help="run one role only (default: launch all locally; env ENGINE_ROLE)")
     p.add_argument("--rank", type=int, default=int(os.environ.get("ENGINE_RANK", "0")),
                    help="rank of this role (env ENGINE_RANK)")
-    p.add_argument("--host", default=None, help="server bind address (default cluster.host)")
+    p.add_argument("--host", default=None, help="server bind address, and a worker's health port's "
+                   "(default cluster.host)")
     p.add_argument("--port", type=int, default=None, help="server port (0: pick a free port)")
     p.add_argument("--ready-file", default=None, help="server: write host:port here once listening")
     p.add_argument("--result-file", default=None, help="worker: write the JSON summary here")
@@ -57,8 +58,9 @@ def add_parser(sub) -> None:
     p.add_argument("--launcher", choices=("local", "ray"), default=None,
                    help="start the roles as local processes or Ray actors (default cluster.launcher)")
     p.add_argument("--health-port", type=int, default=None, metavar="N",
-                   help="server: serve gRPC health checking (plaintext, nothing else) on port N "
-                        "(default cluster.health_port; -1 off, 0 a free port)")
+                   help="serve gRPC health checking (plaintext, nothing else) on port N: a server's "
+                        "readiness and liveness (default cluster.health_port), a worker's liveness (a loop "
+                        "stalled past client.dead_after_s is NOT_SERVING; default off); -1 off, 0 a free port")
     p.add_argument("--allow-load", action="append", default=[], metavar="URI",
                    help="server: clients may also load checkpoints below URI (besides checkpoint.root); "
                         "the launcher passes its --resume URI")
@@ -107,7 +109,8 @@ def _run(args) -> int:
         if args.role == "worker":
             roles.guard_parent()
             preempt.install_handler()        # SIGTERM: checkpoint at the next meeting, then exit 75
-            result = roles.run_worker(cfg, args.rank, result_file=args.result_file)
+            result = roles.run_worker(cfg, args.rank, result_file=args.result_file, host=args.host,
+                                      health_port=args.health_port)
             if result.get("rollback"):
                 return roles.EXIT_ROLLBACK
             return preempt.EXIT_PREEMPTED if result.get("preempted") else 0

@@ -33,8 +33,9 @@ old pod has terminated, so two servers never hold one DNS name. ``terminationGra
 **Health.** Each server also serves the standard gRPC health checking protocol in plaintext on
 ``kubernetes.health_port`` (``cluster.health_port``) and nothing else: kubelet's native ``grpc`` probe
 speaks neither TLS nor tokens. Startup, readiness and liveness probes use it; the startup probe allows
-``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). Workers open no port and have
-no probe.
+``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). Each worker serves its liveness
+on the same port (``engine.liveness``: NOT_SERVING once its loop stalls past ``client.dead_after_s``, no
+answer when frozen), with a startup and a liveness probe (10 s × 3) and no readiness probe.
 
 **Security.** Pods listen on 0.0.0.0, so the config must have TLS, a worker token and an admin token, or
 ``security.insecure: true`` (else ConfigError naming the keys). Their paths are rewritten to the Secret
@@ -316,7 +317,14 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
                               "failureThreshold": max(12, math.ceil(cfg.cluster.startup_timeout_s / 5))}
     server["readinessProbe"] = {**probe, "periodSeconds": 5, "failureThreshold": 2}
     server["livenessProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 6}
-    worker = _container(image, ["train", CONFIG_PATH, "--role", "worker"], worker_env, k.worker_cpu, k.worker_memory)
+    worker = _container(image, ["train", CONFIG_PATH, "--role", "worker", "--host", "0.0.0.0", "--health-port",
+                                str(k.health_port)], worker_env, k.worker_cpu, k.worker_memory)
+    # a worker's liveness (engine.liveness): NOT_SERVING once its loop stalls past client.dead_after_s,
+    # no answer when it is frozen; the kubelet then restarts it and it rejoins by the recovery rule. No
+    # readiness: nothing connects to a worker
+    worker["ports"] = [{"name": "health", "containerPort": k.health_port, "protocol": "TCP"}]
+    worker["startupProbe"] = dict(server["startupProbe"])
+    worker["livenessProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 3}
     if k.storage_secret and not storage_env_names(cfg):   # its keys (AWS_ACCESS_KEY_ID, ...) become variables
         for c in (server, worker):
             c["envFrom"] = [{"secretRef": {"name": k.storage_secret}}]

@@ -35,7 +35,9 @@ class HealthPort:
     def __init__(self, host: str, port: int):
         self.servicer = health.HealthServicer()
         self.server = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="health"),
-                                  options=[("grpc.max_receive_message_length", 4096)])
+                                  # no SO_REUSEPORT: a second process on a port in use must fail,
+                                  # not split the probes with the first
+                                  options=[("grpc.max_receive_message_length", 4096), ("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:

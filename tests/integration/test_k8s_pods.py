@@ -16,8 +16,8 @@ What stands in for Kubernetes (``Kubelet`` below), and nothing else is changed:
 * networking: server i's DNS name ``{job}-{i}.{service}`` becomes 127.0.0.1 with a free PS port and a
   free health port (``ENGINE_SERVERS``, ``--port``, ``--health-port``), and ``--host 0.0.0.0`` becomes
   127.0.0.1 (TLS is checked against 127.0.0.1, which every server certificate names);
-* the probes: the servers' health ports must answer SERVING (grpc.health.v1) within the startup
-  probe's budget;
+* the probes: the servers' health ports, and the workers' liveness ports (a free port each, on
+  127.0.0.1), must answer SERVING (grpc.health.v1) within their startup probes' budget;
 * the Job controller, in the preemption tests: SIGTERM as on eviction, and a replacement pod with the
   same index (a fresh filesystem) for each pod that exited 75, which the podFailurePolicy ignores; the
   replacements resume at the checkpoint (servers pass ``--resume``; workers that find servers in use
@@ -89,6 +89,7 @@ class Kubelet:
         svc = self.service["metadata"]["name"]
         self.servers = {f"{server_job['metadata']['name']}-{i}.{svc}": (ports[2 * i], ports[2 * i + 1]) for i in range(n)}
         self.server_job = server_job["metadata"]["name"]
+        self.workers: dict[str, int] = {}        # a worker pod's name -> its health port (its replacements keep it)
 
     def pod(self, job: dict, index: int, root: Path | None = None) -> tuple[list[str], dict, Path, str]:
         """(argv, env, cwd, hostname) of pod ``index`` of ``job``, its filesystem under ``root``
@@ -138,6 +139,11 @@ class Kubelet:
         if hostname + "." + self.service["metadata"]["name"] in self.servers:
             ps, health = self.servers[hostname + "." + self.service["metadata"]["name"]]
             for flag, value in (("--host", "127.0.0.1"), ("--port", str(ps)), ("--health-port", str(health))):
+                args[args.index(flag) + 1] = value
+        else:                                    # a worker: its liveness port, on the pod's own address
+            health = self.workers.setdefault(name, free_ports(1)[0])
+            assert args[args.index("--health-port") + 1] == str(c["livenessProbe"]["grpc"]["port"])
+            for flag, value in (("--host", "127.0.0.1"), ("--health-port", str(health))):
                 args[args.index(flag) + 1] = value
         return [ENGINE, *args], env, Path(local(c["workingDir"])), hostname
 
@@ -231,12 +237,17 @@ class Pods:
 
     def start_all(self) -> tuple[list, list, list[float]]:
         """Both Jobs at once (kubectl apply); returns (servers, workers, seconds until each server's health
-        port answered SERVING, within the startup probe's budget)."""
+        port answered SERVING, within the startup probe's budget); each worker's liveness port must answer
+        SERVING within its startup probe's budget too."""
         servers = [self.start(self.server_job, i) for i in range(self.server_job["spec"]["completions"])]
         workers = [self.start(self.worker_job, i) for i in range(self.worker_job["spec"]["completions"])]
-        probe = self.server_job["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
-        ready = [wait_serving(port, probe["periodSeconds"] * probe["failureThreshold"], servers + workers)
+        budget = {job["metadata"]["name"]: probe["periodSeconds"] * probe["failureThreshold"]
+                  for job in (self.server_job, self.worker_job)
+                  for probe in [job["spec"]["template"]["spec"]["containers"][0]["startupProbe"]]}
+        ready = [wait_serving(port, budget[self.server_job["metadata"]["name"]], servers + workers)
                  for _, port in self.kubelet.servers.values()]
+        for port in self.kubelet.workers.values():
+            wait_serving(port, budget[self.worker_job["metadata"]["name"]], servers + workers)
         return servers, workers, ready
 
     def kill_all(self) -> None:

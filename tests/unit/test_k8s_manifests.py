@@ -210,7 +210,8 @@ def test_engine_servers_are_the_server_pods_dns_names(creds):
     args = container(server)["args"]
     assert args == ["train", k8s.CONFIG_PATH, "--role", "server", "--host", "0.0.0.0", "--port", "7100",
                     "--health-port", "7101", "--resume"]    # a replacement server loads the newest checkpoint
-    assert container(worker)["args"] == ["train", k8s.CONFIG_PATH, "--role", "worker"]
+    assert container(worker)["args"] == ["train", k8s.CONFIG_PATH, "--role", "worker", "--host", "0.0.0.0",
+                                         "--health-port", "7101"]       # its liveness (engine.liveness)
 
 
 def test_an_operators_resume_uri_is_what_every_server_starts_from(creds, tmp_path):
@@ -233,7 +234,12 @@ def test_probes_use_the_plaintext_grpc_health_port(creds):
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"] == {"port": 7201}, probe
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120   # startup_timeout_s
-    assert not any(k.endswith("Probe") for k in container(worker))
+    # a worker: startup and liveness (a stalled loop or a frozen process), no readiness (nothing connects)
+    w = container(worker)
+    assert sorted(k for k in w if k.endswith("Probe")) == ["livenessProbe", "startupProbe"]
+    assert w["livenessProbe"]["grpc"] == w["startupProbe"]["grpc"] == {"port": 7201}
+    assert w["ports"] == [{"name": "health", "containerPort": 7201, "protocol": "TCP"}]
+    assert w["startupProbe"]["periodSeconds"] * w["startupProbe"]["failureThreshold"] >= 120
 
 
 def test_pod_failure_policy_maps_the_exit_codes(creds):

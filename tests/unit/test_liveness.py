@@ -1,0 +1,80 @@
+"""A role-mode worker's liveness port (``engine.liveness``), through a real gRPC health channel: SERVING
+in its start-up, while it steps and inside an announced phase within its deadline; NOT_SERVING once its
+start-up, its loop or a phase stalls past the rule (``progress.stalled``), and SERVING again when it
+moves; nothing at all once closed."""
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine import progress
+from engine.liveness import WorkerLiveness
+
+
+def status(port: int) -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+@pytest.fixture
+def live():
+    made = []
+
+    def make(reporter, dead_after_s):
+        made.append(WorkerLiveness(reporter, "127.0.0.1", 0, dead_after_s, "worker 1"))
+        return made[-1]
+    yield make
+    for w in made:
+        w.close()
+
+
+def test_serving_while_it_steps_and_not_once_the_loop_stalls(live, caplog):
+    reporter = progress.Progress(None, startup_s=1.0)
+    w = live(reporter, 1.0)
+    assert status(w.port) == "SERVING"                     # start-up, within its deadline
+    time.sleep(1.1)
+    with caplog.at_level(logging.ERROR, "engine.liveness"):
+        assert "'start-up' has run" in w.check()
+    assert status(w.port) == "NOT_SERVING"
+    reporter.step(256)
+    assert w.check() is None and status(w.port) == "SERVING"
+    time.sleep(1.1)                                        # no step: a hang
+    assert "no training step for" in w.check() and status(w.port) == "NOT_SERVING"
+    assert w.check() and caplog.text.count("liveness NOT_SERVING") == 2    # once per stall, not at every look
+    with reporter.phase("checkpoint at 0:8", 2.0):         # a phase with its own deadline
+        assert w.check() is None and status(w.port) == "SERVING"
+        time.sleep(2.1)
+        assert "'checkpoint at 0:8' has run" in w.check() and status(w.port) == "NOT_SERVING"
+    assert w.check() is None                               # the phase ended: the loop resumes now
+
+
+def test_the_watch_thread_updates_the_status_without_being_asked(live):
+    reporter = progress.Progress(None)
+    reporter.step()
+    w = live(reporter, 0.2)
+    deadline = time.monotonic() + 10
+    while status(w.port) == "SERVING" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert status(w.port) == "NOT_SERVING" and "no training step" in w.why
+
+
+def test_closed_it_answers_nothing(live):
+    w = live(progress.Progress(None), 5)
+    port = w.port
+    w.close()
+    with pytest.raises(grpc.RpcError) as e:
+        status(port)
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_a_port_in_use_is_refused_naming_it(live):
+    """gRPC binds with SO_REUSEPORT by default: a second worker on the same port would have split the
+    probes with the first, each answering for the other."""
+    w = live(progress.Progress(None), 5)
+    with pytest.raises(RuntimeError, match=f"cannot bind 127.0.0.1:{w.port}"):
+        WorkerLiveness(progress.Progress(None), "127.0.0.1", w.port, 5, "worker 2")
