@@ -16,7 +16,12 @@ nothing else: ``engine.ps.health.HealthPort``, as the servers do) and answers by
   kubelet restarts the container, and the restarted worker joins by the recovery rule (it finds its name
   among the servers' writers and fences them, or as rank 0 rolls the job back);
 - no answer at all when the process is frozen (SIGSTOP, a host swapping to death): the probe times out,
-  with the same outcome.
+  with the same outcome;
+- SERVING while it waits inside a call to a server within that call's bound (``engine.ps.inflight``):
+  a server that froze or whose host was lost holds every worker's calls, and the worker finds it
+  itself (``ShardUnavailableError``: it exits 76, which Kubernetes' podFailurePolicy does not count),
+  where a liveness restart would have counted the server's failure against each worker. After a call
+  of a second or more, the loop's stall is measured from the call's end.
 
 A worker stalled in one step is found after ``client.dead_after_s`` plus the probe's period times its
 failure threshold (``engine k8s`` renders 10 s × 3).
@@ -45,6 +50,8 @@ class WorkerLiveness:
         A step, or a phase's end, later than this is a stall (``client.dead_after_s``).
     name : str
         How the log names this process (``worker 1``).
+    in_flight : engine.ps.inflight.InFlight, optional
+        The worker's calls to its servers (``PSClient.in_flight``).
 
     Raises
     ------
@@ -52,13 +59,16 @@ class WorkerLiveness:
         The address could not be bound.
     """
 
-    def __init__(self, reporter: progress.Progress, host: str, port: int, dead_after_s: float, name: str):
+    def __init__(self, reporter: progress.Progress, host: str, port: int, dead_after_s: float, name: str,
+                 in_flight=None):
         from .ps.health import HealthPort
         self.reporter, self.dead_after_s, self.name = reporter, float(dead_after_s), name
+        self.in_flight = in_flight
         self.started = time.time()
         self.probe = HealthPort(host, port)
         self.port = self.probe.port
         self.why: str | None = None
+        self.waiting: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.check()
@@ -71,7 +81,16 @@ class WorkerLiveness:
             return self._check()
 
     def _check(self) -> str | None:
-        why = progress.stalled(self.reporter.report(), time.time(), self.dead_after_s, self.started)
+        report = self.reporter.report()
+        if self.in_flight is not None:      # the loop resumes when a long call returns
+            report["step_time"] = max(float(report["step_time"]), self.in_flight.long_call_ended)
+        why = progress.stalled(report, time.time(), self.dead_after_s, self.started)
+        waiting = self.in_flight.waiting() if why and self.in_flight is not None else None
+        if waiting:
+            if waiting != self.waiting:
+                log.debug("%s: stalled (%s), but waiting inside a bounded call: %s", self.name, why, waiting)
+            why = None
+        self.waiting = waiting
         if why and not self.why:
             log.error("%s: liveness NOT_SERVING: %s (client.dead_after_s=%g); a liveness probe restarts this "
                       "process, and restarted it rejoins the job by the recovery rule", self.name, why,

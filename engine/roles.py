@@ -461,16 +461,16 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
     # with a health port, the same report in memory answers a scheduler's liveness probe
     watched = health_port is not None and health_port >= 0
     reporter = progress.install(startup_s=cfg.cluster.startup_timeout_s, in_memory=watched)
-    liveness = None
-    if watched:
-        from .liveness import WorkerLiveness
-        liveness = WorkerLiveness(reporter, host or cfg.cluster.host, health_port, cfg.client.dead_after_s,
-                                  f"worker {rank}")
     from .observability import prometheus
     metrics = prometheus.start(cfg, "worker", rank)     # observability.prometheus_port; None: off
     client = connect(cfg, server_endpoints(cfg), name=f"worker{rank}", admin=rank == 0,
                      async_queue=cfg.client.async_queue)
+    liveness = None
     try:
+        if watched:
+            from .liveness import WorkerLiveness
+            liveness = WorkerLiveness(reporter, host or cfg.cluster.host, health_port, cfg.client.dead_after_s,
+                                      f"worker {rank}", in_flight=client.in_flight)
         with reporter.phase("waiting for the servers", cfg.cluster.startup_timeout_s):
             client.wait_ready(cfg.cluster.startup_timeout_s)
         try:

@@ -67,6 +67,7 @@ from ._status import too_large as _too_large
 from ._status import too_large_error as _too_large_error
 from ._status import typed as _typed
 from .async_push import AsyncPusher
+from .inflight import InFlight
 from .dense_client import DenseClient, DenseOptimizerState  # noqa: F401  (re-exported)
 from .server import GENERATION_CHECKED
 from .transport import GrpcTransport, Transport
@@ -132,6 +133,8 @@ class PSClient(DenseClient):
         self._async_cap = int(async_queue)
         self._pusher: AsyncPusher | None = None
         self._closed = False
+        #: the calls in flight, for a worker's liveness check (``engine.liveness``)
+        self.in_flight = InFlight()
 
     # ------------------------------------------------------------------ plumbing
     def _rid(self) -> str:
@@ -151,6 +154,14 @@ class PSClient(DenseClient):
             msg = request.msg if isinstance(request, codec.Wire) else request
             if not msg.generation:
                 msg.generation = self.generations()[server]
+        token = self.in_flight.enter(server, method, timeout * (self.retries + 1) + 5.0)
+        try:
+            return self._attempts(server, method, request, idempotent, timeout)
+        finally:
+            self.in_flight.exit(token)
+
+    def _attempts(self, server: int, method: str, request, idempotent: bool, timeout: float):
+        """``_call``'s attempts: the first, and its retries."""
         delay = self.backoff_s
         attempts = 0
         started = time.monotonic()

@@ -78,3 +78,30 @@ def test_a_port_in_use_is_refused_naming_it(live):
     w = live(progress.Progress(None), 5)
     with pytest.raises(RuntimeError, match=f"cannot bind 127.0.0.1:{w.port}"):
         WorkerLiveness(progress.Progress(None), "127.0.0.1", w.port, 5, "worker 2")
+
+
+def test_a_worker_waiting_inside_a_bounded_call_is_not_stalled(live):
+    """A server that froze holds the worker's calls: the worker finds it itself within the call's bound
+    (and exits 76, not counted by a Job's backoffLimit); a liveness restart must not come first. Past
+    the bound it is stalled again; after a long call the stall is measured from the call's end."""
+    from engine.ps import inflight
+    calls = inflight.InFlight()
+    reporter = progress.Progress(None)
+    reporter.step()
+    w = WorkerLiveness(reporter, "127.0.0.1", 0, 0.5, "worker 0", in_flight=calls)
+    try:
+        token = calls.enter(1, "Pull", 1.5)
+        time.sleep(0.7)
+        assert w.check() is None and status(w.port) == "SERVING"
+        assert w.waiting.startswith("Pull to server 1 for ")
+        time.sleep(1.0)                                     # past the call's bound: a hang inside it
+        assert "no training step" in w.check() and status(w.port) == "NOT_SERVING"
+        calls.exit(token)                                   # it returned (a long call): the loop resumes
+        assert calls.long_call_ended > 0 and w.check() is None
+        time.sleep(0.6)
+        assert "no training step" in w.check()              # and stalls again with no step after it
+        short = calls.enter(0, "Push", 60)
+        calls.exit(short)                                   # a short call is not a wait: still stalled
+        assert w.check() and calls.waiting() is None
+    finally:
+        w.close()

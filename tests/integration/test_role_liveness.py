@@ -1,0 +1,181 @@
+"""Role mode under a scheduler's liveness probe (Kubernetes without a launcher): a worker whose loop hangs
+(a real process; the failpoint ``worker.after_step=sleep:600@N`` stops it at its N-th step while it
+stays alive), or a role frozen with SIGSTOP, is found by the probe on its health port (``--health-port``:
+``engine.liveness`` for a worker, the server's own), restarted, and the job recovers by the recovery rule
+and trains every example exactly once (the servers' show counts in the final checkpoint).
+
+``Pod`` stands for the Job controller and the kubelet, nothing else: it starts a role, probes its health
+port as a liveness probe does (after a first SERVING, the startup probe's work; every ``period_s``, a
+``timeout_s`` deadline; ``failures`` in a row, NOT_SERVING or no answer, restart it: SIGTERM, then
+SIGKILL after ``grace_s``) and starts it again after any exit but 0 and 2. Before ``engine.liveness``,
+a hung role-mode worker held its peer at the next checkpoint meeting until the barrier timed out, and
+then again after each of its restarts, for as long as it stayed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.checkpoint import CheckpointManager
+from tests.integration.test_chaos_offline import REPO, args, run
+from tests.integration.test_role_resume import assert_every_example_once, free_ports, role_cmd, role_env
+from tests.waiting import until
+
+pytestmark = pytest.mark.slow
+
+
+def health(port: int, timeout_s: float) -> str:
+    """The overall status on ``127.0.0.1:port``, or the error's code name (no answer)."""
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    except grpc.RpcError as e:
+        return e.code().name
+
+
+class Pod:
+    """One role under a Job controller and a kubelet (module docstring). ``env_of(start)``: the
+    environment of its ``start``-th start (0 first); ``codes``: its exit codes; ``restarted``: why the
+    probe restarted it, once per restart; ``proc``: the running process."""
+
+    def __init__(self, cmd: list[str], env_of: Callable[[int], dict], log: Path, port: int, *, restarts: int = 3,
+                 period_s: float = 0.5, timeout_s: float = 1.0, failures: int = 3, grace_s: float = 2.0,
+                 startup_s: float = 120.0):
+        self.cmd, self.env_of, self.log, self.port, self.restarts = cmd, env_of, log, port, restarts
+        self.period_s, self.timeout_s, self.failures, self.grace_s = period_s, timeout_s, failures, grace_s
+        self.startup_s = startup_s
+        self.codes: list[int] = []
+        self.restarted: list[str] = []
+        self.proc: subprocess.Popen | None = None
+        self.stopped = False
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            with self.lock, open(self.log, "a") as log:
+                if self.stopped:
+                    return
+                log.write(f"=== start {len(self.codes)} at {time.time():.3f}\n")
+                log.flush()
+                self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env_of(len(self.codes)),
+                                             stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+            self._probe(self.proc)
+            self.codes.append(self.proc.wait())
+            if self.codes[-1] in (0, 2) or len(self.codes) > self.restarts:
+                return
+            time.sleep(0.2)                  # the controller's back-off, short
+
+    def _probe(self, proc: subprocess.Popen) -> None:
+        started, failed, t0 = False, 0, time.monotonic()
+        while proc.poll() is None and not self.stopped:
+            time.sleep(self.period_s)
+            status = health(self.port, self.timeout_s)
+            if status == "SERVING":
+                started, failed = True, 0
+                continue
+            if not started:                  # the startup probe's budget
+                if time.monotonic() - t0 > self.startup_s:
+                    self._restart(proc, f"startup probe: {status}")
+                continue
+            failed += 1
+            if failed >= self.failures:
+                self._restart(proc, f"liveness probe: {status} {failed} times in a row")
+                return
+
+    def _restart(self, proc: subprocess.Popen, why: str) -> None:
+        """The kubelet's container restart: SIGTERM, SIGKILL after the grace period."""
+        self.restarted.append(why)
+        with open(self.log, "a") as log:
+            log.write(f"=== {why}: restarting at {time.time():.3f}\n")
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(self.grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the running process's group; False when none runs."""
+        with self.lock:
+            p = self.proc
+            if p is None or p.poll() is not None:
+                return False
+            os.killpg(p.pid, sig)
+            return True
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.signal(signal.SIGKILL)
+        self.thread.join(30)
+
+
+# a fault of each kind: the role it strikes, and how; "hang" is the failpoint, armed at the role's first start
+FAULTS = {"worker-hang": ("worker", 1, "hang"),
+          "worker-frozen": pytest.param(("worker", 1, signal.SIGSTOP), marks=pytest.mark.long),
+          "server-frozen": pytest.param(("server", 1, signal.SIGSTOP), marks=pytest.mark.long)}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS.values()), ids=list(FAULTS))
+def test_a_hung_or_frozen_role_is_restarted_by_its_liveness_probe_and_the_job_counts_every_example_once(
+        tmp_path, fault):
+    """Async CTR-DNN, 2 servers and 2 workers started with ``--role`` and ``--health-port``. After the
+    job's first checkpoint, worker 1's loop hangs (``worker-hang``: it stays alive, its heartbeat is
+    fine, its steps stop), or a role is frozen (SIGSTOP). The probe restarts it; the job finishes by
+    itself, and the servers' show counts equal the epochs' examples. A hung worker says why in its log
+    (``liveness NOT_SERVING: no training step for ...``)."""
+    role, rank, how = fault
+    sets = ("mode=async", "cluster.workers=2", "model.blas_threads=1")
+    run(args(tmp_path, "full", *sets))       # the config, its data converted to Arrow, as role mode needs
+    ports, health_ports = free_ports(2), free_ports(4)
+    base = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1"}
+    # the hang: worker 1's 12th step (after the first checkpoint, at 8), in its first start only
+    hang = {**base, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1,sleep:600@12"}
+    fast = ("--set", "client.dead_after_s=3")       # every role: the same keepalive on both ends
+    result = tmp_path / "role-result.json"
+    pods = [Pod(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), "--health-port",
+                         str(health_ports[r]), "--resume", *fast), lambda n: base,
+                tmp_path / f"server-{r}.log", health_ports[r]) for r in range(2)]
+    pods += [Pod(role_cmd(tmp_path, "role", "worker", r, "--health-port", str(health_ports[2 + r]), *fast,
+                          *(("--result-file", str(result)) if r == 0 else ())),
+                 (lambda n: hang if n == 0 else base) if (how == "hang" and r == rank) else (lambda n: base),
+                 tmp_path / f"worker-{r}.log", health_ports[2 + r]) for r in range(2)]
+    target = pods[rank if role == "server" else 2 + rank]
+    try:
+        mgr = CheckpointManager(str(tmp_path / "ckpt-role"), "ctr_dnn")
+        until(lambda: len(mgr.list()) >= 1 or any(p.codes for p in pods), "a checkpoint", timeout_s=180,
+              every_s=0.05)
+        assert not any(p.codes for p in pods), [p.codes for p in pods]
+        if how != "hang":
+            assert target.signal(how)
+        for p in pods[2:]:
+            p.thread.join(300)
+        assert all(p.done and p.codes[-1] == 0 for p in pods[2:]), [p.codes for p in pods]
+        assert len(target.restarted) == 1 and target.codes[0] == -signal.SIGKILL, (target.restarted, target.codes)
+        assert "liveness probe" in target.restarted[0]
+        others = [p for p in pods if p is not target]
+        assert not any(p.restarted for p in others), [p.restarted for p in others]
+    finally:
+        for p in pods:
+            p.stop()
+    if how == "hang":
+        log1 = (tmp_path / "worker-1.log").read_text()
+        assert "liveness NOT_SERVING: no training step for" in log1, log1[-3000:]
+        assert "failpoint worker.after_step: sleep 600 s (hit 12)" in log1
+    assert_every_example_once(result)
