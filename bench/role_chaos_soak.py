@@ -1,21 +1,31 @@
 """Role-mode chaos soak, outside CI: the recovery rule without a launcher, as Kubernetes runs a job.
 
 CTR-DNN on generated rows (the offline chaos test's setting: 3000 rows, 2 servers, checkpoints every 8
-aligned steps), async, 2 workers, started by hand with ``--role`` as a scheduler starts pods. Each role
-has a scheduler of its own (``RoleScheduler``, what a Job controller does for one pod): it starts the
-role and starts it again after any exit but 0 and 2, servers with ``--resume`` (the job's newest
-checkpoint, as ``engine k8s`` renders them). ``--faults`` times, at a random moment 1-6 s apart (drawn
-from ``--seed``), a random role (a server or a worker) is killed with SIGKILL, wherever it is: training,
-inside a checkpoint, a roll-back, a fence or its own start.
+aligned steps), async, 2 workers, started by hand with ``--role`` and ``--health-port`` as a scheduler
+starts pods. Each role runs in a ``Pod`` (``tests/integration/test_role_liveness.py``: what a Job
+controller and the kubelet do for one pod): it starts the role, restarts it when its liveness probe
+fails 3 times in a row (0.5 s apart, 1 s deadline; SIGTERM, then SIGKILL after 2 s), and starts it again
+after any exit but 0 and 2, servers with ``--resume`` (the job's newest checkpoint, as ``engine k8s``
+renders them). ``--faults`` times, at a random moment 1-6 s apart (drawn from ``--seed``), a random role
+(a server or a worker) gets a fault of a random kind of ``--kinds``, wherever it is: training, inside a
+checkpoint, a roll-back, a fence or its own start:
+
+- ``kill``: SIGKILL (a crash, an OOM kill);
+- ``stop``: SIGSTOP (a frozen process: its probe stops answering and the kubelet restarts it);
+- ``hang`` (workers only): the next start of that worker hangs its training loop at a random step
+  (the failpoint ``worker.after_step=...,sleep:600@N``): alive, its heartbeat fine, its steps stopped;
+  its liveness port (``engine.liveness``) says NOT_SERVING after ``client.dead_after_s`` (30 s).
 
 The job must finish by itself: both workers exit 0, and every training example counted exactly once,
 proven by the servers' show counts in the final checkpoint (each example adds one show to each of its 26
 keys: more is an example trained twice, less a lost one). Exit codes on the way are the recovery rule's:
-76 (roll back), 1 (a call that failed mid-way, counted by a scheduler's backoffLimit) is reported.
+76 (roll back), 1 (a call that failed mid-way, counted by a scheduler's backoffLimit) is reported, and
+so is every liveness restart, with the probe's reason.
 
 Prints one JSON line per seed with a ``bench`` field (``role_chaos_soak``)::
 
-    python bench/role_chaos_soak.py [--faults 6] [--seeds 0 1 2] [--epochs 12] [--timeout-s 900] [--set mode=sync]
+    python bench/role_chaos_soak.py [--faults 6] [--seeds 0 1 2] [--epochs 12] [--kinds kill stop hang]
+        [--timeout-s 900] [--set mode=sync] [--reference]
 """
 from __future__ import annotations
 
@@ -26,7 +36,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -37,57 +46,14 @@ sys.path.insert(0, str(REPO))
 
 from tests.integration.test_chaos_offline import ROWS, SLOTS, args, run  # noqa: E402
 from tests.integration.test_offline_resume import _state  # noqa: E402
+from tests.integration.test_role_liveness import Pod  # noqa: E402
 from tests.integration.test_role_resume import free_ports, role_cmd, role_env  # noqa: E402
 
-
-class RoleScheduler:
-    """Start one role, and start it again after any exit but 0 and 2 (a config error), at most
-    ``restarts`` times; ``codes`` lists its exit codes, ``proc`` is the running process."""
-
-    def __init__(self, cmd: list[str], env: dict, log: Path, restarts: int):
-        self.cmd, self.env, self.log, self.restarts = cmd, env, log, restarts
-        self.codes: list[int] = []
-        self.proc: subprocess.Popen | None = None
-        self.stopped = False
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stopped:
-            with self.lock, open(self.log, "a") as log:
-                if self.stopped:
-                    return
-                log.write(f"=== start {len(self.codes)} at {time.time():.3f}\n")
-                log.flush()
-                self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL,
-                                             stderr=log, start_new_session=True)
-            self.codes.append(self.proc.wait())
-            if self.codes[-1] in (0, 2) or len(self.codes) > self.restarts:
-                return
-            time.sleep(0.2)                  # a scheduler's back-off, short
-
-    @property
-    def done(self) -> bool:
-        return not self.thread.is_alive()
-
-    def kill(self) -> bool:
-        """SIGKILL the running process's group; False when none runs."""
-        with self.lock:
-            p = self.proc
-            if p is None or p.poll() is not None:
-                return False
-            os.killpg(p.pid, signal.SIGKILL)
-            return True
-
-    def stop(self) -> None:
-        self.stopped = True
-        self.kill()
-        self.thread.join(30)
+KINDS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extra: tuple[str, ...] = (),
-         shows_expected: float | None = None) -> dict:
+         shows_expected: float | None = None, kinds: tuple[str, ...] = ("kill",)) -> dict:
     """One soak; ``shows_expected``: the show count of an uninterrupted run of the same setting (None:
     every training example of every epoch, which async trains; sync drops each shard's last partial
     batch, so its expected count comes from a reference run, ``faults`` 0)."""
@@ -97,18 +63,34 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
     if not (work / "run-full" / "config.yaml").exists():
         run(args(work, "full", *sets))          # the resolved config, its data converted to Arrow
     tag = f"soak{seed}"
-    ports = free_ports(2)
-    env = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}
+    ports, health = free_ports(2), free_ports(4)
+    slow = "worker.after_step=sleep:0.05"
+    env = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": slow}
+    hangs_due = [0, 0]            # per worker rank: hangs to arm at its next start
+    hangs_armed: list[dict] = []
+
+    def worker_env(rank: int):
+        def env_of(start: int) -> dict:
+            if not hangs_due[rank]:
+                return env
+            hangs_due[rank] -= 1
+            at = int(rng_hang.integers(3, 40))        # a step of this start (a resumed start has fewer)
+            hangs_armed.append({"rank": rank, "start": start, "step": at})
+            return {**env, "ENGINE_FAILPOINTS": f"{slow},sleep:600@{at}"}
+        return env_of
+    rng_hang = np.random.default_rng(seed + 10_000)
     logs = work / tag
     logs.mkdir(exist_ok=True)
     result = logs / "result.json"
     # the resolved config of the first soak in ``work`` holds its epochs: this soak's are set again,
     # with the --set values of this run (e.g. mode=sync)
     epochs_set = tuple(a for kv in (f"model.epochs={epochs}", *extra) for a in ("--set", kv))
-    servers = [RoleScheduler(role_cmd(work, tag, "server", r, "--port", str(ports[r]), "--resume", *epochs_set),
-                             env, logs / f"server-{r}.log", faults + 3) for r in range(2)]
-    workers = [RoleScheduler(role_cmd(work, tag, "worker", r, *(("--result-file", str(result)) if r == 0 else ()),
-                                      *epochs_set), env, logs / f"worker-{r}.log", faults + 3) for r in range(2)]
+    servers = [Pod(role_cmd(work, tag, "server", r, "--port", str(ports[r]), "--health-port", str(health[r]),
+                            "--resume", *epochs_set), lambda n: env, logs / f"server-{r}.log", health[r],
+                   restarts=faults + 3) for r in range(2)]
+    workers = [Pod(role_cmd(work, tag, "worker", r, "--health-port", str(health[2 + r]),
+                            *(("--result-file", str(result)) if r == 0 else ()), *epochs_set), worker_env(r),
+                   logs / f"worker-{r}.log", health[2 + r], restarts=faults + 3) for r in range(2)]
     roles = [("server", r, s) for r, s in enumerate(servers)] + [("worker", r, w) for r, w in enumerate(workers)]
     injected: list[dict] = []
     t0 = time.monotonic()
@@ -117,9 +99,17 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
         while (len(injected) < faults and time.monotonic() < deadline and not all(w.done for w in workers)
                and not any(w.done and w.codes[-1] != 0 for w in workers)):
             time.sleep(float(rng.uniform(1.0, 6.0)))
-            role, rank, sched = roles[int(rng.integers(0, len(roles)))]
-            if sched.kill():
-                injected.append({"role": role, "rank": rank, "at_s": round(time.monotonic() - t0, 1)})
+            role, rank, pod = roles[int(rng.integers(0, len(roles)))]
+            kind = kinds[int(rng.integers(0, len(kinds)))]
+            if kind == "hang" and role == "worker":      # armed for its next start, which a kill brings now
+                hangs_due[rank] += 1
+                if pod.signal(signal.SIGKILL):
+                    injected.append({"role": role, "rank": rank, "kind": kind,
+                                     "at_s": round(time.monotonic() - t0, 1)})
+                else:
+                    hangs_due[rank] -= 1
+            elif kind != "hang" and pod.signal(KINDS[kind]):
+                injected.append({"role": role, "rank": rank, "kind": kind, "at_s": round(time.monotonic() - t0, 1)})
         while time.monotonic() < deadline and not all(w.done for w in workers):
             if any(w.done and w.codes[-1] != 0 for w in workers):     # a worker its scheduler gave up on
                 break
@@ -130,11 +120,15 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
             s.stop()
     out = {"bench": "role_chaos_soak", "sets": list(extra), "seed": seed, "faults": len(injected), "injected": injected,
            "epochs": epochs, "elapsed_s": round(time.monotonic() - t0, 1), "finished": finished,
-           "worker_codes": [w.codes for w in workers], "server_codes": [s.codes for s in servers]}
+           "worker_codes": [w.codes for w in workers], "server_codes": [s.codes for s in servers],
+           "hangs_armed": hangs_armed,
+           "probe_restarts": {f"{role}{rank}": pod.restarted for role, rank, pod in roles if pod.restarted}}
     text = {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")}
     out["rollbacks"] = sum(t.count("rolling every server back to") for t in text.values())
     out["fences"] = sum(t.count(" server(s): the running workers exit") for t in text.values())
     out["tracebacks"] = {n: t.count("Traceback") for n, t in text.items() if "Traceback" in t}
+    out["hangs_reached"] = sum(t.count("failpoint worker.after_step: sleep 600 s") for t in text.values())
+    out["liveness_not_serving"] = sum(t.count("liveness NOT_SERVING") for t in text.values())
     if shows_expected is None:
         shows_expected = epochs * sum(1 for i in range(ROWS) if i % 5 != 4) * SLOTS
     out["shows_expected"] = shows_expected
@@ -153,6 +147,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--timeout-s", type=float, default=900.0)
     ap.add_argument("--keep", help="work directory to keep (default: a temporary one, removed)")
+    ap.add_argument("--kinds", nargs="+", default=["kill"], choices=["kill", "stop", "hang"],
+                    help="the faults drawn from (a hang strikes a worker only; drawn for a server, it is skipped)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a config value for the roles, e.g. --set mode=sync")
     ap.add_argument("--reference", action="store_true",
@@ -168,7 +164,8 @@ def main() -> None:
             print(json.dumps({**ref, "bench": "role_chaos_soak_reference"}), flush=True)
             expected = ref.get("shows")
         for seed in a.seeds:
-            print(json.dumps(soak(work, seed, a.faults, a.epochs, a.timeout_s, tuple(a.sets), expected)), flush=True)
+            print(json.dumps(soak(work, seed, a.faults, a.epochs, a.timeout_s, tuple(a.sets), expected,
+                                  tuple(a.kinds))), flush=True)
 
 
 if __name__ == "__main__":

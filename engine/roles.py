@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 EXIT_ROLLBACK = 76
 #: rank 0's roll-back of every server, as a liveness phase: a Load's own deadline (``PSClient.load``)
 ROLLBACK_DEADLINE_S = 3600.0
+#: roll-backs rank 0 makes at one start (again when the servers move and disagree after one)
+MAX_ROLLBACKS = 5
 
 
 @dataclass
@@ -333,7 +335,11 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
       rank 0 among them, and restarted, rank 0 rolls every server back. Without the fence a worker
       replaced alone would wait for an agreement that never comes while the others train on.
 
-    The other ranks wait until the servers agree. The agreed checkpoint becomes this worker's
+    The other ranks wait until the servers agree; so does rank 0 after its roll-back, and it rolls back
+    again (at most ``MAX_ROLLBACKS`` times) while they disagree, which they do only when they moved
+    since (a server restarted, or a fence): a worker
+    restarted with it can look while the roll-back is half done and fence the servers that already
+    loaded. The agreed checkpoint becomes this worker's
     ``checkpoint.restored``. When every server is fresh (a new job), the workers meet at a start barrier
     before any of them writes, so a worker that starts late (Ray or a scheduler start them one by one)
     never mistakes servers its peers already wrote to for a restarted server.
@@ -365,6 +371,7 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
                     len(fenced), EXIT_ROLLBACK)
     deadline = time.monotonic() + cfg.cluster.startup_timeout_s
     waited_at = [h.get("generation") for h in client.health()] if not ok else []
+    rolled_back = 1 if not ok and rank == 0 else 0
     with progress.current().phase("waiting for the servers to agree", cfg.cluster.startup_timeout_s):
         while not ok:
             if time.monotonic() > deadline:
@@ -377,6 +384,15 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
             time.sleep(0.5)
             health = client.health()
             ok, uri = _agreed(health, name)
+            if not ok and rank == 0 and rolled_back < MAX_ROLLBACKS:
+                # after rank 0's roll-back the servers agree unless they moved since: a worker restarted
+                # meanwhile saw them half rolled back (some loaded, some not yet) and fenced the ones that
+                # had loaded, or a server restarted; nobody but rank 0 rolls back, so it does so again
+                log.warning("worker 0: the servers disagree after the roll-back %s: rolling back again",
+                            [(h.get("restored"), h.get("fenced")) for h in health])
+                _roll_back(cfg, client, health)
+                rolled_back += 1
+                waited_at = [h.get("generation") for h in client.health()]
     client.pin_generations(health)      # the state agreed on: a load or fence after it is refused
     if uri is None:
         if all(h.get("fresh") for h in health) and workers > 1:

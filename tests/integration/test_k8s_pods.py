@@ -84,12 +84,14 @@ class Kubelet:
         self.secrets = {s["metadata"]["name"]: s for s in secrets}
         self.service = next(o for o in objects if o["kind"] == "Service")
         server_job = next(o for o in objects if o["kind"] == "Job" and o["spec"]["template"]["spec"].get("subdomain"))
-        n = server_job["spec"]["completions"]
-        ports = free_ports(2 * n)
+        worker_job = next(o for o in objects if o["kind"] == "Job" and o is not server_job)
+        n, w = server_job["spec"]["completions"], worker_job["spec"]["completions"]
+        ports = free_ports(2 * n + w)             # at once: a port freed and drawn again would be shared
         svc = self.service["metadata"]["name"]
         self.servers = {f"{server_job['metadata']['name']}-{i}.{svc}": (ports[2 * i], ports[2 * i + 1]) for i in range(n)}
         self.server_job = server_job["metadata"]["name"]
-        self.workers: dict[str, int] = {}        # a worker pod's name -> its health port (its replacements keep it)
+        # a worker pod's name -> its health port (its replacements keep it)
+        self.workers = {f"{worker_job['metadata']['name']}-{i}": ports[2 * n + i] for i in range(w)}
 
     def pod(self, job: dict, index: int, root: Path | None = None) -> tuple[list[str], dict, Path, str]:
         """(argv, env, cwd, hostname) of pod ``index`` of ``job``, its filesystem under ``root``
@@ -141,7 +143,7 @@ class Kubelet:
             for flag, value in (("--host", "127.0.0.1"), ("--port", str(ps)), ("--health-port", str(health))):
                 args[args.index(flag) + 1] = value
         else:                                    # a worker: its liveness port, on the pod's own address
-            health = self.workers.setdefault(name, free_ports(1)[0])
+            health = self.workers[name]
             assert args[args.index("--health-port") + 1] == str(c["livenessProbe"]["grpc"]["port"])
             for flag, value in (("--host", "127.0.0.1"), ("--health-port", str(health))):
                 args[args.index(flag) + 1] = value
