@@ -14,7 +14,8 @@ checkpoint, a roll-back, a fence or its own start:
 - ``stop``: SIGSTOP (a frozen process: its probe stops answering and the kubelet restarts it);
 - ``hang`` (workers only): the next start of that worker hangs its training loop at a random step
   (the failpoint ``worker.after_step=...,sleep:600@N``): alive, its heartbeat fine, its steps stopped;
-  its liveness port (``engine.liveness``) says NOT_SERVING after ``client.dead_after_s`` (30 s).
+  its liveness port (``engine.liveness``) says NOT_SERVING after ``client.dead_after_s`` (5 s in a
+  soak with stops or hangs, so that a stall is found before the next fault lands; 30 s otherwise).
 
 The job must finish by itself: both workers exit 0, and every training example counted exactly once,
 proven by the servers' show counts in the final checkpoint (each example adds one show to each of its 26
@@ -50,6 +51,7 @@ from tests.integration.test_role_liveness import Pod  # noqa: E402
 from tests.integration.test_role_resume import free_ports, role_cmd, role_env  # noqa: E402
 
 KINDS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+DEAD_AFTER_S = 5.0          # client.dead_after_s of a soak with stops or hangs (default 30 s)
 
 
 def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extra: tuple[str, ...] = (),
@@ -62,6 +64,10 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
             "cluster.stop_servers_at_end=true")
     if not (work / "run-full" / "config.yaml").exists():
         run(args(work, "full", *sets))          # the resolved config, its data converted to Arrow
+    if {"stop", "hang"} & set(kinds):
+        # found within the faults' spacing: a worker stalled this long is NOT_SERVING (engine.liveness),
+        # and a connection to a frozen server is dropped after max(this, 11 s) (engine.ps.keepalive)
+        extra = (f"client.dead_after_s={DEAD_AFTER_S:g}", *extra)
     tag = f"soak{seed}"
     ports, health = free_ports(2), free_ports(4)
     slow = "worker.after_step=sleep:0.05"
@@ -74,7 +80,7 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
             if not hangs_due[rank]:
                 return env
             hangs_due[rank] -= 1
-            at = int(rng_hang.integers(3, 40))        # a step of this start (a resumed start has fewer)
+            at = int(rng_hang.integers(2, 13))        # a step of this start (a resumed start has fewer)
             hangs_armed.append({"rank": rank, "start": start, "step": at})
             return {**env, "ENGINE_FAILPOINTS": f"{slow},sleep:600@{at}"}
         return env_of
@@ -118,7 +124,7 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
     finally:
         for s in workers + servers:
             s.stop()
-    out = {"bench": "role_chaos_soak", "sets": list(extra), "seed": seed, "faults": len(injected), "injected": injected,
+    out = {"bench": "role_chaos_soak", "sets": list(extra), "kinds": list(kinds), "seed": seed, "faults": len(injected), "injected": injected,
            "epochs": epochs, "elapsed_s": round(time.monotonic() - t0, 1), "finished": finished,
            "worker_codes": [w.codes for w in workers], "server_codes": [s.codes for s in servers],
            "hangs_armed": hangs_armed,

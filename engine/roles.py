@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 EXIT_ROLLBACK = 76
 #: rank 0's roll-back of every server, as a liveness phase: a Load's own deadline (``PSClient.load``)
 ROLLBACK_DEADLINE_S = 3600.0
+#: this process's worker liveness port (``run_worker``), open until the process exits
+_LIVENESS: list = []
 #: roll-backs rank 0 makes at one start (again when the servers move and disagree after one)
 MAX_ROLLBACKS = 5
 
@@ -481,12 +483,15 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
     metrics = prometheus.start(cfg, "worker", rank)     # observability.prometheus_port; None: off
     client = connect(cfg, server_endpoints(cfg), name=f"worker{rank}", admin=rank == 0,
                      async_queue=cfg.client.async_queue)
-    liveness = None
     try:
         if watched:
             from .liveness import WorkerLiveness
-            liveness = WorkerLiveness(reporter, host or cfg.cluster.host, health_port, cfg.client.dead_after_s,
-                                      f"worker {rank}", in_flight=client.in_flight)
+            # never closed, and held here past this call (collected, it would stop): it answers until the
+            # process exits. Closed at the end of run_worker (or at exit: the thread pools' joins come
+            # after), the port was refused while the interpreter wound down (a second or more), and a
+            # probe could restart a worker exiting 0 or 76, turning its exit into a counted failure
+            _LIVENESS.append(WorkerLiveness(reporter, host or cfg.cluster.host, health_port,
+                                            cfg.client.dead_after_s, f"worker {rank}", in_flight=client.in_flight))
         with reporter.phase("waiting for the servers", cfg.cluster.startup_timeout_s):
             client.wait_ready(cfg.cluster.startup_timeout_s)
         try:
@@ -522,8 +527,6 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
     finally:
         client.close()
         reporter.close()
-        if liveness is not None:
-            liveness.close()
         if metrics is not None:
             metrics.close()
     if result_file:
