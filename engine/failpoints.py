@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 ENV = "ENGINE_FAILPOINTS"
 _points: dict[str, list[tuple[float, int | None]]] | None = None
 _hits: dict[str, int] = {}
+_hits_lock = threading.Lock()
 
 
 def _parse(text: str) -> dict[str, list[tuple[float, int | None]]]:
@@ -84,7 +86,8 @@ def hit(name: str) -> None:
     actions = _points.get(name)
     if actions is None:
         return
-    n = _hits[name] = _hits.get(name, 0) + 1
+    with _hits_lock:
+        n = _hits[name] = _hits.get(name, 0) + 1
     for seconds, at in actions:
         if at is None or at == n:
             log.warning("failpoint %s: sleep %g s%s", name, seconds, f" (hit {n})" if at is not None else "")

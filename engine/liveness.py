@@ -13,8 +13,9 @@ nothing else: ``engine.ps.health.HealthPort``, as the servers do) and answers by
   deadline (a checkpoint, an evaluation, a barrier), or in its start-up (``cluster.startup_timeout_s``
   until the first step: connecting, agreeing with the servers, restoring its data position);
 - NOT_SERVING once the loop stalls past that (logged once, with the reason): the probe fails and the
-  kubelet restarts the container, and the restarted worker joins by the recovery rule (it finds its name
-  among the servers' writers and fences them, or as rank 0 rolls the job back);
+  kubelet kills the container (``engine k8s``: SIGTERM, SIGKILL 10 s later; with ``restartPolicy:
+  Never`` the pod fails and the Job controller replaces it), and the new worker joins by the recovery
+  rule (it finds its name among the servers' writers and fences them, or as rank 0 rolls the job back);
 - no answer at all when the process is frozen (SIGSTOP, a host swapping to death): the probe times out,
   with the same outcome;
 - SERVING while it waits inside a call to a server within that call's bound (``engine.ps.inflight``):
@@ -23,8 +24,9 @@ nothing else: ``engine.ps.health.HealthPort``, as the servers do) and answers by
   where a liveness restart would have counted the server's failure against each worker. After a call
   of a second or more, the loop's stall is measured from the call's end.
 
-A worker stalled in one step is found after ``client.dead_after_s`` plus the probe's period times its
-failure threshold (``engine k8s`` renders 10 s × 3).
+A worker stalled in one step is killed after ``client.dead_after_s`` plus the probe's period times its
+failure threshold (``engine k8s`` renders 10 s × 3) plus the probe's grace (10 s): about 70 s at the
+default ``dead_after_s``.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ class WorkerLiveness:
         self.reporter, self.dead_after_s, self.name = reporter, float(dead_after_s), name
         self.in_flight = in_flight
         self.started = time.time()
-        self.probe = HealthPort(host, port)
+        self.probe = HealthPort(host, port, services=("",))     # the overall status: it serves no PS
         self.port = self.probe.port
         self.why: str | None = None
         self.waiting: str | None = None

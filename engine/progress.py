@@ -55,7 +55,8 @@ class Progress:
         How often the beat (and any change) is written.
     startup_s : float, seconds, optional
         Until the first ``step``, the process is in a ``start-up`` phase with this deadline (warm-up,
-        data preparation, restore of its position).
+        data preparation, restore of its position), counted from the start or from the end of the
+        last phase announced inside it (a wait for the servers, a roll-back), whichever is later.
     """
 
     def __init__(self, path: str | None, interval_s: float = 0.5, startup_s: float | None = None):
@@ -123,8 +124,11 @@ class Progress:
         finally:
             with self._lock:
                 self._phases.remove(entry)
+                now = time.time()
+                if self._startup is not None:   # the start-up's deadline counts outside announced phases
+                    self._startup["started"] = now
                 self._state["phase"] = self._phases[-1] if self._phases else None
-                self._state["step_time"] = time.time()    # the loop resumes now
+                self._state["step_time"] = now    # the loop resumes now
 
     def _write(self) -> None:
         # one writer at a time (the beat thread and a mark share the tmp file): the state is serialized

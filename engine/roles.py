@@ -333,15 +333,17 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
       all back (and clears what they held for the replaced state: a preemption request, metric sums)
       and ends the running workers' attempt: their next request meets a new generation and they exit
       ``EXIT_ROLLBACK`` for their scheduler;
-    - another rank fences the servers (``PSClient.fence``): the workers still running exit the same way,
-      rank 0 among them, and restarted, rank 0 rolls every server back. Without the fence a worker
-      replaced alone would wait for an agreement that never comes while the others train on.
+    - another rank fences the servers its earlier self wrote to or sent a request in the present
+      generation (``PSClient.fence``): the workers still running exit the same way, rank 0 among them,
+      and restarted, rank 0 rolls every server back. Without the fence a worker replaced alone would wait
+      for an agreement that never comes while the others train on. A server it is not named on is left
+      alone: it may be one rank 0 has just rolled back, and a fence there undid the roll-back of a job
+      whose workers were all restarted at once (a preemption). Named on none, it waits for rank 0.
 
     The other ranks wait until the servers agree; so does rank 0 after its roll-back, and it rolls back
-    again (at most ``MAX_ROLLBACKS`` times) while they disagree, which they do only when they moved
-    since (a server restarted, or a fence): a worker
-    restarted with it can look while the roll-back is half done and fence the servers that already
-    loaded. The agreed checkpoint becomes this worker's
+    again (at most ``MAX_ROLLBACKS`` times, each with a fresh ``cluster.startup_timeout_s``) while they
+    disagree, which after its roll-back means they moved since (a server restarted). The agreed
+    checkpoint becomes this worker's
     ``checkpoint.restored``. When every server is fresh (a new job), the workers meet at a start barrier
     before any of them writes, so a worker that starts late (Ray or a scheduler start them one by one)
     never mistakes servers its peers already wrote to for a restarted server.
@@ -363,14 +365,23 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     if not ok and rank == 0:
         _roll_back(cfg, client, health)
     elif not ok:
-        fenced = client.fence([int(h.get("generation", 0)) for h in health],
-                              f"worker {rank} restarted while the servers hold what was trained since "
-                              f"{health[0].get('restored') or 'the job started'}")
-        log.warning("worker %d: the servers hold state of an attempt this worker cannot join (%s); fenced %d "
-                    "of %d server(s): the running workers exit %d, and worker 0, restarted, rolls every "
-                    "server back to the job's newest checkpoint (or its beginning)", rank,
-                    [(h.get("restored"), sorted(h.get("writers", ()))) for h in health], sum(fenced),
-                    len(fenced), EXIT_ROLLBACK)
+        # only the servers this worker's earlier self took part in: a server it is not named on holds
+        # nothing of its, and may be one rank 0 has just rolled back (a fence there, read half-way
+        # through rank 0's roll-back, would undo it); a fence of a server that loaded since this worker
+        # looked is refused (its generation moved)
+        mine = [s for s, h in enumerate(health) if name in h.get("writers", ()) or name in h.get("clients", ())]
+        if mine:
+            fenced = client.fence([int(h.get("generation", 0)) for h in health],
+                                  f"worker {rank} restarted while the servers hold what was trained since "
+                                  f"{health[0].get('restored') or 'the job started'}", servers=mine)
+            log.warning("worker %d: the servers hold state of an attempt this worker cannot join (%s); fenced "
+                        "%d of %d server(s): the running workers exit %d, and worker 0, restarted, rolls every "
+                        "server back to the job's newest checkpoint (or its beginning)", rank,
+                        [(h.get("restored"), sorted(h.get("writers", ()))) for h in health], sum(fenced),
+                        len(fenced), EXIT_ROLLBACK)
+        else:
+            log.warning("worker %d: the servers hold different states %s: waiting for worker 0 to roll them "
+                        "back", rank, [h.get("restored") for h in health])
     deadline = time.monotonic() + cfg.cluster.startup_timeout_s
     waited_at = [h.get("generation") for h in client.health()] if not ok else []
     rolled_back = 1 if not ok and rank == 0 else 0
@@ -387,14 +398,16 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
             health = client.health()
             ok, uri = _agreed(health, name)
             if not ok and rank == 0 and rolled_back < MAX_ROLLBACKS:
-                # after rank 0's roll-back the servers agree unless they moved since: a worker restarted
-                # meanwhile saw them half rolled back (some loaded, some not yet) and fenced the ones that
-                # had loaded, or a server restarted; nobody but rank 0 rolls back, so it does so again
+                # after rank 0's roll-back the servers agree unless they moved since (a server restarted
+                # during it); nobody but rank 0 rolls back, so it does so again
                 log.warning("worker 0: the servers disagree after the roll-back %s: rolling back again",
                             [(h.get("restored"), h.get("fenced")) for h in health])
                 _roll_back(cfg, client, health)
                 rolled_back += 1
-                waited_at = [h.get("generation") for h in client.health()]
+                health = client.health()         # decided on what the roll-back left, not before it
+                ok, uri = _agreed(health, name)
+                waited_at = [h.get("generation") for h in health]
+                deadline = time.monotonic() + cfg.cluster.startup_timeout_s
     client.pin_generations(health)      # the state agreed on: a load or fence after it is refused
     if uri is None:
         if all(h.get("fresh") for h in health) and workers > 1:

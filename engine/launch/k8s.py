@@ -35,7 +35,8 @@ old pod has terminated, so two servers never hold one DNS name. ``terminationGra
 speaks neither TLS nor tokens. Startup, readiness and liveness probes use it; the startup probe allows
 ``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). Each worker serves its liveness
 on the same port (``engine.liveness``: NOT_SERVING once its loop stalls past ``client.dead_after_s``, no
-answer when frozen), with a startup and a liveness probe (10 s × 3) and no readiness probe.
+answer when frozen), with a startup and a liveness probe (10 s × 3; a kill it causes gets
+``LIVENESS_GRACE_S`` before SIGKILL, not the pod's grace) and no readiness probe.
 
 **Security.** Pods listen on 0.0.0.0, so the config must have TLS, a worker token and an admin token, or
 ``security.insecure: true`` (else ConfigError naming the keys). Their paths are rewritten to the Secret
@@ -93,6 +94,9 @@ SERVER_ITEMS = (certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY, certs.TOKEN,
 WORKER_ITEMS = (certs.CA_CERT, certs.CLIENT_CERT, certs.CLIENT_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_CONFIG = 2         # a config error (engine.cli.train); 75 and 76: engine.preempt, engine.roles
+#: seconds between a failed worker liveness probe's SIGTERM and its SIGKILL (the probe's own
+#: terminationGracePeriodSeconds): a hung or frozen worker cannot act on the SIGTERM
+LIVENESS_GRACE_S = 10
 
 _LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?\Z")                     # DNS-1035 label
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
@@ -320,11 +324,14 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     worker = _container(image, ["train", CONFIG_PATH, "--role", "worker", "--host", "0.0.0.0", "--health-port",
                                 str(k.health_port)], worker_env, k.worker_cpu, k.worker_memory)
     # a worker's liveness (engine.liveness): NOT_SERVING once its loop stalls past client.dead_after_s,
-    # no answer when it is frozen; the kubelet then restarts it and it rejoins by the recovery rule. No
-    # readiness: nothing connects to a worker
+    # no answer when it is frozen; the kubelet then kills it (restartPolicy Never: the pod fails, and
+    # the Job controller starts a replacement that rejoins by the recovery rule). Its own grace period:
+    # the kill's SIGTERM would otherwise wait out the pod's (preempt_timeout_s + 60 s) in a worker that
+    # cannot act on it. No readiness: nothing connects to a worker
     worker["ports"] = [{"name": "health", "containerPort": k.health_port, "protocol": "TCP"}]
     worker["startupProbe"] = dict(server["startupProbe"])
-    worker["livenessProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 3}
+    worker["livenessProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 3,
+                               "terminationGracePeriodSeconds": LIVENESS_GRACE_S}
     if k.storage_secret and not storage_env_names(cfg):   # its keys (AWS_ACCESS_KEY_ID, ...) become variables
         for c in (server, worker):
             c["envFrom"] = [{"secretRef": {"name": k.storage_secret}}]

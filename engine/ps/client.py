@@ -154,7 +154,9 @@ class PSClient(DenseClient):
             msg = request.msg if isinstance(request, codec.Wire) else request
             if not msg.generation:
                 msg.generation = self.generations()[server]
-        token = self.in_flight.enter(server, method, timeout * (self.retries + 1) + 5.0)
+        # its bound: every attempt's deadline and the back-off between them (at most 1.5 x max_backoff_s)
+        token = self.in_flight.enter(server, method, timeout * (self.retries + 1)
+                                     + self.retries * 1.5 * self.max_backoff_s + 5.0)
         try:
             return self._attempts(server, method, request, idempotent, timeout)
         finally:
@@ -676,14 +678,16 @@ class PSClient(DenseClient):
             [(s, "Health", pb.Empty(request_id=f"{rid}.{s}")) for s in range(self.num_servers)],
             idempotent=True)]
 
-    def fence(self, generations: list[int], reason: str, *, clear: bool = False) -> list[bool]:
+    def fence(self, generations: list[int], reason: str, *, clear: bool = False,
+              servers: list[int] | None = None) -> list[bool]:
         """End the attempt the servers serve, without changing their tables: each server whose generation
         is still ``generations[s]`` (as read from ``health``) moves to a new one, so the running workers'
         requests are refused (``GenerationChangedError``) and they exit to be restarted, and drops what it
         held for that attempt (``ps.proto``: FenceRequest). ``reason`` is shown in each server's log and
         ``Health`` (``fenced``). ``clear`` (admin token): every table is emptied too and the servers are
-        fresh again, the roll-back of a job with no checkpoint to its beginning. Returns, per server,
-        whether this call fenced it (False: it had moved on already: a load or another fence).
+        fresh again, the roll-back of a job with no checkpoint to its beginning. ``servers``: fence
+        only these (default all). Returns, per server, whether this call fenced it (False: not asked,
+        or it had moved on already: a load or another fence).
 
         Raises
         ------
@@ -695,6 +699,9 @@ class PSClient(DenseClient):
         rid = self._rid()
         out = []
         for s, g in enumerate(generations):
+            if servers is not None and s not in servers:
+                out.append(False)
+                continue
             try:
                 # it waits for the tables to itself, as a Load does: behind a Save of a big table
                 reply = self._call(s, "Fence", pb.FenceRequest(request_id=f"{rid}.{s}", generation=int(g),

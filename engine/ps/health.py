@@ -24,7 +24,9 @@ __all__ = ["HealthPort", "SERVICE"]
 
 
 class HealthPort:
-    """A plaintext gRPC server on ``host:port`` (port 0: a free one) with only the health service.
+    """A plaintext gRPC server on ``host:port`` (port 0: a free one) with only the health service,
+    answering for ``services`` (default: the overall status and the PS service; a worker's liveness
+    port, the overall status only).
 
     Raises
     ------
@@ -32,7 +34,7 @@ class HealthPort:
         The address could not be bound.
     """
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, services: tuple[str, ...] = ("", SERVICE)):
         self.servicer = health.HealthServicer()
         self.server = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="health"),
                                   # no SO_REUSEPORT: a second process on a port in use must fail,
@@ -46,19 +48,20 @@ class HealthPort:
             raise RuntimeError(f"health port: cannot bind {addr}: {e}") from None
         if self.port == 0:
             raise RuntimeError(f"health port: cannot bind {addr}")
+        self.services = tuple(services)
         self.serving: bool | None = None
         self.set(False)
         self.server.start()
         log.info("health checking (plaintext, grpc.health.v1 only) on %s:%d", host, self.port)
 
     def set(self, serving: bool) -> None:
-        """SERVING or NOT_SERVING for the overall status and the PS service."""
+        """SERVING or NOT_SERVING for each of ``services``."""
         if serving == self.serving:
             return
         self.serving = serving
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", SERVICE):
+        for name in self.services:
             self.servicer.set(name, status)
 
     def close(self) -> None:

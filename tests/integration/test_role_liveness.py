@@ -34,13 +34,13 @@ pytestmark = pytest.mark.slow
 
 
 def health(port: int, timeout_s: float) -> str:
-    """The overall status on ``127.0.0.1:port``, or the error's code name (no answer)."""
+    """The overall status on ``127.0.0.1:port``, or the error's code name and details (no answer)."""
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     except grpc.RpcError as e:
-        return e.code().name
+        return f"{e.code().name} ({(e.details() or '')[:120]})"
 
 
 class Pod:

@@ -298,5 +298,6 @@ def test_a_worker_restarted_while_it_waits_at_the_start_barrier_does_not_leave_i
         assert workers[0].codes in ([0], [76, 0]), workers[0].codes     # 76: fenced after it began
     finally:
         stop_all(workers, procs)
-    assert "fenced 2 of 2 server(s)" in (tmp_path / "worker-1.log").read_text()
+    # its dead self only arrived at the start barrier, on server 0: that server alone is fenced
+    assert "fenced 1 of 2 server(s)" in (tmp_path / "worker-1.log").read_text()
     assert_every_example_once(result)

@@ -240,6 +240,8 @@ def test_probes_use_the_plaintext_grpc_health_port(creds):
     assert w["livenessProbe"]["grpc"] == w["startupProbe"]["grpc"] == {"port": 7201}
     assert w["ports"] == [{"name": "health", "containerPort": 7201, "protocol": "TCP"}]
     assert w["startupProbe"]["periodSeconds"] * w["startupProbe"]["failureThreshold"] >= 120
+    # its kill's own grace: a hung worker cannot act on the SIGTERM, the pod's grace is preempt_timeout_s + 60
+    assert w["livenessProbe"]["terminationGracePeriodSeconds"] == k8s.LIVENESS_GRACE_S < 60
 
 
 def test_pod_failure_policy_maps_the_exit_codes(creds):

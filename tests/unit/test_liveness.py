@@ -105,3 +105,16 @@ def test_a_worker_waiting_inside_a_bounded_call_is_not_stalled(live):
         assert w.check() and calls.waiting() is None
     finally:
         w.close()
+
+
+def test_the_start_up_deadline_counts_outside_the_phases_announced_inside_it():
+    """A role-mode worker's start-up announces its long waits (the servers, their agreement, a roll-back):
+    when one ends, the start-up's deadline runs again from there, so a long roll-back is not followed by
+    a NOT_SERVING start-up the moment it ends."""
+    reporter = progress.Progress(None, startup_s=1.0)
+    with reporter.phase("roll-back to X", 60):
+        time.sleep(1.2)
+        assert progress.stalled(reporter.report(), time.time(), 1.0, 0.0) is None
+    assert progress.stalled(reporter.report(), time.time(), 1.0, 0.0) is None
+    time.sleep(1.1)
+    assert "'start-up' has run 1s" in progress.stalled(reporter.report(), time.time(), 1.0, 0.0)
