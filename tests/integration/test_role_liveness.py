@@ -87,7 +87,8 @@ class Pod:
                 continue
             if not started:                  # the startup probe's budget
                 if time.monotonic() - t0 > self.startup_s:
-                    self._restart(proc, f"startup probe: {status}")
+                    self._restart(proc, f"startup probe: {status} for {self.startup_s:g}s")
+                    return
                 continue
             failed += 1
             if failed >= self.failures:
