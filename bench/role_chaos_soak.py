@@ -132,6 +132,7 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
     text = {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")}
     out["rollbacks"] = sum(t.count("rolling every server back to") for t in text.values())
     out["fences"] = sum(t.count(" server(s): the running workers exit") for t in text.values())
+    out["clears"] = sum(t.count("the job starts again from its beginning") for t in text.values())
     out["tracebacks"] = {n: t.count("Traceback") for n, t in text.items() if "Traceback" in t}
     out["hangs_reached"] = sum(t.count("failpoint worker.after_step: sleep 600 s") for t in text.values())
     out["liveness_not_serving"] = sum(t.count("liveness NOT_SERVING") for t in text.values())
