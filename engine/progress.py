@@ -92,6 +92,15 @@ class Progress:
             st["examples"] += int(examples)
             st["step_time"] = time.time()
 
+    def moved(self) -> None:
+        """The loop made progress that is not a training step (it skips the batches a resumed position
+        already trained): a stall is measured from now, and so is the start-up's deadline."""
+        with self._lock:
+            now = time.time()
+            if self._startup is not None:
+                self._startup["started"] = now
+            self._state["step_time"] = now
+
     def report(self) -> dict:
         """A copy of the report as it stands (the beat is now: whoever asks, this process answers)."""
         with self._lock:

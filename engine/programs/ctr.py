@@ -413,9 +413,11 @@ class CTRTrainer:
         progress.current().where(epoch=epoch)           # engine status shows it
         steps = 0
         it = src.batches(epoch)
-        for _ in range(skip):                      # trained before the checkpoint this job resumed
+        for i in range(skip):                      # trained before the checkpoint this job resumed
             if next(it, None) is None:
                 break
+            if i % 256 == 255:                     # a long skip is progress, not a hang (engine.liveness)
+                progress.current().moved()
         stepper = (self._pipelined_steps if self.pipelined
                    else self._prefetched_steps if self.prefetching else self._steps)
         done = skip

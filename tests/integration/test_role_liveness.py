@@ -148,7 +148,7 @@ def test_a_hung_or_frozen_role_is_restarted_by_its_liveness_probe_and_the_job_co
     base = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1"}
     # the hang: worker 1's 12th step (after the first checkpoint, at 8), in its first start only
     hang = {**base, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1,sleep:600@12"}
-    fast = ("--set", "client.dead_after_s=3")       # every role: the same keepalive on both ends
+    fast = ("--set", "client.dead_after_s=5")       # every role: the same keepalive on both ends
     result = tmp_path / "role-result.json"
     pods = [Pod(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), "--health-port",
                          str(health_ports[r]), "--resume", *fast), lambda n: base,
