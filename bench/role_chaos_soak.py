@@ -60,8 +60,7 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
     every training example of every epoch, which async trains; sync drops each shard's last partial
     batch, so its expected count comes from a reference run, ``faults`` 0)."""
     rng = np.random.default_rng(seed)
-    sets = ("mode=async", "cluster.workers=2", "model.blas_threads=1", f"model.epochs={epochs}",
-            "cluster.stop_servers_at_end=true")
+    sets = ("mode=async", "cluster.workers=2", "model.blas_threads=1", f"model.epochs={epochs}")
     if not (work / "run-full" / "config.yaml").exists():
         run(args(work, "full", *sets))          # the resolved config, its data converted to Arrow
     if {"stop", "hang"} & set(kinds):
@@ -90,7 +89,8 @@ def soak(work: Path, seed: int, faults: int, epochs: int, timeout_s: float, extr
     result = logs / "result.json"
     # the resolved config of the first soak in ``work`` holds its epochs: this soak's are set again,
     # with the --set values of this run (e.g. mode=sync)
-    epochs_set = tuple(a for kv in (f"model.epochs={epochs}", *extra) for a in ("--set", kv))
+    epochs_set = tuple(a for kv in (f"model.epochs={epochs}", "cluster.stop_servers_at_end=true", *extra)
+                       for a in ("--set", kv))
     servers = [Pod(role_cmd(work, tag, "server", r, "--port", str(ports[r]), "--health-port", str(health[r]),
                             "--resume", *epochs_set), lambda n: env, logs / f"server-{r}.log", health[r],
                    restarts=faults + 3) for r in range(2)]

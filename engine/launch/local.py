@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import preempt, progress
@@ -168,7 +168,15 @@ class LocalCluster:
 
     def write_config(self, cfg: EngineConfig) -> None:
         """Write ``cfg`` as the children's config file (mode 0600, no inline storage secrets: those
-        go into the environment of every child started afterwards, see ``engine.config.dump_config``)."""
+        go into the environment of every child started afterwards, see ``engine.config.dump_config``).
+        ``cluster.stop_servers_at_end`` is written false: a launcher stops its servers itself, and a
+        server that worker 0 stopped before the launcher saw every worker end was a failure to it (a
+        restart, each attempt again, until ``cluster.max_restarts`` ended the job)."""
+        if cfg.cluster.stop_servers_at_end:
+            if not getattr(self, "_said_stop", False):
+                log.info("cluster.stop_servers_at_end is for role mode; this launcher stops the servers itself")
+                self._said_stop = True
+            cfg = replace(cfg, cluster=replace(cfg.cluster, stop_servers_at_end=False))
         self.cfg = cfg
         dump_config(cfg, self.config_path)
         self._secret_env = secret_env(cfg)

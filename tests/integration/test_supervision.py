@@ -72,7 +72,6 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
             proc.wait(10)
 
 
-@pytest.mark.long   # make test-long (see pyproject.toml): test_chaos_offline kills workers and the job finishes
 def worker1_killed_at(proc: subprocess.Popen, run_dir: Path, steps: int) -> tuple[str, str]:
     """SIGKILL worker 1 of the job's first attempt once it trained ``steps`` steps; returns the job's
     stdout and stderr once it ended (the job is killed if anything fails)."""
@@ -85,6 +84,20 @@ def worker1_killed_at(proc: subprocess.Popen, run_dir: Path, steps: int) -> tupl
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_stop_servers_at_end_is_left_to_role_mode_under_the_launcher(tmp_path):
+    """``cluster.stop_servers_at_end`` (role mode: worker 0 stops the servers) under the launcher: the
+    launcher stops them itself. Before, worker 0 stopped them first, the launcher took a server's exit
+    0 for a failure and restarted the job, every attempt the same way, until ``cluster.max_restarts``
+    ended it."""
+    proc = engine("--set", "cluster.stop_servers_at_end=true", run_dir=tmp_path, env=os.environ)
+    out, err = finish(proc, 180)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["restarts"] == 0, err[-3000:]
+    assert "cluster.stop_servers_at_end is for role mode" in err
+    assert not leftovers(tmp_path)
+
+
+@pytest.mark.long   # make test-long (see pyproject.toml): test_chaos_offline kills workers and the job finishes
 def test_a_killed_worker_restarts_the_job_which_finishes(tmp_path):
     proc = engine(run_dir=tmp_path)
     out, err = worker1_killed_at(proc, tmp_path, 20)
