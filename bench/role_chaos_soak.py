@@ -4,7 +4,7 @@ CTR-DNN on generated rows (the offline chaos test's setting: 3000 rows, 2 server
 aligned steps), async, 2 workers, started by hand with ``--role`` and ``--health-port`` as a scheduler
 starts pods. Each role runs in a ``Pod`` (``tests/integration/test_role_liveness.py``: what a Job
 controller and the kubelet do for one pod): it starts the role, restarts it when its liveness probe
-fails 3 times in a row (0.5 s apart, 1 s deadline; SIGTERM, then SIGKILL after 2 s), and starts it again
+fails 3 times in a row (1 s apart, 1 s deadline; SIGTERM, then SIGKILL after 2 s), and starts it again
 after any exit but 0 and 2, servers with ``--resume`` (the job's newest checkpoint, as ``engine k8s``
 renders them). ``--faults`` times, at a random moment 1-6 s apart (drawn from ``--seed``), a random role
 (a server or a worker) gets a fault of a random kind of ``--kinds``, wherever it is: training, inside a

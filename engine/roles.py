@@ -16,6 +16,7 @@ The config file the launcher writes holds no inline storage secret; a role takes
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -499,12 +500,16 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
     try:
         if watched:
             from .liveness import WorkerLiveness
-            # never closed, and held here past this call (collected, it would stop): it answers until the
-            # process exits. Closed at the end of run_worker (or at exit: the thread pools' joins come
-            # after), the port was refused while the interpreter wound down (a second or more), and a
-            # probe could restart a worker exiting 0 or 76, turning its exit into a counted failure
-            _LIVENESS.append(WorkerLiveness(reporter, host or cfg.cluster.host, health_port,
-                                            cfg.client.dead_after_s, f"worker {rank}", in_flight=client.in_flight))
+            # it answers until the process exits: closed at the end of run_worker, the port was refused
+            # while the process wound down (its client's threads, a second or more), and a probe could
+            # restart a worker exiting 0 or 76, turning its exit into a counted failure; left open, gRPC's
+            # server thread could die with a traceback in the interpreter's finalization. So it is
+            # closed at exit (after the non-daemon threads are joined, before finalization), and held
+            # here until then (collected, it would stop)
+            live = WorkerLiveness(reporter, host or cfg.cluster.host, health_port, cfg.client.dead_after_s,
+                                  f"worker {rank}", in_flight=client.in_flight)
+            _LIVENESS.append(live)
+            atexit.register(live.close)
         with reporter.phase("waiting for the servers", cfg.cluster.startup_timeout_s):
             client.wait_ready(cfg.cluster.startup_timeout_s)
         try:

@@ -49,7 +49,7 @@ class Pod:
     probe restarted it, once per restart; ``proc``: the running process."""
 
     def __init__(self, cmd: list[str], env_of: Callable[[int], dict], log: Path, port: int, *, restarts: int = 3,
-                 period_s: float = 0.5, timeout_s: float = 1.0, failures: int = 3, grace_s: float = 2.0,
+                 period_s: float = 1.0, timeout_s: float = 1.0, failures: int = 3, grace_s: float = 2.0,
                  startup_s: float = 120.0):
         self.cmd, self.env_of, self.log, self.port, self.restarts = cmd, env_of, log, port, restarts
         self.period_s, self.timeout_s, self.failures, self.grace_s = period_s, timeout_s, failures, grace_s
