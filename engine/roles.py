@@ -16,7 +16,6 @@ The config file the launcher writes holds no inline storage secret; a role takes
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import logging
@@ -30,7 +29,7 @@ from pathlib import Path
 from . import failpoints, preempt, progress
 from .config import EngineConfig, restore_secrets
 from .connect import connect
-from .errors import ConfigError, GenerationChangedError, LaunchError, ShardUnavailableError
+from .errors import ConfigError, GenerationChangedError, LaunchError, PSTimeoutError, ShardUnavailableError
 from .launch.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -41,8 +40,6 @@ log = logging.getLogger(__name__)
 EXIT_ROLLBACK = 76
 #: rank 0's roll-back of every server, as a liveness phase: a Load's own deadline (``PSClient.load``)
 ROLLBACK_DEADLINE_S = 3600.0
-#: this process's worker liveness port (``run_worker``), open until the process exits
-_LIVENESS: list = []
 #: roll-backs rank 0 makes at one start (again when the servers move and disagree after one)
 MAX_ROLLBACKS = 5
 
@@ -497,21 +494,19 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
     metrics = prometheus.start(cfg, "worker", rank)     # observability.prometheus_port; None: off
     client = connect(cfg, server_endpoints(cfg), name=f"worker{rank}", admin=rank == 0,
                      async_queue=cfg.client.async_queue)
+    liveness = None
     try:
         if watched:
             from .liveness import WorkerLiveness
-            # it answers until the process exits: closed at the end of run_worker, the port was refused
-            # while the process wound down (its client's threads, a second or more), and a probe could
-            # restart a worker exiting 0 or 76, turning its exit into a counted failure; left open, gRPC's
-            # server thread could die with a traceback in the interpreter's finalization. So it is
-            # closed at exit (after the non-daemon threads are joined, before finalization), and held
-            # here until then (collected, it would stop)
-            live = WorkerLiveness(reporter, host or cfg.cluster.host, health_port, cfg.client.dead_after_s,
-                                  f"worker {rank}", in_flight=client.in_flight)
-            _LIVENESS.append(live)
-            atexit.register(live.close)
+            liveness = WorkerLiveness(reporter, host or cfg.cluster.host, health_port, cfg.client.dead_after_s,
+                                      f"worker {rank}", in_flight=client.in_flight)
         with reporter.phase("waiting for the servers", cfg.cluster.startup_timeout_s):
-            client.wait_ready(cfg.cluster.startup_timeout_s)
+            try:
+                client.wait_ready(cfg.cluster.startup_timeout_s)
+            except (ShardUnavailableError, PSTimeoutError) as e:   # one line, exit 1 (counted: a wrong
+                raise LaunchError(                                  # address never heals)
+                    f"worker {rank}: the servers were not ready within cluster.startup_timeout_s="
+                    f"{cfg.cluster.startup_timeout_s:g}s: {e.message}") from None
         try:
             cfg = _restored_by_servers(cfg, client, rank, workers)
             mode = make_mode(cfg, client, rank=rank, num_workers=workers)
@@ -545,6 +540,11 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
     finally:
         client.close()
         reporter.close()
+        # closed here, the port is refused for the second or so the interpreter takes to end (inside a
+        # Kubernetes probe's 10 s x 3); left open, a probe that reached it during the interpreter's
+        # shutdown killed gRPC's server thread with a traceback (its thread pool refuses new work then)
+        if liveness is not None:
+            liveness.close()
         if metrics is not None:
             metrics.close()
     if result_file:

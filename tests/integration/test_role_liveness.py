@@ -180,3 +180,20 @@ def test_a_hung_or_frozen_role_is_restarted_by_its_liveness_probe_and_the_job_co
         assert "liveness NOT_SERVING: no training step for" in log1, log1[-3000:]
         assert "failpoint worker.after_step: sleep 600 s (hit 12)" in log1
     assert_every_example_once(result)
+
+
+def test_a_worker_whose_servers_never_answer_exits_1_with_one_line(tmp_path):
+    """No server at ``ENGINE_SERVERS`` within ``cluster.startup_timeout_s`` (a server frozen in its start,
+    a wrong address): the worker exits 1, which a Job's backoffLimit counts (a wrong address never
+    heals), with one line naming the wait, where it printed a traceback."""
+    import sys
+    port = free_ports(1)[0]                       # nothing listens there
+    env = {**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{port}", "ENGINE_NUM_WORKERS": "1"}
+    p = subprocess.run([sys.executable, "-m", "engine", "train", str(REPO / "configs" / "logreg_demo.yaml"),
+                        "--role", "worker", "--rank", "0", "--set", "cluster.startup_timeout_s=3",
+                        "--set", f"checkpoint.root={tmp_path / 'ckpt'}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert ("engine train: failed: worker 0: the servers were not ready within cluster.startup_timeout_s=3s"
+            in p.stderr), p.stderr[-3000:]
