@@ -2,7 +2,7 @@
 
 CTR-DNN on generated rows (the offline chaos test's setting: 3000 rows, 2 servers, checkpoints every 8
 aligned steps), async, 2 workers, started by hand with ``--role`` and ``--health-port`` as a scheduler
-starts pods. Each role runs in a ``Pod`` (``tests/integration/test_role_liveness.py``: what a Job
+starts pods. Each role runs in a ``Pod`` (``tests/pods.py``: what a Job
 controller and the kubelet do for one pod): it starts the role, restarts it when its liveness probe
 fails 3 times in a row (1 s apart, 1 s deadline; SIGTERM, then SIGKILL after 2 s), and starts it again
 after any exit but 0 and 2, servers with ``--resume`` (the job's newest checkpoint, as ``engine k8s``
@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.integration.test_chaos_offline import ROWS, SLOTS, args, run  # noqa: E402
 from tests.integration.test_offline_resume import _state  # noqa: E402
-from tests.integration.test_role_liveness import Pod  # noqa: E402
+from tests.pods import Pod  # noqa: E402
 from tests.integration.test_role_resume import free_ports, role_cmd, role_env  # noqa: E402
 
 KINDS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}

@@ -32,6 +32,7 @@ scheduler's liveness probe by the same rule.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -96,15 +97,20 @@ class Progress:
         """The loop made progress that is not a training step (it skips the batches a resumed position
         already trained): a stall is measured from now, and so is the start-up's deadline."""
         with self._lock:
-            now = time.time()
-            if self._startup is not None:
-                self._startup["started"] = now
-            self._state["step_time"] = now
+            self._resumed()
+
+    def _resumed(self) -> None:
+        """The loop goes on from now (under ``_lock``): the start-up's deadline, which counts outside
+        announced phases, and a stall are measured from here."""
+        now = time.time()
+        if self._startup is not None:
+            self._startup["started"] = now
+        self._state["step_time"] = now
 
     def report(self) -> dict:
         """A copy of the report as it stands (the beat is now: whoever asks, this process answers)."""
         with self._lock:
-            return json.loads(json.dumps({**self._state, "beat": time.time()}))
+            return copy.deepcopy({**self._state, "beat": time.time()})
 
     def mark(self, name: str) -> None:
         """Remember the examples count at point ``name`` (e.g. a checkpoint's data position)."""
@@ -133,11 +139,8 @@ class Progress:
         finally:
             with self._lock:
                 self._phases.remove(entry)
-                now = time.time()
-                if self._startup is not None:   # the start-up's deadline counts outside announced phases
-                    self._startup["started"] = now
                 self._state["phase"] = self._phases[-1] if self._phases else None
-                self._state["step_time"] = now    # the loop resumes now
+                self._resumed()
 
     def _write(self) -> None:
         # one writer at a time (the beat thread and a mark share the tmp file): the state is serialized

@@ -237,6 +237,12 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     return preempt.EXIT_PREEMPTED if core.preempting else 0
 
 
+def _took_part(health: dict, name: str) -> bool:
+    """A server's ``Health`` names worker ``name`` among its ``writers`` (since its last load) or its
+    ``clients`` (data requests in its present generation): an earlier incarnation of it took part."""
+    return name in health.get("writers", ()) or name in health.get("clients", ())
+
+
 def _agreed(health: list[dict], name: str) -> tuple[bool, str | None]:
     """(the servers hold one state that the starting worker ``name`` (``worker{rank}``) can train from,
     the checkpoint it was restored from or None): all restored the same checkpoint, or none restored
@@ -251,7 +257,7 @@ def _agreed(health: list[dict], name: str) -> tuple[bool, str | None]:
     agreed, roll back (or fence)."""
     restored = {h.get("restored") for h in health}
     fresh = {bool(h.get("fresh")) for h in health}
-    if any(name in h.get("writers", ()) or name in h.get("clients", ()) for h in health):
+    if any(_took_part(h, name) for h in health):
         return False, None
     if len(restored) == 1 and restored != {None}:
         return True, restored.pop()
@@ -293,11 +299,11 @@ def _roll_back(cfg: EngineConfig, client, health: list[dict]) -> None:
     """Rank 0: roll every server back to ``_rollback_target``, or, with none (no checkpoint yet), empty
     them (``PSClient.fence(clear=True)``) so the job starts again from its beginning, as the launcher
     restarts such a job with fresh servers. A clear that a server refuses because it moved on meanwhile
-    (another worker's fence) is decided again on fresh ``Health``, at most 5 times (then the wait for
-    agreement times out and the worker exits ``EXIT_ROLLBACK``)."""
+    (another worker's fence) is decided again on fresh ``Health``, at most ``MAX_ROLLBACKS`` times (then
+    the wait for agreement times out and the worker exits ``EXIT_ROLLBACK``)."""
     from . import job_checkpoints
 
-    for _ in range(5):
+    for _ in range(MAX_ROLLBACKS):
         target, floor = _rollback_target(cfg, health)
         states = [(h.get("restored"), "fresh" if h.get("fresh") else "in use") for h in health]
         if target is not None:
@@ -367,7 +373,7 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
         # nothing of its, and may be one rank 0 has just rolled back (a fence there, read half-way
         # through rank 0's roll-back, would undo it); a fence of a server that loaded since this worker
         # looked is refused (its generation moved)
-        mine = [s for s, h in enumerate(health) if name in h.get("writers", ()) or name in h.get("clients", ())]
+        mine = [s for s, h in enumerate(health) if _took_part(h, name)]
         if mine:
             fenced = client.fence([int(h.get("generation", 0)) for h in health],
                                   f"worker {rank} restarted while the servers hold what was trained since "
@@ -383,7 +389,9 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
     deadline = time.monotonic() + cfg.cluster.startup_timeout_s
     waited_at = [h.get("generation") for h in client.health()] if not ok else []
     rolled_back = 1 if not ok and rank == 0 else 0
-    with progress.current().phase("waiting for the servers to agree", cfg.cluster.startup_timeout_s):
+    # the phase's deadline covers every wait: each roll-back again gives the wait a fresh one
+    with progress.current().phase("waiting for the servers to agree",
+                                  (MAX_ROLLBACKS + 1) * cfg.cluster.startup_timeout_s):
         while not ok:
             if time.monotonic() > deadline:
                 moved = [h.get("generation") for h in health] != waited_at

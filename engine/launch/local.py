@@ -154,6 +154,8 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.run_dir / "config.yaml"
         self._secret_env: dict[str, str] = {}
+        if cfg.cluster.stop_servers_at_end:
+            log.info("cluster.stop_servers_at_end is for role mode; this launcher stops the servers itself")
         self.write_config(cfg)
         self.python = python
         self.servers: list[Child] = []
@@ -173,9 +175,6 @@ class LocalCluster:
         server that worker 0 stopped before the launcher saw every worker end was a failure to it (a
         restart, each attempt again, until ``cluster.max_restarts`` ended the job)."""
         if cfg.cluster.stop_servers_at_end:
-            if not getattr(self, "_said_stop", False):
-                log.info("cluster.stop_servers_at_end is for role mode; this launcher stops the servers itself")
-                self._said_stop = True
             cfg = replace(cfg, cluster=replace(cfg.cluster, stop_servers_at_end=False))
         self.cfg = cfg
         dump_config(cfg, self.config_path)

@@ -34,8 +34,8 @@ class InFlight:
         return token
 
     def exit(self, token: int) -> None:
-        started = self._calls.pop(token, (time.monotonic(),))[0]
-        if time.monotonic() - started >= LONG_CALL_S:
+        """The call of ``token`` (``enter``) returned or raised."""
+        if time.monotonic() - self._calls.pop(token)[0] >= LONG_CALL_S:
             self.long_call_ended = time.time()
 
     def waiting(self) -> str | None:

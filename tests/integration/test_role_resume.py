@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from engine.checkpoint import CheckpointManager
 from engine.programs.ctr import BLAS_ENV
 from tests.integration.test_chaos_offline import REPO, ROWS, SLOTS, args, run
 from tests.integration.test_offline_resume import _state, assert_same_model
+from tests.pods import Pod
 from tests.waiting import until
 
 pytestmark = pytest.mark.slow
@@ -174,34 +174,6 @@ def assert_every_example_once(result: Path) -> None:
     assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS
 
 
-class Scheduler:
-    """What a Job controller does for one worker rank: start it, and start it again after any exit but
-    0 and 2 (a config error), at most ``restarts`` times; ``codes`` lists its exit codes."""
-
-    def __init__(self, cmd: list[str], env: dict, log: str, restarts: int = 3):
-        self.cmd, self.env, self.log, self.restarts = cmd, env, log, restarts
-        self.codes: list[int] = []
-        self.proc: subprocess.Popen | None = None
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stopped:
-            with open(self.log, "a") as log:
-                self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL,
-                                             stderr=log, start_new_session=True)
-            self.codes.append(self.proc.wait())
-            if self.codes[-1] in (0, 2) or len(self.codes) > self.restarts:
-                return
-
-    def stop(self) -> None:
-        self.stopped = True
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.thread.join(30)
-
-
 @pytest.mark.parametrize("servers", ["fresh", "restored", "no-checkpoint"])
 def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_counting_every_example_once(tmp_path,
                                                                                                     servers):
@@ -236,8 +208,8 @@ def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_count
                               start_new_session=True)
              for r in range(2)]
     result = tmp_path / "role-result.json"
-    workers = [Scheduler(role_cmd(tmp_path, "role", "worker", r, *(("--result-file", str(result)) if r == 0 else ()),
-                                  *never), env, str(tmp_path / f"worker-{r}.log")) for r in range(2)]
+    workers = [Pod(role_cmd(tmp_path, "role", "worker", r, *(("--result-file", str(result)) if r == 0 else ()),
+                            *never), lambda n: env, tmp_path / f"worker-{r}.log") for r in range(2)]
     try:
         mgr = CheckpointManager(str(tmp_path / "ckpt-role"), "ctr_dnn")
         if never:
@@ -281,7 +253,7 @@ def test_a_worker_restarted_while_it_waits_at_the_start_barrier_does_not_leave_i
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
              for r in range(2)]
     result = tmp_path / "role-result.json"
-    workers = [Scheduler(role_cmd(tmp_path, "role", "worker", 1), env, str(tmp_path / "worker-1.log"))]
+    workers = [Pod(role_cmd(tmp_path, "role", "worker", 1), lambda n: env, tmp_path / "worker-1.log")]
     try:
         from engine.ps import PSClient
         with PSClient([f"127.0.0.1:{p}" for p in ports], name="probe") as probe:
@@ -290,8 +262,8 @@ def test_a_worker_restarted_while_it_waits_at_the_start_barrier_does_not_leave_i
                   "worker 1 at the start barrier", timeout_s=120, every_s=0.05)
         assert not workers[0].codes, workers[0].codes
         os.killpg(workers[0].proc.pid, signal.SIGKILL)      # its scheduler starts it again at once
-        workers.insert(0, Scheduler(role_cmd(tmp_path, "role", "worker", 0, "--result-file", str(result)), env,
-                                    str(tmp_path / "worker-0.log")))
+        workers.insert(0, Pod(role_cmd(tmp_path, "role", "worker", 0, "--result-file", str(result)), lambda n: env,
+                              tmp_path / "worker-0.log"))
         for w in workers:
             w.thread.join(240)
         assert workers[1].codes == [-signal.SIGKILL, 0], workers[1].codes
