@@ -513,8 +513,7 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
                 client.wait_ready(cfg.cluster.startup_timeout_s)
             except (ShardUnavailableError, PSTimeoutError) as e:   # one line, exit 1 (counted: a wrong
                 raise LaunchError(                                  # address never heals)
-                    f"worker {rank}: the servers were not ready within cluster.startup_timeout_s="
-                    f"{cfg.cluster.startup_timeout_s:g}s: {e.message}") from None
+                    f"worker {rank}: {e.message} (cluster.startup_timeout_s)") from None
         try:
             cfg = _restored_by_servers(cfg, client, rank, workers)
             mode = make_mode(cfg, client, rank=rank, num_workers=workers)

@@ -718,24 +718,29 @@ class PSClient(DenseClient):
         return out
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Poll Health until every server answers ready.
+        """Poll Health until every server answers ready (a server that answers is ready unless stopping).
 
         Raises
         ------
         ShardUnavailableError
-            Some server was not ready within ``timeout`` seconds.
+            Some server was not ready within ``timeout`` seconds; the message ends with the last error
+            or the servers still stopping, and ``endpoint`` names one of them.
         """
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if all(h["ready"] for h in self.health()):
-                    return
+                health = self.health()
             except RemoteError as e:
-                last = e
+                why, endpoint = f"last error: {e}", e.endpoint
             else:
-                last = None
+                stopping = [s for s, h in enumerate(health) if not h["ready"]]
+                if not stopping:
+                    return
+                why = "stopping: " + ", ".join(f"server {s} ({self.transport.endpoints[s]})" for s in stopping)
+                endpoint = self.transport.endpoints[stopping[0]]
             if time.monotonic() > deadline:
-                raise ShardUnavailableError("UNAVAILABLE", f"servers not ready within {timeout}s: {last}")
+                raise ShardUnavailableError("UNAVAILABLE", f"servers not ready within {timeout:g}s: {why}",
+                                            endpoint)
             time.sleep(0.1)
 
     def stop(self, servers=None) -> None:
