@@ -167,73 +167,79 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     _malloc.trim_now()                          # the warm-up's freed heap is not the process's own
     baseline = governor.rss_bytes()             # the process before any table: RSS's constant beyond budgets
     core = PSServer.from_config(cfg, rank)
-    unbudgeted = sorted(n for n, t in cfg.sparse_tables.items() if not t.memory_bytes)
-    if budgeted and not unbudgeted:         # RSS beyond the parts: the tables' reserve (start() says so
-        core.governor = governor.MemoryGovernor(   # and does nothing where RSS cannot be read)
-            lambda: [h.budget for h in core.sparse.values()], baseline or 0,
-            other_bytes=lambda: sum(h.nbytes for h in core.dense.values())).start()
-    elif budgeted:
-        log.warning("server %d: no memory governor: sparse table(s) %s have no memory_bytes, and their RAM "
-                    "would read as the budgeted tables' overhead; the budgets keep their fixed reserve",
-                    rank, unbudgeted)
-    core.load_roots.extend(allow_load or ())
-    from . import job_checkpoints
-    # before the restore: a worker rolling the job back never picks a checkpoint from before it
-    core.checkpoint_floor = job_checkpoints.newest_name_or_none(cfg)
-    if resume is not None:
-        from .checkpoint import CheckpointNotFoundError
-        mgr, target = job_checkpoints.manager_for(cfg, resume or None)
-        try:
-            m = mgr.restore(_OneServer(core), target, fallback=resume_fallback or cfg.checkpoint.fallback)
-            log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
-        except CheckpointNotFoundError:
-            if resume:            # a URI the operator named must exist
-                raise
-            # "--resume" alone (a scheduler passes it at every start): no checkpoint yet, a new job
-            log.warning("server %d: --resume: the job has no complete checkpoint yet; starting empty", rank)
-    from .observability import prometheus
-    metrics = prometheus.start(cfg, "server", rank, host)      # observability.prometheus_port; None: off
-    if metrics is not None:
-        metrics.watch_server(core)
-    server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
-                          max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security,
-                          dead_after_s=cfg.client.dead_after_s,
-                          interceptors=[metrics.interceptor()] if metrics is not None else ())
-    health_port = cfg.cluster.health_port if health_port is None else health_port
-    probe = None
-    if health_port >= 0:        # the plaintext health port: grpc.health.v1 only (engine.ps.health)
-        from .ps.health import HealthPort
-        probe = HealthPort(host, health_port)
-        probe.set(True)
-    deadline = [float("inf")]
+    # every way out closes what was opened (an error in the restore or the bind as well as a Stop): the
+    # spill stores above all, which the role's end no longer leaves to the garbage collector
+    # (engine.cli.train._end_role_process)
+    metrics = server = probe = None
+    try:
+        unbudgeted = sorted(n for n, t in cfg.sparse_tables.items() if not t.memory_bytes)
+        if budgeted and not unbudgeted:         # RSS beyond the parts: the tables' reserve (start() says so
+            core.governor = governor.MemoryGovernor(   # and does nothing where RSS cannot be read)
+                lambda: [h.budget for h in core.sparse.values()], baseline or 0,
+                other_bytes=lambda: sum(h.nbytes for h in core.dense.values())).start()
+        elif budgeted:
+            log.warning("server %d: no memory governor: sparse table(s) %s have no memory_bytes, and their RAM "
+                        "would read as the budgeted tables' overhead; the budgets keep their fixed reserve",
+                        rank, unbudgeted)
+        core.load_roots.extend(allow_load or ())
+        from . import job_checkpoints
+        # before the restore: a worker rolling the job back never picks a checkpoint from before it
+        core.checkpoint_floor = job_checkpoints.newest_name_or_none(cfg)
+        if resume is not None:
+            from .checkpoint import CheckpointNotFoundError
+            mgr, target = job_checkpoints.manager_for(cfg, resume or None)
+            try:
+                m = mgr.restore(_OneServer(core), target, fallback=resume_fallback or cfg.checkpoint.fallback)
+                log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
+            except CheckpointNotFoundError:
+                if resume:            # a URI the operator named must exist
+                    raise
+                # "--resume" alone (a scheduler passes it at every start): no checkpoint yet, a new job
+                log.warning("server %d: --resume: the job has no complete checkpoint yet; starting empty", rank)
+        from .observability import prometheus
+        metrics = prometheus.start(cfg, "server", rank, host)      # observability.prometheus_port; None: off
+        if metrics is not None:
+            metrics.watch_server(core)
+        server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
+                              max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security,
+                              dead_after_s=cfg.client.dead_after_s,
+                              interceptors=[metrics.interceptor()] if metrics is not None else ())
+        health_port = cfg.cluster.health_port if health_port is None else health_port
+        if health_port >= 0:        # the plaintext health port: grpc.health.v1 only (engine.ps.health)
+            from .ps.health import HealthPort
+            probe = HealthPort(host, health_port)
+            probe.set(True)
+        deadline = [float("inf")]
 
-    def preempted(*_) -> None:
-        if not core.preempting:
-            log.warning("server %d: SIGTERM: preempting; serving until the job's checkpoint and Stop, at most "
-                        "%g s", rank, cfg.cluster.preempt_timeout_s)
-            core.preempting = True
-            deadline[0] = time.monotonic() + cfg.cluster.preempt_timeout_s
-    signal.signal(signal.SIGTERM, preempted)
-    signal.signal(signal.SIGINT, lambda *_: core.stopped.set())
-    failpoints.hit("server.before_ready")
-    if ready_file:
-        tmp = Path(ready_file + ".tmp")
-        tmp.write_text(f"{host}:{bound}\n")
-        tmp.replace(ready_file)
-    reporter.close()            # from now on the launcher polls Health (ServerWatch)
-    while not core.stopped.wait(0.5):
+        def preempted(*_) -> None:
+            if not core.preempting:
+                log.warning("server %d: SIGTERM: preempting; serving until the job's checkpoint and Stop, at most "
+                            "%g s", rank, cfg.cluster.preempt_timeout_s)
+                core.preempting = True
+                deadline[0] = time.monotonic() + cfg.cluster.preempt_timeout_s
+        signal.signal(signal.SIGTERM, preempted)
+        signal.signal(signal.SIGINT, lambda *_: core.stopped.set())
+        failpoints.hit("server.before_ready")
+        if ready_file:
+            tmp = Path(ready_file + ".tmp")
+            tmp.write_text(f"{host}:{bound}\n")
+            tmp.replace(ready_file)
+        reporter.close()            # from now on the launcher polls Health (ServerWatch)
+        while not core.stopped.wait(0.5):
+            if probe is not None:
+                probe.set(not core.preempting)
+            if time.monotonic() > deadline[0]:
+                log.warning("server %d: preempt_timeout_s passed; stopping", rank)
+                break
+        log.info("server %d stopping", rank)
+    finally:
         if probe is not None:
-            probe.set(not core.preempting)
-        if time.monotonic() > deadline[0]:
-            log.warning("server %d: preempt_timeout_s passed; stopping", rank)
-            break
-    log.info("server %d stopping", rank)
-    if probe is not None:
-        probe.close()
-    server.stop(grace=2.0).wait(cfg.cluster.stop_timeout_s)
-    core.close()
-    if metrics is not None:
-        metrics.close()          # a last push to the Pushgateway
+            probe.close()
+        if server is not None:
+            server.stop(grace=2.0).wait(cfg.cluster.stop_timeout_s)
+        core.close()
+        if metrics is not None:
+            metrics.close()          # a last push to the Pushgateway
     return preempt.EXIT_PREEMPTED if core.preempting else 0
 
 
@@ -513,7 +519,7 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
                 client.wait_ready(cfg.cluster.startup_timeout_s)
             except (ShardUnavailableError, PSTimeoutError) as e:   # one line, exit 1 (counted: a wrong
                 raise LaunchError(                                  # address never heals)
-                    f"worker {rank}: {e.message} (cluster.startup_timeout_s)") from None
+                    f"worker {rank}: {e} (cluster.startup_timeout_s)") from None
         try:
             cfg = _restored_by_servers(cfg, client, rank, workers)
             mode = make_mode(cfg, client, rank=rank, num_workers=workers)

@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    if args.role is None:
+    if args.role not in ("server", "worker"):       # the launcher (ENGINE_ROLE may be set empty)
         return _run(args)
     code = 1
     try:

@@ -723,15 +723,15 @@ class PSClient(DenseClient):
         Raises
         ------
         ShardUnavailableError
-            Some server was not ready within ``timeout`` seconds; the message ends with the last error
-            or the servers still stopping, and ``endpoint`` names one of them.
+            Some server was not ready within ``timeout`` seconds; ``endpoint`` names the one of the last
+            error or the first still stopping, and the message ends with that error or those servers.
         """
         deadline = time.monotonic() + timeout
         while True:
             try:
                 health = self.health()
             except RemoteError as e:
-                why, endpoint = f"last error: {e}", e.endpoint
+                why, endpoint = f"last error: {e.code}: {e.message}", e.endpoint
             else:
                 stopping = [s for s, h in enumerate(health) if not h["ready"]]
                 if not stopping:

@@ -97,5 +97,6 @@ def test_a_worker_whose_servers_never_answer_exits_1_with_one_line(tmp_path):
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     line = [ln for ln in p.stderr.splitlines() if ln.startswith("engine train: failed:")]
     assert len(line) == 1 and line[0].startswith(
-        f"engine train: failed: worker 0: servers not ready within 3s: last error: UNAVAILABLE from 127.0.0.1:{port}"
+        f"engine train: failed: worker 0: UNAVAILABLE from 127.0.0.1:{port}: servers not ready within 3s: "
+        "last error: UNAVAILABLE: "
     ) and line[0].endswith("(cluster.startup_timeout_s)"), p.stderr[-3000:]
