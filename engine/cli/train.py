@@ -93,7 +93,7 @@ def _end_role_process() -> None:
     process still lives counts a failure: with enough of them a finished worker is restarted into a job
     that has ended. Nearly all of that gap is the interpreter's finalization, whose full garbage
     collection over every object the role made took 0.45-0.7 s on a 2-core machine (idle, then with two
-    busy processes beside it; several seconds on CI once, where a test's 1 s x 3 probe restarted a
+    busy processes beside it; over 2 s on CI once, where a test's 1 s x 3 probe restarted a
     worker that had finished). ``gc.freeze()`` moves those objects out of its reach: the same end took
     0.045 s. The memory goes back with the process. What the collection would have finalized is
     cyclic garbage only; the role closed its client, report, ports, metrics and result file explicitly

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -86,7 +87,6 @@ def test_a_worker_whose_servers_never_answer_exits_1_with_one_line(tmp_path):
     """No server at ``ENGINE_SERVERS`` within ``cluster.startup_timeout_s`` (a server frozen in its start,
     a wrong address): the worker exits 1, which a Job's backoffLimit counts (a wrong address never
     heals), with one line naming the wait, where it printed a traceback."""
-    import sys
     port = free_ports(1)[0]                       # nothing listens there
     env = {**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{port}", "ENGINE_NUM_WORKERS": "1"}
     p = subprocess.run([sys.executable, "-m", "engine", "train", str(REPO / "configs" / "logreg_demo.yaml"),
