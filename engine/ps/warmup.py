@@ -11,10 +11,13 @@ in-process cluster with the same table configs, before a server listens or a wor
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
+import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +34,75 @@ def read_only(arr: np.ndarray) -> np.ndarray:
     out = arr.copy()
     out.flags.writeable = False
     return out
+
+
+class ScratchDir:
+    """A throwaway directory ``engine-warm-up-*`` in the temp directory, for the warm-up's spill stores,
+    removed by ``close``. A SIGKILL skips every cleanup (a role killed in its start-up did, and left one
+    directory each time), so the directory is held by an flock on its ``.lock`` file for its whole life,
+    and each new one first removes those whose lock is free: their process is gone (the kernel drops a
+    dead process's locks, whatever pid namespace it ran in). A directory without a ``.lock`` (made by an
+    earlier version) or of another user is left alone.
+
+    Parameters
+    ----------
+    root : str or Path, optional
+        Where to make it (default ``tempfile.gettempdir()``).
+
+    Attributes
+    ----------
+    path : Path
+
+    Raises
+    ------
+    OSError
+        The directory or its lock cannot be made.
+    """
+
+    PREFIX = "engine-warm-up-"
+    LOCK = ".lock"
+
+    def __init__(self, root=None):
+        root = Path(root if root is not None else tempfile.gettempdir())
+        self.swept = sweep_scratch_dirs(root)
+        self.path = Path(tempfile.mkdtemp(prefix=self.PREFIX, dir=root))
+        new = self.path / (self.LOCK + ".new")
+        self._fd: int | None = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)      # nobody else knows the file yet: never blocks
+        os.rename(new, self.path / self.LOCK)     # a sweeper sees the lock only once it is held
+
+    def close(self) -> None:
+        """Remove the directory, then drop the lock. Idempotent."""
+        if self._fd is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._fd)
+        self._fd = None
+
+
+def sweep_scratch_dirs(root) -> list[Path]:
+    """Remove the ``ScratchDir`` directories in ``root`` whose lock is free (their process died) and
+    return them. Held locks, directories without a lock and others' directories are skipped."""
+    removed = []
+    for d in sorted(Path(root).glob(ScratchDir.PREFIX + "*")):
+        try:
+            fd = os.open(d / ScratchDir.LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:                 # no lock file, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:                 # held: that warm-up is running
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d warm-up directories left by processes that died: %s", len(removed),
+                 ", ".join(str(d) for d in removed))
+    return removed
 
 
 def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
@@ -60,17 +132,19 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
     from .transport import InProcessTransport
 
     t0 = time.perf_counter()
-    spill_dir = tempfile.TemporaryDirectory(prefix="engine-warm-up-")
+    scratch = ScratchDir()
     # memory_bytes off: a budget would size (and touch) the real index for a throw-away table
-    sparse = {n: dataclasses.replace(c, spill_path=os.path.join(spill_dir.name, n), memory_rows=_SPILL_ROWS,
+    sparse = {n: dataclasses.replace(c, spill_path=os.path.join(scratch.path, n), memory_rows=_SPILL_ROWS,
                                      memory_bytes=0)
               if c.spill_path else c for n, c in sparse.items()}
-    servers = [PSServer(sparse, dense, index=i, num_servers=2, num_vshards=64,
-                        local_shards=local_shards)
-               for i in range(2)]
-    client = PSClient(InProcessTransport(servers), threads=2, name="warm-up")
+    servers: list = []
+    client = None
     rng = np.random.default_rng(0)
     try:
+        for i in range(2):
+            servers.append(PSServer(sparse, dense, index=i, num_servers=2, num_vshards=64,
+                                    local_shards=local_shards))
+        client = PSClient(InProcessTransport(servers), threads=2, name="warm-up")
         dense_table = next(iter(dense), None)     # Step's dense part (each optimizer ran in DENSE_STEP)
         for name in dense:
             size = 2 * _KEYS
@@ -106,10 +180,11 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
                          "dense_grad": rng.standard_normal(2 * _KEYS).astype(np.float32)}
             client.push_pull(name, keys, grads, keys[::-1].copy(), shows=shows, clicks=clicks, **extra)
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         for s in servers:
             s.close()
-        spill_dir.cleanup()
+        scratch.close()
     if any(getattr(t, "spill_path", None) for t in sparse.values()):
         # the dirty-keys set of a spilling table merges its runs once 64k keys were evicted dirty: a merge
         # of two runs compiles here, not under a shard's lock in the middle of a push
@@ -135,4 +210,4 @@ def _grow_without_admission(cfg, keys: np.ndarray) -> None:
         table.close()
 
 
-__all__ = ["read_only", "warm_up"]
+__all__ = ["ScratchDir", "read_only", "sweep_scratch_dirs", "warm_up"]

@@ -192,6 +192,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def topology_files(mpiexec: int) -> list[Path]:
+    """The hwloc topology files (``/tmp/hydra_hwloc_xmlfile_*``) that the hydra proxies under the mpiexec
+    ``mpiexec`` (a pid) hold open. mpiexec removes its file when it ends, unless it is SIGKILLed."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != mpiexec:
+                continue
+            for fd in (d / "fd").iterdir():
+                target = os.readlink(fd)
+                if os.path.basename(target).startswith("hydra_hwloc_xmlfile_"):
+                    found.append(Path(target))
+        except OSError:           # gone meanwhile
+            continue
+    return found
+
+
 def test_a_sigkilled_launcher_takes_the_mpi_world_with_it(tmp_path):
     """The launcher itself is SIGKILLed while its hybrid workers train: mpiexec (tied to it by
     PR_SET_PDEATHSIG through engine.launch.mpi's --tied-to shim), hydra's proxy, both ranks and the
@@ -199,6 +216,7 @@ def test_a_sigkilled_launcher_takes_the_mpi_world_with_it(tmp_path):
     would live on for that long until they next called the dead server: they must be gone within 15 s
     (the kills and exits of five processes, which a loaded machine can slow)."""
     paced = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:30"}
+    topology: list[Path] = []
     cmd = small(tmp_path, "orphan", "mode=hybrid", "model.batch_size=32", "model.epochs=1", "cluster.warm_up=false")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=paced, start_new_session=True)
@@ -209,7 +227,11 @@ def test_a_sigkilled_launcher_takes_the_mpi_world_with_it(tmp_path):
         while (progress.read(run_dir / "worker-1.progress.json") or {}).get("step", 0) < 1:
             assert time.monotonic() < deadline and proc.poll() is None, "worker 1 never trained"
             time.sleep(0.05)
-        assert any(b"mpiexec" in cmdline(p) for p in leftovers(run_dir))
+        mpiexec = [p for p in leftovers(run_dir) if b"mpiexec" in cmdline(p)]
+        assert mpiexec
+        # a SIGKILLed mpiexec cannot remove the topology file hydra wrote for the ranks, which its proxy
+        # holds open: note it now, remove it at the end
+        topology = topology_files(mpiexec[0])
         os.kill(proc.pid, signal.SIGKILL)               # the launcher only, not its process group
         proc.wait(10)
         deadline = time.monotonic() + 15
@@ -227,6 +249,8 @@ def test_a_sigkilled_launcher_takes_the_mpi_world_with_it(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+        for f in topology:
+            f.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("args, keys", [

@@ -1,0 +1,55 @@
+"""The warm-up's throwaway directory (``engine.ps.warmup.ScratchDir``): a process SIGKILLed while it held
+one leaves it behind, and the next warm-up removes it, never one whose process still runs."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine.ps.warmup import ScratchDir, sweep_scratch_dirs
+
+REPO = Path(__file__).resolve().parents[2]
+
+HOLD = """
+import sys, time
+from engine.ps.warmup import ScratchDir
+d = ScratchDir(sys.argv[1])
+(d.path / "embedding").mkdir()
+(d.path / "embedding" / "000001.sst").write_bytes(b"x" * 4096)
+print(d.path, flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(root: Path) -> tuple[subprocess.Popen, Path]:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    return p, Path(p.stdout.readline().strip())
+
+
+def test_a_killed_process_directory_is_removed_by_the_next_one_and_a_live_ones_is_kept(tmp_path):
+    dead, dead_dir = _holder(tmp_path)
+    live, live_dir = _holder(tmp_path)
+    legacy = tmp_path / (ScratchDir.PREFIX + "old")          # an earlier version's: no lock file
+    legacy.mkdir()
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(10)
+        assert dead_dir.is_dir() and live_dir.is_dir()      # a SIGKILL skips every cleanup
+        mine = ScratchDir(tmp_path)
+        assert mine.swept == [dead_dir]
+        assert not dead_dir.exists()
+        assert (live_dir / "embedding" / "000001.sst").is_file() and legacy.is_dir()
+        assert sweep_scratch_dirs(tmp_path) == []           # its own is held as well
+        mine.close()
+        mine.close()                                        # idempotent
+        assert not mine.path.exists()
+    finally:
+        live.kill()
+        live.wait(10)
+    deadline = time.monotonic() + 10
+    while live_dir.exists() and time.monotonic() < deadline:   # its lock died with it
+        sweep_scratch_dirs(tmp_path)
+        time.sleep(0.05)
+    assert not live_dir.exists() and legacy.is_dir()
