@@ -75,14 +75,17 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.role not in ("server", "worker"):       # the launcher (ENGINE_ROLE may be set empty)
         return _run(args)
-    code = 1
+    code, error = 1, None
     try:
         code = _run(args)
+    except BaseException as e:
+        error = e
+        raise
     finally:
         if args.role == "worker" and "mpi4py.MPI" in sys.modules:   # mode hybrid: a failed rank ends
-            from ..modes.hybrid import end_world                      # its MPI world at once
-            end_world(code)
-        _end_role_process()
+            from ..modes.hybrid import end_world                      # its MPI world at once, after
+            end_world(code, error)                                    # logging why (the abort ends the
+        _end_role_process()                                           # process before Python would)
     return code
 
 

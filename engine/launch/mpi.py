@@ -32,6 +32,8 @@ from pathlib import Path
 
 WORLD_FILE = "mpi-world.json"
 MPIEXEC_LOG = "mpiexec.log"
+TOPOLOGY_PREFIX = "hydra_hwloc_xmlfile_"   # hydra's file of the machine's topology for the ranks (in /tmp)
+TOPOLOGY_LOOK_S = 1.0                      # seconds between looks for it while the world starts
 
 
 def mpiexec_path(python: str = sys.executable) -> str:
@@ -95,6 +97,11 @@ def main(argv: list[str]) -> None:
     os.execve(r["cmd"][0], r["cmd"], env)
 
 
+def _parent(pid: int) -> int:
+    """The parent pid of ``pid`` (``/proc/PID/stat``). Raises OSError when it is gone."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 _BAD = re.compile(r"BAD TERMINATION.*?PID (\d+).*?(?:EXIT CODE: (\d+)|KILLED BY SIGNAL: (\d+))", re.S)
 
 
@@ -112,6 +119,7 @@ class World:
                                          env=env, start_new_session=True)
         self._codes: dict[int, int] | None = None
         self.ended_at: dict[int, float] = {}     # rank -> monotonic seconds it was seen to end
+        self.topology: Path | None = None        # hydra's topology file for the ranks, once seen
         threading.Thread(target=self._watch_ends, name="mpi-world-ends", daemon=True).start()
 
     def _watch_ends(self) -> None:
@@ -123,8 +131,12 @@ class World:
         import select
         fds: dict[int, int] = {}
         poller = select.poll()
+        next_look = 0.0
         try:
             while self.proc.poll() is None or len(fds):
+                if self.topology is None and time.monotonic() >= next_look:
+                    self.topology = self._find_topology()
+                    next_look = time.monotonic() + TOPOLOGY_LOOK_S
                 for r in range(len(self.pid_paths)):
                     if r in fds or r in self.ended_at:
                         continue
@@ -152,6 +164,25 @@ class World:
             for fd in fds.values():
                 os.close(fd)
 
+    def _find_topology(self) -> Path | None:
+        """The hwloc topology file (``/tmp/hydra_hwloc_xmlfile_*``) that hydra wrote for the ranks once
+        they initialized MPI, found open in the ranks' proxy (a child of this mpiexec), or None."""
+        for r in range(len(self.pid_paths)):
+            pid = self.rank_pid(r)
+            if pid is None:
+                continue
+            try:
+                proxy = _parent(pid)
+                if _parent(proxy) != self.proc.pid:
+                    continue
+                for fd in os.listdir(f"/proc/{proxy}/fd"):
+                    target = os.readlink(f"/proc/{proxy}/fd/{fd}")
+                    if os.path.basename(target).startswith(TOPOLOGY_PREFIX):
+                        return Path(target)
+            except (OSError, ValueError, IndexError):      # not started, or gone meanwhile
+                continue
+        return None
+
     def rank_pid(self, rank: int) -> int | None:
         try:
             return int(self.pid_paths[rank].read_text())
@@ -165,6 +196,10 @@ class World:
             return None
         if self._codes is None:
             self._codes = self._read_codes(rc)
+            if self.topology is not None:
+                # an mpiexec that ended the world for an MPI_Abort (a failed rank: engine.modes.hybrid
+                # .end_world) leaves its topology file behind, one per restart; it was this world's
+                self.topology.unlink(missing_ok=True)
         return self._codes
 
     def _read_codes(self, rc: int) -> dict[int, int]:

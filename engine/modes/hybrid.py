@@ -355,19 +355,25 @@ class DenseReplica:
             self.finish_average(self.start_average())
 
 
-def end_world(code: int) -> None:
+def end_world(code: int, error: BaseException | None = None) -> None:
     """Called by the worker's CLI with its exit ``code`` just before it exits: on failure (not 0, not a
     preemption, which every rank takes at the same meeting) abort the MPI world, so mpiexec ends every
     rank now with this code instead of the others waiting for this one in ``MPI_Finalize`` or a
     collective until the launcher declares them hung. No-op without an initialized MPI world of more
-    than one process."""
+    than one process.
+
+    ``error`` is the exception the worker is failing with, if any: its traceback goes into the log line
+    here, because the abort ends the process before Python would print it (the worker's log then held
+    the abort and no reason)."""
     from ..preempt import EXIT_PREEMPTED
     mpi = sys.modules.get("mpi4py.MPI")
     if code in (0, EXIT_PREEMPTED) or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
     if mpi.COMM_WORLD.Get_size() > 1:
-        log.error("worker %d: exiting with code %d: aborting the MPI world (mpiexec ends every worker; the "
-                  "launcher restarts the job)", mpi.COMM_WORLD.Get_rank(), code)
+        log.error("worker %d: exiting with code %d%s: aborting the MPI world (mpiexec ends every worker; the "
+                  "launcher restarts the job)", mpi.COMM_WORLD.Get_rank(), code,
+                  f" ({type(error).__name__}: {error})" if error is not None else "",
+                  exc_info=(type(error), error, error.__traceback__) if error is not None else None)
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()

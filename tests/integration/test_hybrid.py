@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from engine.config import from_dict
 from engine.ps import InProcessTransport, PSClient, PSServer
 from engine.launch.procs import processes_of as leftovers
 from engine.launch.procs import role_pid
+from tests.mpi_worlds import topology_files
 
 REPO = Path(__file__).resolve().parents[2]
 CRITEO = REPO.parent / "shared" / "data" / "criteo" / "train.txt"
@@ -177,6 +179,52 @@ def test_a_killed_hybrid_worker_ends_the_world_and_the_job_restarts_from_its_che
     assert not leftovers(run_dir)
 
 
+@pytest.mark.slow
+def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_the_job_restarts(tmp_path):
+    """Worker 1 is frozen (SIGSTOP) mid-training. Worker 0's next all-reduce times out after
+    ``client.barrier_timeout_s`` (3 s here), it exits with an error and aborts the MPI world
+    (``engine.modes.hybrid.end_world``), mpiexec ends the frozen rank with it, and the launcher restarts
+    the job, which completes. An aborting mpiexec leaves hydra's topology file in /tmp: the launcher
+    removes it once that world ended (``engine.launch.mpi.World``), one file fewer per restart."""
+    paced = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}
+    cmd = small(tmp_path, "freeze", "mode=hybrid", "model.batch_size=32", "model.epochs=1", "checkpoint.align_steps=10",
+                "checkpoint.delta_every=10steps", "cluster.warm_up=false", "client.barrier_timeout_s=3")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=paced, start_new_session=True)
+    run_dir = tmp_path / "run-freeze"
+    topology: list[Path] = []
+    try:
+        pid = role_pid(run_dir, "worker", 1, timeout_s=120)
+        deadline = time.monotonic() + 120
+        while (progress.read(run_dir / "worker-1.progress.json") or {}).get("step", 0) < 15:
+            assert time.monotonic() < deadline and proc.poll() is None, "worker 1 never reached step 15"
+            time.sleep(0.02)
+        mpiexec = [p for p in leftovers(run_dir) if b"mpiexec" in cmdline(p)]
+        assert mpiexec
+        topology = topology_files(mpiexec[0])
+        assert topology, "no topology file open under this mpiexec"
+        os.kill(pid, signal.SIGSTOP)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for f in topology:
+            if f.exists():
+                f.unlink()
+                pytest.fail(f"the aborted world's topology file {f} was left behind")
+    assert proc.returncode == 0, err[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["restarts"] == 1 and 0.55 < final["test_auc"] < 1.0, final
+    assert "worker 0 failed (exited with code 1); restart 1/3" in err, err[-3000:]
+    first = (run_dir / "worker-0.log").read_text()      # the first attempt's: the reason precedes the abort
+    assert re.search(r"exiting with code 1 \(CollectiveTimeoutError: MPI all-reduce of \d+ floats did not "
+                     r"complete within 3 s \(client.barrier_timeout_s\): a worker hangs\): aborting the MPI "
+                     r"world", first), first[-3000:]
+    assert "Traceback" in first.split("aborting the MPI world")[1]
+    assert not alive(pid) and not leftovers(run_dir)
+
+
 def cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -190,23 +238,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def topology_files(mpiexec: int) -> list[Path]:
-    """The hwloc topology files (``/tmp/hydra_hwloc_xmlfile_*``) that the hydra proxies under the mpiexec
-    ``mpiexec`` (a pid) hold open. mpiexec removes its file when it ends, unless it is SIGKILLed."""
-    found = []
-    for d in Path("/proc").iterdir():
-        try:
-            if not d.name.isdigit() or int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != mpiexec:
-                continue
-            for fd in (d / "fd").iterdir():
-                target = os.readlink(fd)
-                if os.path.basename(target).startswith("hydra_hwloc_xmlfile_"):
-                    found.append(Path(target))
-        except OSError:           # gone meanwhile
-            continue
-    return found
 
 
 def test_a_sigkilled_launcher_takes_the_mpi_world_with_it(tmp_path):
