@@ -2,7 +2,7 @@
 
 MPICH's hydra writes the machine's topology for the ranks to ``/tmp/hydra_hwloc_xmlfile_*`` once they
 initialize MPI; its proxy holds the file open, and mpiexec removes it when it ends, but not when it ends
-for an ``MPI_Abort`` or a SIGKILL. ``run_world`` notes the file while the world runs and removes it after.
+for an ``MPI_Abort`` or a SIGKILL. ``run_mpiexec`` notes the file while the world runs and removes it after.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def topology_files(mpiexec: int) -> list[Path]:
     return found
 
 
-def run_world(cmd: list[str], *, timeout: float, **popen_kw) -> subprocess.CompletedProcess:
+def run_mpiexec(cmd: list[str], *, timeout: float, **popen_kw) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for a command that is or
     execs mpiexec (same pid); the world's topology file is removed once it ended, however it ended.
 

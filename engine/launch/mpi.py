@@ -16,7 +16,9 @@ travel in mpiexec's environment, which hydra passes to every rank.
 is the rank's, signals go to the rank, and its exit code is read from mpiexec when the world ends. A
 rank that dies ends the world (hydra kills the others and prints the dead rank's pid and exit); the
 rank that died reports its exit code or signal, the others report 0, so the launcher's error names
-the dead worker and the supervisor restarts the whole job from its newest checkpoint.
+the dead worker and the supervisor restarts the whole job from its newest checkpoint. A rank that
+fails aborts the world (``engine.modes.hybrid.end_world``, after logging why); hydra reports nothing
+then, and that rank is named from MPICH's abort line at the end of its log.
 """
 from __future__ import annotations
 
@@ -102,16 +104,22 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+_ABORT = re.compile(r"application called MPI_Abort\(MPI_COMM_WORLD, (\d+)\)")
+ABORT_TAIL_BYTES = 64 << 10     # how much of a rank's log end is searched for the abort line
+
+
 _BAD = re.compile(r"BAD TERMINATION.*?PID (\d+).*?(?:EXIT CODE: (\d+)|KILLED BY SIGNAL: (\d+))", re.S)
 
 
 class World:
     """One mpiexec running the workers' world; answers for every rank (``RankProcess``)."""
 
-    def __init__(self, cmd: list[str], *, env: dict, run_dir: Path, pid_paths: list[Path]):
+    def __init__(self, cmd: list[str], *, env: dict, run_dir: Path, pid_paths: list[Path],
+                 rank_logs: list[Path] | None = None):
         self.run_dir = run_dir
         self.log_path = run_dir / MPIEXEC_LOG
         self.pid_paths = pid_paths
+        self.rank_logs = rank_logs or []
         for p in pid_paths:
             p.unlink(missing_ok=True)
         with open(self.log_path, "wb") as out:
@@ -221,7 +229,12 @@ class World:
             if code > 0 and f"(signal {code})" in text:   # hydra prints a killed rank as EXIT CODE: SIGNUM
                 code = -code
             codes[rank], named = code, True
-        if not named:       # mpiexec itself failed or was killed: every rank shares its exit
+        if not named:
+            aborted = self._aborted()
+            if aborted is not None:     # a rank called MPI_Abort (end_world): hydra reports nothing
+                rank, code = aborted
+                return {**dict.fromkeys(range(n), 0), rank: code}
+            # mpiexec itself failed or was killed: every rank shares its exit
             codes = dict.fromkeys(range(n), rc if rc > 0 else rc or 1)
         first = self._first_ended()
         bad = next((c for c in codes.values() if c != 0), None)
@@ -230,6 +243,21 @@ class World:
             # came out as code 0 and rank 0, which mpiexec then killed, as signal 9
             codes[first] = bad
         return codes
+
+    def _aborted(self) -> tuple[int, int] | None:
+        """(rank, code) of the first rank whose log ends with MPICH's line for an ``MPI_Abort`` of the
+        world (the line comes right after ``end_world``'s, which gives the reason), or None."""
+        for r, path in enumerate(self.rank_logs):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - ABORT_TAIL_BYTES))
+                    tail = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            m = _ABORT.search(tail)
+            if m:
+                return r, int(m.group(1)) or 1
+        return None
 
     def _first_ended(self) -> int | None:
         """The rank seen to end strictly before every other (``_watch_ends``), or None."""
@@ -312,7 +340,7 @@ def start_world(cluster, env: dict, *, child) -> list:
                       "log": str(run_dir / f"worker-{r}.log"), "pid": str(run_dir / f"worker-{r}.pid")})
         children.append((r, result, prog))
     world = World(world_command(cluster.python, run_dir, ranks), env=cluster.child_env(env), run_dir=run_dir,
-                  pid_paths=[Path(x["pid"]) for x in ranks])
+                  pid_paths=[Path(x["pid"]) for x in ranks], rank_logs=[Path(x["log"]) for x in ranks])
     out = []
     for r, result, prog in children:
         c = child("worker", r, RankProcess(world, r), Path(ranks[r]["log"]))

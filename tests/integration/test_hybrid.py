@@ -179,6 +179,18 @@ def test_a_killed_hybrid_worker_ends_the_world_and_the_job_restarts_from_its_che
     assert not leftovers(run_dir)
 
 
+def world_at_step(run_dir: Path, proc: subprocess.Popen, step: int) -> list[Path]:
+    """Wait (up to 120 s) until worker 1 of the job ``proc`` running in ``run_dir`` reported ``step``;
+    return the topology files of its world's mpiexec (``tests.mpi_worlds``)."""
+    deadline = time.monotonic() + 120
+    while (progress.read(run_dir / "worker-1.progress.json") or {}).get("step", 0) < step:
+        assert time.monotonic() < deadline and proc.poll() is None, f"worker 1 never reached step {step}"
+        time.sleep(0.02)
+    mpiexec = [p for p in leftovers(run_dir) if b"mpiexec" in cmdline(p)]
+    assert mpiexec
+    return topology_files(mpiexec[0])
+
+
 @pytest.mark.slow
 def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_the_job_restarts(tmp_path):
     """Worker 1 is frozen (SIGSTOP) mid-training. Worker 0's next all-reduce times out after
@@ -195,13 +207,7 @@ def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_th
     topology: list[Path] = []
     try:
         pid = role_pid(run_dir, "worker", 1, timeout_s=120)
-        deadline = time.monotonic() + 120
-        while (progress.read(run_dir / "worker-1.progress.json") or {}).get("step", 0) < 15:
-            assert time.monotonic() < deadline and proc.poll() is None, "worker 1 never reached step 15"
-            time.sleep(0.02)
-        mpiexec = [p for p in leftovers(run_dir) if b"mpiexec" in cmdline(p)]
-        assert mpiexec
-        topology = topology_files(mpiexec[0])
+        topology = world_at_step(run_dir, proc, 15)
         assert topology, "no topology file open under this mpiexec"
         os.kill(pid, signal.SIGSTOP)
         out, err = proc.communicate(timeout=240)
@@ -254,15 +260,8 @@ def test_a_sigkilled_launcher_takes_the_mpi_world_with_it(tmp_path):
     run_dir = tmp_path / "run-orphan"
     try:
         pids = [role_pid(run_dir, "worker", r, timeout_s=120) for r in (0, 1)]
-        deadline = time.monotonic() + 120
-        while (progress.read(run_dir / "worker-1.progress.json") or {}).get("step", 0) < 1:
-            assert time.monotonic() < deadline and proc.poll() is None, "worker 1 never trained"
-            time.sleep(0.05)
-        mpiexec = [p for p in leftovers(run_dir) if b"mpiexec" in cmdline(p)]
-        assert mpiexec
-        # a SIGKILLed mpiexec cannot remove the topology file hydra wrote for the ranks, which its proxy
-        # holds open: note it now, remove it at the end
-        topology = topology_files(mpiexec[0])
+        # a SIGKILLed mpiexec cannot remove the topology file hydra wrote for the ranks: removed at the end
+        topology = world_at_step(run_dir, proc, 1)
         os.kill(proc.pid, signal.SIGKILL)               # the launcher only, not its process group
         proc.wait(10)
         deadline = time.monotonic() + 15

@@ -19,7 +19,7 @@ from engine.errors import ConfigError
 from engine.launch.mpi import mpiexec_path
 from engine.modes.hybrid import CMA_CVAR, DenseReplica, make_optimizer
 from tests import hybrid_ranks as hr
-from tests.mpi_worlds import run_world
+from tests.mpi_worlds import run_mpiexec
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE = 200_003           # odd, > 64k floats: MPICH's large-message all-reduce, a ragged last chunk
@@ -31,7 +31,7 @@ def run_world(tmp_path: Path, ranks: int, sync_steps: int, steps: int = STEPS, s
     out = tmp_path / f"w{ranks}-k{sync_steps}-{how}.npz"
     cmd = [mpiexec_path(), "-launcher", "fork", "-n", str(ranks), sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
            str(out), str(sync_steps), str(steps), str(size), how]
-    proc = run_world(cmd, cwd=REPO, timeout=120)
+    proc = run_mpiexec(cmd, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with np.load(out) as z:
         return {k: z[k] for k in z.files}
@@ -99,8 +99,8 @@ def _under_seccomp(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     from tests import seccomp_exec
     if not seccomp_exec.available():
         pytest.skip("libseccomp is not installed: a seccomp profile cannot be applied to the ranks")
-    return run_world([sys.executable, str(REPO / "tests" / "seccomp_exec.py"), *cmd], cwd=REPO, env=env,
-                     timeout=120)
+    return run_mpiexec([sys.executable, str(REPO / "tests" / "seccomp_exec.py"), *cmd], cwd=REPO, env=env,
+                       timeout=120)
 
 
 def test_the_cma_probe_sees_a_seccomp_profile_that_refuses_process_vm_readv():
@@ -155,7 +155,7 @@ def test_a_peer_that_stops_answering_times_out_with_a_clear_error(tmp_path, how)
     world (as the worker's exit does), instead of waiting forever."""
     cmd = [mpiexec_path(), "-launcher", "fork", "-n", "2", sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
            str(tmp_path / "error.txt"), "1", "3", str(SIZE), how]
-    proc = run_world(cmd, cwd=REPO, timeout=60)
+    proc = run_mpiexec(cmd, cwd=REPO, timeout=60)
     out = proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.returncode != 0, out
     assert (tmp_path / "error.txt").is_file(), out
