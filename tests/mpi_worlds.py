@@ -7,40 +7,48 @@ for an ``MPI_Abort`` or a SIGKILL. ``run_mpiexec`` notes the file while the worl
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 from pathlib import Path
 
-PREFIX = "hydra_hwloc_xmlfile_"
-LOOK_S = 0.25          # seconds between looks while the world runs
+from engine.launch.mpi import TOPOLOGY_PREFIX
+
+LOOK_S = 0.05          # seconds between looks while the world runs (an abort may follow MPI_Init at once)
 
 
 def topology_files(mpiexec: int) -> list[Path]:
-    """The topology files that the hydra proxies under the mpiexec ``mpiexec`` (a pid) hold open."""
+    """The topology files that the hydra proxies under the mpiexec ``mpiexec`` (a pid) hold open (its
+    children, from ``/proc/PID/task/*/children``)."""
     found = []
-    for d in Path("/proc").iterdir():
+    try:
+        children = [int(c) for t in Path(f"/proc/{mpiexec}/task").iterdir()
+                    for c in (t / "children").read_text().split()]
+    except (OSError, ValueError):        # gone meanwhile
+        return found
+    for child in children:
         try:
-            if not d.name.isdigit() or int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != mpiexec:
-                continue
-            for fd in (d / "fd").iterdir():
+            for fd in Path(f"/proc/{child}/fd").iterdir():
                 target = os.readlink(fd)
-                if os.path.basename(target).startswith(PREFIX):
+                if os.path.basename(target).startswith(TOPOLOGY_PREFIX):
                     found.append(Path(target))
-        except OSError:           # gone meanwhile
+        except OSError:                   # gone meanwhile
             continue
     return found
 
 
 def run_mpiexec(cmd: list[str], *, timeout: float, **popen_kw) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for a command that is or
-    execs mpiexec (same pid); the world's topology file is removed once it ended, however it ended.
+    execs mpiexec (same pid), in a session of its own; the world's topology file is removed once it
+    ended, however it ended.
 
     Raises
     ------
     subprocess.TimeoutExpired
-        The world outlived ``timeout`` seconds (it is killed first).
+        The world outlived ``timeout`` seconds (its whole process group is killed first).
     """
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kw)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **popen_kw)
     found: set[Path] = set()
     done = threading.Event()
 
@@ -55,8 +63,8 @@ def run_mpiexec(cmd: list[str], *, timeout: float, **popen_kw) -> subprocess.Com
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+            os.killpg(proc.pid, signal.SIGKILL)      # mpiexec, its proxy and the ranks: they hold the pipes
+            proc.communicate(timeout=10)
             raise
     finally:
         done.set()

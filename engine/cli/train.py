@@ -80,6 +80,8 @@ def run(args) -> int:
         code = _run(args)
     except BaseException as e:
         error = e
+        if isinstance(e, SystemExit):           # sys.exit(N) inside: the process exits with N
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         raise
     finally:
         if args.role == "worker" and "mpi4py.MPI" in sys.modules:   # mode hybrid: a failed rank ends

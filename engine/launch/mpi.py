@@ -35,7 +35,8 @@ from pathlib import Path
 WORLD_FILE = "mpi-world.json"
 MPIEXEC_LOG = "mpiexec.log"
 TOPOLOGY_PREFIX = "hydra_hwloc_xmlfile_"   # hydra's file of the machine's topology for the ranks (in /tmp)
-TOPOLOGY_LOOK_S = 1.0                      # seconds between looks for it while the world starts
+TOPOLOGY_FAST_S = 30.0                     # seconds after the start in which every wake-up looks for it
+TOPOLOGY_LOOK_S = 1.0                      # seconds between looks for it after that, until it is found
 
 
 def mpiexec_path(python: str = sys.executable) -> str:
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> None:
     os.execve(r["cmd"][0], r["cmd"], env)
 
 
-def _parent(pid: int) -> int:
+def parent_pid(pid: int) -> int:
     """The parent pid of ``pid`` (``/proc/PID/stat``). Raises OSError when it is gone."""
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -112,7 +113,21 @@ _BAD = re.compile(r"BAD TERMINATION.*?PID (\d+).*?(?:EXIT CODE: (\d+)|KILLED BY 
 
 
 class World:
-    """One mpiexec running the workers' world; answers for every rank (``RankProcess``)."""
+    """One mpiexec running the workers' world; answers for every rank (``RankProcess``).
+
+    Parameters
+    ----------
+    cmd : list of str
+        The mpiexec command (``world_command``).
+    env : dict of str -> str
+        mpiexec's environment, which hydra passes to every rank.
+    run_dir : Path
+        Where ``mpiexec.log`` goes.
+    pid_paths : list of Path
+        Per rank, the file its pid is written to once it started (removed here first).
+    rank_logs : list of Path, optional
+        Per rank, its log (searched for an ``MPI_Abort`` when the world ends without hydra's report).
+    """
 
     def __init__(self, cmd: list[str], *, env: dict, run_dir: Path, pid_paths: list[Path],
                  rank_logs: list[Path] | None = None):
@@ -135,17 +150,22 @@ class World:
         not our children), so the launcher can name the rank that died first: hydra's report names the
         lowest rank with a bad status, and when one rank is killed mpiexec kills the others with the
         same signal (a SIGKILLed rank 1 was reported as rank 0's SIGKILL). Best effort: where pidfds are
-        missing or both ends are seen in one wake-up, the order stays the ranks' own."""
+        missing or refused (a seccomp profile) or both ends are seen in one wake-up, the order stays the
+        ranks' own. Also looks for hydra's topology file (``_find_topology``) until it is found."""
         import select
         fds: dict[int, int] = {}
         poller = select.poll()
-        next_look = 0.0
+        use_pidfds = hasattr(os, "pidfd_open")
+        started = next_look = time.monotonic()
         try:
-            while self.proc.poll() is None or len(fds):
-                if self.topology is None and time.monotonic() >= next_look:
+            while self.proc.poll() is None or fds:
+                now = time.monotonic()
+                if self.topology is None and now >= next_look:
                     self.topology = self._find_topology()
-                    next_look = time.monotonic() + TOPOLOGY_LOOK_S
-                for r in range(len(self.pid_paths)):
+                    # every wake-up while the world starts (an abort right after MPI_Init would
+                    # otherwise beat the look), then once a second
+                    next_look = now + (0.0 if now - started < TOPOLOGY_FAST_S else TOPOLOGY_LOOK_S)
+                for r in range(len(self.pid_paths)) if use_pidfds else ():
                     if r in fds or r in self.ended_at:
                         continue
                     pid = self.rank_pid(r)
@@ -156,6 +176,13 @@ class World:
                         poller.register(fds[r], select.POLLIN)
                     except ProcessLookupError:
                         self.ended_at[r] = time.monotonic()
+                    except OSError:             # refused here: the ranks' own order is used
+                        use_pidfds = False
+                        for fd in fds.values():
+                            poller.unregister(fd)
+                            os.close(fd)
+                        fds.clear()
+                        break
                 ready = poller.poll(50)
                 now = time.monotonic()
                 by_fd = {fd: r for r, fd in fds.items()}
@@ -166,30 +193,43 @@ class World:
                     os.close(fds.pop(r))
                 if self.proc.poll() is not None and not ready:
                     break
-        except (OSError, AttributeError):       # no pidfd_open here: the ranks' own order is used
-            pass
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _find_topology(self) -> Path | None:
-        """The hwloc topology file (``/tmp/hydra_hwloc_xmlfile_*``) that hydra wrote for the ranks once
-        they initialized MPI, found open in the ranks' proxy (a child of this mpiexec), or None."""
+    def _find_topology(self) -> tuple[Path, int, int] | None:
+        """(path, st_dev, st_ino) of the hwloc topology file (``/tmp/hydra_hwloc_xmlfile_*``) that hydra
+        wrote for the ranks once they initialized MPI, found open in the ranks' proxy (a child of this
+        mpiexec), or None."""
         for r in range(len(self.pid_paths)):
             pid = self.rank_pid(r)
             if pid is None:
                 continue
             try:
-                proxy = _parent(pid)
-                if _parent(proxy) != self.proc.pid:
+                proxy = parent_pid(pid)
+                if parent_pid(proxy) != self.proc.pid:
                     continue
                 for fd in os.listdir(f"/proc/{proxy}/fd"):
                     target = os.readlink(f"/proc/{proxy}/fd/{fd}")
                     if os.path.basename(target).startswith(TOPOLOGY_PREFIX):
-                        return Path(target)
+                        st = os.stat(f"/proc/{proxy}/fd/{fd}")     # the open file itself
+                        return Path(target), st.st_dev, st.st_ino
             except (OSError, ValueError, IndexError):      # not started, or gone meanwhile
                 continue
         return None
+
+    def _remove_topology(self) -> None:
+        """Remove the topology file seen open in this world's proxy, if that very file (same device and
+        inode) is still there: mpiexec removes it when the world ends well, not after an abort."""
+        if self.topology is None:
+            return
+        path, dev, ino = self.topology
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                path.unlink()
+        except OSError:
+            pass
 
     def rank_pid(self, rank: int) -> int | None:
         try:
@@ -204,10 +244,9 @@ class World:
             return None
         if self._codes is None:
             self._codes = self._read_codes(rc)
-            if self.topology is not None:
-                # an mpiexec that ended the world for an MPI_Abort (a failed rank: engine.modes.hybrid
-                # .end_world) leaves its topology file behind, one per restart; it was this world's
-                self.topology.unlink(missing_ok=True)
+            # an mpiexec that ended the world for an MPI_Abort (a failed rank: engine.modes.hybrid
+            # .end_world) leaves its topology file behind, one per restart
+            self._remove_topology()
         return self._codes
 
     def _read_codes(self, rc: int) -> dict[int, int]:
@@ -245,9 +284,12 @@ class World:
         return codes
 
     def _aborted(self) -> tuple[int, int] | None:
-        """(rank, code) of the first rank whose log ends with MPICH's line for an ``MPI_Abort`` of the
-        world (the line comes right after ``end_world``'s, which gives the reason), or None."""
+        """(rank, code) of the lowest rank that started in this world (its pid file, written after its
+        log was truncated) and whose log's last ``ABORT_TAIL_BYTES`` hold MPICH's line for an
+        ``MPI_Abort`` of the world (right after ``end_world``'s, which gives the reason), or None."""
         for r, path in enumerate(self.rank_logs):
+            if self.rank_pid(r) is None:        # not started in this world: its log may be an older one
+                continue
             try:
                 with open(path, "rb") as f:
                     f.seek(max(0, os.fstat(f.fileno()).st_size - ABORT_TAIL_BYTES))

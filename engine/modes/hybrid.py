@@ -370,9 +370,14 @@ def end_world(code: int, error: BaseException | None = None) -> None:
     if code in (0, EXIT_PREEMPTED) or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
     if mpi.COMM_WORLD.Get_size() > 1:
+        reason = ""
+        if error is not None:
+            try:
+                reason = f" ({type(error).__name__}: {error})"
+            except Exception:           # noqa: BLE001 - an exception whose str fails must not stop the abort
+                reason = f" ({type(error).__name__})"
         log.error("worker %d: exiting with code %d%s: aborting the MPI world (mpiexec ends every worker; the "
-                  "launcher restarts the job)", mpi.COMM_WORLD.Get_rank(), code,
-                  f" ({type(error).__name__}: {error})" if error is not None else "",
+                  "launcher restarts the job)", mpi.COMM_WORLD.Get_rank(), code, reason,
                   exc_info=(type(error), error, error.__traceback__) if error is not None else None)
         for h in logging.getLogger().handlers:
             h.flush()

@@ -81,13 +81,27 @@ class ScratchDir:
 
 
 def sweep_scratch_dirs(root) -> list[Path]:
-    """Remove the ``ScratchDir`` directories in ``root`` whose lock is free (their process died) and
-    return them. Held locks, directories without a lock and others' directories are skipped."""
+    """Remove the ``ScratchDir`` directories in ``root`` whose lock is free (their process died).
+
+    Parameters
+    ----------
+    root : str or Path
+        The directory holding them (``tempfile.gettempdir()`` for the warm-up).
+
+    Returns
+    -------
+    list of Path
+        The directories removed. Those whose lock is held, that have no lock file, whose lock is a
+        symbolic link or belongs to another user are left alone.
+    """
     removed = []
     for d in sorted(Path(root).glob(ScratchDir.PREFIX + "*")):
         try:
-            fd = os.open(d / ScratchDir.LOCK, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:                 # no lock file, or not ours to open
+            fd = os.open(d / ScratchDir.LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:                 # no lock file, a link, or not ours to open
+            continue
+        if os.fstat(fd).st_uid != os.getuid():      # root may open anyone's: only our own are swept
+            os.close(fd)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

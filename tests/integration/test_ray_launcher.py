@@ -3,7 +3,7 @@ once for the session, sized for a 2-core machine: 1 CPU per node, no dashboard, 
 The nodes offer distinct custom resources, ``ps_node`` and ``worker_node``, which pin the servers to one
 and the workers to the other. Nodes bind the machine's address, not loopback, so the servers run with
 mutual TLS and tokens. The teardown ends every process the session's Ray started, by pid, and removes its
-directory, even when a test failed.
+directory (where the role actors' own directories are made too), even when a test failed.
 """
 from __future__ import annotations
 
@@ -93,13 +93,18 @@ def ray_cluster():
     directory, and a start that fails twice fails the tests with what each attempt left (processes, log
     tails). Every attempt's processes and directory are removed."""
     from ray.cluster_utils import Cluster
-    old = os.environ.get("RAY_TMPDIR")
+    tempfile.gettempdir()             # pytest's own temp dir is fixed now, before TMPDIR changes below
+    old = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "TMPDIR")}
     reports = []
     cluster = tmp = None
     try:
         for attempt in range(1, RAY_START_ATTEMPTS + 1):
             tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")     # short: Ray's socket paths must stay short
             os.environ["RAY_TMPDIR"] = tmp
+            # the nodes' processes, and so the role actors, make their temp dirs (engine-ray-*) in the
+            # session directory: a killed actor's, which it cannot remove, goes with the session
+            os.environ["TMPDIR"] = os.path.join(tmp, "actors")
+            os.mkdir(os.environ["TMPDIR"])
             try:
                 common = dict(num_cpus=1, object_store_memory=80 << 20, include_dashboard=False)
                 cluster = Cluster(initialize_head=True, head_node_args={**common, "resources": {"ps_node": 4}})
@@ -107,11 +112,24 @@ def ray_cluster():
                 cluster.wait_for_nodes()
                 break
             except Exception as e:          # Ray raises a bare Exception for a node that never registered
-                reports.append(f"attempt {attempt}: {type(e).__name__}: {e}\n{_ray_start_report(tmp)}")
-                _end_ray(cluster, tmp)
+                try:
+                    report = _ray_start_report(tmp)
+                except Exception as r:      # noqa: BLE001 - the start's own error matters more
+                    report = f"  (no report: {r})"
+                reports.append(f"attempt {attempt}: {type(e).__name__}: {e}\n{report}")
+                try:
+                    _end_ray(cluster, tmp)
+                except Exception as r:      # noqa: BLE001 - its processes were killed by pid all the same
+                    reports.append(f"  (shutdown of attempt {attempt} failed: {r})")
                 cluster = tmp = None
                 if attempt == RAY_START_ATTEMPTS:
                     raise RuntimeError("the test Ray cluster did not start:\n" + "\n".join(reports)) from e
+            finally:
+                for k in ("TMPDIR",):
+                    if old[k] is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = old[k]
         if reports:
             warnings.warn("the test Ray cluster started on a retry:\n" + "\n".join(reports))
         yield cluster.address, cluster.head_node, worker, tmp
@@ -120,21 +138,11 @@ def ray_cluster():
             if tmp is not None:
                 _end_ray(cluster, tmp)
         finally:
-            if old is None:
-                os.environ.pop("RAY_TMPDIR", None)
-            else:
-                os.environ["RAY_TMPDIR"] = old
-
-
-@pytest.fixture(autouse=True)
-def _no_actor_dirs_left():
-    """Remove the actor directories (``engine-ray-*`` in the temp dir) a test's roles left: a killed
-    actor cannot remove its own, and keeps its log there by design (the driver names that path)."""
-    tmp = Path(tempfile.gettempdir())
-    before = set(tmp.glob("engine-ray-*"))
-    yield
-    for d in set(tmp.glob("engine-ray-*")) - before:
-        shutil.rmtree(d, ignore_errors=True)
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def secured_sets(tmp: Path, node_ip: str) -> list[str]:

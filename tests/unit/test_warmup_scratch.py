@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +26,14 @@ time.sleep(120)
 
 def _holder(root: Path) -> tuple[subprocess.Popen, Path]:
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    return p, Path(p.stdout.readline().strip())
+    guard = threading.Timer(60, p.kill)          # a holder that never says its path must not hang the test
+    guard.start()
+    try:
+        line = p.stdout.readline().strip()
+    finally:
+        guard.cancel()
+    assert line, f"the holder printed no path (exit {p.poll()})"
+    return p, Path(line)
 
 
 def test_a_killed_process_directory_is_removed_by_the_next_one_and_a_live_ones_is_kept(tmp_path):
