@@ -5,9 +5,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from engine.ps.warmup import ScratchDir, sweep_scratch_dirs
 
@@ -61,3 +64,13 @@ def test_a_killed_process_directory_is_removed_by_the_next_one_and_a_live_ones_i
         sweep_scratch_dirs(tmp_path)
         time.sleep(0.05)
     assert not live_dir.exists() and legacy.is_dir()
+
+
+def test_a_warm_up_whose_servers_cannot_be_built_removes_its_directory(tmp_path, monkeypatch):
+    from engine.errors import ConfigError
+    from engine.ps.warmup import warm_up
+    from sparse_tables import TableConfig
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))      # where ScratchDir makes its directory
+    with pytest.raises(ConfigError, match="num_local must be >= 1"):
+        warm_up({"emb": TableConfig(dim=4, spill_path=str(tmp_path / "spill"))}, {}, local_shards=0)
+    assert not list(tmp_path.glob(ScratchDir.PREFIX + "*"))
