@@ -194,13 +194,14 @@ def world_at_step(run_dir: Path, proc: subprocess.Popen, step: int) -> list[Path
 @pytest.mark.slow
 def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_the_job_restarts(tmp_path):
     """Worker 1 is frozen (SIGSTOP) mid-training. Worker 0's next all-reduce (or a checkpoint's barrier)
-    times out after ``client.barrier_timeout_s`` (3 s here), it exits with an error and aborts the MPI world
-    (``engine.modes.hybrid.end_world``), mpiexec ends the frozen rank with it, and the launcher restarts
-    the job, which completes. An aborting mpiexec leaves hydra's topology file in /tmp: the launcher
+    times out after ``client.barrier_timeout_s`` (8 s here: every all-reduce and barrier of both attempts
+    is held to it, so a loaded machine must not reach it by chance), it exits with an error and aborts the
+    MPI world (``engine.modes.hybrid.end_world``), mpiexec ends the frozen rank with it, and the launcher
+    restarts the job, which completes. An aborting mpiexec leaves hydra's topology file in /tmp: the launcher
     removes it once that world ended (``engine.launch.mpi.World``), one file fewer per restart."""
     paced = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}
     cmd = small(tmp_path, "freeze", "mode=hybrid", "model.batch_size=32", "model.epochs=1", "checkpoint.align_steps=10",
-                "checkpoint.delta_every=10steps", "cluster.warm_up=false", "client.barrier_timeout_s=3")
+                "checkpoint.delta_every=10steps", "cluster.warm_up=false", "client.barrier_timeout_s=8")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=paced, start_new_session=True)
     run_dir = tmp_path / "run-freeze"
@@ -230,8 +231,8 @@ def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_th
     # the frozen peer is met at the next all-reduce, or at a checkpoint's barrier on the server when the
     # freeze lands just before one (either times out after client.barrier_timeout_s)
     assert re.search(r"exiting with code 1 \((CollectiveTimeoutError: MPI all-reduce of \d+ floats did not "
-                     r"complete within 3 s \(client.barrier_timeout_s\): a worker hangs|PSTimeoutError: "
-                     r"DEADLINE_EXCEEDED .* barrier '[^']+': only 1 of 2 callers arrived within 3s)\): aborting "
+                     r"complete within 8 s \(client.barrier_timeout_s\): a worker hangs|PSTimeoutError: "
+                     r"DEADLINE_EXCEEDED .* barrier '[^']+': only 1 of 2 callers arrived within 8s)\): aborting "
                      r"the MPI world", first), first[-3000:]
     assert "Traceback" in first.split("aborting the MPI world")[1]
     assert not alive(pid) and not leftovers(run_dir)

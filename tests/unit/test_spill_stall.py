@@ -175,7 +175,8 @@ def test_a_batch_whose_delay_is_longer_than_a_nap_still_goes_through_under_a_slo
         st.put(keys, _records_of(keys), np.ones(len(keys), bool))   # each batch pays for the one before
         took, gap = time.monotonic() - t0, ticker.stop()
         # RocksDB's own wait (0.5 s a batch here) held the GIL: the delays are now slept with it released
-        assert gap < 0.3, f"another thread was frozen for {gap:.3f} s during the slowdown"
+        # (a thread frozen through one shows a gap of 0.5 s; a loaded machine's own gaps stay under 0.4)
+        assert gap < 0.4, f"another thread was frozen for {gap:.3f} s during the slowdown"
         assert took < 10.0 and st.stalls >= 1
         assert 0.5 <= st.stall_s <= took     # the pacing before each later batch counts too
         pos, recs = st.get(keys[::997])
@@ -284,7 +285,9 @@ def test_stores_whose_bulk_loads_end_together_catch_up_one_at_a_time(tmp_path, m
     its turn takes it out of the queue, and the one after it still catches up."""
     from sparse_tables._catch_up import CatchUpQueue
     monkeypatch.setattr(spill, "L0_TRIGGERS", (4, 6, 36))
-    monkeypatch.setattr(spill, "CATCH_UP", CatchUpQueue())      # this test's own queue and thread
+    # this test's own queue and thread; polled every 2 s, not 0.5: the first store's turn is seen from
+    # here before its first poll can end it, on a loaded machine too
+    monkeypatch.setattr(spill, "CATCH_UP", CatchUpQueue(poll_s=2.0))
     rng = np.random.default_rng(1)
     stores = [SpillStore(str(tmp_path / f"s{i}"), STRIDE) for i in range(4)]
     try:
