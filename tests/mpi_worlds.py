@@ -12,7 +12,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from engine.launch.mpi import TOPOLOGY_PREFIX
+from engine.launch.mpi import topology_file_of
 
 LOOK_S = 0.05          # seconds between looks while the world runs (an abort may follow MPI_Init at once)
 
@@ -28,12 +28,11 @@ def topology_files(mpiexec: int) -> list[Path]:
         return found
     for child in children:
         try:
-            for fd in Path(f"/proc/{child}/fd").iterdir():
-                target = os.readlink(fd)
-                if os.path.basename(target).startswith(TOPOLOGY_PREFIX):
-                    found.append(Path(target))
+            held = topology_file_of(child)
         except OSError:                   # gone meanwhile
             continue
+        if held is not None:
+            found.append(held[0])
     return found
 
 

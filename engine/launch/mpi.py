@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from .procs import die_with_parent, parent_pid
+
 WORLD_FILE = "mpi-world.json"
 MPIEXEC_LOG = "mpiexec.log"
 TOPOLOGY_PREFIX = "hydra_hwloc_xmlfile_"   # hydra's file of the machine's topology for the ranks (in /tmp)
@@ -82,7 +84,6 @@ def main(argv: list[str]) -> None:
     """Per-rank entry under mpiexec: become rank ``PMI_RANK``'s worker (see the module docstring). With
     ``--tied-to PID -- CMD...`` (the launcher's mpiexec): die when PID's starting thread ends, then exec CMD."""
     if len(argv) > 3 and argv[0] == "--tied-to" and argv[2] == "--":
-        from .procs import die_with_parent
         die_with_parent(int(argv[1]))
         os.execv(argv[3], argv[3:])
     if len(argv) != 1 or "PMI_RANK" not in os.environ:
@@ -100,9 +101,21 @@ def main(argv: list[str]) -> None:
     os.execve(r["cmd"][0], r["cmd"], env)
 
 
-def parent_pid(pid: int) -> int:
-    """The parent pid of ``pid`` (``/proc/PID/stat``). Raises OSError when it is gone."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+def topology_file_of(pid: int) -> tuple[Path, int, int] | None:
+    """(path, st_dev, st_ino) of a hydra topology file (``/tmp/hydra_hwloc_xmlfile_*``) that process
+    ``pid`` holds open, or None.
+
+    Raises
+    ------
+    OSError
+        ``pid`` is gone, or a descriptor closed meanwhile.
+    """
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if os.path.basename(target).startswith(TOPOLOGY_PREFIX):
+            st = os.stat(f"/proc/{pid}/fd/{fd}")     # the open file itself
+            return Path(target), st.st_dev, st.st_ino
+    return None
 
 
 _ABORT = re.compile(r"application called MPI_Abort\(MPI_COMM_WORLD, (\d+)\)")
@@ -142,7 +155,7 @@ class World:
                                          env=env, start_new_session=True)
         self._codes: dict[int, int] | None = None
         self.ended_at: dict[int, float] = {}     # rank -> monotonic seconds it was seen to end
-        self.topology: Path | None = None        # hydra's topology file for the ranks, once seen
+        self.topology: tuple[Path, int, int] | None = None   # hydra's file for the ranks, once seen
         threading.Thread(target=self._watch_ends, name="mpi-world-ends", daemon=True).start()
 
     def _watch_ends(self) -> None:
@@ -209,13 +222,11 @@ class World:
                 proxy = parent_pid(pid)
                 if parent_pid(proxy) != self.proc.pid:
                     continue
-                for fd in os.listdir(f"/proc/{proxy}/fd"):
-                    target = os.readlink(f"/proc/{proxy}/fd/{fd}")
-                    if os.path.basename(target).startswith(TOPOLOGY_PREFIX):
-                        st = os.stat(f"/proc/{proxy}/fd/{fd}")     # the open file itself
-                        return Path(target), st.st_dev, st.st_ino
+                found = topology_file_of(proxy)
             except (OSError, ValueError, IndexError):      # not started, or gone meanwhile
                 continue
+            if found is not None:
+                return found
         return None
 
     def _remove_topology(self) -> None:

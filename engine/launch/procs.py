@@ -1,7 +1,7 @@
 """Which processes belong to a run: the roles the local launcher started in a run directory, found by
 their command lines in ``/proc`` (Linux). For operators and chaos tooling: kill, stop or inspect one
 role of a live job (``bench/recovery_bench.py``, ``bench/chaos_soak.py``, the chaos tests). And
-``die_with_parent``, which ties a launcher's child to it."""
+``die_with_parent``, which ties a launcher's child to it, and ``parent_pid``."""
 from __future__ import annotations
 
 import ctypes
@@ -25,6 +25,19 @@ def die_with_parent(parent: int) -> bool:
     if os.getppid() != parent:
         os._exit(3)
     return ok
+
+
+def parent_pid(pid: int) -> int:
+    """The parent pid of ``pid`` (``/proc/PID/stat``).
+
+    Raises
+    ------
+    OSError
+        ``pid`` is gone (or ``/proc`` is unavailable).
+    ValueError, IndexError
+        The stat line cannot be read as one (it changed meanwhile).
+    """
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _cmdlines():

@@ -39,6 +39,7 @@ from .. import progress
 from ..config import EngineConfig
 from ..errors import ConfigError
 from .local import Child, LocalCluster
+from .procs import parent_pid
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +277,7 @@ def _descendants(root: int) -> set[int]:
     for d in names:
         if d.isdigit():
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                ppid = parent_pid(int(d))
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(d))
