@@ -125,11 +125,10 @@ def ray_cluster():
                 if attempt == RAY_START_ATTEMPTS:
                     raise RuntimeError("the test Ray cluster did not start:\n" + "\n".join(reports)) from e
             finally:
-                for k in ("TMPDIR",):
-                    if old[k] is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = old[k]
+                if old["TMPDIR"] is None:       # only the nodes' processes take it
+                    os.environ.pop("TMPDIR", None)
+                else:
+                    os.environ["TMPDIR"] = old["TMPDIR"]
         if reports:
             warnings.warn("the test Ray cluster started on a retry:\n" + "\n".join(reports))
         yield cluster.address, cluster.head_node, worker, tmp
