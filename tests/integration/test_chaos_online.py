@@ -63,8 +63,9 @@ SLOTS = 26
 START = dt.datetime(2024, 1, 1, 0, tzinfo=dt.timezone.utc)
 UNTIL = (START + dt.timedelta(hours=HOURS)).strftime("%Y%m%d%H")     # stop before hour 6: partitions 00 .. 05
 SEED = 1
-# failpoint pauses, paid by every checkpoint and export of the job: the checkpoint one outlasts the
-# progress report's period (0.5 s) plus the poll, so a kill aimed at it lands before the publish
+# failpoint pauses, paid by every checkpoint and export of the job. A kill aimed at one is sent once
+# rank 0's log shows the pause began (the line is written just before the sleep, and polled every
+# 20 ms), so it has the whole pause, 1.0 s or 0.5 s, to land before the publish
 FAILPOINTS = "checkpoint.before_publish=sleep:1.0;export.before_publish=sleep:0.5"
 
 
@@ -151,13 +152,10 @@ def _training_at(d: Path, step: int):
 
 
 def _inside(d: Path, point: str, nth: int):
-    """True while rank 0 of ``d`` is inside a checkpoint phase and has reached failpoint ``point`` ``nth``
-    times."""
-    def ok() -> bool:
-        r = progress.read(d / "worker-0.progress.json")
-        phase = ((r or {}).get("phase") or {}).get("name", "")
-        return phase.startswith("checkpoint") and _failpoint_hits(d / "worker-0.log", point) >= nth
-    return ok
+    """True once rank 0 of ``d`` has logged its ``nth`` hit of failpoint ``point``: it is in that
+    hit's pause. The log is read, not the progress report: a report is up to 0.5 s old, half of the
+    checkpoint pause, and a kill that came late would miss the write it is aimed at."""
+    return lambda: _failpoint_hits(d / "worker-0.log", point) >= nth
 
 
 def _shows(mgr: CheckpointManager, name: str) -> float:
