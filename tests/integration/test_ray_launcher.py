@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.launch.procs import parent_pid
 from engine.security import certs
+from hdfs_io import SUCCESS_NAME
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -196,33 +199,46 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _worker_actor(rank: int) -> int | None:
+    """The pid of the Ray actor running worker ``rank``: the parent of its role process (read from this
+    machine's /proc, where both nodes run, not from the driver's forwarded logs, which lag)."""
+    for pid in ray_roles():
+        if f"--role worker --rank {rank} " in _cmdline(pid) + " ":
+            try:
+                return parent_pid(pid)
+            except (OSError, ValueError, IndexError):
+                return None
+    return None
+
+
 def test_a_killed_worker_actor_is_recovered_from_the_newest_checkpoint(ray_cluster, tmp_path):
     address, head, _, _ = ray_cluster
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}   # ~3 s of training
     cmd = ray_cmd(tmp_path, "kill", address, head.node_ip_address, "checkpoint.align_steps=8",
                   "checkpoint.delta_every=8steps")
-    driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed = None
+    root = tmp_path / "ckpt-kill"
     lines: list[str] = []
-    deadline = time.monotonic() + 300
-    try:
-        worker1 = None
-        for line in driver.stderr:
-            lines.append(line)
-            m = re.search(r"\(worker1 pid=(\d+)\)", line)
-            worker1 = int(m.group(1)) if m else worker1
-            # once worker 0 (the coordinator) published a checkpoint of this run, kill worker 1's actor
-            if killed is None and worker1 and "(worker0 pid=" in line and "published" in line and "ckpt-kill" in line:
-                killed = worker1
-                os.kill(killed, signal.SIGKILL)            # the actor's own process; its role dies with it
-            if time.monotonic() > deadline:
-                break
-        out = driver.stdout.read()
-        assert driver.wait(timeout=60) == 0, "".join(lines[-80:])
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-    assert killed is not None, "".join(lines[-60:])
+    with open(tmp_path / "driver.err", "w+") as err:
+        driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        killed = None
+        try:
+            # once the run published a checkpoint (its _SUCCESS file, seen at once on this machine's
+            # disk), kill worker 1's actor: its own process, whose role dies with it
+            until(lambda: driver.poll() is not None or any(root.rglob(SUCCESS_NAME)), "a published checkpoint",
+                  timeout_s=300, every_s=0.02)
+            killed = _worker_actor(1) if driver.poll() is None else None
+            if killed is not None:
+                os.kill(killed, signal.SIGKILL)
+            out, _ = driver.communicate(timeout=300)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait(10)
+            err.seek(0)
+            lines = err.readlines()
+    assert driver.returncode == 0, "".join(lines[-80:])
+    assert killed is not None, f"worker 1's actor was not found, or the job had ended: {ray_roles()}\n" \
+                               + "".join(lines[-60:])
     final = json.loads(out.strip().splitlines()[-1])
     err = "".join(lines)
     assert final["restarts"] == 1 and "worker 1" in err and "restart 1/" in err, err[-3000:]
