@@ -141,7 +141,10 @@ def test_a_killed_hybrid_worker_ends_the_world_and_the_job_restarts_from_its_che
     trained since (0 examples replayed, the assertion below failed). The trigger is now a progress file
     (either worker's: the two step in lockstep) that shows more examples than at its last mark outside any
     phase, and worker 1's pid is looked up beforehand, so the SIGKILL follows that read at once: the
-    examples it shows past the mark are lost for sure, and the supervisor must count at least those."""
+    examples it shows past the mark are lost for sure, and the supervisor must count at least those.
+    The report must be fresh (written within 0.1 s: at most 2 steps of 0.05 s old) and show at most 6
+    steps past a checkpoint at every 10, so no newer checkpoint can be published before the kill lands
+    (a report is up to 0.5 s old otherwise, longer than the 10 steps to the next one)."""
     paced = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}
     cmd = small(tmp_path, "kill", "mode=hybrid", "model.batch_size=32", "model.epochs=1", "checkpoint.align_steps=10",
                 "checkpoint.delta_every=10steps", "cluster.warm_up=false")
@@ -156,7 +159,8 @@ def test_a_killed_hybrid_worker_ends_the_world_and_the_job_restarts_from_its_che
             for w in (0, 1):
                 r = progress.read(run_dir / f"worker-{w}.progress.json") or {}
                 mark = (r.get("marks") or {}).get(r.get("last_mark"))
-                if r.get("step", 0) >= 25 and r.get("phase") is None and mark is not None and r["examples"] > mark:
+                if (r.get("step", 0) >= 25 and 1 <= r["step"] % 10 <= 6 and time.time() - r["beat"] < 0.1
+                        and r.get("phase") is None and mark is not None and r["examples"] > mark):
                     lost = r["examples"] - mark
                     break
             else:
