@@ -71,7 +71,7 @@ def test_one_worker_steps_bit_for_bit_like_the_servers_dense_table():
 @pytest.mark.parametrize("ranks, how", [(2, "whole"), (3, "whole"), (2, "overlap"), (3, "overlap")])
 def test_gradient_allreduce_keeps_ranks_identical_and_matches_the_reference(tmp_path, ranks, how):
     """``whole``: one all-reduce per step after the pass; ``overlap``: range by range beside it (the
-    progress thread of ``engine.modes.hybrid.OverlappedDenseStep``, buckets of a quarter of the vector)."""
+    progress thread of ``engine.modes.dense_progress.OverlappedDenseStep``, buckets of a quarter of the vector)."""
     got = run_world(tmp_path, ranks, sync_steps=1, how=how)
     params = got["params"]                                   # [step, rank, P]
     assert params.shape == (STEPS, ranks, SIZE)
