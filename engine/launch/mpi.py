@@ -19,26 +19,39 @@ rank that died reports its exit code or signal, the others report 0, so the laun
 the dead worker and the supervisor restarts the whole job from its newest checkpoint. A rank that
 fails aborts the world (``engine.modes.hybrid.end_world``, after logging why); hydra reports nothing
 then, and that rank is named from MPICH's abort line at the end of its log.
+
+hydra writes a file of the machine's topology for the ranks (``/tmp/hydra_hwloc_xmlfile_*``) and removes
+it only when the world ends well. ``World`` removes it after an abort; and since a launcher killed with
+SIGKILL can remove nothing, each world holds a directory ``engine-mpi-world-*`` (``engine.scratch``)
+that records the file, and the next world started on the machine removes the files that dead
+launchers' directories record.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+from ..scratch import ScratchDir, sweep_scratch_dirs
 from .procs import die_with_parent, parent_pid
+
+log = logging.getLogger(__name__)
 
 WORLD_FILE = "mpi-world.json"
 MPIEXEC_LOG = "mpiexec.log"
 TOPOLOGY_PREFIX = "hydra_hwloc_xmlfile_"   # hydra's file of the machine's topology for the ranks (in /tmp)
 TOPOLOGY_FAST_S = 30.0                     # seconds after the start in which every wake-up looks for it
 TOPOLOGY_LOOK_S = 1.0                      # seconds between looks for it after that, until it is found
+WORLD_PREFIX = "engine-mpi-world-"          # a world's held directory (engine.scratch), in the temp directory
+TOPOLOGY_RECORD = "topology.json"          # in it: the topology file seen, {"path", "dev", "ino"}
 
 
 def mpiexec_path(python: str = sys.executable) -> str:
@@ -118,6 +131,46 @@ def topology_file_of(pid: int) -> tuple[Path, int, int] | None:
     return None
 
 
+def remove_topology_file(path, dev: int, ino: int) -> bool:
+    """Remove hydra's topology file ``path`` if it is still that very file (device ``dev``, inode
+    ``ino``; never through a symbolic link) -> whether it was removed."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            os.unlink(path)
+            return True
+    except FileNotFoundError:
+        pass
+    return False
+
+
+def _undo_world(d: Path) -> None:
+    """``on_sweep`` of a dead launcher's world directory: remove the topology file it records.
+
+    Raises
+    ------
+    OSError, ValueError
+        The record cannot be read, or the file removed (``sweep_scratch_dirs`` logs it).
+    """
+    try:
+        rec = json.loads((d / TOPOLOGY_RECORD).read_text())
+    except FileNotFoundError:       # the world never got as far as MPI_Init
+        return
+    if not (isinstance(rec, dict) and os.path.isabs(str(rec.get("path", "")))
+            and os.path.basename(rec["path"]).startswith(TOPOLOGY_PREFIX)):
+        raise ValueError(f"{d / TOPOLOGY_RECORD}: not a record of a hydra topology file: {rec!r}")
+    if remove_topology_file(rec["path"], int(rec["dev"]), int(rec["ino"])):
+        log.info("removed %s, left by a hybrid launcher that died", rec["path"])
+
+
+def sweep_worlds(root=None) -> list[Path]:
+    """Remove the world directories of launchers that died (their lock is free) and the hydra topology
+    files they record (``remove_topology_file``); ``World`` does this as it starts. ``root``: where the
+    directories are (default ``tempfile.gettempdir()``) -> the directories removed."""
+    return sweep_scratch_dirs(root if root is not None else tempfile.gettempdir(), WORLD_PREFIX,
+                              on_sweep=_undo_world)
+
+
 _ABORT = re.compile(r"application called MPI_Abort\(MPI_COMM_WORLD, (\d+)\)")
 ABORT_TAIL_BYTES = 64 << 10     # how much of a rank's log end is searched for the abort line
 
@@ -150,6 +203,7 @@ class World:
         self.rank_logs = rank_logs or []
         for p in pid_paths:
             p.unlink(missing_ok=True)
+        self.scratch = self._hold()          # before mpiexec: a failed start leaves no unheld record
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
@@ -175,6 +229,8 @@ class World:
                 now = time.monotonic()
                 if self.topology is None and now >= next_look:
                     self.topology = self._find_topology()
+                    if self.topology is not None:
+                        self._record_topology()
                     # every wake-up while the world starts (an abort right after MPI_Init would
                     # otherwise beat the look), then once a second
                     next_look = now + (0.0 if now - started < TOPOLOGY_FAST_S else TOPOLOGY_LOOK_S)
@@ -229,18 +285,42 @@ class World:
                 return found
         return None
 
-    def _remove_topology(self) -> None:
-        """Remove the topology file seen open in this world's proxy, if that very file (same device and
-        inode) is still there: mpiexec removes it when the world ends well, not after an abort."""
-        if self.topology is None:
+    def _hold(self) -> ScratchDir | None:
+        """This world's directory (``WORLD_PREFIX``), after removing those of dead launchers and the
+        topology files they record; None (with a warning) where the temp directory refuses it."""
+        try:
+            return ScratchDir(WORLD_PREFIX, on_sweep=_undo_world)
+        except OSError as e:
+            log.warning("no world directory in the temp directory (%s): hydra's topology file will stay "
+                        "behind if this launcher is killed with SIGKILL", e)
+            return None
+
+    def _record_topology(self) -> None:
+        """Write the topology file seen into this world's directory (atomically: a sweeper reads a whole
+        record or none), for the next world to remove if this launcher dies first."""
+        if self.scratch is None:
             return
         path, dev, ino = self.topology
+        tmp = self.scratch.path / (TOPOLOGY_RECORD + ".tmp")
         try:
-            st = os.stat(path, follow_symlinks=False)
-            if (st.st_dev, st.st_ino) == (dev, ino):
-                path.unlink()
+            tmp.write_text(json.dumps({"path": str(path), "dev": dev, "ino": ino}))
+            os.replace(tmp, self.scratch.path / TOPOLOGY_RECORD)
+        except OSError as e:
+            if self.scratch.path.is_dir():      # else the world ended meanwhile and removed the file itself
+                log.warning("could not record hydra's topology file %s in %s: %s", path, self.scratch.path, e)
+
+    def _remove_topology(self) -> None:
+        """Remove the topology file seen open in this world's proxy, if that very file (same device and
+        inode) is still there (mpiexec removes it when the world ends well, not after an abort), then
+        this world's directory."""
+        try:
+            if self.topology is not None:
+                remove_topology_file(*self.topology)
         except OSError:
             pass
+        finally:
+            if self.scratch is not None:
+                self.scratch.close()
 
     def rank_pid(self, rank: int) -> int | None:
         try:

@@ -11,15 +11,13 @@ in-process cluster with the same table configs, before a server listens or a wor
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
+
+from ..scratch import ScratchDir
 
 log = logging.getLogger(__name__)
 
@@ -36,87 +34,7 @@ def read_only(arr: np.ndarray) -> np.ndarray:
     return out
 
 
-class ScratchDir:
-    """A throwaway directory ``engine-warm-up-*`` in the temp directory, for the warm-up's spill stores,
-    removed by ``close``. A SIGKILL skips every cleanup (a role killed in its start-up did, and left one
-    directory each time), so the directory is held by an flock on its ``.lock`` file for its whole life,
-    and each new one first removes those whose lock is free: their process is gone (the kernel drops a
-    dead process's locks, whatever pid namespace it ran in). A directory without a ``.lock`` (made by an
-    earlier version) or of another user is left alone.
-
-    Parameters
-    ----------
-    root : str or Path, optional
-        Where to make it (default ``tempfile.gettempdir()``).
-
-    Attributes
-    ----------
-    path : Path
-
-    Raises
-    ------
-    OSError
-        The directory or its lock cannot be made.
-    """
-
-    PREFIX = "engine-warm-up-"
-    LOCK = ".lock"
-
-    def __init__(self, root=None):
-        root = Path(root if root is not None else tempfile.gettempdir())
-        self.swept = sweep_scratch_dirs(root)
-        self.path = Path(tempfile.mkdtemp(prefix=self.PREFIX, dir=root))
-        new = self.path / (self.LOCK + ".new")
-        self._fd: int | None = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)      # nobody else knows the file yet: never blocks
-        os.rename(new, self.path / self.LOCK)     # a sweeper sees the lock only once it is held
-
-    def close(self) -> None:
-        """Remove the directory, then drop the lock. Idempotent."""
-        if self._fd is None:
-            return
-        shutil.rmtree(self.path, ignore_errors=True)
-        os.close(self._fd)
-        self._fd = None
-
-
-def sweep_scratch_dirs(root) -> list[Path]:
-    """Remove the ``ScratchDir`` directories in ``root`` whose lock is free (their process died).
-
-    Parameters
-    ----------
-    root : str or Path
-        The directory holding them (``tempfile.gettempdir()`` for the warm-up).
-
-    Returns
-    -------
-    list of Path
-        The directories removed. Those whose lock is held, that have no lock file, whose lock is a
-        symbolic link or belongs to another user are left alone.
-    """
-    removed = []
-    for d in sorted(Path(root).glob(ScratchDir.PREFIX + "*")):
-        try:
-            fd = os.open(d / ScratchDir.LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:                 # no lock file, a link, or not ours to open
-            continue
-        if os.fstat(fd).st_uid != os.getuid():      # root may open anyone's: only our own are swept
-            os.close(fd)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:                 # held: that warm-up is running
-            os.close(fd)
-            continue
-        try:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-        finally:
-            os.close(fd)
-    if removed:
-        log.info("removed %d warm-up directories left by processes that died: %s", len(removed),
-                 ", ".join(str(d) for d in removed))
-    return removed
+WARM_UP_PREFIX = "engine-warm-up-"  # the warm-up's throwaway directories (``engine.scratch.ScratchDir``)
 
 
 def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
@@ -146,7 +64,7 @@ def warm_up(sparse: dict, dense: dict, *, local_shards: int = 4) -> float:
     from .transport import InProcessTransport
 
     t0 = time.perf_counter()
-    scratch = ScratchDir()
+    scratch = ScratchDir(WARM_UP_PREFIX)   # its spill stores; a SIGKILLed role's is removed by the next
     # memory_bytes off: a budget would size (and touch) the real index for a throw-away table
     sparse = {n: dataclasses.replace(c, spill_path=os.path.join(scratch.path, n), memory_rows=_SPILL_ROWS,
                                      memory_bytes=0)
@@ -224,4 +142,4 @@ def _grow_without_admission(cfg, keys: np.ndarray) -> None:
         table.close()
 
 
-__all__ = ["ScratchDir", "read_only", "sweep_scratch_dirs", "warm_up"]
+__all__ = ["WARM_UP_PREFIX", "read_only", "warm_up"]

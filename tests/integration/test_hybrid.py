@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from engine.checkpoint import CheckpointManager
 from engine.config import from_dict
 from engine.ps import InProcessTransport, PSClient, PSServer
 from engine.launch.procs import processes_of as leftovers
+from engine.launch.mpi import TOPOLOGY_RECORD, WORLD_PREFIX, sweep_worlds
 from engine.launch.procs import role_pid
 from tests.mpi_worlds import topology_files
 
@@ -281,6 +283,15 @@ def test_a_sigkilled_launcher_takes_the_mpi_world_with_it(tmp_path):
         left = {p: cmdline(p)[:200] for p in leftovers(run_dir)}
         assert not left, left
         assert not [p for p in pids if alive(p)]
+        # the dead launcher's world directory records hydra's topology file, which the next world's
+        # start (sweep_worlds) removes with the directory
+        assert topology and all(f.exists() for f in topology), topology
+        held = [d for d in Path(tempfile.gettempdir()).glob(WORLD_PREFIX + "*")
+                if (d / TOPOLOGY_RECORD).is_file()
+                and json.loads((d / TOPOLOGY_RECORD).read_text())["path"] == str(topology[0])]
+        assert len(held) == 1, held
+        assert held[0] in sweep_worlds()
+        assert not held[0].exists() and not topology[0].exists()
     finally:
         for p in leftovers(run_dir):
             try:
