@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -22,7 +23,7 @@ LOCK = ".lock"
 
 
 class ScratchDir:
-    """A throwaway directory ``PREFIX*`` in ``root``, removed by ``close``, or after its process died by
+    """A throwaway directory ``prefix*`` in ``root``, removed by ``close``, or after its process died by
     the next ``ScratchDir`` of the same prefix (``sweep_scratch_dirs``). A directory without a ``.lock``
     (made by an earlier version) or of another user is left alone.
 
@@ -34,7 +35,7 @@ class ScratchDir:
         Where to make it (default ``tempfile.gettempdir()``).
     on_sweep : callable(Path) -> None, optional
         Called with each dead process's directory before it is removed (to undo what the directory
-        records); an ``OSError`` or ``ValueError`` it raises is logged and the directory removed anyway.
+        records); any error it raises is logged and the directory removed anyway.
 
     Attributes
     ----------
@@ -52,10 +53,18 @@ class ScratchDir:
         root = Path(root if root is not None else tempfile.gettempdir())
         self.swept = sweep_scratch_dirs(root, prefix, on_sweep=on_sweep)
         self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-        new = self.path / (LOCK + ".new")
-        self._fd: int | None = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)      # nobody else knows the file yet: never blocks
-        os.rename(new, self.path / LOCK)          # a sweeper sees the lock only once it is held
+        self._fd: int | None = None
+        try:
+            new = self.path / (LOCK + ".new")
+            self._fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)      # nobody else knows the file yet: never blocks
+            os.rename(new, self.path / LOCK)          # a sweeper sees the lock only once it is held
+        except BaseException:           # a directory without a lock would never be swept
+            shutil.rmtree(self.path, ignore_errors=True)
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            raise
 
     def close(self) -> None:
         """Remove the directory, then drop the lock. Idempotent."""
@@ -88,6 +97,9 @@ def sweep_scratch_dirs(root, prefix: str, *, on_sweep: Callable[[Path], None] | 
     removed = []
     for d in sorted(Path(root).glob(prefix + "*")):
         try:
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():    # a link, a file, not ours
+                continue
             fd = os.open(d / LOCK, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:                 # no lock file, a link, or not ours to open
             continue
@@ -103,10 +115,12 @@ def sweep_scratch_dirs(root, prefix: str, *, on_sweep: Callable[[Path], None] | 
             if on_sweep is not None:
                 try:
                     on_sweep(d)
-                except (OSError, ValueError) as e:
-                    log.warning("%s: could not undo what it records (%s); removing it anyway", d, e)
+                except Exception as e:      # noqa: BLE001 - a bad record must not block the sweep or its caller
+                    log.warning("%s: could not undo what it records (%s: %s); removing it anyway", d,
+                                type(e).__name__, e)
             shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
+            if not os.path.lexists(d):
+                removed.append(d)
         finally:
             os.close(fd)
     if removed:

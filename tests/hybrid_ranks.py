@@ -1,8 +1,8 @@
-"""One rank of an MPI world exercising hybrid mode's dense replica (``engine.modes.hybrid.DenseReplica``):
+"""One rank of an MPI world exercising hybrid mode's dense replica (``engine.allreduce.DenseReplica``):
 run as ``mpiexec -n W python tests/hybrid_ranks.py OUT.npz SYNC_STEPS STEPS SIZE [whole|overlap]`` by
 ``tests/unit/test_hybrid_mode.py``. Every rank starts from ``initial(size)`` and steps with its own
 gradients ``grad(step, rank, size)`` through the real all-reduce and optimizer (``overlap``: range by
-range through ``engine.modes.dense_progress.OverlappedDenseStep``'s progress thread, as a backward pass reports
+range through ``engine.allreduce.OverlappedDenseStep``'s progress thread, as a backward pass reports
 them); rank 0 gathers every rank's parameters (and Adam moments) after every step and saves them as
 ``params[step, rank, :]``, ``m[...]``, ``v[...]``, with the CPU and wall seconds the test-and-yield loop
 spent, for the test to check against a single-process reference built from the same functions."""
@@ -43,8 +43,7 @@ def hang(out: str, size: int, how: str) -> None:
 
     from mpi4py import MPI
 
-    from engine.modes.dense_progress import CollectiveTimeoutError, OverlappedDenseStep
-    from engine.modes.hybrid import DenseReplica
+    from engine.allreduce import CollectiveTimeoutError, DenseReplica, OverlappedDenseStep
     comm = MPI.COMM_WORLD
     rep = DenseReplica(initial(size), table_config(), comm, timeout_s=2.0)
     ov = OverlappedDenseStep(rep, bucket_floats=size // 4) if how == "hang-overlap" else None
@@ -70,8 +69,7 @@ def hang(out: str, size: int, how: str) -> None:
 
 
 def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -> None:
-    from engine.modes.dense_progress import OverlappedDenseStep
-    from engine.modes.hybrid import DenseReplica, world
+    from engine.allreduce import DenseReplica, OverlappedDenseStep, world
     if how.startswith("hang"):
         return hang(out, size, how)
     comm = world()              # as a worker starts MPI (the CMA probe first)

@@ -45,7 +45,7 @@ class Pod:
                  startup_s: float = 120.0):
         # timeout_s: a kubelet's default is 1 s, but on a loaded 2-core test machine a live role's gRPC
         # thread can wait that long for a core three times in a row; a hung role answers NOT_SERVING at
-        # once and is found as fast, a frozen one 3 x 2 s later
+        # once and is found as fast (3 x period_s), a frozen one after 3 x (period_s + timeout_s) = 12 s
         self.cmd, self.env_of, self.log, self.port, self.restarts = cmd, env_of, log, port, restarts
         self.period_s, self.timeout_s, self.failures, self.grace_s = period_s, timeout_s, failures, grace_s
         self.startup_s = startup_s

@@ -85,7 +85,7 @@ def run(args) -> int:
         raise
     finally:
         if args.role == "worker" and "mpi4py.MPI" in sys.modules:   # mode hybrid: a failed rank ends
-            from ..modes.hybrid import end_world                      # its MPI world at once, after
+            from ..allreduce import end_world                      # its MPI world at once, after
             end_world(code, error)                                    # logging why (the abort ends the
         _end_role_process()                                           # process before Python would)
     return code

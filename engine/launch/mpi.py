@@ -17,7 +17,7 @@ is the rank's, signals go to the rank, and its exit code is read from mpiexec wh
 rank that dies ends the world (hydra kills the others and prints the dead rank's pid and exit); the
 rank that died reports its exit code or signal, the others report 0, so the launcher's error names
 the dead worker and the supervisor restarts the whole job from its newest checkpoint. A rank that
-fails aborts the world (``engine.modes.hybrid.end_world``, after logging why); hydra reports nothing
+fails aborts the world (``engine.allreduce.end_world``, after logging why); hydra reports nothing
 then, and that rank is named from MPICH's abort line at the end of its log.
 
 hydra writes a file of the machine's topology for the ranks (``/tmp/hydra_hwloc_xmlfile_*``) and removes
@@ -156,11 +156,14 @@ def _undo_world(d: Path) -> None:
         rec = json.loads((d / TOPOLOGY_RECORD).read_text())
     except FileNotFoundError:       # the world never got as far as MPI_Init
         return
-    if not (isinstance(rec, dict) and os.path.isabs(str(rec.get("path", "")))
-            and os.path.basename(rec["path"]).startswith(TOPOLOGY_PREFIX)):
+    try:
+        path, dev, ino = str(rec["path"]), int(rec["dev"]), int(rec["ino"])
+    except (KeyError, TypeError, ValueError):
+        path = ""
+    if not (os.path.isabs(path) and os.path.basename(path).startswith(TOPOLOGY_PREFIX)):
         raise ValueError(f"{d / TOPOLOGY_RECORD}: not a record of a hydra topology file: {rec!r}")
-    if remove_topology_file(rec["path"], int(rec["dev"]), int(rec["ino"])):
-        log.info("removed %s, left by a hybrid launcher that died", rec["path"])
+    if remove_topology_file(path, dev, ino):
+        log.info("removed %s, left by a hybrid launcher that died", path)
 
 
 def sweep_worlds(root=None) -> list[Path]:
@@ -203,10 +206,15 @@ class World:
         self.rank_logs = rank_logs or []
         for p in pid_paths:
             p.unlink(missing_ok=True)
+        self._scratch_lock = threading.Lock()     # the watch thread records, the launcher's removes
         self.scratch = self._hold()          # before mpiexec: a failed start leaves no unheld record
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+        try:
+            with open(self.log_path, "wb") as out:
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        except BaseException:
+            self._close_scratch()
+            raise
         self._codes: dict[int, int] | None = None
         self.ended_at: dict[int, float] = {}     # rank -> monotonic seconds it was seen to end
         self.topology: tuple[Path, int, int] | None = None   # hydra's file for the ranks, once seen
@@ -228,9 +236,9 @@ class World:
             while self.proc.poll() is None or fds:
                 now = time.monotonic()
                 if self.topology is None and now >= next_look:
-                    self.topology = self._find_topology()
-                    if self.topology is not None:
-                        self._record_topology()
+                    found = self._find_topology()
+                    if found is not None:
+                        self._record_topology(found)
                     # every wake-up while the world starts (an abort right after MPI_Init would
                     # otherwise beat the look), then once a second
                     next_look = now + (0.0 if now - started < TOPOLOGY_FAST_S else TOPOLOGY_LOOK_S)
@@ -290,37 +298,53 @@ class World:
         topology files they record; None (with a warning) where the temp directory refuses it."""
         try:
             return ScratchDir(WORLD_PREFIX, on_sweep=_undo_world)
-        except OSError as e:
+        except OSError as e:        # (on_sweep's own errors are logged by the sweep)
             log.warning("no world directory in the temp directory (%s): hydra's topology file will stay "
                         "behind if this launcher is killed with SIGKILL", e)
             return None
 
-    def _record_topology(self) -> None:
-        """Write the topology file seen into this world's directory (atomically: a sweeper reads a whole
-        record or none), for the next world to remove if this launcher dies first."""
-        if self.scratch is None:
-            return
-        path, dev, ino = self.topology
-        tmp = self.scratch.path / (TOPOLOGY_RECORD + ".tmp")
-        try:
-            tmp.write_text(json.dumps({"path": str(path), "dev": dev, "ino": ino}))
-            os.replace(tmp, self.scratch.path / TOPOLOGY_RECORD)
-        except OSError as e:
-            if self.scratch.path.is_dir():      # else the world ended meanwhile and removed the file itself
+    def _record_topology(self, found: tuple[Path, int, int]) -> None:
+        """Note ``found`` (path, st_dev, st_ino) as ``topology`` and write it into this world's directory
+        (atomically: a sweeper reads a whole record or none), for the next world to remove if this
+        launcher dies first. Found after the world ended (its directory closed): removed at once."""
+        path, dev, ino = found
+        with self._scratch_lock:
+            self.topology = found
+            if self.scratch is None:
+                if self._codes is not None:     # the world ended meanwhile: nobody else will remove it
+                    try:
+                        remove_topology_file(*found)
+                    except OSError:
+                        pass
+                return
+            tmp = self.scratch.path / (TOPOLOGY_RECORD + ".tmp")
+            try:
+                tmp.write_text(json.dumps({"path": str(path), "dev": dev, "ino": ino}))
+                os.replace(tmp, self.scratch.path / TOPOLOGY_RECORD)
+            except OSError as e:
                 log.warning("could not record hydra's topology file %s in %s: %s", path, self.scratch.path, e)
+
+    def _close_scratch(self) -> None:
+        with self._scratch_lock:
+            if self.scratch is not None:
+                self.scratch.close()
+                self.scratch = None
 
     def _remove_topology(self) -> None:
         """Remove the topology file seen open in this world's proxy, if that very file (same device and
         inode) is still there (mpiexec removes it when the world ends well, not after an abort), then
-        this world's directory."""
-        try:
-            if self.topology is not None:
-                remove_topology_file(*self.topology)
-        except OSError:
-            pass
-        finally:
-            if self.scratch is not None:
-                self.scratch.close()
+        this world's directory. Under the lock that ``_record_topology`` takes: a file the watch thread
+        finds after this is removed by it."""
+        with self._scratch_lock:
+            try:
+                if self.topology is not None:
+                    remove_topology_file(*self.topology)
+            except OSError:
+                pass
+            finally:
+                if self.scratch is not None:
+                    self.scratch.close()
+                    self.scratch = None
 
     def rank_pid(self, rank: int) -> int | None:
         try:

@@ -211,6 +211,12 @@ def _worker_actor(rank: int) -> int | None:
     return None
 
 
+def _published(root: Path) -> bool:
+    """Whether a checkpoint under ``root`` has its ``_SUCCESS`` file (a directory renamed or removed
+    during the walk is skipped)."""
+    return any(SUCCESS_NAME in files for _, _, files in os.walk(root))
+
+
 def test_a_killed_worker_actor_is_recovered_from_the_newest_checkpoint(ray_cluster, tmp_path):
     address, head, _, _ = ray_cluster
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}   # ~3 s of training
@@ -224,7 +230,7 @@ def test_a_killed_worker_actor_is_recovered_from_the_newest_checkpoint(ray_clust
         try:
             # once the run published a checkpoint (its _SUCCESS file, seen at once on this machine's
             # disk), kill worker 1's actor: its own process, whose role dies with it
-            until(lambda: driver.poll() is not None or any(root.rglob(SUCCESS_NAME)), "a published checkpoint",
+            until(lambda: driver.poll() is not None or _published(root), "a published checkpoint",
                   timeout_s=300, every_s=0.02)
             killed = _worker_actor(1) if driver.poll() is None else None
             if killed is not None:

@@ -17,7 +17,7 @@ import pytest
 from engine.config import DenseTableConfig, load_config
 from engine.errors import ConfigError
 from engine.launch.mpi import mpiexec_path
-from engine.modes.hybrid import CMA_CVAR, DenseReplica, make_optimizer
+from engine.allreduce import CMA_CVAR, DenseReplica, make_optimizer
 from tests import hybrid_ranks as hr
 from tests.mpi_worlds import run_mpiexec
 
@@ -71,7 +71,7 @@ def test_one_worker_steps_bit_for_bit_like_the_servers_dense_table():
 @pytest.mark.parametrize("ranks, how", [(2, "whole"), (3, "whole"), (2, "overlap"), (3, "overlap")])
 def test_gradient_allreduce_keeps_ranks_identical_and_matches_the_reference(tmp_path, ranks, how):
     """``whole``: one all-reduce per step after the pass; ``overlap``: range by range beside it (the
-    progress thread of ``engine.modes.dense_progress.OverlappedDenseStep``, buckets of a quarter of the vector)."""
+    progress thread of ``engine.allreduce.OverlappedDenseStep``, buckets of a quarter of the vector)."""
     got = run_world(tmp_path, ranks, sync_steps=1, how=how)
     params = got["params"]                                   # [step, rank, P]
     assert params.shape == (STEPS, ranks, SIZE)
@@ -104,9 +104,9 @@ def _under_seccomp(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
 
 
 def test_the_cma_probe_sees_a_seccomp_profile_that_refuses_process_vm_readv():
-    from engine.modes.hybrid import cma_refused
+    from engine.allreduce import cma_refused
     assert cma_refused() is None, "this process may read its own memory unless a filter refuses the call"
-    proc = _under_seccomp([sys.executable, "-c", "from engine.modes.hybrid import cma_refused; "
+    proc = _under_seccomp([sys.executable, "-c", "from engine.allreduce import cma_refused; "
                            "print(cma_refused())"], dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "EPERM"
@@ -123,7 +123,7 @@ def test_ranks_whose_seccomp_profile_refuses_process_vm_readv_all_reduce_without
     errs = tmp_path / "forced-stderr"
     errs.mkdir()
     one_allreduce = (f"import os; os.dup2(os.open({str(errs)!r} + '/rank-%d' % os.getpid(), os.O_WRONLY | os.O_CREAT), "
-                     "2); import numpy as np; from mpi4py import MPI; from engine.modes.hybrid import world; "
+                     "2); import numpy as np; from mpi4py import MPI; from engine.allreduce import world; "
                      "comm = world(); comm.Set_errhandler(MPI.ERRORS_ARE_FATAL); x = np.ones(200003, np.float32); "
                      "y = np.empty_like(x); comm.Allreduce(x, y, op=MPI.SUM); print('sum', y[0])")
     forced = _under_seccomp([mpiexec_path(), "-launcher", "fork", "-n", "2", sys.executable, "-c", one_allreduce],

@@ -139,3 +139,24 @@ def test_a_dead_launchers_world_directory_takes_hydras_topology_file_with_it(tmp
     finally:
         _kill(live)
     assert sweep_worlds(tmp_path) == [live_dir] and not live_file.exists()
+
+
+def test_garbage_records_and_links_never_stop_a_sweep_or_the_next_world(tmp_path, caplog):
+    """A record that is not JSON, lacks a field or has one of the wrong type is logged and its
+    directory removed (else every later hybrid start would fail on it); a symbolic link named like a
+    world directory is left alone, and so is the directory it points to."""
+    bad = ["{not json", json.dumps({"path": "/tmp/" + TOPOLOGY_PREFIX + "zz"}),
+           json.dumps({"path": "/tmp/" + TOPOLOGY_PREFIX + "zz", "dev": None, "ino": 1}), json.dumps([1, 2])]
+    procs = [_holder(tmp_path, WORLD_PREFIX, r) for r in bad]
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / ".lock").write_text("")
+    link = tmp_path / (WORLD_PREFIX + "link")
+    link.symlink_to(target)
+    for p, _ in procs:
+        _kill(p)
+    with caplog.at_level("WARNING", logger="engine.scratch"):
+        swept = sweep_worlds(tmp_path)          # what World does as it starts
+    assert sorted(swept) == sorted(d for _, d in procs)
+    assert len([r for r in caplog.records if "could not undo" in r.getMessage()]) == len(bad)
+    assert link.is_symlink() and (target / ".lock").exists()
