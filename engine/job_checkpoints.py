@@ -28,8 +28,8 @@ from .checkpoint.schedule import Schedule
 from .errors import ConfigError
 from .connect import connect
 
-__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "recovery_target", "resume", "final",
-           "Periodic"]
+__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "newest_resumed_with", "recovery_target",
+           "resume", "final", "Periodic"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,30 @@ def recovery_target(cfg, floor: str | None, origin: str | None = None) -> tuple[
         except (CheckpointNotFoundError, OSError, ValueError) as e:   # the restore will name what is wrong
             log.warning("the checkpoint this job started from, %s, cannot be read now: %s", origin, e)
             return origin, {}
+    return None
+
+
+def newest_resumed_with(cfg, resume_id: str) -> str | None:
+    """URI of the job's newest complete checkpoint (under ``checkpoint.root``/``job``) written by
+    servers started with ``--resume-id resume_id`` (the manifest's ``resume_ids``), or None.
+
+    ``engine k8s --resume URI`` renders every server with ``--resume URI --resume-id ID`` for the job's
+    whole life. A server pod replaced after the job wrote checkpoints from that resume on must not load
+    URI again: with every server replaced at once (a node drain, a whole-job preemption) all of them
+    would agree on URI and the job would silently lose what it trained since. It restores this one
+    instead. A checkpoint whose manifest cannot be read is skipped (logged)."""
+    if not cfg.checkpoint.enabled:
+        return None
+    mgr = job_manager(cfg)
+    for ref in reversed(mgr.list()):
+        try:
+            m = mgr.manifest(ref.name)
+        except (CheckpointNotFoundError, OSError, ValueError) as e:
+            log.warning("--resume-id %s: skipping %s, whose manifest cannot be read: %s", resume_id,
+                        mgr.uri_of(ref.name), e)
+            continue
+        if resume_id in (m.get("resume_ids") or []):
+            return mgr.uri_of(ref.name)
     return None
 
 

@@ -123,7 +123,8 @@ class _OneServer:
 
 def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: int | None = None,
                ready_file: str | None = None, resume: str | None = None, resume_fallback: bool = False,
-               allow_load: list[str] | None = None, health_port: int | None = None) -> int:
+               allow_load: list[str] | None = None, health_port: int | None = None,
+               resume_id: str | None = None) -> int:
     """Serve until a Stop RPC or SIGINT. Writes ``host:port`` to ready_file once listening.
 
     SIGTERM is a preemption (``engine.preempt``): the server keeps serving, says ``preempting`` in
@@ -135,7 +136,11 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     back to the previous complete one with ``resume_fallback`` or ``checkpoint.fallback``) and reports
     it as ``restored`` in ``Health``; workers started with the servers resume at its data position.
     ``--resume`` without a URI when the job has no complete checkpoint yet starts empty (a scheduler
-    can pass it at every start); a named URI must exist.
+    can pass it at every start); a named URI must exist. ``resume_id`` (``--resume-id``, which ``engine
+    k8s --resume URI`` renders beside the URI): every checkpoint this server saves records it, and a
+    server started with it restores the job's newest checkpoint that records it, when there is one,
+    instead of the URI (``job_checkpoints.newest_resumed_with``): a replaced pod, whose arguments are
+    the same for the job's whole life, never takes the job back to the URI.
 
     ``Save`` and ``Load`` from clients are confined to ``checkpoint.root`` (``engine.security.confine``);
     ``health_port`` (``--health-port``, default ``cluster.health_port``; -1 off): the plaintext gRPC
@@ -154,6 +159,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     cfg = restore_secrets(cfg)
     if not 0 <= rank < cfg.cluster.servers:
         raise ConfigError(f"--rank must be in [0, cluster.servers={cfg.cluster.servers}), got {rank}")
+    if resume_id and resume is None:
+        raise ConfigError("--resume-id: only with --resume [URI]")
     if port is None and cfg.cluster.endpoints:
         port = int(cfg.cluster.endpoints[rank].rsplit(":", 1)[1])
     host = host or cfg.cluster.host
@@ -188,6 +195,14 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         if resume is not None:
             from .checkpoint import CheckpointNotFoundError
             mgr, target = job_checkpoints.manager_for(cfg, resume or None)
+            if resume_id:           # its part reports carry it, so the checkpoints written from here on do
+                core.resume_id = resume_id
+                since = job_checkpoints.newest_resumed_with(cfg, resume_id)
+                if since is not None:
+                    log.warning("server %d: the job has written checkpoints since --resume %s (--resume-id %s): "
+                                "restoring the newest of them, %s, not the URI again", rank, resume, resume_id,
+                                since)
+                    mgr, target = job_checkpoints.manager_for(cfg, since)
             try:
                 m = mgr.restore(_OneServer(core), target, fallback=resume_fallback or cfg.checkpoint.fallback)
                 log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))

@@ -239,7 +239,10 @@ class CheckpointManager:
             if len(cut) != 1 or not all(isinstance(g, int) and g >= 1 for g in cut):
                 raise CheckpointCorruptError(f"{uri}: servers cut their part files into different numbers of "
                                              f"vshard groups: {sorted(cut)}", uri=uri)
-            pub.manifest.update(tables=tables, num_vshards=nv.pop(), groups=cut.pop())
+            # the servers' --resume-id: a server replaced later with the same arguments restores the
+            # newest checkpoint that records it, not its --resume URI again (engine.roles.run_server)
+            pub.manifest.update(tables=tables, num_vshards=nv.pop(), groups=cut.pop(),
+                                resume_ids=sorted({str(r["resume_id"]) for r in reports if r.get("resume_id")}))
             failpoints.hit("checkpoint.before_publish")
         manifest = pub.written_manifest
         self.head = ref.name

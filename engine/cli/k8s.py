@@ -1,4 +1,4 @@
-"""``engine k8s CONFIG.yaml --image IMAGE --out DIR [--resume URI] [--set KEY=VALUE ...]``.
+"""``engine k8s CONFIG.yaml --image IMAGE --out DIR [--resume URI [--resume-id ID]] [--set KEY=VALUE ...]``.
 
 Renders the job as plain Kubernetes manifests, one YAML file per object in DIR (``engine.launch.k8s``):
 a ConfigMap with the resolved config (no secret in it), a headless Service naming the servers, the
@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", default=None, metavar="URI",
                    help="a checkpoint (or job root) every server starts from: an operator's roll-back or a warm "
                         "start (default: the job's newest complete checkpoint)")
+    p.add_argument("--resume-id", default=None, metavar="ID",
+                   help="with --resume: the id the servers record in every checkpoint, so a replaced server "
+                        "restores the newest checkpoint written since instead of URI again (default: derived "
+                        "from URI; a new id rolls the job back to the same URI once more)")
 
 
 def run(args) -> int:
@@ -43,7 +47,7 @@ def run(args) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        manifests = k8s.render(cfg, image=args.image, resume=args.resume)
+        manifests = k8s.render(cfg, image=args.image, resume=args.resume, resume_id=args.resume_id)
     except ConfigError as e:
         print(f"engine k8s: {e}", file=sys.stderr)
         return 2

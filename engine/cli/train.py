@@ -64,6 +64,10 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-load", action="append", default=[], metavar="URI",
                    help="server: clients may also load checkpoints below URI (besides checkpoint.root); "
                         "the launcher passes its --resume URI")
+    p.add_argument("--resume-id", default=None, metavar="ID",
+                   help="server with --resume URI (engine k8s renders it): checkpoints record ID, and a server "
+                        "restarted with the same arguments restores the job's newest checkpoint that records "
+                        "ID instead of URI again")
     p.add_argument("--resume-fallback", action="store_true",
                    help="with --resume: a damaged checkpoint falls back to the previous complete one")
     p.add_argument("--until", default=None, metavar="YYYYMMDDHH",
@@ -127,7 +131,8 @@ def _run(args) -> int:
             roles.guard_parent()
             return roles.run_server(cfg, args.rank, host=args.host, port=args.port, ready_file=args.ready_file,
                                     resume=args.resume, resume_fallback=args.resume_fallback,
-                                    allow_load=args.allow_load, health_port=args.health_port)
+                                    allow_load=args.allow_load, health_port=args.health_port,
+                                    resume_id=args.resume_id)
         if args.role == "worker":
             roles.guard_parent()
             preempt.install_handler()        # SIGTERM: checkpoint at the next meeting, then exit 75
@@ -136,6 +141,9 @@ def _run(args) -> int:
             if result.get("rollback"):
                 return roles.EXIT_ROLLBACK
             return preempt.EXIT_PREEMPTED if result.get("preempted") else 0
+        if args.resume_id is not None:
+            raise ConfigError("--resume-id: only for --role server (the launcher restarts from the job's "
+                              "newest checkpoint by itself)")
         if cfg.model is None:
             raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
         from ..launch.supervisor import run_job

@@ -59,6 +59,7 @@ says to add it); local data paths are rendered with a warning.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -250,7 +251,15 @@ def storage_env_names(cfg: EngineConfig) -> list[str]:
     return names
 
 
-def render(cfg: EngineConfig, image: str | None = None, resume: str | None = None) -> Manifests:
+def resume_id_of(uri: str) -> str:
+    """The default ``--resume-id`` of ``engine k8s --resume URI``: 16 hex digits of URI's SHA-256, so
+    rendering the same roll-back again (a pipeline that renders at every apply) is the same roll-back,
+    never a new one that would take the job back to URI once more."""
+    return hashlib.sha256(uri.encode()).hexdigest()[:16]
+
+
+def render(cfg: EngineConfig, image: str | None = None, resume: str | None = None,
+           resume_id: str | None = None) -> Manifests:
     """The manifests of ``cfg`` (see the module docstring).
 
     Parameters
@@ -262,9 +271,12 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     resume : str, optional
         A checkpoint (or job root) URI every server starts from (``--resume URI``: an operator's
         roll-back, or a warm start from another job); default: the job's newest complete checkpoint.
-        Kept in the manifests for the job's life: a server restarted later loads it again, and worker
-        rank 0 then rolls every server forward to the newest checkpoint the job wrote since
-        (``engine.roles``: ``checkpoint_floor``).
+        Kept in the manifests for the job's life, with ``--resume-id``: every checkpoint the servers
+        write records the id, and a server pod replaced later (one, or all at once) restores the job's
+        newest checkpoint that records it instead of the URI (``job_checkpoints.newest_resumed_with``).
+    resume_id : str, optional
+        With ``resume``: the id (default ``resume_id_of(resume)``). Another id rolls the job back to
+        the same URI once more.
 
     Raises
     ------
@@ -310,8 +322,14 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
                                   {"name": "ENGINE_NUM_WORKERS", "value": str(cfg.cluster.workers)}])
     probe = {"grpc": {"port": k.health_port}, "timeoutSeconds": 5}
     # --resume at every start: a replacement server (eviction, preemption) loads its vshards of the job's
-    # newest complete checkpoint (or the operator's URI); the first start of a job finds none and starts empty
-    resume_args = ["--resume", resume] if resume else ["--resume"] if cfg.checkpoint.enabled else []
+    # newest complete checkpoint, or the operator's URI until the job wrote one since (--resume-id); the
+    # first start of a job finds none and starts empty
+    if resume_id is not None and not resume:
+        raise ConfigError("--resume-id: only with --resume URI")
+    if resume_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", resume_id):
+        raise ConfigError(f"--resume-id: 1-64 letters, digits, '.', '_' or '-', got {resume_id!r}")
+    resume_args = (["--resume", resume, "--resume-id", resume_id or resume_id_of(resume)] if resume
+                   else ["--resume"] if cfg.checkpoint.enabled else [])
     server = _container(image, ["train", CONFIG_PATH, "--role", "server", "--host", "0.0.0.0", "--port", str(k.port),
                                 "--health-port", str(k.health_port), *resume_args], server_env, k.server_cpu,
                         k.server_memory)

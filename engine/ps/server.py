@@ -166,6 +166,7 @@ class PSServer:
         self.stopped = threading.Event()
         self.preempting = False                  # SIGTERM: serving until the job checkpointed (Health)
         self.restored: str | None = None         # URI of the last checkpoint loaded (Health)
+        self.resume_id: str | None = None        # --resume-id: recorded in every part report it saves
         self.restoring: str | None = None        # the end of the chain a restore is loading (Health)
         # changes at every start, Load and Fence: data requests that expect another one are refused
         self.generation = time.time_ns()
@@ -547,7 +548,8 @@ class PSServer:
         report = save_server_parts(self._checkpoint_storage(req.path), kind=kind, server=self.index,
                                    num_servers=self.num_servers, num_vshards=self.num_vshards,
                                    sparse={n: h.shards for n, h in self.sparse.items()}, dense=dense,
-                                   groups=self.checkpoint_groups, threads=self.checkpoint_threads)
+                                   groups=self.checkpoint_groups, threads=self.checkpoint_threads,
+                                   resume_id=self.resume_id)
         self._note_part("save", time.perf_counter() - t0,
                         sum(f.get("size", 0) for f in report["files"].values()))
         return pb.CountResponse(request_id=req.request_id, count=sum(report["rows"].values()))

@@ -156,6 +156,69 @@ def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_c
     assert_same_model(full["checkpoint"], json.loads(result.read_text())["checkpoint"])
 
 
+def test_every_server_replaced_with_its_resume_uri_restores_the_newest_checkpoint_written_since(tmp_path):
+    """``engine k8s --resume URI`` keeps ``--resume URI --resume-id ID`` in the servers' arguments for the
+    job's whole life. Here the job warm-starts from another job's checkpoint and writes its own; then
+    every server dies at once (a node drain) and both are started again with the same arguments. They
+    must restore the job's newest checkpoint, which records ID, not URI: before, both loaded URI again,
+    the restarted worker found them agreed on it, and everything trained since was silently lost. The
+    job then ends bit-identical to an uninterrupted run."""
+    from engine.ps import PSClient
+    from engine.roles import EXIT_ROLLBACK
+    slow = ("model.batch_size=16", "checkpoint.delta_every=64steps")
+    full = run(args(tmp_path, "full", *SETS, *slow))
+    source = CheckpointManager(str(tmp_path / "ckpt-full"), "ctr_dnn")
+    uri = source.uri_of(source.list()[1].name)          # a warm start from the full run's second checkpoint
+    ports = free_ports(2)
+    env = role_env(ports)
+
+    def server(r: int, start: int) -> subprocess.Popen:
+        with open(tmp_path / f"server-{r}.{start}.log", "wb") as log:
+            return subprocess.Popen(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), "--resume",
+                                             uri, "--resume-id", "drain-test"), cwd=REPO, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+
+    result = tmp_path / "role-result.json"
+    worker_cmd = role_cmd(tmp_path, "role", "worker", 0, "--result-file", str(result))
+    procs = [server(0, 0), server(1, 0)]
+    try:
+        worker = subprocess.Popen(worker_cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+        procs.append(worker)
+        mgr = CheckpointManager(str(tmp_path / "ckpt-role"), "ctr_dnn")
+        until(lambda: len(mgr.list()) >= 2 or worker.poll() is not None, "two checkpoints of the job",
+              timeout_s=120, every_s=0.05)
+        assert worker.poll() is None, worker.stderr.read()[-3000:]
+        os.killpg(worker.pid, signal.SIGSTOP)            # hold the worker between two requests
+        for r in (0, 1):                                 # every server at once
+            os.killpg(procs[r].pid, signal.SIGKILL)
+            procs[r].wait(10)
+        newest = mgr.uri_of(mgr.latest().name)
+        assert mgr.manifest(mgr.latest().name)["resume_ids"] == ["drain-test"]
+        procs[0], procs[1] = server(0, 1), server(1, 1)  # the same arguments: --resume URI --resume-id
+        with PSClient([f"127.0.0.1:{p}" for p in ports], name="probe") as probe:
+            probe.wait_ready(60)
+            restored = [h["restored"] for h in probe.health()]
+        assert restored == [newest, newest], (restored, newest, uri)
+        os.killpg(worker.pid, signal.SIGCONT)
+        _, err = worker.communicate(timeout=120)
+        assert worker.returncode == EXIT_ROLLBACK, err[-3000:]
+        again = subprocess.run(worker_cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        assert again.returncode == 0, again.stderr[-3000:]
+        position = mgr.manifest(newest.split("/ctr_dnn/", 1)[1])["sources"]["train"]
+        assert f"resuming at epoch {position['epoch']}, batch {position['batch']}" in again.stderr, \
+            again.stderr[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    for r in (0, 1):
+        log = (tmp_path / f"server-{r}.1.log").read_text()
+        assert f"restoring the newest of them, {newest}" in log, log[-2000:]
+    assert_same_model(full["checkpoint"], json.loads(result.read_text())["checkpoint"])
+
+
 def stop_all(schedulers: list, procs: list[subprocess.Popen]) -> None:
     """Stop the schedulers (and their roles), then kill what else the test started."""
     for w in schedulers:

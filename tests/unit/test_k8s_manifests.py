@@ -215,17 +215,28 @@ def test_engine_servers_are_the_server_pods_dns_names(creds):
 
 
 def test_an_operators_resume_uri_is_what_every_server_starts_from(creds, tmp_path):
-    """``engine k8s --resume URI`` (a roll-back, or a warm start from another job): every server pod,
-    a replacement too, starts from that checkpoint; rank 0 rolls them forward to what the job wrote
-    since (its floor), so keeping it in the manifests is safe."""
+    """``engine k8s --resume URI`` (a roll-back, or a warm start from another job): every server pod
+    starts from that checkpoint with a ``--resume-id`` derived from URI, which the checkpoints it writes
+    record, so a replacement restores the newest of those instead (``engine.roles.run_server``) and
+    keeping it in the manifests is safe; rendering again gives the same id (the same roll-back), and
+    ``--resume-id`` gives another (a new roll-back to the same URI)."""
     uri = "s3://bucket/ckpt/ctr_dnn/20261128/0900-base"
     server = by_kind(k8s.render(load_config(CTR, sets(creds)), image=IMAGE, resume=uri))["server"]
-    assert container(server)["args"][-2:] == ["--resume", uri]
+    assert container(server)["args"][-4:] == ["--resume", uri, "--resume-id", k8s.resume_id_of(uri)]
+    assert k8s.resume_id_of(uri) == k8s.resume_id_of(uri) != k8s.resume_id_of(uri + ".1")
     argv = ["k8s", CTR, "--out", str(tmp_path / "out"), "--image", IMAGE, "--resume", uri]
-    assert main([*argv, *[a for kv in sets(creds) for a in ("--set", kv)]]) == 0
+    flags = [a for kv in sets(creds) for a in ("--set", kv)]
+    assert main([*argv, *flags]) == 0
     (job,) = [o for o in objects(tmp_path / "out").values()
               if o.get("kind") == "Job" and o["metadata"]["name"].endswith("-server")]
-    assert container(job)["args"][-2:] == ["--resume", uri]
+    assert container(job)["args"][-4:] == ["--resume", uri, "--resume-id", k8s.resume_id_of(uri)]
+    assert main([*argv, "--resume-id", "again-2", *flags]) == 0
+    (job,) = [o for o in objects(tmp_path / "out").values()
+              if o.get("kind") == "Job" and o["metadata"]["name"].endswith("-server")]
+    assert container(job)["args"][-2:] == ["--resume-id", "again-2"]
+    for bad in (["--resume-id", "a b"], ["--resume-id", "x" * 65]):
+        assert main([*argv, *bad, *flags]) == 2
+    assert main(["k8s", CTR, "--out", str(tmp_path / "o2"), "--image", IMAGE, "--resume-id", "x", *flags]) == 2
 
 
 def test_probes_use_the_plaintext_grpc_health_port(creds):

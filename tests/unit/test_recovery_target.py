@@ -105,3 +105,30 @@ def test_a_damaged_checkpoint_of_the_job_falls_back_to_its_own_then_to_its_origi
     finally:
         server.stop(0)
         core.close()
+
+
+def test_checkpoints_record_the_servers_resume_id_and_the_newest_that_records_it_is_found(tmp_path):
+    """``--resume-id`` (``engine k8s --resume URI``): each server's part report carries it, the manifest
+    lists it in ``resume_ids``, and ``newest_resumed_with`` finds the job's newest checkpoint that
+    records it (what a server replaced later restores instead of URI); none: None."""
+    cfg = cfg_of(tmp_path)
+    mgr = job_checkpoints.job_manager(cfg)
+    servers = [PSServer.from_config(cfg, 0)]
+    client = PSClient(InProcessTransport(servers))
+    client.push("weights", np.arange(1, 9, dtype=np.uint64), np.ones((8, 1), np.float32))
+    try:
+        before = mgr.save(client, "base", when=3600.0)              # a server started without the id
+        assert before["resume_ids"] == []
+        assert job_checkpoints.newest_resumed_with(cfg, "r1") is None
+        servers[0].resume_id = "r1"
+        first = mgr.save(client, "delta", when=7200.0)
+        second = mgr.save(client, "delta", when=10800.0)
+        assert first["resume_ids"] == second["resume_ids"] == ["r1"]
+        assert job_checkpoints.newest_resumed_with(cfg, "r1") == mgr.uri_of(second["name"])
+        servers[0].resume_id = "r2"                                 # a later roll-back to the same URI
+        assert job_checkpoints.newest_resumed_with(cfg, "r2") is None
+        third = mgr.save(client, "delta", when=14400.0)
+        assert job_checkpoints.newest_resumed_with(cfg, "r2") == mgr.uri_of(third["name"])
+        assert job_checkpoints.newest_resumed_with(cfg, "r1") == mgr.uri_of(second["name"])
+    finally:
+        servers[0].close()
