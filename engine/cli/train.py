@@ -14,7 +14,8 @@ SIGTERM (to the launcher or to any role) is a preemption (``engine.preempt``): t
 at its next meeting, within ``cluster.preempt_timeout_s``, and stops; ``--resume`` continues from there.
 
 Exit codes: 0 success, 2 bad config or arguments, 1 the job failed (more failures than
-``cluster.max_restarts`` allows, every one listed) or a checkpoint could not be restored, 75 preempted
+``cluster.max_restarts`` allows, every one listed), a checkpoint could not be restored or the checkpoint
+storage stayed unreachable through its retries (one line each, no traceback), 75 preempted
 (resumable: ``engine train CONFIG --resume``), 76 (a ``--role worker`` whose servers restarted,
 restored or were fenced under it, or that lost one: restart it), 130 interrupted.
 """
@@ -26,7 +27,7 @@ import logging
 import os
 import sys
 
-from hdfs_io import CheckpointCorruptError, NotPublishedError
+from hdfs_io import CheckpointCorruptError, NotPublishedError, StorageError
 from sparse_tables import TableConfigError
 from streaming.errors import DataFormatError, SchemaError
 
@@ -171,6 +172,11 @@ def _run(args) -> int:
         return 1
     except (CheckpointCorruptError, NotPublishedError) as e:
         print(f"engine train: cannot resume: {e}", file=sys.stderr)
+        return 1
+    except StorageError as e:           # unreachable after hdfs_io's retries (e.g. at a restart's look-up)
+        print(f"engine train: checkpoint storage failed: {e}; what the newest complete checkpoint holds is "
+              f"kept: once the storage answers, continue with: engine train {args.config} --resume",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("engine train: interrupted; every process was stopped", file=sys.stderr)

@@ -126,7 +126,7 @@ def test_a_cut_network_is_ridden_out_or_failed_after_dead_after_s_and_nothing_is
         hosts.cut("server0")
         until(lambda: any(not r["ok"] for r in client.records() if r["op"] != "final" and r["t0"] >= short_cut),
               "a call fails in the long cut", timeout_s=SILENT_S + SLACK_S + 5, every_s=0.1)
-        time.sleep(max(0.0, long_cut + SILENT_S + SLACK_S + 5 - time.time()))
+        time.sleep(3.0)                         # the cut outlasts that failure: the calls after it meet it too
         hosts.heal("server0")
         healed = time.time()
         client.wait_ok(6, healed, "calls after the heal", timeout_s=120)

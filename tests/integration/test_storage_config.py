@@ -83,3 +83,22 @@ def test_storage_section_rejects_unknown_keys():
         from_dict({"storage": {"endpoint": "x", "secret": "y"}})
     with pytest.raises(ConfigError, match="storage.scheme"):
         from_dict({"storage": {"scheme": "ftp"}})
+
+
+@pytest.mark.long   # make test-long (pyproject.toml): ~60 s of hdfs_io's retries; the CLI's other one-line
+# errors are tested in make test
+def test_checkpoint_storage_that_never_answers_ends_the_job_with_one_line_not_a_traceback(tmp_path):
+    """An S3 endpoint where nothing listens: every look-up of the job's checkpoints fails after hdfs_io's
+    retries (``StorageUnavailableError``). The launcher exits 1 with one ``engine train:`` line that says
+    how to continue once the storage answers; before, a traceback."""
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/logreg_demo.yaml"), "--run-dir",
+           str(tmp_path / "run"), "--resume", "--set", "checkpoint.root=s3://bucket/ckpt",
+           "--set", "cluster.warm_up=false", *[a for s in ("endpoint=http://127.0.0.1:9", "connect_timeout_s=1",
+                                                           "request_timeout_s=1", "access_key=x", "secret_key=y")
+                                                 for a in ("--set", f"storage.{s}")]]
+    res = subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("engine train: checkpoint storage failed: ") and "127.0.0.1:9" in last, last
+    assert last.endswith("engine train " + str(REPO / "configs/logreg_demo.yaml") + " --resume"), last
