@@ -58,9 +58,10 @@ METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink",
 #: Dense pulls and metric reads do not change anything and are not remembered (``_mutating``).
 MUTATING = frozenset({"Push", "Dense", "Step", "Save", "Load", "Shrink", "Metric"})
 #: data requests that carry the generation their sender expects (see ps.proto: Generations)
-GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric", "Save", "Fence"})
-#: requests that make their sender a client of this generation (``clients`` in Health)
-_JOINS = GENERATION_CHECKED - {"Fence"}
+GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric", "Save", "Shrink", "Fence"})
+#: requests that make their sender a client of this generation (``clients`` in Health); an expiry pass
+#: (an operator's or the online job's rank 0) is not training
+_JOINS = GENERATION_CHECKED - {"Fence", "Shrink"}
 #: requests that change a table (a server that applied one is no longer ``fresh``)
 _WRITES = frozenset({"Push", "Dense", "Step"})
 #: methods that read or change the tables (they never overlap a Load)

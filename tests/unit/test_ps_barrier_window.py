@@ -199,6 +199,14 @@ def test_a_request_of_another_generation_is_refused_and_applies_nothing(tmp_path
             old.pull("emb", keys)
         with pytest.raises(GenerationChangedError):     # a stale coordinator cannot publish a checkpoint
             mgr.save(old, "delta", when=60.0)
+        # an expiry pass sent before the restore, retried after it: refused too (it would age restored rows
+        # once more), while one sent at the new generation runs
+        shrink = pb.ShrinkRequest(table="emb", request_id="w0@x:100.0", generation=before_gen)
+        with pytest.raises(RemoteError, match="generation mismatch"):
+            old.transport.call(0, "Shrink", shrink, 5.0)
+        with pytest.raises(GenerationChangedError):
+            old.shrink("emb")
+        assert admin.shrink("emb") == 0
         assert [r.name for r in mgr.list()] == [base["name"]]
         np.testing.assert_array_equal(admin.pull("emb", keys), after)
         health = admin.health()[0]
