@@ -61,6 +61,20 @@ def _until_arrived(b: Barriers, name: str, n: int) -> None:
     until(lambda: b.stats().get(name, {}).get("arrived", 0) >= n, f"{n} arrival(s) at barrier {name!r}")
 
 
+def test_an_arrival_not_polled_for_the_lease_is_withdrawn_and_the_live_callers_meet_without_it():
+    """A caller that arrived and then died (it no longer polls) must not count: after ``lease_s``
+    without a poll its arrival is withdrawn, so the next caller waits for a live one instead of
+    meeting the dead one (``engine-job-end-seen`` and every meeting of a restarted worker rely on it)."""
+    b = Barriers(max_wait_s=60, linger_s=0.0, lease_s=0.2)
+    assert not b.arrive("meet", "dead", 2, 60).released        # arrives once, then never polls again
+    assert b.stats()["meet"]["arrived"] == 1
+    time.sleep(0.3)                                             # past its lease
+    assert not b.arrive("meet", "live-a", 2, 60).released       # the dead arrival does not open it
+    assert b.stats()["meet"]["arrived"] == 1
+    assert b.arrive("meet", "live-b", 2, 60).released
+    assert b.arrive("meet", "live-a", 2, 60).released           # its next poll learns of the opening
+
+
 def test_barriers_nobody_waits_at_are_forgotten():
     b = Barriers(prune_after_s=0.0)
     for i in range(2048):
