@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 
@@ -28,7 +29,7 @@ from .checkpoint.schedule import Schedule
 from .errors import ConfigError
 from .connect import connect
 
-__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "newest_resumed_with", "recovery_target",
+__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "resumed_since", "recovery_target",
            "resume", "final", "Periodic"]
 
 log = logging.getLogger(__name__)
@@ -127,28 +128,52 @@ def recovery_target(cfg, floor: str | None, origin: str | None = None) -> tuple[
     return None
 
 
-def newest_resumed_with(cfg, resume_id: str) -> str | None:
-    """URI of the job's newest complete checkpoint (under ``checkpoint.root``/``job``) written by
-    servers started with ``--resume-id resume_id`` (the manifest's ``resume_ids``), or None.
+#: what a ``--resume-id`` may be (it is a pod argument and a manifest value)
+RESUME_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def resumed_since(cfg, resume_id: str, uri: str) -> tuple[str, str] | None:
+    """(URI of the job's newest complete checkpoint, fallback floor) when that checkpoint was written by
+    servers started with ``--resume uri --resume-id resume_id`` (its manifest's ``resumed_with``), else
+    None (restore ``uri`` itself). The floor is the name of the newest checkpoint before that resume's
+    unbroken run of checkpoints ("" when the run reaches the oldest): a fallback from a damaged one
+    keeps to the run, never to checkpoints the operator rolled back from (``CheckpointManager.restore``).
 
     ``engine k8s --resume URI`` renders every server with ``--resume URI --resume-id ID`` for the job's
     whole life. A server pod replaced after the job wrote checkpoints from that resume on must not load
     URI again: with every server replaced at once (a node drain, a whole-job preemption) all of them
-    would agree on URI and the job would silently lose what it trained since. It restores this one
-    instead. A checkpoint whose manifest cannot be read is skipped (logged)."""
+    would agree on URI and the job would silently lose what it trained since. Only the newest
+    checkpoint counts: one from an older render with the same id and URI, under newer checkpoints of
+    another render, is not this resume's (rendering ``--resume URI`` again is a new roll-back then). A
+    manifest that is damaged is judged by its neighbours (logged); the restore names the damage.
+
+    Raises
+    ------
+    OSError
+        The storage cannot be read (``hdfs_io.StorageError`` after its retries): no guess is made.
+    """
     if not cfg.checkpoint.enabled:
         return None
+    from hdfs_io import CheckpointCorruptError, NotPublishedError
     mgr = job_manager(cfg)
-    for ref in reversed(mgr.list()):
+    refs = mgr.list()
+    mark = {"id": str(resume_id), "uri": str(uri)}
+    first = None            # the oldest checkpoint of the run at the top that records the mark
+    floor = ""
+    for i in range(len(refs) - 1, -1, -1):
         try:
-            m = mgr.manifest(ref.name)
-        except (CheckpointNotFoundError, OSError, ValueError) as e:
-            log.warning("--resume-id %s: skipping %s, whose manifest cannot be read: %s", resume_id,
-                        mgr.uri_of(ref.name), e)
+            m = mgr.manifest(refs[i].name)
+        except (CheckpointCorruptError, NotPublishedError) as e:     # damage only: an outage raises
+            log.warning("--resume-id %s: the manifest of %s cannot be read (%s); judged by its neighbours",
+                        resume_id, mgr.uri_of(refs[i].name), e)
             continue
-        if resume_id in (m.get("resume_ids") or []):
-            return mgr.uri_of(ref.name)
-    return None
+        if mark not in (m.get("resumed_with") or []):
+            floor = refs[i].name
+            break
+        first = i
+    if first is None:
+        return None
+    return mgr.uri_of(refs[-1].name), floor
 
 
 def _client(cfg, endpoints):

@@ -137,10 +137,11 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     it as ``restored`` in ``Health``; workers started with the servers resume at its data position.
     ``--resume`` without a URI when the job has no complete checkpoint yet starts empty (a scheduler
     can pass it at every start); a named URI must exist. ``resume_id`` (``--resume-id``, which ``engine
-    k8s --resume URI`` renders beside the URI): every checkpoint this server saves records it, and a
-    server started with it restores the job's newest checkpoint that records it, when there is one,
-    instead of the URI (``job_checkpoints.newest_resumed_with``): a replaced pod, whose arguments are
-    the same for the job's whole life, never takes the job back to the URI.
+    k8s --resume URI`` renders beside the URI): every checkpoint this server saves records the pair,
+    and a server started with it restores the job's newest checkpoint when that one records the pair,
+    instead of the URI (``job_checkpoints.resumed_since``): a replaced pod, whose arguments are the
+    same for the job's whole life, does not take the job back to the URI once the job wrote a
+    checkpoint since.
 
     ``Save`` and ``Load`` from clients are confined to ``checkpoint.root`` (``engine.security.confine``);
     ``health_port`` (``--health-port``, default ``cluster.health_port``; -1 off): the plaintext gRPC
@@ -159,8 +160,11 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     cfg = restore_secrets(cfg)
     if not 0 <= rank < cfg.cluster.servers:
         raise ConfigError(f"--rank must be in [0, cluster.servers={cfg.cluster.servers}), got {rank}")
-    if resume_id and resume is None:
-        raise ConfigError("--resume-id: only with --resume [URI]")
+    if resume_id is not None and not resume:
+        raise ConfigError("--resume-id: only with --resume URI")
+    from .job_checkpoints import RESUME_ID
+    if resume_id is not None and not RESUME_ID.fullmatch(resume_id):
+        raise ConfigError(f"--resume-id: 1-64 letters, digits, '.', '_' or '-', got {resume_id!r}")
     if port is None and cfg.cluster.endpoints:
         port = int(cfg.cluster.endpoints[rank].rsplit(":", 1)[1])
     host = host or cfg.cluster.host
@@ -194,23 +198,22 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         core.checkpoint_floor = job_checkpoints.newest_name_or_none(cfg)
         if resume is not None:
             from .checkpoint import CheckpointNotFoundError
-            mgr, target = job_checkpoints.manager_for(cfg, resume or None)
-            if resume_id:           # its part reports carry it, so the checkpoints written from here on do
-                core.resume_id = resume_id
-                since = job_checkpoints.newest_resumed_with(cfg, resume_id)
-                if since is not None:
-                    log.warning("server %d: the job has written checkpoints since --resume %s (--resume-id %s): "
-                                "restoring the newest of them, %s, not the URI again", rank, resume, resume_id,
-                                since)
-                    mgr, target = job_checkpoints.manager_for(cfg, since)
-            try:
-                m = mgr.restore(_OneServer(core), target, fallback=resume_fallback or cfg.checkpoint.fallback)
-                log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
-            except CheckpointNotFoundError:
-                if resume:            # a URI the operator named must exist
-                    raise
-                # "--resume" alone (a scheduler passes it at every start): no checkpoint yet, a new job
-                log.warning("server %d: --resume: the job has no complete checkpoint yet; starting empty", rank)
+            fallback = resume_fallback or cfg.checkpoint.fallback
+            since = resume_id is not None and _restored_since(cfg, core, rank, resume, resume_id, fallback)
+            if not since:
+                if resume and resume_id is None:
+                    log.warning("server %d: --resume %s without --resume-id: started again later with these "
+                                "arguments (a replaced pod), this server loads %s again, whatever the job wrote "
+                                "since (engine k8s adds --resume-id)", rank, resume, resume)
+                mgr, target = job_checkpoints.manager_for(cfg, resume or None)
+                try:
+                    m = mgr.restore(_OneServer(core), target, fallback=fallback)
+                    log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
+                except CheckpointNotFoundError:
+                    if resume:            # a URI the operator named must exist
+                        raise
+                    # "--resume" alone (a scheduler passes it at every start): no checkpoint yet, a new job
+                    log.warning("server %d: --resume: the job has no complete checkpoint yet; starting empty", rank)
         from .observability import prometheus
         metrics = prometheus.start(cfg, "server", rank, host)      # observability.prometheus_port; None: off
         if metrics is not None:
@@ -262,6 +265,31 @@ def _took_part(health: dict, name: str) -> bool:
     """A server's ``Health`` names worker ``name`` among its ``writers`` (since its last load) or its
     ``clients`` (data requests in its present generation): an earlier incarnation of it took part."""
     return name in health.get("writers", ()) or name in health.get("clients", ())
+
+
+def _restored_since(cfg: EngineConfig, core, rank: int, uri: str, resume_id: str, fallback: bool) -> bool:
+    """``--resume URI --resume-id ID``: mark ``core`` so its part reports carry the pair, and when the job's
+    newest checkpoint records it (``job_checkpoints.resumed_since``) restore that one (falling back, if
+    allowed, only within the checkpoints since that resume) -> True; False: restore URI itself (none
+    written since, or none of them could be restored: logged)."""
+    from . import job_checkpoints
+    from hdfs_io import CheckpointCorruptError
+    core.resumed_with = {"id": resume_id, "uri": uri}
+    found = job_checkpoints.resumed_since(cfg, resume_id, uri)
+    if found is None:
+        return False
+    since, floor = found
+    log.warning("server %d: the job has written checkpoints since --resume %s (--resume-id %s): restoring the "
+                "newest of them, %s, not the URI again", rank, uri, resume_id, since)
+    mgr, target = job_checkpoints.manager_for(cfg, since)
+    try:
+        m = mgr.restore(_OneServer(core), target, fallback=fallback, floor=floor or None)
+    except CheckpointCorruptError as e:
+        log.warning("server %d: no checkpoint written since --resume %s could be restored (%s); restoring %s "
+                    "itself", rank, uri, e, uri)
+        return False
+    log.info("server %d: restored %s", rank, mgr.uri_of(m["name"]))
+    return True
 
 
 def _agreed(health: list[dict], name: str) -> tuple[bool, str | None]:

@@ -239,10 +239,12 @@ class CheckpointManager:
             if len(cut) != 1 or not all(isinstance(g, int) and g >= 1 for g in cut):
                 raise CheckpointCorruptError(f"{uri}: servers cut their part files into different numbers of "
                                              f"vshard groups: {sorted(cut)}", uri=uri)
-            # the servers' --resume-id: a server replaced later with the same arguments restores the
-            # newest checkpoint that records it, not its --resume URI again (engine.roles.run_server)
+            # the servers' --resume URI --resume-id ID: a server replaced later with the same arguments
+            # restores the newest checkpoint when it records them, not URI again (engine.roles.run_server)
+            marks = {(str(w["id"]), str(w["uri"])) for w in (r.get("resumed_with") for r in reports)
+                     if isinstance(w, dict) and w.get("id") and w.get("uri")}
             pub.manifest.update(tables=tables, num_vshards=nv.pop(), groups=cut.pop(),
-                                resume_ids=sorted({str(r["resume_id"]) for r in reports if r.get("resume_id")}))
+                                resumed_with=[{"id": i, "uri": u} for i, u in sorted(marks)])
             failpoints.hit("checkpoint.before_publish")
         manifest = pub.written_manifest
         self.head = ref.name

@@ -216,7 +216,7 @@ def _dense_table(state: DenseState) -> pa.Table:
 
 def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int, num_vshards: int,
                       sparse: dict[str, list[SparseTable]], dense: dict[str, DenseState] | None = None,
-                      groups: int = 16, threads: int = 2, resume_id: str | None = None) -> dict:
+                      groups: int = 16, threads: int = 2, resumed_with: dict | None = None) -> dict:
     """Write this server's part files and its part report into the checkpoint directory ``ckpt``.
 
     Parameters
@@ -238,10 +238,11 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
         ``groups x STREAM_ROWS`` rows, never the shard's RocksDB rows; a delta holds its dirty RAM rows
         copied at its instant plus ``groups x STREAM_ROWS`` rows, reading its spilled dirty rows as it
         writes them.
-    resume_id : str, optional
-        The server's ``--resume-id`` (``engine k8s --resume URI``): recorded in the report, and by the
-        coordinator in the manifest's ``resume_ids``, so a server replaced later with the same arguments
-        restores the job's newest checkpoint written since that resume instead of the URI again.
+    resumed_with : dict, optional
+        ``{"id": ID, "uri": URI}`` of a server started with ``--resume URI --resume-id ID`` (``engine k8s
+        --resume URI``): recorded in the report, and by the coordinator in the manifest's
+        ``resumed_with``, so a server replaced later with the same arguments restores the job's newest
+        checkpoint written since that resume instead of URI again (``job_checkpoints.resumed_since``).
 
     Returns
     -------
@@ -314,7 +315,7 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
                      "state_width": shards[0].layout.state_width} for name, shards in sparse.items() if shards}
     report = {"server": server, "num_servers": num_servers, "num_vshards": num_vshards, "groups": groups,
               "kind": kind, "files": files, "rows": rows, "tombstones": tombs, "tables": tables,
-              "dense": dense_sizes, **({"resume_id": resume_id} if resume_id else {})}
+              "dense": dense_sizes, **({"resumed_with": dict(resumed_with)} if resumed_with else {})}
     ckpt.write_bytes(part_report_name(server), json.dumps(report, sort_keys=True).encode())
     log.info("server %d wrote %s part of %s: %d file(s), %d row(s), %d tombstone(s)", server, kind,
              ckpt.uri, len(files), sum(rows.values()), sum(tombs.values()))

@@ -34,9 +34,9 @@ def add_parser(sub) -> None:
                    help="a checkpoint (or job root) every server starts from: an operator's roll-back or a warm "
                         "start (default: the job's newest complete checkpoint)")
     p.add_argument("--resume-id", default=None, metavar="ID",
-                   help="with --resume: the id the servers record in every checkpoint, so a replaced server "
-                        "restores the newest checkpoint written since instead of URI again (default: derived "
-                        "from URI; a new id rolls the job back to the same URI once more)")
+                   help="with --resume: the id the servers record (with URI) in every checkpoint, so a replaced "
+                        "server restores the newest checkpoint written since instead of URI again (default: "
+                        "derived from URI; a new id rolls the job back to the same URI once more)")
 
 
 def run(args) -> int:

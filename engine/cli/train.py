@@ -66,9 +66,9 @@ def add_parser(sub) -> None:
                    help="server: clients may also load checkpoints below URI (besides checkpoint.root); "
                         "the launcher passes its --resume URI")
     p.add_argument("--resume-id", default=None, metavar="ID",
-                   help="server with --resume URI (engine k8s renders it): checkpoints record ID, and a server "
-                        "restarted with the same arguments restores the job's newest checkpoint that records "
-                        "ID instead of URI again")
+                   help="server with --resume URI (engine k8s renders it): checkpoints record ID and URI, and a "
+                        "server restarted with the same arguments restores the job's newest checkpoint when it "
+                        "records them, instead of URI again")
     p.add_argument("--resume-fallback", action="store_true",
                    help="with --resume: a damaged checkpoint falls back to the previous complete one")
     p.add_argument("--until", default=None, metavar="YYYYMMDDHH",
@@ -128,6 +128,9 @@ def _run(args) -> int:
         return 2
     from .. import roles
     try:
+        if args.resume_id is not None and args.role != "server":
+            raise ConfigError("--resume-id: only for --role server with --resume URI (a launcher restarts "
+                              "from the job's newest checkpoint by itself)")
         if args.role == "server":
             roles.guard_parent()
             return roles.run_server(cfg, args.rank, host=args.host, port=args.port, ready_file=args.ready_file,
@@ -142,9 +145,6 @@ def _run(args) -> int:
             if result.get("rollback"):
                 return roles.EXIT_ROLLBACK
             return preempt.EXIT_PREEMPTED if result.get("preempted") else 0
-        if args.resume_id is not None:
-            raise ConfigError("--resume-id: only for --role server (the launcher restarts from the job's "
-                              "newest checkpoint by itself)")
         if cfg.model is None:
             raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
         from ..launch.supervisor import run_job
@@ -174,9 +174,10 @@ def _run(args) -> int:
         print(f"engine train: cannot resume: {e}", file=sys.stderr)
         return 1
     except StorageError as e:           # unreachable after hdfs_io's retries (e.g. at a restart's look-up)
+        then = (f"continue with: engine train {args.config} --resume" if not args.role else
+                "its scheduler restarts this role")
         print(f"engine train: checkpoint storage failed: {e}; what the newest complete checkpoint holds is "
-              f"kept: once the storage answers, continue with: engine train {args.config} --resume",
-              file=sys.stderr)
+              f"kept: once the storage answers, {then}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("engine train: interrupted; every process was stopped", file=sys.stderr)

@@ -71,6 +71,7 @@ import yaml
 from ..config import EngineConfig, StorageConfig, from_dict
 from ..config_yaml import load_yaml
 from ..errors import ConfigError
+from ..job_checkpoints import RESUME_ID
 from ..preempt import EXIT_PREEMPTED
 from ..roles import EXIT_ROLLBACK
 from ..security import certs
@@ -255,7 +256,7 @@ def resume_id_of(uri: str) -> str:
     """The default ``--resume-id`` of ``engine k8s --resume URI``: 16 hex digits of URI's SHA-256, so
     rendering the same roll-back again (a pipeline that renders at every apply) is the same roll-back,
     never a new one that would take the job back to URI once more."""
-    return hashlib.sha256(uri.encode()).hexdigest()[:16]
+    return hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
 
 
 def render(cfg: EngineConfig, image: str | None = None, resume: str | None = None,
@@ -272,11 +273,13 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
         A checkpoint (or job root) URI every server starts from (``--resume URI``: an operator's
         roll-back, or a warm start from another job); default: the job's newest complete checkpoint.
         Kept in the manifests for the job's life, with ``--resume-id``: every checkpoint the servers
-        write records the id, and a server pod replaced later (one, or all at once) restores the job's
-        newest checkpoint that records it instead of the URI (``job_checkpoints.newest_resumed_with``).
+        write records the pair, and a server pod replaced later (one, or all at once) restores the job's
+        newest checkpoint, when that one records the pair, instead of the URI
+        (``job_checkpoints.resumed_since``).
     resume_id : str, optional
         With ``resume``: the id (default ``resume_id_of(resume)``). Another id rolls the job back to
-        the same URI once more.
+        the same URI once more (so does rendering the default again after another render wrote a
+        checkpoint).
 
     Raises
     ------
@@ -326,7 +329,7 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     # first start of a job finds none and starts empty
     if resume_id is not None and not resume:
         raise ConfigError("--resume-id: only with --resume URI")
-    if resume_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", resume_id):
+    if resume_id is not None and not RESUME_ID.fullmatch(resume_id):
         raise ConfigError(f"--resume-id: 1-64 letters, digits, '.', '_' or '-', got {resume_id!r}")
     resume_args = (["--resume", resume, "--resume-id", resume_id or resume_id_of(resume)] if resume
                    else ["--resume"] if cfg.checkpoint.enabled else [])

@@ -167,7 +167,7 @@ class PSServer:
         self.stopped = threading.Event()
         self.preempting = False                  # SIGTERM: serving until the job checkpointed (Health)
         self.restored: str | None = None         # URI of the last checkpoint loaded (Health)
-        self.resume_id: str | None = None        # --resume-id: recorded in every part report it saves
+        self.resumed_with: dict | None = None    # {"id", "uri"} of --resume URI --resume-id ID: in part reports
         self.restoring: str | None = None        # the end of the chain a restore is loading (Health)
         # changes at every start, Load and Fence: data requests that expect another one are refused
         self.generation = time.time_ns()
@@ -550,7 +550,7 @@ class PSServer:
                                    num_servers=self.num_servers, num_vshards=self.num_vshards,
                                    sparse={n: h.shards for n, h in self.sparse.items()}, dense=dense,
                                    groups=self.checkpoint_groups, threads=self.checkpoint_threads,
-                                   resume_id=self.resume_id)
+                                   resumed_with=self.resumed_with)
         self._note_part("save", time.perf_counter() - t0,
                         sum(f.get("size", 0) for f in report["files"].values()))
         return pb.CountResponse(request_id=req.request_id, count=sum(report["rows"].values()))

@@ -194,7 +194,7 @@ def test_every_server_replaced_with_its_resume_uri_restores_the_newest_checkpoin
             os.killpg(procs[r].pid, signal.SIGKILL)
             procs[r].wait(10)
         newest = mgr.uri_of(mgr.latest().name)
-        assert mgr.manifest(mgr.latest().name)["resume_ids"] == ["drain-test"]
+        assert mgr.manifest(mgr.latest().name)["resumed_with"] == [{"id": "drain-test", "uri": uri}]
         procs[0], procs[1] = server(0, 1), server(1, 1)  # the same arguments: --resume URI --resume-id
         with PSClient([f"127.0.0.1:{p}" for p in ports], name="probe") as probe:
             probe.wait_ready(60)

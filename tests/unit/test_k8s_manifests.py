@@ -216,14 +216,14 @@ def test_engine_servers_are_the_server_pods_dns_names(creds):
 
 def test_an_operators_resume_uri_is_what_every_server_starts_from(creds, tmp_path):
     """``engine k8s --resume URI`` (a roll-back, or a warm start from another job): every server pod
-    starts from that checkpoint with a ``--resume-id`` derived from URI, which the checkpoints it writes
-    record, so a replacement restores the newest of those instead (``engine.roles.run_server``) and
+    starts from that checkpoint with a ``--resume-id`` derived from URI; the checkpoints it writes record
+    the pair, so a replacement restores the newest of those instead (``engine.roles.run_server``) and
     keeping it in the manifests is safe; rendering again gives the same id (the same roll-back), and
     ``--resume-id`` gives another (a new roll-back to the same URI)."""
     uri = "s3://bucket/ckpt/ctr_dnn/20261128/0900-base"
     server = by_kind(k8s.render(load_config(CTR, sets(creds)), image=IMAGE, resume=uri))["server"]
     assert container(server)["args"][-4:] == ["--resume", uri, "--resume-id", k8s.resume_id_of(uri)]
-    assert k8s.resume_id_of(uri) == k8s.resume_id_of(uri) != k8s.resume_id_of(uri + ".1")
+    assert k8s.resume_id_of(uri) == k8s.resume_id_of(uri + "/") != k8s.resume_id_of(uri + ".1")
     argv = ["k8s", CTR, "--out", str(tmp_path / "out"), "--image", IMAGE, "--resume", uri]
     flags = [a for kv in sets(creds) for a in ("--set", kv)]
     assert main([*argv, *flags]) == 0

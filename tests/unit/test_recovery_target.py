@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+import hdfs_io
+
 from engine import job_checkpoints
 from engine.config import load_config
 from engine.ps import InProcessTransport, PSClient, PSServer
@@ -107,28 +109,47 @@ def test_a_damaged_checkpoint_of_the_job_falls_back_to_its_own_then_to_its_origi
         core.close()
 
 
-def test_checkpoints_record_the_servers_resume_id_and_the_newest_that_records_it_is_found(tmp_path):
-    """``--resume-id`` (``engine k8s --resume URI``): each server's part report carries it, the manifest
-    lists it in ``resume_ids``, and ``newest_resumed_with`` finds the job's newest checkpoint that
-    records it (what a server replaced later restores instead of URI); none: None."""
+def test_checkpoints_record_the_servers_resume_pair_and_only_the_newest_checkpoint_counts(tmp_path, caplog):
+    """``--resume URI --resume-id ID`` (``engine k8s --resume URI``): each server's part report carries
+    the pair, the manifest lists it in ``resumed_with``, and ``resumed_since`` answers the job's newest
+    checkpoint when that one records the pair, with the floor below the pair's run (a fallback keeps to
+    it); else None (restore URI). A checkpoint of an older render with the same pair, under newer ones
+    of another render, does not count (a review found it revived an abandoned branch), nor does the
+    same id with another URI."""
     cfg = cfg_of(tmp_path)
     mgr = job_checkpoints.job_manager(cfg)
     servers = [PSServer.from_config(cfg, 0)]
     client = PSClient(InProcessTransport(servers))
     client.push("weights", np.arange(1, 9, dtype=np.uint64), np.ones((8, 1), np.float32))
+    u, v = "s3://b/ckpt/other/20240101/0100-base", "s3://b/ckpt/other/20240101/0200-base"
+    hour = [0.0]
+
+    def save(kind: str = "delta") -> dict:
+        hour[0] += 3600.0
+        return mgr.save(client, kind, when=hour[0])
     try:
-        before = mgr.save(client, "base", when=3600.0)              # a server started without the id
-        assert before["resume_ids"] == []
-        assert job_checkpoints.newest_resumed_with(cfg, "r1") is None
-        servers[0].resume_id = "r1"
-        first = mgr.save(client, "delta", when=7200.0)
-        second = mgr.save(client, "delta", when=10800.0)
-        assert first["resume_ids"] == second["resume_ids"] == ["r1"]
-        assert job_checkpoints.newest_resumed_with(cfg, "r1") == mgr.uri_of(second["name"])
-        servers[0].resume_id = "r2"                                 # a later roll-back to the same URI
-        assert job_checkpoints.newest_resumed_with(cfg, "r2") is None
-        third = mgr.save(client, "delta", when=14400.0)
-        assert job_checkpoints.newest_resumed_with(cfg, "r2") == mgr.uri_of(third["name"])
-        assert job_checkpoints.newest_resumed_with(cfg, "r1") == mgr.uri_of(second["name"])
+        before = save("base")                                       # a server started without the pair
+        assert before["resumed_with"] == []
+        assert job_checkpoints.resumed_since(cfg, "r1", u) is None
+        servers[0].resumed_with = {"id": "r1", "uri": u}
+        first, second = save(), save()
+        assert first["resumed_with"] == second["resumed_with"] == [{"id": "r1", "uri": u}]
+        assert job_checkpoints.resumed_since(cfg, "r1", u) == (mgr.uri_of(second["name"]), before["name"])
+        assert job_checkpoints.resumed_since(cfg, "r1", v) is None            # the same id, another URI
+        assert job_checkpoints.resumed_since(cfg, "r2", u) is None            # another id: a new roll-back
+        servers[0].resumed_with = None                              # a later render without --resume URI
+        save()
+        assert job_checkpoints.resumed_since(cfg, "r1", u) is None            # rendering U again: U itself
+        servers[0].resumed_with = {"id": "r1", "uri": u}            # ... whose checkpoints then count
+        newest = save()
+        plain = mgr.list()[-2].name
+        assert job_checkpoints.resumed_since(cfg, "r1", u) == (mgr.uri_of(newest["name"]), plain)
+        # a damaged manifest is judged by its neighbours: the restore (with its fallback above the floor)
+        # names the damage
+        latest = save()
+        (tmp_path / "ckpt" / "logreg" / latest["name"] / hdfs_io.MANIFEST_NAME).write_text("{not json")
+        with caplog.at_level("WARNING", logger="engine.job_checkpoints"):
+            assert job_checkpoints.resumed_since(cfg, "r1", u) == (mgr.uri_of(latest["name"]), plain)
+        assert "judged by its neighbours" in caplog.text
     finally:
         servers[0].close()

@@ -61,3 +61,23 @@ tables:
     assert f"engine train: cannot resume: no complete checkpoint under {tmp_path / 'nothing'}" in p.stderr
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
     assert spill.is_dir() and not list(spill.iterdir()), sorted(spill.iterdir())   # the shards' stores: gone
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--role", "worker", "--rank", "0", "--resume-id", "x"], "--resume-id: only for --role server"),
+    (["--resume-id", "x"], "--resume-id: only for --role server"),
+    (["--role", "server", "--port", "0", "--resume-id", "x"], "--resume-id: only with --resume URI"),
+    (["--role", "server", "--port", "0", "--resume", "s3://b/c/j/20240101/0100-base", "--resume-id", "a b"],
+     "--resume-id: 1-64 letters"),
+])
+def test_a_resume_id_where_it_means_nothing_is_a_usage_error(tmp_path, argv, message):
+    """``--resume-id`` belongs to a server started with ``--resume URI`` (``engine k8s`` renders both): on a
+    worker, the launcher, a server without a URI, or malformed, it is refused with exit 2 and one line,
+    never silently ignored."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cluster: {servers: 1, workers: 1, warm_up: false}\n"
+                   "tables: {sparse: {emb: {dim: 4, optimizer: sgd, learning_rate: 1.0}}}\n")
+    p = subprocess.run([sys.executable, "-m", "engine", "train", str(cfg), *argv], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
