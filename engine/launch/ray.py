@@ -48,6 +48,9 @@ INSTALL = "pip install 'sparse-engine[ray]'   (or: pip install 'ray>=2.50')"
 ACTOR_DIED = -9
 #: seconds any call to an actor may take (they only read small files or send signals)
 CALL_TIMEOUT_S = 30.0
+#: seconds a call to an actor whose last call timed out may take (until it answers again)
+STALLED_TIMEOUT_S = 1.0
+_TIMED_OUT = object()       # a read of a role's file whose actor did not answer in time
 
 
 def require_ray():
@@ -174,15 +177,27 @@ class _ActorProc:
     def __init__(self, ray, actor, pid: int):
         self._ray, self._actor, self.pid = ray, actor, pid
         self._code: int | None = None
+        self.stalled = False        # its last call timed out: the next ones wait STALLED_TIMEOUT_S only
 
-    def _get(self, ref, timeout: float = CALL_TIMEOUT_S):
+    def _get(self, ref, timeout: float = CALL_TIMEOUT_S, on_timeout=None):
+        """The call's answer; ``ACTOR_DIED`` when its actor died; ``on_timeout`` when it did not answer
+        within ``timeout`` seconds (its node or process is stalled). Once a call timed out, the next
+        ones wait ``STALLED_TIMEOUT_S`` until the actor answers again: the launcher's poll, progress
+        read, log tail and teardown would otherwise each wait the whole ``CALL_TIMEOUT_S`` (a frozen
+        actor held a restart for minutes)."""
         try:
-            return self._ray.get(ref, timeout=timeout)
+            value = self._ray.get(ref, timeout=min(timeout, STALLED_TIMEOUT_S) if self.stalled else timeout)
         except self._ray.exceptions.RayActorError:
             self._code = ACTOR_DIED
             return ACTOR_DIED
         except self._ray.exceptions.GetTimeoutError:
-            return None
+            if not self.stalled:
+                log.warning("the Ray actor of pid %d answered no call within %g s: it or its node is stalled",
+                            self.pid, timeout)
+            self.stalled = True
+            return on_timeout
+        self.stalled = False
+        return value
 
     def poll(self) -> int | None:
         if self._code is None:
@@ -209,6 +224,7 @@ class RayChild(Child):
     """A role run by a ``RoleActor`` (see ``engine.launch.local.Child``)."""
 
     actor = None
+    _last_report: dict | None = None
 
     def ready(self) -> str | None:
         return self._read("ready")
@@ -217,12 +233,19 @@ class RayChild(Child):
         return self._read("result")
 
     def report(self) -> dict | None:
-        return self._read("progress")
+        """The role's progress report. When its actor does not answer in time, the last report read:
+        its beat ages, so a stalled actor reads as "no heartbeat for N s", as a frozen local process
+        does, not as a worker that never reported (which a missing report would say)."""
+        value = self._read("progress", on_timeout=_TIMED_OUT)
+        if value is _TIMED_OUT:
+            return self._last_report
+        self._last_report = value
+        return value
 
-    def _read(self, kind: str):
+    def _read(self, kind: str, on_timeout=None):
         if self.proc.poll() == ACTOR_DIED:
             return None
-        value = self.proc._get(self.actor.read.remote(kind))
+        value = self.proc._get(self.actor.read.remote(kind), on_timeout=on_timeout)
         # the actor may die between the poll and the read: _get then answers ACTOR_DIED, not a file's
         # content (a string or a dict)
         return None if isinstance(value, int) else value
@@ -401,9 +424,11 @@ class RayCluster(LocalCluster):
     def shutdown(self) -> None:
         """Stop every role (through its actor), then the actors and the placement group. Idempotent."""
         super().shutdown()
+        # a stalled actor answers no cleanup either: then wait no longer than for any call to it
+        stalled = any(getattr(c.proc, "stalled", False) for c in [*self.servers, *self.workers])
         try:
             self.ray.wait([a.cleanup.remote() for a in self.actors], num_returns=len(self.actors),
-                          timeout=CALL_TIMEOUT_S)
+                          timeout=STALLED_TIMEOUT_S if stalled else CALL_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - dead actors keep their files; the role is gone anyway
             pass
         for a in self.actors:

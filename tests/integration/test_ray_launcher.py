@@ -291,3 +291,47 @@ def test_ctrl_c_on_the_driver_stops_every_role(ray_cluster, tmp_path):
     while ray_roles() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not ray_roles()
+
+
+@pytest.mark.long   # make test-long (see pyproject.toml): ~30 s of an actor call's timeout; the killed-actor test
+# covers the restart itself
+def test_a_stalled_worker_actor_reads_as_no_heartbeat_and_the_job_restarts(ray_cluster, tmp_path):
+    """Worker 1's actor is frozen (SIGSTOP; its role process trains on): every call to it times out
+    (``CALL_TIMEOUT_S``). The launcher keeps the role's last progress report, whose beat ages, and
+    declares it hung with "no heartbeat", then restarts the job, which completes. Before, a timed-out
+    read counted as no report at all and the reason said the worker never reported."""
+    address, head, _, _ = ray_cluster
+    env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.2"}      # a run of ~13 s
+    cmd = ray_cmd(tmp_path, "stall", address, head.node_ip_address, "checkpoint.align_steps=8",
+                  "checkpoint.delta_every=8steps", "client.dead_after_s=6")
+    root = tmp_path / "ckpt-stall"
+    stopped = None
+    with open(tmp_path / "driver.err", "w+") as err:
+        driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            until(lambda: driver.poll() is not None or _published(root), "a published checkpoint",
+                  timeout_s=300, every_s=0.02)
+            stopped = _worker_actor(1) if driver.poll() is None else None
+            if stopped is not None:
+                os.kill(stopped, signal.SIGSTOP)
+            out, _ = driver.communicate(timeout=400)
+        finally:
+            if stopped is not None:
+                try:
+                    os.kill(stopped, signal.SIGCONT)       # if it outlived the restart, it may end now
+                except ProcessLookupError:
+                    pass
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait(10)
+            err.seek(0)
+            text = err.read()
+    assert stopped is not None, text[-3000:]
+    assert driver.returncode == 0, text[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["restarts"] == 1, (final, text[-3000:])
+    assert "worker 1" in text and "no heartbeat for" in text and "no progress report" not in text, text[-3000:]
+    deadline = time.monotonic() + 30
+    while ray_roles() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_roles()
