@@ -29,7 +29,7 @@ from .checkpoint.schedule import Schedule
 from .errors import ConfigError
 from .connect import connect
 
-__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "resumed_since", "recovery_target",
+__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "check_resume_id", "resumed_since", "recovery_target",
            "resume", "final", "Periodic"]
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,22 @@ def recovery_target(cfg, floor: str | None, origin: str | None = None) -> tuple[
 RESUME_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+def check_resume_id(resume: str | None, resume_id: str | None) -> None:
+    """Refuse a ``--resume-id`` without ``--resume URI`` or that ``RESUME_ID`` does not match.
+
+    Raises
+    ------
+    ConfigError
+        Either; the message names the flag.
+    """
+    if resume_id is None:
+        return
+    if not resume:
+        raise ConfigError("--resume-id: only with --resume URI")
+    if not RESUME_ID.fullmatch(resume_id):
+        raise ConfigError(f"--resume-id: 1-64 letters, digits, '.', '_' or '-', got {resume_id!r}")
+
+
 def resumed_since(cfg, resume_id: str, uri: str) -> tuple[str, str] | None:
     """(URI of the job's newest complete checkpoint, fallback floor) when that checkpoint was written by
     servers started with ``--resume uri --resume-id resume_id`` (its manifest's ``resumed_with``), else
@@ -158,7 +174,7 @@ def resumed_since(cfg, resume_id: str, uri: str) -> tuple[str, str] | None:
     mgr = job_manager(cfg)
     refs = mgr.list()
     mark = {"id": str(resume_id), "uri": str(uri)}
-    first = None            # the oldest checkpoint of the run at the top that records the mark
+    recorded = False        # the newest readable manifest records the mark
     floor = ""
     for i in range(len(refs) - 1, -1, -1):
         try:
@@ -170,8 +186,8 @@ def resumed_since(cfg, resume_id: str, uri: str) -> tuple[str, str] | None:
         if mark not in (m.get("resumed_with") or []):
             floor = refs[i].name
             break
-        first = i
-    if first is None:
+        recorded = True
+    if not recorded:
         return None
     return mgr.uri_of(refs[-1].name), floor
 

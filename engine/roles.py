@@ -160,11 +160,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     cfg = restore_secrets(cfg)
     if not 0 <= rank < cfg.cluster.servers:
         raise ConfigError(f"--rank must be in [0, cluster.servers={cfg.cluster.servers}), got {rank}")
-    if resume_id is not None and not resume:
-        raise ConfigError("--resume-id: only with --resume URI")
-    from .job_checkpoints import RESUME_ID
-    if resume_id is not None and not RESUME_ID.fullmatch(resume_id):
-        raise ConfigError(f"--resume-id: 1-64 letters, digits, '.', '_' or '-', got {resume_id!r}")
+    from .job_checkpoints import check_resume_id
+    check_resume_id(resume, resume_id)
     if port is None and cfg.cluster.endpoints:
         port = int(cfg.cluster.endpoints[rank].rsplit(":", 1)[1])
     host = host or cfg.cluster.host

@@ -71,7 +71,7 @@ import yaml
 from ..config import EngineConfig, StorageConfig, from_dict
 from ..config_yaml import load_yaml
 from ..errors import ConfigError
-from ..job_checkpoints import RESUME_ID
+from ..job_checkpoints import check_resume_id
 from ..preempt import EXIT_PREEMPTED
 from ..roles import EXIT_ROLLBACK
 from ..security import certs
@@ -327,10 +327,7 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     # --resume at every start: a replacement server (eviction, preemption) loads its vshards of the job's
     # newest complete checkpoint, or the operator's URI until the job wrote one since (--resume-id); the
     # first start of a job finds none and starts empty
-    if resume_id is not None and not resume:
-        raise ConfigError("--resume-id: only with --resume URI")
-    if resume_id is not None and not RESUME_ID.fullmatch(resume_id):
-        raise ConfigError(f"--resume-id: 1-64 letters, digits, '.', '_' or '-', got {resume_id!r}")
+    check_resume_id(resume, resume_id)
     resume_args = (["--resume", resume, "--resume-id", resume_id or resume_id_of(resume)] if resume
                    else ["--resume"] if cfg.checkpoint.enabled else [])
     server = _container(image, ["train", CONFIG_PATH, "--role", "server", "--host", "0.0.0.0", "--port", str(k.port),

@@ -326,9 +326,13 @@ class World:
 
     def _close_scratch(self) -> None:
         with self._scratch_lock:
-            if self.scratch is not None:
-                self.scratch.close()
-                self.scratch = None
+            self._drop_scratch()
+
+    def _drop_scratch(self) -> None:
+        """Remove this world's directory (the caller holds ``_scratch_lock``)."""
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
 
     def _remove_topology(self) -> None:
         """Remove the topology file seen open in this world's proxy, if that very file (same device and
@@ -342,9 +346,7 @@ class World:
             except OSError:
                 pass
             finally:
-                if self.scratch is not None:
-                    self.scratch.close()
-                    self.scratch = None
+                self._drop_scratch()
 
     def rank_pid(self, rank: int) -> int | None:
         try:

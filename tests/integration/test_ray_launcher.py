@@ -217,32 +217,45 @@ def _published(root: Path) -> bool:
     return any(SUCCESS_NAME in files for _, _, files in os.walk(root))
 
 
+def _signal_worker_actor(tmp_path: Path, cmd: list[str], env: dict, root: Path, sig: int,
+                         timeout_s: float) -> tuple[int, str, str, int | None]:
+    """Run the driver ``cmd``; once its run published a checkpoint under ``root`` (its _SUCCESS file,
+    seen at once on this machine's disk), send ``sig`` to worker 1's actor. -> (driver's exit code, its
+    stdout, its stderr, the actor's pid or None when it was not found or the job had ended). A stopped
+    actor is continued at the end, should it outlive the restart."""
+    sent = None
+    with open(tmp_path / "driver.err", "w+") as err:
+        driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            until(lambda: driver.poll() is not None or _published(root), "a published checkpoint",
+                  timeout_s=300, every_s=0.02)
+            sent = _worker_actor(1) if driver.poll() is None else None
+            if sent is not None:
+                os.kill(sent, sig)
+            out, _ = driver.communicate(timeout=timeout_s)
+        finally:
+            if sent is not None and sig == signal.SIGSTOP:
+                try:
+                    os.kill(sent, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait(10)
+            err.seek(0)
+            text = err.read()
+    return driver.returncode, out, text, sent
+
+
 def test_a_killed_worker_actor_is_recovered_from_the_newest_checkpoint(ray_cluster, tmp_path):
     address, head, _, _ = ray_cluster
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}   # ~3 s of training
     cmd = ray_cmd(tmp_path, "kill", address, head.node_ip_address, "checkpoint.align_steps=8",
                   "checkpoint.delta_every=8steps")
-    root = tmp_path / "ckpt-kill"
-    lines: list[str] = []
-    with open(tmp_path / "driver.err", "w+") as err:
-        driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        killed = None
-        try:
-            # once the run published a checkpoint (its _SUCCESS file, seen at once on this machine's
-            # disk), kill worker 1's actor: its own process, whose role dies with it
-            until(lambda: driver.poll() is not None or _published(root), "a published checkpoint",
-                  timeout_s=300, every_s=0.02)
-            killed = _worker_actor(1) if driver.poll() is None else None
-            if killed is not None:
-                os.kill(killed, signal.SIGKILL)
-            out, _ = driver.communicate(timeout=300)
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-                driver.wait(10)
-            err.seek(0)
-            lines = err.readlines()
-    assert driver.returncode == 0, "".join(lines[-80:])
+    # its own process: its role dies with it
+    code, out, text, killed = _signal_worker_actor(tmp_path, cmd, env, tmp_path / "ckpt-kill", signal.SIGKILL, 300)
+    lines = text.splitlines(keepends=True)
+    assert code == 0, "".join(lines[-80:])
     assert killed is not None, f"worker 1's actor was not found, or the job had ended: {ray_roles()}\n" \
                                + "".join(lines[-60:])
     final = json.loads(out.strip().splitlines()[-1])
@@ -304,30 +317,10 @@ def test_a_stalled_worker_actor_reads_as_no_heartbeat_and_the_job_restarts(ray_c
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.2"}      # a run of ~13 s
     cmd = ray_cmd(tmp_path, "stall", address, head.node_ip_address, "checkpoint.align_steps=8",
                   "checkpoint.delta_every=8steps", "client.dead_after_s=6")
-    root = tmp_path / "ckpt-stall"
-    stopped = None
-    with open(tmp_path / "driver.err", "w+") as err:
-        driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        try:
-            until(lambda: driver.poll() is not None or _published(root), "a published checkpoint",
-                  timeout_s=300, every_s=0.02)
-            stopped = _worker_actor(1) if driver.poll() is None else None
-            if stopped is not None:
-                os.kill(stopped, signal.SIGSTOP)
-            out, _ = driver.communicate(timeout=400)
-        finally:
-            if stopped is not None:
-                try:
-                    os.kill(stopped, signal.SIGCONT)       # if it outlived the restart, it may end now
-                except ProcessLookupError:
-                    pass
-            if driver.poll() is None:
-                driver.kill()
-                driver.wait(10)
-            err.seek(0)
-            text = err.read()
+    code, out, text, stopped = _signal_worker_actor(tmp_path, cmd, env, tmp_path / "ckpt-stall", signal.SIGSTOP,
+                                                    400)
     assert stopped is not None, text[-3000:]
-    assert driver.returncode == 0, text[-3000:]
+    assert code == 0, text[-3000:]
     final = json.loads(out.strip().splitlines()[-1])
     assert final["restarts"] == 1, (final, text[-3000:])
     assert "worker 1" in text and "no heartbeat for" in text and "no progress report" not in text, text[-3000:]
