@@ -74,6 +74,11 @@ class PSTimeoutError(RemoteError, TimeoutError):
     """A call or a barrier did not complete within its timeout (DEADLINE_EXCEEDED)."""
 
 
+class BarrierTimeoutError(PSTimeoutError):
+    """Not every caller arrived at a barrier within its timeout: a peer's failure, or a wrong world size
+    (``cluster.workers``), where a plain ``PSTimeoutError`` is a server that did not answer."""
+
+
 class LaunchError(EngineError, RuntimeError):
     """A launched process failed, hung or did not become ready; the message names its role and rank
     and ends with its last log lines. ``role``, ``rank``, ``exit_code`` (None for a hang or a start-up

@@ -25,6 +25,10 @@ Unset, every point costs one dict lookup. Points:
 ``server.load``
     ``PSServer.Load``, before the checkpoint is read: a restore held open, so that a chaos test can
     kill or freeze a server inside it.
+``server.pull_push``
+    ``PSServer`` handling a ``Pull``, ``Push`` or ``Step``, holding the tables' shared lock: a long sleep
+    is a handler that never returns while the process and its health answers live (a deadlock, a kernel
+    that never ends), which ``engine.ps.watchdog`` must find.
 ``server.before_ready``
     ``engine.roles.run_server``, listening, right before the ready file is written: a start-up held
     open, so that a chaos test can freeze a server that has no address for the launcher to poll yet.
@@ -35,6 +39,7 @@ Unset, every point costs one dict lookup. Points:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -46,6 +51,7 @@ ENV = "ENGINE_FAILPOINTS"
 _points: dict[str, list[tuple[float, int | None]]] | None = None
 _hits: dict[str, int] = {}
 _hits_lock = threading.Lock()
+_suspended = 0      # suspended() blocks open: their hits are neither acted on nor counted
 
 
 def _parse(text: str) -> dict[str, list[tuple[float, int | None]]]:
@@ -79,12 +85,12 @@ def _parse(text: str) -> dict[str, list[tuple[float, int | None]]]:
 
 
 def hit(name: str) -> None:
-    """Run the actions configured for point ``name`` at this hit, if any."""
+    """Run the actions configured for point ``name`` at this hit, if any (none while ``suspended``)."""
     global _points
     if _points is None:
         _points = _parse(os.environ.get(ENV, ""))
     actions = _points.get(name)
-    if actions is None:
+    if actions is None or _suspended:
         return
     with _hits_lock:
         n = _hits[name] = _hits.get(name, 0) + 1
@@ -92,3 +98,17 @@ def hit(name: str) -> None:
         if at is None or at == n:
             log.warning("failpoint %s: sleep %g s%s", name, seconds, f" (hit {n})" if at is not None else "")
             time.sleep(seconds)
+
+
+@contextlib.contextmanager
+def suspended():
+    """No point acts, and no hit counts, inside this block, in any thread: the process's own preparation
+    (``engine.ps.warmup`` runs requests through a throw-away server) is not the job a chaos test aims at."""
+    global _suspended
+    with _hits_lock:
+        _suspended += 1
+    try:
+        yield
+    finally:
+        with _hits_lock:
+            _suspended -= 1

@@ -29,7 +29,8 @@ from pathlib import Path
 from . import failpoints, preempt, progress
 from .config import EngineConfig, restore_secrets
 from .connect import connect
-from .errors import ConfigError, GenerationChangedError, LaunchError, PSTimeoutError, ShardUnavailableError
+from .errors import (BarrierTimeoutError, ConfigError, GenerationChangedError, LaunchError, PSTimeoutError,
+                     ShardUnavailableError)
 from .launch.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,9 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
 
     ``Save`` and ``Load`` from clients are confined to ``checkpoint.root`` (``engine.security.confine``);
     ``health_port`` (``--health-port``, default ``cluster.health_port``; -1 off): the plaintext gRPC
-    health checking port (``engine.ps.health``). ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
+    health checking port (``engine.ps.health``): SERVING while the server serves; NOT_SERVING while it
+    preempts, or while it is stuck (a request hung past ``client.timeout_s``, ``engine.ps.watchdog``:
+    logged once), so a liveness probe restarts it. ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
     from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
     from .ps import _malloc, governor
@@ -240,9 +243,18 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
             tmp.write_text(f"{host}:{bound}\n")
             tmp.replace(ready_file)
         reporter.close()            # from now on the launcher polls Health (ServerWatch)
+        stuck = None
         while not core.stopped.wait(0.5):
+            # a request that hangs (engine.ps.watchdog): NOT_SERVING, so a liveness probe restarts it
+            now_stuck = core.watchdog.stuck()
+            if now_stuck and not stuck:
+                log.error("server %d: stuck: %s%s", rank, now_stuck,
+                          "; health port NOT_SERVING: a liveness probe restarts this server" if probe else "")
+            elif stuck and not now_stuck:
+                log.warning("server %d: no longer stuck (it moved after: %s)", rank, stuck)
+            stuck = now_stuck
             if probe is not None:
-                probe.set(not core.preempting)
+                probe.set(not core.preempting and not stuck)
             if time.monotonic() > deadline[0]:
                 log.warning("server %d: preempt_timeout_s passed; stopping", rank)
                 break
@@ -587,6 +599,16 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
                       "roll every server back to one checkpoint and resume there (a replacement server must "
                       "answer within cluster.startup_timeout_s)", rank, e.endpoint, e.message, EXIT_ROLLBACK)
             result = {"rank": rank, "rollback": True, "reason": f"server {e.endpoint} unreachable: {e.message}"}
+        except BarrierTimeoutError:
+            raise           # a peer that never came, or a wrong world size: exit 1, counted
+        except PSTimeoutError as e:
+            # a server that stays connected but does not answer (stuck: engine.ps.watchdog, and its liveness
+            # probe restarts it): no fault of this worker's, so exit 76, which a scheduler does not count
+            # (before: a traceback, and exit 1, which it counted)
+            log.error("worker %d: no answer in time from %s (%s); exiting with code %d: restarted, the workers "
+                      "roll every server back to one checkpoint and resume there", rank, e.endpoint or "the servers",
+                      e.message, EXIT_ROLLBACK)
+            result = {"rank": rank, "rollback": True, "reason": f"no answer in time from {e.endpoint}: {e.message}"}
         except NotAgreedError as e:
             log.error("worker %d: %s; exiting with code %d to be restarted and wait again", rank, e, EXIT_ROLLBACK)
             result = {"rank": rank, "rollback": True, "reason": str(e)}

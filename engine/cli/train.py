@@ -17,7 +17,8 @@ Exit codes: 0 success, 2 bad config or arguments, 1 the job failed (more failure
 ``cluster.max_restarts`` allows, every one listed), a checkpoint could not be restored or the checkpoint
 storage stayed unreachable through its retries (one line each, no traceback), 75 preempted
 (resumable: ``engine train CONFIG --resume``), 76 (a ``--role worker`` whose servers restarted,
-restored or were fenced under it, or that lost one: restart it), 130 interrupted.
+restored or were fenced under it, or that lost one, or one of which did not answer in time: restart
+it), 130 interrupted.
 """
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ through the downward API; a replacement pod keeps its index, so it keeps its ran
 
 **Exit codes and podFailurePolicy** (it needs ``restartPolicy: Never``): 2 (a config error, which never
 heals) fails the Job at once; 75 (preempted at a checkpoint, resumable) and 76 (a worker whose servers
-changed under it, or that lost one, or that waits for a roll-back) are retried without counting against ``backoffLimit``; so is a pod with the
-``DisruptionTarget`` condition (evicted, preempted by the scheduler, node drain). Anything else counts
+changed under it, or that lost one or got no answer from one in time, or that waits for a roll-back) are
+retried without counting against ``backoffLimit``; so is a pod with the ``DisruptionTarget`` condition (evicted, preempted by the scheduler, node drain). Anything else counts
 against ``kubernetes.backoff_limit``. ``podReplacementPolicy: Failed``: a replacement starts only once the
 old pod has terminated, so two servers never hold one DNS name. ``terminationGracePeriodSeconds`` is
 ``cluster.preempt_timeout_s`` + 60 s: after SIGTERM the job has that long to reach its checkpoint.

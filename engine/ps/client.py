@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..errors import (
+    BarrierTimeoutError,
     GenerationChangedError,
     ProtocolError,
     PSTimeoutError,
@@ -209,6 +210,8 @@ class PSClient(DenseClient):
             try:
                 out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
             except TimeoutError:
+                if f.done():    # the call's own PSTimeoutError (a TimeoutError too): raised as it is, naming its server
+                    raise
                 raise PSTimeoutError("DEADLINE_EXCEEDED", f"fan-out did not finish in {wait_s:.1f}s") from None
         return out
 
@@ -566,14 +569,16 @@ class PSClient(DenseClient):
                 try:
                     r = self._call(s, "Barrier", req, idempotent=False, timeout=min(self.timeout_s, 30.0))
                 except PSTimeoutError as e:
-                    if f"barrier {name!r}" in e.message or time.monotonic() > deadline:
+                    if f"barrier {name!r}" in e.message:    # the server's answer: not everybody came
+                        raise BarrierTimeoutError(e.code, e.message, e.endpoint) from None
+                    if time.monotonic() > deadline:
                         raise
                     continue
                 if r.released:
                     return r
                 if time.monotonic() > deadline:
-                    raise PSTimeoutError("DEADLINE_EXCEEDED", f"barrier {name!r}: {r.arrived} of {world} "
-                                         f"callers arrived on server {s} within {timeout:g}s")
+                    raise BarrierTimeoutError("DEADLINE_EXCEEDED", f"barrier {name!r}: {r.arrived} of {world} "
+                                              f"callers arrived on server {s} within {timeout:g}s")
                 if not r.waited:
                     time.sleep(pause * (0.5 + random.random()))
                     pause = min(2 * pause, BARRIER_POLL_MAX_S)

@@ -3,8 +3,8 @@ grpcio-health-checking), served apart from the PS port for probes that speak nei
 (Kubernetes' native gRPC probe). It serves nothing else: no PS method, no table, no data.
 
 The overall status (service ``""``) and ``engine.ps.ParameterServer`` are SERVING while the server
-serves, NOT_SERVING while it is preempting (it still answers its job, but should get no new one) or
-stopping.
+serves, NOT_SERVING while it is preempting (it still answers its job, but should get no new one),
+stuck (a request hung: ``engine.ps.watchdog``; the liveness probe restarts it) or stopping.
 """
 from __future__ import annotations
 

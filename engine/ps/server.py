@@ -49,6 +49,7 @@ from .barrier import BarrierError, Barriers
 from .dedup import Expired, InProgress, ReplyWindow
 from .hosts import DenseHost, HostError, SparseHost, invalid, shrink_each
 from .routing import DEFAULT_NUM_VSHARDS
+from .watchdog import PHASES, RequestWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,10 @@ class PSServer:
     clock : callable returning float seconds, optional
         The sparse tables' clock for ``last_seen`` and expiry (default ``time.time``); ``Shrink``
         expires at this clock, never at a time a client names.
+    request_bound_s : float, seconds
+        A request in flight longer than this (not counting waits behind a checkpoint, a restore or an
+        expiry pass) makes the server stuck (``engine.ps.watchdog``; ``client.timeout_s``): ``Health``
+        says so in ``stuck``.
     """
 
     def __init__(self, sparse: dict, dense: dict | None = None, *, index: int = 0, num_servers: int = 1,
@@ -142,7 +147,7 @@ class PSServer:
                  storage_options=None, checkpoint_groups: int = 16, checkpoint_threads: int = 2,
                  max_barrier_wait_s: float = 600.0, reply_window_bytes: int = 64 << 20,
                  max_message_bytes: int = codec.MAX_MESSAGE_BYTES, checkpoint_root: str | None = None,
-                 load_roots=(), clock=None):
+                 load_roots=(), clock=None, request_bound_s: float = 60.0):
         if not 0 <= index < num_servers:
             raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
         if not (isinstance(checkpoint_groups, int) and checkpoint_groups >= 1):
@@ -200,6 +205,7 @@ class PSServer:
         self._errors = 0
         self._count_lock = threading.Lock()
         self.checkpoint_parts: dict[str, tuple[int, float, int]] = {}   # op -> (count, seconds, bytes written)
+        self.watchdog = RequestWatchdog(request_bound_s)  # requests in flight: is this server stuck? (Health)
 
     def _note_part(self, op: str, seconds: float, nbytes: int = 0) -> None:
         """One Save / Load of this server's checkpoint parts (``engine.observability`` reads them)."""
@@ -217,7 +223,8 @@ class PSServer:
                    storage_options=cfg.storage.options(),
                    max_barrier_wait_s=cfg.server.max_barrier_wait_s,
                    reply_window_bytes=cfg.server.reply_window_bytes,
-                   max_message_bytes=cfg.server.max_message_bytes, checkpoint_root=cfg.checkpoint.root)
+                   max_message_bytes=cfg.server.max_message_bytes, checkpoint_root=cfg.checkpoint.root,
+                   request_bound_s=cfg.client.timeout_s)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, method: str, request, *, trusted: bool = False):
@@ -229,6 +236,7 @@ class PSServer:
         with self._count_lock:
             self._requests[method] = self._requests.get(method, 0) + 1
         t0 = time.perf_counter()
+        token = self.watchdog.enter(method, rid)
         try:
             if method not in METHODS:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
@@ -243,10 +251,10 @@ class PSServer:
                         if self.generation == generation:
                             self.clients.add(name)
             if _mutating(method, request):
-                reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted),
+                reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted, token),
                                         replay=lambda: self._reread(method, request))
             else:
-                reply = self._run(method, request)
+                reply = self._run(method, request, token=token)
             return _stamped(reply, self.generation)
         except Exception as e:  # noqa: BLE001 - every failure must reach the caller with context
             if isinstance(e, HostError):
@@ -270,6 +278,7 @@ class PSServer:
                    f"request {rid}] {e}")
             raise ServerError(code, msg) from None
         finally:
+            self.watchdog.exit(token)
             if method in self._latency:     # handling time, answered or failed (engine status: p99)
                 dt = time.perf_counter() - t0
                 with self._count_lock:
@@ -284,9 +293,10 @@ class PSServer:
                             f"this server is at {self.generation} (it restarted, loaded a checkpoint or was "
                             f"fenced since; restored: {self.restored}, fenced: {self.fenced}); nothing was applied")
 
-    def _run(self, method: str, request, trusted: bool = False):
+    def _run(self, method: str, request, trusted: bool = False, token: int = -1):
         if method == "Load":    # alone: no request may run on shards that Load swaps out
             with self._tables_lock.exclusive():
+                self.watchdog.running(token)
                 if request.chain_end and kind_of_uri(request.path) == "delta" and self.restoring != request.chain_end:
                     # a delta of a chain whose base this process did not load (it restarted half-way)
                     raise HostError("FAILED_PRECONDITION", f"{request.path} is a link of the chain ending at "
@@ -308,6 +318,7 @@ class PSServer:
             return reply
         if method == "Fence":   # alone too: no write of the attempt it ends straddles it
             with self._tables_lock.exclusive():
+                self.watchdog.running(token)
                 self._check_generation(method, request)     # a Load or a fence since: refused
                 self.fenced = request.reason or request.request_id
                 log.warning("server %d: fenced by %s: generation %d ends%s", self.index, self.fenced,
@@ -334,8 +345,11 @@ class PSServer:
             # a Load or a Fence (exclusive) changes the generation: checked here, it cannot change until
             # this request is done, so nothing lands on tables it did not expect
             self._check_generation(method, request)
+            if method in PHASES:        # Save, Shrink: others may wait behind them (engine.ps.watchdog)
+                self.watchdog.running(token)
             if method not in ("Pull", "Push", "Step"):
                 return self._wrote(method, request, getattr(self, method)(request))
+            failpoints.hit("server.pull_push")
             with self._inflight_lock:
                 self._inflight += 1
             try:
@@ -702,7 +716,8 @@ class PSServer:
         return _malloc.heap_stats()
 
     def Health(self, req: pb.Empty) -> pb.JsonResponse:
-        out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "restored": self.restored,
+        out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "stuck": self.watchdog.stuck(),
+               "restored": self.restored,
                "restoring": self.restoring,
                "generation": self.generation, "fresh": self.fresh, "writers": sorted(self.writers),
                "clients": sorted(self.clients),

@@ -96,3 +96,51 @@ def test_a_preempting_server_says_not_serving(tmp_path, loopback_reference):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+
+def test_a_stuck_server_says_not_serving_and_its_worker_exits_76(tmp_path, loopback_reference):
+    """A server whose request handler hangs while the process lives (the failpoint ``server.pull_push``
+    holds its first Pull, Push or Step 15 s, as a deadlock would hold it for ever), under a role worker.
+    Once that request is in flight past ``client.timeout_s`` (2 s; ``engine.ps.watchdog``) the server
+    answers NOT_SERVING on its health port, so a liveness probe would restart it, and says why in
+    ``Health`` (``stuck``) and once in its log. The worker's call runs past its deadline: it exits 76 (not
+    counted by a scheduler) with one line naming the server. Before, the server stayed SERVING, and the
+    worker printed a traceback and exited 1. When the request returns, the server is SERVING again."""
+    import json
+
+    from engine.ps import PSClient
+
+    _, resolved = loopback_reference
+    ports = free_ports(2)
+    env = {**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{ports[0]}", "ENGINE_NUM_WORKERS": "1"}
+    sets = ["--set", "cluster.servers=1", "--set", "cluster.workers=1", "--set", "client.timeout_s=2",
+            "--set", "client.retries=0", "--set", f"checkpoint.root={tmp_path / 'ckpt'}"]
+    log = tmp_path / "server.log"
+    p = subprocess.Popen(engine(resolved, "--role", "server", "--rank", 0, "--port", ports[0], "--health-port", ports[1],
+                                *sets), cwd=REPO, env={**env, "ENGINE_FAILPOINTS": "server.pull_push=sleep:15@1"},
+                         stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
+    worker = None
+    try:
+        wait_health(ports[1], "SERVING")
+        worker = subprocess.Popen(engine(resolved, "--role", "worker", "--rank", 0, *sets), cwd=REPO, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        wait_health(ports[1], "NOT_SERVING", timeout=60)
+        with PSClient([f"127.0.0.1:{ports[0]}"], timeout_s=30, retries=0) as c:
+            stuck = json.loads(c.transport.call(0, "Health", pb.Empty(request_id="probe"), 5).json)["stuck"]
+            assert " request worker0@" in stuck and "beyond client.timeout_s = 2s" in stuck, stuck
+            _, err = worker.communicate(timeout=60)
+            assert worker.returncode == 76, err[-3000:]
+            assert "Traceback" not in err, err[-3000:]
+            assert f"worker 0: no answer in time from 127.0.0.1:{ports[0]} (" in err, err[-3000:]
+            wait_health(ports[1], "SERVING", timeout=30)        # the hung request returned
+            assert json.loads(c.transport.call(0, "Health", pb.Empty(request_id="probe"), 5).json)["stuck"] is None
+    finally:
+        for q in (p, worker):
+            if q is not None and q.poll() is None:
+                os.killpg(q.pid, signal.SIGKILL)
+                q.wait(10)
+    text = log.read_text()
+    assert text.count("server 0: stuck: ") == 1, text[-3000:]
+    assert "health port NOT_SERVING: a liveness probe restarts this server" in text
+    assert "no longer stuck (it moved after: " in text

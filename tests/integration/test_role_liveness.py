@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 # a fault of each kind: the role it strikes, and how; "hang" is the failpoint, armed at the role's first start
 FAULTS = {"worker-hang": ("worker", 1, "hang"),
+          "server-hang": pytest.param(("server", 1, "hang"), marks=pytest.mark.long),
           "worker-frozen": pytest.param(("worker", 1, signal.SIGSTOP), marks=pytest.mark.long),
           "server-frozen": pytest.param(("server", 1, signal.SIGSTOP), marks=pytest.mark.long)}
 
@@ -47,16 +48,22 @@ def test_a_hung_or_frozen_role_is_restarted_by_its_liveness_probe_and_the_job_co
     run(args(tmp_path, "full", *sets))       # the config, its data converted to Arrow, as role mode needs
     ports, health_ports = free_ports(2), free_ports(4)
     base = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1"}
-    # the hang: worker 1's 12th step (after the first checkpoint, at 8), in its first start only
-    hang = {**base, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1,sleep:600@12"}
+    # the hang, in the role's first start only: worker 1's 12th step (after the first checkpoint, at 8),
+    # or server 1's 60th Pull, Push or Step (after it too: a handler that never returns, as a deadlock's)
+    hang = {**base, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1" + (
+        ",sleep:600@12" if role == "worker" else ";server.pull_push=sleep:600@60")}
     fast = ("--set", "client.dead_after_s=5")       # every role: the same keepalive on both ends
+    if fault == ("server", 1, "hang"):              # a stuck server is found after client.timeout_s
+        fast += ("--set", "client.timeout_s=5")
     result = tmp_path / "role-result.json"
     pods = [Pod(role_cmd(tmp_path, "role", "server", r, "--port", str(ports[r]), "--health-port",
-                         str(health_ports[r]), "--resume", *fast), lambda n: base,
-                tmp_path / f"server-{r}.log", health_ports[r]) for r in range(2)]
+                         str(health_ports[r]), "--resume", *fast),
+                (lambda n: hang if n == 0 else base) if (how == "hang" and (role, rank) == ("server", r))
+                else (lambda n: base), tmp_path / f"server-{r}.log", health_ports[r]) for r in range(2)]
     pods += [Pod(role_cmd(tmp_path, "role", "worker", r, "--health-port", str(health_ports[2 + r]), *fast,
                           *(("--result-file", str(result)) if r == 0 else ())),
-                 (lambda n: hang if n == 0 else base) if (how == "hang" and r == rank) else (lambda n: base),
+                 (lambda n: hang if n == 0 else base) if (how == "hang" and (role, rank) == ("worker", r))
+                 else (lambda n: base),
                  tmp_path / f"worker-{r}.log", health_ports[2 + r]) for r in range(2)]
     target = pods[rank if role == "server" else 2 + rank]
     try:
@@ -76,7 +83,15 @@ def test_a_hung_or_frozen_role_is_restarted_by_its_liveness_probe_and_the_job_co
     finally:
         for p in pods:
             p.stop()
-    if how == "hang":
+    if fault == ("server", 1, "hang"):
+        log1 = (tmp_path / "server-1.log").read_text()
+        assert "failpoint server.pull_push: sleep 600 s (hit 60)" in log1, log1[-3000:]
+        assert "server 1: stuck: " in log1 and "health port NOT_SERVING" in log1, log1[-3000:]
+        # a worker whose call to the stuck server ran past its deadline exits 76 (not counted), in one line
+        assert {c for p in pods[2:] for c in p.codes} <= {0, 76}, [p.codes for p in pods]
+        for w in range(2):
+            assert "Traceback" not in (tmp_path / f"worker-{w}.log").read_text()
+    elif how == "hang":
         log1 = (tmp_path / "worker-1.log").read_text()
         assert "liveness NOT_SERVING: no training step for" in log1, log1[-3000:]
         assert "failpoint worker.after_step: sleep 600 s (hit 12)" in log1

@@ -34,3 +34,18 @@ def test_an_at_n_action_sleeps_at_that_hit_only(monkeypatch):
     failpoints.hit("q")
     assert slept[-1] == 2.0 and len(slept) == 7   # q's first hit only
     assert failpoints._hits == {"p": 5, "q": 2}
+
+
+def test_no_point_acts_or_counts_while_suspended(monkeypatch):
+    """The warm-up's requests (``failpoints.suspended``) neither sleep nor use up a ``@N`` hit."""
+    slept = []
+    monkeypatch.setattr(failpoints, "_points", failpoints._parse("p=sleep:7@2"))
+    monkeypatch.setattr(failpoints, "_hits", {})
+    monkeypatch.setattr(failpoints.time, "sleep", slept.append)
+    with failpoints.suspended():
+        for _ in range(3):
+            failpoints.hit("p")
+    assert slept == [] and failpoints._hits == {}
+    failpoints.hit("p")
+    failpoints.hit("p")
+    assert slept == [7.0]

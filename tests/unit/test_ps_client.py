@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.config import DenseTableConfig
-from engine.errors import ProtocolError, RemoteError, RequestRejectedError, ShardUnavailableError
+from engine.errors import BarrierTimeoutError, PSTimeoutError, ProtocolError, RemoteError, RequestRejectedError, ShardUnavailableError
 from engine.modes import AsyncMode, GeoMode, SyncMode
 from engine.ps import InProcessTransport, PSClient, PSServer, codec
 from engine.ps import ps_pb2 as pb
@@ -225,6 +225,28 @@ def test_retries_unavailable_with_backoff_then_gives_up():
         bad.pull("emb", np.array([1], np.uint64))
 
 
+class Late(Transport):
+    """Server 1 answers a Push with DEADLINE_EXCEEDED (a stuck server: no retry of a non-idempotent call)."""
+    def __init__(self, inner):
+        self.inner, self.endpoints = inner, ["s0:1", "s1:1"]
+
+    def call(self, server, method, request, timeout):
+        if server == 1 and method == "Push":
+            raise RemoteError("DEADLINE_EXCEEDED", "Deadline Exceeded", self.endpoints[server])
+        return self.inner.call(server, method, request, timeout)
+
+
+def test_a_fan_out_raises_a_servers_timeout_as_it_is_naming_the_server():
+    """A call's own PSTimeoutError (a TimeoutError too) from another thread of the fan-out: before, it
+    was caught as the fan-out's own wait and said "fan-out did not finish in 35.0s", naming no server."""
+    servers, _ = cluster(2)
+    client = PSClient(Late(InProcessTransport(servers)), retries=0)
+    keys = np.arange(1, 200, dtype=np.uint64)       # both servers' keys: one call on a pool thread
+    with pytest.raises(PSTimeoutError) as e:
+        client.push("emb", keys, np.zeros((len(keys), DIM), np.float32))
+    assert e.value.endpoint == "s1:1" and "fan-out" not in str(e.value), str(e.value)
+
+
 def test_save_on_two_servers_loads_onto_three(tmp_path):
     cfg = TableConfig(dim=DIM, optimizer="adagrad", learning_rate=0.1, initializer="uniform")
     dense = {"d": DenseTableConfig()}
@@ -243,7 +265,7 @@ def test_save_on_two_servers_loads_onto_three(tmp_path):
 
 def test_barrier_times_out_with_a_clear_error():
     _, client = cluster(1)
-    with pytest.raises(RemoteError, match="only 1 of 2 callers arrived"):
+    with pytest.raises(BarrierTimeoutError, match="only 1 of 2 callers arrived"):    # a peer's fault, not a server's
         client.barrier("lonely", 2, timeout=0.2)
 
 
