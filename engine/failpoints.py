@@ -25,10 +25,11 @@ Unset, every point costs one dict lookup. Points:
 ``server.load``
     ``PSServer.Load``, before the checkpoint is read: a restore held open, so that a chaos test can
     kill or freeze a server inside it.
-``server.pull_push``
+``server.pull``, ``server.push``, ``server.step``
     ``PSServer`` handling a ``Pull``, ``Push`` or ``Step``, holding the tables' shared lock: a long sleep
     is a handler that never returns while the process and its health answers live (a deadlock, a kernel
-    that never ends), which ``engine.ps.watchdog`` must find.
+    that never ends), which ``engine.ps.watchdog`` must find. A client retries a Pull that timed out,
+    never a Push or a Step.
 ``server.before_ready``
     ``engine.roles.run_server``, listening, right before the ready file is written: a start-up held
     open, so that a chaos test can freeze a server that has no address for the launcher to poll yet.

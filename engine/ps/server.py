@@ -65,6 +65,8 @@ GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Met
 _JOINS = GENERATION_CHECKED - {"Fence", "Shrink"}
 #: requests that change a table (a server that applied one is no longer ``fresh``)
 _WRITES = frozenset({"Push", "Dense", "Step"})
+#: the failpoints of data requests (``engine.failpoints``)
+_DATA_POINTS = {"Pull": "server.pull", "Push": "server.push", "Step": "server.step"}
 #: methods that read or change the tables (they never overlap a Load)
 _ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink"})
 #: methods that need the admin token when tokens are configured (``engine.security.interceptor``);
@@ -349,7 +351,7 @@ class PSServer:
                 self.watchdog.running(token)
             if method not in ("Pull", "Push", "Step"):
                 return self._wrote(method, request, getattr(self, method)(request))
-            failpoints.hit("server.pull_push")
+            failpoints.hit(_DATA_POINTS[method])
             with self._inflight_lock:
                 self._inflight += 1
             try:

@@ -100,9 +100,9 @@ def test_a_preempting_server_says_not_serving(tmp_path, loopback_reference):
 
 
 def test_a_stuck_server_says_not_serving_and_its_worker_exits_76(tmp_path, loopback_reference):
-    """A server whose request handler hangs while the process lives (the failpoint ``server.pull_push``
-    holds its first Pull, Push or Step 15 s, as a deadlock would hold it for ever), under a role worker.
-    Once that request is in flight past ``client.timeout_s`` (2 s; ``engine.ps.watchdog``) the server
+    """A server whose request handler hangs while the process lives (the failpoints ``server.pull``,
+    ``server.push`` and ``server.step`` hold the first request of each kind 15 s, as a deadlock would
+    hold it for ever), under a role worker. Once that request is in flight past ``client.timeout_s`` (2 s; ``engine.ps.watchdog``) the server
     answers NOT_SERVING on its health port, so a liveness probe would restart it, and says why in
     ``Health`` (``stuck``) and once in its log. The worker's call runs past its deadline: it exits 76 (not
     counted by a scheduler) with one line naming the server. Before, the server stayed SERVING, and the
@@ -117,8 +117,9 @@ def test_a_stuck_server_says_not_serving_and_its_worker_exits_76(tmp_path, loopb
     sets = ["--set", "cluster.servers=1", "--set", "cluster.workers=1", "--set", "client.timeout_s=2",
             "--set", "client.retries=0", "--set", f"checkpoint.root={tmp_path / 'ckpt'}"]
     log = tmp_path / "server.log"
+    hang = ";".join(f"server.{m}=sleep:15@1" for m in ("pull", "push", "step"))
     p = subprocess.Popen(engine(resolved, "--role", "server", "--rank", 0, "--port", ports[0], "--health-port", ports[1],
-                                *sets), cwd=REPO, env={**env, "ENGINE_FAILPOINTS": "server.pull_push=sleep:15@1"},
+                                *sets), cwd=REPO, env={**env, "ENGINE_FAILPOINTS": hang},
                          stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
     worker = None
     try:

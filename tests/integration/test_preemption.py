@@ -86,3 +86,36 @@ def test_sigterm_to_a_server_checkpoints_at_the_next_meeting(tmp_path):
     with open(os.path.join(stopped["checkpoint"], "manifest.json")) as f:
         assert json.load(f)["sources"]["train"]["epoch"] < 3
     assert resumed_run(tmp_path, "job", stopped["checkpoint"], *sets)["checkpoint"]
+
+
+def test_a_preemption_no_meeting_can_answer_stops_at_the_last_checkpoint_after_the_timeout(tmp_path):
+    """SIGTERM to the launcher while both workers hang (the failpoint ``worker.after_step`` holds their
+    12th step 600 s), so no checkpoint meeting comes: after ``cluster.preempt_timeout_s`` (3 s) the
+    launcher stops the attempt, restarts nothing, and exits 75 naming the job's last complete
+    checkpoint (step 8: ``checkpoint.align_steps``) as the one to resume, with no process left."""
+    sets = ("mode=async", "cluster.workers=2", "cluster.preempt_timeout_s=3", "model.batch_size=16")
+    env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:600@12"}
+    proc = subprocess.Popen(args(tmp_path, "job", *sets), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    run_dir = tmp_path / "run-job"
+    try:
+        for w in range(2):      # both hang: their reports stop at step 12
+            wait_for(run_dir / f"worker-{w}.progress.json", lambda r: r["step"] >= 12, f"worker {w} at step 12")
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "preempted before a checkpoint meeting: preempt timeout" in err, err[-3000:]
+    assert "restart 1/" not in err and 3 <= took < 30, (took, err[-3000:])
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["preempted"] is True, final
+    with open(os.path.join(final["checkpoint"], "manifest.json")) as f:
+        manifest = json.load(f)
+    assert os.path.exists(os.path.join(final["checkpoint"], "_SUCCESS"))
+    assert manifest["sources"]["train"]["epoch"] == 0 and manifest["sources"]["train"]["batch"] == 8, manifest
+    assert not leftovers(run_dir)

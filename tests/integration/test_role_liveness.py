@@ -49,9 +49,9 @@ def test_a_hung_or_frozen_role_is_restarted_by_its_liveness_probe_and_the_job_co
     ports, health_ports = free_ports(2), free_ports(4)
     base = {**role_env(ports, workers=2), "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1"}
     # the hang, in the role's first start only: worker 1's 12th step (after the first checkpoint, at 8),
-    # or server 1's 60th Pull, Push or Step (after it too: a handler that never returns, as a deadlock's)
+    # or server 1's 30th Step (after it too: a handler that never returns, as a deadlock's)
     hang = {**base, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1" + (
-        ",sleep:600@12" if role == "worker" else ";server.pull_push=sleep:600@60")}
+        ",sleep:600@12" if role == "worker" else ";server.step=sleep:600@30")}
     fast = ("--set", "client.dead_after_s=5")       # every role: the same keepalive on both ends
     if fault == ("server", 1, "hang"):              # a stuck server is found after client.timeout_s
         fast += ("--set", "client.timeout_s=5")
@@ -85,7 +85,7 @@ def test_a_hung_or_frozen_role_is_restarted_by_its_liveness_probe_and_the_job_co
             p.stop()
     if fault == ("server", 1, "hang"):
         log1 = (tmp_path / "server-1.log").read_text()
-        assert "failpoint server.pull_push: sleep 600 s (hit 60)" in log1, log1[-3000:]
+        assert "failpoint server.step: sleep 600 s (hit 30)" in log1, log1[-3000:]
         assert "server 1: stuck: " in log1 and "health port NOT_SERVING" in log1, log1[-3000:]
         # a worker whose call to the stuck server ran past its deadline exits 76 (not counted), in one line
         assert {c for p in pods[2:] for c in p.codes} <= {0, 76}, [p.codes for p in pods]

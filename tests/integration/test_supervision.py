@@ -182,19 +182,19 @@ def test_a_worker_whose_loop_hangs_is_declared_dead_and_the_job_recovers(tmp_pat
 
 
 def test_a_server_whose_request_hangs_is_declared_stuck_and_the_attempt_restarts(tmp_path):
-    """A live server whose handling hangs (the failpoint server.pull_push holds its 30th Pull or Push
-    600 s, as a deadlock would): it still answers Health, but says it is ``stuck`` once that request is
-    in flight past client.timeout_s (engine.ps.watchdog), and the launcher ends the attempt at once
-    (before, only the workers' own calls timed out, after client.timeout_s x (retries + 1)). Every
-    attempt hangs the same way, so with cluster.max_restarts=1 the job ends naming both."""
-    env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.pull_push=sleep:600@30"}
+    """A live server whose handling hangs (the failpoint server.pull holds its 15th Pull 600 s, as a
+    deadlock would): it still answers Health, but says it is ``stuck`` once that Pull is in flight past
+    client.timeout_s (engine.ps.watchdog), and the launcher ends the attempt at once (before, only the
+    worker's own call ended it, after client.timeout_s x (retries + 1) of a retried Pull: 18 s here).
+    Every attempt hangs the same way, so with cluster.max_restarts=1 the job ends naming both."""
+    env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.pull=sleep:600@15"}
     t0 = time.monotonic()
     proc = engine("--set", "client.timeout_s=3", "--set", "cluster.max_restarts=1", run_dir=tmp_path, env=env)
     out, err = finish(proc, 180)
     took = time.monotonic() - t0
     assert proc.returncode == 1, err[-3000:]
     assert "giving up after 2 failure(s)" in err, err[-3000:]
-    assert len(re.findall(r"attempt [01]: server [01]: hung: stuck: P[a-z]+ request ", err)) == 2, err[-3000:]
+    assert len(re.findall(r"attempt [01]: server [01]: hung: stuck: Pull request ", err)) == 2, err[-3000:]
     assert "beyond client.timeout_s = 3s" in err, err[-3000:]
     # each attempt ends seconds after its hang, not after the workers' calls give up (3 s x 6 tries each)
     assert "ShardUnavailableError" not in err, err[-3000:]
