@@ -148,7 +148,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     ``health_port`` (``--health-port``, default ``cluster.health_port``; -1 off): the plaintext gRPC
     health checking port (``engine.ps.health``): SERVING while the server serves; NOT_SERVING while it
     preempts, or while it is stuck (a request hung past ``client.timeout_s``, ``engine.ps.watchdog``:
-    logged once), so a liveness probe restarts it. ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
+    logged once); its service ``liveness`` NOT_SERVING only while stuck, so a liveness probe restarts
+    a stuck server but not a preempting one. ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
     from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
     from .ps import _malloc, governor
@@ -224,8 +225,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
                               interceptors=[metrics.interceptor()] if metrics is not None else ())
         health_port = cfg.cluster.health_port if health_port is None else health_port
         if health_port >= 0:        # the plaintext health port: grpc.health.v1 only (engine.ps.health)
-            from .ps.health import HealthPort
-            probe = HealthPort(host, health_port)
+            from .ps.health import LIVENESS, HealthPort
+            probe = HealthPort(host, health_port, live_services=(LIVENESS,))
             probe.set(True)
         deadline = [float("inf")]
 
@@ -253,8 +254,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
             elif stuck and not now_stuck:
                 log.warning("server %d: no longer stuck (it moved after: %s)", rank, stuck)
             stuck = now_stuck
-            if probe is not None:
-                probe.set(not core.preempting and not stuck)
+            if probe is not None:       # readiness: neither preempting nor stuck; liveness: not stuck
+                probe.set(not core.preempting and not stuck, live=not stuck)
             if time.monotonic() > deadline[0]:
                 log.warning("server %d: preempt_timeout_s passed; stopping", rank)
                 break

@@ -33,6 +33,7 @@ import numpy as np
 from rocksdict import (BlockBasedIndexType, BlockBasedOptions, Cache, DBCompactionStyle, DBCompressionType, Options,
                        Rdict, ReadOptions, UniversalCompactOptions, WriteBatch, WriteBufferManager, WriteOptions)
 
+from . import waits
 from ._catch_up import CATCH_UP
 from ._inputs import record_keys as _record_keys
 from ._pending import EMPTY as _NO_KEYS, PendingDeletes
@@ -459,6 +460,7 @@ class SpillStore:
         t0 = time.monotonic()
         paced = False
         nap = STOP_NAP_S / 2                         # back-off after a refusal no stall explains
+        stall = None                                 # a wait by design, told to the server's watchdog
         try:
             while True:
                 wb = WriteBatch(raw_mode=True)
@@ -487,6 +489,8 @@ class SpillStore:
                 finally:
                     self._last_nbytes = nbytes       # RocksDB charges the next write for it, refused or not
                 started = time.monotonic() if started is None else started
+                if stall is None:
+                    stall = waits.began()
                 if self._wait_stop(started, what):
                     continue                         # a stop reserves no delay: write again at once
                 # RocksDB reserved the refused write's delay (WriteController::GetDelay: its credit zeroed,
@@ -496,6 +500,8 @@ class SpillStore:
                     nap = min(2 * nap, 0.05)
                     time.sleep(nap)
         finally:
+            if stall is not None:
+                waits.ended(stall)
             if started is not None:
                 self.stalls += 1
             if started is not None or paced:

@@ -33,7 +33,9 @@ old pod has terminated, so two servers never hold one DNS name. ``terminationGra
 **Health.** Each server also serves the standard gRPC health checking protocol in plaintext on
 ``kubernetes.health_port`` (``cluster.health_port``) and nothing else: kubelet's native ``grpc`` probe
 speaks neither TLS nor tokens. Startup, readiness and liveness probes use it; the startup probe allows
-``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). Each worker serves its liveness
+``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). Readiness asks for the overall
+status (NOT_SERVING while preempting or stuck), liveness for service ``liveness`` (NOT_SERVING only while
+stuck: a request hung past ``client.timeout_s``, ``engine.ps.watchdog``), with ``LIVENESS_GRACE_S``. Each worker serves its liveness
 on the same port (``engine.liveness``: NOT_SERVING once its loop stalls past ``client.dead_after_s``, no
 answer when frozen), with a startup and a liveness probe (10 s × 3; a kill it causes gets
 ``LIVENESS_GRACE_S`` before SIGKILL, not the pod's grace) and no readiness probe.
@@ -72,6 +74,7 @@ from ..config import EngineConfig, StorageConfig, from_dict
 from ..config_yaml import load_yaml
 from ..errors import ConfigError
 from ..job_checkpoints import check_resume_id
+from ..ps.health import LIVENESS
 from ..preempt import EXIT_PREEMPTED
 from ..roles import EXIT_ROLLBACK
 from ..security import certs
@@ -96,8 +99,8 @@ SERVER_ITEMS = (certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY, certs.TOKEN,
 WORKER_ITEMS = (certs.CA_CERT, certs.CLIENT_CERT, certs.CLIENT_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_CONFIG = 2         # a config error (engine.cli.train); 75 and 76: engine.preempt, engine.roles
-#: seconds between a failed worker liveness probe's SIGTERM and its SIGKILL (the probe's own
-#: terminationGracePeriodSeconds): a hung or frozen worker cannot act on the SIGTERM
+#: seconds between a failed liveness probe's SIGTERM and its SIGKILL (the probe's own
+#: terminationGracePeriodSeconds): a hung or frozen worker, or a stuck server, cannot act on the SIGTERM
 LIVENESS_GRACE_S = 10
 
 _LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?\Z")                     # DNS-1035 label
@@ -338,7 +341,11 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     server["startupProbe"] = {**probe, "periodSeconds": 5,
                               "failureThreshold": max(12, math.ceil(cfg.cluster.startup_timeout_s / 5))}
     server["readinessProbe"] = {**probe, "periodSeconds": 5, "failureThreshold": 2}
-    server["livenessProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 6}
+    # the liveness service: NOT_SERVING only while the server is stuck (engine.ps.watchdog), never while
+    # it preempts; a stuck server cannot serve the SIGTERM's checkpoint either: the probe's own grace
+    server["livenessProbe"] = {"grpc": {"port": k.health_port, "service": LIVENESS}, "timeoutSeconds": 5,
+                               "periodSeconds": 10, "failureThreshold": 6,
+                               "terminationGracePeriodSeconds": LIVENESS_GRACE_S}
     worker = _container(image, ["train", CONFIG_PATH, "--role", "worker", "--host", "0.0.0.0", "--health-port",
                                 str(k.health_port)], worker_env, k.worker_cpu, k.worker_memory)
     # a worker's liveness (engine.liveness): NOT_SERVING once its loop stalls past client.dead_after_s,

@@ -540,6 +540,24 @@ class ServerCollector:
             count.add_metric([op], n)
         nbytes.add_metric([], float(parts.get("save", (0, 0.0, 0))[2]))
         yield from (secs, count, nbytes)
+        yield from _watchdog_families(getattr(self.core, "watchdog", None))
+
+
+def _watchdog_families(watchdog):
+    """A server's requests in flight (``engine.ps.watchdog``): how many, the oldest one's time (time behind
+    a checkpoint, restore or expiry pass left out) and whether the server is stuck; an alert on the
+    oldest's time nearing ``client.timeout_s`` comes before the liveness restart."""
+    if watchdog is None:
+        return
+    from prometheus_client.core import GaugeMetricFamily
+    yield GaugeMetricFamily("engine_ps_requests_in_flight", "Requests this server is handling now",
+                            value=float(watchdog.in_flight()))
+    yield GaugeMetricFamily("engine_ps_oldest_request_seconds", "Seconds the oldest request in flight has waited "
+                            "(time behind a checkpoint, restore or expiry pass left out); stuck past "
+                            "client.timeout_s", value=watchdog.oldest_s())
+    yield GaugeMetricFamily("engine_ps_stuck", "1 while this server is stuck (a request hung past client.timeout_s, "
+                            "or a checkpoint, restore or expiry pass past 3600 s): its health port says NOT_SERVING",
+                            value=float(watchdog.stuck() is not None))
 
 
 class TrainerCollector:

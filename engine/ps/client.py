@@ -50,6 +50,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 
 import numpy as np
 
@@ -209,8 +210,8 @@ class PSClient(DenseClient):
         for f in futures:
             try:
                 out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
-            except TimeoutError:
-                if f.done():    # the call's own PSTimeoutError (a TimeoutError too): raised as it is, naming its server
+            except FuturesTimeoutError as e:    # the builtin TimeoutError from Python 3.11 on
+                if isinstance(e, PSTimeoutError):   # the call's own (a TimeoutError too): as it is, naming its server
                     raise
                 raise PSTimeoutError("DEADLINE_EXCEEDED", f"fan-out did not finish in {wait_s:.1f}s") from None
         return out

@@ -4,7 +4,9 @@ grpcio-health-checking), served apart from the PS port for probes that speak nei
 
 The overall status (service ``""``) and ``engine.ps.ParameterServer`` are SERVING while the server
 serves, NOT_SERVING while it is preempting (it still answers its job, but should get no new one),
-stuck (a request hung: ``engine.ps.watchdog``; the liveness probe restarts it) or stopping.
+stuck (a request hung: ``engine.ps.watchdog``) or stopping: the readiness probe's answer. Service
+``liveness`` is NOT_SERVING only while the server is stuck (or stopping): the liveness probe's, which
+must not restart a server that preempts (it serves its job's last checkpoint meanwhile).
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ from . import ps_pb2 as pb
 log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+#: the service a server's liveness probe asks for (``engine k8s``): NOT_SERVING only while it is stuck
+LIVENESS = "liveness"
 
-__all__ = ["HealthPort", "SERVICE"]
+__all__ = ["HealthPort", "LIVENESS", "SERVICE"]
 
 
 class HealthPort:
@@ -34,7 +38,8 @@ class HealthPort:
         The address could not be bound.
     """
 
-    def __init__(self, host: str, port: int, services: tuple[str, ...] = ("", SERVICE)):
+    def __init__(self, host: str, port: int, services: tuple[str, ...] = ("", SERVICE),
+                 live_services: tuple[str, ...] = ()):
         self.servicer = health.HealthServicer()
         self.server = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="health"),
                                   # no SO_REUSEPORT: a second process on a port in use must fail,
@@ -48,23 +53,27 @@ class HealthPort:
             raise RuntimeError(f"health port: cannot bind {addr}: {e}") from None
         if self.port == 0:
             raise RuntimeError(f"health port: cannot bind {addr}")
-        self.services = tuple(services)
+        self.services, self.live_services = tuple(services), tuple(live_services)
         self.serving: bool | None = None
+        self.live: bool | None = None
         self.set(False)
         self.server.start()
         log.info("health checking (plaintext, grpc.health.v1 only) on %s:%d", host, self.port)
 
-    def set(self, serving: bool) -> None:
-        """SERVING or NOT_SERVING for each of ``services``."""
-        if serving == self.serving:
-            return
-        self.serving = serving
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in self.services:
-            self.servicer.set(name, status)
+    def set(self, serving: bool, live: bool | None = None) -> None:
+        """SERVING or NOT_SERVING for each of ``services`` (``serving``) and of ``live_services`` (``live``;
+        None: as ``serving``)."""
+        live = serving if live is None else live
+        for services, now, attr in ((self.services, serving, "serving"), (self.live_services, live, "live")):
+            if now == getattr(self, attr):
+                continue
+            setattr(self, attr, now)
+            status = (health_pb2.HealthCheckResponse.SERVING if now
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in services:
+                self.servicer.set(name, status)
 
     def close(self) -> None:
-        self.set(False)
+        self.set(False, False)
         self.servicer.enter_graceful_shutdown()
         self.server.stop(1.0).wait(5.0)

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
-from sparse_tables import TableConfigError
+from sparse_tables import TableConfigError, waits
 from sparse_tables.rwlock import RWLock
 
 from .. import failpoints
@@ -208,6 +208,7 @@ class PSServer:
         self._count_lock = threading.Lock()
         self.checkpoint_parts: dict[str, tuple[int, float, int]] = {}   # op -> (count, seconds, bytes written)
         self.watchdog = RequestWatchdog(request_bound_s)  # requests in flight: is this server stuck? (Health)
+        waits.watch(self.watchdog)                        # a table waiting out a write stall is no hang
 
     def _note_part(self, op: str, seconds: float, nbytes: int = 0) -> None:
         """One Save / Load of this server's checkpoint parts (``engine.observability`` reads them)."""
@@ -341,6 +342,8 @@ class PSServer:
                 finally:        # a clear that failed half-way ends the attempt all the same
                     self._new_generation()
             return self.Health(request)
+        if method == "Barrier":
+            return self.Barrier(request, token)
         if method not in _ON_TABLES:
             return getattr(self, method)(request)
         with self._tables_lock.shared():
@@ -540,11 +543,16 @@ class PSServer:
             host.pull(pull_keys, True, out=reply.arrays["values"], parts=pull_parts)
         return reply
 
-    def Barrier(self, req: pb.BarrierRequest) -> pb.BarrierResponse:
+    def Barrier(self, req: pb.BarrierRequest, token: int = -1) -> pb.BarrierResponse:
         """Arrive at (or poll) barrier ``name`` with the request id as token; answers at once or after
-        a short linger (``barrier.Barriers``). The last arrival applies held sync updates if asked."""
+        a short linger (``barrier.Barriers``). The last arrival applies held sync updates if asked: a
+        phase for the watchdog (``token``: this request's), as long as every worker's push together."""
         world = req.world
-        on_open = (lambda: self._apply_pending(world)) if req.apply_pending else None
+
+        def apply() -> None:
+            self.watchdog.running(token)
+            self._apply_pending(world)
+        on_open = apply if req.apply_pending else None
         r = self.barriers.arrive(req.name, req.request_id, world, req.timeout_s, on_open)
         return pb.BarrierResponse(request_id=req.request_id, round=r.generation, released=r.released,
                                   arrived=r.arrived, waited=r.waited)
@@ -738,6 +746,7 @@ class PSServer:
         return pb.Empty(request_id=req.request_id)
 
     def close(self) -> None:
+        waits.unwatch(self.watchdog)
         self.stopped.set()
         self.barriers.stop()
         if self.governor is not None:

@@ -8,15 +8,20 @@ exit 76), found the same server again, and so on until the job's restart budget 
 
 The rule (``RequestWatchdog.stuck``), two kinds of request:
 
-- **phases** (``Load``, ``Fence``, ``Save``, ``Shrink``) legitimately run long (a restore, a checkpoint
-  write, an expiry pass over 10^8 keys: tens of seconds) and hold locks other requests wait behind. A
-  phase *runs* from when it holds its lock (``running``) and is stuck after ``phase_bound_s``, the longest
-  a client waits for one (``PSClient.save`` / ``load`` / ``shrink``: 3600 s);
+- **phases** (``Load``, ``Fence``, ``Save``, ``Shrink``, and a sync barrier's apply of the held updates)
+  legitimately run long (a restore, a checkpoint write, an expiry pass over 10^8 keys: tens of seconds)
+  and hold locks other requests wait behind. A phase *runs* from when it holds its lock (``running``)
+  and is stuck after ``phase_bound_s``, the longest a client waits for one (``PSClient.save`` / ``load``
+  / ``shrink``: 3600 s);
 - **everything else** (pulls, pushes, dense steps, barriers, metrics, Stats) is stuck after
-  ``request_bound_s`` (``client.timeout_s``: the longest a client waits for one answer) of its own time
-  in flight, which leaves out every moment a phase ran (it may have waited behind that phase's lock).
-  A phase still waiting for its lock counts as such a request: a Load that waits for a hung pull to
-  release the tables is stuck with it, and a checkpoint written meanwhile does not hide the hung pull.
+  ``request_bound_s`` (``client.timeout_s``: the deadline of a client's attempt) of its own time in
+  flight. Its own time leaves out every moment a phase ran, or a table waited out a RocksDB write stall
+  (``sparse_tables.waits``), up to ``EXCUSE_CAP_S`` (300 s) of each such phase or wait: the request
+  may have waited behind it. The cap keeps a phase that is itself blocked (a checkpoint waiting for the
+  lock of a shard whose pull hangs) from hiding the hang for the phase's hour; the longest single
+  lock-holding pass measured here, an expiry pass over a 25M-row shard, took 22 s. A phase still
+  waiting for its lock counts as such a request: a Load that waits for a hung pull to release the
+  tables is stuck with it.
 
 A stuck server says so in ``Health`` (``stuck``: why), which the local launcher's watch treats as a
 silent server (it restarts the attempt), and its plaintext health port answers NOT_SERVING, which a
@@ -25,6 +30,7 @@ the recovery rule like any other.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -33,22 +39,27 @@ import time
 PHASES = frozenset({"Load", "Fence", "Save", "Shrink"})
 #: the longest a client waits for a phase (``PSClient.save`` / ``load`` / ``shrink``' default), seconds
 PHASE_BOUND_S = 3600.0
+#: the most of other requests' time one phase or one write stall excuses (seconds)
+EXCUSE_CAP_S = 300.0
 
-__all__ = ["PHASES", "PHASE_BOUND_S", "RequestWatchdog"]
+__all__ = ["EXCUSE_CAP_S", "PHASES", "PHASE_BOUND_S", "RequestWatchdog"]
 
 
 class RequestWatchdog:
     """The requests in flight in one server, for ``stuck``. ``enter`` when a request arrives, ``running``
-    when a phase holds its lock, ``exit`` when it is answered or failed (any thread: one dict store or
-    delete each, atomic under the GIL, and ``stuck`` reads a copy; the phase clock has a lock, taken
-    by data requests only to read it at arrival).
+    when a phase holds its lock, ``exit`` when it is answered or failed; ``wait_began`` / ``wait_ended``
+    around a wait by design that is no request (a write stall: ``sparse_tables.waits``). Any thread:
+    a request's arrival and end are one dict store or delete each, atomic under the GIL; phases and
+    waits take a lock, and ``stuck`` reads copies.
 
     Parameters
     ----------
     request_bound_s : float, seconds, > 0
-        A request other than a phase is stuck after this (``client.timeout_s``).
+        A request other than a phase is stuck after this much of its own time (``client.timeout_s``).
     phase_bound_s : float, seconds, > 0
         A running phase is stuck after this.
+    excuse_cap_s : float, seconds, > 0
+        The most of other requests' time one phase or wait excuses.
     clock : callable returning float seconds, optional
         Monotonic time (default ``time.monotonic``; tests pass their own).
 
@@ -58,73 +69,98 @@ class RequestWatchdog:
         A bound is not positive.
     """
 
-    def __init__(self, request_bound_s: float, phase_bound_s: float = PHASE_BOUND_S, clock=time.monotonic):
-        if not (request_bound_s > 0 and phase_bound_s > 0):
+    def __init__(self, request_bound_s: float, phase_bound_s: float = PHASE_BOUND_S,
+                 excuse_cap_s: float = EXCUSE_CAP_S, clock=time.monotonic):
+        if not (request_bound_s > 0 and phase_bound_s > 0 and excuse_cap_s > 0):
             raise ValueError(f"bounds must be > 0 seconds, got request_bound_s={request_bound_s!r}, "
-                             f"phase_bound_s={phase_bound_s!r}")
+                             f"phase_bound_s={phase_bound_s!r}, excuse_cap_s={excuse_cap_s!r}")
         self.request_bound_s, self.phase_bound_s = float(request_bound_s), float(phase_bound_s)
+        self.excuse_cap_s = float(excuse_cap_s)
         self.clock = clock
-        # token -> (arrived, phase time at arrival, method, request id)
-        self._requests: dict[int, tuple[float, float, str, str]] = {}
-        self._running: dict[int, float] = {}        # phase token -> when it took its lock
+        self._requests: dict[int, tuple[float, str, str]] = {}    # token -> (arrived, method, request id)
+        self._running: dict[int, float] = {}        # phase or wait token -> since when it excuses
+        self._ended: collections.deque = collections.deque(maxlen=256)   # (from, to) of ended ones
         self._tokens = itertools.count()
-        self._lock = threading.Lock()               # the phase clock (phases are few: their calls only)
-        self._phase_total = 0.0                     # seconds during which some phase ran, until _phase_since
-        self._phase_since = 0.0                     # since when phases run (while _running is not empty)
-
-    def _phase_time(self, now: float) -> float:
-        """Seconds during which at least one phase ran, up to ``now`` (under ``_lock``)."""
-        return self._phase_total + (now - self._phase_since if self._running else 0.0)
+        self._lock = threading.Lock()               # _running and _ended
 
     def enter(self, method: str, request_id: str = "-") -> int:
         """A request of ``method`` arrived; returns its token."""
         token = next(self._tokens)
-        now = self.clock()
-        with self._lock:
-            phase = self._phase_time(now)
-        self._requests[token] = (now, phase, method, request_id)
+        self._requests[token] = (self.clock(), method, request_id)
         return token
 
     def running(self, token: int) -> None:
         """The phase of ``token`` holds its lock: from now on it is judged by ``phase_bound_s``, and the
-        time it runs does not count against any other request."""
+        time it runs (its first ``excuse_cap_s``) does not count against any other request."""
         with self._lock:
-            now = self.clock()
-            if not self._running:
-                self._phase_since = now
-            self._running[token] = now
+            self._running.setdefault(token, self.clock())
 
     def exit(self, token: int) -> None:
         """The request of ``token`` was answered or failed."""
         if token in self._running:
-            with self._lock:
-                now = self.clock()
-                if self._running.pop(token, None) is not None and not self._running:
-                    self._phase_total += now - self._phase_since
+            self.wait_ended(token)
         self._requests.pop(token, None)
 
-    def stuck(self) -> str | None:
-        """Why this server is stuck (``Pull request worker1@77 in flight for 64s, beyond client.timeout_s
-        = 60s``), or None. The oldest offending request is named."""
+    def wait_began(self) -> int:
+        """A wait by design that is no request began (a table waiting out a RocksDB write stall): its time
+        (its first ``excuse_cap_s``) does not count against any request. Returns its token."""
+        token = next(self._tokens)
+        with self._lock:
+            self._running[token] = self.clock()
+        return token
+
+    def wait_ended(self, token: int) -> None:
+        """The wait (or phase) of ``token`` ended."""
+        with self._lock:
+            since = self._running.pop(token, None)
+            if since is not None:
+                self._ended.append((since, self.clock()))
+
+    def _own_times(self) -> tuple[float, dict, list[tuple[float, float, str, str]]]:
+        """(now, running phases and waits, [(own time, arrived, method, request id)] of every request
+        that is not a running phase)."""
         with self._lock:
             now = self.clock()
-            phase = self._phase_time(now)
             running = self._running.copy()
+            spans = [(a, min(b, a + self.excuse_cap_s)) for a, b in self._ended]
+        spans += [(a, min(now, a + self.excuse_cap_s)) for a in running.values()]
+        spans.sort()
+        merged: list[list[float]] = []              # their union, in order
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            elif b > a:
+                merged.append([a, b])
+        out = []
+        for token, (arrived, method, rid) in self._requests.copy().items():
+            if token in running:
+                continue
+            excused = sum(max(0.0, min(b, now) - max(a, arrived)) for a, b in merged)
+            out.append(((now - arrived) - excused, arrived, method, rid))
+        return now, running, out
+
+    def stuck(self) -> str | None:
+        """Why this server is stuck (``Pull request worker1@77 in flight for 64.2s (...), beyond
+        client.timeout_s = 60s``), or None. The oldest offending request is named."""
+        now, running, own = self._own_times()
         requests = self._requests.copy()
-        if running:
-            token, since = min(running.items(), key=lambda kv: kv[1])
-            if now - since > self.phase_bound_s and token in requests:
-                method, rid = requests[token][2:]
+        for token, since in sorted(running.items(), key=lambda kv: kv[1]):
+            if token in requests and now - since > self.phase_bound_s:
+                method, rid = requests[token][1:]
                 return (f"{method} request {rid} running for {now - since:.0f}s, beyond the "
                         f"{self.phase_bound_s:g}s a client waits for it")
-        late = [(arrived, method, rid) for token, (arrived, at, method, rid) in requests.items()
-                if token not in running and (now - arrived) - (phase - at) > self.request_bound_s]
+        late = [(arrived, method, rid) for t, arrived, method, rid in own if t > self.request_bound_s]
         if not late:
             return None
         arrived, method, rid = min(late)
-        return (f"{method} request {rid} in flight for {now - arrived:.1f}s (not counting checkpoints, restores "
-                f"and expiry passes meanwhile), beyond client.timeout_s = {self.request_bound_s:g}s")
+        return (f"{method} request {rid} in flight for {now - arrived:.1f}s (checkpoints, restores, expiry passes "
+                f"and write stalls meanwhile not counted), beyond client.timeout_s = {self.request_bound_s:g}s")
 
     def in_flight(self) -> int:
         """Requests being handled now."""
         return len(self._requests)
+
+    def oldest_s(self) -> float:
+        """The largest own time in flight (seconds) of a request that is not a running phase (the rule's
+        count: excused time left out); 0.0 when there is none. ``stuck`` past ``request_bound_s``."""
+        return max([t for t, *_ in self._own_times()[2]] or [0.0])

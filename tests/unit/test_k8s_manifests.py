@@ -242,8 +242,12 @@ def test_an_operators_resume_uri_is_what_every_server_starts_from(creds, tmp_pat
 def test_probes_use_the_plaintext_grpc_health_port(creds):
     server, worker = (by_kind(render(creds, "kubernetes.health_port=7201"))[r] for r in ("server", "worker"))
     c = container(server)
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["grpc"] == {"port": 7201}, probe
+    # liveness asks for the service that is NOT_SERVING only while the server is stuck (never while it
+    # preempts: it serves the job's last checkpoint then), with a short grace (a stuck server can do nothing)
+    assert c["livenessProbe"]["grpc"] == {"port": 7201, "service": "liveness"}
+    assert c["livenessProbe"]["terminationGracePeriodSeconds"] == k8s.LIVENESS_GRACE_S
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120   # startup_timeout_s
     # a worker: startup and liveness (a stalled loop or a frozen process), no readiness (nothing connects)
     w = container(worker)

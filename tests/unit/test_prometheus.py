@@ -84,6 +84,32 @@ def test_rpc_counts_latencies_and_table_stats_move_with_traffic(server):
     assert ("process_resident_memory_bytes", ()) in after
 
 
+def test_a_hung_request_shows_in_the_watchdog_gauges_before_and_when_the_server_is_stuck(server):
+    """``engine_ps_requests_in_flight``, ``engine_ps_oldest_request_seconds`` and ``engine_ps_stuck`` follow
+    the server's watchdog (``engine.ps.watchdog``): a request held inside the server (a real Pull, on a
+    real gRPC server, blocked on the tables' lock) counts, grows old, makes the server stuck past the
+    bound, and leaves no trace once answered."""
+    import threading
+
+    ep, core, m = server
+    core.watchdog.request_bound_s = 0.5
+    idle = scrape(m.url)
+    assert idle["engine_ps_stuck", ()] == 0 and idle["engine_ps_oldest_request_seconds", ()] == 0
+    with PSClient([ep], timeout_s=30, retries=0) as c:
+        with core._tables_lock.exclusive():         # the Pull waits for the tables, as behind a hung Load
+            t = threading.Thread(target=c.pull, args=("emb", np.arange(1, 9, dtype=np.uint64)), daemon=True)
+            t.start()
+            deadline = time.monotonic() + 10
+            while core.watchdog.stuck() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            held = scrape(m.url)
+        t.join(10)
+    assert held["engine_ps_stuck", ()] == 1 and held["engine_ps_requests_in_flight", ()] >= 1
+    assert held["engine_ps_oldest_request_seconds", ()] > 0.5
+    after = scrape(m.url)
+    assert not t.is_alive() and after["engine_ps_stuck", ()] == 0 and after["engine_ps_oldest_request_seconds", ()] == 0
+
+
 def test_garbage_on_the_metrics_port_does_not_hurt_the_server(server):
     ep, core, m = server
     port = int(m.url.rsplit(":", 1)[1].split("/")[0])

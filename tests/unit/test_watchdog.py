@@ -127,8 +127,105 @@ def test_a_hung_pull_is_found_though_checkpoints_run_beside_it(dog):
     assert w.stuck() is not None
 
 
+def test_a_phase_excuses_at_most_its_cap():
+    """A checkpoint blocked on the lock of a shard whose pull hangs runs for ever: it excuses the pull's
+    time for its first ``excuse_cap_s`` only (300 s), so the hang is found after the cap plus the bound,
+    not after the phase's hour."""
+    clock = Clock()
+    w = RequestWatchdog(10.0, 3600.0, 300.0, clock=clock)
+    w.enter("Pull", "worker0@3")
+    clock.t += 2.0
+    save = w.enter("Save", "worker0@4")
+    w.running(save)
+    clock.t += 300.0 + 7.5              # 2 s before, 300 excused, 7.5 after the cap: 9.5 s of its own
+    assert w.stuck() is None
+    clock.t += 1.0
+    assert w.stuck().startswith("Pull request worker0@3 in flight for 310.5s")
+
+
+def test_a_write_stall_is_excused_like_a_phase(dog):
+    w, clock = dog
+    w.enter("Push", "worker1@9")
+    stall = w.wait_began()
+    clock.t += 200.0
+    assert w.stuck() is None and w.oldest_s() == 0.0
+    w.wait_ended(stall)
+    clock.t += 9.0
+    assert w.stuck() is None and w.oldest_s() == pytest.approx(9.0)
+    clock.t += 2.0
+    assert "Push request worker1@9" in w.stuck()
+
+
+def test_a_stall_reported_by_a_table_reaches_the_servers_watchdog():
+    """``sparse_tables.waits``: what ``SpillStore._write`` calls around a write stall reaches every
+    registered watchdog, and none after ``unwatch``."""
+    from sparse_tables import waits
+    clock = Clock()
+    w = RequestWatchdog(10.0, clock=clock)
+    waits.watch(w)
+    try:
+        w.enter("Push")
+        handles = waits.began()
+        clock.t += 50.0
+        assert w.stuck() is None
+        waits.ended(handles)
+    finally:
+        waits.unwatch(w)
+    assert w not in waits._watchers
+    clock.t += 11.0
+    assert w.stuck() is not None
+
+
 def test_bounds_must_be_positive():
     with pytest.raises(ValueError, match="request_bound_s=0"):
         RequestWatchdog(0)
     with pytest.raises(ValueError, match="phase_bound_s=-1"):
         RequestWatchdog(1, -1)
+
+
+def test_the_oldest_requests_time_leaves_out_phases_and_running_phases(dog):
+    w, clock = dog
+    assert w.oldest_s() == 0.0
+    pull = w.enter("Pull")
+    clock.t += 4.0
+    save = w.enter("Save")
+    w.running(save)
+    clock.t += 30.0
+    assert w.oldest_s() == pytest.approx(4.0)       # the running Save itself is not a request's wait
+    w.exit(save)
+    clock.t += 1.0
+    assert w.oldest_s() == pytest.approx(5.0) and w.in_flight() == 1
+    w.exit(pull)
+    assert w.oldest_s() == 0.0
+
+
+def test_a_sync_barriers_apply_is_a_phase_not_a_hang(monkeypatch):
+    """The last arrival at a sync barrier applies every worker's held updates inside its Barrier request
+    (as long as all their pushes together): a phase. A real in-process server, bound 0.3 s, an apply of
+    1 s: never stuck. Before, the server said stuck, and a liveness probe would have restarted it."""
+    import threading
+    import time
+
+    from engine.ps import InProcessTransport, PSClient, PSServer
+    from sparse_tables import TableConfig
+
+    core = PSServer({"emb": TableConfig(dim=4, optimizer="sgd", learning_rate=1.0)}, request_bound_s=0.3)
+    host = core.sparse["emb"]
+    applied = host.apply_pending
+    monkeypatch.setattr(host, "apply_pending", lambda world: (time.sleep(1.0), applied(world)))
+    said, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            said.append(core.watchdog.stuck())
+            time.sleep(0.05)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        with PSClient(InProcessTransport([core])) as c:
+            c.barrier("sync:step", 1, apply_pending=True, timeout=60)
+    finally:
+        done.set()
+        t.join(5)
+        core.close()
+    assert len(said) > 10 and not any(said), [s for s in said if s][:1]
