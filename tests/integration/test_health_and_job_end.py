@@ -91,6 +91,7 @@ def test_a_preempting_server_says_not_serving(tmp_path, loopback_reference):
         p.send_signal(signal.SIGTERM)             # preempted: keeps serving its job, but is NOT_SERVING
         # NOT_SERVING lasts until preempt_timeout_s passes (10 s: a loaded machine's late polls still see it)
         wait_health(ports[1], "NOT_SERVING", timeout=9)
+        assert health(ports[1], "liveness") == "SERVING"     # unready, but alive: no liveness restart
         assert p.wait(timeout=40) == 75           # preempt_timeout_s passed: resumable exit
     finally:
         if p.poll() is None:
@@ -127,6 +128,7 @@ def test_a_stuck_server_says_not_serving_and_its_worker_exits_76(tmp_path, loopb
         worker = subprocess.Popen(engine(resolved, "--role", "worker", "--rank", 0, *sets), cwd=REPO, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         wait_health(ports[1], "NOT_SERVING", timeout=60)
+        assert health(ports[1], "liveness") == "NOT_SERVING"     # the liveness probe's service too
         with PSClient([f"127.0.0.1:{ports[0]}"], timeout_s=30, retries=0) as c:
             stuck = json.loads(c.transport.call(0, "Health", pb.Empty(request_id="probe"), 5).json)["stuck"]
             assert " request worker0@" in stuck and "beyond client.timeout_s = 2s" in stuck, stuck
@@ -135,6 +137,7 @@ def test_a_stuck_server_says_not_serving_and_its_worker_exits_76(tmp_path, loopb
             assert "Traceback" not in err, err[-3000:]
             assert f"worker 0: no answer in time from 127.0.0.1:{ports[0]} (" in err, err[-3000:]
             wait_health(ports[1], "SERVING", timeout=30)        # the hung request returned
+            assert health(ports[1], "liveness") == "SERVING"
             assert json.loads(c.transport.call(0, "Health", pb.Empty(request_id="probe"), 5).json)["stuck"] is None
     finally:
         for q in (p, worker):
