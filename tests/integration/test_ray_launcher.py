@@ -199,16 +199,19 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _worker_role(rank: int) -> int | None:
+    """The pid of worker ``rank``'s role process, which a Ray actor started (read from this machine's
+    /proc, where both nodes run, not from the driver's forwarded logs, which lag)."""
+    return next((pid for pid in ray_roles() if f"--role worker --rank {rank} " in _cmdline(pid) + " "), None)
+
+
 def _worker_actor(rank: int) -> int | None:
-    """The pid of the Ray actor running worker ``rank``: the parent of its role process (read from this
-    machine's /proc, where both nodes run, not from the driver's forwarded logs, which lag)."""
-    for pid in ray_roles():
-        if f"--role worker --rank {rank} " in _cmdline(pid) + " ":
-            try:
-                return parent_pid(pid)
-            except (OSError, ValueError, IndexError):
-                return None
-    return None
+    """The pid of the Ray actor running worker ``rank``: the parent of its role process."""
+    pid = _worker_role(rank)
+    try:
+        return None if pid is None else parent_pid(pid)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _published(root: Path) -> bool:
@@ -218,18 +221,19 @@ def _published(root: Path) -> bool:
 
 
 def _signal_worker_actor(tmp_path: Path, cmd: list[str], env: dict, root: Path, sig: int,
-                         timeout_s: float) -> tuple[int, str, str, int | None]:
+                         timeout_s: float, find=_worker_actor) -> tuple[int, str, str, int | None]:
     """Run the driver ``cmd``; once its run published a checkpoint under ``root`` (its _SUCCESS file,
-    seen at once on this machine's disk), send ``sig`` to worker 1's actor. -> (driver's exit code, its
-    stdout, its stderr, the actor's pid or None when it was not found or the job had ended). A stopped
-    actor is continued at the end, should it outlive the restart."""
+    seen at once on this machine's disk), send ``sig`` to worker 1's actor (``find``: or another process
+    of worker 1, by its rank). -> (driver's exit code, its stdout, its stderr, the pid signalled or None
+    when it was not found or the job had ended). A stopped process is continued at the end, should it
+    outlive the restart."""
     sent = None
     with open(tmp_path / "driver.err", "w+") as err:
         driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             until(lambda: driver.poll() is not None or _published(root), "a published checkpoint",
                   timeout_s=300, every_s=0.02)
-            sent = _worker_actor(1) if driver.poll() is None else None
+            sent = find(1) if driver.poll() is None else None
             if sent is not None:
                 os.kill(sent, sig)
             out, _ = driver.communicate(timeout=timeout_s)
@@ -324,6 +328,29 @@ def test_a_stalled_worker_actor_reads_as_no_heartbeat_and_the_job_restarts(ray_c
     final = json.loads(out.strip().splitlines()[-1])
     assert final["restarts"] == 1, (final, text[-3000:])
     assert "worker 1" in text and "no heartbeat for" in text and "no progress report" not in text, text[-3000:]
+    deadline = time.monotonic() + 30
+    while ray_roles() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_roles()
+
+
+@pytest.mark.long   # make test-long (see pyproject.toml): the frozen-actor test covers the same restart
+def test_a_frozen_worker_role_under_an_answering_actor_is_declared_dead_and_the_job_restarts(ray_cluster, tmp_path):
+    """Worker 1's role process is frozen (SIGSTOP) while its actor answers every call: the role's progress
+    report, read by the actor on the role's node, stops beating, and the launcher declares the worker
+    dead ("no heartbeat") after client.dead_after_s, tears the frozen role down and restarts the job,
+    which completes, with no role process left."""
+    address, head, _, _ = ray_cluster
+    env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.2"}      # a run of ~13 s
+    cmd = ray_cmd(tmp_path, "frozen", address, head.node_ip_address, "checkpoint.align_steps=8",
+                  "checkpoint.delta_every=8steps", "client.dead_after_s=6")
+    code, out, text, stopped = _signal_worker_actor(tmp_path, cmd, env, tmp_path / "ckpt-frozen", signal.SIGSTOP,
+                                                    300, find=_worker_role)
+    assert stopped is not None, text[-3000:]
+    assert code == 0, text[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["restarts"] == 1, (final, text[-3000:])
+    assert "worker 1" in text and "no heartbeat for" in text, text[-3000:]
     deadline = time.monotonic() + 30
     while ray_roles() and time.monotonic() < deadline:
         time.sleep(0.2)
