@@ -239,6 +239,27 @@ def test_a_server_that_hangs_or_dies_inside_the_restore_is_a_failure_like_any_ot
     assert not leftovers(tmp_path)
 
 
+@pytest.mark.long   # make test-long: the restore-fault test above runs restores of 4 s in make test
+def test_a_restore_longer_than_dead_after_s_is_no_hang(tmp_path):
+    """A restart's restore that takes longer than client.dead_after_s (the failpoint server.load holds
+    every Load 10 s, against 6 s): the servers answer Health meanwhile and the Load is a phase for their
+    watchdogs, so nothing is declared hung or stuck, and the job restarts once and finishes. Production
+    restores take minutes against the default 30 s."""
+    dead_after = 6.0
+    env = {**PACED, "ENGINE_FAILPOINTS": PACED["ENGINE_FAILPOINTS"] + ";server.load=sleep:10"}
+    proc = engine("--set", f"checkpoint.root={tmp_path / 'ckpt'}", "--set", "checkpoint.align_steps=10",
+                  "--set", "checkpoint.delta_every=10steps", "--set", f"client.dead_after_s={dead_after}",
+                  "--set", "client.timeout_s=5", run_dir=tmp_path, env=env)
+    out, err = worker1_killed_at(proc, tmp_path, 25)          # a checkpoint stands at step 20
+    assert proc.returncode == 0, err[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["restarts"] == 1, (final, err[-3000:])
+    assert "worker 1 failed (was killed by signal 9); restart 1/3 from " in err, err[-3000:]
+    assert "hung" not in err, err[-3000:]
+    assert "failpoint server.load: sleep 10 s" in (tmp_path / "restart-1" / "server-0.log").read_text()
+    assert not leftovers(tmp_path)
+
+
 def test_a_restart_after_resume_of_an_older_checkpoint_restores_that_one_not_the_newer(tmp_path):
     """An operator rolls the job back (``--resume`` of an older checkpoint than the job's newest); a
     worker dies before the job writes a checkpoint of its own. The restart restores the checkpoint the
