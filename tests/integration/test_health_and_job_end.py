@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.ps import ps_pb2 as pb
 from tests.integration.test_multihost import engine
 from tests.integration.test_role_resume import free_ports
+from tests.integration.test_status import status
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +133,9 @@ def test_a_stuck_server_says_not_serving_and_its_worker_exits_76(tmp_path, loopb
         with PSClient([f"127.0.0.1:{ports[0]}"], timeout_s=30, retries=0) as c:
             stuck = json.loads(c.transport.call(0, "Health", pb.Empty(request_id="probe"), 5).json)["stuck"]
             assert " request worker0@" in stuck and "beyond client.timeout_s = 2s" in stuck, stuck
+            shown = status(f"127.0.0.1:{ports[0]}", "--once", "--timeout", "10")     # engine status, in red
+            assert shown.returncode == 0 and "server 0 (127.0.0.1:" in shown.stdout and " stuck: " in shown.stdout, \
+                shown.stdout[-2000:]
             _, err = worker.communicate(timeout=60)
             assert worker.returncode == 76, err[-3000:]
             assert "Traceback" not in err, err[-3000:]
