@@ -66,7 +66,7 @@ class WorkerLiveness:
         from .ps.health import HealthPort
         self.reporter, self.dead_after_s, self.name = reporter, float(dead_after_s), name
         self.in_flight = in_flight
-        self.started = time.time()
+        self.started = time.monotonic()
         self.probe = HealthPort(host, port, services=("",))     # the overall status: it serves no PS
         self.port = self.probe.port
         self.why: str | None = None
@@ -85,8 +85,8 @@ class WorkerLiveness:
     def _check(self) -> str | None:
         report = self.reporter.report()
         if self.in_flight is not None:      # the loop resumes when a long call returns
-            report["step_time"] = max(float(report["step_time"]), self.in_flight.long_call_ended)
-        why = progress.stalled(report, time.time(), self.dead_after_s, self.started)
+            report["step_mono"] = max(float(report["step_mono"]), self.in_flight.long_call_ended)
+        why = progress.stalled(report, time.monotonic(), self.dead_after_s, self.started)
         waiting = self.in_flight.waiting() if why and self.in_flight is not None else None
         if waiting:
             if waiting != self.waiting:

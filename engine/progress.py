@@ -19,11 +19,17 @@ A worker that a launcher supervises (``ENGINE_PROGRESS_FILE`` set) reports:
 
 The supervisor's rule (``stalled``): dead when the beat is older than ``dead_after_s``; hung when, in
 training, the step has not moved for ``dead_after_s``, or an announced phase outlived its deadline.
+Ages are measured on the writer's monotonic clock (``mono``, ``step_mono``, a phase's
+``started_mono``: ``time.monotonic()``, one clock for every process of a host), so a step of the wall
+clock (NTP, an operator) reads as no hang and hides none; a report read on another host (a Ray actor's
+node) is moved into the reader's clock by ``rebase``. The wall-clock times stay for people
+(``engine status``).
 
 File format (written atomically: a temporary file renamed over the old one)::
 
-    {"pid": 4242, "beat": 1764061200.5, "step": 1200, "step_time": 1764061200.1, "examples": 153600,
-     "marks": {"0:0": 0, "0:256": 32768}, "last_mark": "0:256", "where": {"epoch": 0}, "phase": null}
+    {"pid": 4242, "beat": 1764061200.5, "mono": 81200.5, "step": 1200, "step_time": 1764061200.1,
+     "step_mono": 81200.1, "examples": 153600, "marks": {"0:0": 0, "0:256": 32768}, "last_mark": "0:256",
+     "where": {"epoch": 0}, "phase": null}
 
 Without ``ENGINE_PROGRESS_FILE`` (role mode under another scheduler) nothing is written; a role-mode
 worker with a health port (``engine.liveness``) keeps the same report in memory and answers its
@@ -65,13 +71,15 @@ class Progress:
         self.interval_s = float(interval_s)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
-        now = time.time()
-        self._state = {"pid": os.getpid(), "beat": now, "step": 0, "step_time": now, "examples": 0,
-                       "marks": {}, "last_mark": None, "where": {}, "phase": None}
+        now, mono = time.time(), time.monotonic()
+        self._state = {"pid": os.getpid(), "beat": now, "mono": mono, "step": 0, "step_time": now,
+                       "step_mono": mono, "examples": 0, "marks": {}, "last_mark": None, "where": {},
+                       "phase": None}
         self._phases: list[dict] = []
         self._startup = None
         if startup_s is not None:
-            self._startup = {"name": "start-up", "started": now, "deadline_s": float(startup_s)}
+            self._startup = {"name": "start-up", "started": now, "started_mono": mono,
+                             "deadline_s": float(startup_s)}
             self._phases.append(self._startup)
             self._state["phase"] = self._startup
         self._stop = threading.Event()
@@ -91,7 +99,7 @@ class Progress:
                 st["phase"] = self._phases[-1] if self._phases else None
             st["step"] += 1
             st["examples"] += int(examples)
-            st["step_time"] = time.time()
+            st["step_time"], st["step_mono"] = time.time(), time.monotonic()
 
     def moved(self) -> None:
         """The loop made progress that is not a training step (it skips the batches a resumed position
@@ -102,15 +110,15 @@ class Progress:
     def _resumed(self) -> None:
         """The loop goes on from now (under ``_lock``): the start-up's deadline, which counts outside
         announced phases, and a stall are measured from here."""
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
         if self._startup is not None:
-            self._startup["started"] = now
-        self._state["step_time"] = now
+            self._startup["started"], self._startup["started_mono"] = now, mono
+        self._state["step_time"], self._state["step_mono"] = now, mono
 
     def report(self) -> dict:
         """A copy of the report as it stands (the beat is now: whoever asks, this process answers)."""
         with self._lock:
-            return copy.deepcopy({**self._state, "beat": time.time()})
+            return copy.deepcopy({**self._state, "beat": time.time(), "mono": time.monotonic()})
 
     def mark(self, name: str) -> None:
         """Remember the examples count at point ``name`` (e.g. a checkpoint's data position)."""
@@ -130,7 +138,8 @@ class Progress:
     def phase(self, name: str, deadline_s: float):
         """Announce a long operation of at most ``deadline_s`` seconds; nested phases stack (the
         innermost is reported)."""
-        entry = {"name": name, "started": time.time(), "deadline_s": float(deadline_s)}
+        entry = {"name": name, "started": time.time(), "started_mono": time.monotonic(),
+                 "deadline_s": float(deadline_s)}
         with self._lock:
             self._phases.append(entry)
             self._state["phase"] = entry
@@ -147,7 +156,7 @@ class Progress:
         # and published in the same order, so an older report never replaces a newer one
         with self._write_lock:
             with self._lock:
-                self._state["beat"] = time.time()
+                self._state["beat"], self._state["mono"] = time.time(), time.monotonic()
                 text = json.dumps(self._state)
             tmp = self.path.with_name(self.path.name + ".tmp")
             try:
@@ -195,22 +204,39 @@ def read(path: str | os.PathLike) -> dict | None:
 
 
 def stalled(report: dict | None, now: float, dead_after_s: float, started: float) -> str | None:
-    """Why a worker with ``report`` counts as dead at ``now`` (wall seconds), or None if alive.
+    """Why a worker with ``report`` counts as dead at ``now``, or None if alive. ``now`` and ``started``
+    are this host's monotonic seconds (``time.monotonic()``), the clock of the report's ``mono``,
+    ``step_mono`` and phases' ``started_mono`` (``rebase`` a report read on another host).
 
     ``started``: when the process was started (a worker with no report yet is given ``dead_after_s``
     after it, on top of its start-up; the caller adds the start-up allowance)."""
     if report is None:
         return f"no progress report {now - started:.0f}s after start" if now - started > dead_after_s else None
-    beat_age = now - float(report.get("beat", 0))
+    beat_age = now - float(report.get("mono", 0))
     if beat_age > dead_after_s:
         return f"no heartbeat for {beat_age:.0f}s (stopped or frozen process)"
     ph = report.get("phase")
     if ph:
-        age = now - float(ph["started"])
+        age = now - float(ph["started_mono"])
         if age > float(ph["deadline_s"]):
             return f"{ph['name']!r} has run {age:.0f}s, past its {float(ph['deadline_s']):g}s deadline"
         return None
-    idle = now - float(report.get("step_time", now))
+    idle = now - float(report.get("step_mono", now))
     if idle > dead_after_s:
         return f"no training step for {idle:.0f}s at step {report.get('step')} (a hang)"
     return None
+
+
+def rebase(report: dict | None, offset_s: float) -> dict | None:
+    """``report`` with its monotonic times moved by ``offset_s`` seconds (None stays None): a report read
+    on another host (its reader's node clock minus this host's at the read: ``offset_s`` = this host's
+    ``time.monotonic()`` at the answer minus the node's at the read) compares with this host's clock."""
+    if report is None:
+        return None
+    out = {**report}
+    for key in ("mono", "step_mono"):
+        if key in out:
+            out[key] = float(out[key]) + offset_s
+    if out.get("phase"):
+        out["phase"] = {**out["phase"], "started_mono": float(out["phase"]["started_mono"]) + offset_s}
+    return out

@@ -108,7 +108,6 @@ class Child:
     ready_path: Path | None = None
     progress_path: Path | None = None
     started: float = field(default_factory=time.monotonic)
-    started_wall: float = field(default_factory=time.time)
 
     @property
     def name(self) -> str:
@@ -311,12 +310,12 @@ class LocalCluster:
         """Raise LaunchError for the first running child whose progress report (``engine.progress``)
         says it is dead or hung: a worker, or a server before it is ready (it has no address to poll)."""
         dead_after = self.cfg.client.dead_after_s
-        now = time.time()
+        now = time.monotonic()          # the reports' clock (engine.progress): a wall-clock step is no hang
         for c in children:
             if c.proc.poll() is not None:
                 continue
             why = progress.stalled(c.report(), now, dead_after,
-                                   c.started_wall + self.cfg.cluster.startup_timeout_s)
+                                   c.started + self.cfg.cluster.startup_timeout_s)
             if why:
                 reason = f"hung{' ' + when if when else ''}: {why} (client.dead_after_s={dead_after:g})"
                 raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",

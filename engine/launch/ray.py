@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .. import progress
@@ -140,8 +141,9 @@ class RoleActor:
         path = self.files.get(kind)
         if path is None:
             return None
-        if kind == "progress":
-            return progress.read(path)
+        if kind == "progress":      # with this node's monotonic clock at the read (RayChild.report)
+            report = progress.read(path)
+            return None if report is None else {**report, "read_mono": time.monotonic()}
         try:
             text = path.read_text()
         except OSError:
@@ -233,12 +235,18 @@ class RayChild(Child):
         return self._read("result")
 
     def report(self) -> dict | None:
-        """The role's progress report. When its actor does not answer in time, the last report read:
-        its beat ages, so a stalled actor reads as "no heartbeat for N s", as a frozen local process
-        does, not as a worker that never reported (which a missing report would say)."""
+        """The role's progress report, its monotonic times moved into this process's clock (the actor
+        reads the file on the role's node, with that node's clock). When its actor does not answer in
+        time, the last report read: its beat ages, so a stalled actor reads as "no heartbeat for N s",
+        as a frozen local process does, not as a worker that never reported (which a missing report
+        would say)."""
         value = self._read("progress", on_timeout=_TIMED_OUT)
         if value is _TIMED_OUT:
             return self._last_report
+        if value is not None:      # its node's monotonic clock -> the driver's (engine.progress.rebase)
+            read_mono = value.pop("read_mono", None)
+            if read_mono is not None:
+                value = progress.rebase(value, time.monotonic() - float(read_mono))
         self._last_report = value
         return value
 

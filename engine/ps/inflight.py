@@ -24,7 +24,7 @@ class InFlight:
     def __init__(self):
         self._calls: dict[int, tuple[float, float, int, str]] = {}
         self._tokens = itertools.count()
-        #: wall-clock seconds when the last call of at least ``LONG_CALL_S`` ended (0: none yet)
+        #: monotonic seconds when the last call of at least ``LONG_CALL_S`` ended (0: none yet)
         self.long_call_ended = 0.0
 
     def enter(self, server: int, method: str, bound_s: float) -> int:
@@ -35,8 +35,9 @@ class InFlight:
 
     def exit(self, token: int) -> None:
         """The call of ``token`` (``enter``) returned or raised."""
-        if time.monotonic() - self._calls.pop(token)[0] >= LONG_CALL_S:
-            self.long_call_ended = time.time()
+        now = time.monotonic()
+        if now - self._calls.pop(token)[0] >= LONG_CALL_S:
+            self.long_call_ended = now
 
     def waiting(self) -> str | None:
         """The oldest call in flight still within its bound, described (``Pull to server 1 for 12s, at

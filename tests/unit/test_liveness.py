@@ -31,9 +31,9 @@ def status(port: int) -> str:
 def elapse(reporter: progress.Progress, seconds: float, calls: inflight.InFlight | None = None) -> None:
     """As if ``seconds`` passed since every timestamp of the report (and of the calls in flight)."""
     with reporter._lock:
-        reporter._state["step_time"] -= seconds
+        reporter._state["step_mono"] -= seconds
         for ph in reporter._phases:
-            ph["started"] -= seconds
+            ph["started_mono"] -= seconds
     if calls is not None:
         calls._calls = {t: (c[0] - seconds, *c[1:]) for t, c in calls._calls.items()}
         calls.long_call_ended -= seconds if calls.long_call_ended else 0.0
@@ -130,10 +130,10 @@ def test_the_start_up_deadline_counts_outside_the_phases_announced_inside_it():
     reporter = progress.Progress(None, startup_s=60.0)
     with reporter.phase("roll-back to X", 3600):
         elapse(reporter, 300)
-        assert progress.stalled(reporter.report(), time.time(), DEAD_AFTER_S, 0.0) is None
-    assert progress.stalled(reporter.report(), time.time(), DEAD_AFTER_S, 0.0) is None
+        assert progress.stalled(reporter.report(), time.monotonic(), DEAD_AFTER_S, 0.0) is None
+    assert progress.stalled(reporter.report(), time.monotonic(), DEAD_AFTER_S, 0.0) is None
     elapse(reporter, 61)
-    assert "'start-up' has run 61s" in progress.stalled(reporter.report(), time.time(), DEAD_AFTER_S, 0.0)
+    assert "'start-up' has run 61s" in progress.stalled(reporter.report(), time.monotonic(), DEAD_AFTER_S, 0.0)
 
 
 def test_moving_without_a_step_is_not_a_stall():
@@ -142,6 +142,6 @@ def test_moving_without_a_step_is_not_a_stall():
     for _ in range(3):
         elapse(reporter, 50)
         reporter.moved()
-        assert progress.stalled(reporter.report(), time.time(), DEAD_AFTER_S, 0.0) is None
+        assert progress.stalled(reporter.report(), time.monotonic(), DEAD_AFTER_S, 0.0) is None
     elapse(reporter, 61)
-    assert "'start-up' has run 61s" in progress.stalled(reporter.report(), time.time(), DEAD_AFTER_S, 0.0)
+    assert "'start-up' has run 61s" in progress.stalled(reporter.report(), time.monotonic(), DEAD_AFTER_S, 0.0)
