@@ -260,6 +260,7 @@ def test_a_restore_longer_than_dead_after_s_is_no_hang(tmp_path):
     assert not leftovers(tmp_path)
 
 
+@pytest.mark.long   # make test-long (46 s of CI): the rule itself is tests/unit/test_recovery_target.py's
 def test_a_restart_after_resume_of_an_older_checkpoint_restores_that_one_not_the_newer(tmp_path):
     """An operator rolls the job back (``--resume`` of an older checkpoint than the job's newest); a
     worker dies before the job writes a checkpoint of its own. The restart restores the checkpoint the
