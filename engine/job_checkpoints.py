@@ -29,8 +29,8 @@ from .checkpoint.schedule import Schedule
 from .errors import ConfigError
 from .connect import connect
 
-__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "check_resume_id", "resumed_since", "recovery_target",
-           "resume", "final", "Periodic"]
+__all__ = ["job_name", "manager_for", "job_manager", "newest_name", "check_resume_id", "resumed_since",
+           "recovery_target", "resume", "final", "Periodic"]
 
 log = logging.getLogger(__name__)
 

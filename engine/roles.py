@@ -149,8 +149,8 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     health checking port (``engine.ps.health``): SERVING while the server serves; NOT_SERVING while it
     preempts, or while it is stuck (a request hung past ``client.timeout_s``, ``engine.ps.watchdog``:
     logged once); its service ``liveness`` NOT_SERVING only while stuck, so a liveness probe restarts
-    a stuck server but not a preempting one. ``allow_load`` (``--allow-load URI``) names further roots this server's operator lets clients load
-    from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
+    a stuck server but not a preempting one. ``allow_load`` (``--allow-load URI``) names further roots
+    this server's operator lets clients load from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
     from .ps import _malloc, governor
     from .ps.grpc_service import serve

@@ -25,8 +25,9 @@ through the downward API; a replacement pod keeps its index, so it keeps its ran
 **Exit codes and podFailurePolicy** (it needs ``restartPolicy: Never``): 2 (a config error, which never
 heals) fails the Job at once; 75 (preempted at a checkpoint, resumable) and 76 (a worker whose servers
 changed under it, or that lost one or got no answer from one in time, or that waits for a roll-back) are
-retried without counting against ``backoffLimit``; so is a pod with the ``DisruptionTarget`` condition (evicted, preempted by the scheduler, node drain). Anything else counts
-against ``kubernetes.backoff_limit``. ``podReplacementPolicy: Failed``: a replacement starts only once the
+retried without counting against ``backoffLimit``; so is a pod with the ``DisruptionTarget`` condition
+(evicted, preempted by the scheduler, node drain). Anything else counts against
+``kubernetes.backoff_limit``. ``podReplacementPolicy: Failed``: a replacement starts only once the
 old pod has terminated, so two servers never hold one DNS name. ``terminationGracePeriodSeconds`` is
 ``cluster.preempt_timeout_s`` + 60 s: after SIGTERM the job has that long to reach its checkpoint.
 
@@ -35,8 +36,8 @@ old pod has terminated, so two servers never hold one DNS name. ``terminationGra
 speaks neither TLS nor tokens. Startup, readiness and liveness probes use it; the startup probe allows
 ``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). Readiness asks for the overall
 status (NOT_SERVING while preempting or stuck), liveness for service ``liveness`` (NOT_SERVING only while
-stuck: a request hung past ``client.timeout_s``, ``engine.ps.watchdog``), with ``LIVENESS_GRACE_S``. Each worker serves its liveness
-on the same port (``engine.liveness``: NOT_SERVING once its loop stalls past ``client.dead_after_s``, no
+stuck: a request hung past ``client.timeout_s``, ``engine.ps.watchdog``), with ``LIVENESS_GRACE_S``.
+Each worker serves its liveness on the same port (``engine.liveness``: NOT_SERVING once its loop stalls past ``client.dead_after_s``, no
 answer when frozen), with a startup and a liveness probe (10 s × 3; a kill it causes gets
 ``LIVENESS_GRACE_S`` before SIGKILL, not the pod's grace) and no readiness probe.
 

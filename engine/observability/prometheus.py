@@ -550,14 +550,15 @@ def _watchdog_families(watchdog):
     if watchdog is None:
         return
     from prometheus_client.core import GaugeMetricFamily
+    st = watchdog.state()
     yield GaugeMetricFamily("engine_ps_requests_in_flight", "Requests this server is handling now",
-                            value=float(watchdog.in_flight()))
+                            value=float(st["requests_in_flight"]))
     yield GaugeMetricFamily("engine_ps_oldest_request_seconds", "Seconds the oldest request in flight has waited "
                             "(time behind a checkpoint, restore or expiry pass left out); stuck past "
-                            "client.timeout_s", value=watchdog.oldest_s())
+                            "client.timeout_s", value=st["oldest_request_s"])
     yield GaugeMetricFamily("engine_ps_stuck", "1 while this server is stuck (a request hung past client.timeout_s, "
                             "or a checkpoint, restore or expiry pass past 3600 s): its health port says NOT_SERVING",
-                            value=float(watchdog.stuck() is not None))
+                            value=float(st["stuck"] is not None))
 
 
 class TrainerCollector:

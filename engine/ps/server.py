@@ -714,8 +714,7 @@ class PSServer:
                "rss_bytes": governor.rss_bytes(), "malloc": self.heap_stats(), "pid": os.getpid(),
                "memory_governor": self.governor.stats() if self.governor is not None else None,
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
-               "barriers": self.barriers.stats(), "stuck": self.watchdog.stuck(),
-               "requests_in_flight": self.watchdog.in_flight(), "oldest_request_s": self.watchdog.oldest_s(),
+               "barriers": self.barriers.stats(), **self.watchdog.state(),
                "auth_denied": dict(self.auth.denied) if self.auth is not None else {},
                "sparse": {n: h.stats() for n, h in self.sparse.items()},
                "dense": {n: h.stats() for n, h in self.dense.items()}}

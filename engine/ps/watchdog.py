@@ -116,9 +116,9 @@ class RequestWatchdog:
             if since is not None:
                 self._ended.append((since, self.clock()))
 
-    def _own_times(self) -> tuple[float, dict, list[tuple[float, float, str, str]]]:
-        """(now, running phases and waits, [(own time, arrived, method, request id)] of every request
-        that is not a running phase)."""
+    def _look(self) -> tuple[str | None, float]:
+        """(why this server is stuck or None, the largest own time of a request that is not a running
+        phase, 0.0 when there is none): one pass over the requests for ``stuck``, ``oldest_s``, ``state``."""
         with self._lock:
             now = self.clock()
             running = self._running.copy()
@@ -131,30 +131,29 @@ class RequestWatchdog:
                 merged[-1][1] = max(merged[-1][1], b)
             elif b > a:
                 merged.append([a, b])
-        out = []
-        for token, (arrived, method, rid) in self._requests.copy().items():
-            if token in running:
-                continue
-            excused = sum(max(0.0, min(b, now) - max(a, arrived)) for a, b in merged)
-            out.append(((now - arrived) - excused, arrived, method, rid))
-        return now, running, out
-
-    def stuck(self) -> str | None:
-        """Why this server is stuck (``Pull request worker1@77 in flight for 64.2s (...), beyond
-        client.timeout_s = 60s``), or None. The oldest offending request is named."""
-        now, running, own = self._own_times()
         requests = self._requests.copy()
+        own = []                                    # (own time, arrived, method, request id)
+        for token, (arrived, method, rid) in requests.items():
+            if token not in running:
+                excused = sum(max(0.0, min(b, now) - max(a, arrived)) for a, b in merged)
+                own.append(((now - arrived) - excused, arrived, method, rid))
+        oldest = max([t for t, *_ in own] or [0.0])
         for token, since in sorted(running.items(), key=lambda kv: kv[1]):
             if token in requests and now - since > self.phase_bound_s:
                 method, rid = requests[token][1:]
                 return (f"{method} request {rid} running for {now - since:.0f}s, beyond the "
-                        f"{self.phase_bound_s:g}s a client waits for it")
+                        f"{self.phase_bound_s:g}s a client waits for it"), oldest
         late = [(arrived, method, rid) for t, arrived, method, rid in own if t > self.request_bound_s]
         if not late:
-            return None
+            return None, oldest
         arrived, method, rid = min(late)
         return (f"{method} request {rid} in flight for {now - arrived:.1f}s (checkpoints, restores, expiry passes "
-                f"and write stalls meanwhile not counted), beyond client.timeout_s = {self.request_bound_s:g}s")
+                f"and write stalls meanwhile not counted), beyond client.timeout_s = {self.request_bound_s:g}s"), oldest
+
+    def stuck(self) -> str | None:
+        """Why this server is stuck (``Pull request worker1@77 in flight for 64.2s (...), beyond
+        client.timeout_s = 60s``), or None. The oldest offending request is named."""
+        return self._look()[0]
 
     def in_flight(self) -> int:
         """Requests being handled now."""
@@ -163,4 +162,10 @@ class RequestWatchdog:
     def oldest_s(self) -> float:
         """The largest own time in flight (seconds) of a request that is not a running phase (the rule's
         count: excused time left out); 0.0 when there is none. ``stuck`` past ``request_bound_s``."""
-        return max([t for t, *_ in self._own_times()[2]] or [0.0])
+        return self._look()[1]
+
+    def state(self) -> dict:
+        """``{"stuck": why or None, "requests_in_flight": n, "oldest_request_s": seconds}`` from one look
+        (``Stats``, the Prometheus gauges)."""
+        why, oldest = self._look()
+        return {"stuck": why, "requests_in_flight": self.in_flight(), "oldest_request_s": oldest}

@@ -21,26 +21,35 @@ from tests.integration.test_offline_resume import _state, assert_same_model
 pytestmark = pytest.mark.slow
 
 
-def preempted_run(tmp, tag: str, victim, *sets: str) -> dict:
-    """Start the job, SIGTERM ``victim`` ("launcher" or a worker rank) at step 10 of worker 0; returns
-    the final line of the preempted job."""
-    cmd = args(tmp, tag, *sets)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def sigterm_when(tmp, tag: str, sets, ready, victim, env=None) -> tuple[int, str, str, float]:
+    """Start the job; once ``ready(run_dir)`` returned, SIGTERM the pid ``victim(proc, run_dir)`` names;
+    returns (exit code, stdout, stderr, seconds from the signal to the job's end). The job is killed
+    if anything fails."""
+    proc = subprocess.Popen(args(tmp, tag, *sets), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
     run_dir = tmp / f"run-{tag}"
     try:
-        wait_for(run_dir / "worker-0.progress.json", lambda r: r["step"] >= 10, "step 10")
-        pid = (proc.pid if victim == "launcher" else role_pid(run_dir, "server", 0) if victim == "server"
-               else role_pid(run_dir, "worker", victim))
+        ready(run_dir)
+        pid = victim(proc, run_dir)
         t0 = time.monotonic()
         os.kill(pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
-        took = time.monotonic() - t0
+        return proc.returncode, out, err, time.monotonic() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+
+
+def preempted_run(tmp, tag: str, victim, *sets: str) -> dict:
+    """Start the job, SIGTERM ``victim`` ("launcher" or a worker rank) at step 10 of worker 0; returns
+    the final line of the preempted job."""
+    run_dir = tmp / f"run-{tag}"
+    code, out, err, took = sigterm_when(
+        tmp, tag, sets, lambda d: wait_for(d / "worker-0.progress.json", lambda r: r["step"] >= 10, "step 10"),
+        lambda proc, d: (proc.pid if victim == "launcher" else role_pid(d, "server", 0) if victim == "server"
+                         else role_pid(d, "worker", victim)))
+    assert code == EXIT_PREEMPTED, err[-3000:]
     assert "preempted; resume with" in err and took < 60
     assert not leftovers(run_dir)
     final = json.loads(out.strip().splitlines()[-1])
@@ -95,21 +104,13 @@ def test_a_preemption_no_meeting_can_answer_stops_at_the_last_checkpoint_after_t
     checkpoint (step 8: ``checkpoint.align_steps``) as the one to resume, with no process left."""
     sets = ("mode=async", "cluster.workers=2", "cluster.preempt_timeout_s=3", "model.batch_size=16")
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:600@12"}
-    proc = subprocess.Popen(args(tmp_path, "job", *sets), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
     run_dir = tmp_path / "run-job"
-    try:
-        for w in range(2):      # both hang: their reports stop at step 12
-            wait_for(run_dir / f"worker-{w}.progress.json", lambda r: r["step"] >= 12, f"worker {w} at step 12")
-        t0 = time.monotonic()
-        os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-        took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+
+    def both_hang(d):           # their reports stop at step 12
+        for w in range(2):
+            wait_for(d / f"worker-{w}.progress.json", lambda r: r["step"] >= 12, f"worker {w} at step 12")
+    code, out, err, took = sigterm_when(tmp_path, "job", sets, both_hang, lambda proc, d: proc.pid, env=env)
+    assert code == EXIT_PREEMPTED, err[-3000:]
     assert "preempted before a checkpoint meeting: preempt timeout" in err, err[-3000:]
     assert "restart 1/" not in err and 3 <= took < 30, (took, err[-3000:])
     final = json.loads(out.strip().splitlines()[-1])
