@@ -9,26 +9,41 @@ __all__ = ["DataFormatError", "SchemaError"]
 
 
 class DataFormatError(ValueError):
-    """A raw input line does not follow its format (wrong field count, non-integer, non-hex, bad label).
+    """A raw input line does not follow its format (wrong field count, non-integer, non-hex, bad label),
+    or a row of an Arrow input holds a value its column may not (a null, NaN or infinity, a label
+    outside [0, 1]).
 
     Parameters
     ----------
     path : str
         The input file.
     line : int
-        1-based physical line number in ``path`` (after decompression).
+        1-based physical line number in ``path`` (after decompression), or with ``unit="row"`` the
+        1-based row of an Arrow file (counted over all its record batches).
     field : str
-        The field at fault (``"label"``, ``"I3"``, ``"C7"``) or ``"fields"`` for a wrong field count.
+        The field or column at fault (``"label"``, ``"I3"``, ``"C7"``) or ``"fields"`` for a wrong
+        field count.
     reason : str
         What was wrong, in "expected X, got Y" form.
+    unit : {"line", "row"}
+        What ``line`` counts.
     """
 
-    def __init__(self, path: str, line: int, field: str, reason: str):
+    def __init__(self, path: str, line: int, field: str, reason: str, *, unit: str = "line"):
         self.path = str(path)
         self.line = int(line)
         self.field = field
         self.reason = reason
-        super().__init__(f"{self.path}:{self.line}: field {field}: {reason}")
+        self.unit = unit
+        where = f"{self.path}:{self.line}" if unit == "line" else f"{self.path}: {unit} {self.line}"
+        super().__init__(f"{where}: field {field}: {reason}")
+
+    def __reduce__(self):   # picklable across processes (prefetch threads, Ray) with its keyword
+        return _rebuild_format_error, (self.path, self.line, self.field, self.reason, self.unit)
+
+
+def _rebuild_format_error(path, line, field, reason, unit):
+    return DataFormatError(path, line, field, reason, unit=unit)
 
 
 class SchemaError(ValueError):

@@ -35,7 +35,7 @@ import pyarrow.ipc as ipc
 import hdfs_io
 from hdfs_io import Storage, StorageOptions
 
-from .errors import SchemaError
+from .errors import DataFormatError, SchemaError
 
 __all__ = ["Partition", "HourlySource", "partition_name", "partition_time"]
 
@@ -92,12 +92,13 @@ class Partition:
         return self.start + _dt.timedelta(hours=1)
 
     def record_batches(self, *, shard: tuple[int, int] = (0, 1), schema: pa.Schema | None = None,
-                       start_file: int = 0, start_batch: int = 0) -> Iterator[tuple[int, int, pa.RecordBatch]]:
+                       start_file: int = 0, start_batch: int = 0,
+                       check=None) -> Iterator[tuple[int, int, pa.RecordBatch]]:
         """``(file_index, batch_index, batch)`` of this worker's share, in file order.
 
         Worker ``w`` of ``W`` gets the input record batches ``w::W`` counted over the whole partition,
         so every worker gets work even from a single file. ``start_file`` / ``start_batch`` resume
-        after a recorded position.
+        after a recorded position. ``check``: as ``ArrowSource``'s, on every batch of this worker's share.
 
         Raises
         ------
@@ -105,6 +106,8 @@ class Partition:
             A file is not readable Arrow (named).
         SchemaError
             A file lacks a column of ``schema`` or has another type (names the file and column).
+        DataFormatError
+            ``check`` found a value the consumer cannot use (names the file, its row and the column).
         """
         w, n = shard
         counter = 0
@@ -117,13 +120,19 @@ class Partition:
                 raise hdfs_io.CheckpointCorruptError(f"{uri}: not a readable Arrow file: {exc}", uri=uri) from exc
             if schema is not None:
                 _check_schema(reader.schema, schema, self.storage.uri_of(fname))
+            file_row = 0    # rows of this file before rb
             for bi, rb in enumerate(reader):
                 mine = counter % n == w
                 counter += 1
+                row_in_file, file_row = file_row, file_row + rb.num_rows
                 if not mine or fi < start_file or (fi == start_file and bi < start_batch):
                     continue
                 if schema is not None:
                     rb = pa.RecordBatch.from_arrays([rb.column(f.name) for f in schema], schema=schema)
+                if check is not None and (bad := check(rb)) is not None:
+                    column, row, reason = bad
+                    raise DataFormatError(self.storage.uri_of(fname), row_in_file + row + 1, column, reason,
+                                          unit="row")
                 yield fi, bi, rb
 
 

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import keys
-from .errors import SchemaError
+from .errors import DataFormatError, SchemaError
 
 __all__ = ["ArrowSource", "SourcePosition", "list_files", "prefetch"]
 
@@ -232,6 +232,11 @@ class ArrowSource:
     shard_by : "files" or "batches"
     start : SourcePosition, optional
         Resume point (skips everything before it).
+    check : callable, optional
+        ``check(rb) -> (column, row, reason) or None``, called on every record batch of an input (after
+        string slots are hashed) before it is delivered: a tuple names the first value the consumer
+        cannot use (``row`` 0-based in ``rb``), and ``batches`` raises ``DataFormatError`` naming the
+        file, the row of the file and the column. E.g. ``engine.programs.ctr_data.check_values``.
 
     Raises
     ------
@@ -251,7 +256,7 @@ class ArrowSource:
                  string_slots: Mapping[str, int] | None = None, shuffle_buffer: int = 0,
                  seed: int | None = None, drop_last: bool = False, prefetch: int = 4,
                  shard: tuple[int, int] | None = None, shard_by: str = "files",
-                 start: SourcePosition | None = None):
+                 start: SourcePosition | None = None, check=None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if shuffle_buffer < 0:
@@ -281,6 +286,7 @@ class ArrowSource:
         self.shard_by = shard_by
         self.start = start or SourcePosition()
         self.position = self.start
+        self.check = check
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -324,10 +330,12 @@ class ArrowSource:
                 continue
             name = _name(src)
             checked = False
+            file_row = 0    # rows of this file before rb
             for bi, rb in enumerate(_read_batches(src, columns)):
                 if not checked:
                     expected = self._check_schema(rb.schema, expected, name)
                     checked = True
+                row_in_file, file_row = file_row, file_row + rb.num_rows
                 if self.shard_by == "batches":
                     mine = stream_counter % n == w
                     stream_counter += 1
@@ -336,6 +344,11 @@ class ArrowSource:
                 if fi == self.start.file_index and bi < self.start.batch_index:
                     continue
                 rb = self._conform(rb, expected)
+                if self.check is not None:
+                    bad = self.check(rb)
+                    if bad is not None:
+                        column, row, reason = bad
+                        raise DataFormatError(name, row_in_file + row + 1, column, reason, unit="row")
                 if fi == self.start.file_index and bi == self.start.batch_index and self.start.row:
                     rb = rb.slice(self.start.row)
                     yield fi, bi, rb, self.start.row
@@ -413,6 +426,8 @@ class ArrowSource:
         ------
         SchemaError
             If an input lacks an expected column or has it with another type (names column and file).
+        DataFormatError
+            ``check`` found a value the consumer cannot use (names the file, row and column).
         """
         it = self._pipeline(epoch)
         if self.prefetch:

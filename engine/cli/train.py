@@ -170,7 +170,7 @@ def _run(args) -> int:
         return 2
     except LaunchError as e:
         print(f"engine train: failed: {e}", file=sys.stderr)
-        return 1
+        return 2 if e.exit_code == 2 else 1     # a role's config or bad-input error: not restarted
     except (CheckpointCorruptError, NotPublishedError) as e:
         print(f"engine train: cannot resume: {e}", file=sys.stderr)
         return 1

@@ -62,12 +62,17 @@ def expected_schema(slots, dense_dim: int) -> pa.Schema:
     Raises
     ------
     ConfigError
-        A slot name that is not a Criteo categorical column, or ``dense_dim`` other than 0 or 13.
+        A slot name that is not a Criteo categorical column or is listed twice, or ``dense_dim`` other
+        than 0 or 13.
     """
     full = criteo_schema()
     bad = [s for s in slots if s not in SPARSE_COLUMNS]
     if bad:
         raise ConfigError(f"model.slots: unknown column(s) {bad}; expected names among C1..C26")
+    twice = sorted({s for s in slots if list(slots).count(s) > 1})
+    if twice:
+        raise ConfigError(f"model.slots: {twice} listed more than once; each slot is one column and one "
+                          f"embedding per example")
     if dense_dim not in (0, full.field("dense").type.list_size):
         raise ConfigError(f"model.dense_dim must be 0 or {full.field('dense').type.list_size} for Criteo "
                           f"data, got {dense_dim}")
@@ -87,6 +92,48 @@ def to_batch(rb: pa.RecordBatch, slots, dense_dim: int) -> CTRBatch:
     for j, s in enumerate(slots):
         keys[:, j] = rb.column(s).to_numpy()
     return CTRBatch(labels, np.ascontiguousarray(dense), keys)
+
+
+def _first(mask) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def check_values(rb: pa.RecordBatch):
+    """The first value of a record batch (columns as in ``expected_schema``) that a CTR model cannot
+    train on, as ``(column, row, reason)`` (``row`` 0-based in ``rb``), or None. ``ArrowSource``'s
+    ``check``: it raises ``DataFormatError`` naming the file and the row of the file.
+
+    Refused: a null label or a label outside [0, 1] (NaN included: the logloss of
+    ``engine.models.losses`` needs a probability); a null ``dense`` list or a null, NaN or infinite
+    value in one; a null key (a slot's missing value has its own key, ``streaming.keys.missing_key``,
+    as ``engine convert`` writes and a string slot's hashing gives). Each check is O(rows); a batch
+    without nulls costs one vectorized pass over the labels and the dense values.
+    """
+    for name in rb.schema.names:
+        col = rb.column(name)
+        if col.null_count:
+            what = "key" if name not in ("label", "dense") else "value"
+            return name, _first(col.is_null().to_numpy(zero_copy_only=False)), \
+                f"expected a {what}, got null" + (" (write the slot's missing key, streaming.keys."
+                                                  "missing_key, for an absent feature)" if what == "key" else "")
+    labels = rb.column("label").to_numpy()
+    bad = ~((labels >= 0) & (labels <= 1))
+    if bad.any():
+        i = _first(bad)
+        return "label", i, f"expected a label in [0, 1], got {float(labels[i])}"
+    if "dense" in rb.schema.names:
+        col = rb.column("dense")
+        values = col.flatten()
+        width = col.type.list_size
+        if values.null_count:
+            i = _first(values.is_null().to_numpy(zero_copy_only=False))
+            return "dense", i // width, f"expected a number at position {i % width}, got null"
+        v = values.to_numpy()
+        finite = np.isfinite(v)
+        if not finite.all():
+            i = _first(~finite)
+            return "dense", i // width, f"expected a finite number at position {i % width}, got {float(v[i])}"
+    return None
 
 
 def dedup_batch(batch: CTRBatch):
@@ -128,7 +175,8 @@ def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num
     shard_by = "files" if len(files) >= num_workers else "batches"
     return ArrowSource(files, batch_size=batch_size, schema=schema, shuffle_buffer=shuffle_buffer,
                        seed=seed * 1009 + rank if shuffle_buffer else None, prefetch=prefetch,
-                       shard=(rank, num_workers), shard_by=shard_by)
+                       shard=(rank, num_workers), shard_by=shard_by,
+                       check=check_values if "label" in schema.names else None)
 
 
 def shard_rows(path: str, num_workers: int) -> list[int]:

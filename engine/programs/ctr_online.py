@@ -43,7 +43,7 @@ from ..errors import ConfigError
 from ..metrics import BinaryMetrics
 from ..program_configs import CTROnlineConfig as Config
 from . import ctr
-from .ctr_data import expected_schema
+from .ctr_data import check_values, expected_schema
 from .ctr_report import EVAL_BUCKETS, MetricsFile, merge_global, now_stamp, reset_metrics
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,8 @@ class OnlineTrainer(ctr.CTRTrainer):
         """Global AUC / logloss of the current model on this hour (before training on it)."""
         local = BinaryMetrics(EVAL_BUCKETS)
         self.model.set_dense(self.client.pull_dense(self.p.dense_table))
-        for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema):
+        for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema,
+                                              check=check_values):
             batch = self.read(rb)
             uniq, rows, segments, _, _ = self.dedup(batch)
             emb = self.client.pull(self.p.sparse_table, uniq)
@@ -182,7 +183,8 @@ class OnlineTrainer(ctr.CTRTrainer):
     def train_partition(self, part) -> tuple[int, float]:
         rows, loss, steps = 0, 0.0, 0
         progress.current().where(partition=part.name)     # engine status: the hour being trained
-        for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema):
+        for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema,
+                                              check=check_values):
             batch = self.read(rb)
             res = self.train_step(batch)
             rows += batch.size

@@ -82,3 +82,21 @@ def test_partition_time_roundtrip():
     assert partition_time("20240101/05") == dt.datetime(2024, 1, 1, 5, tzinfo=dt.timezone.utc)
     with pytest.raises(ValueError):
         partition_time("2024/05")
+
+
+def test_a_check_names_the_partition_file_its_row_and_the_column(storage, request):
+    """A worker's share of a partition is checked batch by batch (``Partition.record_batches(check=)``,
+    as the online CTR job passes ``ctr_data.check_values``): the row is counted over the file's batches,
+    whichever worker reads the bad one."""
+    from streaming.errors import DataFormatError
+    _publish(storage, "20240101/00", 12, batches=3)                  # batches of rows 0-3, 4-7, 8-11
+
+    def no_x_above_9(rb):
+        x = rb.column("x").to_numpy()
+        return ("x", int(np.flatnonzero(x > 9)[0]), "expected x <= 9") if (x > 9).any() else None
+
+    part = next(_src(storage, request, poll_interval_s=0.05).partitions(after=None))
+    assert [rb.num_rows for _, _, rb in part.record_batches(shard=(1, 2), check=no_x_above_9)] == [4]
+    with pytest.raises(DataFormatError) as e:
+        list(part.record_batches(shard=(0, 2), check=no_x_above_9))    # batches 0 and 2: x = 10 is row 11
+    assert str(e.value) == f"{part.storage.uri_of('part-0.arrow')}: row 11: field x: expected x <= 9"
