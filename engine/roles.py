@@ -153,7 +153,7 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     this server's operator lets clients load from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
     from .ps import _malloc, governor
-    from .ps.grpc_service import serve
+    from .ps.grpc_service import method_paths, serve
     from .ps.server import PSServer
 
     # before any thread: glibc latches its arena limit when a thread first needs a ninth arena
@@ -222,7 +222,7 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
                               max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security,
                               dead_after_s=cfg.client.dead_after_s,
-                              interceptors=[metrics.interceptor()] if metrics is not None else ())
+                              interceptors=[metrics.interceptor(method_paths())] if metrics is not None else ())
         health_port = cfg.cluster.health_port if health_port is None else health_port
         if health_port >= 0:        # the plaintext health port: grpc.health.v1 only (engine.ps.health)
             from .ps.health import LIVENESS, HealthPort

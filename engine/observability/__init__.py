@@ -3,7 +3,7 @@
 The other modules call this one, never print or count inline:
 
 * roles: ``prometheus.start(cfg, role, rank)`` serves ``/metrics`` (``observability.prometheus_port``)
-  and pushes to a Pushgateway; the PS server installs ``RoleMetrics.interceptor()`` and
+  and pushes to a Pushgateway; the PS server installs ``RoleMetrics.interceptor(paths)`` and
   ``watch_server(core)``; checkpoint code calls ``prometheus.record_checkpoint``;
 * worker programs: ``events(metrics_file, cfg, rank)`` wraps the run's metrics file so each event also
   becomes TensorBoard scalars and Prometheus gauges, and ``watch_trainer(trainer)`` exports the

@@ -216,8 +216,9 @@ class RoleMetrics:
             _current = None
 
     # ------------------------------------------------------------------ hooks
-    def interceptor(self) -> "RpcMetricsInterceptor":
-        return RpcMetricsInterceptor(self.registry)
+    def interceptor(self, methods) -> "RpcMetricsInterceptor":
+        """The server's RPC metrics; ``methods``: the full paths (``/package.Service/Method``) it serves."""
+        return RpcMetricsInterceptor(self.registry, methods)
 
     def watch_server(self, core) -> None:
         """Export ``core``'s (``engine.ps.server.PSServer``) tables and checkpoint parts at scrape time."""
@@ -365,9 +366,16 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
     """Counts and times every unary RPC of a server: ``engine_ps_rpc_requests_total{method,code}`` and
     ``engine_ps_rpc_duration_seconds{method}``. Installed first, it sees the token check's refusals too
     (``UNAUTHENTICATED``). Label children are cached, so a call costs two clock reads, one observation
-    and one increment."""
+    and one increment.
 
-    def __init__(self, registry: CollectorRegistry):
+    ``methods``: the full paths the server serves (``/package.Service/Method``); the label is the last
+    part. Any other path a caller sends (before the token check, so anyone who reaches the port can) is
+    counted as ``method="other"``: labelled by what it sent, each invented name made new series, and a
+    loop of them grew ``/metrics`` and the server's memory without bound."""
+
+    OTHER = "other"
+
+    def __init__(self, registry: CollectorRegistry, methods=()):
         from prometheus_client import Counter, Histogram
         self.requests = Counter("engine_ps_rpc_requests", "RPCs answered by this server, by method and gRPC "
                                 "status code", ["method", "code"], registry=registry)
@@ -376,6 +384,7 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
                                   registry=registry)
         self._counts: dict[tuple[str, str], object] = {}
         self._hists: dict[str, object] = {}
+        self._names = {m: m.rsplit("/", 1)[-1] for m in methods}
 
     def _count(self, method: str, code: str):
         c = self._counts.get((method, code))
@@ -387,7 +396,7 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or handler.unary_unary is None:
             return handler
-        method = details.method.rsplit("/", 1)[-1]
+        method = self._names.get(details.method, self.OTHER)
         hist = self._hists.get(method)
         if hist is None:
             hist = self._hists[method] = self.duration.labels(method)

@@ -29,13 +29,20 @@ def _make_handler(core: PSServer, method: str):
     return handler
 
 
+SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+def method_paths() -> list[str]:
+    """The full path (``/engine.ps.ParameterServer/Pull``...) of every method a server serves."""
+    return [f"/{SERVICE}/{m}" for m in METHODS]
+
+
 def generic_handler(core: PSServer) -> grpc.GenericRpcHandler:
     """The ``engine.ps.ParameterServer`` service of ``core`` with the zero-copy codec: requests are
     parsed by ``codec.parse`` (a malformed one reaches ``handle`` and gets INVALID_ARGUMENT with its
     context instead of gRPC's bare deserialization error), replies written by ``codec.serialize``.
     The bytes are the protobuf encoding of ps.proto, so generated stubs interoperate."""
-    service = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-    return grpc.method_handlers_generic_handler(service, {
+    return grpc.method_handlers_generic_handler(SERVICE, {
         m: grpc.unary_unary_rpc_method_handler(_make_handler(core, m),
                                                request_deserializer=codec.parser(codec.REQUEST[m]),
                                                response_serializer=codec.serialize)

@@ -20,6 +20,7 @@ from engine.observability import prometheus
 from engine.observability.prometheus import RoleMetrics
 from engine.ps import PSClient, PSServer, serve
 from engine.ps import ps_pb2 as pb
+from engine.ps.grpc_service import method_paths
 from engine.ps.transport import GrpcTransport
 from engine.security import certs
 from engine.security.settings import SecurityConfig, TlsConfig
@@ -43,7 +44,7 @@ def server():
     m = RoleMetrics("server", 0)
     core = PSServer({"emb": TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0)}, local_shards=2)
     m.watch_server(core)
-    srv, port = serve(core, "127.0.0.1", 0, threads=4, interceptors=[m.interceptor()])
+    srv, port = serve(core, "127.0.0.1", 0, threads=4, interceptors=[m.interceptor(method_paths())])
     m.serve("127.0.0.1", 0)
     try:
         yield f"127.0.0.1:{port}", core, m
@@ -82,6 +83,36 @@ def test_rpc_counts_latencies_and_table_stats_move_with_traffic(server):
     assert after["engine_ps_rpc_duration_seconds_sum", (("method", "Pull"),)] > 0
     assert after["engine_restarts_total", ()] == 0
     assert ("process_resident_memory_bytes", ()) in after
+
+
+def test_methods_the_server_does_not_serve_share_one_label(tmp_path):
+    """On a server with tokens, the token check answers every path a caller sends, served or not, and
+    the metrics see each answer before it: labelled by the path, each invented one was a new series,
+    so a loop of them (no token needed) grew /metrics and the server's memory without bound. They count
+    as ``method="other"``."""
+    import grpc
+    from engine.security.credentials import server_security
+    (tmp_path / "token").write_text("s3cret\n")
+    security = server_security(SecurityConfig(token_file=str(tmp_path / "token")))
+    m = RoleMetrics("server", 0)
+    core = PSServer({"emb": TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0)}, local_shards=2)
+    srv, port = serve(core, "127.0.0.1", 0, threads=4, security=security,
+                      interceptors=[m.interceptor(method_paths())])
+    m.serve("127.0.0.1", 0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            for path in [f"/no.such.Service/M{i}" for i in range(40)] + ["/engine.ps.ParameterServer/Pull"]:
+                with pytest.raises(grpc.RpcError) as e:
+                    ch.unary_unary(path)(b"", timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        after = scrape(m.url)
+    finally:
+        m.close()
+        srv.stop(0).wait()
+        core.close()
+    counts = {dict(labels)["method"]: v for (name, labels), v in after.items()
+              if name == "engine_ps_rpc_requests_total"}
+    assert counts == {"other": 40, "Pull": 1}, counts
 
 
 def test_a_hung_request_shows_in_the_watchdog_gauges_before_and_when_the_server_is_stuck(server):
