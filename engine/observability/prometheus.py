@@ -363,7 +363,7 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
 
 # ---------------------------------------------------------------------------------------- gRPC
 class RpcMetricsInterceptor(grpc.ServerInterceptor):
-    """Counts and times every unary RPC of a server: ``engine_ps_rpc_requests_total{method,code}`` and
+    """Counts and times every RPC of a server (all are unary; a refusal's handler streams): ``engine_ps_rpc_requests_total{method,code}`` and
     ``engine_ps_rpc_duration_seconds{method}``. Installed first, it sees the token check's refusals too
     (``UNAUTHENTICATED``). Label children are cached, so a call costs two clock reads, one observation
     and one increment.
@@ -394,13 +394,16 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or handler.unary_unary is None:
+        # unary handlers serve; the token check refuses with a request-streaming one that reads nothing
+        kind = "unary_unary" if handler is not None and handler.unary_unary is not None else \
+            "stream_unary" if handler is not None and handler.stream_unary is not None else None
+        if kind is None:
             return handler
         method = self._names.get(details.method, self.OTHER)
         hist = self._hists.get(method)
         if hist is None:
             hist = self._hists[method] = self.duration.labels(method)
-        inner, clock, count = handler.unary_unary, time.perf_counter, self._count
+        inner, clock, count = getattr(handler, kind), time.perf_counter, self._count
 
         def timed(request, context):
             t0 = clock()
@@ -414,7 +417,7 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
             hist.observe(clock() - t0)
             count(method, "OK").inc()
             return reply
-        return handler._replace(unary_unary=timed)
+        return handler._replace(**{kind: timed})
 
 
 # ---------------------------------------------------------------------------------------- collectors

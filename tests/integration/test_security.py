@@ -188,6 +188,25 @@ def test_message_limit_is_enforced_and_followed(secured):
     np.testing.assert_array_equal(rows(ep, sec), before)
 
 
+def test_a_request_without_a_token_is_refused_before_it_is_received(secured):
+    """The token check answers at the call's start and reads no message: a request larger than the
+    server's limit, sent without a token, gets UNAUTHENTICATED. Before, the refusal's handler took the
+    whole request first (gRPC read it to the limit, and RESOURCE_EXHAUSTED was the answer here), so
+    anyone past TLS could make a server buffer up to max_message_bytes per concurrent call."""
+    d, sec, ep, core = secured
+    before = rows(ep, sec)
+    t = GrpcTransport([ep], retries=0, security=client_security(SecurityConfig(tls=sec.tls)),
+                      max_message_bytes=64 << 20)
+    big = codec.Wire(pb.PushRequest(table="emb", request_id="big"), keys=np.arange(1_000_000, dtype=np.uint64))
+    for _ in range(3):
+        with pytest.raises(RemoteError) as ei:                        # 8 MB > the server's 4 MiB
+            t.call(0, "Push", big, 10.0)
+        assert ei.value.code == "UNAUTHENTICATED" and "no bearer token" in ei.value.message, ei.value
+    t.close()
+    assert core.auth.denied["UNAUTHENTICATED"] == 3
+    np.testing.assert_array_equal(rows(ep, sec), before)
+
+
 def test_garbage_on_the_port_leaves_the_server_serving(secured):
     d, sec, ep, core = secured
     before = rows(ep, sec)
