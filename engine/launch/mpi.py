@@ -478,10 +478,34 @@ class RankProcess:
             pass
 
 
+#: The local launcher's world runs on one host, so its ranks need no interface but loopback. MPICH's
+#: ch4 netmod opens listeners for its peers on every interface it finds: with the mpich 5.0 wheel (UCX),
+#: each rank listened on the machine's network address too (2026-11-30: ``ss -ltnp`` under a world of
+#: 2 ranks), open to anyone who reaches the host, for traffic that is neither authenticated nor
+#: encrypted. ``UCX_NET_DEVICES=lo`` alone confined them to 127.0.0.1 (measured; ``-iface lo`` and
+#: ``FI_TCP_IFACE=lo`` did not); ``FI_TCP_IFACE`` does the same for a build on libfabric's tcp provider.
+#: Hydra's own control port between mpiexec and its proxy binds every interface whatever is set (its
+#: design); README "Hybrid mode" says so. A value the user set is kept, with a warning.
+LOOPBACK_ONLY = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+
+
+def loopback_env(env: dict) -> dict:
+    """``env`` (mpiexec's environment, which hydra passes to every rank) with ``LOOPBACK_ONLY`` added;
+    a variable ``env`` already sets to something else is kept, and logged as a warning."""
+    out = dict(env)
+    for k, v in LOOPBACK_ONLY.items():
+        if out.get(k, v) != v:
+            log.warning("hybrid: %s=%s is set: the MPI ranks may listen on that interface, not only on "
+                        "loopback (unauthenticated, unencrypted traffic)", k, out[k])
+        out.setdefault(k, v)
+    return out
+
+
 def start_world(cluster, env: dict, *, child) -> list:
     """Start ``cluster``'s (a ``LocalCluster``) workers as one MPI world -> their ``child`` objects
     (``engine.launch.local.Child``, passed in so this module never imports the launcher), with the
-    command, environment, log, result and progress files ``LocalCluster`` gives any worker.
+    command, environment, log, result and progress files ``LocalCluster`` gives any worker; the ranks
+    listen on loopback only (``loopback_env``).
 
     Raises
     ------
@@ -498,8 +522,9 @@ def start_world(cluster, env: dict, *, child) -> list:
                       "env": {**cluster.role_env("worker", r), progress.ENV: str(prog)},
                       "log": str(run_dir / f"worker-{r}.log"), "pid": str(run_dir / f"worker-{r}.pid")})
         children.append((r, result, prog))
-    world = World(world_command(cluster.python, run_dir, ranks), env=cluster.child_env(env), run_dir=run_dir,
-                  pid_paths=[Path(x["pid"]) for x in ranks], rank_logs=[Path(x["log"]) for x in ranks])
+    world = World(world_command(cluster.python, run_dir, ranks), env=loopback_env(cluster.child_env(env)),
+                  run_dir=run_dir, pid_paths=[Path(x["pid"]) for x in ranks],
+                  rank_logs=[Path(x["log"]) for x in ranks])
     out = []
     for r, result, prog in children:
         c = child("worker", r, RankProcess(world, r), Path(ranks[r]["log"]))

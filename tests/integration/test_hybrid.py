@@ -206,7 +206,9 @@ def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_th
     is held to it, so a loaded machine must not reach it by chance), it exits with an error and aborts the
     MPI world (``engine.allreduce.end_world``), mpiexec ends the frozen rank with it, and the launcher
     restarts the job, which completes. An aborting mpiexec leaves hydra's topology file in /tmp: the launcher
-    removes it once that world ended (``engine.launch.mpi.World``), one file fewer per restart."""
+    removes it once that world ended (``engine.launch.mpi.World``), one file fewer per restart. While the
+    world runs, its ranks listen on loopback only (before, MPICH's UCX netmod listened on the machine's
+    network address too)."""
     paced = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}
     cmd = small(tmp_path, "freeze", "mode=hybrid", "model.batch_size=32", "model.epochs=1", "checkpoint.align_steps=10",
                 "checkpoint.delta_every=10steps", "cluster.warm_up=false", "client.barrier_timeout_s=8")
@@ -219,6 +221,7 @@ def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_th
         pid = role_pid(run_dir, "worker", 1, timeout_s=120)
         topology = world_at_step(run_dir, proc, 15)
         assert topology, "no topology file open under this mpiexec"
+        open_ports = listeners_off_loopback(run_dir)
         os.kill(pid, signal.SIGSTOP)
         out, err = proc.communicate(timeout=240)
     finally:
@@ -231,6 +234,7 @@ def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_th
         for f in left:
             f.unlink()
     assert not left, f"the aborted world's topology file was left behind: {left}"
+    assert not open_ports, f"MPI ranks listen off loopback: {open_ports}"
     assert proc.returncode == 0, err[-3000:]
     final = json.loads(out.strip().splitlines()[-1])
     assert final["restarts"] == 1 and 0.55 < final["test_auc"] < 1.0, final
@@ -244,6 +248,26 @@ def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_th
                      r"the MPI world", first), first[-3000:]
     assert "Traceback" in first.split("aborting the MPI world")[1]
     assert not alive(pid) and not leftovers(run_dir)
+
+
+def listeners_off_loopback(run_dir: Path) -> list[tuple[int, str]]:
+    """(pid, address) of every TCP listener a rank of the job in ``run_dir`` holds on an address other
+    than loopback, except hydra's control port, which mpiexec binds on every interface by design and
+    the ranks inherit (the launcher confines what MPICH opens for the ranks: engine.launch.mpi.loopback_env)."""
+    import ipaddress
+
+    import psutil
+
+    def listening(pid):
+        return {c.laddr for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    mpiexec = [p for p in leftovers(run_dir) if b"mpiexec" in cmdline(p)]
+    assert len(mpiexec) == 1, mpiexec
+    hydra = listening(mpiexec[0])
+    ranks = [role_pid(run_dir, "worker", r, timeout_s=5) for r in (0, 1)]
+    held = {(pid, a) for pid in ranks for a in listening(pid)}
+    assert len(held) > len(ranks) * len(hydra), held        # the ranks' own listeners were seen
+    return [(pid, f"{a.ip}:{a.port}") for pid, a in sorted(held)
+            if a not in hydra and not ipaddress.ip_address(a.ip).is_loopback]
 
 
 def cmdline(pid: int) -> bytes:
