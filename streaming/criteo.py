@@ -24,6 +24,11 @@ plus ``OUT_DIR/_meta.json`` (written last) recording the sources (path, size, mt
 row counts, ``hash_version`` and the schema, so ``arrow_is_current`` can tell whether the Arrow form is
 stale.
 
+The conversion is written into a new directory beside ``OUT_DIR`` (``.<name>.converting-*``, same
+parent) and replaces ``OUT_DIR`` only once complete (``_staged_output``): a conversion that fails leaves
+``OUT_DIR`` exactly as it was (a previous conversion there included) and no partial output anywhere.
+``OUT_DIR`` is a local directory; a URI (``s3://``, ``hdfs://``) is refused (convert locally, then copy).
+
 Canonical split: data line ``i`` (0-based over all data lines of all inputs in order, malformed lines
 included) is **test** when ``i % 5 == 4`` and **train** otherwise.
 
@@ -36,9 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 import logging
 import os
+import secrets
+import shutil
+import stat
 import sys
 import threading
 import time
@@ -50,12 +59,13 @@ from tqdm.auto import tqdm
 
 from . import _kernels, keys
 from .criteo_synth import GeneratedCriteo, generate_criteo
-from .errors import DataFormatError
+from .errors import ConvertError, DataFormatError
 from .source import prefetch
 
 __all__ = [
     "NUM_DENSE", "NUM_SPARSE", "SPARSE_COLUMNS", "SLOT_IDS", "criteo_schema", "convert_criteo",
-    "ConvertReport", "BadRow", "arrow_is_current", "is_test_row", "generate_criteo", "GeneratedCriteo",
+    "ConvertReport", "BadRow", "ConvertError", "arrow_is_current", "is_test_row", "generate_criteo",
+    "GeneratedCriteo",
 ]
 
 log = logging.getLogger(__name__)
@@ -264,6 +274,140 @@ def _open_input(path: str):
     return raw, stream
 
 
+def _read_error(path: str, e: Exception) -> ConvertError:
+    """The ``ConvertError`` naming input ``path`` for an error pyarrow raised while reading it (shared
+    with ``streaming.text``)."""
+    msg = str(e)
+    if "Truncated compressed stream" in msg:
+        return ConvertError(path, "truncated gzip data: the file ends inside its compressed stream (an "
+                                  "incomplete copy or download?)")
+    if "Empty CSV file" in msg:
+        return ConvertError(path, "empty file: no data lines")
+    return ConvertError(path, f"cannot read: {msg}")
+
+
+def _read_guarded(path: str, batches):
+    """Iterate ``batches``, turning a read error (``OSError``, ``ArrowInvalid``) into ``_read_error``."""
+    it = iter(batches)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowInvalid) as e:
+            raise _read_error(path, e) from e
+        yield item
+
+
+def _check_out_dir(out: Path, given: str, owned) -> None:
+    """Refuse an ``out`` the swap of ``_staged_output`` would damage (see there)."""
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise ConvertError(given, "exists and is not a directory")
+    if os.path.ismount(out):
+        raise ConvertError(given, "is a mount point, and a conversion replaces its output directory as a "
+                                  "whole: convert into a directory inside it")
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = ""
+    if cwd == str(out) or cwd.startswith(str(out) + os.sep):
+        raise ConvertError(given, "is (or holds) the current directory, and a conversion replaces its output "
+                                  "directory as a whole: run from elsewhere or convert into a new directory")
+    with os.scandir(out) as entries:
+        foreign = sorted(e.name for e in entries if not owned(e))
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise ConvertError(given, f"holds {', '.join(map(repr, foreign[:3]))}{more}, which a conversion does "
+                                  "not write, and a conversion replaces its output directory as a whole: "
+                                  "convert into a new or empty directory")
+
+
+def _swap_in(new: Path, out: Path, given: str) -> None:
+    """Put directory ``new`` at ``out`` (same parent): rename a previous ``out`` aside, ``new`` in, then
+    delete the old one; if the second rename fails the old one goes back."""
+    try:
+        if not os.path.lexists(out):
+            os.rename(new, out)
+            return
+        os.chmod(new, stat.S_IMODE(os.stat(out).st_mode))   # keep the directory's permissions
+        aside = out.parent / f".{out.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(out, aside)
+        try:
+            os.rename(new, out)
+        except BaseException:
+            os.rename(aside, out)
+            raise
+    except OSError as e:
+        raise ConvertError(given, f"cannot put the new conversion in place (the directory was left as it "
+                                  f"was): {e}") from e
+    try:
+        shutil.rmtree(aside)
+    except OSError as e:
+        log.warning("the new conversion is in %s, but its previous contents (moved to %s) could not be "
+                    "removed: %s", out, aside, e)
+
+
+@contextlib.contextmanager
+def _staged_output(out_dir, owned):
+    """Yield a new empty directory beside ``out_dir`` (same parent, so the final rename is atomic on a
+    local disk) to write a conversion into. On a normal exit it replaces ``out_dir`` (created if missing,
+    a previous conversion there removed only once the new one is in place); on an exception it is
+    removed, with any parent directories this created, and ``out_dir`` stays as it was. Shared with
+    ``streaming.text``.
+
+    Parameters
+    ----------
+    out_dir : str or PathLike
+        A local directory (a symlink to one: its target is replaced).
+    owned : callable, os.DirEntry -> bool
+        Whether an entry of an existing ``out_dir`` is conversion output; anything else is refused, since
+        the swap would delete it.
+
+    Raises
+    ------
+    ConvertError
+        ``out_dir`` is a URI, not a directory, a mount point, (holds) the current directory, holds
+        entries ``owned`` rejects, or cannot be created or replaced.
+    """
+    given = os.fspath(out_dir)
+    if "://" in given:
+        raise ConvertError(given, "a URI, but a conversion writes a local directory (convert locally, then "
+                                  "copy the directory)")
+    out = Path(os.path.realpath(given))
+    _check_out_dir(out, given, owned)
+    missing = [d for d in (out.parent, *out.parent.parents) if not os.path.lexists(d)]  # deepest first
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = out.parent / f".{out.name}.converting-{os.getpid()}-{secrets.token_hex(4)}"
+        stage.mkdir()
+    except OSError as e:
+        _remove_empty(missing)
+        raise ConvertError(given, f"cannot create a directory beside it: {e}") from e
+    try:
+        yield stage
+        _check_out_dir(out, given, owned)   # nothing appeared meanwhile that the swap would delete
+        _swap_in(stage, out, given)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_empty(missing)
+        raise
+
+
+def _remove_empty(dirs) -> None:
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+
+
+def _criteo_owned(entry: os.DirEntry) -> bool:
+    return (not entry.is_dir(follow_symlinks=False)
+            and (fnmatch.fnmatchcase(entry.name, "part-*.arrow") or entry.name in (META_FILE, META_FILE + ".tmp")))
+
+
 def _describe(value: bytes) -> str:
     return repr(value.decode("utf-8", errors="replace"))
 
@@ -350,7 +494,9 @@ def convert_criteo(inputs, out_dir, *, split: str | None = None, batch_size: int
         Text files, plain or gzip. Several inputs are read as one concatenated stream (the split's line
         index continues across them).
     out_dir : str or PathLike
-        Created if needed; existing ``part-*.arrow`` and ``_meta.json`` there are removed first.
+        A local directory: created if needed (with its parents), else replaced as a whole once the new
+        conversion is complete; it may hold only a previous conversion (``part-*.arrow``, ``_meta.json``).
+        On any error it is left as it was.
     split : None, "train" or "test"
         Keep all rows, or only the canonical train (``i % 5 != 4``) or test (``i % 5 == 4``) rows.
     batch_size : int, rows
@@ -373,10 +519,15 @@ def convert_criteo(inputs, out_dir, *, split: str | None = None, batch_size: int
     ------
     DataFormatError
         On the ``max_bad_rows + 1``-th malformed line (naming file, 1-based line and field).
+    ConvertError
+        An input cannot be read (truncated or corrupt gzip, an empty file), or ``out_dir`` cannot take the
+        conversion (a regular file, a URI, a directory holding other files, not writable); names the path.
     FileNotFoundError
         If an input does not exist.
     ValueError
         On bad arguments.
+    OSError
+        Writing the output failed (e.g. the disk is full); ``out_dir`` is left as it was.
     """
     t0 = time.perf_counter()
     paths = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(p) for p in inputs]
@@ -392,26 +543,48 @@ def convert_criteo(inputs, out_dir, *, split: str | None = None, batch_size: int
         if not os.path.isfile(p):
             raise FileNotFoundError(f"Criteo input not found: {p}")
     sources = [_source_info(p) for p in paths]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("part-*.arrow"), out / META_FILE]:
-        old.unlink(missing_ok=True)
+    report = ConvertReport(out_dir=str(Path(out_dir)), files=[])
+    with _staged_output(out_dir, _criteo_owned) as stage:
+        writer = _PartWriter(stage, batch_size, -(-rows_per_file // batch_size))
+        report.files = writer.files
+        show = sys.stderr.isatty() if progress is None else progress
+        bar = tqdm(total=sum(s["size"] for s in sources), unit="B", unit_scale=True, disable=not show,
+                   desc="convert criteo")
+        try:
+            report.lines = _convert_inputs(paths, sources, split, writer, _BadRowPolicy(max_bad_rows, report),
+                                           bar, block_size)
+            writer.close()
+        finally:
+            bar.close()
+            writer._close_file()
+        report.rows = writer.rows
+        report.seconds = time.perf_counter() - t0
+        meta = {"format": FORMAT, "hash_version": keys.HASH_VERSION, "sources": sources, "split": split,
+                "lines": report.lines, "rows": report.rows, "bad_rows": report.bad_rows,
+                "batch_size": batch_size, "files": writer.files, "slots": SLOT_IDS,
+                "schema": criteo_schema().to_string(show_schema_metadata=False)}
+        (stage / META_FILE).write_text(json.dumps(meta, indent=1))
+    log.info("converted %d lines from %s into %d rows in %d files (%d malformed lines skipped), "
+             "%.0f lines/s", report.lines, ", ".join(paths), report.rows, len(writer.files),
+             report.bad_rows, report.lines_per_s)
+    return report
 
-    writer = _PartWriter(out, batch_size, -(-rows_per_file // batch_size))
-    report = ConvertReport(out_dir=str(out), files=writer.files)
-    policy = _BadRowPolicy(max_bad_rows, report)
+
+def _convert_inputs(paths, sources, split, writer: _PartWriter, policy: _BadRowPolicy, bar,
+                    block_size: int) -> int:
+    """Read every input in order into ``writer``; returns the data lines read."""
     prefixes = [keys.slot_prefix(SLOT_IDS[c]) for c in SPARSE_COLUMNS]
     missing = [keys.missing_key(SLOT_IDS[c]) for c in SPARSE_COLUMNS]
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=sum(s["size"] for s in sources), unit="B", unit_scale=True, disable=not show,
-               desc="convert criteo")
     line_base = 0
     bytes_before = 0
-    try:
-        for path, source in zip(paths, sources):
-            mapper = _LineMapper()
+    for path, source in zip(paths, sources):
+        mapper = _LineMapper()
+        try:
             raw, stream = _open_input(path)
-            with raw:
+        except OSError as e:
+            raise _read_error(path, e) from e
+        with raw:
+            try:
                 reader = pacsv.open_csv(
                     stream,
                     read_options=pacsv.ReadOptions(column_names=RAW_COLUMNS, block_size=block_size,
@@ -423,45 +596,29 @@ def convert_criteo(inputs, out_dir, *, split: str | None = None, batch_size: int
                     convert_options=pacsv.ConvertOptions(
                         column_types={c: pa.binary() for c in RAW_COLUMNS}, strings_can_be_null=False,
                         quoted_strings_can_be_null=False))
-                k = 0
-                last = 0
-                # parsing (pyarrow, GIL released) overlaps the Numba kernels below
-                with contextlib.closing(prefetch(reader, 2, name="criteo-csv")) as parsed:
-                    for rb in parsed:
-                        lines, rejected = mapper.map(k, rb.num_rows)
-                        k += rb.num_rows
-                        bad = [BadRow(path, ln + 1, "fields",
-                                      f"expected {NUM_FIELDS} tab-separated fields, got {nf}")
-                               for ln, _text, nf in rejected]
-                        bad += _convert_batch(rb, lines + line_base, path, split, writer, prefixes, missing,
-                                              line_base)
-                        for b in sorted(bad, key=lambda b: b.line):
-                            policy(b)
-                        if len(lines):
-                            last = int(lines[-1]) + 1
-                        bar.update(bytes_before + raw.tell() - bar.n)
-                for ln, _text, nf in mapper.take(len(mapper.pending)):  # reader thread has finished
-                    policy(BadRow(path, ln + 1, "fields", f"expected {NUM_FIELDS} tab-separated fields, "
-                                  f"got {nf}"))
-                    last = max(last, ln + 1)
-                line_base += last
-                bytes_before += source["size"]
-        writer.close()
-    finally:
-        bar.close()
-        writer._close_file()
-    report.lines = line_base
-    report.rows = writer.rows
-    report.seconds = time.perf_counter() - t0
-    meta = {"format": FORMAT, "hash_version": keys.HASH_VERSION, "sources": sources, "split": split,
-            "lines": report.lines, "rows": report.rows, "bad_rows": report.bad_rows,
-            "batch_size": batch_size, "files": writer.files, "slots": SLOT_IDS,
-            "schema": criteo_schema().to_string(show_schema_metadata=False)}
-    tmp = out / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / META_FILE)
-    log.info("converted %d lines from %s into %d rows in %d files (%d malformed lines skipped), "
-             "%.0f lines/s", report.lines, ", ".join(paths), report.rows, len(writer.files),
-             report.bad_rows, report.lines_per_s)
-    return report
-
+            except (OSError, pa.ArrowInvalid) as e:
+                raise _read_error(path, e) from e
+            k = 0
+            last = 0
+            # parsing (pyarrow, GIL released) overlaps the Numba kernels below
+            with contextlib.closing(prefetch(reader, 2, name="criteo-csv")) as parsed:
+                for rb in _read_guarded(path, parsed):
+                    lines, rejected = mapper.map(k, rb.num_rows)
+                    k += rb.num_rows
+                    bad = [BadRow(path, ln + 1, "fields",
+                                  f"expected {NUM_FIELDS} tab-separated fields, got {nf}")
+                           for ln, _text, nf in rejected]
+                    bad += _convert_batch(rb, lines + line_base, path, split, writer, prefixes, missing,
+                                          line_base)
+                    for b in sorted(bad, key=lambda b: b.line):
+                        policy(b)
+                    if len(lines):
+                        last = int(lines[-1]) + 1
+                    bar.update(bytes_before + raw.tell() - bar.n)
+            for ln, _text, nf in mapper.take(len(mapper.pending)):  # reader thread has finished
+                policy(BadRow(path, ln + 1, "fields", f"expected {NUM_FIELDS} tab-separated fields, "
+                              f"got {nf}"))
+                last = max(last, ln + 1)
+            line_base += last
+            bytes_before += source["size"]
+    return line_base

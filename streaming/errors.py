@@ -5,7 +5,7 @@ CLI maps them to exit code 2. Every message names the file and the line/row and 
 """
 from __future__ import annotations
 
-__all__ = ["DataFormatError", "SchemaError"]
+__all__ = ["ConvertError", "DataFormatError", "SchemaError"]
 
 
 class DataFormatError(ValueError):
@@ -72,3 +72,25 @@ class SchemaError(ValueError):
         else:
             msg = f"column {column!r}: expected {expected}, got {actual} (file {self.path})"
         super().__init__(msg)
+
+
+class ConvertError(ValueError):
+    """A conversion that cannot run or finish for a reason other than a malformed line: an input that
+    cannot be read (truncated or corrupt gzip, an empty file) or an output directory that cannot take the
+    result (a regular file, a URI, a directory holding other files). ``str()`` is ``"<path>: <what>"``;
+    the output directory is left as it was.
+
+    Parameters
+    ----------
+    path : str
+        The input file or output directory at fault, as the caller named it.
+    reason : str
+    """
+
+    def __init__(self, path, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+    def __reduce__(self):   # picklable across processes with both arguments
+        return type(self), (self.path, self.reason)

@@ -15,6 +15,11 @@ Output layout::
                                    raw_tokens : uint32 (tokens of the chunk before the OOV drop)
     OUT_DIR/_meta.json             written last: source (path, size, mtime), parameters, counts
 
+The conversion is written into a new directory beside ``OUT_DIR`` and replaces it only once complete
+(``streaming.criteo._staged_output``): a failed conversion leaves ``OUT_DIR`` as it was and no partial
+output. A corpus whose vocabulary would be empty (no word reaching ``min_count``) is refused
+(``EmptyVocabularyError``): it would train nothing.
+
 Documents are cut into chunks of at most ``chunk_tokens`` raw tokens (none dropped), then out-of-vocabulary
 tokens (count < ``min_count`` or beyond ``max_vocab``) are dropped inside each chunk and counted: exactly
 what gensim's ``LineSentence(max_sentence_length=10000)`` followed by its vocabulary lookup trains on.
@@ -40,10 +45,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import _text_kernels
+from .criteo import ConvertError, _read_error, _staged_output
 from .errors import DataFormatError
 
 __all__ = ["convert_text", "TextConvertReport", "text_arrow_is_current", "read_vocab", "corpus_schema",
-           "vocab_schema", "corpus_files", "META_FILE", "VOCAB_FILE", "CORPUS_DIR", "MAX_CHUNK_TOKENS"]
+           "vocab_schema", "corpus_files", "ConvertError", "EmptyVocabularyError", "META_FILE", "VOCAB_FILE",
+           "CORPUS_DIR", "MAX_CHUNK_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,42 @@ FORMAT = "text-arrow/1"
 #: gensim's MAX_WORDS_IN_BATCH / word2vec_inner MAX_SENTENCE_LEN
 MAX_CHUNK_TOKENS = 10_000
 _BLOCK_BYTES = 16 << 20
+
+
+class EmptyVocabularyError(ConvertError):
+    """No word of the corpus occurs ``min_count`` times or more (or the corpus holds no word at all): its
+    conversion would train nothing.
+
+    Parameters
+    ----------
+    path : str
+        The corpus.
+    min_count : int
+    lines, total_tokens, distinct_words : int
+        What the corpus holds.
+    top_count : int
+        Occurrences of its most frequent word (0 without words).
+    """
+
+    def __init__(self, path, min_count: int, lines: int, total_tokens: int, distinct_words: int,
+                 top_count: int):
+        self.min_count, self.lines, self.total_tokens = int(min_count), int(lines), int(total_tokens)
+        self.distinct_words, self.top_count = int(distinct_words), int(top_count)
+        super().__init__(path, self.explain("min_count"))
+
+    def explain(self, min_count_name: str) -> str:
+        """The reason, naming the ``min_count`` setting as the caller knows it (``--min-count``,
+        ``model.min_count``)."""
+        if self.total_tokens == 0:
+            return (f"empty vocabulary ({min_count_name}={self.min_count}): the corpus holds no words "
+                    f"({self.lines} lines)")
+        return (f"empty vocabulary: no word occurs {min_count_name}={self.min_count} times or more (the most "
+                f"frequent of its {self.distinct_words} distinct words occurs {self.top_count} times, "
+                f"{self.total_tokens} tokens in all); lower {min_count_name}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.min_count, self.lines, self.total_tokens, self.distinct_words,
+                            self.top_count)
 
 
 def vocab_schema() -> pa.Schema:
@@ -181,12 +224,20 @@ def _open(path: str):
 
 
 def _blocks(path: str, block_bytes: int):
-    """Yield ``uint8`` arrays of whole lines (the last may lack its newline), about ``block_bytes`` each."""
-    stream = _open(path)
+    """Yield ``uint8`` arrays of whole lines (the last may lack its newline), about ``block_bytes`` each.
+
+    Raises ``ConvertError`` naming ``path`` when it cannot be read (e.g. truncated gzip)."""
+    try:
+        stream = _open(path)
+    except OSError as e:
+        raise _read_error(path, e) from e
     carry = b""
     try:
         while True:
-            chunk = stream.read(block_bytes)
+            try:
+                chunk = stream.read(block_bytes)
+            except OSError as e:
+                raise _read_error(path, e) from e
             if not chunk:
                 if carry:
                     yield np.frombuffer(carry, np.uint8)
@@ -256,6 +307,15 @@ def _select_vocab(acc: pa.Table, path: str, min_count: int, max_vocab) -> pa.Tab
                     schema=vocab_schema())
 
 
+def _text_owned(entry: os.DirEntry) -> bool:
+    """Whether an entry of an existing ``OUT_DIR`` is conversion output (``_staged_output``)."""
+    if entry.name == CORPUS_DIR and entry.is_dir(follow_symlinks=False):
+        with os.scandir(entry.path) as parts:
+            return all(p.name.startswith("part-") and p.name.endswith(".arrow")
+                       and not p.is_dir(follow_symlinks=False) for p in parts)
+    return entry.name in (VOCAB_FILE, META_FILE, META_FILE + ".tmp") and not entry.is_dir(follow_symlinks=False)
+
+
 def _is_utf8(b: bytes) -> bool:
     try:
         b.decode("utf-8")
@@ -319,8 +379,9 @@ def convert_text(corpus, out_dir, *, min_count: int = 5, max_vocab: int | None =
     corpus : str or PathLike
         Plain or gzip text, one document per line.
     out_dir : str or PathLike
-        Created if missing; an existing ``_meta.json`` is removed first, so a crashed run leaves no
-        conversion that ``text_arrow_is_current`` accepts.
+        A local directory: created if missing (with its parents), else replaced as a whole once the new
+        conversion is complete; it may hold only a previous conversion (``vocab.arrow``, ``corpus/``,
+        ``_meta.json``). On any error it is left as it was.
     min_count : int
         Words with fewer occurrences are out of vocabulary (gensim's ``min_count``).
     max_vocab : int, optional
@@ -345,8 +406,15 @@ def convert_text(corpus, out_dir, *, min_count: int = 5, max_vocab: int | None =
         On a bad parameter (named in the message).
     DataFormatError
         If a kept word is not valid UTF-8.
+    EmptyVocabularyError
+        No word occurs ``min_count`` times or more (an empty corpus included).
+    ConvertError
+        ``corpus`` cannot be read (e.g. truncated gzip), or ``out_dir`` cannot take the conversion (a
+        regular file, a URI, a directory holding other files, not writable); names the path.
     FileNotFoundError
         If ``corpus`` does not exist.
+    OSError
+        Writing the output failed (e.g. the disk is full); ``out_dir`` is left as it was.
     """
     if not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:
         raise ValueError(f"chunk_tokens: expected 1..{MAX_CHUNK_TOKENS}, got {chunk_tokens}")
@@ -361,16 +429,34 @@ def convert_text(corpus, out_dir, *, min_count: int = 5, max_vocab: int | None =
     if not os.path.isfile(corpus):
         raise FileNotFoundError(f"text corpus not found: {corpus}")
     t0 = time.perf_counter()
-    out = Path(out_dir)
-    (out / CORPUS_DIR).mkdir(parents=True, exist_ok=True)
-    (out / META_FILE).unlink(missing_ok=True)
-    for old in (out / CORPUS_DIR).glob("part-*.arrow"):
-        old.unlink()
-    report = TextConvertReport(out_dir=str(out), files=[])
+    report = TextConvertReport(out_dir=str(Path(out_dir)), files=[])
+    with _staged_output(out_dir, _text_owned) as stage:
+        (stage / CORPUS_DIR).mkdir()
+        _convert_into(stage, corpus, report, min_count, max_vocab, chunk_tokens, file_tokens, batch_tokens,
+                      block_bytes)
+        report.seconds = time.perf_counter() - t0
+        meta = {"format": FORMAT, "source": _source_info(corpus),
+                "params": _params(min_count, max_vocab, chunk_tokens),
+                "files": report.files, "vocab_file": VOCAB_FILE,
+                **{k: getattr(report, k) for k in ("vocab_size", "total_tokens", "retained_tokens",
+                                                   "oov_tokens", "distinct_words", "lines", "empty_lines",
+                                                   "rows", "split_documents")}}
+        (stage / META_FILE).write_text(json.dumps(meta, indent=1))
+    log.info("converted %s: %d tokens (%d kept, %d OOV) in %d rows, %d files, %.1f s (%.0f tokens/s)",
+             corpus, report.total_tokens, report.retained_tokens, report.oov_tokens, report.rows,
+             len(report.files), report.seconds, report.tokens_per_s)
+    return report
 
+
+def _convert_into(out: Path, corpus: str, report: TextConvertReport, min_count, max_vocab, chunk_tokens,
+                  file_tokens, batch_tokens, block_bytes) -> None:
+    """Both passes of ``convert_text`` into the (new, empty but for ``corpus/``) directory ``out``."""
     acc = _count_pass(corpus, report, block_bytes)
     report.distinct_words = acc.num_rows
     vocab = _select_vocab(acc, corpus, min_count, max_vocab)
+    if vocab.num_rows == 0:
+        top = int(pc.max(acc.column("count")).as_py() or 0) if acc.num_rows else 0
+        raise EmptyVocabularyError(corpus, min_count, report.lines, report.total_tokens, acc.num_rows, top)
     del acc
     report.vocab_size = vocab.num_rows
     with pa.OSFile(str(out / VOCAB_FILE), "wb") as sink, pa.ipc.new_stream(sink, vocab.schema) as w:
@@ -399,17 +485,3 @@ def convert_text(corpus, out_dir, *, min_count: int = 5, max_vocab: int | None =
         if bar is not None:
             bar.close()
     report.files = writer.files
-    report.seconds = time.perf_counter() - t0
-    meta = {"format": FORMAT, "source": _source_info(corpus),
-            "params": _params(min_count, max_vocab, chunk_tokens),
-            "files": report.files, "vocab_file": VOCAB_FILE,
-            **{k: getattr(report, k) for k in ("vocab_size", "total_tokens", "retained_tokens", "oov_tokens",
-                                               "distinct_words", "lines", "empty_lines", "rows",
-                                               "split_documents")}}
-    tmp = out / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / META_FILE)
-    log.info("converted %s: %d tokens (%d kept, %d OOV) in %d rows, %d files, %.1f s (%.0f tokens/s)",
-             corpus, report.total_tokens, report.retained_tokens, report.oov_tokens, report.rows,
-             len(report.files), report.seconds, report.tokens_per_s)
-    return report

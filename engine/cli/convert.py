@@ -5,8 +5,14 @@ Raw files → Arrow IPC stream files (see ``streaming.criteo``, ``streaming.text
 line on stdout (``{"event": "converted", "rows": ..., "bad_rows": ..., "files": [...]}``; text: also
 ``vocab_size``, ``tokens``, ``oov_tokens``); progress on a terminal.
 
-Exit codes: 0 success, 2 bad input (missing file, malformed line beyond ``--max-bad-rows``, bad
-argument) with one ``engine convert: ...`` line on stderr.
+OUT_DIR is written beside itself and replaced only once the conversion is complete: a failed conversion
+leaves it as it was (a previous conversion included) and no partial output. It is a local directory that
+holds nothing but a previous conversion (anything else is refused rather than deleted).
+
+Exit codes: 0 success; 2 bad input (missing, empty or truncated input file, malformed line beyond
+``--max-bad-rows``, an empty text vocabulary, an OUT_DIR that cannot take the conversion, bad argument);
+1 writing the output failed (e.g. disk full). Either way one ``engine convert: ...`` line on stderr
+naming the path.
 """
 from __future__ import annotations
 
@@ -48,9 +54,15 @@ def add_parser(sub) -> None:
     t.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
+def _write_failed(out_dir: str, e: OSError) -> int:
+    print(f"engine convert: {out_dir}: writing the conversion failed, the directory was left as it was: {e}",
+          file=sys.stderr)
+    return 1
+
+
 def run_text(args) -> int:
     from streaming.errors import DataFormatError
-    from streaming.text import convert_text
+    from streaming.text import ConvertError, EmptyVocabularyError, convert_text
     if args.min_count < 1:
         print(f"engine convert: --min-count must be >= 1, got {args.min_count}", file=sys.stderr)
         return 2
@@ -65,9 +77,14 @@ def run_text(args) -> int:
     except DataFormatError as e:
         print(f"engine convert: bad input: {e}", file=sys.stderr)
         return 2
-    except (ValueError, IsADirectoryError) as e:
+    except EmptyVocabularyError as e:
+        print(f"engine convert: {e.path}: {e.explain('--min-count')}", file=sys.stderr)
+        return 2
+    except (ConvertError, ValueError, IsADirectoryError) as e:
         print(f"engine convert: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        return _write_failed(args.out_dir, e)
     print(json.dumps({"event": "converted", "format": "text", "out_dir": r.out_dir, "lines": r.lines,
                       "rows": r.rows, "vocab_size": r.vocab_size, "tokens": r.total_tokens,
                       "retained_tokens": r.retained_tokens, "oov_tokens": r.oov_tokens, "files": r.files,
@@ -80,7 +97,7 @@ def run(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.format == "text":
         return run_text(args)
-    from streaming.criteo import convert_criteo
+    from streaming.criteo import ConvertError, convert_criteo
     from streaming.errors import DataFormatError, SchemaError
 
     for name in ("max_bad_rows", "batch_size", "rows_per_file"):
@@ -99,9 +116,11 @@ def run(args) -> int:
     except (DataFormatError, SchemaError) as e:
         print(f"engine convert: bad input: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:
+    except (ConvertError, ValueError) as e:
         print(f"engine convert: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        return _write_failed(args.out_dir, e)
     print(json.dumps({"event": "converted", "out_dir": report.out_dir, "lines": report.lines,
                       "rows": report.rows, "bad_rows": report.bad_rows, "files": report.files,
                       "seconds": round(report.seconds, 3)}), flush=True)

@@ -30,7 +30,7 @@ import sys
 
 from hdfs_io import CheckpointCorruptError, NotPublishedError, StorageError
 from sparse_tables import TableConfigError
-from streaming.errors import DataFormatError, SchemaError
+from streaming.errors import ConvertError, DataFormatError, SchemaError
 
 from .. import preempt
 from ..errors import ConfigError, LaunchError
@@ -162,7 +162,7 @@ def _run(args) -> int:
     except ConfigError as e:
         print(f"engine train: config error: {e}", file=sys.stderr)
         return 2
-    except (DataFormatError, SchemaError) as e:
+    except (DataFormatError, SchemaError, ConvertError) as e:
         print(f"engine train: bad input data: {e}", file=sys.stderr)
         return 2
     except TableConfigError as e:       # e.g. a spill directory that is not ours, or in use

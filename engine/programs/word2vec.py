@@ -122,11 +122,13 @@ def prepare_data(p: Config) -> Config:
     Raises
     ------
     ConfigError
-        Neither a corpus nor a finished conversion, or bad conversion knobs.
+        Neither a corpus nor a finished conversion, bad conversion knobs, a corpus that cannot be read
+        (e.g. truncated gzip) or whose vocabulary would be empty (naming ``model.corpus`` and
+        ``model.min_count``), or an ``arrow_dir`` that cannot take the conversion.
     streaming.errors.DataFormatError
         The corpus is not valid UTF-8 text.
     """
-    from streaming.text import convert_text, text_arrow_is_current
+    from streaming.text import ConvertError, EmptyVocabularyError, convert_text, text_arrow_is_current
     arrow = os.path.abspath(p.arrow_dir)
     corpus = os.path.abspath(p.corpus) if p.corpus else ""
     max_vocab = p.max_vocab or None
@@ -138,10 +140,18 @@ def prepare_data(p: Config) -> Config:
             log.warning("model.corpus %s not found; training on the existing conversion in %s", corpus, arrow)
         elif not text_arrow_is_current(corpus, arrow, min_count=p.min_count, max_vocab=max_vocab):
             log.info("converting %s into %s (min_count %d, max_vocab %s)", corpus, arrow, p.min_count, max_vocab)
-            convert_text(corpus, arrow, min_count=p.min_count, max_vocab=max_vocab)
+            try:
+                convert_text(corpus, arrow, min_count=p.min_count, max_vocab=max_vocab)
+            except EmptyVocabularyError as e:
+                raise ConfigError(f"model.corpus: {e.path}: {e.explain('model.min_count')}") from None
+            except ConvertError as e:
+                raise ConfigError(f"{'model.corpus' if e.path == corpus else 'model.arrow_dir'}: {e}") from None
     elif not (Path(arrow) / "_meta.json").is_file():
         raise ConfigError(f"model.arrow_dir: {arrow} holds no converted corpus (run `engine convert text "
                           f"CORPUS {p.arrow_dir}` or set model.corpus)")
+    if corpus_meta(arrow).get("vocab_size") == 0:     # converted before empty vocabularies were refused
+        raise ConfigError(f"model.arrow_dir: {arrow} holds a conversion with an empty vocabulary (of "
+                          f"model.corpus {corpus or '(unset)'}, model.min_count {p.min_count}): nothing to train")
     eval_dir = os.path.abspath(p.eval_data_dir) if p.eval_data_dir else ""
     return dataclasses.replace(p, arrow_dir=arrow, corpus=corpus, eval_data_dir=eval_dir)
 
