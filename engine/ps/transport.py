@@ -87,6 +87,8 @@ class GrpcTransport(Transport):
             raise ValueError("GrpcTransport: expected at least one endpoint host:port")
         self.endpoints = list(endpoints)
         self.security = security        # engine.security.credentials.ClientSecurity or None
+        if security is not None:
+            security.check_endpoints(self.endpoints)    # no token in plaintext off loopback
         _malloc.tune()
         self.attempts_per_call = max(1, min(GRPC_MAX_ATTEMPTS, retries + 1))
         opts = [("grpc.max_send_message_length", max_message_bytes),

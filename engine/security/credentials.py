@@ -257,8 +257,33 @@ class ClientSecurity:
     """A client's credentials. ``channel_credentials()`` (None: plaintext), ``version`` (changes when
     the certificate files do: open new channels), ``metadata(admin)`` (the bearer token header)."""
 
-    def __init__(self, tls: _Watched | None, token: Secret | None, admin: Secret | None):
+    def __init__(self, tls: _Watched | None, token: Secret | None, admin: Secret | None, *, insecure: bool = False):
         self._tls, self._token, self._admin = tls, token, admin
+        self.insecure = insecure
+
+    def check_endpoints(self, endpoints) -> None:
+        """Refuse to send a bearer token in plaintext off loopback: the rule of ``check_listen`` on the
+        client's side. Servers off loopback need TLS unless ``security.insecure``; a client whose config
+        has tokens but no TLS sent them in clear to whatever answered at the address.
+
+        Parameters
+        ----------
+        endpoints : list of str
+            ``host:port`` (``[v6]:port``).
+
+        Raises
+        ------
+        ConfigError
+            Tokens, no TLS, ``security.insecure`` false, and an endpoint that is not loopback (named).
+        """
+        if self._tls is not None or self._token is None or self.insecure:
+            return
+        from .listen import is_loopback
+        for ep in endpoints:
+            if not is_loopback(ep.rsplit(":", 1)[0]):      # host:port, [v6]:port
+                raise ConfigError(f"refusing to send the bearer token (security.token_file/token_env) in plaintext "
+                                  f"to {ep}, which is not loopback: set security.tls (security.tls.ca to verify "
+                                  f"the servers by) or, on a network you trust, security.insecure: true")
 
     @property
     def tls(self) -> bool:
@@ -339,4 +364,5 @@ def client_security(cfg: SecurityConfig, *, admin: bool = False) -> ClientSecuri
         As ``server_security``.
     """
     tls = _watched_tls(_tls_files(cfg, server=False), cfg.reload_interval_s, tls_on=cfg.tls.enabled)
-    return ClientSecurity(tls, _secret(cfg, "token"), _secret(cfg, "admin_token") if admin else None)
+    return ClientSecurity(tls, _secret(cfg, "token"), _secret(cfg, "admin_token") if admin else None,
+                          insecure=cfg.insecure)

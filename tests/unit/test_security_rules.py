@@ -75,3 +75,27 @@ def test_the_section_checks_its_pairs():
         SecurityConfig(token_env="A", token_file="b")
     with pytest.raises(ConfigError, match="an admin token needs a worker token"):
         SecurityConfig(admin_token_file="a")
+
+
+def test_a_client_never_sends_its_token_in_plaintext_off_loopback(tmp_path):
+    """The listener rule on the client's side (``ClientSecurity.check_endpoints``, run by every
+    ``GrpcTransport``): a config with tokens but no TLS sent them in clear to whatever answered at an
+    address off loopback. Channels connect lazily, so nothing here reaches the network."""
+    from engine.ps.transport import GrpcTransport
+    from engine.security import certs
+    from engine.security.credentials import client_security
+    (tmp_path / "t").write_text("s3cret\n")
+    tokens = SecurityConfig(token_file=str(tmp_path / "t"))
+    for eps in (["127.0.0.1:5000", "[::1]:5001", "localhost:5002"], ["10.1.2.3:5000"]):
+        GrpcTransport(eps, security=client_security(SecurityConfig(insecure=False))).close()   # no token
+    GrpcTransport(["127.0.0.1:5000", "[::1]:5001"], security=client_security(tokens)).close()
+    for ep in ("10.1.2.3:5000", "[2001:db8::1]:5000", "no-such-host.invalid:5000"):
+        with pytest.raises(ConfigError) as ei:
+            GrpcTransport(["127.0.0.1:5000", ep], security=client_security(tokens))
+        assert f"refusing to send the bearer token (security.token_file/token_env) in plaintext to {ep}" \
+            in str(ei.value) and "security.tls" in str(ei.value)
+    insecure = SecurityConfig(token_file=str(tmp_path / "t"), insecure=True)
+    GrpcTransport(["10.1.2.3:5000"], security=client_security(insecure)).close()
+    certs.write_cluster_credentials(tmp_path / "c", ["localhost"])
+    tls = SecurityConfig(tls=TlsConfig(ca=str(tmp_path / "c" / "ca.pem")), token_file=str(tmp_path / "t"))
+    GrpcTransport(["10.1.2.3:5000"], security=client_security(tls)).close()
