@@ -196,17 +196,26 @@ def pod_config(cfg: EngineConfig) -> tuple[EngineConfig, list[str]]:
     missing = [k for k, ok in (("security.tls.cert and security.tls.key", bool(sec.tls.cert)),
                                ("security.token_file (or token_env)", sec.has_token),
                                ("security.admin_token_file (or admin_token_env)", sec.has_admin_token)) if not ok]
-    if not missing:
+    if missing and sec.insecure:
+        open_to = ([" in plaintext"] if not sec.tls.cert else []) + \
+            ([" without tokens"] if not sec.has_token else
+             [" where the worker token grants admin methods"] if not sec.has_admin_token else [])
+        warnings.append(f"security.insecure: true and no {', '.join(missing)}: the servers listen on 0.0.0.0"
+                        f"{','.join(open_to)}; anyone who reaches a pod can read and change the tables"
+                        + (f"; what is configured is kept (the Secret kubernetes.security_secret="
+                           f"{cfg.kubernetes.security_secret!r} must hold its files)"
+                           if sec.tls.cert or sec.has_token else ""))
+    if not missing or sec.insecure:
+        # what is configured runs from the Secret's mount; before, insecure: true with any part missing
+        # dropped TLS and tokens the config did have, and the pods ran open (the local launcher keeps them)
         mounted = {n: f"{SECURITY_DIR}/{n}" for n in certs.FILES}
         tls = TlsConfig(cert=mounted[certs.SERVER_CERT], key=mounted[certs.SERVER_KEY], ca=mounted[certs.CA_CERT],
-                        client_cert=mounted[certs.CLIENT_CERT], client_key=mounted[certs.CLIENT_KEY])
-        sec = dataclasses.replace(sec, tls=tls, token_file=mounted[certs.TOKEN], token_env="",
-                                  admin_token_file=mounted[certs.ADMIN_TOKEN], admin_token_env="")
-    elif sec.insecure:
-        warnings.append(f"security.insecure: true and no {', '.join(missing)}: the servers listen on 0.0.0.0 "
-                        f"in plaintext without tokens; anyone who reaches a pod can read and change the tables")
-        sec = SecurityConfig(token_overlap_s=sec.token_overlap_s, reload_interval_s=sec.reload_interval_s,
-                             insecure=True)
+                        client_cert=mounted[certs.CLIENT_CERT], client_key=mounted[certs.CLIENT_KEY]) \
+            if sec.tls.cert else TlsConfig()
+        sec = SecurityConfig(tls=tls, token_file=mounted[certs.TOKEN] if sec.has_token else "",
+                             admin_token_file=mounted[certs.ADMIN_TOKEN] if sec.has_admin_token else "",
+                             token_overlap_s=sec.token_overlap_s, reload_interval_s=sec.reload_interval_s,
+                             insecure=sec.insecure)
     else:
         raise ConfigError(f"Kubernetes pods listen on 0.0.0.0, which needs {', '.join(missing)} (any path: the "
                           f"manifests mount the files of the Secret kubernetes.security_secret="
@@ -308,7 +317,7 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
         raise ConfigError(f"kubernetes.health_port must differ from kubernetes.port ({k.port})")
     name = base_name(cfg)
     pcfg, warnings = pod_config(cfg)
-    secured = bool(pcfg.security.tls.cert)
+    held = _held(pcfg.security)
     text = yaml.safe_dump(pcfg.to_dict(), sort_keys=False)
     from_dict(load_yaml(text, "the rendered config"))      # what the pods will read loads back
     service, server_job, worker_job = f"{name}-ps", f"{name}-server", f"{name}-worker"
@@ -361,7 +370,7 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     if k.storage_secret and not storage_env_names(cfg):   # its keys (AWS_ACCESS_KEY_ID, ...) become variables
         for c in (server, worker):
             c["envFrom"] = [{"secretRef": {"name": k.storage_secret}}]
-    server_vol, worker_vol = (_volumes(name, k.security_secret if secured else "", items, extra)
+    server_vol, worker_vol = (_volumes(name, k.security_secret, [n for n in items if n in held], extra)
                               for items, extra in ((SERVER_ITEMS, spill), (WORKER_ITEMS, [])))
     for c, (mounts, _) in ((server, server_vol), (worker, worker_vol)):
         c["volumeMounts"] = mounts
@@ -438,12 +447,19 @@ def _container(image: str, args: list[str], env: list[dict], cpu: str, memory: s
                                 "capabilities": {"drop": ["ALL"]}}}
 
 
-def _volumes(name: str, secret: str, items: tuple[str, ...], spill: list[str]) -> tuple[list[dict], list[dict]]:
-    """(volumeMounts, volumes): the ConfigMap, the Secret's ``items`` (none when ``secret`` is empty),
-    emptyDirs for /tmp, the working directory and each absolute spill path."""
+def _held(sec: SecurityConfig) -> set[str]:
+    """The Secret's files (``engine.security.certs.FILES``) a pod config ``sec`` reads."""
+    paths = (sec.tls.cert, sec.tls.key, sec.tls.ca, sec.tls.client_cert, sec.tls.client_key, sec.token_file,
+             sec.admin_token_file)
+    return {os.path.basename(p) for p in paths if p.startswith(SECURITY_DIR + "/")}
+
+
+def _volumes(name: str, secret: str, items, spill: list[str]) -> tuple[list[dict], list[dict]]:
+    """(volumeMounts, volumes): the ConfigMap, the Secret's ``items`` (none when there are none), emptyDirs
+    for /tmp, the working directory and each absolute spill path."""
     mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     volumes = [{"name": "config", "configMap": {"name": f"{name}-config"}}]
-    if secret:
+    if items:
         # items, not subPath: a projected key follows updates of the Secret (certificate rotation)
         mounts.append({"name": "security", "mountPath": SECURITY_DIR, "readOnly": True})
         volumes.append({"name": "security", "secret": {"secretName": secret, "defaultMode": 0o440,

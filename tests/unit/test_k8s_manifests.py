@@ -117,6 +117,32 @@ def test_insecure_renders_without_the_secret_and_validates(tmp_path, capsys):
             assert all("secret" not in v for v in obj["spec"]["template"]["spec"]["volumes"])
 
 
+@pytest.mark.parametrize("keep", ["tls-and-token", "token"])
+def test_insecure_keeps_the_security_that_is_configured(creds, keep):
+    """``security.insecure: true`` with a part missing (here the admin token, and TLS too) keeps the rest:
+    it once rendered the pods with no TLS and no token at all, though the config had them. The pods read
+    what is kept from the Secret's mount, and mount only those files (a key the Secret lacks would stop a
+    pod's start)."""
+    given = security_sets(creds)[:-1] if keep == "tls-and-token" else [f"security.token_file={creds / 'token'}"]
+    m = k8s.render(load_config(CTR, ["mode=sync", "cluster.servers=2", "cluster.workers=2", *DATA, *given,
+                                     "security.insecure=true"]), image=IMAGE)
+    sec = m.config.security
+    assert sec.insecure and sec.token_file == f"{k8s.SECURITY_DIR}/{certs.TOKEN}" and not sec.has_admin_token
+    assert bool(sec.tls.cert) == (keep == "tls-and-token")
+    objs = by_kind(m)
+    mounted = {role: [i["key"] for v in objs[role]["spec"]["template"]["spec"]["volumes"] if "secret" in v
+                      for i in v["secret"]["items"]] for role in ("server", "worker")}
+    tls = {"server": [certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY],
+           "worker": [certs.CA_CERT, certs.CLIENT_CERT, certs.CLIENT_KEY]}
+    for role in ("server", "worker"):
+        assert mounted[role] == (tls[role] if keep == "tls-and-token" else []) + [certs.TOKEN], mounted
+    warning = " ".join(m.warnings)
+    assert "security.admin_token_file" in warning and "worker token grants admin methods" in warning
+    assert ("in plaintext" in warning) == (keep == "token"), warning
+    for obj in m.files.values():
+        kubernetes_validate.validate(obj, VERSIONS[-1], strict=True)
+
+
 @pytest.mark.parametrize("where", ["container", "pod_failure_rule", "probe", "service"])
 def test_the_validator_rejects_a_misspelled_field(creds, where):
     """Strict mode is what catches a typo: the same manifest with one field misspelled fails."""
