@@ -28,6 +28,27 @@ from ._kernels import binary_metrics_update
 LOG_EPS = 1e-7
 
 
+class LabelError(ValueError):
+    """A label ``BinaryMetrics`` cannot count: NaN (what a null label reads as) or outside [0, 1].
+
+    Attributes
+    ----------
+    index : int
+        0-based position of the first bad label in the batch passed to ``update``.
+    value : float
+        That label.
+    """
+
+    def __init__(self, index: int, value: float):
+        self.index = int(index)
+        self.value = float(value)
+        got = "nan (a null label reads as NaN)" if value != value else repr(self.value)
+        super().__init__(f"labels: expected a label in [0, 1], got {got} at index {self.index}")
+
+    def __reduce__(self):   # picklable across processes with its two arguments
+        return LabelError, (self.index, self.value)
+
+
 @dataclass
 class BinaryMetrics:
     """Mergeable accumulator of predictions and labels.
@@ -49,10 +70,13 @@ class BinaryMetrics:
         self.label_sum = 0.0
 
     def update(self, probs: np.ndarray, labels: np.ndarray) -> None:
-        """Add a batch. probs : float[B] in [0, 1]; labels : float[B] in {0, 1}.
+        """Add a batch. probs : float[B] in [0, 1]; labels : float[B] in [0, 1] (0/1 clicks; a soft label
+        counts as positive above 0.5 and enters the logloss as it is). Nothing is added when it raises.
 
         Raises
         ------
+        LabelError
+            A label is NaN (a null label read with ``to_numpy``) or outside [0, 1]; names its index.
         ValueError
             Shapes differ, or a probability is outside [0, 1] or NaN.
         """
@@ -64,6 +88,10 @@ class BinaryMetrics:
             labels = labels.astype(np.float64)
         if probs.shape != labels.shape:
             raise ValueError(f"probs and labels: expected equal lengths, got {len(probs)} and {len(labels)}")
+        bad_label = ~((labels >= 0) & (labels <= 1))
+        if bad_label.any():
+            i = int(np.flatnonzero(bad_label)[0])
+            raise LabelError(i, labels[i])
         bad, loss, psum, ysum = binary_metrics_update(probs, labels, self.pos, self.neg, LOG_EPS)
         if bad >= 0:
             raise ValueError(f"probs: expected probabilities in [0, 1], got {probs[bad]} at index {bad}")

@@ -301,6 +301,56 @@ class Storage:
         if deleted:
             logger.debug("deleted %s", self.uri_of(rel))
 
+    def move(self, src: str, dst: str) -> None:
+        """Rename the file ``src`` to ``dst`` (both relative to the root), replacing a file at ``dst``.
+
+        The way to publish a file written under a temporary name: readers see the old ``dst`` or the
+        whole new one. Atomic on a local disk and HDFS (a rename); on S3 and other object stores it
+        is a copy then a delete of ``src``, so readers still never see a partial object, but ``src``
+        may outlive a failure. Retried as a whole on transient errors; an attempt finding ``src``
+        gone and ``dst`` present (an earlier attempt moved it, then its answer was lost) succeeds.
+
+        Parameters
+        ----------
+        src, dst : str
+            Relative paths; ``dst``'s parent directories are created where directories exist.
+
+        Raises
+        ------
+        ValueError
+            ``src`` or ``dst`` is the storage root, or they are the same path.
+        FileNotFoundError
+            ``src`` does not exist (the message names its URI).
+        IsADirectoryError
+            ``src`` or ``dst`` is a directory.
+        StorageUnavailableError
+            Still failing transiently after the retry policy's attempts.
+        """
+        s, d = _check_relative(src), _check_relative(dst)
+        if not s or not d:
+            raise ValueError(f"cannot move the storage root {self.uri}: got src={src!r}, dst={dst!r}")
+        if s == d:
+            raise ValueError(f"move: source and destination are the same path, {self.uri_of(s)}")
+        full_s, full_d = self.full_path(s), self.full_path(d)
+        attempts = [0]
+
+        def op() -> None:
+            attempts[0] += 1
+            kind = self.fs.get_file_info(full_s).type
+            if kind == pafs.FileType.NotFound:
+                if attempts[0] > 1 and self.fs.get_file_info(full_d).type == pafs.FileType.File:
+                    return      # the previous attempt moved it but its answer was lost
+                raise self._not_found(s)
+            if kind == pafs.FileType.Directory:
+                raise IsADirectoryError(errno.EISDIR, "move: source is a directory", self.uri_of(s))
+            if self.fs.get_file_info(full_d).type == pafs.FileType.Directory:
+                raise IsADirectoryError(errno.EISDIR, "move: destination is a directory", self.uri_of(d))
+            self._ensure_parent(full_d)
+            self.fs.move(full_s, full_d)
+
+        self._retry("move", s, op)
+        logger.debug("moved %s to %s", self.uri_of(s), self.uri_of(d))
+
     # ---------------------------------------------------------------- streams
 
     def open_output_stream(self, path: str) -> pa.NativeFile:

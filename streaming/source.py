@@ -115,26 +115,94 @@ def _name(src) -> str:
 
 
 def _read_batches(src, columns) -> Iterator[pa.RecordBatch]:
-    """Record batches of one input, in order. Parquet by suffix; IPC stream or IPC file by magic."""
+    """Record batches of one input, in order. Parquet by suffix; IPC stream or IPC file by magic.
+
+    Raises
+    ------
+    DataFormatError
+        The input is empty, truncated, corrupt or not Arrow IPC / Parquet: names the input, the record
+        batch pyarrow could not read (``<file header>`` when not even the schema could be) and its first
+        row (1-based, over the file). I/O failures of the medium (an errno, or a transient error per
+        ``hdfs_io.retry.is_transient``) propagate unchanged.
+    """
+    name = _name(src)
+    parquet = isinstance(src, str) and src.endswith(_PARQUET_SUFFIXES)
+    opened: list = []
+    it = _raw_batches(src, columns, opened)
+    batch, rows = 0, 0
+    try:
+        while True:
+            try:
+                rb = next(it)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
+                if not _unreadable(exc):
+                    raise
+                raise _format_error(name, src, parquet, bool(opened), batch, rows, exc) from exc
+            yield rb
+            batch, rows = batch + 1, rows + rb.num_rows
+    finally:
+        it.close()
+
+
+def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
+    """``_read_batches`` without the error translation; appends to ``opened`` once the schema is read."""
     if src == "-":
         src = sys.stdin.buffer
     if hasattr(src, "read"):
         reader = pa.ipc.open_stream(src)
+        opened.append(True)
         yield from reader
         return
     if src.endswith(_PARQUET_SUFFIXES):
         pf = pq.ParquetFile(src)
+        opened.append(True)
         cols = [c for c in columns if c in pf.schema_arrow.names] if columns else None
         yield from pf.iter_batches(batch_size=65536, columns=cols)
         return
     with pa.memory_map(src, "r") as mm:
         if mm.read(6) == b"ARROW1":
             f = pa.ipc.open_file(mm)
+            opened.append(True)
             for i in range(f.num_record_batches):
                 yield f.get_batch(i)
             return
         mm.seek(0)
-        yield from pa.ipc.open_stream(mm)
+        reader = pa.ipc.open_stream(mm)
+        opened.append(True)
+        yield from reader
+
+
+def _unreadable(exc: BaseException) -> bool:
+    """Whether a pyarrow error means the bytes are not valid Arrow IPC / Parquet: ``ArrowInvalid``,
+    ``ArrowNotImplementedError``, or a plain ``OSError`` without an errno (pyarrow's "Expected to be able
+    to read N bytes" of a truncated message) that ``hdfs_io.retry.is_transient`` does not call a storage
+    hiccup worth retrying."""
+    if isinstance(exc, (pa.ArrowInvalid, pa.ArrowNotImplementedError)):
+        return True
+    if type(exc) is OSError and exc.errno is None:
+        from hdfs_io.retry import is_transient
+        return not is_transient(exc)
+    return False
+
+
+def _format_error(name: str, src, parquet: bool, opened: bool, batch: int, rows: int,
+                  exc: BaseException) -> DataFormatError:
+    """The ``DataFormatError`` of an input pyarrow could not read (see ``_read_batches``)."""
+    kind = "a Parquet file" if parquet else "an Arrow IPC file or stream"
+    exc = " ".join(str(exc).split())        # pyarrow's text may span lines; the error is one line
+    if not opened:
+        if isinstance(src, str) and os.path.isfile(src) and os.path.getsize(src) == 0:
+            got = "an empty file (0 bytes)"
+        else:
+            got = f"bytes pyarrow cannot read as one ({exc}): another format, or truncated"
+        return DataFormatError(name, 1, "<file header>", f"expected {kind}, got {got}", unit="row")
+    before = (f"after {rows} readable row{'s' * (rows != 1)} in {batch} record batch{'es' * (batch != 1)}"
+              if batch else "before its first record batch")
+    return DataFormatError(name, rows + 1, f"<record batch {batch}>",
+                           f"expected a complete record batch, got one pyarrow cannot read ({exc}): the "
+                           f"input is truncated or corrupt {before}", unit="row")
 
 
 def prefetch(iterable, depth: int, *, name: str = "prefetch", join_timeout_s: float = 30.0) -> Iterator:
@@ -427,7 +495,9 @@ class ArrowSource:
         SchemaError
             If an input lacks an expected column or has it with another type (names column and file).
         DataFormatError
-            ``check`` found a value the consumer cannot use (names the file, row and column).
+            ``check`` found a value the consumer cannot use (names the file, row and column), or an
+            input is empty, truncated or not Arrow IPC / Parquet (names the file, the record batch that
+            could not be read and its first row).
         """
         it = self._pipeline(epoch)
         if self.prefetch:

@@ -17,7 +17,9 @@ CTR configs (``ctr_dnn``, ``deepfm``): the checkpoint is exported to a temporary
 ..., "copc": ..., "rows": ...}``.
 
 ``URI`` is a checkpoint directory or a job root (its newest complete checkpoint), as ``engine export``
-takes. Exit codes: 0 success, 2 bad config, checkpoint or evaluation files, 1 other failures.
+takes. Exit codes: 0 success, 2 bad config, checkpoint or evaluation files (for CTR: an empty, truncated
+or non-Arrow test file, a null or out-of-[0, 1] label, a null, NaN or infinite dense value, named with
+the file, row and column), 1 other failures.
 """
 from __future__ import annotations
 
@@ -50,9 +52,10 @@ def _bad_input_errors():
     from ..export.errors import ExportError
     from streaming.errors import DataFormatError, SchemaError
     from ..export.errors import BundleError
+    from ..metrics import LabelError
     return (ConfigError, ExportError, BundleError, ModelInputError, hdfs_io.NotPublishedError,
             hdfs_io.CheckpointCorruptError, CheckpointNotFoundError, FileNotFoundError, DataFormatError,
-            SchemaError)
+            SchemaError, LabelError)
 
 
 def evaluate_word2vec(cfg, uri: str) -> dict:
@@ -95,6 +98,9 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     ------
     ConfigError, ExportError, CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
         Bad data section or no readable checkpoint at ``uri``.
+    streaming.errors.DataFormatError
+        A test file is empty, truncated or not Arrow, or holds a value the model cannot score (a null
+        or out-of-[0, 1] label, a null, NaN or infinite dense value): file, row and column named.
     """
     import tempfile
     from streaming.source import ArrowSource
@@ -115,7 +121,7 @@ def evaluate_ctr(cfg, uri: str) -> dict:
                 close()
         bundle = load_bundle(os.path.join(tmp, "bundle"))
         metrics, rows = BinaryMetrics(), 0
-        for rb in ArrowSource(data.test_path, batch_size=8192).batches(0):
+        for rb in ArrowSource(data.test_path, batch_size=8192, check=bundle.check_values).batches(0):
             metrics.update(bundle.predict(rb), rb.column(bundle.label_column).to_numpy(zero_copy_only=False))
             rows += rb.num_rows
     s = metrics.summary()

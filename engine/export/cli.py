@@ -5,19 +5,24 @@
 complete checkpoint). The last stdout line is
 one JSON object ``{"event": "export", "format", "out", "bundle", "rows", "deleted", "export_id"}``.
 
-``engine predict BUNDLE DATA [--out preds.arrow]``: DATA is Arrow (IPC files, a directory of them,
-Parquet, ``-`` for an IPC stream on stdin) or raw Criteo text (``.txt``, ``.tsv``, ``.gz``; converted
-with ``streaming.criteo`` first). Predictions keep the input's row order (``--out``: Arrow IPC file,
-column ``prob : float32``). The last stdout line is one JSON object with ``rows``, ``rows_per_s``
-(scoring only, reading included, bundle loading excluded) and, when the input has labels, ``auc`` and
-``logloss``.
+``engine predict BUNDLE DATA [--out preds.arrow] [--max-bad-rows N]``: DATA is Arrow (IPC files, a
+directory of them, Parquet, ``-`` for an IPC stream on stdin) or raw Criteo text (``.txt``, ``.tsv``,
+``.gz``; converted with ``streaming.criteo`` first: the first malformed line fails the run naming the
+file, line and field, unless ``--max-bad-rows N`` lets N of them be skipped, after which predictions no
+longer line up with the input's lines). Predictions keep the input's row order (``--out``: Arrow IPC
+file, column ``prob : float32``, written under a temporary name beside it and moved over it only when
+every row was scored: a failed run leaves an earlier file there untouched). The last stdout line is one
+JSON object with ``rows``, ``rows_per_s`` (scoring only, reading included, bundle loading excluded),
+``skipped_lines`` for text input and, when the input has labels, ``auc`` and ``logloss``.
 
-Exit codes: 0 success, 2 bad input (missing or unpublished bundle, bad columns, bad options), 1 other
-failures.
+Exit codes: 0 success, 2 bad input (missing or unpublished bundle, bad columns, a null, NaN or infinite
+dense value, a null label or one outside [0, 1], an empty, truncated or non-Arrow file, a malformed
+text line, bad options; named with the file and row where known), 1 other failures.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import math
@@ -58,6 +63,9 @@ def add_subparsers(sub) -> None:
     q.add_argument("--delta", action="append", default=[], metavar="URI",
                    help="apply these delta bundles, in order, after loading")
     q.add_argument("--batch-size", type=int, default=8192, help="rows per forward pass")
+    q.add_argument("--max-bad-rows", type=int, default=0, metavar="N",
+                   help="Criteo text input: malformed lines to skip (each logged) before failing (default 0: "
+                        "fail on the first); skipped lines have no prediction, so rows no longer line up")
     q.add_argument("-v", "--verbose", action="store_true")
     q.set_defaults(run=run_predict)
 
@@ -102,6 +110,10 @@ def run_export(args) -> int:
             out = {"event": "export", "format": args.format, "out": args.out, "bundle": meta["bundle"],
                    "rows": meta["embedding"]["rows"], "deleted": meta["embedding"]["deleted"],
                    "export_id": meta["export_id"], "seconds": meta["stats"]["seconds"]}
+    except FileExistsError as e:       # hdfs_io's message speaks of the library's overwrite=True
+        print(f"engine export: {e.filename or args.out}: already published; pass --overwrite to replace it",
+              file=sys.stderr)
+        return 2
     except bad as e:
         print(f"engine export: {e}", file=sys.stderr)
         return 2
@@ -109,32 +121,97 @@ def run_export(args) -> int:
     return 0
 
 
-def _criteo_to_arrow(path: str, tmp: str) -> str:
+def _criteo_to_arrow(path: str, tmp: str, max_bad_rows: int) -> tuple[str, int]:
+    """Convert Criteo text to Arrow in ``tmp``; returns ``(tmp, malformed lines skipped)``.
+
+    Raises
+    ------
+    streaming.errors.DataFormatError
+        The ``max_bad_rows + 1``-th malformed line (file, line and field named).
+    """
     from streaming.criteo import convert_criteo
-    rep = convert_criteo(path, tmp, split=None, batch_size=8192, max_bad_rows=None, progress=False)
+    rep = convert_criteo(path, tmp, split=None, batch_size=8192, max_bad_rows=max_bad_rows, progress=False)
     if rep.bad_rows:
-        log.warning("%s: %d malformed lines skipped", path, rep.bad_rows)
-    return tmp
+        log.warning("%s: %d malformed line(s) skipped (--max-bad-rows %d): they have no prediction, so "
+                    "predictions no longer line up with the input's lines", path, rep.bad_rows, max_bad_rows)
+    return tmp, rep.bad_rows
 
 
-def _writer(out_uri: str):
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-    from .bundle import split_uri
-    storage, name = split_uri(out_uri)
-    sink = storage.open_output_stream(name)
-    schema = pa.schema([pa.field("prob", pa.float32(), nullable=False)])
-    return sink, ipc.new_file(sink, schema), schema
+class _PredictionsFile:
+    """``--out``: an Arrow IPC file with column ``prob : float32``, written under a temporary name beside
+    ``out_uri`` (any ``hdfs_io`` URI) and moved over it by :meth:`commit`; :meth:`abort` (a no-op after
+    a commit) removes the temporary, so a failed run leaves an earlier file at ``out_uri`` untouched and
+    no partial file.
+
+    Raises
+    ------
+    IsADirectoryError
+        ``out_uri`` is a directory.
+    BundleError
+        ``out_uri`` has no parent directory.
+    """
+
+    def __init__(self, out_uri: str):
+        import uuid
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+        from .bundle import split_uri
+        from .errors import BundleError
+        try:
+            self.storage, self.name = split_uri(out_uri)
+        except BundleError:
+            raise BundleError(f"--out {out_uri}: expected a file path below a directory") from None
+        if self.storage.is_dir(self.name):
+            raise IsADirectoryError(errno.EISDIR, "--out names a directory; expected a file path",
+                                    self.storage.uri_of(self.name))
+        self.tmp = f".{self.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.schema = pa.schema([pa.field("prob", pa.float32(), nullable=False)])
+        self.committed = False
+        self._sink = self.storage.open_output_stream(self.tmp)
+        try:
+            self._writer = ipc.new_file(self._sink, self.schema)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, probs) -> None:
+        """Append ``probs : float32[B]``."""
+        import pyarrow as pa
+        self._writer.write_batch(pa.RecordBatch.from_arrays([pa.array(probs)], schema=self.schema))
+
+    def commit(self) -> None:
+        """Finish the file and move it over ``out_uri``."""
+        self._writer.close()
+        self._sink.close()
+        self.storage.move(self.tmp, self.name)
+        self.committed = True
+
+    def abort(self) -> None:
+        """Remove the temporary (best effort: a failure is logged, never raised)."""
+        if self.committed:
+            return
+        try:
+            self._sink.close()
+        except Exception:  # noqa: BLE001 - the error that brought us here matters, not this one
+            pass
+        try:
+            self.storage.delete(self.tmp, missing_ok=True)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not remove the partial predictions file %s: %s", self.storage.uri_of(self.tmp), exc)
 
 
 def run_predict(args) -> int:
     _logging(args.verbose)
-    bad = _bad_input_errors()
-    import pyarrow as pa
-    from engine.metrics import BinaryMetrics
+    from engine.metrics import BinaryMetrics, LabelError
+    bad = _bad_input_errors() + (IsADirectoryError,)
+    if args.max_bad_rows < 0:
+        print(f"engine predict: --max-bad-rows must be >= 0, got {args.max_bad_rows}", file=sys.stderr)
+        return 2
     from streaming.source import ArrowSource
     from .predictor import load_bundle
-    tmp = None
+    tmp = preds = None
+    skipped = None
+    rows = 0
     try:
         t0 = time.perf_counter()
         bundle = load_bundle(args.bundle, max_batch=args.batch_size)
@@ -144,35 +221,43 @@ def run_predict(args) -> int:
         data = args.data
         if data != "-" and os.path.isfile(data) and data.endswith(_TEXT_SUFFIXES):
             tmp = tempfile.TemporaryDirectory(prefix="engine-predict-")
-            data = _criteo_to_arrow(data, tmp.name)
-        src = ArrowSource(data, batch_size=args.batch_size, prefetch=4)
+            data, skipped = _criteo_to_arrow(data, tmp.name, args.max_bad_rows)
+        elif args.max_bad_rows:
+            log.warning("--max-bad-rows applies to Criteo text input only; ignored for %s", data)
+        # the check names the file, its row and the column of a value the bundle cannot score
+        src = ArrowSource(data, batch_size=args.batch_size, prefetch=4, check=bundle.check_values)
         metrics = None
-        writer = None
         if args.out:
-            sink, writer, schema = _writer(args.out)
-        rows = 0
+            preds = _PredictionsFile(args.out)
         t1 = time.perf_counter()
         for rb in src.batches(0):
             probs = bundle.predict(rb)
-            rows += len(probs)
             if bundle.label_column in rb.schema.names:
                 if metrics is None:
                     metrics = BinaryMetrics()
                 metrics.update(probs, rb.column(bundle.label_column).to_numpy(zero_copy_only=False))
-            if writer is not None:
-                writer.write_batch(pa.RecordBatch.from_arrays([pa.array(probs)], schema=schema))
+            rows += len(probs)
+            if preds is not None:
+                preds.write(probs)
         secs = time.perf_counter() - t1
-        if writer is not None:
-            writer.close()
-            sink.close()
+        if preds is not None:
+            preds.commit()
+    except LabelError as e:             # the source's check names the file; this is the backstop
+        print(f"engine predict: {args.data}: column {bundle.label_column!r}, row {rows + e.index + 1} of the "
+              f"input (counted over its files in order): {e}", file=sys.stderr)
+        return 2
     except bad as e:
         print(f"engine predict: {e}", file=sys.stderr)
         return 2
     finally:
+        if preds is not None:
+            preds.abort()               # removes the temporary unless committed
         if tmp is not None:
             tmp.cleanup()
     out = {"event": "predict", "bundle": bundle.uri, "rows": rows, "rows_per_s": rows / max(secs, 1e-9),
            "seconds": secs, "load_seconds": load_s, "out": args.out}
+    if skipped is not None:
+        out["skipped_lines"] = skipped
     if metrics is not None:
         s = metrics.summary()
         out.update(auc=s["auc"], logloss=s["logloss"], copc=s["copc"])

@@ -9,7 +9,8 @@
 Per batch (``S`` = slots, ``w`` = row width, ``nnz`` = key occurrences, ``B*S`` for Criteo)::
 
     columns C1..C26 (uint64 | list<uint64> | string)  ──▶ keys uint64[nnz], cells int32[nnz]
-                                                          (cell = example * S + slot)
+                                                          (cell = example * S + slot; a null value,
+                                                          list or list element: no key)
     keys ──hash index lookup──▶ rows of the bundle, float32[nnz, w] (unknown keys: zeros, as the
                                                           trainer's inference pull)
     model.predict(rows, arange(nnz), cells, dense float32[B, D]) ──▶ probabilities float32[B]
@@ -96,7 +97,7 @@ class Bundle:
         self.slot_ids = dict(inp["slot_ids"])
         self.dense_column = inp["dense_column"]
         self.label_column = inp["label_column"]
-        self.hash_version = int(self.meta["hashing"]["hash_version"])
+        self.hash_version = _check_hash_version(info)
         self.width = int(emb["width"])
         self.dtype = emb["dtype"]
 
@@ -135,8 +136,10 @@ class Bundle:
         ----------
         batch : pyarrow.RecordBatch
             One column per slot of ``self.slots`` (uint64 keys, ``list<uint64>`` for multi-valued
-            slots, or raw strings hashed with ``streaming.keys``; nulls mean no key) and, when the model
-            has dense features, ``self.dense_column`` as ``fixed_size_list<float32>[D]``.
+            slots, or raw strings hashed with ``streaming.keys``; a null value, a null list and a null
+            element of a list mean no key: that slot of the example pools zeros for it) and, when the
+            model has dense features, ``self.dense_column`` as ``fixed_size_list<float32>[D]`` without
+            nulls, NaN or infinities.
 
         Returns
         -------
@@ -148,7 +151,8 @@ class Bundle:
         Raises
         ------
         BundleError
-            A missing or mistyped column, or keys hashed with another ``hash_version`` (named).
+            A missing or mistyped column, keys hashed with another ``hash_version``, or a null, NaN or
+            infinite dense value (column and row of ``batch`` named).
         """
         batch, cols, simple = self._slot_columns(batch)
         n, S = batch.num_rows, len(self.slots)
@@ -212,10 +216,19 @@ class Bundle:
             valid = np.asarray(col.is_valid())
             return col.fill_null(0).to_numpy()[valid], np.flatnonzero(valid)
         if col.type in _UINT64_LISTS:
-            lengths = col.value_lengths().fill_null(0).to_numpy()
+            # a null list or a null element is no key: they are masked out here, never read as a float
+            # NaN cast to uint64 (garbage keys; every key of the column rounded to float64 with them)
             offs = col.offsets.to_numpy()
-            vals = col.values.to_numpy(zero_copy_only=False)[offs[0]:offs[-1]]
-            return np.ascontiguousarray(vals, np.uint64), np.repeat(np.arange(n), lengths)
+            lengths = np.diff(offs)
+            vals = col.values.slice(offs[0], offs[-1] - offs[0])
+            example = np.repeat(np.arange(n), lengths)
+            if not col.null_count and not vals.null_count:
+                return np.ascontiguousarray(vals.to_numpy(), np.uint64), example
+            keep = np.asarray(vals.is_valid())
+            if col.null_count:   # a null list's offsets may still span values
+                keep &= np.repeat(np.asarray(col.is_valid()), lengths)
+            keys = vals.fill_null(0).to_numpy()
+            return np.ascontiguousarray(keys[keep], np.uint64), example[keep]
         if col.type in _STRINGS:
             from streaming import keys as Kk
             if Kk.HASH_VERSION != self.hash_version:
@@ -238,8 +251,46 @@ class Bundle:
         t = col.type
         if not pa.types.is_fixed_size_list(t) or t.list_size != D or not pa.types.is_floating(t.value_type):
             raise BundleError(f"input: column {name!r}: expected fixed_size_list<float32>[{D}], got {t}")
-        flat = col.flatten().to_numpy(zero_copy_only=False)
+        flat, bad = dense_values(col, D)
+        if bad is not None:
+            row, reason = bad
+            raise BundleError(f"input: column {name!r}, row {row} of the batch (0-based): {reason}")
         return np.ascontiguousarray(flat.reshape(n, D), np.float32)
+
+    def check_values(self, batch: pa.RecordBatch) -> tuple[str, int, str] | None:
+        """The first value of ``batch`` this bundle cannot score, as ``(column, row, reason)`` (``row``
+        0-based in ``batch``), or None: the ``check`` of ``streaming.source.ArrowSource``, which then
+        raises ``DataFormatError`` naming the file, its row and the column (``engine predict`` and
+        ``engine eval`` pass it).
+
+        Refused: a null, NaN or infinite value of the dense column, or a null list there; when the
+        label column is present, a non-numeric label column, or a null, NaN or label outside [0, 1].
+        Slot columns are not checked: their nulls mean no key (see :meth:`inputs`). Missing or mistyped
+        columns are left to :meth:`predict`, which names them. Reads only the bundle's input
+        description: safe to call from a reader thread while another thread scores.
+        """
+        names = batch.schema.names
+        D = self.model.dense_dim
+        if D and self.dense_column in names:
+            col = batch.column(self.dense_column)
+            t = col.type
+            if pa.types.is_fixed_size_list(t) and t.list_size == D and pa.types.is_floating(t.value_type):
+                bad = dense_values(col, D)[1]
+                if bad is not None:
+                    return (self.dense_column, *bad)
+        if self.label_column in names:
+            col = batch.column(self.label_column)
+            t = col.type
+            if not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t)):
+                return self.label_column, 0, f"expected a numeric label column (0/1 clicks), got type {t}"
+            if col.null_count:
+                return self.label_column, _first(np.asarray(col.is_null())), "expected a label, got null"
+            y = col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+            out = ~((y >= 0) & (y <= 1))
+            if out.any():
+                i = _first(out)
+                return self.label_column, i, f"expected a label in [0, 1], got {float(y[i])}"
+        return None
 
     # -------------------------------------------------------------------------------------- scoring
     def pooled(self, batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -282,7 +333,8 @@ class Bundle:
         Raises
         ------
         BundleError
-            Bad input columns (named).
+            Bad input columns (named), or a null, NaN or infinite dense value (column and row of
+            ``batch`` named).
         """
         n = batch.num_rows
         out = np.empty(n, np.float32)
@@ -312,12 +364,13 @@ class Bundle:
         Raises
         ------
         BundleError
-            ``uri`` is not a delta, or its parent is not the bundle currently loaded (deltas must be
-            applied in order).
+            ``uri`` is not a delta, its parent is not the bundle currently loaded (deltas must be
+            applied in order), or it was written with another ``hash_version`` than this engine's.
         hdfs_io.NotPublishedError
             The delta has no ``_SUCCESS`` marker.
         """
         info = open_bundle(uri, storage_options)
+        _check_hash_version(info)
         if not info.is_delta:
             raise BundleError(f"{info.uri}: a full bundle, not a delta; load it with load_bundle")
         parent = info.meta["parent"]["export_id"]
@@ -346,6 +399,42 @@ class Bundle:
                  len(up_k), emb["deleted"], len(self.keys), time.perf_counter() - t0)
 
 
+def _check_hash_version(info: BundleInfo) -> int:
+    """The bundle's ``hash_version``; BundleError unless it is this engine's."""
+    from streaming.keys import HASH_VERSION
+    hv = int(info.meta["hashing"]["hash_version"])
+    if hv != HASH_VERSION:
+        raise BundleError(f"{info.uri}: the bundle was written with hash_version {hv} and this engine hashes "
+                          f"with version {HASH_VERSION}: its keys cannot match this engine's inputs; score it "
+                          f"with an engine of hash_version {hv}")
+    return hv
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def dense_values(col, D: int) -> tuple[np.ndarray, tuple[int, str] | None]:
+    """The values of a ``fixed_size_list<float>[D]`` column, flat (``float[B*D]`` row-major), and the
+    first problem, ``(row 0-based, reason)`` or None: a null list, a null value, NaN or an infinity.
+    On a problem the array returned is empty."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    empty = np.empty(0, np.float32)
+    if col.null_count:
+        return empty, (_first(np.asarray(col.is_null())), f"expected a list of {D} numbers, got null")
+    values = col.flatten()
+    if values.null_count:
+        i = _first(np.asarray(values.is_null()))
+        return empty, (i // D, f"expected a number at position {i % D}, got null")
+    flat = values.to_numpy(zero_copy_only=False)
+    finite = np.isfinite(flat)
+    if not finite.all():
+        i = _first(~finite)
+        return empty, (i // D, f"expected a finite number at position {i % D}, got {float(flat[i])}")
+    return flat, None
+
+
 def load_bundle(uri: str, storage_options: StorageOptions | None = None, *, max_batch: int = 8192) -> Bundle:
     """Load a bundle for scoring; a delta URI loads its whole chain (base first).
 
@@ -367,6 +456,7 @@ def load_bundle(uri: str, storage_options: StorageOptions | None = None, *, max_
     hdfs_io.CheckpointCorruptError
         A file is missing, truncated or fails its checksum (named).
     BundleError
-        ``model.json`` malformed or of another format.
+        ``model.json`` malformed or of another format, or the bundle's ``hash_version`` is not this
+        engine's (``streaming.keys.HASH_VERSION``).
     """
     return Bundle(resolve_chain(uri, storage_options), max_batch=max_batch)
