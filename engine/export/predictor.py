@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from hdfs_io import StorageOptions
+from streaming.values import dense_values, label_problem
 
 from . import _kernels as K
 from .bundle import BundleInfo, chain_group, open_bundle, resolve_chain
@@ -279,17 +280,9 @@ class Bundle:
                 if bad is not None:
                     return (self.dense_column, *bad)
         if self.label_column in names:
-            col = batch.column(self.label_column)
-            t = col.type
-            if not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t)):
-                return self.label_column, 0, f"expected a numeric label column (0/1 clicks), got type {t}"
-            if col.null_count:
-                return self.label_column, _first(np.asarray(col.is_null())), "expected a label, got null"
-            y = col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
-            out = ~((y >= 0) & (y <= 1))
-            if out.any():
-                i = _first(out)
-                return self.label_column, i, f"expected a label in [0, 1], got {float(y[i])}"
+            bad = label_problem(batch.column(self.label_column))
+            if bad is not None:
+                return (self.label_column, *bad)
         return None
 
     # -------------------------------------------------------------------------------------- scoring
@@ -408,31 +401,6 @@ def _check_hash_version(info: BundleInfo) -> int:
                           f"with version {HASH_VERSION}: its keys cannot match this engine's inputs; score it "
                           f"with an engine of hash_version {hv}")
     return hv
-
-
-def _first(mask: np.ndarray) -> int:
-    return int(np.flatnonzero(mask)[0])
-
-
-def dense_values(col, D: int) -> tuple[np.ndarray, tuple[int, str] | None]:
-    """The values of a ``fixed_size_list<float>[D]`` column, flat (``float[B*D]`` row-major), and the
-    first problem, ``(row 0-based, reason)`` or None: a null list, a null value, NaN or an infinity.
-    On a problem the array returned is empty."""
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
-    empty = np.empty(0, np.float32)
-    if col.null_count:
-        return empty, (_first(np.asarray(col.is_null())), f"expected a list of {D} numbers, got null")
-    values = col.flatten()
-    if values.null_count:
-        i = _first(np.asarray(values.is_null()))
-        return empty, (i // D, f"expected a number at position {i % D}, got null")
-    flat = values.to_numpy(zero_copy_only=False)
-    finite = np.isfinite(flat)
-    if not finite.all():
-        i = _first(~finite)
-        return empty, (i // D, f"expected a finite number at position {i % D}, got {float(flat[i])}")
-    return flat, None
 
 
 def load_bundle(uri: str, storage_options: StorageOptions | None = None, *, max_batch: int = 8192) -> Bundle:

@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from streaming.criteo import SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema, generate_criteo
 from streaming.source import ArrowSource, list_files
+from streaming.values import dense_values, first, label_problem
 
 from ..program_configs import DataConfig
 from ..ps import _kernels as ps_kernels
@@ -94,45 +95,29 @@ def to_batch(rb: pa.RecordBatch, slots, dense_dim: int) -> CTRBatch:
     return CTRBatch(labels, np.ascontiguousarray(dense), keys)
 
 
-def _first(mask) -> int:
-    return int(np.flatnonzero(mask)[0])
-
-
 def check_values(rb: pa.RecordBatch):
     """The first value of a record batch (columns as in ``expected_schema``) that a CTR model cannot
     train on, as ``(column, row, reason)`` (``row`` 0-based in ``rb``), or None. ``ArrowSource``'s
     ``check``: it raises ``DataFormatError`` naming the file and the row of the file.
 
-    Refused: a null label or a label outside [0, 1] (NaN included: the logloss of
-    ``engine.models.losses`` needs a probability); a null ``dense`` list or a null, NaN or infinite
-    value in one; a null key (a slot's missing value has its own key, ``streaming.keys.missing_key``,
-    as ``engine convert`` writes and a string slot's hashing gives). Each check is O(rows); a batch
-    without nulls costs one vectorized pass over the labels and the dense values.
+    Refused (``streaming.values``, as the predictor refuses them): a null label or a label outside
+    [0, 1] (NaN included: the logloss needs a probability); a null ``dense`` list or a null, NaN or
+    infinite value in one; and here a null key (a slot's missing value has its own key,
+    ``streaming.keys.missing_key``, as ``engine convert`` writes and a string slot's hashing gives).
     """
-    for name in rb.schema.names:
-        col = rb.column(name)
-        if col.null_count:
-            what = "key" if name not in ("label", "dense") else "value"
-            return name, _first(col.is_null().to_numpy(zero_copy_only=False)), \
-                f"expected a {what}, got null" + (" (write the slot's missing key, streaming.keys."
-                                                  "missing_key, for an absent feature)" if what == "key" else "")
-    labels = rb.column("label").to_numpy()
-    bad = ~((labels >= 0) & (labels <= 1))
-    if bad.any():
-        i = _first(bad)
-        return "label", i, f"expected a label in [0, 1], got {float(labels[i])}"
+    bad = label_problem(rb.column("label"))
+    if bad is not None:
+        return ("label", *bad)
     if "dense" in rb.schema.names:
         col = rb.column("dense")
-        values = col.flatten()
-        width = col.type.list_size
-        if values.null_count:
-            i = _first(values.is_null().to_numpy(zero_copy_only=False))
-            return "dense", i // width, f"expected a number at position {i % width}, got null"
-        v = values.to_numpy()
-        finite = np.isfinite(v)
-        if not finite.all():
-            i = _first(~finite)
-            return "dense", i // width, f"expected a finite number at position {i % width}, got {float(v[i])}"
+        bad = dense_values(col, col.type.list_size)[1]
+        if bad is not None:
+            return ("dense", *bad)
+    for name in rb.schema.names:
+        col = rb.column(name)
+        if col.null_count and name not in ("label", "dense"):
+            return name, first(col.is_null()), ("expected a key, got null (write the slot's missing key, "
+                                                "streaming.keys.missing_key, for an absent feature)")
     return None
 
 

@@ -54,7 +54,7 @@ def test_an_unusable_value_ends_the_job_with_one_line_naming_it_and_exit_2(where
     assert proc.returncode == 2, proc.stderr[-3000:]
     bad = f"{train / 'part-00001.arrow'}: row 438: field "
     bad += "dense: expected a finite number at position 5, got nan" if where == "worker" else \
-        "label: expected a value, got null"
+        "label: expected a label, got null"
     assert bad in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if where == "worker":
