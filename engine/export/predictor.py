@@ -137,8 +137,9 @@ class Bundle:
         ----------
         batch : pyarrow.RecordBatch
             One column per slot of ``self.slots`` (uint64 keys, ``list<uint64>`` for multi-valued
-            slots, or raw strings hashed with ``streaming.keys``; a null value, a null list and a null
-            element of a list mean no key: that slot of the example pools zeros for it) and, when the
+            slots, or raw strings hashed with ``streaming.keys``; a null or empty string is the slot's
+            missing key, as in training; a null key, a null list and a null element of a list mean no
+            key: that slot of the example pools zeros for it) and, when the
             model has dense features, ``self.dense_column`` as ``fixed_size_list<float32>[D]`` without
             nulls, NaN or infinities.
 
@@ -235,9 +236,10 @@ class Bundle:
             if Kk.HASH_VERSION != self.hash_version:
                 raise BundleError(f"input: column {name!r} holds raw strings, but this engine hashes with "
                                   f"hash_version {Kk.HASH_VERSION} and the bundle expects {self.hash_version}")
-            valid = np.asarray(col.is_valid())
-            hashed = Kk.hash_array(int(self.slot_ids[name]), col.filter(pa.array(valid)))
-            return hashed, np.flatnonzero(valid)
+            # as training reads raw strings (ArrowSource's string_slots) and engine convert writes an
+            # empty field: a null or empty string is the slot's missing key, whose row was trained; it
+            # was no key here (a null) and the hash of "" (an empty string), rows training never had
+            return Kk.hash_array(int(self.slot_ids[name]), col, empty_is_missing=True), np.arange(n)
         raise BundleError(f"input: column {name!r}: expected uint64, list<uint64> or string keys, "
                           f"got {col.type}")
 

@@ -76,7 +76,8 @@ def test_onnx_equals_our_forward(trained, data, tmp_path):
 
 def test_predict_handles_list_string_and_null_slots(trained, tmp_path):
     """Multi-valued (list<uint64>) slots sum their rows, raw strings are hashed as the converter
-    hashes them, nulls and unknown keys add zeros."""
+    hashes them (a null or empty string is the slot's missing key, as engine convert writes an empty
+    field and training reads raw strings), null keys and lists and unknown keys add zeros."""
     from streaming import keys as K
     export_bundle(trained.source(), str(tmp_path / "b"))
     bundle = load_bundle(str(tmp_path / "b"))
@@ -86,13 +87,14 @@ def test_predict_handles_list_string_and_null_slots(trained, tmp_path):
     for j, s in enumerate(bundle.slots):
         cols[s] = pa.array([K.missing_key(j + 1)] * n, pa.uint64())
     cols["C1"] = pa.array([[int(known[0]), int(known[1])], [], None], pa.list_(pa.uint64()))
-    cols["C2"] = pa.array(["68fd1e64", None, "zz"], pa.string())
+    cols["C2"] = pa.array(["68fd1e64", None, ""], pa.string())
     rb = pa.RecordBatch.from_pydict(cols)
     got = bundle.predict(rb)
     # the same by hand: pooled rows through the model
     keys, cells, dense = bundle.inputs(rb)
     expect_c2 = K.hash_array(2, pa.array(["68fd1e64"]))[0]
     assert expect_c2 in keys[cells == 1]
+    assert keys[cells == 26 + 1].tolist() == keys[cells == 52 + 1].tolist() == [K.missing_key(2)]
     assert (cells == 0).sum() == 2 and (cells % 26 == 0).sum() == 2
     emb = bundle.lookup(keys)
     ref = trained.model.predict(emb, np.arange(len(keys), dtype=np.int32), cells, dense)
