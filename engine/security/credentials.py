@@ -312,9 +312,46 @@ class ClientSecurity:
         return (("authorization", "Bearer " + secret.value().decode()),)
 
 
+#: a certificate that expires sooner than this is logged as a warning at every (re)load (seconds)
+EXPIRY_WARNING_S = 14 * 86400
+
+
+def _check_validity(pem: bytes, what: str, *, now=None) -> None:
+    """Raise ValueError unless a certificate of ``pem`` (one, or a CA bundle: any of them) is valid at
+    ``now`` (UTC; default the clock): an expired or not-yet-valid certificate fails every handshake with
+    a bare "certificate has expired" at the peer, or "Socket closed" for a client's. Logs a warning when
+    the one that lasts longest ends within ``EXPIRY_WARNING_S``."""
+    import datetime as dt
+
+    from cryptography import x509
+    try:
+        certs = x509.load_pem_x509_certificates(pem)
+    except ValueError as e:
+        raise ValueError(f"{what}: not a PEM certificate: {e}") from None
+    now = now or dt.datetime.now(dt.timezone.utc)
+    valid = [c for c in certs if c.not_valid_before_utc <= now < c.not_valid_after_utc]
+    if not valid:
+        c = max(certs, key=lambda c: c.not_valid_after_utc)
+        when = (f"expired on {c.not_valid_after_utc:%Y-%m-%d %H:%M} UTC" if now >= c.not_valid_after_utc else
+                f"is not valid before {c.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (this host's clock: "
+                f"{now:%Y-%m-%d %H:%M})")
+        raise ValueError(f"{what}: the certificate ({c.subject.rfc4514_string()}) {when}: renew it "
+                         f"(engine certs OUT --hosts ... --renew)")
+    end = max(c.not_valid_after_utc for c in valid)
+    if (end - now).total_seconds() < EXPIRY_WARNING_S:
+        log.warning("%s: the certificate expires on %s UTC, in %.1f days: renew it (engine certs OUT --hosts "
+                    "... --renew)",
+                    what, f"{end:%Y-%m-%d %H:%M}", (end - now).total_seconds() / 86400)
+
+
 def _load_tls(contents: dict) -> dict:
+    """Check TLS files read together: the key is the certificate's, and the certificate and the CA are
+    valid now (a rotation that brings an expired one keeps the previous files: ``_Watched``)."""
     if "cert" in contents:
         _key_matches(contents["cert"], contents["key"], "security.tls")
+        _check_validity(contents["cert"], "security.tls certificate")
+    if "ca" in contents:
+        _check_validity(contents["ca"], "security.tls.ca")
     return contents
 
 

@@ -179,3 +179,44 @@ def test_mutual_tls_grpc(creds):
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(None)
+
+
+def _reissue(out, *, start_days_ago: float, lasts_days: float) -> None:
+    """Re-issue ``out``'s server and client certificates with the given validity (same CA)."""
+    import datetime as dt
+    ca_cert, ca_key = certs._load_ca(out)
+    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=start_days_ago)
+    certs._issue_leaves(out, ca_cert, ca_key, certs.parse_hosts(["localhost"]), start,
+                        start + dt.timedelta(days=lasts_days))
+
+
+def test_an_expired_or_not_yet_valid_certificate_is_refused_at_load_naming_it(tmp_path, caplog):
+    """A role that loads an expired certificate refuses to start naming it, where before it started and
+    every handshake failed with "certificate has expired" at the peer ("Socket closed" for a client's
+    certificate), retried until the client gave up. A rotation that brings one keeps the previous
+    files; one that ends within two weeks is a warning."""
+    import os
+    from engine.security.credentials import client_security, server_security
+    from engine.security.settings import SecurityConfig, TlsConfig
+    out = tmp_path / "c"
+    certs.write_cluster_credentials(out, ["localhost"])
+    tls = TlsConfig(cert=str(out / "server.pem"), key=str(out / "server.key"), ca=str(out / "ca.pem"),
+                    client_cert=str(out / "client.pem"), client_key=str(out / "client.key"))
+    cfg = SecurityConfig(tls=tls, reload_interval_s=0.01)
+    server = server_security(cfg)                      # valid: loads
+    _reissue(out, start_days_ago=10, lasts_days=2)     # expired 8 days ago
+    for load in (server_security, client_security):
+        with pytest.raises(ConfigError, match=r"security.tls certificate: the certificate \(CN=.*\) expired on "
+                                              r"\d{4}-\d\d-\d\d \d\d:\d\d UTC: renew it"):
+            load(cfg)
+    before = server.tls.value["cert"]
+    os.utime(out / "server.pem", ns=(1, 1))            # a change the watcher sees at once
+    assert server.tls.refresh(force=True) is False and server.tls.value["cert"] == before
+    assert "cannot be used yet" in caplog.text and "expired on" in caplog.text
+    _reissue(out, start_days_ago=-2, lasts_days=30)    # valid from the day after tomorrow
+    with pytest.raises(ConfigError, match=r"is not valid before .* \(this host's clock: "):
+        server_security(cfg)
+    caplog.clear()
+    _reissue(out, start_days_ago=1, lasts_days=4)      # valid, ends in 3 days
+    server_security(cfg)
+    assert "expires on" in caplog.text and "in 3.0 days" in caplog.text
