@@ -284,15 +284,22 @@ def record_checkpoint(op: str, kind: str, seconds: float, nbytes: int = 0) -> No
 
 
 def _check_address(host: str, security) -> None:
+    """The listener rule for the metrics endpoint: off loopback, HTTPS with client certificates (the
+    endpoint takes no bearer token: a scraper's certificate, signed by ``security.tls.ca``, is its
+    credential), unless ``security.insecure``. Before, a server certificate alone passed, and anyone who
+    reached the port could read the metrics."""
     from ..security.listen import is_loopback
-    if is_loopback(host) or security.tls.cert:
+    if is_loopback(host) or (security.tls.cert and security.tls.ca):
         return
+    missing = " and ".join(k for k, ok in (("security.tls.cert and security.tls.key", security.tls.cert),
+                                           ("security.tls.ca (the scrapers' client certificates)", security.tls.ca))
+                           if not ok)
     if security.insecure:
-        log.warning("the metrics endpoint listens on %s WITHOUT TLS (security.insecure: true)", host)
+        log.warning("the metrics endpoint listens on %s WITHOUT %s (security.insecure: true): anyone who "
+                    "reaches the port can read the metrics", host, missing)
         return
     raise ConfigError(f"observability.prometheus_port: refusing to serve metrics on the non-loopback address "
-                      f"{host!r} (cluster.host) without TLS: set security.tls.cert and security.tls.key, or "
-                      f"security.insecure: true")
+                      f"{host!r} (cluster.host) without {missing}: set them, or security.insecure: true")
 
 
 # ---------------------------------------------------------------------------------------- HTTP(S)

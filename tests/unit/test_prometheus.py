@@ -234,8 +234,14 @@ def test_start_reads_the_config_and_the_launchers_environment(tmp_path, monkeypa
 def test_off_loopback_without_tls_is_refused_and_bad_keys_are_named():
     cfg = from_dict({"observability": {"prometheus_port": 0}, "cluster": {"host": "0.0.0.0"},
                      "security": {"insecure": False}})
-    with pytest.raises(ConfigError, match="observability.prometheus_port.*without TLS"):
+    with pytest.raises(ConfigError, match="observability.prometheus_port.*without security.tls.cert and "
+                                          "security.tls.key and security.tls.ca"):
         prometheus._check_address("0.0.0.0", cfg.security)
+    server_only = SecurityConfig(tls=TlsConfig(cert="s.pem", key="s.key"))     # no client certificates
+    with pytest.raises(ConfigError, match=r"without security.tls.ca \(the scrapers' client certificates\)"):
+        prometheus._check_address("0.0.0.0", server_only)
+    prometheus._check_address("0.0.0.0", SecurityConfig(tls=TlsConfig(cert="s.pem", key="s.key", ca="ca.pem")))
+    prometheus._check_address("127.0.0.1", SecurityConfig())
     with pytest.raises(ConfigError, match="observability: unknown key"):
         from_dict({"observability": {"port": 1}})
     with pytest.raises(ConfigError, match="observability.prometheus_port must be >= 0"):
