@@ -377,14 +377,19 @@ def server_security(cfg: SecurityConfig) -> ServerSecurity:
     Raises
     ------
     ConfigError
-        A file cannot be read, a key does not match its certificate, TLS without a server certificate
-        (``security.tls.cert``), or a token variable is unset; the message names the key.
+        A file cannot be read, a key does not match its certificate, a certificate is expired or not yet
+        valid, TLS without a server certificate (``security.tls.cert``), a token variable is unset, or
+        the admin token is the worker token; the message names the key.
     """
     if cfg.tls.enabled and not cfg.tls.cert:
         raise ConfigError("security.tls: a server needs security.tls.cert and security.tls.key")
     tls = _watched_tls(_tls_files(cfg, server=True), cfg.reload_interval_s)
-    token = _secret(cfg, "token")
-    tokens = ServerTokens(token, _secret(cfg, "admin_token"), cfg.token_overlap_s) if token else None
+    token, admin = _secret(cfg, "token"), _secret(cfg, "admin_token")
+    if token is not None and admin is not None and hmac.compare_digest(token.value(), admin.value()):
+        raise ConfigError("security.admin_token_file/admin_token_env holds the same token as security.token_file/"
+                          "token_env: every worker would be an admin (save, load, shrink, stop); give the admin "
+                          "a token of its own (engine certs writes both)")
+    tokens = ServerTokens(token, admin, cfg.token_overlap_s) if token else None
     return ServerSecurity(tls, tokens)
 
 

@@ -99,3 +99,16 @@ def test_a_client_never_sends_its_token_in_plaintext_off_loopback(tmp_path):
     certs.write_cluster_credentials(tmp_path / "c", ["localhost"])
     tls = SecurityConfig(tls=TlsConfig(ca=str(tmp_path / "c" / "ca.pem")), token_file=str(tmp_path / "t"))
     GrpcTransport(["10.1.2.3:5000"], security=client_security(tls)).close()
+
+
+def test_an_admin_token_equal_to_the_worker_token_is_refused(tmp_path):
+    """It was accepted silently, which made every worker an admin (save, load, shrink, stop)."""
+    from engine.security.credentials import server_security
+    (tmp_path / "t").write_text("same-token\n")
+    (tmp_path / "a").write_text("same-token")
+    with pytest.raises(ConfigError, match="holds the same token as security.token_file/token_env: every worker "
+                                          "would be an admin"):
+        server_security(SecurityConfig(token_file=str(tmp_path / "t"), admin_token_file=str(tmp_path / "a")))
+    (tmp_path / "a").write_text("another-token")
+    assert server_security(SecurityConfig(token_file=str(tmp_path / "t"),
+                                          admin_token_file=str(tmp_path / "a"))).tokens is not None
