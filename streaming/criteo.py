@@ -429,7 +429,8 @@ class _BadRowPolicy:
         if self.max_bad_rows is not None and self.report.bad_rows >= self.max_bad_rows:
             raise DataFormatError(bad.path, bad.line, bad.field,
                                   bad.reason + f" (more than max_bad_rows={self.max_bad_rows} malformed "
-                                  "lines; raise max_bad_rows to skip them)")
+                                  "lines; raise max_bad_rows (engine convert and predict: --max-bad-rows; engine train: "
+                                  "model.data.max_bad_rows) to skip them)")
         self.report.bad_rows += 1
         if len(self.report.bad_examples) < _MAX_LOGGED_BAD:
             self.report.bad_examples.append(bad)

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from . import keys
 from .errors import DataFormatError, SchemaError
 
-__all__ = ["ArrowSource", "SourcePosition", "list_files", "prefetch"]
+__all__ = ["ArrowSource", "SourcePosition", "list_files", "prefetch", "read_schema"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,31 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
         reader = pa.ipc.open_stream(mm)
         opened.append(True)
         yield from reader
+
+
+def read_schema(path: str) -> pa.Schema:
+    """The schema of one Arrow IPC (file or stream) or Parquet input, without reading its batches.
+
+    Raises
+    ------
+    DataFormatError
+        The input is empty or not Arrow IPC / Parquet (named, as ``_read_batches`` names it).
+    FileNotFoundError
+        ``path`` does not exist.
+    """
+    parquet = path.endswith(_PARQUET_SUFFIXES)
+    try:
+        if parquet:
+            return pq.read_schema(path)
+        with pa.memory_map(path, "r") as mm:
+            if mm.read(6) == b"ARROW1":
+                return pa.ipc.open_file(mm).schema
+            mm.seek(0)
+            return pa.ipc.open_stream(mm).schema
+    except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
+        if not _unreadable(exc):
+            raise
+        raise _format_error(path, path, parquet, False, 0, 0, exc) from exc
 
 
 def _unreadable(exc: BaseException) -> bool:

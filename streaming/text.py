@@ -301,8 +301,8 @@ def _select_vocab(acc: pa.Table, path: str, min_count: int, max_vocab) -> pa.Tab
         words = kept.column("word").cast(pa.string())
     except pa.ArrowInvalid as e:
         bad = next(w for w in kept.column("word").to_pylist() if not _is_utf8(w))
-        raise DataFormatError(path, 0, "token", f"expected UTF-8 text, got the bytes {bad!r} "
-                              "(line unknown: found while building the vocabulary)") from e
+        raise DataFormatError(path, _line_of(path, bad), "token",
+                              f"expected UTF-8 text, got the bytes {bad!r}") from e
     return pa.table({"word": words, "count": kept.column("count").cast(pa.uint64())},
                     schema=vocab_schema())
 
@@ -314,6 +314,22 @@ def _text_owned(entry: os.DirEntry) -> bool:
             return all(p.name.startswith("part-") and p.name.endswith(".arrow")
                        and not p.is_dir(follow_symlinks=False) for p in parts)
     return entry.name in (VOCAB_FILE, META_FILE, META_FILE + ".tmp") and not entry.is_dir(follow_symlinks=False)
+
+
+def _line_of(path: str, token: bytes) -> int:
+    """1-based line of ``path`` where ``token`` first occurs as a token, or 0 when it cannot be found
+    (a second read, on the error path only)."""
+    base = 0
+    try:
+        for block in _blocks(path, 1 << 24):     # whole lines, ~16 MB at a time
+            lines = block.tobytes().split(b"\n")
+            for i, line in enumerate(lines, 1):
+                if token in line.split():
+                    return base + i
+            base += len(lines) - (1 if lines and not lines[-1] else 0)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _is_utf8(b: bytes) -> bool:

@@ -205,7 +205,17 @@ def chain_of(storage: Storage, name: str) -> list[dict[str, Any]]:
     chain = []
     cur: str | None = name
     while cur is not None:
-        m = read_checkpoint_manifest(storage, cur)
+        try:
+            m = read_checkpoint_manifest(storage, cur)
+        except NotPublishedError as e:
+            if not chain:
+                raise
+            child = chain[-1]["name"]
+            what = "is missing" if not storage.exists(cur) else "has no _SUCCESS marker"
+            raise NotPublishedError(f"{storage.uri_of(cur)}, the parent of {storage.uri_of(child)} (the chain "
+                                    f"of {storage.uri_of(name)}), {what}: the chain cannot be restored (deleted "
+                                    f"by retention or by hand?); use a checkpoint whose chain is complete, "
+                                    f"e.g. a newer base", uri=storage.uri_of(cur)) from e
         chain.append(m)
         if m["kind"] == "base":
             break

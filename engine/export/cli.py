@@ -92,7 +92,13 @@ def run_export(args) -> int:
         opts = dict(min_show=args.min_show, dtype=args.dtype, since=args.delta, groups=args.groups,
                     overwrite=args.overwrite)
         if args.format == "word2vec":
-            vocab = args.vocab or source.model_description().get("vocab")
+            desc = source.model_description()
+            kind = (desc.get("model") or {}).get("kind")
+            if kind is not None and kind != "word2vec":
+                print(f"engine export: --format word2vec: {args.checkpoint} is a {kind} checkpoint, not a "
+                      f"word2vec one; export it with --format bundle or onnx", file=sys.stderr)
+                return 2
+            vocab = args.vocab or desc.get("vocab")
             if not vocab:
                 print("engine export: --format word2vec needs --vocab (vocab.arrow of the corpus): the "
                       "checkpoint does not record one", file=sys.stderr)

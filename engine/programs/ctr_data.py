@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from streaming.criteo import SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema, generate_criteo
-from streaming.source import ArrowSource, list_files
+from streaming.source import ArrowSource, list_files, read_schema
 from streaming.values import dense_values, first, label_problem
 
 from ..program_configs import DataConfig
@@ -232,18 +232,6 @@ def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
         it.close()
 
 
-def _file_schema(path: str) -> pa.Schema:
-    """The schema of one Arrow IPC (file or stream) or Parquet input, without reading its batches."""
-    if path.endswith((".parquet", ".pq")):
-        import pyarrow.parquet as pq
-        return pq.read_schema(path)
-    with pa.memory_map(path, "r") as mm:
-        if mm.read(6) == b"ARROW1":
-            return pa.ipc.open_file(mm).schema
-        mm.seek(0)
-        return pa.ipc.open_stream(mm).schema
-
-
 def group_column_type(path: str, column: str) -> pa.DataType:
     """The Arrow type of the grouping column ``column`` (``model.data.group_column``) in every input of
     the test split ``path``: an integer type, or string/binary (hashed to uint64 keys when read).
@@ -261,7 +249,7 @@ def group_column_type(path: str, column: str) -> pa.DataType:
         raise ConfigError(f"model.data.test_path: {e}") from None
     found = None
     for f in files:
-        schema = _file_schema(str(f))
+        schema = read_schema(str(f))
         if column not in schema.names:
             raise ConfigError(f"{key}: column {column!r} is missing from the test split file {f} (columns "
                               f"present: {', '.join(schema.names) or 'none'})")

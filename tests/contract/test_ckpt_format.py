@@ -413,3 +413,23 @@ def test_the_manifest_records_the_groups_the_servers_cut(mk):
         dst = make(n)
         mgr.restore(dst)
         assert dst.dump("emb") == want
+
+
+def test_a_delta_whose_parent_is_gone_names_the_parent_and_the_chain(mk):
+    """Said before: '<parent> is not published: no _SUCCESS marker (incomplete or in progress)', as if
+    the parent were being written; it names the delta whose parent it is, and that it is missing."""
+    from engine.checkpoint.manifest import chain_of
+    make, mgr = mk
+    c = make(1)
+    c.push("emb", np.arange(1, 50, dtype=np.uint64), _grads(np.random.default_rng(6), 49))
+    base = mgr.save(c, "base", when=T0)["name"]
+    d1 = mgr.save(c, "delta", when=T0 + dt.timedelta(hours=1))["name"]
+    d2 = mgr.save(c, "delta", when=T0 + dt.timedelta(hours=2))["name"]
+    st = mgr.storage
+    st.delete(base)
+    with pytest.raises(hdfs_io.NotPublishedError) as ei:
+        chain_of(st, d2)
+    assert str(ei.value).startswith(f"{st.uri_of(base)}, the parent of {st.uri_of(d1)} (the chain of "
+                                    f"{st.uri_of(d2)}), is missing: the chain cannot be restored"), str(ei.value)
+    with pytest.raises(hdfs_io.NotPublishedError, match="is not published"):       # the named one itself
+        chain_of(st, base)

@@ -72,6 +72,9 @@ def test_export_checkpoint_then_delta_and_predict(cluster, criteo, tmp_path, cap
     np.testing.assert_array_equal(b.lookup(keys), client.pull("embedding", keys))
     np.testing.assert_array_equal(b.model.get_dense(), client.pull_dense("dense"))
     assert b.meta["source"]["checkpoint"]["kind"] == "base"
+    assert main(["export", f"{root}/ctr", str(tmp_path / "w2v"), "--format", "word2vec"]) == 2
+    assert f"{root}/ctr is a deepfm checkpoint, not a word2vec one" in capsys.readouterr().err
+    assert not (tmp_path / "w2v").exists()
 
     # an hour later: some rows change, a delta checkpoint, a delta export
     some = keys[::7]

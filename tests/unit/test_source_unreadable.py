@@ -114,3 +114,18 @@ def test_only_unreadable_bytes_count_as_format_errors():
     assert not _unreadable(OSError("HTTP response code: 503 SERVICE_UNAVAILABLE"))
     assert not _unreadable(FileNotFoundError(errno.ENOENT, "No such file"))
     assert not _unreadable(ValueError("not pyarrow's"))
+
+
+@pytest.mark.parametrize("name, content", [("empty.arrow", b""), ("garbage.arrow", b"not arrow at all" * 10),
+                                           ("cut.parquet", b"PAR1garbage")])
+def test_read_schema_names_an_unreadable_file(tmp_path, name, content):
+    """``read_schema`` (the group column's look at the test files) said a raw ArrowInvalid before."""
+    from streaming.source import read_schema
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataFormatError) as ei:
+        read_schema(str(path))
+    assert str(ei.value).startswith(f"{path}: row 1: field <file header>: expected "), str(ei.value)
+    good = tmp_path / "good.arrow"
+    good.write_bytes(_stream_bytes([3]))
+    assert read_schema(str(good)) == _batch(0, 1).schema

@@ -192,3 +192,16 @@ def test_batch_arrays_from_sliced_record_batch():
     assert offs.tolist() == [0, 0, 3] and raw == 4
     with pytest.raises(ModelInputError, match="list<uint32>"):
         batch_arrays(pa.record_batch([pa.array([[1]], pa.list_(pa.int64()))], names=["tokens"]))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_token_that_is_not_utf8_is_named_with_its_line(tmp_path, gz):
+    """The vocabulary is built over bytes, so the bad token is found there; its line is then looked up
+    (it was reported as line 0, 'line unknown')."""
+    from streaming.errors import DataFormatError
+    text = b"good words here\nmore good words\n" * 3 + b"one bad \xff\xfe token\nend\n"
+    path = tmp_path / ("c.txt.gz" if gz else "c.txt")
+    path.write_bytes(gzip.compress(text) if gz else text)
+    with pytest.raises(DataFormatError) as ei:
+        convert_text(str(path), str(tmp_path / "out"), min_count=1)
+    assert str(ei.value) == f"{path}:7: field token: expected UTF-8 text, got the bytes b'\\xff\\xfe'"
