@@ -43,9 +43,18 @@ def _stamp(path: str):
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+_warned_open: set[str] = set()
+
+
 def _read(path: str, key: str) -> bytes:
     try:
         with open(path, "rb") as f:
+            if (key == "key" or key.endswith("token_file")) and path not in _warned_open \
+                    and os.fstat(f.fileno()).st_mode & 0o004:
+                _warned_open.add(path)     # once per file: a watcher reads it again at every change
+                log.warning("%s: %s is readable by every user of this machine (mode %o): a secret; "
+                            "chmod o-r it (engine certs writes 0600)", "security.tls key" if key == "key" else
+                            key, path, os.fstat(f.fileno()).st_mode & 0o777)
             return f.read()
     except OSError as e:
         raise ConfigError(f"{key}: cannot read {path!r}: {e.strerror or e}") from None

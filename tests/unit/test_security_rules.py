@@ -112,3 +112,19 @@ def test_an_admin_token_equal_to_the_worker_token_is_refused(tmp_path):
     (tmp_path / "a").write_text("another-token")
     assert server_security(SecurityConfig(token_file=str(tmp_path / "t"),
                                           admin_token_file=str(tmp_path / "a"))).tokens is not None
+
+
+def test_a_world_readable_token_or_key_is_a_warning(tmp_path, caplog):
+    from engine.security import certs
+    from engine.security.credentials import server_security
+    certs.write_cluster_credentials(tmp_path / "c", ["localhost"])
+    c = tmp_path / "c"
+    cfg = SecurityConfig(tls=TlsConfig(cert=str(c / "server.pem"), key=str(c / "server.key")),
+                         token_file=str(c / "token"), admin_token_file=str(c / "admin_token"))
+    server_security(cfg)                              # engine certs' modes: 0600, nothing to say
+    assert "readable by every user" not in caplog.text
+    (c / "token").chmod(0o644)
+    (c / "server.key").chmod(0o604)
+    server_security(cfg)
+    assert f"security.token_file: {c / 'token'} is readable by every user of this machine (mode 644)" in caplog.text
+    assert f"security.tls key: {c / 'server.key'} is readable by every user" in caplog.text
