@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["first", "label_problem", "dense_values"]
+__all__ = ["first", "label_problem", "list_values", "dense_values"]
 
 
 def first(mask) -> int:
@@ -35,6 +35,15 @@ def label_problem(col) -> tuple[int, str] | None:
     return None
 
 
+def list_values(col) -> pa.Array:
+    """The values of a ``fixed_size_list`` array without null lists, in row order (zero-copy: a slice of
+    its child array; ``flatten()`` copies, 220 us for 8192 rows of 13 floats where this takes 1 us)."""
+    if col.null_count:
+        return col.flatten()
+    D = col.type.list_size
+    return col.values.slice(col.offset * D, len(col) * D)
+
+
 def dense_values(col, D: int) -> tuple[np.ndarray, tuple[int, str] | None]:
     """The values of a ``fixed_size_list<float>[D]`` column, flat (``float[B*D]`` row-major), and its first
     problem, ``(row 0-based, reason)`` or None: a null list, a null value, NaN or an infinity. On a
@@ -44,7 +53,7 @@ def dense_values(col, D: int) -> tuple[np.ndarray, tuple[int, str] | None]:
     empty = np.empty(0, np.float32)
     if col.null_count:
         return empty, (first(col.is_null()), f"expected a list of {D} numbers, got null")
-    values = col.flatten()
+    values = list_values(col)
     if values.null_count:
         i = first(values.is_null())
         return empty, (i // D, f"expected a number at position {i % D}, got null")

@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from streaming.criteo import SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema, generate_criteo
 from streaming.source import ArrowSource, list_files, read_schema
-from streaming.values import dense_values, first, label_problem
+from streaming.values import dense_values, first, label_problem, list_values
 
 from ..program_configs import DataConfig
 from ..ps import _kernels as ps_kernels
@@ -86,7 +86,7 @@ def to_batch(rb: pa.RecordBatch, slots, dense_dim: int) -> CTRBatch:
     n = rb.num_rows
     labels = np.ascontiguousarray(rb.column("label").to_numpy(), np.float32)
     if dense_dim:
-        dense = rb.column("dense").flatten().to_numpy().reshape(n, dense_dim).astype(np.float32, copy=False)
+        dense = list_values(rb.column("dense")).to_numpy().reshape(n, dense_dim).astype(np.float32, copy=False)
     else:
         dense = np.zeros((n, 0), np.float32)
     keys = np.empty((n, len(slots)), np.uint64)
