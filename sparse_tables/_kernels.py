@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from ._jit import borrowed
-from ._optimizers import OPT_ADAGRAD, adagrad_row, apply_other, init_state
+from ._optimizers import HP_MAX, HP_MIN, OPT_ADAGRAD, adagrad_row, apply_other, init_state
 from ._prefetch import prefetch, prefetch_last
 
 U64 = np.uint64
@@ -532,8 +532,9 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
 
     mode 0: optimizer update with gradient ``ugrads[i] / ushows[i]`` when ``has_shows`` (Paddle's
     CtrCommonAccessor scales by the pushed show count), else ``ugrads[i]``;
-    mode 1: GEO delta, ``value += ugrads[i]`` with no optimizer.
-    Missing keys become rows when admitted (``sketch`` of shape (0, 0) disables admission). Show grows
+    mode 1: GEO delta, ``value += ugrads[i]`` with no optimizer, clipped to the weight bounds.
+    Missing keys become rows when admitted (``sketch`` of shape (0, 0) disables admission), counting
+    occurrences: ``ushows[i]`` when given (rounded; at least 1), else ``ucounts[i]``. Show grows
     by ``ushows[i]`` (or the occurrence count), click by ``uclicks[i]``; last_seen, tick and the dirty
     flag are set. out_rows : int64[u] gets each key's row or -1 when not admitted.
     Keys are unique, so each row is updated right after its lookup, while the record is still in L1.
@@ -598,7 +599,12 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
         if r < 0:
             if state[S_NRAM] >= max_rows or (state[S_FREE_HEAD] < 0 and state[S_NEXT] >= arena_u.shape[0]):
                 return created, rejected, i
-            count = np.int64(ucounts[i]) if counted else np.int64(1)
+            # occurrences: the pushed show count when given (a client or worker that merged a key's
+            # duplicates sends one copy with their summed show), else the copies in this push
+            if has_shows and ushows[i] >= 1.0:
+                count = np.int64(ushows[i] + 0.5)
+            else:
+                count = np.int64(ucounts[i]) if counted else np.int64(1)
             if use_admission and not admit(sketch, key, count, min_count, admit_p, seed):
                 out_rows[i] = -1
                 rejected += 1
@@ -615,9 +621,12 @@ def push_rows(index, arena_u, arena_f, state, lay, ukeys, ugrads, ushows, uclick
                 adagrad_row(arena_f, r, voff, soff, dim, ugrads, i, scale, hp)
             else:
                 apply_other(arena_f, r, voff, soff, dim, ugrads, i, scale, opt, hp)
-        else:
+        else:               # GEO: the delta is added, then held to the bounds as an optimizer step is
+            lo = hp[HP_MIN]
+            hi = hp[HP_MAX]
             for j in range(dim):
-                arena_f[r, voff + j] += ugrads[i, j]
+                w = arena_f[r, voff + j] + ugrads[i, j]
+                arena_f[r, voff + j] = lo if w < lo else (hi if w > hi else w)
         if has_shows:
             arena_f[r, moff + M_SHOW] += ushows[i]
             arena_f[r, moff + M_CLICK] += uclicks[i]

@@ -249,14 +249,25 @@ class SparseTable(SpillTier, DeltaCapture):
                       else _check_vector(clicks, len(keys), "clicks"))
         self._apply(keys, grads, shows, clicks, mode=0)
 
-    def push_delta(self, keys: np.ndarray, deltas: np.ndarray) -> None:
-        """GEO: ``value += delta`` with no optimizer (duplicates summed); rows are created as by push.
+    def push_delta(self, keys: np.ndarray, deltas: np.ndarray, *, shows: np.ndarray | None = None,
+                   clicks: np.ndarray | None = None) -> None:
+        """GEO: ``value += delta`` with no optimizer (duplicates summed), held to the weight bounds; rows
+        are created as by push.
 
-        keys : uint64[n]; deltas : float32[n, dim]. Raises TableInputError as ``push``.
+        keys : uint64[n]; deltas : float32[n, dim]; shows, clicks : float32[n], optional: the counts the
+        worker saw behind each delta since its last sync, added to the rows' show and click (and counted
+        for admission) as a push's are; without them show grows by occurrences. Raises TableInputError
+        as ``push``.
         """
         keys = _check_keys(keys)
         deltas = self._check_matrix(deltas, len(keys), "deltas")
-        self._apply(keys, deltas, None, None, mode=1)
+        if clicks is not None and shows is None:
+            raise TableInputError("clicks given without shows: pass shows too")
+        if shows is not None:
+            shows = _check_vector(shows, len(keys), "shows")
+            clicks = (np.zeros(len(keys), np.float32) if clicks is None
+                      else _check_vector(clicks, len(keys), "clicks"))
+        self._apply(keys, deltas, shows, clicks, mode=1)
 
     def initial_values(self, keys: np.ndarray) -> np.ndarray:
         """The values a push would create for keys : uint64[n] -> float32[n, dim] (nothing is created)."""

@@ -131,13 +131,14 @@ class NaiveTable:
         now = int(self.clock())
         for k, (g, count, show, click) in combined.items():
             if k not in self.rows:
-                if not self._admit(k, count):
+                occurrences = int(np.float32(show) + np.float32(0.5)) if shows is not None and show >= 1 else count
+                if not self._admit(k, occurrences):
                     continue
                 self.rows[k] = [initial_values(self.cfg, k), initial_state(self.cfg), np.float32(0),
                                 np.float32(0), now]
             row = self.rows[k]
             if delta:
-                row[0] = f32(row[0] + g)
+                row[0] = np.clip(f32(row[0] + g), np.float32(self.cfg.min_bound), np.float32(self.cfg.max_bound))
             else:
                 scale = 1.0 / float(show) if shows is not None and show > 0 else 1.0
                 row[0], row[1] = optimizer_step(self.cfg, row[0], row[1], g, scale)

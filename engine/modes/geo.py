@@ -299,8 +299,14 @@ class GeoMode(Mode):
             keys = np.concatenate([b.column("key").to_numpy() for b in batches])
             values = np.concatenate([b.column("values").flatten().to_numpy().reshape(-1, t.dim)
                                      for b in batches])
+            # the shows and clicks seen since the last sync (set_rows zeroed them then): the servers add
+            # them to the rows as an async push's, for expiry, admission and export filters; before,
+            # a delta carried none and each sync counted one show per key per worker and no click
+            shows, clicks = (np.concatenate([b.column(c).to_numpy() for b in batches]).astype(np.float32)
+                             for c in ("show", "click"))
             delta = (values - t.synced.pull(keys)) * scale
-            fresh = self.client.push_delta(name, keys, np.ascontiguousarray(delta, np.float32), return_values=True)
+            fresh = self.client.push_delta(name, keys, np.ascontiguousarray(delta, np.float32), shows=shows,
+                                           clicks=clicks, return_values=True)
             t.set_rows(keys, fresh, self.step)
         for name, (local, synced) in self._dense.items():
             self.client.push_dense_delta(name, (local - synced) * scale)

@@ -361,15 +361,17 @@ class PSClient(DenseClient):
         """
         self._push(table, keys, grads, shows, clicks, pb.GRAD, accumulate)
 
-    def push_delta(self, table: str, keys: np.ndarray, deltas: np.ndarray, *,
-                   return_values: bool = False) -> np.ndarray | None:
+    def push_delta(self, table: str, keys: np.ndarray, deltas: np.ndarray, *, shows: np.ndarray | None = None,
+                   clicks: np.ndarray | None = None, return_values: bool = False) -> np.ndarray | None:
         """GEO: ``value += delta`` on the servers for ``keys : uint64[n]``, ``deltas : float32[n, dim]``
-        (duplicates summed; no optimizer). Raises as ``push``.
+        (duplicates summed; no optimizer). ``shows``, ``clicks`` : float32[n], optional: the counts
+        behind the deltas, added to the rows' (for expiry, admission and export filters) as a push's
+        are. Raises as ``push``.
 
         ``return_values``: the same round trip brings back the rows' values after the update (as
         ``pull(table, keys, init_missing=True)`` right after it would): ``float32[n, dim]`` in the order
         of ``keys``; a GEO sync needs one round trip instead of two."""
-        return self._push(table, keys, deltas, None, None, pb.DELTA, False, return_values)
+        return self._push(table, keys, deltas, shows, clicks, pb.DELTA, False, return_values)
 
     def _merged_push(self, table, keys, grads, shows, clicks, what: str):
         """Check a push's arrays and sum duplicate keys -> (dim, keys, inverse or None, grads, shows,

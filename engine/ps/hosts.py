@@ -208,12 +208,9 @@ class SparseHost:
             whole = len(pos) == len(keys)
             k = keys if whole else _arrays.take(keys, pos)
             g = np.ascontiguousarray(grads) if whole else _arrays.take(grads, pos)
-            if delta:
-                self._shard_call(j, "push_delta", k, g)
-            else:
-                s = None if shows is None else (shows if whole else _arrays.take(shows, pos))
-                c = None if clicks is None else (clicks if whole else _arrays.take(clicks, pos))
-                self._shard_call(j, "push", k, g, shows=s, clicks=c)
+            s = None if shows is None else (shows if whole else _arrays.take(shows, pos))
+            c = None if clicks is None else (clicks if whole else _arrays.take(clicks, pos))
+            self._shard_call(j, "push_delta" if delta else "push", k, g, shows=s, clicks=c)
         self._each(parts, one, len(keys))
 
     def accumulate(self, keys, grads, shows, clicks) -> None:

@@ -486,8 +486,8 @@ class PSServer:
         delta = req.kind == pb.DELTA
         keys, grads, shows, clicks = _push_arrays(req, host.dim, "deltas" if delta else "grads")
         n = len(keys)
-        if delta and (shows is not None or req.accumulate):
-            raise ProtocolError("a DELTA push takes no shows/clicks and cannot accumulate")
+        if delta and req.accumulate:
+            raise ProtocolError("a DELTA push cannot accumulate")
         if req.accumulate and req.return_values:
             raise ProtocolError("an accumulated push is applied at the barrier: it cannot return values")
         if req.accumulate:

@@ -141,10 +141,14 @@ GEO_AUC_SPREAD = (0.6413, 0.6814)
 @pytest.mark.long   # make test-long: GEO's recovery, which only bench/chaos_soak.py ran before
 def test_geo_two_workers_recover_from_three_kills(tmp_path):
     """GEO (each worker trains a local copy and sends its deltas every ``k_steps``): three kills, and the
-    job finishes by itself, with the held-out AUC within the spread of uninterrupted runs. The servers'
-    show counts prove nothing here (GEO workers count shows in their local copies only)."""
+    job finishes by itself, every example counted once and the held-out AUC within the spread of
+    uninterrupted runs. A delta carries the shows behind it (before 2026-11-30 it carried none, and the
+    servers' show counts proved nothing in GEO)."""
     final, err = chaos(tmp_path, "chaos", 11, "mode=geo", "cluster.workers=2")
     assert final["restarts"] == 3 and final["examples_replayed"] > 0, err[-3000:]
+    sparse, _ = _state(final["checkpoint"])
+    train_rows = sum(1 for i in range(ROWS) if i % 5 != 4)
+    assert float(sparse[("embedding", "show")].sum()) == 3 * train_rows * SLOTS
     lo, hi = GEO_AUC_SPREAD
     width = hi - lo
     assert lo - width <= final["test_auc"] <= hi + width, final["test_auc"]

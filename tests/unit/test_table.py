@@ -95,6 +95,37 @@ def test_admission_keeps_unadmitted_keys_out(clock):
     np.testing.assert_array_equal(t.pull(u64(9)), [[-1, -1]])
 
 
+def test_admission_counts_occurrences_whether_or_not_duplicates_were_merged(clock):
+    """A worker and the PS client merge a key's duplicates into one copy whose show is their sum; the
+    server counted copies per push, so a key in 2 examples of every batch was admitted one batch late
+    in async (and per worker-batch in sync, per sync in GEO). Shows count now; without them, copies."""
+    def table():
+        return SparseTable(TableConfig(dim=2, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                                       min_count=4), clock=lambda: clock[0])
+    g = np.ones((1, 2), np.float32)
+    merged, copies = table(), table()
+    merged.push(u64(9), g, shows=np.array([2], np.float32))
+    copies.push(u64(9, 9), np.ones((2, 2), np.float32) / 2, shows=np.ones(2, np.float32))
+    assert len(merged) == len(copies) == 0                # 2 occurrences of 4
+    merged.push(u64(9), g, shows=np.array([2], np.float32))
+    copies.push(u64(9, 9), np.ones((2, 2), np.float32) / 2, shows=np.ones(2, np.float32))
+    np.testing.assert_array_equal(merged.pull(u64(9)), copies.pull(u64(9)))
+    np.testing.assert_array_equal(merged.pull(u64(9)), [[-0.5, -0.5]])   # admitted at the 4th occurrence
+    plain = table()                                        # no shows: copies in each push count
+    plain.push(u64(5, 5, 5), np.ones((3, 2), np.float32))
+    assert len(plain) == 0
+    plain.push(u64(5), g)
+    assert len(plain) == 1
+
+
+def test_a_geo_delta_is_held_to_the_weight_bounds(clock):
+    """Only optimizer steps were clipped to [min_bound, max_bound]; a GEO delta added past them."""
+    t = SparseTable(TableConfig(dim=2, optimizer="sgd", initializer="zeros", min_bound=-0.5, max_bound=0.25),
+                    clock=lambda: clock[0])
+    t.push_delta(u64(1, 2), np.array([[1.0, -1.0], [0.1, -0.1]], np.float32))
+    np.testing.assert_array_equal(t.pull(u64(1, 2)), np.array([[0.25, -0.5], [0.1, -0.1]], np.float32))
+
+
 def test_expiry_deletes_and_reports_tombstones(clock, tmp_path):
     t = SparseTable(TableConfig(dim=2, expire_after=10, memory_rows=2, spill_path=str(tmp_path / "s")),
                     clock=lambda: clock[0])
