@@ -4,7 +4,18 @@ A partition is complete when its ``_SUCCESS`` marker exists (``hdfs_io``'s publi
 ``manifest.json``, then ``_SUCCESS``); an incomplete one is never read. ``HourlySource`` yields the
 partitions after a given one, oldest first, and when none is ready waits (polling every
 ``poll_interval_s``) for the next. It never skips a partition whose directory exists but is not yet
-complete (a producer still writing hour 05 holds back hour 06); hours with no directory are skipped.
+complete (a producer still writing hour 05 holds back hour 06). An hour with no directory is skipped
+when a later hour is complete (at once, or after ``wait_for_missing_s``), with a WARNING naming it; a
+directory that appears later for a skipped hour is logged (WARNING) as too late and is never trained.
+Directories named like partitions but not real hours (``20241350``, ``20240101/24``) are ignored with a
+WARNING.
+
+A partition published by ``hdfs_io.Publisher`` has a ``manifest.json``: its data files are the ones the
+manifest lists, each checked to exist with the listed size before any is read (a missing or truncated
+file raises ``hdfs_io.CheckpointCorruptError`` naming the partition and the file). A partition from
+another writer (``_SUCCESS`` but no manifest) is read from a directory listing; its files that no reader
+here supports (Hive ``000000_0``, ``.orc``, ...) are logged (WARNING), not read. Data files are Arrow IPC
+(file or stream format: ``.arrow``, ``.arrows``, ``.ipc``, ``.feather``) or Parquet (``.parquet``).
 
 Worked example::
 
@@ -18,6 +29,7 @@ Worked example::
     ...     for rb in part.record_batches(shard=(rank, workers)): ...    # waits for 02 after that
 
 Works on every ``hdfs_io`` backend (local, S3, HDFS); files are read whole through ``read_buffer``.
+Several workers each run their own ``HourlySource``; this module does not coordinate them.
 """
 from __future__ import annotations
 
@@ -26,11 +38,12 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
 
 import hdfs_io
 from hdfs_io import Storage, StorageOptions
@@ -43,7 +56,15 @@ log = logging.getLogger(__name__)
 
 _DAY_RE = re.compile(r"^\d{8}$")
 _HOUR_RE = re.compile(r"^\d{2}$")
-_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather")
+_IPC_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather")
+_PARQUET_SUFFIXES = (".parquet",)
+_SUFFIXES = _IPC_SUFFIXES + _PARQUET_SUFFIXES
+#: rows per record batch read from a Parquet file (batches never span row groups)
+PARQUET_BATCH_ROWS = 65536
+#: skipped hours remembered to report their late arrival (one week)
+_MAX_TRACKED_SKIPPED = 168
+_IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+_HOUR = _dt.timedelta(hours=1)
 
 
 def partition_name(when: _dt.datetime) -> str:
@@ -73,15 +94,19 @@ class Partition:
     ----------
     name : str
         ``YYYYMMDD/HH``.
-    files : list of str
-        Arrow file names inside it, sorted.
+    files : tuple of str
+        Data file names inside it (Arrow IPC or Parquet), sorted: the manifest's data files when the
+        partition has a ``manifest.json``, else those of a directory listing.
     storage : Storage
         Rooted at the partition directory.
+    sizes : tuple of int or None
+        Expected size of each of ``files`` in bytes (from the manifest); None without a manifest.
     """
 
     name: str
     files: tuple
     storage: Storage
+    sizes: tuple | None = field(default=None, compare=False)
 
     @property
     def start(self) -> _dt.datetime:
@@ -89,7 +114,7 @@ class Partition:
 
     @property
     def end(self) -> _dt.datetime:
-        return self.start + _dt.timedelta(hours=1)
+        return self.start + _HOUR
 
     def record_batches(self, *, shard: tuple[int, int] = (0, 1), schema: pa.Schema | None = None,
                        start_file: int = 0, start_batch: int = 0,
@@ -99,11 +124,16 @@ class Partition:
         Worker ``w`` of ``W`` gets the input record batches ``w::W`` counted over the whole partition,
         so every worker gets work even from a single file. ``start_file`` / ``start_batch`` resume
         after a recorded position. ``check``: as ``ArrowSource``'s, on every batch of this worker's share.
+        A Parquet file's batches hold up to ``PARQUET_BATCH_ROWS`` rows and never span row groups.
 
         Raises
         ------
         hdfs_io.CheckpointCorruptError
-            A file is not readable Arrow (named).
+            A file is not readable Arrow IPC / Parquet, an IPC stream lacks its end-of-stream marker
+            (truncated), or a file's size in bytes differs from the manifest's (changed since the
+            partition was opened); the message names the partition and the file.
+        FileNotFoundError
+            A file disappeared since the partition was opened.
         SchemaError
             A file lacks a column of ``schema`` or has another type (names the file and column).
         DataFormatError
@@ -113,13 +143,18 @@ class Partition:
         counter = 0
         for fi, fname in enumerate(self.files):
             buf = self.storage.read_buffer(fname)
+            uri = self.storage.uri_of(fname)
+            if self.sizes is not None and buf.size != self.sizes[fi]:
+                raise hdfs_io.CheckpointCorruptError(
+                    f"partition {self.name}: {uri}: size is {buf.size} bytes, manifest says {self.sizes[fi]} "
+                    f"(changed since the partition was opened)", uri=uri)
             try:
-                reader = _open(buf)
+                reader = _open(buf, fname)
             except (pa.ArrowInvalid, OSError) as exc:
-                uri = self.storage.uri_of(fname)
-                raise hdfs_io.CheckpointCorruptError(f"{uri}: not a readable Arrow file: {exc}", uri=uri) from exc
+                raise hdfs_io.CheckpointCorruptError(
+                    f"partition {self.name}: {uri}: not a readable {_kind(fname)} file: {exc}", uri=uri) from exc
             if schema is not None:
-                _check_schema(reader.schema, schema, self.storage.uri_of(fname))
+                _check_schema(reader.schema, schema, uri)
             file_row = 0    # rows of this file before rb
             for bi, rb in enumerate(reader):
                 mine = counter % n == w
@@ -131,14 +166,24 @@ class Partition:
                     rb = pa.RecordBatch.from_arrays([rb.column(f.name) for f in schema], schema=schema)
                 if check is not None and (bad := check(rb)) is not None:
                     column, row, reason = bad
-                    raise DataFormatError(self.storage.uri_of(fname), row_in_file + row + 1, column, reason,
-                                          unit="row")
+                    raise DataFormatError(uri, row_in_file + row + 1, column, reason, unit="row")
                 yield fi, bi, rb
 
 
-def _open(buf: pa.Buffer):
+def _kind(fname: str) -> str:
+    return "Parquet" if fname.endswith(_PARQUET_SUFFIXES) else "Arrow IPC"
+
+
+def _open(buf: pa.Buffer, fname: str = ""):
+    if fname.endswith(_PARQUET_SUFFIXES):
+        return _ParquetIter(pq.ParquetFile(pa.BufferReader(buf)))
     if buf.size >= 6 and buf[:6].to_pybytes() == b"ARROW1":
         return _FileIter(ipc.open_file(pa.BufferReader(buf)))
+    # a stream ends with an end-of-stream marker; a stream cut at a batch boundary reads "fine" without it
+    legacy = buf.size >= 4 and buf[:4].to_pybytes() != _IPC_EOS[:4]      # pre-0.15 framing: 4-byte EOS
+    tail = buf[max(0, buf.size - 8):].to_pybytes()
+    if not (tail[-4:] == b"\0\0\0\0" if legacy else tail == _IPC_EOS):
+        raise pa.ArrowInvalid(f"IPC stream of {buf.size} bytes has no end-of-stream marker (truncated?)")
     return ipc.open_stream(pa.BufferReader(buf))
 
 
@@ -150,13 +195,35 @@ class _FileIter:
         return (self.f.get_batch(i) for i in range(self.f.num_record_batches))
 
 
+class _ParquetIter:
+    def __init__(self, f: pq.ParquetFile):
+        self.f, self.schema = f, f.schema_arrow
+
+    def __iter__(self):
+        for g in range(self.f.num_row_groups):
+            yield from self.f.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g])
+
+
 def _check_schema(got: pa.Schema, want: pa.Schema, where: str) -> None:
-    for field in want:
-        idx = got.get_field_index(field.name)
+    for field_ in want:
+        idx = got.get_field_index(field_.name)
         if idx < 0:
-            raise SchemaError(where, field.name, str(field.type), None, got.names)
-        if not got.field(idx).type.equals(field.type):
-            raise SchemaError(where, field.name, str(field.type), str(got.field(idx).type))
+            raise SchemaError(where, field_.name, str(field_.type), None, got.names)
+        if not got.field(idx).type.equals(field_.type):
+            raise SchemaError(where, field_.name, str(field_.type), str(got.field(idx).type))
+
+
+def _hours_between(after: str, before: str) -> list[str]:
+    """Partition names strictly between two partition names."""
+    t, end, out = partition_time(after) + _HOUR, partition_time(before), []
+    while t < end:
+        out.append(partition_name(t))
+        t += _HOUR
+    return out
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} hours)"
 
 
 class HourlySource:
@@ -171,31 +238,76 @@ class HourlySource:
     storage_options : StorageOptions, optional
     stop : threading.Event, optional
         Set it to make a waiting ``partitions`` return.
+    retry : hdfs_io.RetryPolicy, optional
+    wait_for_missing_s : float, seconds
+        How long an hour with no directory is waited for once a later hour is complete, counted from
+        when this source first saw that later hour complete; then it is skipped (WARNING). 0 (default)
+        skips it at once. An hour whose directory exists but lacks ``_SUCCESS`` is always waited for.
+
+    Raises
+    ------
+    ValueError
+        ``poll_interval_s`` <= 0 or ``wait_for_missing_s`` < 0.
     """
 
     def __init__(self, root: str, *, poll_interval_s: float = 10.0, storage_options: StorageOptions | None = None,
-                 stop: threading.Event | None = None, retry: hdfs_io.RetryPolicy | None = None):
+                 stop: threading.Event | None = None, retry: hdfs_io.RetryPolicy | None = None,
+                 wait_for_missing_s: float = 0.0):
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
+        if not wait_for_missing_s >= 0:
+            raise ValueError(f"wait_for_missing_s must be >= 0 seconds, got {wait_for_missing_s}")
         self.storage = Storage.from_uri(root, storage_options=storage_options, retry=retry)
         self.poll_interval_s = poll_interval_s
+        self.wait_for_missing_s = float(wait_for_missing_s)
         self.stop = stop or threading.Event()
+        self._warned: set[str] = set()                  # names already warned about (once each)
+        self._skipped: dict[str, str] = {}              # skipped missing hour -> the hour yielded after it
+        self._gap_seen: dict[str, float] = {}           # hour after a gap -> monotonic time first seen
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def _valid(self, name: str) -> bool:
+        try:
+            _dt.datetime.strptime(name, "%Y%m%d/%H" if "/" in name else "%Y%m%d")
+            return True
+        except ValueError:
+            self._warn_once(f"bad:{name}", "ignoring %s: named like an hourly partition but %s is not a real "
+                            "date/hour", self.storage.uri_of(name), name)
+            return False
 
     def _names(self, after: str | None) -> list[str]:
-        """Existing partition directories after ``after`` (complete or not), sorted."""
+        """Existing partition directories after ``after`` (complete or not), sorted.
+
+        Also reports (WARNING) directories that appeared for hours this source skipped as missing.
+        """
         try:
             days = [d for d in self.storage.listdir("") if _DAY_RE.match(d)]
         except FileNotFoundError:
             return []
+        skipped_days = {s[:8] for s in self._skipped}
         out = []
         for day in days:
-            if after is not None and day < after[:8]:
+            if after is not None and day < after[:8] and day not in skipped_days:
+                continue
+            if not self._valid(day):
                 continue
             try:
                 hours = [h for h in self.storage.listdir(day) if _HOUR_RE.match(h)]
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            out += [f"{day}/{h}" for h in hours if after is None or f"{day}/{h}" > after]
+            for h in hours:
+                name = f"{day}/{h}"
+                if not self._valid(name):
+                    continue
+                if name in self._skipped:
+                    log.warning("hourly partition %s arrived too late: skipped as missing when %s was next; it "
+                                "is not trained", self.storage.uri_of(name), self._skipped.pop(name))
+                if after is None or name > after:
+                    out.append(name)
         return sorted(out)
 
     def complete(self, after: str | None = None) -> list[str]:
@@ -208,24 +320,75 @@ class HourlySource:
         return out
 
     def open(self, name: str) -> Partition:
-        """The complete partition ``name``.
+        """The complete partition ``name``, its files checked against its manifest when it has one.
 
         Raises
         ------
+        ValueError
+            ``name`` is not a partition name ``YYYYMMDD/HH``.
         hdfs_io.NotPublishedError
             It has no ``_SUCCESS``.
+        hdfs_io.CheckpointCorruptError
+            Its ``manifest.json`` is invalid, a file it lists is missing or has another size in bytes, or
+            it lists files but none that can be read; the message names the partition and the file.
         """
-        partition_time(name)
-        if not hdfs_io.is_complete(self.storage, name):
+        part = self._open(name)
+        if part is None:
             uri = self.storage.uri_of(name)
             raise hdfs_io.NotPublishedError(f"{uri} is not complete (no _SUCCESS)", uri=uri)
+        return part
+
+    def _open(self, name: str) -> Partition | None:
+        """``open``, but None when the partition is not published (yet, or again: being republished)."""
+        partition_time(name)
         st = self.storage.sub(name)
-        files = tuple(f for f in st.listdir("") if f.endswith(_SUFFIXES) and not f.startswith(("_", ".")))
-        return Partition(name, files, st)
+        try:
+            listing = st.listdir("")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if hdfs_io.SUCCESS_NAME not in listing:
+            return None
+        if hdfs_io.MANIFEST_NAME not in listing:
+            files = [f for f in listing if f.endswith(_SUFFIXES) and not f.startswith(("_", "."))]
+            other = [f for f in listing if not f.endswith(_SUFFIXES) and not f.startswith(("_", "."))]
+            if other:
+                self._warn_once(f"other:{name}", "hourly partition %s has no %s (not written by hdfs_io.Publisher); "
+                                "not reading %d file(s) of no supported format (%s): %s%s",
+                                st.uri, hdfs_io.MANIFEST_NAME, len(other), ", ".join(_SUFFIXES), ", ".join(other[:5]),
+                                "" if files else "; the hour trains as EMPTY")
+            return Partition(name, tuple(files), st)
+        try:
+            manifest = hdfs_io.verify(self.storage, name, checksums=False)
+        except hdfs_io.NotPublishedError:
+            return None
+        except hdfs_io.CheckpointCorruptError as exc:
+            if not hdfs_io.is_complete(self.storage, name):      # republished while checked: wait for it
+                return None
+            raise hdfs_io.CheckpointCorruptError(f"hourly partition {name}: {exc}", uri=exc.uri) from exc
+        entries = hdfs_io.file_entries(manifest)
+        files = [f for f in entries if f.endswith(_SUFFIXES)]
+        other = [f for f in entries if not f.endswith(_SUFFIXES)]
+        if other and not files:
+            raise hdfs_io.CheckpointCorruptError(
+                f"hourly partition {st.uri}: its manifest lists {len(other)} file(s) but none of a supported format "
+                f"({', '.join(_SUFFIXES)}): {', '.join(other[:5])}", uri=st.uri_of(other[0]))
+        if other:
+            self._warn_once(f"other:{name}", "hourly partition %s: not reading %d file(s) of its manifest of no "
+                            "supported format: %s", st.uri, len(other), ", ".join(other[:5]))
+        stray = [f for f in listing if f.endswith(_SUFFIXES) and f not in entries and not f.startswith(("_", "."))]
+        if stray:
+            self._warn_once(f"stray:{name}", "hourly partition %s: not reading %d data file(s) its manifest does "
+                            "not list: %s", st.uri, len(stray), ", ".join(stray[:5]))
+        return Partition(name, tuple(files), st, sizes=tuple(entries[f].size for f in files))
 
     def partitions(self, after: str | None = None, *, until: _dt.datetime | None = None,
                    wait: bool = True) -> Iterator[Partition]:
         """Complete partitions after ``after``, oldest first; waits for the next one when ``wait``.
+
+        A partition that loses its ``_SUCCESS`` between listing and opening (republished with
+        ``Publisher(overwrite=True)``) is waited for like an incomplete one. Hours with no directory
+        before a complete later hour are skipped with a WARNING (after ``wait_for_missing_s``; with
+        ``wait=False`` a later hour still inside that bound ends the iteration).
 
         Parameters
         ----------
@@ -235,26 +398,52 @@ class HourlySource:
             Stop before the first partition starting at or after this time.
         wait : bool
             Poll for new partitions (forever, or until ``stop`` is set); False ends at the newest.
+
+        Raises
+        ------
+        hdfs_io.CheckpointCorruptError
+            See ``open``.
         """
         last = after
         while not self.stop.is_set():
-            ready = self.complete(last)
-            for name in ready:
+            progressed, pause = False, self.poll_interval_s
+            for name in self.complete(last):
                 if until is not None and partition_time(name) >= until:
                     return
-                yield self.open(name)
-                last = name
+                missing = _hours_between(last, name) if last is not None else []
+                if missing and self.wait_for_missing_s > 0:
+                    now = time.monotonic()
+                    left = self._gap_seen.setdefault(name, now) + self.wait_for_missing_s - now
+                    if left > 0:
+                        self._warn_once(f"gap:{name}", "hourly partition %s missing; waiting up to %.0f s for it "
+                                        "before training %s", _span(missing), left, name)
+                        pause = min(pause, left)
+                        break
+                part = self._open(name)
+                if part is None:
+                    log.info("hourly partition %s is no longer complete (being republished?); waiting for it",
+                             self.storage.uri_of(name))
+                    break
+                if missing:
+                    log.warning("hourly partition %s missing under %s: skipped, %s is next", _span(missing),
+                                self.storage.uri, name)
+                    for m in missing[-_MAX_TRACKED_SKIPPED:]:
+                        self._skipped[m] = name
+                    while len(self._skipped) > _MAX_TRACKED_SKIPPED:
+                        self._skipped.pop(next(iter(self._skipped)))
+                self._gap_seen.pop(name, None)
+                yield part
+                last, progressed = name, True
                 if self.stop.is_set():
                     return
-            if ready:
+            if progressed:
                 continue
-            if until is not None and last is not None and partition_time(last) + _dt.timedelta(hours=1) >= until:
+            if until is not None and last is not None and partition_time(last) + _HOUR >= until:
                 return
             if not wait:
                 return
-            log.debug("no complete partition after %s under %s; polling in %.1f s", last, self.storage.uri,
-                      self.poll_interval_s)
-            self.stop.wait(self.poll_interval_s)
+            log.debug("no complete partition after %s under %s; polling in %.1f s", last, self.storage.uri, pause)
+            self.stop.wait(pause)
 
     def wait_for(self, name: str, timeout_s: float) -> bool:
         """Wait until partition ``name`` is complete; False after ``timeout_s`` seconds."""
