@@ -100,6 +100,8 @@ class CTROnlineConfig(CTRConfig):
     export_root: str = ""        # serving bundles after every checkpoint ("" = none): full after a base
     export_dtype: Literal["float32", "float16"] = "float32"
     export_min_show: Annotated[float, Field(ge=0)] = 0.0
+    run_id: str = ""             # set by the launcher (ctr_online.prepare) per engine train run, not a knob:
+    #                              its restarted attempts continue the run's max_partitions count
 
 
 @section

@@ -12,16 +12,29 @@ waiting ``poll_interval_s`` between listings when none is ready::
                                 partition as consumed (manifest ``sources.train.partition`` and
                                 ``extra.consumed``); once per ``checkpoint.base_every`` of data time
                                 the expiry pass (shrink) runs first and a base is written instead
+    4. metrics event (rank 0)   the hour's ``partition`` event, written once its checkpoint is published
+    5. export (rank 0)          with ``model.export_root``: the serving bundle of that checkpoint
 
 Workers wait at a barrier until the checkpoint is published, so no update of the next hour leaks into
 it. Killed at any moment and restarted with ``engine train CONFIG --resume``, the job restores the newest
 complete checkpoint and continues with the first partition it does not record as consumed: a partition
 half-trained when the job died is trained again from the checkpoint taken before it, so every partition
 is consumed exactly once in the checkpointed model. The job runs forever, or until ``model.until``
-(``--until YYYYMMDDHH``) or ``model.max_partitions``.
+(``--until YYYYMMDDHH``) or ``model.max_partitions`` partitions consumed by this ``engine train`` run:
+counted over all its attempts (a restarted cluster continues the count and the list of the checkpoint
+it restored, ``extra.run``), while a new ``engine train --resume`` starts a new count.
+
+Faults of the serving export do not stop training: an export that fails (storage error,
+``ExportError``, ``BundleError``) is logged as a WARNING naming the partition and the error, written as
+an ``export_failed`` event, counted (``exports_failed`` in the final line), and the next partition's
+export tries again, as a delta against the last bundle that WAS published (or a full bundle when none
+was), so no published delta refers to a bundle that does not exist.
 
 Metrics file events: ``{"event": "partition", "partition": "20240101/05", "rows", "progressive_auc",
-"progressive_logloss", "train_logloss", "checkpoint"}``.
+"progressive_logloss", "train_logloss", "checkpoint"}`` (one per consumed hour; the metrics are
+``null`` for an hour without rows, or ``train_logloss`` for one where rank 0's share was empty, with a
+WARNING naming the hour) and ``{"event": "export_failed", "partition", "bundle", "error",
+"exports_failed"}``.
 """
 from __future__ import annotations
 
@@ -30,13 +43,14 @@ import datetime as _dt
 import logging
 import os
 import time
+import uuid
 
-from hdfs_io import CheckpointCorruptError, NotPublishedError
 from streaming.hourly import HourlySource, partition_time
 
 from .. import failpoints, observability, preempt, progress
 from ..checkpoint import CheckpointManager, Schedule, chain_of
 from ..export import BundleError, CheckpointSource, export_bundle, open_bundle
+from ..export.errors import ExportError
 from ..job_checkpoints import job_name
 from ..config import ModelConfig
 from ..errors import ConfigError
@@ -96,7 +110,8 @@ def prepare(cfg):
         raise ConfigError("mode must be async or geo for ctr_online (workers' shares of an hour differ in size)")
     metrics_file = p.metrics_file or str(
         os.path.abspath(p.metrics_dir) + f"/ctr_online-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl")
-    p = dataclasses.replace(p, metrics_file=metrics_file)
+    # names this ``engine train`` run: its restarted attempts continue its partition count (max_partitions)
+    p = dataclasses.replace(p, metrics_file=metrics_file, run_id=f"{now_stamp()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     MetricsFile(metrics_file).write({"event": "start", "model": "ctr_online", "network": p.network,
                                      "mode": cfg.mode, "partitions": p.partitions, "time": time.time()})
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params=p))
@@ -109,6 +124,8 @@ def final(cfg, results: list[dict]) -> dict:
              "partitions": r0.get("partitions", []), "last_partition": r0.get("last_partition"),
              "progressive_auc": r0.get("progressive_auc"), "metrics_file": cfg.model.params.metrics_file,
              "checkpoint": r0.get("checkpoint")}
+    if cfg.model.params.export_root:
+        event["exports_failed"] = r0.get("exports_failed", 0)
     # the per-hour curves come from the workers' partition events (online/*); this adds final/*
     event["tensorboard_dir"] = observability.record_final(cfg, cfg.model.params.metrics_file, event)
     return event
@@ -125,7 +142,10 @@ class OnlineTrainer(ctr.CTRTrainer):
         self.mgr: CheckpointManager | None = None
         self.last: str | None = None
         self.consumed: list[str] = []          # partitions trained since the last checkpoint
-        self.last_export: str | None = None    # this process's previous serving export (delta base)
+        self.last_export: str | None = None    # the last serving bundle published (delta base)
+        self.done: list[str] = []              # partitions this run consumed (every attempt: extra.run)
+        self.exports_failed = 0                # exports of this run that failed (carried by extra.run)
+        self._written: tuple[str, str, str] | None = None    # rank 0: (uri, name, kind) of the last checkpoint
         resumed = None
         if self.ck.restored:
             mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases,
@@ -134,6 +154,10 @@ class OnlineTrainer(ctr.CTRTrainer):
             resumed = mgr.manifest(name)
             self.last = (resumed.get("sources", {}).get("train") or {}).get("partition")
             self.steps = int(resumed.get("step", 0))
+            run = (resumed.get("extra") or {}).get("run") or {}
+            if self.p.run_id and run.get("id") == self.p.run_id:     # a restarted attempt of this run
+                self.done = list(run.get("partitions", []))
+                self.exports_failed = int(run.get("exports_failed", 0))
         if self.rank == 0:
             self.mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases,
                                     storage_options=ctx.config.storage.options())
@@ -158,7 +182,7 @@ class OnlineTrainer(ctr.CTRTrainer):
             out = f"{self.p.export_root.rstrip('/')}/{m['name']}"
             try:
                 open_bundle(out, storage_options=opts)
-            except (NotPublishedError, CheckpointCorruptError, BundleError):
+            except (OSError, BundleError):       # NotPublishedError, CheckpointCorruptError, storage errors
                 continue
             return out
         return None
@@ -180,7 +204,8 @@ class OnlineTrainer(ctr.CTRTrainer):
             local.update(self.model.predict(emb, rows, segments, batch.dense), batch.labels)
         return merge_global(self.client, self.mode, self.p.metrics_table, local, f"pv-{part.name}")
 
-    def train_partition(self, part) -> tuple[int, float]:
+    def train_partition(self, part) -> tuple[int, float | None]:
+        """Train on this worker's share of ``part``; (rows, mean batch logloss or None without a batch)."""
         rows, loss, steps = 0, 0.0, 0
         progress.current().where(partition=part.name)     # engine status: the hour being trained
         for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema,
@@ -192,10 +217,12 @@ class OnlineTrainer(ctr.CTRTrainer):
             steps += 1
         self.steps += steps
         self.examples += rows
-        return rows, loss / max(1, steps)
+        return rows, (loss / steps if steps else None)
 
     def checkpoint(self, part) -> str | None:
-        """Rank 0: shrink + base when one is due, else a delta recording the partition as consumed."""
+        """Rank 0: shrink + base when one is due, else a delta recording the partition as consumed (and
+        this run's partitions so far, ``extra.run``); returns its URI (None on other ranks). The serving
+        export is not part of it (``export``)."""
         if self.mgr is None:
             return None
         now = part.end.timestamp()
@@ -208,30 +235,63 @@ class OnlineTrainer(ctr.CTRTrainer):
             deleted = self.client.shrink()
             log.info("expiry pass before the base of %s: %d row(s) deleted", part.name, deleted)
         pos = {"partition": part.name, "file_index": len(part.files), "batch_index": 0, "row": 0}
+        run = {"id": self.p.run_id, "partitions": self.done + [part.name], "exports_failed": self.exports_failed}
         m = self.mgr.save(self.client, kind, when=part.end, step=self.steps, sources={"train": pos},
-                          config=self.full_config.to_dict(), extra={"consumed": list(self.consumed)})
+                          config=self.full_config.to_dict(), extra={"consumed": list(self.consumed), "run": run})
         self.schedule.done(m["kind"], now, step=self.steps)
         self.started = True
         uri = self.mgr.uri_of(m["name"])
         progress.current().mark(f"partition:{part.name}")    # committed: a restart resumes after it
-        if self.p.export_root:
-            self.export(uri, m["name"], m["kind"])
+        self._written = (uri, m["name"], m["kind"])
         return uri
 
-    def export(self, ckpt_uri: str, name: str, kind: str) -> None:
+    def export(self, part, ckpt_uri: str, name: str, kind: str) -> bool:
         """Rank 0: a serving bundle of the checkpoint just written, under ``model.export_root`` with the
-        checkpoint's name: a full bundle after a base (or the first export of this process), else a delta
-        against the previous export, so serving applies hourly patches (``Bundle.apply_delta``)."""
+        checkpoint's name: a full bundle after a base (or when no export was published yet), else a delta
+        against the last PUBLISHED export, so serving applies hourly patches (``Bundle.apply_delta``).
+
+        Returns False when the export failed (a storage error, ``ExportError`` or ``BundleError``): the
+        failure is logged as a WARNING naming ``part`` and the error, written as an ``export_failed``
+        metrics event and counted in ``exports_failed``; training goes on and the next checkpoint's
+        export tries again. Other exceptions (bugs) propagate."""
         p, opts = self.p, self.full_config.storage.options()
         out = f"{p.export_root.rstrip('/')}/{name}"
         since = self.last_export if kind != "base" else None
-        failpoints.hit("export.before_publish")
-        meta = export_bundle(CheckpointSource(ckpt_uri, storage_options=opts), out, dtype=p.export_dtype,
-                             min_show=p.export_min_show if since is None else None, since=since,
-                             storage_options=opts, overwrite=True)
+        try:
+            failpoints.hit("export.before_publish")
+            meta = export_bundle(CheckpointSource(ckpt_uri, storage_options=opts), out, dtype=p.export_dtype,
+                                 min_show=p.export_min_show if since is None else None, since=since,
+                                 storage_options=opts, overwrite=True)
+        except (OSError, ExportError, BundleError) as e:     # OSError: hdfs_io.StorageError and the like
+            self.exports_failed += 1
+            log.warning("partition %s: serving export %s failed, training continues (the next partition's "
+                        "export retries against %s; %d export(s) failed in this run): %s: %s", part.name, out,
+                        self.last_export or "nothing: a full bundle", self.exports_failed, type(e).__name__, e)
+            self.metrics.write({"event": "export_failed", "partition": part.name, "bundle": out,
+                                "error": f"{type(e).__name__}: {e}", "exports_failed": self.exports_failed,
+                                "time": time.time()})
+            return False
         self.last_export = out
         log.info("exported %s bundle %s: %d row(s), %d deleted", meta["bundle"], out, meta["embedding"]["rows"],
                  meta["embedding"]["deleted"])
+        return True
+
+    def partition_event(self, part, pv: dict, train_loss: float | None, ckpt: str | None) -> float | None:
+        """Rank 0: the hour's ``partition`` metrics event; returns its progressive AUC. An hour without
+        rows has no metrics: ``null`` (not 0.0) and a WARNING naming it."""
+        n = int(pv["count"])
+        auc, logloss = (pv["auc"], pv["logloss"]) if n else (None, None)
+        if not n:
+            train_loss = None
+            log.warning("partition %s has no rows: no progressive validation or training metrics (null)",
+                        part.name)
+        self.metrics.write({"event": "partition", "partition": part.name, "rows": n, "progressive_auc": auc,
+                            "progressive_logloss": logloss, "train_logloss": train_loss, "step": self.steps,
+                            "checkpoint": ckpt, "time": time.time()})
+        if n:
+            log.info("partition %s: progressive AUC %.4f logloss %.4f (%d rows); checkpoint %s",
+                     part.name, auc, logloss, n, ckpt)
+        return auc
 
     def run(self) -> dict:
         p = self.p
@@ -241,12 +301,14 @@ class OnlineTrainer(ctr.CTRTrainer):
         reset_metrics(self.client, self.mode, p.metrics_table)
         src = HourlySource(p.partitions, poll_interval_s=p.poll_interval_s,
                            storage_options=self.full_config.storage.options())
-        done, last_uri, auc = [], None, None
+        done, last_uri, auc = self.done, None, None
         log.info("worker %d: online from after %s", self.rank, self.last or "the first partition")
         report = progress.current()
         report.mark(f"partition:{self.last}")        # examples trained after the resumed partition: 0
         parts = src.partitions(after=self.last, until=_until(p))
         while True:
+            if p.max_partitions and len(done) >= p.max_partitions:    # counted over this run's attempts
+                break
             with report.phase("waiting for the next partition", WAIT_FOR_PARTITION_S):
                 part = next(parts, None)
             if part is None:
@@ -260,29 +322,25 @@ class OnlineTrainer(ctr.CTRTrainer):
             self.consumed.append(part.name)
             with report.phase(f"checkpoint of {part.name}", CHECKPOINT_DEADLINE_S):
                 last_uri = self.checkpoint(part)
-                if self.rank == 0 and preempt.decide(self.client):
-                    preempt.publish(self.client, part.name)
+                if self.rank == 0:
+                    # the event once the hour is committed (a restart does not train it again) and
+                    # before the export, whose failure must not lose it
+                    auc = self.partition_event(part, pv, train_loss, last_uri)
+                    if p.export_root:
+                        self.export(part, *self._written)
+                    if preempt.decide(self.client):
+                        preempt.publish(self.client, part.name)
             report.mark(f"partition:{part.name}")
             self.consumed = []
             self.mode.barrier(f"checkpointed-{part.name}")
             done.append(part.name)
             if preempt.decided(self.client, part.name):
                 raise preempt.Preempted(f"preempted after partition {part.name} (checkpoint {last_uri or 'by rank 0'})")
-            if pv is not None:
-                auc = pv["auc"]
-                self.metrics.write({"event": "partition", "partition": part.name, "rows": pv["count"],
-                                    "progressive_auc": pv["auc"], "progressive_logloss": pv["logloss"],
-                                    "train_logloss": train_loss, "step": self.steps, "checkpoint": last_uri,
-                                    "time": time.time()})
-                log.info("partition %s: progressive AUC %.4f logloss %.4f (%d rows); checkpoint %s",
-                         part.name, pv["auc"], pv["logloss"], pv["count"], last_uri)
-            if p.max_partitions and len(done) >= p.max_partitions:
-                break
         self.mode.finish()
         out = {"rank": self.rank, "partitions": done, "last_partition": done[-1] if done else self.last,
                "steps": self.steps, "examples": self.examples}
         if self.rank == 0:
-            out.update(checkpoint=last_uri, progressive_auc=auc)
+            out.update(checkpoint=last_uri, progressive_auc=auc, exports_failed=self.exports_failed)
         return out
 
 
