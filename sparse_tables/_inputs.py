@@ -20,5 +20,16 @@ def check_vector(arr, n: int, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def check_counts(shows, clicks, n: int):
+    """A push's ``shows`` and ``clicks`` checked: (float32[n], float32[n]) or (None, None); clicks
+    default to zeros when shows are given. Raises TableInputError."""
+    if clicks is not None and shows is None:
+        raise TableInputError("clicks given without shows: pass shows too")
+    if shows is None:
+        return None, None
+    return (check_vector(shows, n, "shows"),
+            np.zeros(n, np.float32) if clicks is None else check_vector(clicks, n, "clicks"))
+
+
 def record_keys(records: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(records[:, :2]).view(np.uint64).reshape(-1)

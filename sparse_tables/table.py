@@ -36,7 +36,7 @@ from ._snapshot import RecordSnapshot, take as take_snapshot
 from ._delta import DeltaCapture
 from ._spill_tier import SPILL_TIME_NS, SpillTier
 from ._load_kernels import DUPLICATES, key_order
-from ._inputs import check_keys as _check_keys, check_vector as _check_vector, record_keys as _record_keys
+from ._inputs import check_counts as _check_counts, check_keys as _check_keys, record_keys as _record_keys
 from ._optimizers import HP_SIZE
 from .budget import HEADROOM_ROWS, MemoryBudget
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
@@ -241,12 +241,7 @@ class SparseTable(SpillTier, DeltaCapture):
         """
         keys = _check_keys(keys)
         grads = self._check_matrix(grads, len(keys), "grads")
-        if clicks is not None and shows is None:
-            raise TableInputError("clicks given without shows: pass shows too")
-        if shows is not None:
-            shows = _check_vector(shows, len(keys), "shows")
-            clicks = (np.zeros(len(keys), np.float32) if clicks is None
-                      else _check_vector(clicks, len(keys), "clicks"))
+        shows, clicks = _check_counts(shows, clicks, len(keys))
         self._apply(keys, grads, shows, clicks, mode=0)
 
     def push_delta(self, keys: np.ndarray, deltas: np.ndarray, *, shows: np.ndarray | None = None,
@@ -261,12 +256,7 @@ class SparseTable(SpillTier, DeltaCapture):
         """
         keys = _check_keys(keys)
         deltas = self._check_matrix(deltas, len(keys), "deltas")
-        if clicks is not None and shows is None:
-            raise TableInputError("clicks given without shows: pass shows too")
-        if shows is not None:
-            shows = _check_vector(shows, len(keys), "shows")
-            clicks = (np.zeros(len(keys), np.float32) if clicks is None
-                      else _check_vector(clicks, len(keys), "clicks"))
+        shows, clicks = _check_counts(shows, clicks, len(keys))
         self._apply(keys, deltas, shows, clicks, mode=1)
 
     def initial_values(self, keys: np.ndarray) -> np.ndarray:

@@ -18,3 +18,21 @@ def until(ok, what: str, timeout_s: float = 10.0, every_s: float = 0.001) -> Non
     while not ok():
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
         time.sleep(every_s)
+
+
+def until_while_running(proc, ok, what: str, tail, timeout_s: float = 60.0, every_s: float = 0.02) -> None:
+    """``until`` for a state a running job must reach: fails at once, with ``tail()`` (its logs), when
+    ``proc`` (a ``subprocess.Popen``) ends first.
+
+    Raises
+    ------
+    AssertionError
+        ``proc`` ended before ``ok()`` held, or ``ok()`` was still false after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended (exit {proc.returncode}) before {what}\n{tail()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s\n{tail()}")
+        time.sleep(every_s)

@@ -45,6 +45,7 @@ from engine import progress
 from engine.checkpoint import CheckpointManager, chain_of
 from engine.launch.procs import processes_of as leftovers
 from engine.launch.procs import role_pid
+from tests.waiting import until_while_running
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -123,13 +124,7 @@ class Job:
         return "--- launcher stderr\n" + text + "\n" + "\n".join(logs)
 
     def wait_until(self, ok, what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not ok():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the job ended (exit {self.proc.returncode}) before {what}\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout:g} s\n{self.tail()}")
-            time.sleep(0.02)
+        until_while_running(self.proc, ok, what, self.tail, timeout)
 
 
 def _failpoint_hits(log: Path, name: str) -> int:

@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ import pytest
 import hdfs_io
 from engine.checkpoint import CheckpointManager, chain_of
 from streaming.hourly import partition_name
+from tests.waiting import until_while_running
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -82,13 +82,7 @@ class Job:
         return "--- launcher stderr\n" + text + "\n--- logs\n" + self.logs()[-4000:]
 
     def wait_until(self, ok, what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not ok():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the job ended (exit {self.proc.returncode}) before {what}\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout:g} s\n{self.tail()}")
-            time.sleep(0.02)
+        until_while_running(self.proc, ok, what, self.tail, timeout)
 
     def finish(self, timeout: float = 90.0) -> dict:
         try:
