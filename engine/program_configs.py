@@ -95,6 +95,7 @@ class CTROnlineConfig(CTRConfig):
     network: Literal["ctr_dnn", "deepfm"] = "ctr_dnn"
     partitions: str = ""
     poll_interval_s: Annotated[float, Field(gt=0)] = 10.0
+    wait_for_missing_s: Annotated[float, Field(ge=0)] = 0.0   # a missing hour before a complete later one
     until: str = ""              # YYYYMMDDHH, a string as written ("" = run forever)
     max_partitions: Annotated[int, Field(ge=0)] = 0
     export_root: str = ""        # serving bundles after every checkpoint ("" = none): full after a base

@@ -300,7 +300,8 @@ class OnlineTrainer(ctr.CTRTrainer):
         self.mode.init_dense(p.dense_table, self.model.get_dense())
         reset_metrics(self.client, self.mode, p.metrics_table)
         src = HourlySource(p.partitions, poll_interval_s=p.poll_interval_s,
-                           storage_options=self.full_config.storage.options())
+                           storage_options=self.full_config.storage.options(),
+                           wait_for_missing_s=p.wait_for_missing_s)
         done, last_uri, auc = self.done, None, None
         log.info("worker %d: online from after %s", self.rank, self.last or "the first partition")
         report = progress.current()
