@@ -63,6 +63,9 @@ _SUFFIXES = _IPC_SUFFIXES + _PARQUET_SUFFIXES
 PARQUET_BATCH_ROWS = 65536
 #: skipped hours remembered to report their late arrival (one week)
 _MAX_TRACKED_SKIPPED = 168
+#: seconds a partition seen complete and then gone (Publisher(overwrite=True) removes it before writing it
+#: again) is waited for before it may be skipped as missing (or ``wait_for_missing_s``, when longer)
+REPUBLISH_WAIT_S = 300.0
 _IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _HOUR = _dt.timedelta(hours=1)
 
@@ -264,6 +267,7 @@ class HourlySource:
         self._warned: set[str] = set()                  # names already warned about (once each)
         self._skipped: dict[str, str] = {}              # skipped missing hour -> the hour yielded after it
         self._gap_seen: dict[str, float] = {}           # hour after a gap -> monotonic time first seen
+        self._republishing: dict[str, float] = {}       # seen complete, then not -> monotonic time since
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
@@ -386,7 +390,8 @@ class HourlySource:
         """Complete partitions after ``after``, oldest first; waits for the next one when ``wait``.
 
         A partition that loses its ``_SUCCESS`` between listing and opening (republished with
-        ``Publisher(overwrite=True)``) is waited for like an incomplete one. Hours with no directory
+        ``Publisher(overwrite=True)``, which may remove its directory first) is waited for, up to
+        ``REPUBLISH_WAIT_S`` (or ``wait_for_missing_s`` when longer), never skipped as a missing hour. Hours with no directory
         before a complete later hour are skipped with a WARNING (after ``wait_for_missing_s``; with
         ``wait=False`` a later hour still inside that bound ends the iteration).
 
@@ -411,6 +416,18 @@ class HourlySource:
                 if until is not None and partition_time(name) >= until:
                     return
                 missing = _hours_between(last, name) if last is not None else []
+                held = [m for m in missing if m in self._republishing]
+                if held:     # seen complete, now gone: a republish in progress, not an hour that never came
+                    now = time.monotonic()
+                    left = self._republishing[held[0]] + max(REPUBLISH_WAIT_S, self.wait_for_missing_s) - now
+                    if left > 0:
+                        pause = min(pause, left)
+                        break
+                    log.warning("hourly partition %s was complete, then removed, and not republished within "
+                                "%.0f s: skipped", self.storage.uri_of(held[0]),
+                                max(REPUBLISH_WAIT_S, self.wait_for_missing_s))
+                    for m in held:
+                        self._republishing.pop(m, None)
                 if missing and self.wait_for_missing_s > 0:
                     now = time.monotonic()
                     left = self._gap_seen.setdefault(name, now) + self.wait_for_missing_s - now
@@ -423,6 +440,8 @@ class HourlySource:
                 if part is None:
                     log.info("hourly partition %s is no longer complete (being republished?); waiting for it",
                              self.storage.uri_of(name))
+                    self._republishing.setdefault(name, time.monotonic())
+                    pause = min(pause, 1.0)
                     break
                 if missing:
                     log.warning("hourly partition %s missing under %s: skipped, %s is next", _span(missing),
@@ -432,6 +451,7 @@ class HourlySource:
                     while len(self._skipped) > _MAX_TRACKED_SKIPPED:
                         self._skipped.pop(next(iter(self._skipped)))
                 self._gap_seen.pop(name, None)
+                self._republishing.pop(name, None)
                 yield part
                 last, progressed = name, True
                 if self.stop.is_set():
