@@ -29,7 +29,8 @@ Worked example::
     ...     for rb in part.record_batches(shard=(rank, workers)): ...    # waits for 02 after that
 
 Works on every ``hdfs_io`` backend (local, S3, HDFS); files are read whole through ``read_buffer``.
-Several workers each run their own ``HourlySource``; this module does not coordinate them.
+Several workers each run their own ``HourlySource``; this module does not coordinate them (the online job
+does: rank 0 decides each next partition, ``engine.programs.online_next``).
 """
 from __future__ import annotations
 
@@ -336,13 +337,13 @@ class HourlySource:
             Its ``manifest.json`` is invalid, a file it lists is missing or has another size in bytes, or
             it lists files but none that can be read; the message names the partition and the file.
         """
-        part = self._open(name)
+        part = self.open_if_complete(name)
         if part is None:
             uri = self.storage.uri_of(name)
             raise hdfs_io.NotPublishedError(f"{uri} is not complete (no _SUCCESS)", uri=uri)
         return part
 
-    def _open(self, name: str) -> Partition | None:
+    def open_if_complete(self, name: str) -> Partition | None:
         """``open``, but None when the partition is not published (yet, or again: being republished)."""
         partition_time(name)
         st = self.storage.sub(name)
@@ -436,7 +437,7 @@ class HourlySource:
                                         "before training %s", _span(missing), left, name)
                         pause = min(pause, left)
                         break
-                part = self._open(name)
+                part = self.open_if_complete(name)
                 if part is None:
                     log.info("hourly partition %s is no longer complete (being republished?); waiting for it",
                              self.storage.uri_of(name))

@@ -2,7 +2,9 @@
 partitions, with a checkpoint after every partition.
 
 For each new complete partition ``{partitions}/{YYYYMMDD}/{HH}/`` (``streaming.hourly``), in time order,
-waiting ``poll_interval_s`` between listings when none is ready::
+waiting ``poll_interval_s`` between listings when none is ready, chosen by rank 0 alone and trained by
+every worker (``engine.programs.online_next``: workers listing on their own could disagree on an hour
+published between their listings)::
 
     1. progressive validation   every worker scores its share of the hour with the CURRENT model (pull
                                 without creating rows); the merged AUC / logloss is the model's quality
@@ -16,7 +18,8 @@ waiting ``poll_interval_s`` between listings when none is ready::
     5. export (rank 0)          with ``model.export_root``: the serving bundle of that checkpoint
 
 Workers wait at a barrier until the checkpoint is published, so no update of the next hour leaks into
-it. Killed at any moment and restarted with ``engine train CONFIG --resume``, the job restores the newest
+it. A preemption request (SIGTERM) while the job waits for the next hour stops every worker at once
+with exit 75 (``EXIT_PREEMPTED``) at the last partition's checkpoint. Killed at any moment and restarted with ``engine train CONFIG --resume``, the job restores the newest
 complete checkpoint and continues with the first partition it does not record as consumed: a partition
 half-trained when the job died is trained again from the checkpoint taken before it, so every partition
 is consumed exactly once in the checkpointed model. The job runs forever, or until ``model.until``
@@ -59,6 +62,7 @@ from ..program_configs import CTROnlineConfig as Config
 from . import ctr
 from .ctr_data import check_values, expected_schema
 from .ctr_report import EVAL_BUCKETS, MetricsFile, merge_global, now_stamp, reset_metrics
+from .online_next import NextPartition
 
 log = logging.getLogger(__name__)
 
@@ -306,14 +310,20 @@ class OnlineTrainer(ctr.CTRTrainer):
         log.info("worker %d: online from after %s", self.rank, self.last or "the first partition")
         report = progress.current()
         report.mark(f"partition:{self.last}")        # examples trained after the resumed partition: 0
-        parts = src.partitions(after=self.last, until=_until(p))
+        # rank 0 chooses each partition (and applies max_partitions, counted over this run's attempts);
+        # every other worker trains the one it chose
+        parts = NextPartition(self.client, src, rank=self.rank, num_workers=self.num_workers, until=_until(p),
+                              max_partitions=p.max_partitions)
+        after = self.last
         while True:
-            if p.max_partitions and len(done) >= p.max_partitions:    # counted over this run's attempts
-                break
             with report.phase("waiting for the next partition", WAIT_FOR_PARTITION_S):
-                part = next(parts, None)
+                part = parts.next(after, done)
+            if parts.preempted:
+                raise preempt.Preempted(f"preempted while waiting for the partition after {after or 'the first'} "
+                                        f"(checkpoint {last_uri or self.ck.restored or 'none: nothing trained'})")
             if part is None:
                 break
+            after = part.name
             with report.phase(f"progressive validation of {part.name}", self.mode.barrier_timeout_s):
                 pv = self.progressive(part)
             rows, train_loss = self.train_partition(part)

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +195,37 @@ def test_an_hour_without_rows_reports_null_metrics_and_a_warning(table, tmp_path
     ea.Reload()
     steps = [s.step for s in ea.Scalars("online/progressive_logloss")]
     assert len(steps) == 2 and all(s.value > 0 for s in ea.Scalars("online/progressive_logloss")), steps
+
+
+def test_sigterm_to_one_worker_while_the_job_waits_for_its_next_hour_stops_it_at_once(table, tmp_path, job_factory):
+    """Rank 0 decides the next hour (``engine.programs.online_next``) and checks for a preemption request
+    while it waits; before, a job waiting for its next hour exited only after ``preempt_timeout_s``
+    (300 s here). The resumed job continues with the next hour; every hour is trained once."""
+    from engine.launch.procs import role_pid
+    from engine.preempt import EXIT_PREEMPTED
+    job = job_factory(tmp_path, None, "--set", "cluster.preempt_timeout_s=300")
+    names = [_publish(table, job.parts, 0)]
+    job.wait_until(lambda: hdfs_io.is_complete(job.mgr.storage, "20240101/0100-base"), "the first checkpoint")
+    reports = [job.run_dir / f"worker-{r}.progress.json" for r in (0, 1)]
+
+    def waiting() -> bool:
+        try:
+            return all((json.loads(p.read_text()).get("phase") or {}).get("name") == "waiting for the next partition"
+                       for p in reports)
+        except (OSError, ValueError):
+            return False
+    job.wait_until(waiting, "both workers waiting for the next hour")
+    t0 = time.monotonic()
+    os.kill(role_pid(job.run_dir, "worker", 1), signal.SIGTERM)       # one worker: its pod is evicted
+    rc = job.proc.wait(60)
+    took = time.monotonic() - t0
+    assert rc == EXIT_PREEMPTED, job.tail()
+    assert took < 30, took
+    assert "preempted while waiting for the partition after 20240101/00" in job.logs()
+    (tmp_path / "resumed").mkdir()
+    resumed = job_factory(tmp_path / "resumed", "2024010102", "--set", f"model.partitions={job.parts}",
+                          "--set", f"checkpoint.root={job.ckpt}", "--resume")
+    names.append(_publish(table, job.parts, 1))
+    final = resumed.finish()
+    assert final["partitions"] == names[1:]
+    assert job.consumed() == names                                          # each hour once
