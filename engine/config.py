@@ -151,12 +151,17 @@ class ServerConfig:
         The largest request a server accepts and the largest reply it sends (gRPC's message limits);
         a larger request is refused with ``RESOURCE_EXHAUSTED`` before anything is allocated. Clients
         learn it from the servers' ``Health`` and size their chunks to fit.
+    expiry_clock : {"wall", "data"}
+        The clock of ``last_seen`` and of the expiry pass (``expire_after``): the server's wall clock, or
+        the data clock the online job moves to the end of each hour it trains (``engine.ps.data_clock``:
+        forward only, never past the wall clock + 1 h, unset by a load until the job sets it).
     """
 
     max_barrier_wait_s: Annotated[float, Field(gt=0)] = 600.0
     max_concurrent_rpcs: Annotated[int, Field(ge=0)] = 256
     reply_window_bytes: Annotated[int, Field(ge=0)] = 64 << 20
     max_message_bytes: Annotated[int, Field(ge=4 << 20, le=(2 << 30) - 1)] = 16 << 20
+    expiry_clock: Literal["wall", "data"] = "wall"
 
 
 @section
@@ -405,6 +410,10 @@ def from_dict(data: dict) -> EngineConfig:
                           f"got {cfg.cluster.num_vshards}")
     if cfg.mode == "hybrid":
         _check_hybrid(cfg)
+    kind = cfg.model.kind if cfg.model is not None else None
+    if cfg.server.expiry_clock == "data" and kind not in (None, "ctr_online"):
+        raise ConfigError(f"server.expiry_clock: data needs model.kind: ctr_online (the program that moves the "
+                          f"data clock to each hour it trains), got model.kind: {kind}; use wall")
     for name, t in cfg.sparse_tables.items():
         if 0 < t.max_rows < cfg.cluster.local_shards:    # each local shard needs a share of at least 1
             raise ConfigError(f"tables.sparse.{name}.max_rows must be 0 (no limit) or >= cluster.local_shards "

@@ -22,7 +22,9 @@ it. A preemption request (SIGTERM) while the job waits for the next hour stops e
 with exit 75 (``EXIT_PREEMPTED``) at the last partition's checkpoint. Killed at any moment and restarted with ``engine train CONFIG --resume``, the job restores the newest
 complete checkpoint and continues with the first partition it does not record as consumed: a partition
 half-trained when the job died is trained again from the checkpoint taken before it, so every partition
-is consumed exactly once in the checkpointed model. The job runs forever, or until ``model.until``
+is consumed exactly once in the checkpointed model. With ``server.expiry_clock: data`` every worker
+moves the servers' data clock to the end of each hour before it trains it (``engine.ps.data_clock``), so
+rows' ``last_seen`` and the expiry pass count hours of data, not time since the push. The job runs forever, or until ``model.until``
 (``--until YYYYMMDDHH``) or ``model.max_partitions`` partitions consumed by this ``engine train`` run:
 counted over all its attempts (a restarted cluster continues the count and the list of the checkpoint
 it restored, ``extra.run``), while a new ``engine train --resume`` starts a new count.
@@ -324,6 +326,8 @@ class OnlineTrainer(ctr.CTRTrainer):
             if part is None:
                 break
             after = part.name
+            if self.full_config.server.expiry_clock == "data":    # rows pushed from now on: this hour's
+                self.client.advance_clock(part.end.timestamp())
             with report.phase(f"progressive validation of {part.name}", self.mode.barrier_timeout_s):
                 pv = self.progressive(part)
             rows, train_loss = self.train_partition(part)

@@ -635,6 +635,21 @@ class PSClient(DenseClient):
             [(s, "Shrink", pb.ShrinkRequest(table=table, request_id=f"{rid}.{s}"))
              for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
 
+    def advance_clock(self, data_time: float) -> list[float | None]:
+        """Move every server's data clock (``server.expiry_clock: data``, ``engine.ps.data_clock``)
+        forward to ``data_time`` (seconds since the epoch; 0 only reads); returns each server's data
+        time after it (None: unset). Forward only, so a retry changes nothing.
+
+        Raises
+        ------
+        RequestRejectedError
+            FAILED_PRECONDITION: a server runs on the wall clock; INVALID_ARGUMENT: a bad time.
+        """
+        rid = self._rid()
+        replies = self._fan_out([(s, "Clock", pb.ClockRequest(request_id=f"{rid}.{s}", advance_to=float(data_time)))
+                                 for s in range(self.num_servers)], idempotent=True)
+        return [json.loads(r.json)["data_time"] for r in replies]
+
     # ------------------------------------------------------------------ exact metric sums
     def _metric_server(self, name: str) -> int:
         return zlib.crc32(name.encode()) % self.num_servers

@@ -140,11 +140,11 @@ def _fmt(shape) -> str:
 REQUEST = {"Pull": pb.PullRequest, "Push": pb.PushRequest, "Dense": pb.DenseRequest, "Step": pb.StepRequest,
            "Barrier": pb.BarrierRequest, "Save": pb.PathRequest, "Load": pb.PathRequest,
            "Shrink": pb.ShrinkRequest, "Stats": pb.Empty, "Health": pb.Empty, "Stop": pb.Empty,
-           "Metric": pb.MetricRequest, "Fence": pb.FenceRequest}
+           "Metric": pb.MetricRequest, "Fence": pb.FenceRequest, "Clock": pb.ClockRequest}
 REPLY = {"Pull": pb.PullResponse, "Push": pb.PushResponse, "Dense": pb.DenseResponse, "Step": pb.StepResponse,
          "Barrier": pb.BarrierResponse, "Save": pb.CountResponse, "Load": pb.CountResponse,
          "Shrink": pb.CountResponse, "Stats": pb.JsonResponse, "Health": pb.JsonResponse,
-         "Stop": pb.Empty, "Metric": pb.MetricResponse, "Fence": pb.JsonResponse}
+         "Stop": pb.Empty, "Metric": pb.MetricResponse, "Fence": pb.JsonResponse, "Clock": pb.JsonResponse}
 _DATA_TAG = b"\x1a"       # Tensor.data: field 3, length-delimited
 _ALIGN_TAG = b"\x22"      # Tensor.align: field 4, length-delimited
 ALIGN = 8

@@ -99,6 +99,11 @@ class ParameterServerStub:
                 request_serializer=engine_dot_ps_dot_ps__pb2.FenceRequest.SerializeToString,
                 response_deserializer=engine_dot_ps_dot_ps__pb2.JsonResponse.FromString,
                 _registered_method=True)
+        self.Clock = channel.unary_unary(
+                '/engine.ps.ParameterServer/Clock',
+                request_serializer=engine_dot_ps_dot_ps__pb2.ClockRequest.SerializeToString,
+                response_deserializer=engine_dot_ps_dot_ps__pb2.JsonResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -182,6 +187,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clock(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -248,6 +259,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Fence': grpc.unary_unary_rpc_method_handler(
                     servicer.Fence,
                     request_deserializer=engine_dot_ps_dot_ps__pb2.FenceRequest.FromString,
+                    response_serializer=engine_dot_ps_dot_ps__pb2.JsonResponse.SerializeToString,
+            ),
+            'Clock': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clock,
+                    request_deserializer=engine_dot_ps_dot_ps__pb2.ClockRequest.FromString,
                     response_serializer=engine_dot_ps_dot_ps__pb2.JsonResponse.SerializeToString,
             ),
     }
@@ -601,6 +617,33 @@ class ParameterServer:
             target,
             '/engine.ps.ParameterServer/Fence',
             engine_dot_ps_dot_ps__pb2.FenceRequest.SerializeToString,
+            engine_dot_ps_dot_ps__pb2.JsonResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.ps.ParameterServer/Clock',
+            engine_dot_ps_dot_ps__pb2.ClockRequest.SerializeToString,
             engine_dot_ps_dot_ps__pb2.JsonResponse.FromString,
             options,
             channel_credentials,

@@ -46,6 +46,7 @@ from ..sharding import routing
 from . import _malloc, codec, dense_handler, governor
 from . import ps_pb2 as pb
 from .barrier import BarrierError, Barriers
+from .data_clock import DataClock, clock_request
 from .dedup import Expired, InProgress, ReplyWindow
 from .hosts import DenseHost, HostError, SparseHost, invalid, shrink_each
 from .routing import DEFAULT_NUM_VSHARDS
@@ -54,21 +55,22 @@ from .watchdog import PHASES, RequestWatchdog
 log = logging.getLogger(__name__)
 
 METHODS = ("Pull", "Push", "Dense", "Step", "Barrier", "Save", "Load", "Shrink", "Stats", "Health", "Stop",
-           "Metric", "Fence")
+           "Metric", "Fence", "Clock")
 #: methods that change server state; answered at most once per request id (see dedup.ReplyWindow).
 #: Dense pulls and metric reads do not change anything and are not remembered (``_mutating``).
 MUTATING = frozenset({"Push", "Dense", "Step", "Save", "Load", "Shrink", "Metric"})
 #: data requests that carry the generation their sender expects (see ps.proto: Generations)
-GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric", "Save", "Shrink", "Fence"})
+GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Metric", "Save", "Shrink", "Fence",
+                                "Clock"})
 #: requests that make their sender a client of this generation (``clients`` in Health); an expiry pass
-#: (an operator's or the online job's rank 0) is not training
-_JOINS = GENERATION_CHECKED - {"Fence", "Shrink"}
+#: (an operator's or the online job's rank 0) is not training, nor is moving the data clock
+_JOINS = GENERATION_CHECKED - {"Fence", "Shrink", "Clock"}
 #: requests that change a table (a server that applied one is no longer ``fresh``)
 _WRITES = frozenset({"Push", "Dense", "Step"})
 #: the failpoints of data requests (``engine.failpoints``)
 _DATA_POINTS = {"Pull": "server.pull", "Push": "server.push", "Step": "server.step"}
 #: methods that read or change the tables (they never overlap a Load)
-_ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink"})
+_ON_TABLES = frozenset({"Pull", "Push", "Dense", "Step", "Save", "Shrink", "Clock"})
 #: methods that need the admin token when tokens are configured (``engine.security.interceptor``);
 #: a forced dense re-initialisation and setting a dense table's optimizer state need it too (``admin_reason``)
 ADMIN_METHODS = frozenset({"Save", "Load", "Shrink", "Stop"})
@@ -138,6 +140,9 @@ class PSServer:
     clock : callable returning float seconds, optional
         The sparse tables' clock for ``last_seen`` and expiry (default ``time.time``); ``Shrink``
         expires at this clock, never at a time a client names.
+    expiry_clock : {"wall", "data"}
+        ``data``: the tables read a ``DataClock`` (over ``clock``) that the job moves forward with
+        ``Clock`` requests (``engine.ps.data_clock``; ``server.expiry_clock``).
     request_bound_s : float, seconds
         A request in flight longer than this (not counting waits behind a checkpoint, a restore or an
         expiry pass) makes the server stuck (``engine.ps.watchdog``; ``client.timeout_s``): ``Health``
@@ -149,7 +154,7 @@ class PSServer:
                  storage_options=None, checkpoint_groups: int = 16, checkpoint_threads: int = 2,
                  max_barrier_wait_s: float = 600.0, reply_window_bytes: int = 64 << 20,
                  max_message_bytes: int = codec.MAX_MESSAGE_BYTES, checkpoint_root: str | None = None,
-                 load_roots=(), clock=None, request_bound_s: float = 60.0):
+                 load_roots=(), clock=None, request_bound_s: float = 60.0, expiry_clock: str = "wall"):
         if not 0 <= index < num_servers:
             raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
         if not (isinstance(checkpoint_groups, int) and checkpoint_groups >= 1):
@@ -164,6 +169,10 @@ class PSServer:
         self._pool = ThreadPoolExecutor(max(2, local_shards), thread_name_prefix=f"ps{index}-shard")
         self._inflight = 0                       # Pull/Push requests being handled
         self._inflight_lock = threading.Lock()
+        if expiry_clock not in ("wall", "data"):
+            raise ValueError(f"expiry_clock must be 'wall' or 'data', got {expiry_clock!r}")
+        self.data_clock = DataClock(clock or time.time) if expiry_clock == "data" else None
+        clock = self.data_clock or clock
         self.sparse = {name: SparseHost(name, cfg, server=index, num_servers=num_servers,
                                         num_vshards=num_vshards, num_local=local_shards, pool=self._pool,
                                         busy=self._busy, clock=clock)
@@ -227,7 +236,7 @@ class PSServer:
                    max_barrier_wait_s=cfg.server.max_barrier_wait_s,
                    reply_window_bytes=cfg.server.reply_window_bytes,
                    max_message_bytes=cfg.server.max_message_bytes, checkpoint_root=cfg.checkpoint.root,
-                   request_bound_s=cfg.client.timeout_s)
+                   request_bound_s=cfg.client.timeout_s, expiry_clock=cfg.server.expiry_clock)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, method: str, request, *, trusted: bool = False):
@@ -318,6 +327,8 @@ class PSServer:
                 self.fresh = False
                 self.writers.clear()
                 self._new_generation()
+                if self.data_clock is not None:     # the job sets it again from the restored position
+                    self.data_clock.reset()
             return reply
         if method == "Fence":   # alone too: no write of the attempt it ends straddles it
             with self._tables_lock.exclusive():
@@ -339,6 +350,8 @@ class PSServer:
                         self.window.clear()
                         self.fenced_from, self.restoring, self.fresh = None, None, True
                         self.writers.clear()
+                        if self.data_clock is not None:
+                            self.data_clock.reset()
                 finally:        # a clear that failed half-way ends the attempt all the same
                     self._new_generation()
             return self.Health(request)
@@ -663,10 +676,17 @@ class PSServer:
         naming a time is refused (a client-chosen ``now`` could expire every row)."""
         if req.has_now:
             raise ProtocolError("now: Shrink expires at the server's own clock; a request may not name a time")
+        if self.data_clock is not None and self.data_clock.value is None:
+            raise HostError("FAILED_PRECONDITION", f"server {self.index}: Shrink: the data clock (server.expiry_clock: "
+                            f"data) is not set since this server started or loaded a checkpoint; the job sets it")
         hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())
         failpoints.hit("server.shrink")
         count = shrink_each(hosts, f"server {self.index}", "table")    # every table's pass runs
         return pb.CountResponse(request_id=req.request_id, count=count)
+
+    def Clock(self, req: pb.ClockRequest) -> pb.JsonResponse:
+        """Read the data clock, or move it forward (``engine.ps.data_clock``; ps.proto ``ClockRequest``)."""
+        return pb.JsonResponse(request_id=req.request_id, json=json.dumps(clock_request(self.data_clock, req)))
 
     def Metric(self, req: pb.MetricRequest) -> pb.MetricResponse | codec.Wire:
         """Exact metric sums: ADD ``counts : int64[c]`` and ``sums : float64[s]`` into accumulator
@@ -732,6 +752,8 @@ class PSServer:
                "generation": self.generation, "fresh": self.fresh, "writers": sorted(self.writers),
                "clients": sorted(self.clients),
                "fenced": self.fenced, "fenced_from": self.fenced_from, "checkpoint_floor": self.checkpoint_floor,
+               "expiry_clock": "wall" if self.data_clock is None else "data",
+               "data_time": None if self.data_clock is None else self.data_clock.value,
                "server": self.index, "num_servers": self.num_servers,
                "num_vshards": self.num_vshards, "max_message_bytes": self.max_message_bytes,
                "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},

@@ -229,3 +229,42 @@ def test_sigterm_to_one_worker_while_the_job_waits_for_its_next_hour_stops_it_at
     final = resumed.finish()
     assert final["partitions"] == names[1:]
     assert job.consumed() == names                                          # each hour once
+
+
+def _rows(ckpt_uri: str) -> dict[int, int]:
+    """key -> last_seen of every sparse row of a checkpoint (its chain restored into in-process servers)."""
+    from engine.config import from_dict
+    from engine.ps import InProcessTransport, PSClient, PSServer
+    root = Path(ckpt_uri).parents[2]
+    m = json.loads(Path(ckpt_uri, "manifest.json").read_text())
+    cfg = from_dict(m["config"])
+    servers = [PSServer.from_config(cfg, i) for i in range(cfg.cluster.servers)]
+    try:
+        CheckpointManager(str(root), "ctr_online").restore(PSClient(InProcessTransport(servers)), m["name"])
+        return {k: t for s in servers for shard in s.sparse["embedding"].shards for b in shard.rows()
+                for k, t in zip(b.column("key").to_pylist(), b.column("last_seen").to_pylist())}
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_with_the_data_clock_rows_expire_by_hours_of_data_not_time_since_the_push(table, tmp_path, job_factory):
+    """``server.expiry_clock: data``: three hours replayed in seconds (a catch-up), ``expire_after`` 1 h, a
+    base (with its expiry pass) every 2 h of data. The pass before the base after hour 02 (data time
+    03:00) deletes the rows last pushed in hour 00 (stamped 01:00), keeps those of hours 01 and 02, and
+    every ``last_seen`` is the end of an hour. On the wall clock (the default) the same pass deletes
+    nothing: every row was pushed seconds before (``tests/unit/test_data_clock.py``)."""
+    job = job_factory(tmp_path, "2024010103", "--set", "server.expiry_clock=data",
+                      "--set", "tables.sparse.embedding.expire_after=3600", "--set", "checkpoint.base_every=2h")
+    names = [_publish(table, job.parts, h) for h in range(3)]
+    final = job.finish()
+    assert final["partitions"] == names
+    ckpts = [ref.name for ref in job.mgr.list()]
+    assert ckpts == ["20240101/0100-base", "20240101/0200-delta", "20240101/0300-base"]
+    at = {h: int((START + dt.timedelta(hours=h)).timestamp()) for h in (1, 2, 3)}    # the hours' ends
+    before, after = _rows(job.mgr.uri_of(ckpts[1])), _rows(job.mgr.uri_of(ckpts[2]))
+    assert set(before.values()) == {at[1], at[2]} and set(after.values()) == {at[2], at[3]}   # data time
+    stale = {k for k, t in before.items() if t == at[1]}           # pushed last in hour 00
+    assert all(k not in after or after[k] == at[3] for k in stale)  # deleted, unless hour 02 pushed them
+    assert sum(k not in after for k in stale) > 100, (len(stale), len(before), len(after))
+    assert {k for k, t in before.items() if t == at[2]} <= set(after)              # hour 01's stay

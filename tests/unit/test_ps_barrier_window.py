@@ -236,7 +236,8 @@ def test_every_generation_checked_request_of_a_client_that_met_the_old_generatio
     from engine.checkpoint import CheckpointManager
     from engine.errors import GenerationChangedError
     from engine.ps.server import GENERATION_CHECKED
-    core = PSServer({"emb": SGD1}, {"d": DenseTableConfig(optimizer="sgd", learning_rate=1.0)}, local_shards=1)
+    core = PSServer({"emb": SGD1}, {"d": DenseTableConfig(optimizer="sgd", learning_rate=1.0)}, local_shards=1,
+                    expiry_clock="data")
     keys = np.arange(1, 21, dtype=np.uint64)
     g = np.ones((20, DIM), np.float32)
     with PSClient(InProcessTransport([core])) as old, PSClient(InProcessTransport([core])) as admin:
@@ -254,7 +255,8 @@ def test_every_generation_checked_request_of_a_client_that_met_the_old_generatio
                  "Barrier": lambda: old.barrier("b", 1, timeout=5.0),
                  "Metric": lambda: old.add_metric("auc", np.ones(3, np.int64), np.ones(2, np.float64)),
                  "Save": lambda: old.save(mgr.uri_of("19700101/0001-delta")),
-                 "Shrink": lambda: old.shrink("emb")}
+                 "Shrink": lambda: old.shrink("emb"),
+                 "Clock": lambda: old.advance_clock(1.7e9)}
         assert set(calls) | {"Fence"} == GENERATION_CHECKED
         for method, call in calls.items():
             with pytest.raises(GenerationChangedError, match="generation mismatch"):
@@ -264,6 +266,7 @@ def test_every_generation_checked_request_of_a_client_that_met_the_old_generatio
         np.testing.assert_array_equal(after[1], before[1])
         for x, y in zip(after[2], before[2]):
             np.testing.assert_array_equal(x, y)
+        assert admin.advance_clock(0) == [None]          # the data clock stays unset
     core.close()
 
 
