@@ -49,6 +49,7 @@ from .barrier import BarrierError, Barriers
 from .data_clock import DataClock, clock_request
 from .dedup import Expired, InProgress, ReplyWindow
 from .hosts import DenseHost, HostError, SparseHost, invalid, shrink_each
+from .metric_sums import MetricSums
 from .routing import DEFAULT_NUM_VSHARDS
 from .watchdog import PHASES, RequestWatchdog
 
@@ -204,8 +205,7 @@ class PSServer:
         self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
         self.window = ReplyWindow(reply_window_bytes)
         self.max_message_bytes = int(max_message_bytes)
-        self._metrics: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # name -> (int64 counts, float64 sums)
-        self._metrics_lock = threading.Lock()
+        self.metric_sums = MetricSums()
         self._apply_lock = threading.Lock()
         # requests that read or change the tables share it; Load holds it alone while it swaps them
         self._tables_lock = RWLock()
@@ -398,8 +398,7 @@ class PSServer:
         dropped = sum(h.drop_pending() for h in self.sparse.values())
         for h in self.dense.values():
             h.drop_pending()
-        with self._metrics_lock:
-            self._metrics.clear()
+        self.metric_sums.clear()
         self.barriers.reset()
         if dropped:
             log.warning("server %d: dropped %d sync push(es) held for the state the load replaced",
@@ -689,40 +688,8 @@ class PSServer:
         return pb.JsonResponse(request_id=req.request_id, json=json.dumps(clock_request(self.data_clock, req)))
 
     def Metric(self, req: pb.MetricRequest) -> pb.MetricResponse | codec.Wire:
-        """Exact metric sums: ADD ``counts : int64[c]`` and ``sums : float64[s]`` into accumulator
-        ``table`` (created by the first ADD), READ them, or RESET (remove) it."""
-        name = req.table
-        if not name:
-            raise ProtocolError("table: a metric accumulator needs a name")
-        resp = pb.MetricResponse(request_id=req.request_id)
-        if req.op == pb.METRIC_ADD:
-            counts = codec.decode(req.counts, "counts", codec.I64, 1)
-            sums = codec.decode(req.sums, "sums", codec.F64, 1)
-            if not np.isfinite(sums).all():
-                raise ProtocolError("sums: contains NaN or Inf; nothing changed")
-            with self._metrics_lock:
-                acc = self._metrics.get(name)
-                if acc is None:
-                    self._metrics[name] = (counts.astype(np.int64), sums.astype(np.float64))
-                elif acc[0].shape != counts.shape or acc[1].shape != sums.shape:
-                    raise ProtocolError(f"metric {name!r} holds int64[{len(acc[0])}] counts and "
-                                        f"float64[{len(acc[1])}] sums, got int64[{len(counts)}] and "
-                                        f"float64[{len(sums)}]")
-                else:
-                    acc[0][:] += counts
-                    acc[1][:] += sums
-            return resp
-        if req.op == pb.METRIC_READ:
-            with self._metrics_lock:
-                acc = self._metrics.get(name)
-                counts, sums = ((acc[0].copy(), acc[1].copy()) if acc is not None
-                                else (np.zeros(0, np.int64), np.zeros(0, np.float64)))
-            return codec.Wire(resp, counts=counts, sums=sums)
-        if req.op == pb.METRIC_RESET:
-            with self._metrics_lock:
-                self._metrics.pop(name, None)
-            return resp
-        raise ProtocolError(f"unknown metric op {req.op}")
+        """Exact metric sums (``engine.ps.metric_sums``)."""
+        return self.metric_sums.handle(req)
 
     def Stats(self, req: pb.Empty) -> pb.JsonResponse:
         with self._count_lock:
