@@ -11,8 +11,9 @@ Directories named like partitions but not real hours (``20241350``, ``20240101/2
 WARNING.
 
 A partition published by ``hdfs_io.Publisher`` has a ``manifest.json``: its data files are the ones the
-manifest lists, each checked to exist with the listed size before any is read (a missing or truncated
-file raises ``hdfs_io.CheckpointCorruptError`` naming the partition and the file). A partition from
+manifest lists, each checked to exist with the listed size before any is read, and each file's CRC-32
+checked against the manifest's as it is read, before any of its batches is used (a missing, truncated or
+corrupt file raises ``hdfs_io.CheckpointCorruptError`` naming the partition and the file). A partition from
 another writer (``_SUCCESS`` but no manifest) is read from a directory listing; its files that no reader
 here supports (Hive ``000000_0``, ``.orc``, ...) are logged (WARNING), not read. Data files are Arrow IPC
 (file or stream format: ``.arrow``, ``.arrows``, ``.ipc``, ``.feather``) or Parquet (``.parquet``).
@@ -39,6 +40,7 @@ import logging
 import re
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -48,6 +50,7 @@ import pyarrow.parquet as pq
 
 import hdfs_io
 from hdfs_io import Storage, StorageOptions
+from hdfs_io.checksum import crc32_hex
 
 from .errors import DataFormatError, SchemaError
 
@@ -105,12 +108,15 @@ class Partition:
         Rooted at the partition directory.
     sizes : tuple of int or None
         Expected size of each of ``files`` in bytes (from the manifest); None without a manifest.
+    crc32s : tuple of str or None
+        Expected CRC-32 of each of ``files`` (8 hex digits, from the manifest); None without a manifest.
     """
 
     name: str
     files: tuple
     storage: Storage
     sizes: tuple | None = field(default=None, compare=False)
+    crc32s: tuple | None = field(default=None, compare=False)
 
     @property
     def start(self) -> _dt.datetime:
@@ -134,8 +140,8 @@ class Partition:
         ------
         hdfs_io.CheckpointCorruptError
             A file is not readable Arrow IPC / Parquet, an IPC stream lacks its end-of-stream marker
-            (truncated), or a file's size in bytes differs from the manifest's (changed since the
-            partition was opened); the message names the partition and the file.
+            (truncated), or a file's size in bytes or CRC-32 differs from the manifest's (changed since
+            the partition was opened, or corrupt); the message names the partition and the file.
         FileNotFoundError
             A file disappeared since the partition was opened.
         SchemaError
@@ -152,6 +158,10 @@ class Partition:
                 raise hdfs_io.CheckpointCorruptError(
                     f"partition {self.name}: {uri}: size is {buf.size} bytes, manifest says {self.sizes[fi]} "
                     f"(changed since the partition was opened)", uri=uri)
+            if self.crc32s is not None and (got := crc32_hex(zlib.crc32(memoryview(buf)))) != self.crc32s[fi]:
+                raise hdfs_io.CheckpointCorruptError(
+                    f"partition {self.name}: {uri}: crc32 is {got}, manifest says {self.crc32s[fi]} (corrupt "
+                    f"file)", uri=uri)
             try:
                 reader = _open(buf, fname)
             except (pa.ArrowInvalid, OSError) as exc:
@@ -384,7 +394,8 @@ class HourlySource:
         if stray:
             self._warn_once(f"stray:{name}", "hourly partition %s: not reading %d data file(s) its manifest does "
                             "not list: %s", st.uri, len(stray), ", ".join(stray[:5]))
-        return Partition(name, tuple(files), st, sizes=tuple(entries[f].size for f in files))
+        return Partition(name, tuple(files), st, sizes=tuple(entries[f].size for f in files),
+                         crc32s=tuple(entries[f].crc32 for f in files))
 
     def partitions(self, after: str | None = None, *, until: _dt.datetime | None = None,
                    wait: bool = True) -> Iterator[Partition]:

@@ -100,6 +100,21 @@ def test_a_file_changed_after_open_is_caught_by_its_size(storage, request):
         _rows(part)
 
 
+def test_a_corrupt_file_of_the_listed_size_is_caught_by_its_checksum_before_any_batch_is_used(storage, request):
+    """A flipped byte inside a record batch's data keeps the file's size and often still reads as Arrow:
+    without the manifest's CRC-32 the hour would train on wrong values."""
+    _publish(storage, "20240101/00", 300)
+    part = _src(storage, request).open("20240101/00")
+    data = bytearray(storage.read_bytes("20240101/00/part-0.arrow"))
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes("20240101/00/part-0.arrow", bytes(data))
+    seen = []
+    with pytest.raises(hdfs_io.CheckpointCorruptError, match=r"20240101/00.*part-0\.arrow.*crc32 is .* manifest says"):
+        for *_, rb in part.record_batches(schema=SCHEMA):
+            seen.append(rb)
+    assert seen == []
+
+
 def test_foreign_writers_files_parquet_is_read_others_are_warned_about_once(storage, request, caplog):
     caplog.set_level(logging.WARNING, logger=LOG)
     pq_data = _parquet_bytes(100)
