@@ -101,6 +101,7 @@ class CTROnlineConfig(CTRConfig):
     export_root: str = ""        # serving bundles after every checkpoint ("" = none): full after a base
     export_dtype: Literal["float32", "float16"] = "float32"
     export_min_show: Annotated[float, Field(ge=0)] = 0.0
+    export_keep_full: Annotated[int, Field(ge=0)] = 2   # full bundles kept with their deltas (0 = keep all)
     run_id: str = ""             # set by the launcher (ctr_online.prepare) per engine train run, not a knob:
     #                              its restarted attempts continue the run's max_partitions count
 

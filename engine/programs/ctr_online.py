@@ -15,7 +15,9 @@ published between their listings)::
                                 ``extra.consumed``); once per ``checkpoint.base_every`` of data time
                                 the expiry pass (shrink) runs first and a base is written instead
     4. metrics event (rank 0)   the hour's ``partition`` event, written once its checkpoint is published
-    5. export (rank 0)          with ``model.export_root``: the serving bundle of that checkpoint
+    5. export (rank 0)          with ``model.export_root``: the serving bundle of that checkpoint; then
+                                the ``export_keep_full`` newest full bundles are kept with the bundles
+                                after them, older ones deleted (``engine.export.retention``)
 
 Workers wait at a barrier until the checkpoint is published, so no update of the next hour leaks into
 it. A preemption request (SIGTERM) while the job waits for the next hour stops every worker at once
@@ -56,6 +58,7 @@ from .. import failpoints, observability, preempt, progress
 from ..checkpoint import CheckpointManager, Schedule, chain_of
 from ..export import BundleError, CheckpointSource, export_bundle, open_bundle
 from ..export.errors import ExportError
+from ..export.retention import prune_bundles
 from ..job_checkpoints import job_name
 from ..config import ModelConfig
 from ..errors import ConfigError
@@ -280,6 +283,12 @@ class OnlineTrainer(ctr.CTRTrainer):
         self.last_export = out
         log.info("exported %s bundle %s: %d row(s), %d deleted", meta["bundle"], out, meta["embedding"]["rows"],
                  meta["embedding"]["deleted"])
+        if p.export_keep_full:
+            try:
+                prune_bundles(p.export_root, p.export_keep_full, storage_options=opts)
+            except OSError as e:        # the next export's retention tries again
+                log.warning("bundle retention under %s failed (the next export retries): %s: %s", p.export_root,
+                            type(e).__name__, e)
         return True
 
     def partition_event(self, part, pv: dict, train_loss: float | None, ckpt: str | None) -> float | None:
