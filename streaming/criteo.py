@@ -57,6 +57,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 from tqdm.auto import tqdm
 
+from hdfs_io import temp_names
+
 from . import _kernels, keys
 from .criteo_synth import GeneratedCriteo, generate_criteo
 from .errors import ConvertError, DataFormatError
@@ -378,9 +380,14 @@ def _staged_output(out_dir, owned):
     out = Path(os.path.realpath(given))
     _check_out_dir(out, given, owned)
     missing = [d for d in (out.parent, *out.parent.parents) if not os.path.lexists(d)]  # deepest first
+    if not missing:         # staging directories of conversions of out_dir killed on this host
+        for left in temp_names.stale(os.listdir(out.parent), out.name, "converting"):
+            log.warning("removing %s: the staging directory of a conversion into %s that was killed",
+                        out.parent / left, given)
+            shutil.rmtree(out.parent / left, ignore_errors=True)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        stage = out.parent / f".{out.name}.converting-{os.getpid()}-{secrets.token_hex(4)}"
+        stage = out.parent / temp_names.temp_name(out.name, "converting")
         stage.mkdir()
     except OSError as e:
         _remove_empty(missing)

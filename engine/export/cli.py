@@ -158,8 +158,8 @@ class _PredictionsFile:
     """
 
     def __init__(self, out_uri: str):
-        import uuid
         import pyarrow as pa
+        from hdfs_io import temp_names
         import pyarrow.ipc as ipc
         from .bundle import split_uri
         from .errors import BundleError
@@ -170,7 +170,13 @@ class _PredictionsFile:
         if self.storage.is_dir(self.name):
             raise IsADirectoryError(errno.EISDIR, "--out names a directory; expected a file path",
                                     self.storage.uri_of(self.name))
-        self.tmp = f".{self.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:        # partial predictions of runs for this --out killed on this host
+            for left in temp_names.stale(self.storage.listdir(""), self.name, "tmp"):
+                log.warning("removing %s: partial predictions of a run that was killed", self.storage.uri_of(left))
+                self.storage.delete(left, missing_ok=True)
+        except FileNotFoundError:
+            pass
+        self.tmp = temp_names.temp_name(self.name, "tmp")
         self.schema = pa.schema([pa.field("prob", pa.float32(), nullable=False)])
         self.committed = False
         self._sink = self.storage.open_output_stream(self.tmp)
