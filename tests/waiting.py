@@ -36,3 +36,21 @@ def until_while_running(proc, ok, what: str, tail, timeout_s: float = 60.0, ever
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:g} s\n{tail()}")
         time.sleep(every_s)
+
+
+def killed_after_first_line(code: str, repo) -> str:
+    """Run Python ``code`` in a new process (``repo`` on its path), read the first line it prints, then
+    SIGKILL it (no handler runs, as when the kernel's OOM killer or ``kill -9`` ends a real run); returns
+    that line. The process is always killed and reaped, whatever happens while reading."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        return proc.stdout.readline().strip()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()

@@ -274,20 +274,13 @@ def test_real_process_exit_2_one_line_and_old_file_kept(setup, tmp_path):
 def test_partial_predictions_of_a_killed_run_are_removed_by_the_next(setup, tmp_path, capsys):
     """``engine predict`` killed with SIGKILL runs no handler: its temporary stays beside ``--out``. The
     next run for that ``--out`` on this host removes it (its process is gone)."""
-    import os
-    import signal
+    from tests.waiting import killed_after_first_line
     bundle, _, good, _ = setup
     out = tmp_path / "preds.arrow"
     code = ("import time, numpy as np\nfrom engine.export.cli import _PredictionsFile\n"
             f"f = _PredictionsFile({str(out)!r})\nf.write(np.zeros(8, np.float32))\nprint(f.tmp, flush=True)\n"
             "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        tmp = proc.stdout.readline().strip()
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    tmp = killed_after_first_line(code, REPO)
     assert tmp and sorted(p.name for p in tmp_path.iterdir()) == [tmp]
     rc, stdout, _ = _predict(capsys, bundle, good, "--out", out)
     assert rc == 0 and json.loads(stdout.splitlines()[-1])["rows"] == N

@@ -227,21 +227,12 @@ def test_ctr_train_on_a_truncated_criteo_file_names_it(tmp_path, capsys):
 def test_a_staging_directory_left_by_a_killed_conversion_is_removed_by_the_next(tmp_path, capsys):
     """A conversion killed with SIGKILL runs no handler: its staging directory stays beside OUT_DIR. The
     next conversion into OUT_DIR on this host removes it (its process is gone) and converts."""
-    import os
-    import signal
-    import subprocess
-    import sys
+    from tests.waiting import killed_after_first_line
     out = tmp_path / "out"
     code = ("import sys, time\nfrom streaming.criteo import _staged_output, _criteo_owned\n"
             f"with _staged_output({str(out)!r}, _criteo_owned) as stage:\n"
             "    (stage / 'part-00000.arrow').write_bytes(b'half')\n    print(stage, flush=True)\n    time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        stage = proc.stdout.readline().strip()
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    stage = killed_after_first_line(code, REPO)
     assert stage and _siblings(out) == [Path(stage).name]            # left behind
     src = _criteo(tmp_path / "in.txt", 500)
     assert main(["convert", "criteo", str(src), str(out)]) == 0
