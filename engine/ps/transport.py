@@ -144,11 +144,22 @@ class GrpcTransport(Transport):
         except grpc.RpcError as e:
             code = e.code().name if hasattr(e, "code") and e.code() is not None else "UNKNOWN"
             details = e.details() if hasattr(e, "details") else str(e)
+            if code == "UNAVAILABLE" and "Socket closed" in (details or "") and "failed to connect" in details:
+                details += self._closed_hint()
             raise RemoteError(code, details or code, self.endpoints[server]) from None
         if getattr(reply, "error", None) is not None:
             raise RemoteError("INTERNAL", f"malformed {method} reply: {reply.error}",
                               self.endpoints[server])
         return reply
+
+    def _closed_hint(self) -> str:
+        """Why a server may close a new connection at once: gRPC reports a TLS server refusing this
+        client's handshake only as "Socket closed"."""
+        if self.security is None or not self.security.tls:
+            return ("; a server that closes the connection at once may require TLS, and this client has none "
+                    "(security.tls: the servers' CA and, when they verify clients, a client certificate)")
+        return ("; a TLS server closes the connection at once when it refuses this client's certificate "
+                "(security.tls.client_cert / client_key: signed by another CA than the servers' security.tls.ca?)")
 
     def close(self) -> None:
         with self._lock:
