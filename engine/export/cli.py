@@ -176,6 +176,9 @@ class _PredictionsFile:
                 self.storage.delete(left, missing_ok=True)
         except FileNotFoundError:
             pass
+        except OSError as exc:      # another user's leftover in a shared directory: not ours to remove
+            log.warning("could not remove partial predictions of a killed run beside %s: %s",
+                        self.storage.uri_of(self.name), exc)
         self.tmp = temp_names.temp_name(self.name, "tmp")
         self.schema = pa.schema([pa.field("prob", pa.float32(), nullable=False)])
         self.committed = False

@@ -10,6 +10,11 @@ reading any of the ``keep_full`` newest chains still finds every link of it; one
 chain has had ``keep_full - 1`` full bundles (a base period each) to move on. Incomplete bundle
 directories (an export that failed or was killed) older than the newest published bundle go too.
 
+A job resumed from an older checkpoint (``--resume URI``, a roll-back) continues the chain of a bundle
+of that checkpoint's chain while the bundles of the run it abandoned are still there, newer: given the
+bundle just published (``current``), only bundles up to it count and may go, and every link of its own
+chain stays.
+
 Deletion removes ``_SUCCESS`` first, so a reader never loads half of a deleted bundle (it sees
 ``NotPublishedError``), as the checkpoint retention does (``CheckpointManager.prune``).
 """
@@ -29,7 +34,8 @@ log = logging.getLogger(__name__)
 __all__ = ["prune_bundles"]
 
 
-def prune_bundles(root: str, keep_full: int, *, storage_options: StorageOptions | None = None) -> list[str]:
+def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
+                  storage_options: StorageOptions | None = None) -> list[str]:
     """Delete the bundles under ``root`` that no chain of the ``keep_full`` newest full bundles needs.
 
     Parameters
@@ -38,6 +44,10 @@ def prune_bundles(root: str, keep_full: int, *, storage_options: StorageOptions 
         URI of the export root (local path, ``s3://``, ``hdfs://``).
     keep_full : int, >= 1
         Full bundles kept, with every bundle published after the oldest of them.
+    current : str, optional
+        The bundle just published (``YYYYMMDD/HHMM-kind``). Only bundles up to it count and may go:
+        newer ones are a run the job rolled back from (``--resume`` of an older checkpoint), left as
+        they are, and every link of ``current``'s own chain is kept whatever its age.
 
     Returns
     -------
@@ -54,23 +64,26 @@ def prune_bundles(root: str, keep_full: int, *, storage_options: StorageOptions 
     if keep_full < 1:
         raise ValueError(f"keep_full must be >= 1, got {keep_full}")
     storage = Storage.from_uri(root, storage_options=storage_options)
-    published = list_checkpoints(storage)
-    full = []
+    published = [r for r in list_checkpoints(storage) if current is None or r.name <= current]
+    full, keep = [], set()
     for ref in published:
         try:
-            if not open_bundle(storage.uri_of(ref.name), storage_options=storage_options).is_delta:
-                full.append(ref)
+            info = open_bundle(storage.uri_of(ref.name), storage_options=storage_options)
         except (hdfs_io.CheckpointCorruptError, hdfs_io.NotPublishedError, BundleError) as e:
             log.warning("bundle retention: %s is not a readable bundle (%s); left as it is",
                         storage.uri_of(ref.name), e)
-    if len(full) < keep_full:
-        cutoff = None
-    else:
-        cutoff = full[-keep_full]
+            continue
+        if not info.is_delta:
+            full.append(ref)
+        if ref.name == current:     # its chain's links, by their last two path parts (day/name)
+            keep |= {"/".join(link["uri"].rstrip("/").split("/")[-2:]) for link in info.meta.get("chain", [])}
+    cutoff = full[-keep_full] if len(full) >= keep_full else None
     done = {r.name for r in published}
     newest = published[-1] if published else None
     deleted = []
     for ref in list_checkpoints(storage, complete_only=False):
+        if ref.name in keep or (current is not None and ref.name > current):
+            continue
         old = cutoff is not None and ref < cutoff
         leftover = ref.name not in done and newest is not None and ref < newest
         if old or leftover:

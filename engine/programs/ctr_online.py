@@ -24,8 +24,8 @@ it. A preemption request (SIGTERM) while the job waits for the next hour stops e
 with exit 75 (``EXIT_PREEMPTED``) at the last partition's checkpoint. Killed at any moment and restarted with ``engine train CONFIG --resume``, the job restores the newest
 complete checkpoint and continues with the first partition it does not record as consumed: a partition
 half-trained when the job died is trained again from the checkpoint taken before it, so every partition
-is consumed exactly once in the checkpointed model. With ``server.expiry_clock: data`` every worker
-moves the servers' data clock to the end of each hour before it trains it (``engine.ps.data_clock``), so
+is consumed exactly once in the checkpointed model. With ``server.expiry_clock: data`` rank 0 moves the
+servers' data clock to the end of each hour before any worker trains it (``engine.ps.data_clock``), so
 rows' ``last_seen`` and the expiry pass count hours of data, not time since the push. The job runs forever, or until ``model.until``
 (``--until YYYYMMDDHH``) or ``model.max_partitions`` partitions consumed by this ``engine train`` run:
 counted over all its attempts (a restarted cluster continues the count and the list of the checkpoint
@@ -285,7 +285,7 @@ class OnlineTrainer(ctr.CTRTrainer):
                  meta["embedding"]["deleted"])
         if p.export_keep_full:
             try:
-                prune_bundles(p.export_root, p.export_keep_full, storage_options=opts)
+                prune_bundles(p.export_root, p.export_keep_full, current=name, storage_options=opts)
             except OSError as e:        # the next export's retention tries again
                 log.warning("bundle retention under %s failed (the next export retries): %s: %s", p.export_root,
                             type(e).__name__, e)
@@ -323,8 +323,11 @@ class OnlineTrainer(ctr.CTRTrainer):
         report.mark(f"partition:{self.last}")        # examples trained after the resumed partition: 0
         # rank 0 chooses each partition (and applies max_partitions, counted over this run's attempts);
         # every other worker trains the one it chose
+        # with the data clock, rank 0 moves it to the hour's end before any worker learns the hour
+        advance = ((lambda part: self.client.advance_clock(part.end.timestamp()))
+                   if self.full_config.server.expiry_clock == "data" else None)
         parts = NextPartition(self.client, src, rank=self.rank, num_workers=self.num_workers, until=_until(p),
-                              max_partitions=p.max_partitions)
+                              max_partitions=p.max_partitions, on_chosen=advance)
         after = self.last
         while True:
             with report.phase("waiting for the next partition", WAIT_FOR_PARTITION_S):
@@ -335,8 +338,6 @@ class OnlineTrainer(ctr.CTRTrainer):
             if part is None:
                 break
             after = part.name
-            if self.full_config.server.expiry_clock == "data":    # rows pushed from now on: this hour's
-                self.client.advance_clock(part.end.timestamp())
             with report.phase(f"progressive validation of {part.name}", self.mode.barrier_timeout_s):
                 pv = self.progressive(part)
             rows, train_loss = self.train_partition(part)
@@ -357,6 +358,8 @@ class OnlineTrainer(ctr.CTRTrainer):
             report.mark(f"partition:{part.name}")
             self.consumed = []
             self.mode.barrier(f"checkpointed-{part.name}")
+            if self.rank == 0:
+                parts.retire()      # every worker read the decision of this hour before the barrier
             done.append(part.name)
             if preempt.decided(self.client, part.name):
                 raise preempt.Preempted(f"preempted after partition {part.name} (checkpoint {last_uri or 'by rank 0'})")

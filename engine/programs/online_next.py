@@ -23,7 +23,8 @@ decided partition complete (``follow_timeout_s``, REPUBLISH_WAIT_S by default) r
 ``hdfs_io.NotPublishedError`` naming it, and the attempt restarts.
 
 Preemption while idle: rank 0 checks ``engine.preempt.decide`` every ``PREEMPT_POLL_S`` seconds while
-it waits for the next hour; a follower asked to stop announces it (``preempt.announce``) while it waits.
+it waits for the next hour (a server fenced, restored or lost meanwhile ends the wait with that error,
+so a restart is not held up until the next hour comes); a follower asked to stop announces it (``preempt.announce``) while it waits.
 Every worker then ends with ``preempt.Preempted`` at once, instead of after ``cluster.preempt_timeout_s``:
 nothing was trained since the last partition's checkpoint.
 """
@@ -88,19 +89,26 @@ class NextPartition:
         Rank 0: END after this many partitions in ``done`` (0: no limit).
     follow_timeout_s : float, seconds
         A follower's wait for its listing to show a decided partition complete.
+    on_chosen : callable(Partition), optional
+        Rank 0 calls it with each partition it chose, before it tells the others (the online job moves
+        the servers' data clock there, so no worker pushes rows of that hour before the clock says so).
     """
 
     def __init__(self, client, source: HourlySource, *, rank: int, num_workers: int, until=None,
-                 max_partitions: int = 0, follow_timeout_s: float = REPUBLISH_WAIT_S):
+                 max_partitions: int = 0, follow_timeout_s: float = REPUBLISH_WAIT_S, on_chosen=None):
         self.client, self.source, self.rank, self.num_workers = client, source, rank, num_workers
         self.until, self.max_partitions, self.follow_timeout_s = until, max_partitions, follow_timeout_s
+        self.on_chosen = on_chosen
         self.preempted = False        # the last ``next`` ended because of a preemption request
         self._parts: Iterator[Partition] | None = None
+        self._decided: str | None = None    # rank 0: the channel of the last decision published
+        self._watch_error: BaseException | None = None
 
     # rank 0 ---------------------------------------------------------------------------------------------
     def _decide(self, after: str | None, done: list[str]) -> Partition | None:
         if self.max_partitions and len(done) >= self.max_partitions:
             return None
+        self._watch_error = None
         if self._parts is None:
             self._parts = self.source.partitions(after=after, until=self.until)
         stop_watch = threading.Event()
@@ -112,8 +120,10 @@ class NextPartition:
                         self.preempted = True
                         self.source.stop.set()
                         return
-                except Exception as e:      # noqa: BLE001 - the main thread meets the same fault itself
-                    log.debug("preemption check while waiting for a partition failed: %s", e)
+                except BaseException as e:  # noqa: BLE001 - a fenced or lost server: the wait ends with it
+                    self._watch_error = e
+                    self.source.stop.set()
+                    return
         watcher = threading.Thread(target=watch, name="online-preempt-watch", daemon=True)
         watcher.start()
         try:
@@ -121,6 +131,8 @@ class NextPartition:
         finally:
             stop_watch.set()
             watcher.join()
+        if self._watch_error is not None:       # the servers moved on (fenced, restored) or went away
+            raise self._watch_error
         if part is not None and self.preempted:     # chosen as the stop was requested: not trained
             part = None
         return part
@@ -152,6 +164,13 @@ class NextPartition:
                     f"{self.follow_timeout_s:g} s", uri=uri)
             time.sleep(min(self.source.poll_interval_s, 0.5))
 
+    def retire(self) -> None:
+        """Rank 0, once every worker has read the last decision (after the next barrier they all meet):
+        remove its accumulator, so a job that runs for months holds one, not one per hour."""
+        if self._decided is not None:
+            self.client.reset_metric(self._decided)
+            self._decided = None
+
     # both -----------------------------------------------------------------------------------------------
     def next(self, after: str | None, done: list[str]) -> Partition | None:
         """The partition to train after ``after`` (the last consumed, None before the first), or None:
@@ -165,12 +184,17 @@ class NextPartition:
             The partition's files do not match its manifest (``HourlySource.open``).
         hdfs_io.NotPublishedError
             A follower's listing does not show the decided partition complete within ``follow_timeout_s``.
+        engine.errors.RemoteError
+            Rank 0: the preemption check met a server that was fenced, restored or lost while it waited.
         """
         self.preempted = False
         if self.rank == 0:
             part = self._decide(after, done)
+            if part is not None and self.on_chosen is not None:
+                self.on_chosen(part)
             if self.num_workers > 1:
                 self._publish(after, _hour(part.name) if part is not None else PREEMPT if self.preempted else END)
+                self._decided = channel(after)
             return part
         hour = self._follow(after)
         if hour == PREEMPT:

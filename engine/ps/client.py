@@ -638,12 +638,15 @@ class PSClient(DenseClient):
     def advance_clock(self, data_time: float) -> list[float | None]:
         """Move every server's data clock (``server.expiry_clock: data``, ``engine.ps.data_clock``)
         forward to ``data_time`` (seconds since the epoch; 0 only reads); returns each server's data
-        time after it (None: unset). Forward only, so a retry changes nothing.
+        time after it (None: unset). Forward only, so a retry changes nothing. Moving it is an admin
+        request (the admin token when the cluster has tokens).
 
         Raises
         ------
         RequestRejectedError
             FAILED_PRECONDITION: a server runs on the wall clock; INVALID_ARGUMENT: a bad time.
+        AccessDeniedError
+            Moving it with the worker token.
         """
         rid = self._rid()
         replies = self._fan_out([(s, "Clock", pb.ClockRequest(request_id=f"{rid}.{s}", advance_to=float(data_time)))

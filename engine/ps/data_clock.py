@@ -11,10 +11,13 @@ own shrink passes rather than in days of the calendar.
 
 Rules (the server's, whatever a client sends):
 
+- only the admin token moves it (the ``Clock`` request with a time is an admin request, as ``Shrink``
+  is: the clock decides which rows the next expiry pass deletes); the online job's rank 0 moves it,
+  before it tells the other workers which hour to train, so no push of an hour is stamped earlier;
 - forward only: an advance to an earlier time leaves the clock as it is (so a retried or late advance
-  changes nothing, and two workers advancing to the same hour agree);
-- never past the wall clock + ``MAX_AHEAD_S``: a later time is clamped there (WARNING), so a client can
-  never make a row expire sooner than it would on the wall clock;
+  changes nothing);
+- never past the wall clock + ``MAX_AHEAD_S``: a later time (a producer's clock ahead, a bad partition
+  name) is clamped there (WARNING), so rows are never stamped in a future the data has not reached;
 - unset after the server starts, loads a checkpoint or is fenced with ``clear``: the job sets it again
   from the restored position. While it is unset, pushes stamp 0 and ``Shrink`` is refused (there is no
   data time to expire at).

@@ -84,7 +84,7 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
         from ..security.interceptor import AuthInterceptor
         core.auth = AuthInterceptor(security.tokens, ADMIN_METHODS, name=f"server {core.index}/{core.num_servers}",
                                     admin_request={m: (lambda req, m=m: admin_reason(m, req))
-                                                   for m in ("Dense", "Fence")})
+                                                   for m in ("Dense", "Fence", "Clock")})
         interceptors.append(core.auth)
     server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix=f"ps{core.index}-rpc"),
                          interceptors=interceptors,

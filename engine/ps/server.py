@@ -89,6 +89,8 @@ def admin_reason(method: str, req) -> str | None:
         return None
     if method == "Fence":
         return "Fence: emptying every table (clear)" if req.clear else None
+    if method == "Clock":       # it decides which rows the next expiry pass deletes, as Shrink does
+        return "Clock: moving the data clock" if req.advance_to else None
     if method != "Dense":
         return None
     if req.op == pb.DENSE_INIT and req.force:
@@ -677,7 +679,9 @@ class PSServer:
             raise ProtocolError("now: Shrink expires at the server's own clock; a request may not name a time")
         if self.data_clock is not None and self.data_clock.value is None:
             raise HostError("FAILED_PRECONDITION", f"server {self.index}: Shrink: the data clock (server.expiry_clock: "
-                            f"data) is not set since this server started or loaded a checkpoint; the job sets it")
+                            f"data) is not set since this server started, loaded a checkpoint or was fenced with "
+                            f"clear; the online job's rank 0 sets it before each hour (a job whose config says "
+                            f"server.expiry_clock: wall never does: make the workers' and servers' configs agree)")
         hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())
         failpoints.hit("server.shrink")
         count = shrink_each(hosts, f"server {self.index}", "table")    # every table's pass runs

@@ -192,6 +192,8 @@ def test_a_server_host_that_dies_silently_is_left_for_its_replacement(cfg, tmp_p
         assert reached["t1"] - died < SILENT_S + 30, reached   # a ping interval's re-resolution, a connect
 
 
+@pytest.mark.long   # make test-long (pyproject.toml): 76 s; the client-level test above (make test) covers the
+#                     silent host and its replacement, test_role_resume the role-mode job's resume on one
 def test_a_role_mode_job_whose_server_host_dies_silently_resumes_on_a_replacement_bit_identically(tmp_path):
     """The recovery rule across hosts without a launcher: the host of the job's server goes silent (its
     network cut, its process killed), and the scheduler (this test) starts a replacement on another host

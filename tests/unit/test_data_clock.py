@@ -88,7 +88,7 @@ def test_an_unset_clock_refuses_the_expiry_pass_and_a_load_unsets_it(tmp_path):
     mgr.restore(client, m["name"])                                       # a Load on every server
     assert client.advance_clock(0) == [None, None]                       # 0 reads it: unset
     assert [h["data_time"] for h in client.health()] == [None, None]
-    with pytest.raises(RequestRejectedError, match="not set since this server started or loaded"):
+    with pytest.raises(RequestRejectedError, match="not set since this server started, loaded a checkpoint"):
         client.shrink()
     assert last_seen(servers) == {1: T0 + 3600, 2: T0 + 3600}           # restored stamps are data time
     client.advance_clock(T0 + 3 * 3600)

@@ -77,3 +77,22 @@ def test_an_unreadable_bundle_is_left_alone_with_a_warning(tmp_path, caplog):
     assert prune_bundles(str(root), 2) == []          # 0200 does not count as full: 0100 and 0300 are kept
     assert any("not a readable bundle" in r.getMessage() and "0200-base" in r.getMessage() for r in caplog.records)
     assert hdfs_io.is_complete(hdfs_io.Storage.from_uri(str(root)), "20240101/0100-base")
+
+
+def test_after_a_roll_back_the_bundle_just_published_and_its_chain_stay(tmp_path):
+    """Run A exported bases at 00 and 03; the job is resumed from hour 01's checkpoint (a roll-back) and
+    exports 0200 as a delta against 0100 (the chain of the restored checkpoint). The newer bundles of
+    the abandoned run must neither count nor take 0200's chain with them."""
+    root = tmp_path / "exports"
+    for step, (name, since) in enumerate([("20240101/0000-base", None), ("20240101/0100-delta", "20240101/0000-base"),
+                                          ("20240101/0300-base", None), ("20240101/0400-delta", "20240101/0300-base")]):
+        export(root, name, step, since)
+    export(root, "20240101/0200-delta", 9, "20240101/0100-delta")     # the resumed run
+    assert prune_bundles(str(root), 1, current="20240101/0200-delta") == []
+    served = load_bundle(str(root / "20240101" / "0000-base"))
+    for name in ("0100-delta", "0200-delta"):
+        served.apply_delta(str(root / "20240101" / name))
+    assert names(root) == ["20240101/0000-base", "20240101/0100-delta", "20240101/0200-delta",
+                           "20240101/0300-base", "20240101/0400-delta"]                  # nothing newer touched
+    # without `current` the abandoned run's base would have counted, and 0200's chain gone with 0000
+    assert prune_bundles(str(root), 1) == ["20240101/0000-base", "20240101/0100-delta", "20240101/0200-delta"]

@@ -129,3 +129,38 @@ def test_partition_hours_round_trip():
     for name in ("19700101/00", "20240101/05", "20241231/23"):
         assert _name(_hour(name)) == name
     assert _hour("19700101/05") == 5 and dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc).timestamp() // 3600 == 473352
+
+
+def test_a_fence_while_rank_0_waits_ends_the_wait_with_the_error(client, tmp_path):
+    """Rank 0 waiting for the next hour only lists storage; its preemption check is what meets the
+    servers. A fence (a worker replaced alone) there must end the wait at once, not at the next hour."""
+    from engine.errors import GenerationChangedError
+    lead, _ = workers(client, tmp_path)
+    publish(tmp_path, "20240101/00")
+    assert lead.next(None, []).name == "20240101/00"
+    other = PSClient(InProcessTransport(client.transport.servers))
+    got = []
+
+    def wait():
+        try:
+            lead.next("20240101/00", ["20240101/00"])
+        except GenerationChangedError as e:
+            got.append(e)
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)
+    other.fence([h["generation"] for h in other.health()], "a worker replaced alone")
+    t.join(10)
+    assert not t.is_alive() and len(got) == 1
+
+
+def test_decisions_read_by_everyone_are_retired(client, tmp_path):
+    lead, follow = workers(client, tmp_path)
+    chosen = []
+    lead.on_chosen = lambda p: chosen.append((p.name, len(client.read_metric(channel(None))[0])))
+    publish(tmp_path, "20240101/00")
+    assert lead.next(None, []).name == follow.next(None, []).name == "20240101/00"
+    assert chosen == [("20240101/00", 0)]                         # called before the decision was published
+    assert len(client.read_metric(channel(None))[0]) == 2
+    lead.retire()                                                 # after the barrier every worker meets
+    assert len(client.read_metric(channel(None))[0]) == 0

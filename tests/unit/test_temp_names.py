@@ -16,14 +16,17 @@ def test_only_this_hosts_temporaries_of_processes_that_are_gone_are_stale():
     try:
         os.kill(dead.pid, signal.SIGKILL)
         dead.wait(10)
-        host = temp_names._host()
+        host, boot, ns = temp_names._host(), temp_names._boot(), temp_names._pidns()
+        here = f"{host}-{boot}-{ns}"
         mine = temp_names.temp_name("pred.arrow", "tmp")
-        assert mine.startswith(f".pred.arrow.tmp-{host}-{os.getpid()}-")
-        names = [f".pred.arrow.tmp-{host}-{dead.pid}-0badc0de",          # killed: stale
-                 f".pred.arrow.tmp-{host}-{live.pid}-12345678",          # still running
-                 f".pred.arrow.tmp-other-host-{dead.pid}-0badc0de",      # another host's: unknown
-                 f".other.arrow.tmp-{host}-{dead.pid}-0badc0de",         # another output's
-                 f".pred.arrow.converting-{host}-{dead.pid}-0badc0de",   # another tag
+        assert mine.startswith(f".pred.arrow.tmp-{here}-{os.getpid()}-") and boot != "0" and ns != "0"
+        names = [f".pred.arrow.tmp-{here}-{dead.pid}-0badc0de",          # killed: stale
+                 f".pred.arrow.tmp-{here}-{live.pid}-12345678",          # still running
+                 f".pred.arrow.tmp-other-host-{boot}-{ns}-{dead.pid}-0badc0de",   # another host's: unknown
+                 f".pred.arrow.tmp-{host}-{boot}-1-{dead.pid}-0badc0de",  # another PID namespace (container)
+                 f".pred.arrow.tmp-{host}-00000000-{ns}-{dead.pid}-0badc0de",     # an earlier boot's
+                 f".other.arrow.tmp-{here}-{dead.pid}-0badc0de",         # another output's
+                 f".pred.arrow.converting-{here}-{dead.pid}-0badc0de",   # another tag
                  mine, "pred.arrow", ".pred.arrow.tmp-garbage"]
         assert temp_names.stale(names, "pred.arrow", "tmp") == [names[0]]
     finally:
