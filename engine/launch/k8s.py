@@ -22,6 +22,11 @@ it to write the preemption checkpoint.
 **Ranks.** ``ENGINE_RANK`` comes from the pod's ``batch.kubernetes.io/job-completion-index`` annotation
 through the downward API; a replacement pod keeps its index, so it keeps its rank.
 
+**Runs.** ``ENGINE_RUN_ID`` is the worker Job's uid (its pods' ``batch.kubernetes.io/controller-uid``
+label, through the downward API): every worker pod and its replacements are one run, as the attempts of
+one local ``engine train`` are, so ``ctr_online``'s ``max_partitions`` counts the whole Job (its
+checkpoints carry the count), while rendering stays deterministic and a new Job is a new run.
+
 **Exit codes and podFailurePolicy** (it needs ``restartPolicy: Never``): 2 (a config error, which never
 heals) fails the Job at once; 75 (preempted at a checkpoint, resumable) and 76 (a worker whose servers
 changed under it, or that lost one or got no answer from one in time, or that waits for a roll-back) are
@@ -335,7 +340,8 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     spill = sorted({t.spill_path for t in cfg.sparse_tables.values() if t.spill_path and os.path.isabs(t.spill_path)})
     server_env = _env(cfg, name, [])
     worker_env = _env(cfg, name, [{"name": "ENGINE_SERVERS", "value": ",".join(f"{h}:{k.port}" for h in hosts)},
-                                  {"name": "ENGINE_NUM_WORKERS", "value": str(cfg.cluster.workers)}])
+                                  {"name": "ENGINE_NUM_WORKERS", "value": str(cfg.cluster.workers)},
+                                  {"name": "ENGINE_RUN_ID", "valueFrom": {"fieldRef": {"fieldPath": RUN_ID_FIELD}}}])
     probe = {"grpc": {"port": k.health_port}, "timeoutSeconds": 5}
     # --resume at every start: a replacement server (eviction, preemption) loads its vshards of the job's
     # newest complete checkpoint, or the operator's URI until the job wrote one since (--resume-id); the
@@ -417,6 +423,10 @@ def _labels(name: str, component: str) -> dict:
 def _meta(k, obj_name: str, name: str, component: str) -> dict:
     return {"name": obj_name, "namespace": k.namespace,
             "labels": {**_labels(name, component), "app.kubernetes.io/managed-by": "engine-k8s"}}
+
+
+#: the worker pods' run id: their Job's uid (set by the Job controller on every pod it creates)
+RUN_ID_FIELD = "metadata.labels['batch.kubernetes.io/controller-uid']"
 
 
 def _env(cfg: EngineConfig, name: str, role_env: list[dict]) -> list[dict]:

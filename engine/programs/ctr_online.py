@@ -29,7 +29,9 @@ servers' data clock to the end of each hour before any worker trains it (``engin
 rows' ``last_seen`` and the expiry pass count hours of data, not time since the push. The job runs forever, or until ``model.until``
 (``--until YYYYMMDDHH``) or ``model.max_partitions`` partitions consumed by this ``engine train`` run:
 counted over all its attempts (a restarted cluster continues the count and the list of the checkpoint
-it restored, ``extra.run``), while a new ``engine train --resume`` starts a new count.
+it restored, ``extra.run``), while a new ``engine train --resume`` starts a new count. Under ``engine
+k8s`` the run is the worker Job (``ENGINE_RUN_ID``, its uid); ``--role worker`` processes started any
+other way count each attempt on its own. Rank 0 applies the count (``online_next``).
 
 Faults of the serving export do not stop training: an export that fails (storage error,
 ``ExportError``, ``BundleError``) is logged as a WARNING naming the partition and the error, written as
@@ -147,6 +149,8 @@ class OnlineTrainer(ctr.CTRTrainer):
         self.full_config = ctx.config
         super().__init__(dataclasses.replace(ctx, config=_as_network(ctx.config)))
         self.p: Config = ctx.config.model.params
+        if not self.p.run_id and os.environ.get("ENGINE_RUN_ID"):     # a Kubernetes worker Job's uid (engine k8s)
+            self.p = dataclasses.replace(self.p, run_id=os.environ["ENGINE_RUN_ID"])
         self.ck = ctx.config.checkpoint
         self.mgr: CheckpointManager | None = None
         self.last: str | None = None

@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -60,6 +61,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = str(Path(sys.executable).parent / "engine")        # the image's ENTRYPOINT, from this venv
 INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+CONTROLLER_UID = "metadata.labels['batch.kubernetes.io/controller-uid']"
 
 
 def cpu_count(quantity: str) -> int:
@@ -92,6 +94,8 @@ class Kubelet:
         self.server_job = server_job["metadata"]["name"]
         # a worker pod's name -> its health port (its replacements keep it)
         self.workers = {f"{worker_job['metadata']['name']}-{i}": ports[2 * n + i] for i in range(w)}
+        # the Job controller's label on every pod of a Job: its uid (one per Job, kept by replacements)
+        self.uids = {o["metadata"]["name"]: str(uuid.uuid4()) for o in objects if o["kind"] == "Job"}
 
     def pod(self, job: dict, index: int, root: Path | None = None) -> tuple[list[str], dict, Path, str]:
         """(argv, env, cwd, hostname) of pod ``index`` of ``job``, its filesystem under ``root``
@@ -129,7 +133,7 @@ class Kubelet:
         env = {"PATH": f"{Path(ENGINE).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}", "HOME": str(fs / "tmp"),
                "LANG": "C.UTF-8"}
         for e in c["env"]:
-            env[e["name"]] = self._env_value(e, index, c, local)
+            env[e["name"]] = self._env_value(e, index, c, local, self.uids[job["metadata"]["name"]])
         if self.numba_cache is not None:      # the node-local cache (module docstring), instead of the emptyDir
             assert env.get("NUMBA_CACHE_DIR", "").startswith(str(fs / "tmp") + "/"), env.get("NUMBA_CACHE_DIR")
             env["NUMBA_CACHE_DIR"] = str(self.numba_cache)
@@ -155,13 +159,14 @@ class Kubelet:
         assert int(port) == self.service["spec"]["ports"][0]["port"]
         return f"127.0.0.1:{self.servers[host][0]}"
 
-    def _env_value(self, e: dict, index: int, c: dict, local) -> str:
+    def _env_value(self, e: dict, index: int, c: dict, local, uid: str) -> str:
         if "value" in e:
             return local(e["value"])
         src = e["valueFrom"]
         if "fieldRef" in src:
-            assert src["fieldRef"]["fieldPath"] == INDEX, src
-            return str(index)
+            path = src["fieldRef"]["fieldPath"]
+            assert path in (INDEX, CONTROLLER_UID), src
+            return str(index) if path == INDEX else uid
         if "resourceFieldRef" in src:
             ref = src["resourceFieldRef"]
             assert ref["resource"] == "limits.cpu" and ref.get("divisor", "1") == "1", ref

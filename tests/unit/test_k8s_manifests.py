@@ -220,6 +220,11 @@ def test_engine_servers_are_the_server_pods_dns_names(creds):
     assert m.server_hosts == hosts
     assert env(worker)["ENGINE_SERVERS"]["value"] == ",".join(f"{h}:7100" for h in hosts)
     assert env(worker)["ENGINE_NUM_WORKERS"]["value"] == "4"
+    # one run per worker Job (ctr_online's max_partitions), and rendering again gives the same manifests
+    assert env(worker)["ENGINE_RUN_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['batch.kubernetes.io/controller-uid']"
+    assert render(creds, "cluster.servers=3", "cluster.workers=4", "kubernetes.port=7100",
+                  "kubernetes.health_port=7101") == m
     assert "ENGINE_SERVERS" not in env(server)
     spec = server["spec"]
     assert spec["template"]["spec"]["subdomain"] == service
