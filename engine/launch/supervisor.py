@@ -151,6 +151,8 @@ class Supervisor:
             # the operator's --resume URI may lie outside checkpoint.root: its servers may load from it
             cluster = self._cluster = self.cluster_class(self.cfg, run_dir,
                                                          allow_load=(self.first_resume,) if self.first_resume else ())
+            if self.run_dir is None:    # a new run dir of its own: the restarts go below it, where the
+                self.run_dir = cluster.run_dir      # launcher's log and engine status find them
             cluster.restarts = self.restarts     # the children's engine_restarts_total (engine.observability)
             try:
                 with cluster:

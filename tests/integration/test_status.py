@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -241,3 +243,57 @@ def test_p99_of_the_latency_histogram_lies_in_the_bucket_of_the_exact_p99():
         lo, hi = (LATENCY_BOUNDS_S[b - 1] if b else 0.0), LATENCY_BOUNDS_S[min(b, len(LATENCY_BOUNDS_S) - 1)]
         assert lo <= quantile(list(LATENCY_BOUNDS_S), counts, 0.99) <= hi, scale
     assert quantile(list(LATENCY_BOUNDS_S), [0] * (len(LATENCY_BOUNDS_S) + 1), 0.99) is None
+
+
+@pytest.mark.long   # make test-long (pyproject.toml): the restart itself is in make test (test_online_faults)
+@pytest.mark.slow
+def test_without_run_dir_a_restarts_attempt_goes_below_the_first_and_status_shows_it(tmp_path):
+    """Without ``--run-dir`` the launcher makes ``{run_root}/{job}-{time}-{pid}``; a restarted attempt
+    must go below it (``restart-1/``), where the directory the launcher printed, ``latest`` and ``engine
+    status`` find it. Before, each attempt made a new sibling, and status on the printed directory showed
+    the dead first attempt while the job ran on."""
+    root = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"),
+           "--set", f"cluster.run_root={root}", "--set", "cluster.workers=1",
+           "--set", "model.data.source=generated", "--set", "model.data.generated_rows=20000",
+           "--set", f"model.data.cache_dir={tmp_path / 'cache'}", "--set", f"model.metrics_dir={tmp_path / 'm'}",
+           "--set", "checkpoint.root=", "--set", "model.hidden=[16]", "--set", "model.batch_size=8",
+           "--set", "model.epochs=2", "--set", "model.eval_every_epoch=false", "--set", "cluster.warm_up=false"]
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(job.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 150
+        first = None
+        while first is None and time.monotonic() < deadline and job.poll() is None:
+            found = [m.group(1) for ln in list(lines) if (m := re.search(r"run directory: (\S+)", ln))]
+            first = Path(found[0]) if found else None
+            time.sleep(0.2)
+        assert first is not None, "".join(lines)[-3000:]
+        report = first / "worker-0.progress.json"
+        while time.monotonic() < deadline and job.poll() is None:
+            try:
+                if json.loads(report.read_text()).get("step", 0) >= 20:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        os.kill(json.loads(report.read_text())["pid"], signal.SIGKILL)     # a process this job started
+        restart = first / "restart-1"
+        while not (restart / "worker-0.progress.json").exists() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        assert (restart / "worker-0.progress.json").exists(), "".join(lines)[-3000:]
+        assert sorted(p.name for p in root.iterdir()) == [first.name, "latest"]      # no sibling
+        seen = None
+        while seen is None and time.monotonic() < deadline and job.poll() is None:
+            proc = status(str(first), "--once", "--json", "--interval", "0.5")
+            if proc.returncode == 0 and json.loads(proc.stdout)["run_dir"] == str(restart):
+                seen = json.loads(proc.stdout)
+            time.sleep(0.3)
+        assert seen is not None and seen["launcher_alive"] is True, "".join(lines)[-3000:]
+        assert job.wait(timeout=180) == 0, "".join(lines)[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(10)
