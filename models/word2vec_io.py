@@ -12,7 +12,11 @@ Binary format: the same header line, then per word ``word`` + ``b" "`` + ``dim``
 (``4 * dim`` bytes) + ``b"\\n"`` (word2vec.c writes the newline; gensim's reader strips it from the next
 word, so files from either tool load in both).
 
-Words must not contain whitespace (the formats cannot represent it).
+Words must be non-empty and free of ASCII whitespace (``FORMAT_BREAKERS``: space, ``\\t \\n \\r \\v
+\\f``), which the readers split on (gensim: ``bytes.rstrip()`` and ``split(" ")`` per line, or up to the
+space in binary). Any other character is kept as it is, non-ASCII spaces such as U+00A0 included: the
+corpus tokenizer (``streaming.text``) splits only on ASCII whitespace, so its words may hold them, and
+gensim reads them back unchanged.
 """
 from __future__ import annotations
 
@@ -23,19 +27,22 @@ import numpy as np
 
 from .errors import ModelInputError
 
-__all__ = ["save_word2vec_format", "load_word2vec_format"]
+__all__ = ["save_word2vec_format", "load_word2vec_format", "FORMAT_BREAKERS"]
 
 log = logging.getLogger(__name__)
+
+#: characters a word of the word2vec formats cannot hold (the readers split on them)
+FORMAT_BREAKERS = frozenset(" \t\n\r\v\f")
 
 
 def _check(words, vectors) -> np.ndarray:
     vectors = np.asarray(vectors)
     if vectors.ndim != 2 or vectors.shape[0] != len(words):
         raise ModelInputError(f"vectors: expected float[{len(words)}, dim], got shape {vectors.shape}")
-    for w in words:
-        if not w or any(c.isspace() for c in w):
-            raise ModelInputError(f"words: the word2vec format cannot hold the word {w!r} "
-                                  "(empty or containing whitespace)")
+    for i, w in enumerate(words):
+        if not w or not FORMAT_BREAKERS.isdisjoint(w):
+            raise ModelInputError(f"words: the word2vec format cannot hold word {i} {w!r} (empty or containing "
+                                  "ASCII whitespace: space, \\t, \\n, \\r, \\v or \\f)")
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
@@ -56,7 +63,8 @@ def save_word2vec_format(path, words, vectors, *, binary: bool = False) -> None:
     Raises
     ------
     ModelInputError
-        On a shape mismatch or a word the format cannot hold.
+        On a shape mismatch or a word the format cannot hold (empty, or containing a character of
+        ``FORMAT_BREAKERS``); the word and its index are named.
     """
     vectors = _check(words, vectors)
     n, dim = vectors.shape
@@ -88,7 +96,8 @@ def load_word2vec_format(path, *, binary: bool | None = None):
     ----------
     path : str or PathLike
     binary : bool, optional
-        Detected when omitted: text when the first ``4 * dim`` bytes after the first word parse as text.
+        Detected when omitted: text when the first row, up to its newline, is UTF-8 of a word and ``dim``
+        space-separated numbers.
 
     Returns
     -------
@@ -109,7 +118,7 @@ def load_word2vec_format(path, *, binary: bool | None = None):
         raise ModelInputError(f"{path}: expected a 'count dim' header line, got {data[:nl][:80]!r}") from None
     body = memoryview(data)[nl + 1:]
     if binary is None:
-        binary = _looks_binary(bytes(body[:4096]), dim)
+        binary = _looks_binary(body, dim)
     words: list[str] = []
     vectors = np.empty((n, dim), np.float32)
     if binary:
@@ -137,13 +146,22 @@ def load_word2vec_format(path, *, binary: bool | None = None):
     return words, vectors
 
 
-def _looks_binary(head: bytes, dim: int) -> bool:
-    sp = head.find(b" ")
-    if sp < 0:
-        return False
-    chunk = head[sp + 1:sp + 1 + 4 * dim]
+def _looks_binary(body, dim: int) -> bool:
+    """False when the first row of ``body`` (bytes after the header) reads as a text row: UTF-8, a word
+    and ``dim`` numbers separated by single spaces, up to the first newline. (Reading only the ``4 * dim``
+    bytes after the first word, as before, took a text file of short numbers for binary: with small
+    ``dim`` those bytes reach into the next row's word.)"""
+    raw = bytes(body[:64 * (dim + 1) + 4096])     # a text row of %.9g floats is at most ~17 bytes per value
+    nl = raw.find(b"\n")
     try:
-        text = chunk.decode("ascii")
+        parts = (raw[:nl] if nl >= 0 else raw).decode("utf-8").rstrip().split(" ")   # word2vec.c ends rows in " "
     except UnicodeDecodeError:
         return True
-    return not all(c in "0123456789+-.eE \nnaif" for c in text)
+    if len(parts) != dim + 1:
+        return True
+    try:
+        for x in parts[1:]:
+            float(x)
+    except ValueError:
+        return True
+    return False

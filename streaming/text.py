@@ -49,8 +49,8 @@ from .criteo import ConvertError, _read_error, _staged_output
 from .errors import DataFormatError
 
 __all__ = ["convert_text", "TextConvertReport", "text_arrow_is_current", "read_vocab", "corpus_schema",
-           "vocab_schema", "corpus_files", "ConvertError", "EmptyVocabularyError", "META_FILE", "VOCAB_FILE",
-           "CORPUS_DIR", "MAX_CHUNK_TOKENS"]
+           "vocab_schema", "corpus_files", "vocab_fingerprint", "conversion_fingerprint", "ConvertError",
+           "EmptyVocabularyError", "META_FILE", "VOCAB_FILE", "CORPUS_DIR", "MAX_CHUNK_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,51 @@ def read_vocab(path):
     with pa.memory_map(str(path), "r") as mm:
         table = pa.ipc.open_stream(mm).read_all()
     return table.column("word").to_pylist(), table.column("count").to_numpy().astype(np.uint64)
+
+
+def vocab_fingerprint(path) -> dict:
+    """What identifies a vocabulary (the word of every id): size and CRC-32 of ``vocab.arrow``'s bytes.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        ``vocab.arrow`` or the (local) directory holding it.
+
+    Returns
+    -------
+    dict
+        ``{"vocab_bytes": int (bytes), "vocab_crc32": str (8 lowercase hex digits)}``.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    """
+    from hdfs_io.checksum import checksum_stream
+    path = Path(path)
+    if path.is_dir():
+        path = path / VOCAB_FILE
+    with pa.OSFile(str(path), "r") as f:
+        entry = checksum_stream(f)
+    return {"vocab_bytes": int(entry.size), "vocab_crc32": entry.crc32}
+
+
+def conversion_fingerprint(out_dir) -> dict:
+    """What identifies a finished conversion: :func:`vocab_fingerprint` plus ``vocab_words`` (int) and
+    ``total_tokens`` (int, raw tokens of one pass over the corpus) from ``_meta.json``. A re-conversion of
+    a changed corpus changes at least one of them unless it keeps both the vocabulary and the token count.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``out_dir`` holds no finished conversion (no ``_meta.json`` or ``vocab.arrow``).
+    """
+    meta_path = Path(out_dir) / META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path} not found: run convert_text (engine convert text) first")
+    meta = json.loads(meta_path.read_text())
+    return {"vocab_words": int(meta.get("vocab_size", -1)), **vocab_fingerprint(Path(out_dir) / VOCAB_FILE),
+            "total_tokens": int(meta.get("total_tokens", -1))}
 
 
 def _open(path: str):

@@ -1,7 +1,9 @@
 """``engine eval CONFIG.yaml --checkpoint URI [--set key=value ...]``: evaluate a trained checkpoint.
 
 Word2Vec configs (``model.kind: word2vec``): the checkpoint's input vectors (words from the
-``vocab.arrow`` the run recorded, else the config's ``model.arrow_dir``) are scored with gensim's
+``vocab.arrow`` the run recorded, else the config's ``model.arrow_dir``; refused, exit 2, when its size
+and CRC-32 differ from the fingerprint the checkpoint recorded, i.e. the corpus was re-converted since:
+``engine.export.w2v.check_vocab``) are scored with gensim's
 protocols (``models.word2vec_eval``) on the files of ``model.eval_data_dir``: analogy accuracy on
 ``questions-words.txt`` (3CosAdd, 300,000 most frequent words, case-insensitive), Spearman on
 ``wordsim353.tsv`` and ``simlex999.txt``. Prints one line per analogy section and the overall, then, as
@@ -64,7 +66,8 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
     Raises
     ------
     ExportError, CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
-        No readable checkpoint at ``uri``.
+        No readable checkpoint at ``uri``, or a vocabulary other than the one it was trained with (both
+        fingerprints named).
     FileNotFoundError
         A vocabulary or benchmark file is missing.
     """

@@ -5,7 +5,8 @@ with the checkpoint reader (``engine.checkpoint.load_server_parts``) into in-pro
 ``SparseTable`` shards, as one server owning every vshard would load it; the rows are then read back
 with ``SparseTable.rows()``. The dense parameters are the dense blocks of the last checkpoint of the
 chain (every checkpoint holds them in full). The model description comes from the engine config
-snapshot in the manifest (``config.model``: kind, slots, dim, dense_dim, hidden, seed, table names).
+snapshot in the manifest (``config.model``: kind, slots, dim, dense_dim, hidden, seed, table names);
+for Word2Vec also the vocabulary fingerprint its ``sources.train.vocab`` records.
 
 ``CHECKPOINT_URI`` is a checkpoint directory (``{root}/{job}/YYYYMMDD/HHMM-base|delta[.N]``) or a job
 root (``{root}/{job}``: its newest complete checkpoint).
@@ -28,8 +29,12 @@ log = logging.getLogger(__name__)
 
 
 def description_from_config(config: Mapping[str, Any], *, hash_version: int, num_vshards: int,
-                            checkpoint: Mapping[str, Any] | None = None) -> dict:
+                            checkpoint: Mapping[str, Any] | None = None,
+                            sources: Mapping[str, Any] | None = None) -> dict:
     """Model description from an engine config snapshot (``EngineConfig.to_dict()``).
+
+    ``sources`` is the manifest's ``sources`` (Word2Vec: ``train.vocab`` becomes the description's
+    ``vocab_fingerprint``).
 
     Raises
     ------
@@ -46,7 +51,7 @@ def description_from_config(config: Mapping[str, Any], *, hash_version: int, num
         kind = model.get("network", "ctr_dnn")
     if kind == "word2vec":
         return _word2vec_description(model, hash_version=hash_version, num_vshards=num_vshards,
-                                     checkpoint=checkpoint)
+                                     checkpoint=checkpoint, sources=sources)
     if kind not in ("ctr_dnn", "deepfm"):
         raise ExportError(f"checkpoint manifest: config.model.kind: expected ctr_dnn, deepfm, ctr_online or "
                           f"word2vec, got {kind!r}")
@@ -64,10 +69,15 @@ def description_from_config(config: Mapping[str, Any], *, hash_version: int, num
 
 
 def _word2vec_description(model: Mapping[str, Any], *, hash_version: int, num_vshards: int,
-                          checkpoint: Mapping[str, Any] | None) -> dict:
+                          checkpoint: Mapping[str, Any] | None, sources: Mapping[str, Any] | None) -> dict:
     """Word2Vec (``engine.programs.word2vec``): the input-vector table is the one exported; ``vocab`` is
     the ``vocab.arrow`` of the converted corpus the run trained on (``model.arrow_dir``), which maps a
-    key's word id (``streaming.keys.key_ids``) to its word; no dense table."""
+    key's word id (``streaming.keys.key_ids``) to its word; ``vocab_fingerprint`` is what the checkpoint
+    recorded of it (``sources.train.vocab``: ``vocab_bytes``, ``vocab_crc32``, ... of
+    ``streaming.text.conversion_fingerprint``; None for a checkpoint written before they were recorded),
+    which ``engine.export.w2v`` checks the file against; no dense table."""
+    train = (sources or {}).get("train") if isinstance(sources, Mapping) else None
+    recorded = train.get("vocab") if isinstance(train, Mapping) else None
     arrow = model.get("arrow_dir")
     if not isinstance(arrow, str) or not arrow:
         raise ExportError("checkpoint manifest: config.model.arrow_dir: missing; cannot map word ids to words")
@@ -77,7 +87,8 @@ def _word2vec_description(model: Mapping[str, Any], *, hash_version: int, num_vs
             "hash_version": int(hash_version), "num_vshards": int(num_vshards),
             "checkpoint": dict(checkpoint) if checkpoint else None,
             "tables": {"sparse": model.get("input_table", "syn0"), "dense": None},
-            "vocab": f"{arrow.rstrip('/')}/vocab.arrow"}
+            "vocab": f"{arrow.rstrip('/')}/vocab.arrow",
+            "vocab_fingerprint": dict(recorded) if isinstance(recorded, Mapping) else None}
     return check_description(desc, "checkpoint manifest: config")
 
 
@@ -137,7 +148,8 @@ class CheckpointSource(TableSource):
         if description is None:
             description = description_from_config(last.get("config") or {},
                                                   hash_version=int(last.get("hash_version") or 0),
-                                                  num_vshards=int(last["num_vshards"]), checkpoint=ident)
+                                                  num_vshards=int(last["num_vshards"]), checkpoint=ident,
+                                                  sources=last.get("sources"))
         tables = dict(description.get("tables") or {"sparse": "embedding", "dense": "dense"})
         sparse_name, dense_name = tables.get("sparse", "embedding"), tables.get("dense", "dense")
         nv = int(last["num_vshards"])

@@ -85,7 +85,8 @@ def _bad_input_errors():
 
 def run_export(args) -> int:
     _logging(args.verbose)
-    bad = _bad_input_errors()
+    from models.errors import ModelInputError       # e.g. a word the word2vec format cannot hold
+    bad = _bad_input_errors() + (ModelInputError,)
     try:
         from .source import open_source
         source = open_source(args.checkpoint)

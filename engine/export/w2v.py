@@ -4,6 +4,10 @@ Keys of the table are word ids embedded in the key (``streaming.keys.make_keys(s
 vocabulary (``vocab.arrow`` of ``streaming.text``) maps id -> word. The file is written by
 ``models.word2vec_io.save_word2vec_format`` in vocabulary order (descending count), so gensim's
 ``KeyedVectors.load_word2vec_format`` reads it.
+
+A Word2Vec checkpoint records the fingerprint of the vocabulary it was trained with (``sources.train.vocab``,
+the description's ``vocab_fingerprint``): a ``vocab.arrow`` of other bytes (the corpus re-converted
+since) is refused, as it would put every vector under another word (``check_vocab``).
 """
 from __future__ import annotations
 
@@ -15,9 +19,46 @@ import numpy as np
 
 from .errors import ExportError
 
-__all__ = ["export_word2vec", "word_vectors"]
+__all__ = ["export_word2vec", "word_vectors", "check_vocab"]
 
 log = logging.getLogger(__name__)
+
+
+def check_vocab(source, vocab: str) -> None:
+    """``vocab`` is the vocabulary ``source`` was trained with: its size and CRC-32 equal the
+    fingerprint the source's description records (``vocab_fingerprint``). A source recording none (a
+    checkpoint written before they were recorded) is a WARNING: it cannot be verified.
+
+    Parameters
+    ----------
+    source : ExportSource
+    vocab : str
+        ``vocab.arrow`` or the converted-corpus directory holding it (local).
+
+    Raises
+    ------
+    ExportError
+        The fingerprints differ (both named, with the file and the source).
+    FileNotFoundError
+        ``vocab`` does not exist.
+    """
+    from streaming.text import vocab_fingerprint
+    recorded = source.model_description().get("vocab_fingerprint")
+    if not isinstance(recorded, dict):
+        log.warning("%s records no fingerprint of the vocabulary it was trained with (written before they "
+                    "were recorded): cannot verify that %s is that vocabulary", source.source_uri, vocab)
+        return
+    now = vocab_fingerprint(vocab)
+    if any(recorded.get(k) != v for k, v in now.items()):
+        words = f", {recorded['vocab_words']} words" if "vocab_words" in recorded else ""
+        raise ExportError(f"{vocab}: not the vocabulary {source.source_uri} was trained with ({_show(now)}; the "
+                          f"checkpoint's sources.train.vocab records {_show(recorded)}{words}): the corpus was "
+                          f"re-converted since? Its word ids would name other words; pass the vocab.arrow it "
+                          f"was trained with (engine export: --vocab)")
+
+
+def _show(fp) -> str:
+    return f"{fp.get('vocab_bytes')} bytes, crc32 {fp.get('vocab_crc32')}"
 
 
 def word_vectors(source, vocab: str):
@@ -41,10 +82,14 @@ def word_vectors(source, vocab: str):
     Raises
     ------
     ExportError
-        No rows, a row whose word id is outside the vocabulary, or rows of mixed width.
+        ``vocab`` is not the vocabulary the source was trained with (``check_vocab``), no rows, a row
+        whose word id is outside the vocabulary, or rows of mixed width.
+    FileNotFoundError
+        ``vocab`` does not exist.
     """
     from streaming.keys import key_ids
     from streaming.text import read_vocab
+    check_vocab(source, vocab)
     words, _ = read_vocab(vocab)
     vecs = None
     have = np.zeros(len(words), bool)
@@ -95,7 +140,10 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
     Raises
     ------
     ExportError
-        A row whose word id is outside the vocabulary, or rows of mixed width.
+        ``vocab`` is not the vocabulary the source was trained with, a row whose word id is outside the
+        vocabulary, or rows of mixed width.
+    models.errors.ModelInputError
+        A word the word2vec format cannot hold (ASCII whitespace: ``models.word2vec_io``).
     """
     from models.word2vec_io import save_word2vec_format
     words, vecs, missing = word_vectors(source, vocab)

@@ -34,7 +34,14 @@ Reports (metrics file ``model.metrics_file``, JSON lines; the launcher shows the
 per worker every ``log_every_s`` with raw and effective words/s (effective = after subsampling and the
 OOV drop, as gensim counts), loss per (center, context) pair and alpha; the ``final`` event (also the
 last stdout line) with ``words_per_s``, ``effective_words_per_s`` and, with ``eval_after_train``, the
-evaluation figures of rank 0 (``models.word2vec_eval.evaluate_all`` on the servers' input vectors).
+evaluation figures of rank 0 (``models.word2vec_eval``'s benchmarks on the servers' input vectors; a
+benchmark that cannot score, e.g. none of its pairs in the vocabulary, is a WARNING and null figures).
+``prepare`` refuses a missing benchmark file of ``model.eval_data_dir`` before anything starts.
+
+Checkpoints record the conversion they were trained on (``sources.train.vocab``:
+``streaming.text.conversion_fingerprint``, i.e. the vocabulary's words, bytes and CRC-32 and the corpus's
+raw tokens): ``--resume`` refuses a ``model.arrow_dir`` whose conversion differs (its word ids would name
+other words), and ``engine export`` / ``engine eval`` refuse a ``vocab.arrow`` other than the recorded one.
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..program_configs import Word2VecConfig as Config
+from .. import job_checkpoints as ckpt_job
 from .. import observability
 from ..errors import ConfigError
 from .ctr_positions import AlignedCheckpoints, Position
@@ -62,6 +70,8 @@ log = logging.getLogger(__name__)
 
 EVAL_KEYS = ("analogy_accuracy", "analogy_evaluated", "analogy_skipped", "wordsim353_spearman",
              "simlex999_spearman")
+#: the benchmark files of ``model.eval_data_dir`` (``models.word2vec_eval``'s formats)
+EVAL_FILES = ("questions-words.txt", "wordsim353.tsv", "simlex999.txt")
 
 
 def params_of(p: Config):
@@ -156,17 +166,47 @@ def prepare_data(p: Config) -> Config:
     return dataclasses.replace(p, arrow_dir=arrow, corpus=corpus, eval_data_dir=eval_dir)
 
 
+def check_eval_files(p: Config) -> None:
+    """With ``eval_after_train``, the benchmark files (``EVAL_FILES``) are in ``eval_data_dir``.
+
+    Raises
+    ------
+    ConfigError
+        ``eval_data_dir`` empty, or one of the files missing (its path named).
+    """
+    if not p.eval_after_train:
+        return
+    if not p.eval_data_dir:
+        raise ConfigError(f"model.eval_data_dir: empty while model.eval_after_train is true; name the "
+                          f"directory holding {', '.join(EVAL_FILES)}, or set model.eval_after_train: false")
+    for name in EVAL_FILES:
+        path = os.path.join(p.eval_data_dir, name)
+        if not os.path.isfile(path):
+            raise ConfigError(f"model.eval_data_dir: {path} not found (model.eval_after_train is true: rank 0 "
+                              f"reads {', '.join(EVAL_FILES)} there after training); set model.eval_data_dir "
+                              f"to the directory holding them, or model.eval_after_train: false")
+
+
 def corpus_meta(arrow_dir: str) -> dict:
     """``_meta.json`` of a conversion (``total_tokens`` = raw words of one epoch)."""
     return json.loads((Path(arrow_dir) / "_meta.json").read_text())
 
 
 def prepare(cfg):
-    """Launcher hook: check tables, convert the corpus if needed, pick the metrics file."""
+    """Launcher hook: check tables, convert the corpus if needed, check the evaluation files, pick the
+    metrics file.
+
+    Raises
+    ------
+    ConfigError
+        Bad tables or model knobs, no usable corpus (``prepare_data``), or a missing evaluation file
+        (``check_eval_files``).
+    """
     check_tables(cfg)
     p: Config = cfg.model.params
     params_of(p)
     p = prepare_data(p)
+    check_eval_files(p)
     metrics_file = p.metrics_file or os.path.abspath(
         os.path.join(p.metrics_dir, f"word2vec-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl"))
     p = dataclasses.replace(p, metrics_file=metrics_file)
@@ -224,6 +264,108 @@ def final(cfg, results: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------- worker side
+class VocabCheckpoints(AlignedCheckpoints):
+    """``AlignedCheckpoints`` whose manifests' ``sources.train`` also record the conversion trained on:
+    ``vocab`` = ``streaming.text.conversion_fingerprint`` (``vocab_words``, ``vocab_bytes``,
+    ``vocab_crc32``, ``total_tokens``). It is not part of the position's identity (which maps or
+    restarts an epoch): a resume on another conversion is refused outright (``check_resumed_corpus``)."""
+
+    def __init__(self, trainer, identity: dict, fingerprint: dict):
+        self.fingerprint = dict(fingerprint)
+        super().__init__(trainer, identity=identity)
+
+    def sources(self, pos: Position) -> dict:
+        """The manifest's ``sources``: position, identity and ``train.vocab``."""
+        out = super().sources(pos)
+        out["train"]["vocab"] = dict(self.fingerprint)
+        return out
+
+
+def check_resumed_corpus(config, arrow_dir: str, fingerprint: dict, rank: int = 0) -> None:
+    """The checkpoint ``--resume`` restored (``config.checkpoint.restored``; nothing to check without
+    one) was trained on the conversion in ``arrow_dir``, whose ``conversion_fingerprint`` is
+    ``fingerprint``. A checkpoint written before fingerprints were recorded cannot be checked: a
+    WARNING (rank 0), and it is accepted.
+
+    Raises
+    ------
+    ConfigError
+        The checkpoint's ``sources.train.vocab`` differs: names ``model.arrow_dir``, the checkpoint and
+        every field that changed (was, now).
+    """
+    uri = config.checkpoint.restored
+    if not uri:
+        return
+    mgr, target = ckpt_job.manager_for(config, uri)
+    manifest = mgr.manifest(mgr.resolve(target))
+    recorded = ((manifest.get("sources") or {}).get("train") or {}).get("vocab")
+    if not isinstance(recorded, dict):
+        if rank == 0:
+            log.warning("checkpoint %s records no fingerprint of the corpus conversion it was trained on "
+                        "(written before they were recorded): cannot verify that model.arrow_dir %s holds it; "
+                        "resuming on it as it is", uri, arrow_dir)
+        return
+    changed = [f"{k} was {recorded[k]}, now {v}" for k, v in fingerprint.items()
+               if k in recorded and recorded[k] != v]
+    if changed:
+        raise ConfigError(
+            f"model.arrow_dir: {arrow_dir} holds another corpus conversion than the one checkpoint {uri} was "
+            f"trained on ({'; '.join(changed)}: re-converted since?): its word ids would name other words. "
+            f"Resume with the conversion it was trained on (model.arrow_dir, model.corpus), or train afresh "
+            f"without --resume")
+
+
+def evaluate_vectors(words, vectors, data_dir) -> dict:
+    """``models.word2vec_eval.evaluate_all``'s figures, each benchmark on its own: one that cannot score
+    (no analogy question or word pair with all its words in the vocabulary, a file missing, unreadable or
+    malformed) is logged as a WARNING and its figures are None (null in the final line).
+
+    Parameters
+    ----------
+    words : list of str, length V
+        By descending count (word id order).
+    vectors : float32[V, dim]
+    data_dir : str
+        Holds ``EVAL_FILES``.
+
+    Returns
+    -------
+    dict
+        ``analogy_accuracy`` (None when no question was evaluated), ``analogy_correct``,
+        ``analogy_evaluated``, ``analogy_skipped``, ``analogy_sections``, and per pair benchmark
+        (``wordsim353``, ``simlex999``) ``{name}_spearman``, ``{name}_pairs``, ``{name}_skipped``.
+    """
+    from models.errors import ModelInputError
+    from models.word2vec_eval import evaluate_analogies, evaluate_word_pairs
+    cannot = (ModelInputError, OSError, UnicodeDecodeError)
+    d = Path(data_dir)
+    out: dict = dict.fromkeys(("analogy_accuracy", "analogy_correct", "analogy_evaluated", "analogy_skipped",
+                               "analogy_sections"))
+    path = d / EVAL_FILES[0]
+    try:
+        an = evaluate_analogies(words, vectors, path)
+    except cannot as e:
+        log.warning("evaluation: %s (%s): the analogy figures are null", e, type(e).__name__)
+    else:
+        out.update(analogy_correct=an["correct"], analogy_evaluated=an["evaluated"],
+                   analogy_skipped=an["skipped"], analogy_sections=an["sections"])
+        if an["evaluated"]:
+            out["analogy_accuracy"] = an["accuracy"]
+        else:
+            log.warning("evaluation: %s: no question has its four words in the vocabulary (%d skipped): "
+                        "analogy_accuracy is null", path, an["skipped"])
+    for name, fname in (("wordsim353", EVAL_FILES[1]), ("simlex999", EVAL_FILES[2])):
+        path = d / fname
+        try:
+            r = evaluate_word_pairs(words, vectors, path)
+        except cannot as e:
+            log.warning("evaluation: %s (%s): the %s figures are null", e, type(e).__name__, name)
+            r = {}
+        for k in ("spearman", "pairs", "skipped"):
+            out[f"{name}_{k}"] = r.get(k)
+    return out
+
+
 def steps_per_epoch(files, rank: int, num_workers: int, batch_words: int) -> int:
     """How many steps ``worker_steps`` yields (reads only the ``raw_tokens`` column)."""
     from models.word2vec_reference import job_bounds
@@ -271,7 +413,7 @@ class Word2VecTrainer:
     def __init__(self, ctx):
         from models.word2vec import SkipGramNS, Vocab
         from streaming.keys import make_keys
-        from streaming.text import corpus_files
+        from streaming.text import conversion_fingerprint, corpus_files
         self.ctx, self.mode, self.client = ctx, ctx.mode, ctx.client
         self.cfg: Config = ctx.config.model.params
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
@@ -280,6 +422,9 @@ class Word2VecTrainer:
             if self.client.sparse_dim(t) != p.dim:
                 raise ConfigError(f"tables.sparse.{t}.dim is {self.client.sparse_dim(t)} on the servers, "
                                   f"model.dim is {p.dim}")
+        # before anything runs: a resume on another conversion is refused (word ids would name other words)
+        self.fingerprint = conversion_fingerprint(p.arrow_dir)
+        check_resumed_corpus(ctx.config, p.arrow_dir, self.fingerprint, self.rank)
         self.vocab = Vocab.from_arrow(p.arrow_dir)
         self.sg = SkipGramNS(self.vocab, params_of(p))
         self.files = corpus_files(p.arrow_dir)
@@ -295,8 +440,10 @@ class Word2VecTrainer:
         observability.watch_trainer(self)     # Prometheus reads the steps at scrape time
         # checkpoints at aligned points (every checkpoint.align_steps steps of an epoch while every
         # rank still has data, and at epoch ends) with the data position (epoch, step of the epoch)
-        self.checkpoints = AlignedCheckpoints(self, identity={
-            "workers": self.num_workers, "batch_words": p.batch_words, "seed": p.seed, "arrow_dir": p.arrow_dir})
+        # (sources.train.vocab: the conversion's fingerprint, checked by a resume, export and eval)
+        self.checkpoints = VocabCheckpoints(self, identity={
+            "workers": self.num_workers, "batch_words": p.batch_words, "seed": p.seed, "arrow_dir": p.arrow_dir},
+            fingerprint=self.fingerprint)
 
     def _drain(self) -> None:
         """Every update of this worker visible on the servers (GEO deltas, queued async pushes)."""
@@ -417,14 +564,19 @@ class Word2VecTrainer:
                             "loss": window.loss / max(window.pairs, 1), "alpha": alpha, "time": time.time()})
 
     def evaluate(self) -> dict:
-        """Benchmarks of the servers' input vectors (every worker has finished: ``mode.finish``)."""
-        from models.word2vec_eval import evaluate_all
+        """Benchmarks of the servers' input vectors (every worker has finished: ``mode.finish``); a
+        benchmark that cannot score gives null figures and a WARNING (``evaluate_vectors``), never an
+        error: the job has trained and written its checkpoint."""
         vecs = self.client.pull(self.cfg.input_table, self.keys_in, init_missing=True)
-        res = evaluate_all(self.vocab.words, vecs, self.cfg.eval_data_dir)
-        log.info("evaluation: analogy %.4f (%d evaluated, %d skipped), WordSim-353 %.4f, SimLex-999 %.4f",
-                 res["analogy_accuracy"], res["analogy_evaluated"], res["analogy_skipped"],
-                 res["wordsim353_spearman"], res["simlex999_spearman"])
+        res = evaluate_vectors(self.vocab.words, vecs, self.cfg.eval_data_dir)
+        log.info("evaluation: analogy %s (%s evaluated, %s skipped), WordSim-353 %s, SimLex-999 %s",
+                 _fig(res["analogy_accuracy"]), res["analogy_evaluated"], res["analogy_skipped"],
+                 _fig(res["wordsim353_spearman"]), _fig(res["simlex999_spearman"]))
         return res
+
+
+def _fig(x) -> str:
+    return "null" if x is None else f"{x:.4f}"
 
 
 def run(ctx) -> dict:
