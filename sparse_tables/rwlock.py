@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from time import monotonic as _now   # bound here: a test that patches time.monotonic does not feed it
 
 
 class RWLock:
@@ -42,3 +43,29 @@ class RWLock:
             with self._cond:
                 self._writer = False
                 self._cond.notify_all()
+
+    @contextmanager
+    def try_shared(self, timeout_s: float = 0.0):
+        """Hold the lock shared if no writer holds or awaits it within ``timeout_s`` seconds (0: no
+        wait). Yields True when held (released on exit), False when not (nothing held). Never raises.
+        For readers that must never wait behind a writer (``SparseTable.stats``)."""
+        deadline = _now() + max(0.0, float(timeout_s))
+        got = False
+        with self._cond:
+            while True:
+                if not (self._writer or self._writers_waiting):
+                    self._readers += 1
+                    got = True
+                    break
+                left = deadline - _now()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        try:
+            yield got
+        finally:
+            if got:
+                with self._cond:
+                    self._readers -= 1
+                    if self._readers == 0:
+                        self._cond.notify_all()

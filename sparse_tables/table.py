@@ -7,7 +7,7 @@ back on the next pull or push that needs them. Without ``spill_path``, ``max_row
 rows: past it a new key is refused like a key admission does not admit, and counted. Every public
 method is thread-safe: pulls share a readers-writer lock (and a large pull is split across threads, the
 kernels releasing the GIL); pushes, shrink and loads take it exclusively, so no reader ever sees a torn
-row.
+row; ``stats()`` never waits behind them (``sparse_tables.stats``).
 
 Example::
 
@@ -46,6 +46,7 @@ from .keysets import SortedKeySet, in_sorted, unique_keys
 from .rows import EXISTED_UNKNOWN, EXISTED_YES, batch_to_records, existed_column, records_to_batch, row_schema
 from .rwlock import RWLock
 from .spill import SpillStore
+from .stats import carry_counters as _carry_counters, new_snapshot, table_stats
 
 log = logging.getLogger(__name__)
 
@@ -135,18 +136,20 @@ class SparseTable(SpillTier, DeltaCapture):
         self._restore_start = None             # (changes, held the parent) at a restore's start
         self._tick = 1
         self._evict_seed = 0
-        self._lock = RWLock()
+        self._lock = RWLock()             # try_shared: stats() never waits behind a writer
         self._stats_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._counters = dict(pull_keys=0, pull_hits=0, pull_misses=0, push_keys=0, created=0,
                               rejected=0, rows_refused_full=0, deleted=0, evictions=0, promotions=0,
                               spill_writes=0, compactions=0, compacted_rows=0, released_bytes=0,
                               loaded_to_disk=0, loaded_unasked=0, **{k: 0 for k in SPILL_TIME_NS})
+        self._spill_carry = dict(write_stalls=0, write_stall_s=0.0, point_reads=0)   # carry_counters
         if name:
             with _WARN_GATES_LOCK:
                 self._full_gate = _WARN_GATES.setdefault(name, _WarnGate())
         else:
             self._full_gate = _WarnGate()
+        self._stats_snap = new_snapshot(self)   # sizes served while a writer holds the lock (stats)
 
     # ------------------------------------------------------------------------------ public API
     def pull(self, keys: np.ndarray, *, init_missing: bool = False, out: np.ndarray | None = None,
@@ -396,57 +399,19 @@ class SparseTable(SpillTier, DeltaCapture):
         return int(self._state[K.S_NRAM]) + self._rows_spilled()
 
     def stats(self) -> dict:
-        """Counters and sizes.
+        """Counters and sizes of this shard: a dict of counts, bytes, nanoseconds (``*_ns``) and seconds
+        (``stats_age_s``), fields listed in ``sparse_tables.stats``. Never waits behind a writer: the
+        counters are always current; the sizes (``rows``, ``ram_bytes``, ...) are read under the shared
+        lock when it is free within ``stats.STATS_LOCK_WAIT_S``, else the last ones read are served with
+        ``stale`` True and ``stats_age_s`` their age in seconds. Raises nothing for a held lock."""
+        return table_stats(self)
 
-        Keys: ``rows`` (all), ``rows_in_ram``, ``rows_spilled`` (authoritative in RocksDB),
-        ``memory`` (bytes of this shard by part: ``rows``, ``index``, ``filters``, ``dirty_keys``,
-        ``sketch``, and RocksDB's measured ``rocksdb_block_cache`` (shared: the whole cache),
-        ``rocksdb_memtables``, ``rocksdb_table_readers``), with a budget ``memory_budget`` (the
-        server's parts, ``MemoryBudget.parts``) and ``rows_cap``; ``compactions``,
-        ``compacted_rows``, ``released_bytes`` (arena pages given back under a budget), ``rocksdb``
-        (spilling tables: RocksDB's compactions, write stalls, ``point_reads``: keys asked by
-        multi-gets, ``SpillStore.compaction``; ``catching_up`` 1 from a bulk load until its catch-up
-        compaction is done, ``catch_up_failed`` 1 when RocksDB refused it, ``SpillStore.bulk``),
-        ``ram_bytes`` (arena rows in use, index, sketch, filters), ``disk_bytes``, ``pull_keys``,
-        ``pull_hits``/``pull_misses`` (RAM), ``push_keys``, ``created``, ``rejected`` (not admitted),
-        ``rows_refused_full`` (new keys refused because the table held ``max_rows`` rows), ``max_rows``
-        (0: no limit), ``deleted``, ``evictions``, ``promotions``, ``spill_writes``, ``pending_deletes``
-        (keys whose RocksDB delete was refused, read as absent until the next write deletes them; not
-        counted in ``rows_spilled``), ``loaded_to_disk`` (rows a load wrote straight to RocksDB) and
-        ``loaded_unasked`` (those of them written without asking RocksDB whether the key was there: a
-        base's, or a trusted delta's, ``sparse_tables._delta``); the nanosecond counters of
-        ``sparse_tables._spill_tier.SPILL_TIME_NS`` (where a spilling table's calls spend their time).
-        """
-        with self._stats_lock:
-            out = dict(self._counters)
-        # the arena, index and spill count are read under the shared lock: a compaction or a release of
-        # RAM swaps those arrays, and a scrape (Stats RPC, Prometheus) must never read half of a swap
-        with self._lock.shared():
-            nram = int(self._state[K.S_NRAM])
-            spilled = self._rows_spilled()
-            rows_bytes = int(self._state[K.S_NEXT]) * self.layout.row_bytes
-            index_bytes, index_slots = self._index.nbytes, len(self._index)
-            dirty_bytes = self._spilled_dirty.nbytes
-            bloom_bytes = self._spill.bloom_bytes if self._spill is not None else 0
-            pending = self._spill.pending_deletes if self._spill is not None else 0
-        ram = rows_bytes + index_bytes + self._sketch.nbytes + dirty_bytes + bloom_bytes
-        disk = self._spill.disk_bytes() if self._spill is not None else 0
-        out.update(rows=nram + spilled, rows_in_ram=nram, rows_spilled=spilled, ram_bytes=ram,
-                   disk_bytes=disk, index_slots=index_slots, row_bytes=self.layout.row_bytes,
-                   max_rows=self.config.max_rows, pending_deletes=pending)
-        out["memory"] = {
-            "rows": rows_bytes, "index": index_bytes, "filters": bloom_bytes,
-            "dirty_keys": dirty_bytes, "sketch": self._sketch.nbytes,
-            **(self._spill.memory() if self._spill is not None else {})}
-        if self._spill is not None:
-            out["rocksdb"] = {**self._spill.compaction(), "write_stalls": self._spill.stalls,
-                              "write_stall_s": round(self._spill.stall_s, 3), "point_reads": self._spill.reads,
-                              "catching_up": int(self._spill.bulk_loading),
-                              "catch_up_failed": int(self._spill.catch_up_error is not None)}
-        if self._budget is not None:
-            out["memory_budget"] = self._budget.parts()
-            out["rows_cap"] = self._budget.rows_cap()
-        return out
+    def carry_counters(self, old: "SparseTable") -> None:
+        """Continue ``old``'s cumulative counters (pulls, pushes, rows created, call times, RocksDB's
+        stalls and reads; not gauges such as rows or bytes): a server whose shards are replaced by a
+        base load or a clear calls this on each new shard before closing the old one, so the counters
+        it exports never go back."""
+        _carry_counters(self, old)
 
     def rows(self, chunk_rows: int = 65536, *, clear: bool = False) -> Iterator[pa.RecordBatch]:
         """Every row, RAM and RocksDB, exactly once, as RecordBatches of ``self.schema``.
@@ -706,6 +671,8 @@ class SparseTable(SpillTier, DeltaCapture):
         rows with a copy there."""
         if self._spill is None:
             return 0
+        if not self._state[K.S_NEXT]:       # no row ever in RAM (a new table): none flagged
+            return self._spill.count
         return self._spill.count - K.count_flag(self._arena_u, self._state, self._lay, K.F_ON_DISK)
 
     def _alloc_arrays(self, rows: int, slots: int) -> None:

@@ -273,11 +273,16 @@ class SparseHost:
 
     def stats(self) -> dict:
         """Sums over the local shards (``rows``, ``rows_refused_full``, ...; ``max_rows`` is the
-        server's limit, 0: none), plus ``rows_per_shard``."""
-        per = [s.stats() for s in self.shards]
-        total = {k: sum(p[k] for p in per) for k in per[0] if isinstance(per[0][k], (int, float))}
-        total.update(dim=self.dim, local_shards=len(self.shards), optimizer=self.config.optimizer,
-                     rows_per_shard=[p["rows"] for p in per], max_rows=self.max_rows)
+        server's limit, 0: none), plus ``rows_per_shard``, ``stale_shards`` (shards whose sizes are
+        their last read because a writer held them, ``SparseTable.stats``) and ``stats_age_s`` (the
+        oldest of those reads, seconds; 0.0 when all are current). Never waits behind a shard's writer."""
+        per = [s.stats() for s in list(self.shards)]
+        total = {k: sum(p[k] for p in per) for k in per[0]
+                 if isinstance(per[0][k], (int, float)) and k not in ("stale", "stats_age_s")}
+        total.update(dim=self.dim, local_shards=len(per), optimizer=self.config.optimizer,
+                     rows_per_shard=[p["rows"] for p in per], max_rows=self.max_rows,
+                     stale_shards=sum(bool(p["stale"]) for p in per),
+                     stats_age_s=max(p["stats_age_s"] for p in per))
         memory = {k: sum(p["memory"][k] for p in per) for k in per[0]["memory"]}
         if "rocksdb_block_cache" in memory and self.budget is not None:
             memory["rocksdb_block_cache"] = per[0]["memory"]["rocksdb_block_cache"]   # one shared cache
@@ -358,7 +363,12 @@ class SparseHost:
 
     def adopt(self, shards: list[SparseTable]) -> None:
         """Swap ``shards`` (from ``fresh_shards``) in and close the old ones (their spill directories
-        are removed)."""
+        are removed). The new shards first take over the old ones' cumulative counters
+        (``SparseTable.carry_counters``: pulls, pushes, rows created, call times; not rows or bytes), so
+        a load or a clear is no counter reset to Prometheus (the caller holds the tables exclusively:
+        no call adds to the old shards meanwhile)."""
+        for j, sh in enumerate(self.shards if shards else ()):
+            shards[j % len(shards)].carry_counters(sh)
         old, self.shards = self.shards, shards
         self._slot = 1 - self._slot
         for sh in old:
