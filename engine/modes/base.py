@@ -66,7 +66,8 @@ class Mode(ABC):
         self.client = client
         self.rank, self.num_workers = rank, num_workers
         self.barrier_timeout_s = barrier_timeout_s
-        self.step = 0
+        self.step = 0          # steps this process ended (``end_step``)
+        self.examples = 0      # the ``examples`` of those steps (what the program counts: CTR rows, ...)
 
     @abstractmethod
     def pull_sparse(self, table: str, keys: np.ndarray) -> np.ndarray:
@@ -155,6 +156,7 @@ class Mode(ABC):
     def end_step(self, examples: int = 0) -> None:
         """Called once after every batch's pushes, with the batch's ``examples``; reports the step to
         the supervisor (``engine.progress``: a worker whose steps stop moving is hung)."""
+        self.examples += examples
         self.step += 1
         progress.current().step(examples)
         failpoints.hit("worker.after_step")

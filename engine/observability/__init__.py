@@ -7,7 +7,8 @@ The other modules call this one, never print or count inline:
   ``watch_server(core)``; checkpoint code calls ``prometheus.record_checkpoint``;
 * worker programs: ``events(metrics_file, cfg, rank)`` wraps the run's metrics file so each event also
   becomes TensorBoard scalars and Prometheus gauges, and ``watch_trainer(trainer)`` exports the
-  trainer's counters (examples, steps, seconds per phase) at scrape time;
+  trainer's counters (examples, steps, training seconds: this process's, live; seconds per phase) at
+  scrape time;
 * launcher hooks: ``tensorboard.record_final(cfg, metrics_file, event)`` -> the final line's
   ``tensorboard_dir``.
 
@@ -44,8 +45,9 @@ def events(inner, cfg, rank: int, role: str = "worker"):
 
 
 def watch_trainer(trainer) -> None:
-    """Export ``trainer``'s counters (``examples``, ``steps``, ``train_seconds``, ``phases``) to this
-    process's Prometheus endpoint, read at scrape time; nothing when metrics are off."""
+    """Export ``trainer``'s counters to this process's Prometheus endpoint, read at scrape time:
+    ``trainer.live_counters()`` (``examples``, ``steps``, ``train_seconds`` of this process, live) or
+    else the attributes of those names, and ``phases``; nothing when metrics are off."""
     from . import prometheus
     m = prometheus.current()
     if m is not None:

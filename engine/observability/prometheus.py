@@ -23,14 +23,16 @@ engine_ps_ram_misses_total{table}            server  pulled keys not in RAM (loo
 engine_ps_rocksdb_writes_total{table}        server  row writes to RocksDB (spills)
 engine_ps_memory_bytes{table,part}           server  RAM by part (rows, index, block cache, ...)
 engine_ps_disk_bytes{table}                  server  RocksDB files
-engine_ps_checkpoint_part_seconds{op}        server  this server's part of a save / load
+engine_ps_checkpoint_part_seconds_total{op}  server  this server's part of a save / load
+engine_ps_checkpoint_parts_total{op}         server  saves / loads of this server
 engine_ps_checkpoint_part_bytes_total        server  bytes of part files written
-engine_worker_examples_total                 worker  training examples (CTR) consumed
-engine_worker_steps_total                    worker  training steps
+engine_worker_examples_total                 worker  training examples (CTR) consumed (*)
+engine_worker_steps_total                    worker  training steps ended (*)
 engine_worker_phase_seconds_total{phase}     worker  step time by phase (read, pull_sparse, compute, ...)
 engine_worker_allreduce_total                worker  hybrid: all-reduces of the dense tower completed
 engine_worker_allreduce_seconds_total{kind}  worker  hybrid: completing them, wall (wait) and CPU (cpu)
-engine_worker_train_seconds_total            worker  time in training loops
+engine_worker_train_seconds_total            worker  wall time inside training epochs, the running one
+                                                     included (*)
 engine_worker_examples_per_second            worker  the last reporting window's rate (words/s: W2V)
 engine_worker_train_logloss / _auc           worker  the last reporting window's values
 engine_eval_auc / _logloss / _copc ...       rank 0  the last global evaluation
@@ -38,6 +40,11 @@ engine_checkpoint_seconds{op,kind}           rank 0  a whole checkpoint save / r
 engine_checkpoint_bytes_total{kind}          rank 0  bytes of published checkpoints
 engine_restarts_total                        all     restarts of the job before this process
 ===========================================  ======  ===========================================
+
+(*) Live (every step moves them) and counted by this worker process since it started: a restarted or
+resumed process starts again from 0, whatever checkpoint step it resumed at (Prometheus' ``rate`` and
+``increase`` take that as a counter reset), so the three stay consistent with each other. The job's
+step across attempts is the ``step`` of the metrics-file events and TensorBoard's axis.
 
 Everything read from tables or trainers is read at scrape time by collectors: the step loop and the
 request handlers are untouched. The one per-request cost is the gRPC interceptor (two clock reads,
@@ -225,8 +232,9 @@ class RoleMetrics:
         self.registry.register(ServerCollector(core))
 
     def watch_trainer(self, trainer) -> None:
-        """Export a worker program's counters (``examples``, ``steps``, ``phases``, ``train_seconds``)
-        at scrape time; a later trainer of this process replaces an earlier one."""
+        """Export a worker program's counters (``live_counters()`` or the attributes ``examples``,
+        ``steps``, ``train_seconds``; ``phases``) at scrape time (``TrainerCollector``); a later trainer
+        of this process replaces an earlier one."""
         old = getattr(self, "_trainer_collector", None)
         if old is not None:
             self.registry.unregister(old)
@@ -581,9 +589,18 @@ def _watchdog_families(watchdog):
 
 
 class TrainerCollector:
-    """A worker program's counters, read at scrape time from its attributes (``examples``, ``steps``,
-    ``train_seconds``, ``phases``: phase -> seconds), and its mode's all-reduce figures in mode hybrid
-    (``mode.profile()["allreduce"]``); missing attributes are skipped."""
+    """A worker program's counters, read at scrape time: ``examples``, ``steps`` and ``train_seconds``
+    from its ``live_counters()`` (this process's work since it started, moving every step: the CTR
+    trainers) or else from the attributes of those names; ``phases`` (phase -> seconds); and its mode's
+    all-reduce figures in mode hybrid (``mode.profile()["allreduce"]``). Missing values are skipped."""
+
+    _COUNTERS = (("examples", "engine_worker_examples", "Training examples this worker process consumed since "
+                  "it started (a restarted process starts from 0)"),
+                 ("steps", "engine_worker_steps", "Training steps this worker process ended since it started "
+                  "(a restarted process starts from 0, whatever checkpoint step it resumed at)"),
+                 ("train_seconds", "engine_worker_train_seconds", "Wall seconds this worker process spent "
+                  "inside training epochs since it started, the running epoch included (a restarted process "
+                  "starts from 0)"))
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -594,12 +611,11 @@ class TrainerCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
         t = self.trainer
-        for attr, name, doc in (("examples", "engine_worker_examples", "Training examples this worker consumed"),
-                                ("steps", "engine_worker_steps", "Training steps of this worker"),
-                                ("train_seconds", "engine_worker_train_seconds",
-                                 "Seconds this worker spent in training loops")):
-            v = getattr(t, attr, None)
-            if isinstance(v, (int, float)):
+        live = getattr(t, "live_counters", None)
+        values = live() if callable(live) else {k: getattr(t, k, None) for k, _, _ in self._COUNTERS}
+        for key, name, doc in self._COUNTERS:
+            v = values.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
                 yield CounterMetricFamily(name, doc, value=float(v))
         phases = getattr(t, "phases", None)
         if isinstance(phases, dict):

@@ -12,13 +12,21 @@ goes to the file, and its numbers also become scalars:
 =============  =========================================  =========================================
 event          tags                                       step
 =============  =========================================  =========================================
-train          ``train/rank{R}/{auc,logloss,...}``        the event's ``step`` (the worker's steps)
+train          ``train/rank{R}/{auc,logloss,...}``        the event's ``step`` (the job's step)
                (CTR: examples/s; word2vec: loss, words/s)
-eval           ``test/{auc,logloss,copc,accuracy,...}``   the epoch (rank 0 writes the global summary)
+eval           ``test/{auc,logloss,copc,accuracy,...}``   the event's ``step`` (its ``epoch`` when it
+               (rank 0 writes the global summary)         has none)
 partition      ``online/{progressive_auc,...}``           hours since 1970 of the partition
-profile        ``profile/rank{R}/phase_seconds/{phase}``  the worker's steps
+profile        ``profile/rank{R}/phase_seconds/{phase}``  the event's ``step`` (else its ``steps``)
 final          ``final/{...}`` (the launcher, ``record_final``)  0
 =============  =========================================  =========================================
+
+The job's step (``CTRTrainer.global_step``) is one axis across the attempts of a run: a resumed or
+restarted process starts at its checkpoint's step, not at 0, and writes a second event file into the
+same directory. Steps an attempt trained past its last checkpoint are trained again by the next one
+under the same numbers (the same batches): TensorBoard's default reader (its data server) keeps the
+later attempt's points, a point whose step comes again dropping the tag's points at or past it, so the
+curves never run back (``--load_fast=false``'s Python reader shows both attempts' points there).
 
 Each event is flushed as it is written, so a process that crashes leaves readable files (at most the
 record being written is lost; readers skip a torn last record). ``close`` (also at exit) closes the file.
@@ -84,13 +92,13 @@ def scalars_of(event: dict) -> tuple[list[tuple[str, float]], int] | None:
     if kind == "train":
         prefix, step = f"train/rank{event.get('rank', 0)}", event.get("step", 0)
     elif kind == "eval":
-        prefix, step = event.get("split", "test"), event.get("epoch", 0)
+        prefix, step = event.get("split", "test"), event.get("step", event.get("epoch", 0))
     elif kind == "partition":
         prefix, step = "online", _partition_hours(event.get("partition", ""))
     elif kind == "profile":
         phases = event.get("phase_seconds") or {}
         return ([(f"profile/rank{event.get('rank', 0)}/phase_seconds/{k}", float(v)) for k, v in phases.items()],
-                int(event.get("steps", 0)))
+                int(event.get("step", event.get("steps", 0)) or 0))
     elif kind == "final":
         prefix, step = "final", 0
     else:

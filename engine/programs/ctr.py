@@ -68,6 +68,7 @@ every worker's data position, so ``--resume`` continues at the next unread batch
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -223,9 +224,12 @@ class CTRTrainer:
         self.metrics = observability.events(MetricsFile(p.metrics_file or os.path.join(
             p.metrics_dir, f"{self.kind}-{ctx.config.mode}.jsonl")), ctx.config, self.rank)   # + TensorBoard
         self.num_slots = len(p.slots)
-        self.steps = 0
-        self.examples = 0
-        self.train_seconds = 0.0
+        self.steps = 0                # the job's steps at the last commit point (see the property)
+        self.examples = 0             # training examples of this process
+        self.train_seconds = 0.0      # wall seconds of this process's finished training epochs
+        self._clock_lock = threading.Lock()
+        self._train_clock: tuple[float, float | None] = (0.0, None)   # (seconds, perf_counter of the running
+                                                                      # epoch's start or None): live_counters
         self.train_started_at: float | None = None    # wall clock (seconds) of this worker's first step
         self.loss_sum = 0.0
         self.phases = dict.fromkeys(PHASES, 0.0)
@@ -264,6 +268,52 @@ class CTRTrainer:
             self.model.predict(rows_in, rows, segments, batch.dense)
         BinaryMetrics(EVAL_BUCKETS).update(res.probs, batch.labels)
         return time.perf_counter() - t0
+
+    # -- step counts ------------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """The job's steps up to the last commit point (an aligned checkpoint point or an epoch end; the
+        online job's partition end), counted from the restored checkpoint's ``step`` (0 in a fresh job):
+        what a checkpoint records. Assigning it also marks ``Mode.step`` (see ``global_step``)."""
+        return self._committed_steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._committed_steps, self._steps_mark = int(value), self.mode.step
+
+    @property
+    def global_step(self) -> int:
+        """The job's step now: ``steps`` plus the steps this process ended since ``steps`` was last set
+        (``Mode.step`` counts them live). The one step axis of every event (``train``, ``eval``,
+        ``profile``: TensorBoard's x axis, the launcher's log): monotonic across restarts and resumes,
+        since a resumed process starts at its checkpoint's step. Works for subclasses that move
+        ``steps`` at their own commit points (``ctr_online``: the restored step, then each partition's)."""
+        return self._committed_steps + self.mode.step - self._steps_mark
+
+    @contextlib.contextmanager
+    def training_clock(self):
+        """Count the time inside the block into ``train_seconds`` (at its end) and, while it runs, into
+        ``live_counters``. Not reentrant."""
+        with self._clock_lock:
+            start = time.perf_counter()
+            self._train_clock = (self.train_seconds, start)
+        try:
+            yield
+        finally:
+            with self._clock_lock:
+                self.train_seconds += time.perf_counter() - start
+                self._train_clock = (self.train_seconds, None)
+
+    def live_counters(self) -> dict[str, float]:
+        """This process's work since it started, read at scrape time (Prometheus, another thread):
+        ``examples`` trained, ``steps`` ended (``Mode.examples`` and ``Mode.step``, both moved by
+        ``Mode.end_step`` after every batch) and ``train_seconds``, wall seconds inside training epochs
+        (reading the data and the epoch's checkpoint meetings in, evaluations out), the running epoch
+        included. A restarted or resumed process starts again from 0, whatever step it resumed at."""
+        with self._clock_lock:
+            done, since = self._train_clock
+            seconds = done + (time.perf_counter() - since if since is not None else 0.0)
+        return {"examples": self.mode.examples, "steps": self.mode.step, "train_seconds": seconds}
 
     # -- the step ---------------------------------------------------------------------------------
     def read(self, rb) -> CTRBatch:
@@ -405,14 +455,22 @@ class CTRTrainer:
         src = make_source(p.data.train_path, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
                           num_workers=self.num_workers, shuffle_buffer=p.shuffle_buffer, seed=p.seed,
                           prefetch=p.prefetch)
-        window = BinaryMetrics(1 << 12)
-        w_steps, w_loss, w_examples = 0, 0.0, 0
-        t_epoch = t_win = time.perf_counter()
         if self.train_started_at is None:
             self.train_started_at = time.time()
         progress.current().where(epoch=epoch)           # engine status shows it
+        t_epoch = time.perf_counter()
+        with self.training_clock():
+            steps = self._train_epoch(epoch, src.batches(epoch), max_steps, skip, min_batches)
+        log.info("worker %d: epoch %d: %d steps, %d examples in %.1f s", self.rank, epoch, steps,
+                 self.examples, time.perf_counter() - t_epoch)
+
+    def _train_epoch(self, epoch: int, it, max_steps: int | None, skip: int, min_batches: int) -> int:
+        """``train_epoch``'s loop over the batches ``it`` of the epoch -> steps trained."""
+        p = self.cfg
+        window = BinaryMetrics(1 << 12)
+        w_steps, w_loss, w_examples = 0, 0.0, 0
+        t_win = time.perf_counter()
         steps = 0
-        it = src.batches(epoch)
         for i in range(skip):                      # trained before the checkpoint this job resumed
             if next(it, None) is None:
                 break
@@ -452,9 +510,7 @@ class CTRTrainer:
         if w_steps:
             self._train_event(epoch, window, w_loss / w_steps, w_examples / max(now - t_win, 1e-9))
         self.steps += steps
-        self.train_seconds += now - t_epoch
-        log.info("worker %d: epoch %d: %d steps, %d examples in %.1f s", self.rank, epoch, done - skip,
-                 self.examples, now - t_epoch)
+        return done - skip
 
     def _steps(self, it, max_steps: int | None):
         """One step after the other: yields (batch, StepResult)."""
@@ -632,7 +688,7 @@ class CTRTrainer:
 
     def _train_event(self, epoch, window: BinaryMetrics, loss: float, eps: float) -> None:
         s = window.summary()
-        self.metrics.write({"event": "train", "rank": self.rank, "epoch": epoch, "step": self.mode.step,
+        self.metrics.write({"event": "train", "rank": self.rank, "epoch": epoch, "step": self.global_step,
                             "examples_total": self.examples, "logloss": loss, "auc": s["auc"],
                             "pred_ctr": s["pred_ctr"], "actual_ctr": s["actual_ctr"],
                             "examples_per_s": eps, "time": time.time()})
@@ -658,8 +714,8 @@ class CTRTrainer:
         self.model.set_dense(self.client.pull_dense(p.dense_table))
         summary = self.evaluation.score(tag)
         if summary is not None:
-            self.metrics.write({"event": "eval", "epoch": epoch, "split": "test", **summary,
-                                "time": time.time()})
+            self.metrics.write({"event": "eval", "epoch": epoch, "step": self.global_step, "split": "test",
+                                **summary, "time": time.time()})
             log.info("epoch %d test: AUC %.4f logloss %.4f COPC %.3f (%d rows)%s", epoch, summary["auc"],
                      summary["logloss"], summary["copc"], summary["count"], ctr_eval.describe(summary))
         return summary
@@ -696,16 +752,16 @@ class CTRTrainer:
         summary = self.evaluate("final", p.epochs - 1)
         if self.checkpoints.ck.final:
             self.checkpoints.meet(Position(p.epochs, 0), force=True)
-        self.metrics.write({"event": "profile", "rank": self.rank, "steps": self.steps,
+        self.metrics.write({"event": "profile", "rank": self.rank, "step": self.global_step, "steps": self.steps,
                             "dense_steps": self.dense_steps, **getattr(self.mode, "profile", dict)(),
                             "train_seconds": self.train_seconds,
                             "phase_seconds": {k: round(v, 3) for k, v in self.phases.items()}})
-        log.info("worker %d: seconds per phase over %d steps: %s", self.rank, self.steps,
+        log.info("worker %d: seconds per phase over %d steps: %s", self.rank, self.mode.step,
                  ", ".join(f"{k} {v:.2f}" for k, v in self.phases.items()))
         out = {"rank": self.rank, "steps": self.steps, "examples": self.examples,
                "checkpoint": self.checkpoints.last_uri,
                "train_seconds": self.train_seconds, "train_started_at": self.train_started_at,
-               "train_logloss": self.loss_sum / max(1, self.steps)}
+               "train_logloss": self.loss_sum / max(1, self.mode.step)}   # this process's steps
         if summary is not None:
             out["test"] = summary
         return out

@@ -221,13 +221,14 @@ class OnlineTrainer(ctr.CTRTrainer):
         """Train on this worker's share of ``part``; (rows, mean batch logloss or None without a batch)."""
         rows, loss, steps = 0, 0.0, 0
         progress.current().where(partition=part.name)     # engine status: the hour being trained
-        for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema,
-                                              check=check_values):
-            batch = self.read(rb)
-            res = self.train_step(batch)
-            rows += batch.size
-            loss += res.loss
-            steps += 1
+        with self.training_clock():     # engine_worker_train_seconds_total moves while it trains
+            for _, _, rb in part.record_batches(shard=(self.rank, self.num_workers), schema=self.schema,
+                                                  check=check_values):
+                batch = self.read(rb)
+                res = self.train_step(batch)
+                rows += batch.size
+                loss += res.loss
+                steps += 1
         self.steps += steps
         self.examples += rows
         return rows, (loss / steps if steps else None)

@@ -4,12 +4,17 @@ launcher's live view of the file (progress bar on a terminal, plain log lines ot
 The metrics file (one per run, ``model.metrics_file``) holds one JSON object per line::
 
     {"event": "start", "model": "ctr_dnn", "mode": "async", "workers": 2, "train_rows": 16488, ...}
-    {"event": "train", "rank": 1, "epoch": 0, "step": 40, "examples": 10240, "logloss": 0.49,
-     "auc": 0.71, "examples_per_s": 8123.0, "time_s": 1.3}          # per worker, per interval
-    {"event": "eval", "epoch": 0, "split": "test", "auc": 0.752, "logloss": 0.47, "pred_ctr": 0.22,
-     "actual_ctr": 0.23, "copc": 1.04, "count": 4121}               # global, after each epoch
+    {"event": "train", "rank": 1, "epoch": 0, "step": 40, "examples_total": 10240, "logloss": 0.49,
+     "auc": 0.71, "examples_per_s": 8123.0, "time": ...}            # per worker, per interval
+    {"event": "eval", "epoch": 0, "step": 80, "split": "test", "auc": 0.752, "logloss": 0.47,
+     "pred_ctr": 0.22, "actual_ctr": 0.23, "copc": 1.04, "count": 4121}   # global, after each epoch
+    {"event": "profile", "rank": 0, "step": 120, "steps": 120, "phase_seconds": {...}, ...}   # per worker
     {"event": "final", "model": ..., "mode": ..., "test_auc": ..., "test_logloss": ...,
      "test_copc": ..., "examples_per_s": ..., "metrics_file": ..., "checkpoint": null}
+
+``step`` is the job's step (``CTRTrainer.global_step``): a resumed or restarted attempt continues from
+its checkpoint's step, so the events of all attempts share one increasing axis; ``examples_total``
+counts this process's examples (0 again in a new attempt).
 
 Global evaluation: every worker scores its shard of the test split into a ``BinaryMetrics`` histogram,
 adds it into the servers' metric accumulator ``model.metrics_table`` (``PSClient.add_metric``: int64
@@ -106,7 +111,9 @@ class Follower:
     """Launcher side: tail the metrics file while the job runs and show it on stderr.
 
     On a terminal a tqdm bar counts training examples (``total_examples``) with the latest train loss
-    and test AUC as postfix; otherwise each event is logged as one plain line.
+    and test AUC as postfix; otherwise each event is logged as one plain line. It shows what is written
+    after it starts (before the job's processes): the lines of an earlier run in the same file (a pinned
+    ``model.metrics_file`` resumed) are not shown again.
     """
 
     def __init__(self, path: str | os.PathLike, total_examples: int, *, tty: bool | None = None,
@@ -119,8 +126,13 @@ class Follower:
         self._thread = threading.Thread(target=self._run, name="metrics-follower", daemon=True)
         self._examples: dict[int, int] = {}
         self._bar = None
+        self._start = 0
 
     def __enter__(self) -> "Follower":
+        try:
+            self._start = self.path.stat().st_size
+        except OSError:
+            self._start = 0
         if self.tty:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=self.total, unit="ex", unit_scale=True, desc="train", file=sys.stderr)
@@ -134,7 +146,7 @@ class Follower:
             self._bar.close()
 
     def _run(self) -> None:
-        pos = 0
+        pos = self._start
         while True:
             stopping = self._stop.is_set()
             try:

@@ -105,6 +105,10 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
     assert served(second) > served(first)
     assert second["engine_ps_rows", (("table", "embedding"), ("tier", "ram"))] > 0
     assert w_second[examples] > w_first[examples] > 0
+    # live (no aligned checkpoint point in this job: steps and seconds move with every step all the same)
+    steps_total = w_second["engine_worker_steps_total", ()]
+    assert steps_total > 0 and w_second[examples] == pytest.approx(128 * steps_total, abs=128)
+    assert w_second["engine_worker_train_seconds_total", ()] > 0
     assert w_second["engine_worker_phase_seconds_total", (("phase", "compute"),)] > 0
     wait, cpu = (("engine_worker_allreduce_seconds_total", (("kind", k),)) for k in ("wait", "cpu"))
     assert w_second[calls] > w_first.get(calls, 0)            # one all-reduce per step
@@ -124,8 +128,16 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
     tags = set(ea.Tags()["scalars"])
     assert {"train/rank0/auc", "train/rank1/examples_per_s", "test/auc", "test/logloss", "test/copc",
             "test/accuracy"} <= tags
-    final_auc = [e for e in ea.Scalars("test/auc") if e.step == 2]     # epoch 2: the last evaluation
-    assert len(final_auc) == 1 and final_auc[0].value == pytest.approx(final["test_auc"], abs=1e-6)
+    # one step axis: each evaluation at the job's step when it ran, the last one at the end of training
+    events = [json.loads(line) for line in Path(final["metrics_file"]).read_text().splitlines()]
+    profiles = {e["rank"]: e for e in events if e["event"] == "profile"}
+    evals = ea.Scalars("test/auc")
+    assert [e.step for e in evals] == [e["step"] for e in events if e["event"] == "eval"]
+    assert len(evals) == 3 and 0 < evals[0].step < evals[1].step < evals[2].step == profiles[0]["step"]
+    assert evals[-1].value == pytest.approx(final["test_auc"], abs=1e-6)
+    assert [e.step for e in ea.Scalars("profile/rank0/phase_seconds/compute")] == [profiles[0]["step"]]
+    train_steps = [e.step for e in ea.Scalars("train/rank0/auc")]
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == profiles[0]["step"]
     assert ea.Scalars("final/test_auc")[0].value == pytest.approx(final["test_auc"], abs=1e-6)
 
 

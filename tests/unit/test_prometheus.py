@@ -314,3 +314,32 @@ def test_the_catch_up_of_a_restores_stores_is_a_gauge_per_table_and_state(tmp_pa
     finally:
         m.close()
         core.close()
+
+
+def test_trainer_counters_are_the_trainers_live_counters_of_this_process():
+    """``engine_worker_{examples,steps,train_seconds}_total`` come from ``live_counters()`` (moved every
+    step, counted by this process) when the trainer has it, not from attributes that move only at commit
+    points (a CTR trainer's ``steps`` holds the restored checkpoint's step and moves at aligned points);
+    a trainer without it (word2vec) is still read through its attributes."""
+    class Trainer:
+        examples, steps, train_seconds = 0, 512, 0.0            # what the old collector exported
+        phases = {"compute": 1.5}
+
+        def live_counters(self):
+            return {"examples": 84864, "steps": 663, "train_seconds": 12.5}
+
+    class Attributes:
+        steps, examples = 7, 896
+
+    m = RoleMetrics("worker", 0)
+    m.watch_trainer(Trainer())
+    get = m.registry.get_sample_value
+    assert (get("engine_worker_examples_total"), get("engine_worker_steps_total"),
+            get("engine_worker_train_seconds_total")) == (84864, 663, 12.5)
+    assert get("engine_worker_phase_seconds_total", {"phase": "compute"}) == 1.5
+    docs = {f.name: f.documentation for f in m.registry.collect()}
+    for name in ("engine_worker_examples", "engine_worker_steps", "engine_worker_train_seconds"):
+        assert "since it started" in docs[name] and "restarted process starts from 0" in docs[name], docs[name]
+    m.watch_trainer(Attributes())                               # replaces the first trainer
+    assert (get("engine_worker_steps_total"), get("engine_worker_examples_total")) == (7, 896)
+    assert get("engine_worker_train_seconds_total") is None
