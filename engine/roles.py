@@ -194,6 +194,11 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
                         "would read as the budgeted tables' overhead; the budgets keep their fixed reserve",
                         rank, unbudgeted)
         core.load_roots.extend(allow_load or ())
+        # before the restore (hours at scale): it is watched while it runs, and a taken port fails now
+        from .observability import prometheus
+        metrics = prometheus.start(cfg, "server", rank, host)      # observability.prometheus_port; None: off
+        if metrics is not None:
+            metrics.watch_server(core)
         from . import job_checkpoints
         # before the restore: a worker rolling the job back never picks a checkpoint from before it
         core.checkpoint_floor = job_checkpoints.newest_name_or_none(cfg)
@@ -215,10 +220,6 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
                         raise
                     # "--resume" alone (a scheduler passes it at every start): no checkpoint yet, a new job
                     log.warning("server %d: --resume: the job has no complete checkpoint yet; starting empty", rank)
-        from .observability import prometheus
-        metrics = prometheus.start(cfg, "server", rank, host)      # observability.prometheus_port; None: off
-        if metrics is not None:
-            metrics.watch_server(core)
         server, bound = serve(core, host, port or 0, cfg.cluster.server_threads,
                               max_concurrent_rpcs=cfg.server.max_concurrent_rpcs, security=security,
                               dead_after_s=cfg.client.dead_after_s,

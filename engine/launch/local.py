@@ -207,6 +207,9 @@ class LocalCluster:
         """What one role's process adds to ``child_env``: its Prometheus port and the restarts so far."""
         return prometheus.child_env(self.cfg, role, rank, self.run_dir, self.restarts)
 
+    def metrics_files(self) -> None:
+        """Bring the roles' /metrics URL files into ``run_dir`` (local roles write them there)."""
+
     def worker_files(self, rank: int) -> tuple[Path, Path]:
         """Worker ``rank``'s result and progress files, removed if an earlier attempt left them."""
         result = self.run_dir / f"worker-{rank}.result.json"
@@ -403,7 +406,8 @@ class LocalCluster:
                                   reason="preempt timeout")
             if time.monotonic() >= next_hang_check:
                 self._check_hangs()
-                if not self._metrics_announced:
+                if not self._metrics_announced and self.cfg.observability.prometheus_port is not None:
+                    self.metrics_files()
                     self._metrics_announced = prometheus.announce(self.cfg, self.run_dir, self.servers + self.workers)
                 next_hang_check = time.monotonic() + HANG_CHECK_S
             if deadline is not None and time.monotonic() > deadline:

@@ -39,6 +39,9 @@ from pathlib import Path
 from .. import progress
 from ..config import EngineConfig
 from ..errors import ConfigError
+from ..observability.prometheus import FILE_ENV as METRICS_FILE_ENV
+from ..observability.prometheus import PORT_ENV as METRICS_PORT_ENV
+from ..observability.prometheus import RESTARTS_ENV
 from .local import Child, LocalCluster
 from .procs import parent_pid
 
@@ -101,6 +104,8 @@ class RoleActor:
         child_env = {**os.environ, **env, "ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         if "progress" in self.files:
             child_env[progress.ENV] = str(self.files["progress"])
+        if "metrics" in self.files:     # the role writes its /metrics URL here (engine.observability)
+            child_env[METRICS_FILE_ENV] = str(self.files["metrics"])
         self.proc = subprocess.Popen([sys.executable, "-m", "engine", "train", str(cfg), *argv, *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=child_env, start_new_session=True)
@@ -137,7 +142,7 @@ class RoleActor:
 
     def read(self, kind: str):
         """``ready``: the endpoint or None; ``result``: the JSON result or None; ``progress``: the
-        last report or None."""
+        last report or None; ``metrics``: the role's /metrics URL or None."""
         path = self.files.get(kind)
         if path is None:
             return None
@@ -148,7 +153,7 @@ class RoleActor:
             text = path.read_text()
         except OSError:
             return None
-        return text.strip() if kind == "ready" else json.loads(text)
+        return text.strip() if kind in ("ready", "metrics") else json.loads(text)
 
     def cleanup(self) -> None:
         """Remove this actor's directory when its role ended well (exit 0 or 75, or it was stopped by
@@ -272,7 +277,8 @@ class RayChild(Child):
 
 
 #: set by the launcher for each role, never forwarded from the driver
-_PER_ROLE = {"ENGINE_ROLE", "ENGINE_RANK", "ENGINE_SERVERS", "ENGINE_NUM_WORKERS", "ENGINE_PARENT_PID", progress.ENV}
+_PER_ROLE = {"ENGINE_ROLE", "ENGINE_RANK", "ENGINE_SERVERS", "ENGINE_NUM_WORKERS", "ENGINE_PARENT_PID", progress.ENV,
+             METRICS_FILE_ENV, METRICS_PORT_ENV, RESTARTS_ENV}
 
 
 def forwarded_env() -> dict[str, str]:
@@ -417,17 +423,30 @@ class RayCluster(LocalCluster):
         if progress.ENV in env:
             files.append("progress")
             env = {k: v for k, v in env.items() if k != progress.ENV}
+        # its metrics port and restarts (as the local launcher gives them); the file it writes its URL to
+        # is on its node, read back through the actor (metrics_files)
+        metrics_env = self.role_env(role, rank)
+        if metrics_env.pop(METRICS_FILE_ENV, None) is not None:
+            files.append("metrics")
         node_id, node_ip = self.ray.get(actor.node.remote(), timeout=self.cfg.cluster.startup_timeout_s)
         log.info("%s %d runs on node %s (%s)", role, rank, node_id, node_ip)
         if role == "server":
             argv += ["--host", c.host if self.one_machine else node_ip]
-        full_env = {**forwarded_env(), **self._secret_env, **env}
+        full_env = {**forwarded_env(), **self._secret_env, **metrics_env, **env}
         pid = self.ray.get(actor.start.remote(self.config_path.read_text(), argv, full_env, files),
                            timeout=self.cfg.cluster.startup_timeout_s)
         log_path = self.ray.get(actor.__ray_call__.remote(lambda a: str(a.log_path)), timeout=CALL_TIMEOUT_S)
         child = RayChild(role, rank, _ActorProc(self.ray, actor, pid), Path(f"{node_ip}:{log_path}"))
         child.actor = actor
         return child
+
+    def metrics_files(self) -> None:
+        """Copy each role's /metrics URL, written on its node, into the driver's run directory, where
+        ``prometheus.announce`` reads them for ``prometheus.json``."""
+        for c in [*self.servers, *self.workers]:
+            url = c._read("metrics")
+            if url:
+                (self.run_dir / f"{c.role}-{c.rank}.metrics").write_text(url + "\n")
 
     def shutdown(self) -> None:
         """Stop every role (through its actor), then the actors and the placement group. Idempotent."""

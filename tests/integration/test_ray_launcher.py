@@ -255,7 +255,7 @@ def test_a_killed_worker_actor_is_recovered_from_the_newest_checkpoint(ray_clust
     address, head, _, _ = ray_cluster
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.05"}   # ~3 s of training
     cmd = ray_cmd(tmp_path, "kill", address, head.node_ip_address, "checkpoint.align_steps=8",
-                  "checkpoint.delta_every=8steps")
+                  "checkpoint.delta_every=8steps", "observability.prometheus_port=0")
     # its own process: its role dies with it
     code, out, text, killed = _signal_worker_actor(tmp_path, cmd, env, tmp_path / "ckpt-kill", signal.SIGKILL, 300)
     lines = text.splitlines(keepends=True)
@@ -267,6 +267,10 @@ def test_a_killed_worker_actor_is_recovered_from_the_newest_checkpoint(ray_clust
     assert final["restarts"] == 1 and "worker 1" in err and "restart 1/" in err, err[-3000:]
     assert final["test_auc"] > 0.7, final
     assert not ray_roles()
+    # every role's /metrics URL, written on its node, reached the driver's Prometheus target file
+    targets = json.loads((tmp_path / "run-kill" / "restart-1" / "prometheus.json").read_text())
+    assert sorted((t["labels"]["role"], t["labels"]["rank"]) for t in targets) == [
+        ("server", "0"), ("server", "1"), ("worker", "0"), ("worker", "1")]
 
 
 def test_a_local_root_on_several_nodes_must_be_declared_shared(ray_cluster, tmp_path):
