@@ -436,8 +436,9 @@ class Word2VecTrainer:
         self.work = np.empty(p.dim, np.float32)
         self.scratch = None
         self.global_done = 0.0
-        self.steps = 0
-        observability.watch_trainer(self)     # Prometheus reads the steps at scrape time
+        self.steps = 0                # the job's step (restored from the checkpoint, then + 1 per step)
+        self.train_seconds = 0.0      # this process's seconds inside training steps (live_counters)
+        observability.watch_trainer(self)     # Prometheus reads live_counters at scrape time
         # checkpoints at aligned points (every checkpoint.align_steps steps of an epoch while every
         # rank still has data, and at epoch ends) with the data position (epoch, step of the epoch)
         # (sources.train.vocab: the conversion's fingerprint, checked by a resume, export and eval)
@@ -530,6 +531,7 @@ class Word2VecTrainer:
                 self.steps += 1
                 now = time.perf_counter()
                 train_s += now - t0
+                self.train_seconds = train_s
                 total, window = total + st, window + st
                 if now - t_win >= p.log_every_s:
                     self._event(epoch, total, window, now - t_win, a1)
@@ -554,6 +556,13 @@ class Word2VecTrainer:
         if self.rank == 0 and p.eval_after_train:
             out["eval"] = self.evaluate()
         return out
+
+    def live_counters(self) -> dict[str, float]:
+        """This process's work since it started, read at scrape time (Prometheus, another thread), as the
+        CTR trainers give it: ``examples`` = raw words trained and ``steps`` ended (``Mode.examples`` and
+        ``Mode.step``, moved after every step) and ``train_seconds`` inside training steps. A restarted or
+        resumed process starts again from 0; the job's step across attempts is the events' ``step``."""
+        return {"examples": self.mode.examples, "steps": self.mode.step, "train_seconds": self.train_seconds}
 
     def _event(self, epoch, total, window, seconds, alpha) -> None:
         self.metrics.write({"event": "train", "rank": self.rank, "epoch": epoch, "step": self.steps,

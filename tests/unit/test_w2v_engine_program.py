@@ -65,3 +65,39 @@ def test_checkpoint_description_of_a_word2vec_config():
     assert desc["model"]["kind"] == "word2vec" and desc["model"]["dim"] == 100
     assert desc["tables"] == {"sparse": "syn0", "dense": None}
     assert desc["vocab"] == "/data/text-corpus/vocab.arrow"
+
+
+def test_prometheus_counts_this_processs_words_steps_and_seconds(tmp_path):
+    """Word2Vec exports the live counters the CTR trainers do (this process's ``Mode`` counts): before,
+    only ``steps`` (the job's, restored step included: a counter that jumped at every resume) and no
+    words or seconds."""
+    from pathlib import Path
+    from engine.config import load_config
+    from engine.modes import make_mode
+    from engine.observability.prometheus import TrainerCollector
+    from engine.programs import word2vec
+    from engine.ps import InProcessTransport, PSClient, PSServer
+    from engine.roles import WorkerContext
+    repo = Path(__file__).resolve().parents[2]
+    rng = np.random.default_rng(3)
+    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(f"w{i}" for i in rng.zipf(1.3, 200) % 300)
+                                                 for _ in range(300)) + "\n")
+    cfg = word2vec.prepare(load_config(repo / "configs" / "word2vec.yaml", [
+        "checkpoint.root=", "cluster.workers=1", f"model.metrics_dir={tmp_path}/m", "cluster.warm_up=false",
+        f"model.corpus={tmp_path}/corpus.txt", f"model.arrow_dir={tmp_path}/arrow", "model.epochs=1",
+        "model.batch_words=4000", "model.eval_after_train=false", "model.dim=16", "tables.sparse.syn0.dim=16",
+        "tables.sparse.syn0.init_range=0.03125",
+        "tables.sparse.syn1neg.dim=16", "model.min_count=1", f"observability.tensorboard_dir={tmp_path}/tb"]))
+    server = PSServer.from_config(cfg, 0)
+    client = PSClient(InProcessTransport([server]))
+    try:
+        trainer = word2vec.Word2VecTrainer(WorkerContext(cfg, 0, 1, client, make_mode(cfg, client, rank=0,
+                                                                                         num_workers=1)))
+        out = trainer.run()
+        got = {m.name: m.samples[0].value for m in TrainerCollector(trainer).collect()}
+    finally:
+        client.close()
+        server.close()
+    assert got["engine_worker_steps"] == trainer.mode.step == out["steps"] > 0     # a fresh job: the same
+    assert got["engine_worker_examples"] == out["raw_words"] > 0
+    assert 0 < got["engine_worker_train_seconds"] <= out["train_seconds"]
