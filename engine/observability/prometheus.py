@@ -23,6 +23,7 @@ engine_ps_ram_misses_total{table}            server  pulled keys not in RAM (loo
 engine_ps_rocksdb_writes_total{table}        server  row writes to RocksDB (spills)
 engine_ps_memory_bytes{table,part}           server  RAM by part (rows, index, block cache, ...)
 engine_ps_disk_bytes{table}                  server  RocksDB files
+engine_ps_table_stats_age_seconds{table}     server  age of the size figures (0: read now; a shard a writer held)
 engine_ps_checkpoint_part_seconds_total{op}  server  this server's part of a save / load
 engine_ps_checkpoint_parts_total{op}         server  saves / loads of this server
 engine_ps_checkpoint_part_bytes_total        server  bytes of part files written
@@ -530,6 +531,10 @@ class ServerCollector:
             "over threads): spill_lock_wait / pull_spilled, pulls that missed RAM waiting for a shard's lock "
             "/ holding it; push_lock_wait / push_locked, pushes; promote (of it promote_read, RocksDB's "
             "reads) and evict (of it evict_write) inside them", labels=["table", "part"])
+        stale = GaugeMetricFamily("engine_ps_table_stats_age_seconds", "Age of the table's size figures "
+                                  "(engine_ps_rows, engine_ps_memory_bytes) on this server: 0 when read now, "
+                                  "else those of the last read of a shard a writer held (an expiry pass, a "
+                                  "restore); counters are always current", labels=["table"])
         call_parts = _spill_parts()
         for table, host in list(self.core.sparse.items()):
             try:
@@ -544,6 +549,7 @@ class ServerCollector:
             for part, v in (s.get("memory") or {}).items():
                 mem.add_metric([table, part], float(v))
             disk.add_metric([table], float(s.get("disk_bytes", 0)))
+            stale.add_metric([table], float(s.get("stats_age_s", 0.0)))
             for part in call_parts:
                 spill_time.add_metric([table, part], s.get(f"{part}_ns", 0) / 1e9)
             if "rocksdb" in s:
@@ -552,7 +558,7 @@ class ServerCollector:
                 catch_up.add_metric([table, "pending"], float(s["rocksdb"].get("catching_up", 0)))
                 catch_up.add_metric([table, "failed"], float(s["rocksdb"].get("catch_up_failed", 0)))
         yield from fams.values()
-        yield from (rows, mem, disk, stall, l0, catch_up, spill_time)
+        yield from (rows, mem, disk, stale, stall, l0, catch_up, spill_time)
         yield from _malloc_families(self.core)
         yield from _governor_family(self.core)
         parts = getattr(self.core, "checkpoint_parts", None) or {}

@@ -252,7 +252,8 @@ def _worker_row(rank: int, cur: dict, prev: dict | None, now: float) -> dict:
            "examples": cur.get("examples"),
            "epoch": where.get("epoch"), "partition": where.get("partition"), "where": where,
            "last_mark": cur.get("last_mark"), "phase": (cur.get("phase") or {}).get("name"),
-           "beat_age_s": now - float(cur.get("beat", now)), "steps_per_s": None, "examples_per_s": None}
+           # now is taken before the files are read: a beat written since is 0 s old, not negative
+           "beat_age_s": max(0.0, now - float(cur.get("beat", now))), "steps_per_s": None, "examples_per_s": None}
     if prev is not None and prev.get("pid") == cur.get("pid"):
         dt = float(cur.get("beat", 0)) - float(prev.get("beat", 0))
         if dt > 0:

@@ -297,3 +297,12 @@ def test_without_run_dir_a_restarts_attempt_goes_below_the_first_and_status_show
         if job.poll() is None:
             job.kill()
             job.wait(10)
+
+
+def test_a_beat_written_after_the_clock_was_read_is_not_negative():
+    """``engine status`` reads its clock before the progress files: a worker that beat in between showed
+    ``beat_age_s`` -0.017 (the audit); it is 0."""
+    from engine.observability.status import _worker_row
+    now = time.time()
+    assert _worker_row(0, {"pid": 1, "beat": now + 0.02}, None, now)["beat_age_s"] == 0.0
+    assert _worker_row(0, {"pid": 1, "beat": now - 2.0}, None, now)["beat_age_s"] == pytest.approx(2.0)

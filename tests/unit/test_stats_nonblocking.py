@@ -221,11 +221,13 @@ def test_scrape_and_stats_rpc_answer_during_a_long_exclusive_section(metrics_ser
     with PSClient([ep], timeout_s=10, retries=0) as c:
         c.push("emb", keys, np.ones((300, DIM), np.float32))
         c.pull("emb", keys)
-    _scrape(url)
+    assert _scrape(url)[("engine_ps_table_stats_age_seconds", (("table", "emb"),))] == 0.0
     with held_exclusive(core.sparse["emb"].shards[0]):
+        time.sleep(0.05)
         got = _scrape(url, timeout=3)
         assert got[("engine_ps_pull_keys_total", (("table", "emb"),))] == 300
         assert got[("engine_ps_rows", (("table", "emb"), ("tier", "ram")))] == 300
+        assert got[("engine_ps_table_stats_age_seconds", (("table", "emb"),))] > 0     # the sizes are stale
         with PSClient([ep], timeout_s=2, retries=0) as c:
             table = c.stats()[0]["sparse"]["emb"]
         assert table["rows"] == 300 and table["stale_shards"] == 1 and table["pull_keys"] == 300
