@@ -140,28 +140,40 @@ def test_bad_targets_are_one_line_errors(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("engine status:") and words in lines[0], lines
 
 
-@pytest.mark.long   # make test-long (pyproject.toml): status by run directory is also the first test's
-@pytest.mark.slow
-def test_train_prints_a_findable_run_dir_and_status_follows_its_worker(tmp_path):
-    root = tmp_path / "runs"
+def small_job(tmp_path, root: Path, *sets: str) -> tuple[subprocess.Popen, list[str]]:
+    """A small CTR job (1 worker, generated rows, no checkpoints) whose run directory is made under
+    ``root``; its stderr lines are collected into the returned list as they come."""
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"),
            "--set", f"cluster.run_root={root}", "--set", "cluster.workers=1",
            "--set", "model.data.source=generated", "--set", "model.data.generated_rows=20000",
            "--set", f"model.data.cache_dir={tmp_path / 'cache'}", "--set", f"model.metrics_dir={tmp_path / 'm'}",
            "--set", "checkpoint.root=", "--set", "model.hidden=[16]", "--set", "model.batch_size=8",
-           "--set", "model.epochs=2", "--set", "model.eval_every_epoch=false"]
+           "--set", "model.epochs=2", "--set", "model.eval_every_epoch=false",
+           *[a for kv in sets for a in ("--set", kv)]]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(job.stderr), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: lines.extend(job.stderr), daemon=True).start()
+    return job, lines
+
+
+def printed_run_dir(job: subprocess.Popen, lines: list[str], deadline: float) -> Path:
+    """The run directory the launcher printed (``run directory: ...``), waited for until ``deadline``."""
+    while time.monotonic() < deadline and job.poll() is None:
+        found = [m.group(1) for ln in list(lines) if (m := re.search(r"run directory: (\S+)", ln))]
+        if found:
+            return Path(found[0])
+        time.sleep(0.2)
+    raise AssertionError("no run directory printed\n" + "".join(lines)[-3000:])
+
+
+@pytest.mark.long   # make test-long (pyproject.toml): status by run directory is also the first test's
+@pytest.mark.slow
+def test_train_prints_a_findable_run_dir_and_status_follows_its_worker(tmp_path):
+    root = tmp_path / "runs"
+    job, lines = small_job(tmp_path, root)
     try:
         deadline = time.monotonic() + 120
-        run_dir = None
-        while run_dir is None and time.monotonic() < deadline and job.poll() is None:
-            found = [m.group(1) for ln in list(lines) if (m := re.search(r"run directory: (\S+)", ln))]
-            run_dir = Path(found[0]) if found else None
-            time.sleep(0.2)
-        assert run_dir is not None, "".join(lines)[-3000:]
+        run_dir = printed_run_dir(job, lines, deadline)
         assert run_dir.parent == root.resolve()
         assert re.fullmatch(rf"ctr_dnn-\d{{8}}-\d{{6}}-{job.pid}", run_dir.name), run_dir.name
         assert (root / "latest").resolve() == run_dir
@@ -253,24 +265,10 @@ def test_without_run_dir_a_restarts_attempt_goes_below_the_first_and_status_show
     status`` find it. Before, each attempt made a new sibling, and status on the printed directory showed
     the dead first attempt while the job ran on."""
     root = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"),
-           "--set", f"cluster.run_root={root}", "--set", "cluster.workers=1",
-           "--set", "model.data.source=generated", "--set", "model.data.generated_rows=20000",
-           "--set", f"model.data.cache_dir={tmp_path / 'cache'}", "--set", f"model.metrics_dir={tmp_path / 'm'}",
-           "--set", "checkpoint.root=", "--set", "model.hidden=[16]", "--set", "model.batch_size=8",
-           "--set", "model.epochs=2", "--set", "model.eval_every_epoch=false", "--set", "cluster.warm_up=false"]
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(job.stderr), daemon=True)
-    reader.start()
+    job, lines = small_job(tmp_path, root, "cluster.warm_up=false")
     try:
         deadline = time.monotonic() + 150
-        first = None
-        while first is None and time.monotonic() < deadline and job.poll() is None:
-            found = [m.group(1) for ln in list(lines) if (m := re.search(r"run directory: (\S+)", ln))]
-            first = Path(found[0]) if found else None
-            time.sleep(0.2)
-        assert first is not None, "".join(lines)[-3000:]
+        first = printed_run_dir(job, lines, deadline)
         report = first / "worker-0.progress.json"
         while time.monotonic() < deadline and job.poll() is None:
             try:
