@@ -11,6 +11,22 @@ Readers only ever consider a directory whose ``_SUCCESS`` exists (:func:`is_comp
 exist for them. Each step is one ``PUT`` on S3 (an object appears whole at close), so no rename is
 needed. ``manifest.json`` then lets a reader check the data it reads (:func:`verify`).
 
+Durability (local disk only). On a local filesystem :meth:`Publisher.commit` fsyncs, in this order:
+every data file the manifest lists and every directory holding them; ``manifest.json`` and the
+directory; then ``_SUCCESS``, the directory and each of its ancestors up to the storage root (the new
+directory entries). A power loss can therefore never leave ``_SUCCESS`` next to an empty part file or
+manifest. S3 needs nothing (an object is durable once its PUT returned); HDFS is left to its close
+semantics (replicated to the datanodes' memory; pyarrow has no ``hsync``), so a whole-cluster power
+loss may still lose a just-published HDFS directory.
+
+Ownership. :meth:`Publisher.commit` refuses (:class:`~hdfs_io.CheckpointCorruptError`, nothing
+marked complete) when another writer published the directory meanwhile (``_SUCCESS`` exists), when
+``manifest.json`` is already there or was replaced (another writer's commit), or when a file it
+wrote is missing or has another size (deleted or rewritten by another writer or a retention pass).
+On a local disk ``manifest.json`` is created with ``O_EXCL``, so of two writers committing the same
+directory at most one gets past it; on S3/HDFS the checks narrow the race but cannot close it (no
+conditional PUT through pyarrow), so give concurrent writers distinct directories.
+
 ``manifest.json`` (worked example)::
 
     {
@@ -38,6 +54,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import posixpath
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -154,10 +171,29 @@ class Publisher:
     def commit(self) -> dict[str, Any]:
         """Write ``manifest.json`` then ``_SUCCESS``; called by a normal exit of the ``with`` block.
 
+        Steps: refuse if the directory was published meanwhile or a listed file is missing or has
+        another size; fsync the data files and their directories (local disk only); create ``manifest.json`` (exclusively on a local disk) and fsync
+        it and the directory; check that ``manifest.json`` is still ours and every file it lists is
+        there with its listed size (one metadata call per file, no data read); refuse again if
+        ``_SUCCESS`` appeared; write ``_SUCCESS`` and fsync it, the directory and its ancestors up to
+        the storage root. See the module docstring for what is (not) guaranteed on S3 and HDFS.
+
         Returns
         -------
         dict
             The manifest as written.
+
+        Raises
+        ------
+        CheckpointCorruptError
+            The directory is no longer this publisher's: already published by someone else
+            (``_SUCCESS`` or another ``manifest.json`` there; ``uri`` is the directory), or a listed
+            file is missing or has another size (``uri`` and the message name the first such file in
+            name order). ``_SUCCESS`` is not written; what is in the directory is left as found.
+        ValueError
+            The manifest is not JSON-serializable, or uses a reserved key.
+        OSError
+            Storage failures, including a failed fsync (the data may not be on disk).
         """
         self._require_open()
         self._check_manifest_keys()
@@ -172,15 +208,98 @@ class Publisher:
             payload = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise ValueError(f"manifest for {self.storage.uri_of(self.dir)} is not JSON-serializable: {exc}") from exc
-        self.storage.write_bytes(join(self.dir, MANIFEST_NAME), payload)
-        self.storage.write_bytes(join(self.dir, SUCCESS_NAME), b"")
+        st = self.storage
+        manifest_path = join(self.dir, MANIFEST_NAME)
+        self._refuse_if_published()
+        for name, problem in _check_files(st, self.dir, self.entries, checksums=False):
+            raise self._conflict(name, problem)     # before writing anything: leave the directory as found
+        self._sync_data_files()
+        try:
+            st.create_new(manifest_path, payload)
+        except FileExistsError as exc:
+            uri = st.uri_of(self.dir)
+            raise CheckpointCorruptError(
+                f"refusing to publish {uri}: {MANIFEST_NAME} is already there, so another writer is "
+                f"committing or has committed this directory since this publisher started; nothing "
+                f"was written by this commit", uri=uri,
+            ) from exc
+        st.sync(manifest_path)
+        st.sync(self.dir)
+        self._check_still_ours(payload)
+        self._refuse_if_published()
+        st.write_bytes(join(self.dir, SUCCESS_NAME), b"")
+        st.sync(join(self.dir, SUCCESS_NAME))
+        st.sync(self.dir)
+        parent = self.dir
+        while parent:       # the new directory entries up to the storage root
+            parent = posixpath.dirname(parent)
+            st.sync(parent)
         self._state = "committed"
         self.written_manifest = manifest
         logger.info(
             "published %s: %d file(s), %d bytes",
-            self.storage.uri_of(self.dir), len(self.entries), sum(e.size for e in self.entries.values()),
+            st.uri_of(self.dir), len(self.entries), sum(e.size for e in self.entries.values()),
         )
         return manifest
+
+    # ------------------------------------------------------------ commit checks
+
+    def _refuse_if_published(self) -> None:
+        if is_complete(self.storage, self.dir):
+            uri = self.storage.uri_of(self.dir)
+            raise CheckpointCorruptError(
+                f"refusing to publish {uri}: it was published by another writer while this publisher was "
+                f"writing it ({SUCCESS_NAME} exists); this publisher's files may have been replaced", uri=uri,
+            )
+
+    def _conflict(self, name: str, problem: str) -> CheckpointCorruptError:
+        uri = self.storage.uri_of(join(self.dir, name))
+        return CheckpointCorruptError(
+            f"refusing to publish {self.storage.uri_of(self.dir)}: {uri}: {problem} (deleted or rewritten "
+            f"by another writer or a retention pass since this publisher wrote it)", uri=uri,
+        )
+
+    def _sync_data_files(self) -> None:
+        """fsync every listed file, then every directory holding one (deepest first); local disk only."""
+        st = self.storage
+        if not st.is_local or not self.entries:
+            return
+        names = sorted(self.entries)
+        dirs: set[str] = set()
+        for name in names:
+            d = posixpath.dirname(name)
+            while d:
+                dirs.add(d)
+                d = posixpath.dirname(d)
+
+        def sync(name: str) -> str | None:
+            try:
+                st.sync(join(self.dir, name))
+            except FileNotFoundError:
+                return name
+            return None
+
+        with ThreadPoolExecutor(max_workers=min(_VERIFY_THREADS, len(names))) as pool:
+            missing = [n for n in pool.map(sync, names) if n is not None]
+        if missing:
+            raise self._conflict(missing[0], "listed in the manifest but missing")
+        for d in sorted(dirs, key=lambda p: (-p.count("/"), p)):
+            try:
+                st.sync(join(self.dir, d))
+            except FileNotFoundError:
+                raise self._conflict(d, "directory holding listed files is missing") from None
+        st.sync(self.dir)
+
+    def _check_still_ours(self, payload: bytes) -> None:
+        """Our manifest is in place and every file it lists has its listed size."""
+        try:
+            on_disk = self.storage.read_bytes(join(self.dir, MANIFEST_NAME))
+        except FileNotFoundError:
+            on_disk = None
+        if on_disk != payload:
+            raise self._conflict(MANIFEST_NAME, "missing" if on_disk is None else "replaced by another writer's")
+        for name, problem in _check_files(self.storage, self.dir, self.entries, checksums=False):
+            raise self._conflict(name, problem)
 
     # ------------------------------------------------------------ writing files
 
@@ -391,7 +510,20 @@ def verify(storage: Storage, dir: str, *, checksums: bool = True) -> dict[str, A
         message names the first bad file in name order.
     """
     manifest = read_manifest(storage, dir)
-    entries = file_entries(manifest)
+    problems = _check_files(storage, dir, file_entries(manifest), checksums=checksums)
+    for name, problem in problems:
+        uri = storage.uri_of(join(dir, name))
+        raise CheckpointCorruptError(f"{uri}: {problem}", uri=uri)
+    logger.debug("verified %s: %d file(s)", storage.uri_of(dir), len(manifest["files"]))
+    return manifest
+
+
+def _check_files(
+    storage: Storage, dir: str, entries: Mapping[str, FileEntry], *, checksums: bool
+) -> list[tuple[str, str]]:
+    """``(name, problem)`` for every file of ``entries`` (below ``dir``) that is missing, not a file, of
+    another size or (with ``checksums``) another CRC-32, in name order; ``[]`` when all are intact.
+    Up to 8 files are checked concurrently."""
 
     def check(name: str) -> str | None:
         path = join(dir, name)
@@ -412,15 +544,10 @@ def verify(storage: Storage, dir: str, *, checksums: bool = True) -> dict[str, A
                 return f"crc32 is {got.crc32}, manifest says {expected.crc32} (corrupt file)"
         return None
 
-    names = list(entries)
+    names = sorted(entries)
     if len(names) > 1:
         with ThreadPoolExecutor(max_workers=min(_VERIFY_THREADS, len(names))) as pool:
             problems = list(pool.map(check, names))
     else:
         problems = [check(n) for n in names]
-    for name, problem in zip(names, problems):
-        if problem is not None:
-            uri = storage.uri_of(join(dir, name))
-            raise CheckpointCorruptError(f"{uri}: {problem}", uri=uri)
-    logger.debug("verified %s: %d file(s)", storage.uri_of(dir), len(names))
-    return manifest
+    return [(n, p) for n, p in zip(names, problems) if p is not None]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import posixpath
 from typing import Callable, TypeVar
 
@@ -107,6 +108,7 @@ class Storage:
         self.retry = retry or RetryPolicy()
         self.retry_stats = retry_stats or RetryStats()
         self._object_store = fs.type_name in _OBJECT_STORE_TYPES
+        self._local = fs.type_name == "local"
 
     @classmethod
     def from_uri(
@@ -131,6 +133,12 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({self.uri!r})"
+
+    @property
+    def is_local(self) -> bool:
+        """True when the filesystem is pyarrow's ``LocalFileSystem`` (a mounted disk, NFS included):
+        the one backend where :meth:`sync` does anything and :meth:`create_new` is atomic."""
+        return self._local
 
     # ---------------------------------------------------------------- paths
 
@@ -350,6 +358,85 @@ class Storage:
 
         self._retry("move", s, op)
         logger.debug("moved %s to %s", self.uri_of(s), self.uri_of(d))
+
+    def sync(self, path: str = "") -> None:
+        """Flush the file or directory ``path`` to stable storage, on a local filesystem only.
+
+        Local disk: ``os.open(O_RDONLY)`` + ``os.fsync`` (works for files other processes wrote, since
+        the page cache is shared). Syncing a file makes its *content* durable; syncing a directory makes
+        the *entries* created in it (files, subdirectories) durable: a new file needs both.
+
+        No-op elsewhere: an S3 (or other object store) object is durable once its PUT returned, and on
+        HDFS a closed file is replicated to the datanodes (pyarrow exposes no ``hsync``), which this
+        package accepts as its durability point there.
+
+        Parameters
+        ----------
+        path : str
+            Relative to the root; ``""`` is the root directory itself.
+
+        Raises
+        ------
+        FileNotFoundError
+            ``path`` does not exist (the message names its URI).
+        OSError
+            The fsync failed (``EIO``: the data may not be on disk); the message names the URI. A
+            directory on a filesystem that cannot fsync directories (``EINVAL``) is skipped.
+        """
+        if not self._local:
+            return
+        full = self.full_path(path)
+        try:
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError as exc:
+            raise self._not_found(path, exc) from exc
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and os.path.isdir(full):
+                logger.debug("filesystem of %s cannot fsync a directory; skipped", self.uri_of(path))
+                return
+            raise OSError(exc.errno, f"fsync failed: {exc.strerror}", self.uri_of(path)) from exc
+        finally:
+            os.close(fd)
+
+    def create_new(self, path: str, data: bytes | bytearray | memoryview | pa.Buffer) -> FileEntry:
+        """Write ``data`` to ``path`` only if no file is there yet. Returns its size and CRC-32.
+
+        Atomic on a local disk (``O_CREAT | O_EXCL``: of two writers racing, exactly one succeeds). On
+        S3 and HDFS it is a check then a write: a writer racing in between is not detected. Not retried
+        (a retry could not tell its own earlier file from someone else's); parent directories are
+        created where directories exist. The content is not fsynced (see :meth:`sync`).
+
+        Raises
+        ------
+        FileExistsError
+            ``path`` already exists (the message names its URI).
+        OSError
+            Write failed; a partial local file is removed.
+        """
+        full = self.full_path(path)
+        view = memoryview(data).cast("B")
+        if not self._local:
+            if self.exists(path):
+                raise FileExistsError(errno.EEXIST, "File exists", self.uri_of(path))
+            return self.write_bytes(path, view)
+        self._ensure_parent(full)
+        try:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except FileExistsError as exc:
+            raise FileExistsError(errno.EEXIST, "File exists", self.uri_of(path)) from exc
+        try:
+            with os.fdopen(fd, "wb", closefd=True) as f:
+                out = ChecksumWriter(f)
+                out.write(view)
+        except BaseException:
+            try:
+                os.unlink(full)
+            except OSError:
+                pass
+            raise
+        return out.entry
 
     # ---------------------------------------------------------------- streams
 

@@ -36,6 +36,8 @@ import math
 import time
 from typing import Any, Callable, Protocol
 
+import pyarrow.fs as pafs
+
 import hdfs_io
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Publisher, Storage, StorageOptions
 from streaming.keys import HASH_VERSION
@@ -48,6 +50,10 @@ from .writer import part_report_name
 __all__ = ["Cluster", "CheckpointManager", "CheckpointNotFoundError"]
 
 log = logging.getLogger(__name__)
+
+#: retention leaves an incomplete checkpoint directory alone while its newest file is younger than this
+#: (seconds): it may be a save still in flight (a slow server), not the leftovers of a crashed one
+INCOMPLETE_GRACE_S = 600.0
 
 
 class Cluster(Protocol):
@@ -102,7 +108,8 @@ class CheckpointManager:
     storage_options : hdfs_io.StorageOptions, optional
         S3 endpoint / credentials (default: the standard AWS environment variables).
     keep_bases : int
-        Retention: keep this many newest bases and their deltas.
+        Retention: keep this many newest bases, their deltas, and every checkpoint the chains of
+        those reach (see ``prune``).
     groups : int
         Vshard groups per table the servers are expected to cut (the manifest records what their part
         reports say they cut).
@@ -125,6 +132,7 @@ class CheckpointManager:
         self.clock = clock
         self.head: str | None = None          # last checkpoint this process saved or restored
         self._force_base = False
+        self._parents: dict[str, str | None] = {}   # complete checkpoint -> parent (retention's chains)
 
     @property
     def uri(self) -> str:
@@ -145,18 +153,25 @@ class CheckpointManager:
     def manifest(self, name: str) -> dict[str, Any]:
         return read_checkpoint_manifest(self.storage, name)
 
-    def _next_ref(self, when: _dt.datetime, kind: str) -> CheckpointRef:
-        ref = checkpoint_name(when, kind)
+    def _seqs_at(self, day: str, hhmm: str) -> list[int]:
+        """Sequence numbers of every directory named ``{day}/{hhmm}-*`` (incomplete ones included: a
+        save in flight owns its name until it publishes or fails)."""
         try:
-            names = self.storage.listdir(ref.day)
+            names = self.storage.listdir(day)
         except FileNotFoundError:
             names = []
-        seqs = [r.seq for r in (parse_name(f"{ref.day}/{n}") for n in names) if r is not None and r.hhmm == ref.hhmm]
+        return [r.seq for r in (parse_name(f"{day}/{n}") for n in names) if r is not None and r.hhmm == hhmm]
+
+    def _next_ref(self, when: _dt.datetime, kind: str) -> CheckpointRef:
+        ref = checkpoint_name(when, kind)
+        seqs = self._seqs_at(ref.day, ref.hhmm)
+        ref = CheckpointRef(ref.day, ref.hhmm, max(seqs) + 1 if seqs else 0, kind)
         newest = self.latest()
-        seq = max(seqs) + 1 if seqs else 0
-        ref = CheckpointRef(ref.day, ref.hhmm, seq, kind)
         if newest is not None and ref <= newest:     # a clock behind the newest name: keep names ordered
-            ref = CheckpointRef(newest.day, newest.hhmm, max(seq, newest.seq + 1), kind)
+            # the minute of the newest complete name, after every name there (a save still in flight at
+            # that minute, e.g. a zombie coordinator's, holds a higher seq than the newest complete one)
+            seq = max(self._seqs_at(newest.day, newest.hhmm) + [newest.seq]) + 1
+            ref = CheckpointRef(newest.day, newest.hhmm, seq, kind)
         return ref
 
     # ------------------------------------------------------------------ save
@@ -373,24 +388,45 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
     def prune(self) -> list[str]:
-        """Delete checkpoints older than the ``keep_bases`` newest bases (their deltas included), and
-        incomplete leftovers older than the newest complete checkpoint. ``_SUCCESS`` goes first, so a
-        reader never sees half of a deleted checkpoint. Returns the names deleted."""
+        """Delete old checkpoints and the leftovers of crashed saves. Returns the names deleted.
+
+        Complete checkpoints named before the oldest of the ``keep_bases`` newest bases are deleted,
+        except those the chain of a kept checkpoint (or of this process's ``head``) reaches: after a
+        roll-back (a job resumed from an older delta), a kept delta's parents can be older than every
+        kept base, and deleting them would leave it listed complete but unrestorable. The chains are
+        read from the kept deltas' manifests, cached by name (a complete checkpoint never changes), so
+        repeated prunes read only the new ones.
+
+        Incomplete directories named before the newest complete checkpoint are deleted too, unless their
+        newest file is younger than ``INCOMPLETE_GRACE_S`` (the storage's modification times): that may
+        be a save still in flight (a slow server, a coordinator held before publish) rather than a crashed
+        one's leftovers; a later prune deletes it once it is old. ``_SUCCESS`` goes first, so a reader
+        never sees half of a deleted checkpoint.
+        """
         complete = self.list()
         bases = [r for r in complete if r.kind == "base"]
         deleted = []
         if len(bases) > self.keep_bases:
             oldest_kept = bases[-self.keep_bases]
+            roots = [r.name for r in complete if r >= oldest_kept and r.kind == "delta"]
+            if self.head is not None:
+                roots.append(self.head)
+            reached = self._reached(roots)
             for r in complete:
-                if r < oldest_kept:
+                if r < oldest_kept and reached is not None and r.name not in reached:
                     self.storage.delete(hdfs_io.join(r.name, hdfs_io.SUCCESS_NAME), missing_ok=True)
                     self.storage.delete(r.name, missing_ok=True)
+                    self._parents.pop(r.name, None)
                     deleted.append(r.name)
         if complete:
             newest = complete[-1]
             done = {r.name for r in complete}
             for r in list_checkpoints(self.storage, complete_only=False):
                 if r < newest and r.name not in done:
+                    if self._written_lately(r.name):
+                        log.info("retention: keeping incomplete %s, written to less than %.0f s ago (a save in "
+                                 "flight?)", self.uri_of(r.name), INCOMPLETE_GRACE_S)
+                        continue
                     self.storage.delete(r.name, missing_ok=True)
                     deleted.append(r.name)
         for day in self._days():
@@ -402,6 +438,49 @@ class CheckpointManager:
         if deleted:
             log.info("retention (keep %d bases): deleted %s", self.keep_bases, ", ".join(deleted))
         return deleted
+
+    def _parent_of(self, name: str) -> str | None:
+        """The parent of complete checkpoint ``name`` (None for a base), from its manifest, cached."""
+        ref = parse_name(name)
+        if ref is not None and ref.kind == "base":
+            return None
+        if name not in self._parents:
+            m = self.manifest(name)
+            self._parents[name] = m["parent"] if m["kind"] == "delta" else None
+        return self._parents[name]
+
+    def _reached(self, roots: list[str]) -> set[str] | None:
+        """Names on the chains of ``roots`` (roots included). A damaged or missing link ends its chain
+        (nothing beyond is restorable through it); None when a manifest could not be read for another
+        reason (a storage error: retention then deletes no complete checkpoint this time)."""
+        out: set[str] = set()
+        for name in roots:
+            cur: str | None = name
+            while cur is not None and cur not in out:
+                out.add(cur)
+                try:
+                    cur = self._parent_of(cur)
+                except Exception as exc:  # noqa: BLE001 - damage ends a chain, anything else stops retention
+                    if not _is_damage(exc):
+                        log.warning("retention: cannot read the chain of %s (%s); deleting no complete "
+                                    "checkpoint this time", self.uri_of(name), exc)
+                        return None
+                    cur = None
+        return out
+
+    def _written_lately(self, name: str) -> bool:
+        """True when the newest file (or the directory itself) under ``name`` was modified less than
+        ``INCOMPLETE_GRACE_S`` ago, or when that cannot be told (a listing error)."""
+        st = self.storage
+        try:
+            infos = [st.info(name)]
+            infos += st.fs.get_file_info(pafs.FileSelector(st.full_path(name), recursive=True,
+                                                           allow_not_found=True))
+        except OSError as exc:
+            log.warning("retention: cannot list %s (%s); keeping it", self.uri_of(name), exc)
+            return True
+        stamps = [i.mtime_ns for i in infos if i.mtime_ns is not None]
+        return bool(stamps) and time.time() - max(stamps) / 1e9 < INCOMPLETE_GRACE_S
 
     def _days(self) -> list[str]:
         try:
