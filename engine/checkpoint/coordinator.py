@@ -262,6 +262,7 @@ class CheckpointManager:
                                 resumed_with=[{"id": i, "uri": u} for i, u in sorted(marks)])
             failpoints.hit("checkpoint.before_publish")
         manifest = pub.written_manifest
+        self._parents[ref.name] = parent if kind == "delta" else None    # retention's chains: no re-read
         self.head = ref.name
         self._force_base = False
         seconds = time.perf_counter() - t0

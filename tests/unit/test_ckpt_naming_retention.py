@@ -159,6 +159,25 @@ def test_repeated_prunes_read_each_manifest_once(tmp_path, monkeypatch):
     assert reads == []                                          # complete checkpoints never change: cached
 
 
+def test_a_base_after_deltas_this_manager_wrote_reads_no_manifest(tmp_path, monkeypatch):
+    """Retention knows the parents of the checkpoints its own manager wrote: the prune of the base after
+    a period of deltas read each kept delta's manifest back (one GET each on S3, while the save waited)."""
+    client = make()
+    push(client, KEYS)
+    mgr = CheckpointManager(str(tmp_path), "ctr", keep_bases=2)
+    for h in (10, 11):
+        mgr.save(client, "base", when=T(h, 0))
+        for m in range(1, 4):
+            push(client, KEYS[:10])
+            mgr.save(client, "delta", when=T(h, m))
+    reads = []
+    real = CheckpointManager.manifest
+    monkeypatch.setattr(CheckpointManager, "manifest", lambda self, n: reads.append(n) or real(self, n))
+    mgr.save(client, "base", when=T(12, 0))     # its prune walks the chains of the kept deltas (11:01-11:03)
+    assert reads == []
+    assert [r.name for r in mgr.list()][0] == "20240101/1100-base"
+
+
 # ----------------------------------------------------------------------------------- incomplete grace
 def test_retention_leaves_recently_written_incomplete_directories_alone(tmp_path):
     client = make()
