@@ -181,6 +181,11 @@ def test_local_publish_fsyncs_everything_before_success(tmp_path: Path):
     created_success = None
     for i, line in enumerate(log.read_text().splitlines()):
         pid = line.split(" ", 1)[0]
+        # the call that creates _SUCCESS, whether strace printed it whole or cut it (<unfinished ...>,
+        # another thread's call in between): its start is the instant that counts
+        if (created_success is None and f'"{success}"' in line and not re.search(r"\)\s+=\s+-\d+", line)
+                and (("openat(" in line and "O_CREAT" in line) or "rename(" in line)):
+            created_success = i
         start = re.search(r"fsync\(\d+<([^>]*)>", line)
         if start and "<unfinished" in line:
             pending[pid] = start.group(1)
@@ -196,9 +201,8 @@ def test_local_publish_fsyncs_everything_before_success(tmp_path: Path):
         call, args = m.group(1), m.group(2)
         if call == "fsync":
             fsynced.setdefault(start.group(1), []).append(i)
-        elif call == "openat" and f'"{success}"' in args and "O_CREAT" in args and created_success is None:
-            created_success = i
-    assert created_success is not None, "the publish never created _SUCCESS"
+    assert created_success is not None, "the publish never created _SUCCESS; strace's lines naming it:\n" + \
+        "\n".join(ln for ln in log.read_text().splitlines() if SUCCESS_NAME in ln)[-3000:]
 
     def synced_before(path: str) -> bool:
         return any(i < created_success for i in fsynced.get(path, []))
