@@ -67,13 +67,9 @@ def test_a_clock_behind_the_newest_name_skips_the_names_of_saves_in_flight(tmp_p
     assert [r.name for r in mgr.list()] == ["20240101/1000-base", "20240101/1000-delta.2"]
 
 
-def test_a_held_save_and_a_save_by_a_clock_behind_both_publish_under_their_own_names(tmp_path, monkeypatch):
-    """The audit's zombie: a coordinator held before publish at 10:00:30 while a new one (clock at 09:59)
-    saves; each publishes its own directory."""
-    client = make()
-    push(client, KEYS)
-    zombie = CheckpointManager(str(tmp_path), "ctr")
-    base = zombie.save(client, "base", when=T(10, 0))["name"]
+def held_delta(monkeypatch, zombie: CheckpointManager, client) -> tuple[threading.Event, threading.Thread, dict]:
+    """``zombie`` saving a delta at 10:00:30 on a thread held before publish (``checkpoint.before_publish``)
+    until the returned event is set; ``out["z"]`` gets the name it published or the error it raised."""
     go, held = threading.Event(), threading.Event()
 
     def hit(name):
@@ -93,6 +89,17 @@ def test_a_held_save_and_a_save_by_a_clock_behind_both_publish_under_their_own_n
     t = threading.Thread(target=run, name="zombie")
     t.start()
     assert held.wait(30)
+    return go, t, out
+
+
+def test_a_held_save_and_a_save_by_a_clock_behind_both_publish_under_their_own_names(tmp_path, monkeypatch):
+    """The audit's zombie: a coordinator held before publish at 10:00:30 while a new one (clock at 09:59)
+    saves; each publishes its own directory."""
+    client = make()
+    push(client, KEYS)
+    zombie = CheckpointManager(str(tmp_path), "ctr")
+    base = zombie.save(client, "base", when=T(10, 0))["name"]
+    go, t, out = held_delta(monkeypatch, zombie, client)
     new = CheckpointManager(str(tmp_path), "ctr")
     new.head = base
     push(client, KEYS[:5])
@@ -204,25 +211,7 @@ def test_a_save_held_before_publish_survives_a_newer_base_and_restores(tmp_path,
     zombie = CheckpointManager(str(tmp_path), "ctr")
     zombie.save(client, "base", when=T(10, 0))
     push(client, KEYS[:50])
-    go, held = threading.Event(), threading.Event()
-
-    def hit(name):
-        if name == "checkpoint.before_publish" and threading.current_thread().name == "zombie":
-            held.set()
-            assert go.wait(30)
-
-    monkeypatch.setattr(co.failpoints, "hit", hit)
-    out = {}
-
-    def run():
-        try:
-            out["z"] = zombie.save(client, "delta", when=T(10, 0, 30))["name"]
-        except Exception as e:  # noqa: BLE001
-            out["z"] = e
-
-    t = threading.Thread(target=run, name="zombie")
-    t.start()
-    assert held.wait(30)
+    go, t, out = held_delta(monkeypatch, zombie, client)
     CheckpointManager(str(tmp_path), "ctr").save(client, "base", when=T(10, 1))
     go.set()
     t.join(30)
