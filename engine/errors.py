@@ -66,6 +66,12 @@ class GenerationChangedError(RemoteError):
     hold: a worker exits (``engine.roles``) and resumes at the servers' restored checkpoint."""
 
 
+class DeltaParentError(RequestRejectedError):
+    """A server refused a delta Save: its changes are not counted from the checkpoint the delta names as
+    parent (FAILED_PRECONDITION "delta parent mismatch"; ``engine.ps.delta_lineage``). That server
+    wrote and cleared nothing; the coordinator writes a base instead."""
+
+
 class ShardUnavailableError(RemoteError):
     """A server stayed unreachable (UNAVAILABLE) through every retry."""
 

@@ -118,7 +118,7 @@ class _OneServer:
         except ServerError as e:
             raise RuntimeError(str(e)) from None
 
-    def save(self, uri: str) -> int:    # not used by a restore
+    def save(self, uri: str, parent: str = "") -> int:    # not used by a restore
         raise RuntimeError("a role-mode server restores only")
 
 

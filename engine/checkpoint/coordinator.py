@@ -4,18 +4,25 @@ One process coordinates (worker 0 or the launcher); the servers write and read t
 ``cluster`` is anything with the PS client's shape::
 
     cluster.num_servers : int
-    cluster.save(uri) -> int     every server writes its part files + part report into uri (parallel)
+    cluster.save(uri, parent) -> int   every server writes its part files + part report into uri
+                                 (parallel); a delta names its parent's URI, which a server refuses
+                                 (DeltaParentError) unless its changes are counted from it
     cluster.load(uri) -> int     every server loads its rows of the checkpoint at uri (base: reset first)
 
 Save protocol::
 
     1. pick the name {day}/{HHMM}-{kind}[.seq]; clean leftovers of a crashed attempt of that name
-    2. cluster.save(uri)                         servers write in parallel; any failure stops here
+    2. cluster.save(uri, parent)                 servers write in parallel; any failure stops here
     3. read _parts/s{i}.json of every server     a missing report (server died) stops here
     4. manifest.json, then _SUCCESS              only now does the checkpoint exist
 
 A failure anywhere before 4 leaves a directory that restore ignores. Because the servers that did
 write have already cleared their dirty state, the next checkpoint after a failed one is a base.
+
+The servers keep the same rule for every coordinator (``engine.ps.delta_lineage``): a delta whose
+parent is not the checkpoint a server last saved or loaded is refused, and ``save`` writes a base
+instead. So a second coordinator on the same servers (a zombie rank 0 whose save ran while a new one
+took over) makes the other's next checkpoint a base, never a delta without the rows the first took.
 
 Restore: the newest base and its deltas in order (``chain_of``), each file's size checked before the
 first row is loaded, each file's CRC-32 checked as it is read; with ``fallback`` a damaged checkpoint
@@ -43,6 +50,7 @@ from hdfs_io import CheckpointCorruptError, NotPublishedError, Publisher, Storag
 from streaming.keys import HASH_VERSION
 
 from .. import failpoints
+from ..errors import DeltaParentError
 from .manifest import (DEFAULT_GROUPS, FORMAT_VERSION, CheckpointRef, chain_of, checkpoint_name,
                        list_checkpoints, parse_name, read_checkpoint_manifest)
 from .writer import part_report_name
@@ -185,8 +193,9 @@ class CheckpointManager:
         cluster : Cluster
             Usually the ``PSClient`` (its Save RPC makes every server write its parts).
         kind : {"base", "delta"}
-            A delta with no previous checkpoint in this process (or after a failed save) is written as
-            a base instead (logged).
+            A delta with no previous checkpoint in this process (or after a failed save), or one the
+            servers refuse because their changes are not counted from this process's last checkpoint
+            (``engine.errors.DeltaParentError``), is written as a base instead (logged).
         when : datetime or float seconds since the epoch, optional
             Training time that names the checkpoint (default: the clock), UTC.
         step : int
@@ -210,6 +219,16 @@ class CheckpointManager:
         OSError, engine.errors.RemoteError
             Storage or server failures; nothing is published.
         """
+        try:
+            return self._save(cluster, kind, when, step, sources, config, extra)
+        except DeltaParentError as e:
+            # another coordinator saved or loaded on these servers since this one's last checkpoint: a
+            # delta from here would lack the rows that went into theirs
+            log.warning("writing a base instead of a delta: %s", e)
+            return self._save(cluster, "base", when, step, sources, config, extra)
+
+    def _save(self, cluster: Cluster, kind: str, when, step: int, sources: dict | None, config: dict | None,
+              extra: dict | None) -> dict[str, Any]:
         if kind not in ("base", "delta"):
             raise ValueError(f"kind must be 'base' or 'delta', got {kind!r}")
         parent = self.head
@@ -235,7 +254,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._force_base = True             # until this save is published
         with Publisher(self.storage, ref.name, manifest=meta) as pub:
-            cluster.save(uri)
+            cluster.save(uri, self.uri_of(parent) if kind == "delta" else "")
             reports = [self._part_report(ref.name, s) for s in range(cluster.num_servers)]
             tables: dict[str, dict] = {"sparse": {}, "dense": {}}
             for rep in reports:

@@ -593,14 +593,17 @@ class PSClient(DenseClient):
         req = pb.BarrierRequest(request_id=self._rid(), name=name, world=world, timeout_s=timeout)
         return self._call(0, "Barrier", req, idempotent=False, timeout=min(self.timeout_s, 30.0)).arrived
 
-    def save(self, path: str, *, timeout: float = 3600.0) -> int:
+    def save(self, path: str, parent: str = "", *, timeout: float = 3600.0) -> int:
         """Every server writes its part files of the checkpoint directory ``path`` (a URI ending in
         ``HHMM-base`` / ``HHMM-delta[.N]``), in parallel; returns sparse rows written. The part files do
         not form a checkpoint until ``engine.checkpoint.CheckpointManager`` publishes the manifest and
-        ``_SUCCESS``; use ``CheckpointManager.save(client, ...)`` rather than this call."""
+        ``_SUCCESS``; use ``CheckpointManager.save(client, ...)`` rather than this call.
+
+        A delta names its ``parent`` checkpoint's URI; a server whose changes are not counted from it
+        refuses (``DeltaParentError``, ``engine.ps.delta_lineage``)."""
         rid = self._rid()
         return sum(r.count for r in self._fan_out(
-            [(s, "Save", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path)))
+            [(s, "Save", pb.PathRequest(request_id=f"{rid}.{s}", path=str(path), parent=str(parent)))
              for s in range(self.num_servers)], idempotent=False, timeout=max(timeout, self.timeout_s)))
 
     def load(self, path: str, chain_end: str = "", *, timeout: float = 3600.0) -> int:

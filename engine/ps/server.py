@@ -48,6 +48,7 @@ from . import ps_pb2 as pb
 from .barrier import BarrierError, Barriers
 from .data_clock import DataClock, clock_request
 from .dedup import Expired, InProgress, ReplyWindow
+from .delta_lineage import DeltaLineage
 from .hosts import DenseHost, HostError, SparseHost, invalid, shrink_each
 from .metric_sums import MetricSums
 from .routing import DEFAULT_NUM_VSHARDS
@@ -204,6 +205,7 @@ class PSServer:
         # the job root's newest checkpoint when this server started ("" none; None unknown), set by
         # ``roles.run_server``: the ones named above it were written since, by this job (Health)
         self.checkpoint_floor: str | None = None
+        self.lineage = DeltaLineage(index)       # the checkpoint a delta saved now continues (Save, Load)
         self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
         self.window = ReplyWindow(reply_window_bytes)
         self.max_message_bytes = int(max_message_bytes)
@@ -317,7 +319,12 @@ class PSServer:
                                     f"{request.chain_end}, whose base this server did not load (it restarted "
                                     f"during the restore?): restore the chain again")
                 t0 = time.perf_counter()
-                reply = self.Load(request, trusted=trusted)
+                try:
+                    reply = self.Load(request, trusted=trusted)
+                except BaseException:
+                    self.lineage.loaded(None)
+                    raise
+                self.lineage.loaded(request.path)
                 self._note_part("load", time.perf_counter() - t0)
                 self.window.clear()     # remembered replies were computed from the tables just replaced
                 # half-way up a chain (base, deltas) is no state to start from: restored once at its end
@@ -351,6 +358,7 @@ class PSServer:
                             h.clear()
                         self.window.clear()
                         self.fenced_from, self.restoring, self.fresh = None, None, True
+                        self.lineage.loaded(None)
                         self.writers.clear()
                         if self.data_clock is not None:
                             self.data_clock.reset()
@@ -580,8 +588,15 @@ class PSServer:
 
     def Save(self, req: pb.PathRequest) -> pb.CountResponse:
         """Write this server's part files of the checkpoint directory ``req.path`` (a URI ending in
-        ``HHMM-base`` or ``HHMM-delta[.N]``; see ``engine.checkpoint.writer``). Returns the rows written."""
+        ``HHMM-base`` or ``HHMM-delta[.N]``; see ``engine.checkpoint.writer``). Returns the rows written.
+
+        A delta must name the checkpoint this server's changes are counted from as ``req.parent``
+        (``engine.ps.delta_lineage``), else FAILED_PRECONDITION "delta parent mismatch", nothing written."""
         kind = kind_of_uri(confine(req.path, self.checkpoint_root))
+        with self.lineage.saving(kind, req.path, req.parent):   # a delta must continue this server's state
+            return self._save(req, kind)
+
+    def _save(self, req: pb.PathRequest, kind: str) -> pb.CountResponse:
         dense = {n: st for n, h in self.dense.items() if (st := h.snapshot()) is not None}
         t0 = time.perf_counter()
         report = save_server_parts(self._checkpoint_storage(req.path), kind=kind, server=self.index,

@@ -89,7 +89,7 @@ class ShardCluster:
     def storage(self, uri):
         return hdfs_io.Storage.from_uri(uri, storage_options=self.storage_options)
 
-    def save(self, uri):
+    def save(self, uri, parent=""):
         kind = kind_of_uri(uri)
         for s in range(self.num_servers):
             if s == self.fail_server:

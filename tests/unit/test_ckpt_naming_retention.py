@@ -94,7 +94,8 @@ def held_delta(monkeypatch, zombie: CheckpointManager, client) -> tuple[threadin
 
 def test_a_held_save_and_a_save_by_a_clock_behind_both_publish_under_their_own_names(tmp_path, monkeypatch):
     """The audit's zombie: a coordinator held before publish at 10:00:30 while a new one (clock at 09:59)
-    saves; each publishes its own directory."""
+    saves; each publishes its own directory. The new one's is a base: the zombie's Save took the changed
+    rows from the servers' dirty state (``engine.ps.delta_lineage``; tests/unit/test_delta_lineage.py)."""
     client = make()
     push(client, KEYS)
     zombie = CheckpointManager(str(tmp_path), "ctr")
@@ -106,7 +107,7 @@ def test_a_held_save_and_a_save_by_a_clock_behind_both_publish_under_their_own_n
     name = new.save(client, "delta", when=T(9, 59))["name"]
     go.set()
     t.join(30)
-    assert out["z"] == "20240101/1000-delta.1" and name == "20240101/1000-delta.2", (out, name)
+    assert out["z"] == "20240101/1000-delta.1" and name == "20240101/1000-base.2", (out, name)
     for n in (out["z"], name):
         assert CheckpointManager(str(tmp_path), "ctr").restore(make(), n)["name"] == n
 
