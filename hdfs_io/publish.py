@@ -139,6 +139,9 @@ class Publisher:
         self.entries: dict[str, FileEntry] = {}
         self.written_manifest: dict[str, Any] | None = None  # set by commit()
         self._state = "new"
+        # (manifest, payload) once this publisher created manifest.json: a commit() retried after a
+        # failure past that point finishes with the same bytes instead of refusing its own manifest
+        self._created: tuple[dict[str, Any], bytes] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -197,6 +200,8 @@ class Publisher:
         """
         self._require_open()
         self._check_manifest_keys()
+        if self._created is not None:
+            return self._finish(*self._created)
         manifest = {
             "manifest_version": MANIFEST_VERSION,
             "checksum": CHECKSUM_ALGORITHM,
@@ -223,7 +228,13 @@ class Publisher:
                 f"committing or has committed this directory since this publisher started; nothing "
                 f"was written by this commit", uri=uri,
             ) from exc
-        st.sync(manifest_path)
+        self._created = manifest, payload
+        return self._finish(manifest, payload)
+
+    def _finish(self, manifest: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        """The steps of ``commit`` after this publisher created ``manifest.json`` (``payload``)."""
+        st = self.storage
+        st.sync(join(self.dir, MANIFEST_NAME))
         st.sync(self.dir)
         self._check_still_ours(payload)
         self._refuse_if_published()

@@ -105,6 +105,32 @@ def test_manifest_replaced_before_success_is_refused(storage: Storage, monkeypat
     assert not hdfs_io.is_complete(storage, DIR)
 
 
+def test_a_commit_retried_after_a_failure_past_its_manifest_finishes_with_the_same_manifest(storage: Storage,
+                                                                                           monkeypatch):
+    """_SUCCESS fails to be written once (storage down): the same publisher's second commit() finishes the
+    publish with the manifest it created (it used to refuse its own manifest as another writer's)."""
+    pub = Publisher(storage, DIR, manifest={"who": "me"}).__enter__()
+    pub.write_bytes("part-0.arrow", b"a" * 10)
+    real = storage.write_bytes
+    failed = []
+
+    def write_bytes(path, data, *a, **k):
+        if path.endswith(SUCCESS_NAME) and not failed:
+            failed.append(path)
+            raise OSError("storage down")
+        return real(path, data, *a, **k)
+
+    monkeypatch.setattr(storage, "write_bytes", write_bytes)
+    with pytest.raises(OSError, match="storage down"):
+        pub.commit()
+    first = storage.read_bytes(f"{DIR}/{MANIFEST_NAME}")
+    assert failed and not hdfs_io.is_complete(storage, DIR)
+    m = pub.commit()
+    assert hdfs_io.is_complete(storage, DIR) and m["who"] == "me"
+    assert storage.read_bytes(f"{DIR}/{MANIFEST_NAME}") == first
+    assert list(hdfs_io.verify(storage, DIR)["files"]) == ["part-0.arrow"]
+
+
 def test_normal_publish_and_overwrite_still_work(storage: Storage):
     hdfs_io.publish_dir(storage, DIR, {"a.bin": b"a", "sub/b.bin": b"bb"})
     hdfs_io.publish_dir(storage, DIR, {"a.bin": b"new"}, overwrite=True)
