@@ -736,8 +736,17 @@ class CTRTrainer:
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
         need_min = lockstep or (self.checkpoints.enabled and self.checkpoints.ck.align_steps > 0)
-        rows = min(shard_rows(p.data.train_path, self.num_workers)) if need_min else 0
+        sizes = shard_rows(p.data.train_path, self.num_workers) if need_min else [0]
+        rows = min(sizes)
         min_batches = rows // p.batch_size
+        align = self.checkpoints.ck.align_steps if self.checkpoints.enabled else 0
+        if self.rank == 0 and 0 < align and min_batches < align:     # points() has none: say why
+            small = sizes.index(rows)
+            log.warning("no checkpoint inside an epoch: worker %d's shard of %s has %d rows, %d batch(es) of "
+                        "%d, fewer than checkpoint.align_steps %d (the workers meet for a checkpoint only at "
+                        "steps every worker reaches); checkpoints come at epoch ends only: lower "
+                        "checkpoint.align_steps or model.batch_size, or run fewer workers",
+                        small, p.data.train_path, rows, min_batches, p.batch_size, align)
         if lockstep:
             max_steps = self.mode.steps_per_epoch(rows, p.batch_size)
             log.info("%s mode: %d steps per epoch on every worker", self.mode.name, max_steps)

@@ -122,3 +122,13 @@ def test_async_workers_resume_with_exactly_the_remaining_examples(tmp_path):
     trained = next(e for e in events if e["event"] == "final")["examples"]
     batch_size = mid["sources"]["train"]["batch_size"]
     assert trained == 2 * per_epoch - 2 * 4 * batch_size          # 2 workers had trained 4 batches each
+
+
+def test_shards_shorter_than_align_steps_are_named_in_a_warning(tmp_path):
+    """The workers meet for a mid-epoch checkpoint only at steps every worker reaches: with a shard of
+    fewer batches than ``checkpoint.align_steps`` there is none, and rank 0 says so (it was silent)."""
+    _train(tmp_path, "short", "checkpoint.align_steps=100000", "model.epochs=1")
+    log = (tmp_path / "run-short" / "worker-0.log").read_text()
+    assert "no checkpoint inside an epoch: worker " in log and "fewer than checkpoint.align_steps 100000" in log
+    assert [(m["sources"]["train"]["epoch"], m["sources"]["train"]["batch"])
+            for m in _chain(tmp_path / "ckpt-short")] == [(1, 0)]          # the epoch's end only
