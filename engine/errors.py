@@ -12,6 +12,13 @@ class ConfigError(EngineError, ValueError):
     """A config value is missing, unknown or out of range; the message names the key path."""
 
 
+class TrainingDivergedError(ConfigError):
+    """A training step's loss or sparse gradients are not finite (NaN or Inf): the model diverged, most
+    often from a learning rate too high for the data. The message names the worker, the step, and the
+    learning rates to lower. A ConfigError: the job ends with exit 2 and no restart, which would diverge
+    again; the last checkpoint holds the last finite state (servers refuse non-finite updates)."""
+
+
 class ProtocolError(EngineError, ValueError):
     """A PS message is malformed: wrong dtype or shape, truncated payload, bad field value."""
 

@@ -83,7 +83,7 @@ import pyarrow as pa
 from models import ModelConfigError, build_model
 
 from .. import observability, progress
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainingDivergedError
 from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
@@ -405,8 +405,29 @@ class CTRTrainer:
         return out
 
     def forward_backward(self, emb, rows, segments, batch: CTRBatch, on_grad=None):
-        """``models.StepResult`` of the batch (gradients of the mean loss); ``on_grad`` as the model's."""
-        return self.model.forward_backward(emb, rows, segments, batch.dense, batch.labels, on_grad)
+        """``models.StepResult`` of the batch (gradients of the mean loss); ``on_grad`` as the model's.
+
+        Raises
+        ------
+        TrainingDivergedError
+            The loss or a sparse gradient is NaN or Inf (checked here, before anything is pushed)."""
+        res = self.model.forward_backward(emb, rows, segments, batch.dense, batch.labels, on_grad)
+        if not (np.isfinite(res.loss) and np.isfinite(res.grad_emb).all()):
+            self._diverged(res)
+        return res
+
+    def _diverged(self, res) -> None:
+        c = self.ctx.config
+        rates = [f"tables.sparse.{n}.learning_rate={t.learning_rate:g}" for n, t in c.sparse_tables.items()]
+        rates += [f"tables.dense.{n}.learning_rate={t.learning_rate:g}" for n, t in c.dense_tables.items()]
+        if self.mode.name == "geo":
+            rates.insert(0, f"geo.learning_rate={c.geo.learning_rate:g}")
+        what = (f"the loss is {float(res.loss)}" if not np.isfinite(res.loss) else
+                f"{int((~np.isfinite(res.grad_emb)).any(axis=-1).sum())} sparse gradient row(s) are NaN or Inf")
+        raise TrainingDivergedError(
+            f"training diverged: worker {self.rank}, step {self.global_step}: {what}; nothing of this step "
+            f"was pushed to the servers, and the last checkpoint holds the last finite state. Lower the learning rates "
+            f"({', '.join(rates)}) and resume")
 
     def push(self, uniq, res, shows, clicks, batch_size: int) -> None:
         """Sum-loss sparse gradients with show/click counts (the server divides by shows), then the

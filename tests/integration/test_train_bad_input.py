@@ -62,3 +62,23 @@ def test_an_unusable_value_ends_the_job_with_one_line_naming_it_and_exit_2(where
         assert not (tmp_path / "run" / "restart-1").exists()
     else:
         assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+@pytest.mark.slow
+def test_a_diverging_model_ends_the_job_with_one_line_naming_the_learning_rates_and_exit_2(tmp_path):
+    """A learning rate the model diverges with: every restart would diverge again, so the worker stops at
+    the first non-finite loss or sparse gradient, before pushing it, with exit 2 (before: the servers
+    refused the gradients, a traceback, exit 1 and ``max_restarts`` restarts)."""
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
+           "--set", "model.data.source=generated", "--set", "model.data.generated_rows=3000",
+           "--set", f"model.data.cache_dir={tmp_path / 'cache'}", "--set", f"model.metrics_dir={tmp_path / 'metrics'}",
+           "--set", f"checkpoint.root={tmp_path / 'ckpt'}", "--set", "model.hidden=[16]", "--set", "model.epochs=1",
+           "--set", "tables.dense.dense.learning_rate=1e30"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = next((ln for ln in proc.stderr.splitlines() if "training diverged: worker " in ln), None)
+    assert line is not None, proc.stderr[-3000:]
+    assert "tables.dense.dense.learning_rate=1e+30" in line and "tables.sparse.embedding.learning_rate=" in line, line
+    assert "giving up after 1 failure(s)" in proc.stderr and "exited with code 2" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "restart-1").exists()
