@@ -38,6 +38,7 @@ import logging
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,10 @@ class TextConvertReport:
         Rows written (document chunks).
     split_documents : int
         Lines longer than ``chunk_tokens`` (cut into several rows).
+    tokens_crc32 : str
+        CRC-32 (8 lowercase hex digits) of the corpus parts' record batches in order: each batch's
+        token ids (uint32, little-endian, the list values) then its ``raw_tokens`` column (uint32). A corpus with its lines reordered keeps the
+        vocabulary and the token count but changes it.
     seconds : float
     """
 
@@ -152,6 +157,7 @@ class TextConvertReport:
     empty_lines: int = 0
     rows: int = 0
     split_documents: int = 0
+    tokens_crc32: str = ""
     seconds: float = 0.0
 
     @property
@@ -244,9 +250,10 @@ def vocab_fingerprint(path) -> dict:
 
 
 def conversion_fingerprint(out_dir) -> dict:
-    """What identifies a finished conversion: :func:`vocab_fingerprint` plus ``vocab_words`` (int) and
-    ``total_tokens`` (int, raw tokens of one pass over the corpus) from ``_meta.json``. A re-conversion of
-    a changed corpus changes at least one of them unless it keeps both the vocabulary and the token count.
+    """What identifies a finished conversion: :func:`vocab_fingerprint` plus ``vocab_words`` (int),
+    ``total_tokens`` (int, raw tokens of one pass over the corpus) and ``tokens_crc32`` (str, the rows as
+    written: ``TextConvertReport``; absent for conversions made before it was recorded) from
+    ``_meta.json``. A re-conversion of a changed corpus changes at least one of them, reordered lines too.
 
     Raises
     ------
@@ -257,8 +264,11 @@ def conversion_fingerprint(out_dir) -> dict:
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} not found: run convert_text (engine convert text) first")
     meta = json.loads(meta_path.read_text())
-    return {"vocab_words": int(meta.get("vocab_size", -1)), **vocab_fingerprint(Path(out_dir) / VOCAB_FILE),
-            "total_tokens": int(meta.get("total_tokens", -1))}
+    out = {"vocab_words": int(meta.get("vocab_size", -1)), **vocab_fingerprint(Path(out_dir) / VOCAB_FILE),
+           "total_tokens": int(meta.get("total_tokens", -1))}
+    if meta.get("tokens_crc32"):        # conversions before it was recorded have none
+        out["tokens_crc32"] = str(meta["tokens_crc32"])
+    return out
 
 
 def _open(path: str):
@@ -394,6 +404,7 @@ class _CorpusWriter:
         self.files: list[str] = []
         self._writer = self._sink = None
         self._file_tok = 0
+        self.crc = 0        # zlib.crc32 of each record batch's token ids, then its raw lengths, in order
 
     def write(self, row_offsets, values, raw_len):
         n_rows = len(raw_len)
@@ -411,6 +422,8 @@ class _CorpusWriter:
             rb = pa.RecordBatch.from_arrays([tokens, pa.array(raw_len[start:stop], pa.uint32())],
                                             schema=self.schema)
             self._writer.write_batch(rb)
+            self.crc = zlib.crc32(np.ascontiguousarray(vals, "<u4"), self.crc)
+            self.crc = zlib.crc32(np.ascontiguousarray(raw_len[start:stop], "<u4"), self.crc)
             self._file_tok += int(offs[-1])
             start = stop
 
@@ -501,7 +514,7 @@ def convert_text(corpus, out_dir, *, min_count: int = 5, max_vocab: int | None =
                 "files": report.files, "vocab_file": VOCAB_FILE,
                 **{k: getattr(report, k) for k in ("vocab_size", "total_tokens", "retained_tokens",
                                                    "oov_tokens", "distinct_words", "lines", "empty_lines",
-                                                   "rows", "split_documents")}}
+                                                   "rows", "split_documents", "tokens_crc32")}}
         (stage / META_FILE).write_text(json.dumps(meta, indent=1))
     log.info("converted %s: %d tokens (%d kept, %d OOV) in %d rows, %d files, %.1f s (%.0f tokens/s)",
              corpus, report.total_tokens, report.retained_tokens, report.oov_tokens, report.rows,
@@ -546,3 +559,4 @@ def _convert_into(out: Path, corpus: str, report: TextConvertReport, min_count, 
         if bar is not None:
             bar.close()
     report.files = writer.files
+    report.tokens_crc32 = f"{writer.crc:08x}"

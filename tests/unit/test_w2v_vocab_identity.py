@@ -19,6 +19,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import yaml
 
@@ -59,8 +60,14 @@ def _fingerprint(arrow: Path) -> dict:
     """The conversion's fingerprint from first principles: ``_meta.json``'s counts, ``vocab.arrow``'s bytes."""
     meta = json.loads((arrow / "_meta.json").read_text())
     data = (arrow / "vocab.arrow").read_bytes()
+    crc = 0
+    for part in meta["files"]:                   # every record batch: its token ids, then its raw lengths
+        with pa.ipc.open_stream(str(arrow / part)) as r:
+            for rb in r:
+                crc = zlib.crc32(rb.column("tokens").values.to_numpy().astype("<u4"), crc)
+                crc = zlib.crc32(rb.column("raw_tokens").to_numpy().astype("<u4"), crc)
     return {"vocab_words": meta["vocab_size"], "vocab_bytes": len(data), "vocab_crc32": f"{zlib.crc32(data):08x}",
-            "total_tokens": meta["total_tokens"]}
+            "total_tokens": meta["total_tokens"], "tokens_crc32": f"{crc:08x}"}
 
 
 def _checkpoint(arrow: Path, root: Path, *, record: bool = True) -> str:
@@ -112,6 +119,10 @@ def test_the_fingerprint_follows_the_conversion(tmp_path):
     assert conversion_fingerprint(arrow) == fp
     _convert(tmp_path, "the cat sat\ncat cat\n", arrow)        # same words and tokens, other order of ids
     assert conversion_fingerprint(arrow)["vocab_crc32"] != fp["vocab_crc32"]
+    _convert(tmp_path, "the cat\nthe cat sat\n", arrow)        # the lines reordered: same vocabulary and count
+    moved = conversion_fingerprint(arrow)
+    assert moved == _fingerprint(arrow) and moved["tokens_crc32"] != fp["tokens_crc32"]
+    assert {k: v for k, v in moved.items() if k != "tokens_crc32"} == {k: v for k, v in fp.items() if k != "tokens_crc32"}
     with pytest.raises(FileNotFoundError, match="_meta.json"):
         conversion_fingerprint(tmp_path / "nothing")
 
@@ -195,6 +206,11 @@ def test_a_resume_refuses_a_changed_conversion(trained, tmp_path, caplog):
     assert f"vocab_words was {was['vocab_words']}, now {now['vocab_words']}" in msg
     assert f"total_tokens was {was['total_tokens']}, now {now['total_tokens']}" in msg
     assert f"vocab_crc32 was {was['vocab_crc32']}, now {now['vocab_crc32']}" in msg
+    _convert(tmp_path, "the dog sat\nthe cat sat on the mat\n", arrow)   # the trained lines, reordered
+    moved = conversion_fingerprint(arrow)
+    assert (moved["vocab_crc32"], moved["total_tokens"]) == (was["vocab_crc32"], was["total_tokens"])
+    with pytest.raises(ConfigError, match=f"tokens_crc32 was {was['tokens_crc32']}, now {moved['tokens_crc32']}"):
+        check_resumed_corpus(cfg, str(arrow), moved)
     # a checkpoint written before fingerprints were recorded: accepted, with a warning
     old = _checkpoint(arrow, tmp_path / "old", record=False)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=old))
