@@ -16,7 +16,9 @@ the last stdout line, one JSON object::
 CTR configs (``ctr_dnn``, ``deepfm``): the checkpoint is exported to a temporary serving bundle
 (``engine.export``) and scores the config's test split (``model.data``, resolved and converted as
 ``engine train`` does); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
-..., "copc": ..., "rows": ...}``.
+..., "copc": ..., "rows": ...}`` (``model``: the kind the checkpoint holds). A checkpoint of another
+model than the config's (``model.kind``, ``slots``, ``dim``, ``dense_dim`` or ``hidden`` differ) is
+refused, exit 2, naming the field and both values.
 
 ``URI`` is a checkpoint directory or a job root (its newest complete checkpoint), as ``engine export``
 takes. Exit codes: 0 success, 2 bad config, checkpoint or evaluation files (for CTR: an empty, truncated
@@ -94,13 +96,39 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
             "missing": missing, **res}
 
 
+def check_model_matches(cfg, desc: dict, uri: str) -> None:
+    """The config's CTR model is the one the checkpoint holds: ``model.kind``, ``slots``, ``dim``,
+    ``dense_dim`` and ``hidden`` of ``cfg`` equal those of the checkpoint's model description ``desc``
+    (``engine.export.checkpoint_source.description_from_config``; a ``ctr_online`` checkpoint holds its
+    ``model.network``).
+
+    Raises
+    ------
+    ConfigError
+        The first field that differs, with both values (the checkpoint's and the config's).
+    """
+    from ..errors import ConfigError
+    p = cfg.model.params
+    held = desc.get("model") or {}
+    pairs = (("kind", held.get("kind"), cfg.model.kind),
+             ("slots", list(desc.get("slots") or []), list(p.slots)),
+             ("dim", held.get("dim"), int(p.dim)),
+             ("dense_dim", held.get("dense_dim"), int(p.dense_dim)),
+             ("hidden", list(held.get("hidden") or []), list(p.hidden)))
+    for field, ck, conf in pairs:
+        if ck != conf:
+            raise ConfigError(f"--checkpoint {uri}: model.{field}: the checkpoint holds {ck!r}, the config "
+                              f"says {conf!r}; evaluate it with the config it was trained with")
+
+
 def evaluate_ctr(cfg, uri: str) -> dict:
     """AUC / logloss / COPC of a CTR checkpoint on the config's test split (module docstring).
 
     Raises
     ------
     ConfigError, ExportError, CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
-        Bad data section or no readable checkpoint at ``uri``.
+        Bad data section, no readable checkpoint at ``uri``, or a checkpoint of another model than the
+        config's (``check_model_matches``: the field and both values named).
     streaming.errors.DataFormatError
         A test file is empty, truncated or not Arrow, or holds a value the model cannot score (a null
         or out-of-[0, 1] label, a null, NaN or infinite dense value): file, row and column named.
@@ -117,6 +145,8 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     source = open_source(uri, storage_options=cfg.storage.options())
     with tempfile.TemporaryDirectory(prefix="engine-eval-") as tmp:
         try:
+            desc = source.model_description()
+            check_model_matches(cfg, desc, source.source_uri)
             export_bundle(source, os.path.join(tmp, "bundle"))
         finally:
             close = getattr(source, "close", None)
@@ -128,7 +158,7 @@ def evaluate_ctr(cfg, uri: str) -> dict:
             metrics.update(bundle.predict(rb), rb.column(bundle.label_column).to_numpy(zero_copy_only=False))
             rows += rb.num_rows
     s = metrics.summary()
-    return {"event": "eval", "model": cfg.model.kind, "checkpoint": source.source_uri,
+    return {"event": "eval", "model": desc["model"]["kind"], "checkpoint": source.source_uri,
             "test_path": data.test_path, "rows": rows, "auc": s["auc"], "logloss": s["logloss"],
             "copc": s["copc"]}
 
@@ -152,7 +182,7 @@ def run(args) -> int:
         print(f"engine eval: {e}", file=sys.stderr)
         return 2
     if kind != "word2vec":
-        print(f"{kind} test AUC {out['auc']:.4f}  logloss {out['logloss']:.4f}  COPC {out['copc']:.3f}  "
+        print(f"{out['model']} test AUC {out['auc']:.4f}  logloss {out['logloss']:.4f}  COPC {out['copc']:.3f}  "
               f"({out['rows']} rows)")
         out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
         print(json.dumps(out), flush=True)

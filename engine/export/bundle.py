@@ -58,6 +58,7 @@ import numpy as np
 import pyarrow as pa
 
 import hdfs_io
+import hdfs_io.temp_names
 from hdfs_io import Publisher, Storage, StorageOptions
 
 from .errors import BundleError, ExportError
@@ -367,7 +368,11 @@ def export_bundle(source: ExportSource, out_uri: str, *, min_show: float | None 
     groups : int, default 16
         Vshard groups = embedding files, in ``[1, num_vshards]``; each is a contiguous vshard range.
     overwrite : bool
-        Replace an existing bundle at ``out_uri``.
+        Replace a published bundle at ``out_uri``. Only a bundle is ever replaced (``engine.export.target``:
+        a file, a checkpoint or a directory holding other names never is), and only once every input
+        was read and checked (the ``since`` chain's files and CRC-32s included). On a local disk the new
+        bundle is published beside ``out_uri`` and swapped in, so a failure keeps the old one; elsewhere
+        (S3, HDFS) the old one is deleted at the publish, so a failure from then on leaves none there.
     extra_files : mapping name -> bytes
         More files to publish inside the bundle (``model.onnx``).
 
@@ -380,11 +385,21 @@ def export_bundle(source: ExportSource, out_uri: str, *, min_show: float | None 
     ------
     ExportError
         Bad description, rows of the wrong schema, duplicate keys, dense size mismatch, options that
-        contradict the delta's base.
+        contradict the delta's base; ``out_uri`` is a file or a directory that is not a bundle (a few of
+        its foreign names quoted), is, contains or is inside the source checkpoint's job root, or is
+        ``since`` or a link of its chain. Nothing at ``out_uri`` was changed.
     FileExistsError
         ``out_uri`` is published and ``overwrite`` is false.
+    hdfs_io.NotPublishedError, hdfs_io.CheckpointCorruptError
+        A bundle of the ``since`` chain is unpublished, or one of its files is missing or damaged (named);
+        nothing at ``out_uri`` was changed.
     """
+    from . import target as T
     t0 = time.perf_counter()
+    storage, name = split_uri(out_uri, storage_options)
+    # nothing at OUT is touched before every check below has passed (a failed export loses nothing)
+    T.check_not_source(out_uri, getattr(source, "source_uri", None))
+    state = T.check_bundle_target(storage, name, overwrite=overwrite)
     desc = check_description(source.model_description())
     model = _build(desc)
     width = model.sparse_width
@@ -396,6 +411,11 @@ def export_bundle(source: ExportSource, out_uri: str, *, min_show: float | None 
     chain: list[BundleInfo] = []
     if since is not None:
         chain = resolve_chain(since, storage_options)
+        for link in chain:
+            if T.same_place(link.uri, out_uri):
+                raise ExportError(f"--delta {since}: the output {out_uri} is "
+                                  f"{'that bundle' if link is chain[-1] else 'a link of its chain'}; a delta "
+                                  f"cannot replace a bundle it is made on: export it to a new directory")
         dtype, min_show, groups = _since_options(chain, width, desc["model"], dtype, min_show, groups)
     dtype = dtype or "float32"
     min_show = 0.0 if min_show is None else float(min_show)
@@ -424,41 +444,67 @@ def export_bundle(source: ExportSource, out_uri: str, *, min_show: float | None 
             if len(sel):
                 pieces[g].append((keys[sel], vals[sel]))
 
-    # 2. per group: sort, cast, (delta: diff against the parent's state), write
-    storage, name = split_uri(out_uri, storage_options)
+    # 2. per group: sort, cast, (delta: diff against the parent's state, reading and checking every file
+    #    of the chain): all of it before the publish, which is the first step that changes OUT
+    outputs: list[tuple[np.ndarray, np.ndarray]] = []
+    deleted_all, rows_out, nonfinite = [], 0, 0
+    for g in range(groups):
+        part = pieces[g]
+        pieces[g] = []
+        keys = np.concatenate([p[0] for p in part]) if part else np.empty(0, np.uint64)
+        vals = np.concatenate([p[1] for p in part]) if part else np.empty((0, width), np.float32)
+        del part
+        order = np.argsort(keys, kind="stable")
+        keys, vals = keys[order], vals[order].astype(_DTYPES[dtype])
+        dup = np.flatnonzero(keys[1:] == keys[:-1])
+        if len(dup):
+            raise ExportError(f"{source.source_uri}: key {int(keys[dup[0]])} appears more than once "
+                              f"in the rows (a source must yield each row once)")
+        nonfinite += int((~np.isfinite(vals)).any(axis=1).sum())
+        if chain:
+            keys, vals, gone = _diff(chain, g, keys, vals)
+            deleted_all.append(gone)
+        outputs.append((keys, vals))
+        rows_out += len(keys)
+    deleted = np.sort(np.concatenate(deleted_all)) if deleted_all else np.empty(0, np.uint64)
+    dense_bytes = _dense_npz(model, dense)
+
+    # 3. publish. A published bundle replaced on a local disk is staged beside OUT and swapped in once
+    #    complete (the old one stays until then); elsewhere (S3: no directory rename) it is deleted
+    #    first, so a failure from here on leaves no bundle at OUT, never a half one that looks complete.
+    stage = state == "bundle" and storage.is_local
+    if stage:
+        T.remove_stale_stages(storage, name)
+    target = hdfs_io.temp_names.temp_name(name, T.STAGE_TAG) if stage else name
     export_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:8]
     schema = emb_schema(width, dtype)
-    files, deleted_all, rows_out, nonfinite = [], [], 0, 0
-    with Publisher(storage, name, overwrite=overwrite,
-                   manifest={"bundle_format": FORMAT, "export_id": export_id}) as pub:
-        for g in range(groups):
-            part = pieces[g]
-            pieces[g] = []
-            keys = np.concatenate([p[0] for p in part]) if part else np.empty(0, np.uint64)
-            vals = np.concatenate([p[1] for p in part]) if part else np.empty((0, width), np.float32)
-            order = np.argsort(keys, kind="stable")
-            keys, vals = keys[order], vals[order].astype(_DTYPES[dtype])
-            dup = np.flatnonzero(keys[1:] == keys[:-1])
-            if len(dup):
-                raise ExportError(f"{source.source_uri}: key {int(keys[dup[0]])} appears more than once "
-                                  f"in the rows (a source must yield each row once)")
-            nonfinite += int((~np.isfinite(vals)).any(axis=1).sum())
+    files = []
+    try:
+        with Publisher(storage, target, overwrite=overwrite and not stage,
+                       manifest={"bundle_format": FORMAT, "export_id": export_id}) as pub:
+            for g in range(groups):
+                keys, vals = outputs[g]
+                outputs[g] = None
+                rel = _group_file(g, groups)
+                pub.write_table(rel, _rows_table(keys, vals, schema), schema=schema)
+                files.append({"name": rel, "group": g, "rows": int(len(keys))})
             if chain:
-                keys, vals, gone = _diff(chain, g, keys, vals)
-                deleted_all.append(gone)
-            rel = _group_file(g, groups)
-            pub.write_table(rel, _rows_table(keys, vals, schema), schema=schema)
-            files.append({"name": rel, "group": g, "rows": int(len(keys))})
-            rows_out += len(keys)
-        deleted = np.sort(np.concatenate(deleted_all)) if deleted_all else np.empty(0, np.uint64)
-        if chain:
-            pub.write_table(DELETED_FILE, pa.table({"key": pa.array(deleted, pa.uint64())}))
-        pub.write_bytes(DENSE_FILE, _dense_npz(model, dense))
-        for fname, data in (extra_files or {}).items():
-            pub.write_bytes(fname, data)
-        meta = _model_json(desc, model, source, export_id, chain, dtype, min_show, groups, files,
-                           rows_out, len(deleted), sorted(extra_files or {}))
-        pub.write_bytes(MODEL_FILE, json.dumps(meta, indent=1, sort_keys=True).encode())
+                pub.write_table(DELETED_FILE, pa.table({"key": pa.array(deleted, pa.uint64())}))
+            pub.write_bytes(DENSE_FILE, dense_bytes)
+            for fname, data in (extra_files or {}).items():
+                pub.write_bytes(fname, data)
+            meta = _model_json(desc, model, source, export_id, chain, dtype, min_show, groups, files,
+                               rows_out, len(deleted), sorted(extra_files or {}))
+            pub.write_bytes(MODEL_FILE, json.dumps(meta, indent=1, sort_keys=True).encode())
+        if stage:
+            T.swap_in(storage, target, name)
+    except BaseException:
+        if stage:
+            try:
+                storage.delete(target, missing_ok=True)
+            except Exception as exc:  # noqa: BLE001 - the error that brought us here matters more
+                log.warning("could not remove the staged bundle %s: %s", storage.uri_of(target), exc)
+        raise
     if nonfinite:
         log.warning("%d exported rows hold inf/nan values (dtype %s)", nonfinite, dtype)
     log.info("exported %s bundle %s: %d of %d rows (%d under min_show %g), %d deleted, %s, %.1f s",

@@ -48,7 +48,9 @@ def add_subparsers(sub) -> None:
     p.add_argument("--delta", metavar="SINCE", default=None,
                    help="write a delta against this earlier export (rows changed since + deleted keys)")
     p.add_argument("--groups", type=int, default=None, help="vshard groups = embedding files (default 16)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing export at OUT (only a bundle, or a word2vec file, is ever "
+                        "replaced; a directory holding anything else never is)")
     p.add_argument("--vocab", default=None,
                    help="word2vec: vocab.arrow (or its directory); default: the one a word2vec checkpoint records")
     p.add_argument("--binary", action="store_true", help="word2vec: binary format")
@@ -105,7 +107,7 @@ def run_export(args) -> int:
                       "checkpoint does not record one", file=sys.stderr)
                 return 2
             from .w2v import export_word2vec
-            res = export_word2vec(source, args.out, vocab=vocab, binary=args.binary)
+            res = export_word2vec(source, args.out, vocab=vocab, binary=args.binary, overwrite=args.overwrite)
             out = {"event": "export", "format": "word2vec", "out": args.out, **res}
         else:
             if args.format == "onnx":
@@ -118,7 +120,8 @@ def run_export(args) -> int:
                    "rows": meta["embedding"]["rows"], "deleted": meta["embedding"]["deleted"],
                    "export_id": meta["export_id"], "seconds": meta["stats"]["seconds"]}
     except FileExistsError as e:       # hdfs_io's message speaks of the library's overwrite=True
-        print(f"engine export: {e.filename or args.out}: already published; pass --overwrite to replace it",
+        what = "exists" if args.format == "word2vec" else "published"
+        print(f"engine export: {e.filename or args.out}: already {what}; pass --overwrite to replace it",
               file=sys.stderr)
         return 2
     except bad as e:

@@ -85,7 +85,8 @@ class Bundle:
         del parts
         self._index()
         self.max_batch = int(max_batch)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # predict/pooled/lookup; apply_delta swaps under it
+        self._patch_lock = threading.Lock()
         self._rows_scratch = np.empty(0, np.int64)
         self.last_hits = 0
         log.info("loaded bundle %s: %d rows of width %d (%s), %d bundle(s) applied, %.2f s", self.uri,
@@ -103,12 +104,7 @@ class Bundle:
         self.dtype = emb["dtype"]
 
     def _index(self) -> None:
-        self._slots = K.new_index(len(self.keys))
-        dup = K.build_index(self.keys, self._slots)
-        if dup >= 0:
-            raise BundleError(f"{self.uri}: key {int(self.keys[dup])} is stored twice (corrupt bundle)")
-        self._raw = self.values.view(np.uint16) if self.dtype == "float16" else self.values
-        self._half = K.half_table() if self.dtype == "float16" else np.empty(0, np.float32)
+        self._slots, self._raw, self._half = _build_index(self.keys, self.values, self.dtype, self.uri)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -120,8 +116,9 @@ class Bundle:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Embedding rows of ``keys : uint64[n]`` -> ``float32[n, w]``; unknown keys read zeros."""
         keys = np.ascontiguousarray(keys, np.uint64)
-        out = np.empty((len(keys), self.width), self._raw.dtype)
-        self.last_hits = K.lookup_gather(keys, self._slots, self._raw, out)
+        with self._lock:        # index and rows of one state (apply_delta swaps them together)
+            out = np.empty((len(keys), self.width), self._raw.dtype)
+            self.last_hits = K.lookup_gather(keys, self._slots, self._raw, out)
         return out.view(np.float16).astype(np.float32) if self.dtype == "float16" else out
 
     def state(self) -> tuple[np.ndarray, np.ndarray]:
@@ -266,14 +263,28 @@ class Bundle:
         raises ``DataFormatError`` naming the file, its row and the column (``engine predict`` and
         ``engine eval`` pass it).
 
-        Refused: a null, NaN or infinite value of the dense column, or a null list there; when the
-        label column is present, a non-numeric label column, or a null, NaN or label outside [0, 1].
-        Slot columns are not checked: their nulls mean no key (see :meth:`inputs`). Missing or mistyped
-        columns are left to :meth:`predict`, which names them. Reads only the bundle's input
-        description: safe to call from a reader thread while another thread scores.
+        Refused: a missing slot or dense column, or one of a type :meth:`inputs` cannot read (``row`` 0:
+        the first row of ``batch``); a null, NaN or infinite value of the dense column, or a null list
+        there; when the label column is present, a non-numeric label column, or a null, NaN or label
+        outside [0, 1]. Slot values are not checked: their nulls mean no key (see :meth:`inputs`). Reads
+        only the bundle's input description: safe to call from a reader thread while another thread
+        scores.
         """
         names = batch.schema.names
         D = self.model.dense_dim
+        for name in self.slots:
+            if name not in names:
+                return (name, 0, f"expected a slot column (uint64, list<uint64> or string keys), but the "
+                                 f"column is missing (bundle slots {', '.join(self.slots)})")
+            t = batch.schema.field(name).type
+            if t != pa.uint64() and t not in _UINT64_LISTS and t not in _STRINGS:
+                return (name, 0, f"expected uint64, list<uint64> or string keys, got {t}")
+        if D:
+            if self.dense_column not in names:
+                return (self.dense_column, 0, f"expected fixed_size_list<float32>[{D}], but the column is missing")
+            t = batch.schema.field(self.dense_column).type
+            if not pa.types.is_fixed_size_list(t) or t.list_size != D or not pa.types.is_floating(t.value_type):
+                return (self.dense_column, 0, f"expected fixed_size_list<float32>[{D}], got {t}")
         if D and self.dense_column in names:
             col = batch.column(self.dense_column)
             t = col.type
@@ -299,15 +310,16 @@ class Bundle:
             first-order weight); an empty slot or unknown key adds zeros.
         dense : float32[B, D]
         """
-        batch, cols, simple = self._slot_columns(batch)
-        n = batch.num_rows
-        out = np.zeros((n, len(self.slots) * self.width), np.float32)
-        if simple and n:
-            self._lookup_pool(self._fixed_keys(cols, n), out)
-        elif n:
-            keys, cells, _ = self.inputs(batch)
-            np.add.at(out.reshape(n * len(self.slots), self.width), cells, self.lookup(keys))
-        return out, self._dense_of(batch, n)
+        with self._lock:
+            batch, cols, simple = self._slot_columns(batch)
+            n = batch.num_rows
+            out = np.zeros((n, len(self.slots) * self.width), np.float32)
+            if simple and n:
+                self._lookup_pool(self._fixed_keys(cols, n), out)
+            elif n:
+                keys, cells, _ = self.inputs(batch)
+                np.add.at(out.reshape(n * len(self.slots), self.width), cells, self.lookup(keys))
+            return out, self._dense_of(batch, n)
 
     def _lookup_pool(self, keys: np.ndarray, out: np.ndarray) -> None:
         """Fused lookup + pooling of one-key-per-cell ``keys : uint64[B*S]`` (example-major) into
@@ -356,6 +368,10 @@ class Bundle:
     def apply_delta(self, uri: str, storage_options: StorageOptions | None = None) -> None:
         """Apply a delta bundle exported on top of the one currently loaded.
 
+        All of the delta is read and checked before the bundle changes; the new rows, index, dense
+        parameters and metadata then replace the old ones at once under the lock :meth:`predict` holds.
+        On any error the bundle is left as it was (the same delta can be applied again).
+
         Raises
         ------
         BundleError
@@ -363,35 +379,65 @@ class Bundle:
             applied in order), or it was written with another ``hash_version`` than this engine's.
         hdfs_io.NotPublishedError
             The delta has no ``_SUCCESS`` marker.
+        hdfs_io.CheckpointCorruptError
+            A file of the delta is missing, truncated or fails its CRC-32 (named).
         """
-        info = open_bundle(uri, storage_options)
-        _check_hash_version(info)
-        if not info.is_delta:
-            raise BundleError(f"{info.uri}: a full bundle, not a delta; load it with load_bundle")
-        parent = info.meta["parent"]["export_id"]
-        if parent != self.export_id:
-            raise BundleError(f"{info.uri}: a delta of export {parent}, but the loaded bundle is "
-                              f"{self.export_id} ({self.uri}); apply deltas in order")
-        emb = info.meta["embedding"]
-        if emb["width"] != self.width or emb["dtype"] != self.dtype:
-            raise BundleError(f"{info.uri}: embedding {emb['dtype']}[{emb['width']}] does not match the "
-                              f"loaded {self.dtype}[{self.width}]")
-        t0 = time.perf_counter()
-        parts = [info.read_group(g) for g in range(emb["vshard_groups"])]
-        up_k = np.concatenate([p[0] for p in parts])
-        up_v = np.concatenate([p[1] for p in parts])
-        drop = np.concatenate([info.read_deleted(), up_k])
-        rows = np.empty(len(drop), np.int64)
-        K.find_rows(drop, self._slots, rows)
-        keep = np.ones(len(self.keys), bool)
-        keep[rows[rows >= 0]] = False
-        self.keys = np.concatenate([self.keys[keep], up_k])
-        self.values = np.concatenate([self.values[keep], up_v])
-        self.model.set_dense(info.read_dense())
-        self._index()
-        self._set_meta(info)
-        log.info("applied delta %s: %d rows upserted, %d deleted, %d rows now, %.2f s", info.uri,
-                 len(up_k), emb["deleted"], len(self.keys), time.perf_counter() - t0)
+        with self._patch_lock:      # one patch at a time; predict() keeps scoring while it is built
+            info = open_bundle(uri, storage_options)
+            _check_hash_version(info)
+            if not info.is_delta:
+                raise BundleError(f"{info.uri}: a full bundle, not a delta; load it with load_bundle")
+            parent = info.meta["parent"]["export_id"]
+            if parent != self.export_id:
+                raise BundleError(f"{info.uri}: a delta of export {parent}, but the loaded bundle is "
+                                  f"{self.export_id} ({self.uri}); apply deltas in order")
+            emb = info.meta["embedding"]
+            if emb["width"] != self.width or emb["dtype"] != self.dtype:
+                raise BundleError(f"{info.uri}: embedding {emb['dtype']}[{emb['width']}] does not match the "
+                                  f"loaded {self.dtype}[{self.width}]")
+            t0 = time.perf_counter()
+            # everything is read, checked and built into locals first: a failure (a damaged file) leaves
+            # the bundle as it was, so the same delta can be applied again once repaired
+            parts = [info.read_group(g) for g in range(emb["vshard_groups"])]
+            up_k = np.concatenate([p[0] for p in parts])
+            up_v = np.concatenate([p[1] for p in parts])
+            del parts
+            drop = np.concatenate([info.read_deleted(), up_k])
+            dense = info.read_dense()
+            if len(dense) != self.model.dense_size:
+                raise BundleError(f"{info.uri}/{info.meta['dense']['file']}: {len(dense)} dense values, the "
+                                  f"loaded model has {self.model.dense_size}")
+            rows = np.empty(len(drop), np.int64)
+            K.find_rows(drop, self._slots, rows)
+            keep = np.ones(len(self.keys), bool)
+            keep[rows[rows >= 0]] = False
+            keys = np.concatenate([self.keys[keep], up_k])
+            values = np.concatenate([self.values[keep], up_v])
+            index = _build_index(keys, values, self.dtype, info.uri)
+            with self._lock:        # a concurrent predict() scores wholly before or wholly after the swap
+                self.keys, self.values = keys, values
+                self._slots, self._raw, self._half = index
+                self.model.set_dense(dense)
+                self._set_meta(info)
+            log.info("applied delta %s: %d rows upserted, %d deleted, %d rows now, %.2f s", info.uri,
+                     len(up_k), emb["deleted"], len(self.keys), time.perf_counter() - t0)
+
+
+def _build_index(keys: np.ndarray, values: np.ndarray, dtype: str, uri: str):
+    """``(hash index slots, raw rows, half table)`` of ``keys``/``values`` (see :meth:`Bundle.lookup`).
+
+    Raises
+    ------
+    BundleError
+        A key is stored twice (named, with ``uri``).
+    """
+    slots = K.new_index(len(keys))
+    dup = K.build_index(keys, slots)
+    if dup >= 0:
+        raise BundleError(f"{uri}: key {int(keys[dup])} is stored twice (corrupt bundle)")
+    raw = values.view(np.uint16) if dtype == "float16" else values
+    half = K.half_table() if dtype == "float16" else np.empty(0, np.float32)
+    return slots, raw, half
 
 
 def _check_hash_version(info: BundleInfo) -> int:

@@ -21,6 +21,9 @@ Deletion removes ``_SUCCESS`` first, so a reader never loads half of a deleted b
 from __future__ import annotations
 
 import logging
+import time
+
+import pyarrow.fs as pafs
 
 import hdfs_io
 from hdfs_io import Storage, StorageOptions
@@ -35,7 +38,8 @@ __all__ = ["prune_bundles"]
 
 
 def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
-                  storage_options: StorageOptions | None = None) -> list[str]:
+                  storage_options: StorageOptions | None = None,
+                  incomplete_grace_s: float | None = None) -> list[str]:
     """Delete the bundles under ``root`` that no chain of the ``keep_full`` newest full bundles needs.
 
     Parameters
@@ -48,6 +52,10 @@ def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
         The bundle just published (``YYYYMMDD/HHMM-kind``). Only bundles up to it count and may go:
         newer ones are a run the job rolled back from (``--resume`` of an older checkpoint), left as
         they are, and every link of ``current``'s own chain is kept whatever its age.
+    incomplete_grace_s : float, optional
+        An incomplete bundle directory whose newest file (or the directory) was modified less than this
+        many seconds ago is kept (an export in flight); default ``INCOMPLETE_GRACE_S`` of
+        ``engine.checkpoint.coordinator`` (600).
 
     Returns
     -------
@@ -63,6 +71,8 @@ def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
     """
     if keep_full < 1:
         raise ValueError(f"keep_full must be >= 1, got {keep_full}")
+    if incomplete_grace_s is None:
+        from ..checkpoint.coordinator import INCOMPLETE_GRACE_S as incomplete_grace_s
     storage = Storage.from_uri(root, storage_options=storage_options)
     published = [r for r in list_checkpoints(storage) if current is None or r.name <= current]
     full, keep = [], set()
@@ -86,6 +96,10 @@ def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
             continue
         old = cutoff is not None and ref < cutoff
         leftover = ref.name not in done and newest is not None and ref < newest
+        if (old or leftover) and ref.name not in done and _written_lately(storage, ref.name, incomplete_grace_s):
+            log.info("bundle retention: keeping incomplete %s, written to less than %.0f s ago (an export in "
+                     "flight?)", storage.uri_of(ref.name), incomplete_grace_s)
+            continue
         if old or leftover:
             storage.delete(hdfs_io.join(ref.name, hdfs_io.SUCCESS_NAME), missing_ok=True)
             storage.delete(ref.name, missing_ok=True)
@@ -100,3 +114,17 @@ def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
         log.info("bundle retention (keep %d full bundles) under %s: deleted %s", keep_full, storage.uri,
                  ", ".join(deleted))
     return deleted
+
+
+def _written_lately(storage: Storage, name: str, grace_s: float) -> bool:
+    """True when the newest file under ``name`` (or the directory itself) was modified less than
+    ``grace_s`` seconds ago, or when that cannot be told (a listing error)."""
+    try:
+        infos = [storage.info(name)]
+        infos += storage.fs.get_file_info(pafs.FileSelector(storage.full_path(name), recursive=True,
+                                                            allow_not_found=True))
+    except OSError as exc:
+        log.warning("bundle retention: cannot list %s (%s); keeping it", storage.uri_of(name), exc)
+        return True
+    stamps = [i.mtime_ns for i in infos if i.mtime_ns is not None]
+    return bool(stamps) and time.time() - max(stamps) / 1e9 < grace_s

@@ -118,8 +118,15 @@ def word_vectors(source, vocab: str):
     return words, vecs, missing
 
 
-def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, storage_options=None) -> dict:
+def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, storage_options=None,
+                    overwrite: bool = False) -> dict:
     """Write ``source``'s rows as word2vec vectors.
+
+    The file appears whole or not at all: on an object store (S3) it is one PUT (an object appears
+    whole at close); elsewhere it is written under a temporary name beside ``out_uri``
+    (``hdfs_io.temp_names``) and renamed over it once complete, so a failed or killed export leaves an
+    earlier file there untouched (and its temporary, removed by the next export to ``out_uri`` on this
+    host once the process is gone).
 
     Parameters
     ----------
@@ -131,6 +138,8 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
         ``vocab.arrow`` or the converted-corpus directory holding it (local).
     binary : bool
         word2vec binary format instead of text.
+    overwrite : bool
+        Replace an existing file at ``out_uri`` (a directory is never replaced).
 
     Returns
     -------
@@ -141,19 +150,61 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
     ------
     ExportError
         ``vocab`` is not the vocabulary the source was trained with, a row whose word id is outside the
-        vocabulary, or rows of mixed width.
+        vocabulary, or rows of mixed width; ``out_uri`` is a directory, or is, contains or is inside the
+        source checkpoint's job root.
+    FileExistsError
+        A file is at ``out_uri`` and ``overwrite`` is false.
     models.errors.ModelInputError
         A word the word2vec format cannot hold (ASCII whitespace: ``models.word2vec_io``).
     """
+    from hdfs_io import temp_names
     from models.word2vec_io import save_word2vec_format
-    words, vecs, missing = word_vectors(source, vocab)
+    from . import target as T
     storage, name = _parent(out_uri, storage_options)
+    T.check_not_source(out_uri, getattr(source, "source_uri", None))
+    T.check_file_target(storage, name, overwrite=overwrite)
+    words, vecs, missing = word_vectors(source, vocab)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "vectors")
         save_word2vec_format(path, words, vecs, binary=binary)
         with open(path, "rb") as f:
-            storage.write_bytes(name, f.read())
+            data = f.read()
+    T.check_file_target(storage, name, overwrite=overwrite)     # appeared meanwhile?
+    if storage.fs.type_name in _OBJECT_STORES:
+        storage.write_bytes(name, data)                         # the object appears whole at close
+    else:
+        _remove_stale(storage, name)
+        tmp_name = temp_names.temp_name(name, "tmp")
+        try:
+            storage.write_bytes(tmp_name, data)
+            storage.sync(tmp_name)
+            storage.move(tmp_name, name)
+            storage.sync("")
+        except BaseException:
+            try:
+                storage.delete(tmp_name, missing_ok=True)
+            except Exception as exc:  # noqa: BLE001 - the error that brought us here matters more
+                log.warning("could not remove %s: %s", storage.uri_of(tmp_name), exc)
+            raise
     return {"words": len(words), "dim": int(vecs.shape[1]), "missing": missing}
+
+
+_OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})
+
+
+def _remove_stale(storage, name: str) -> None:
+    """Temporaries of exports to ``name`` killed on this host (their process is gone)."""
+    from hdfs_io import temp_names
+    try:
+        left = temp_names.stale(storage.listdir(""), name, "tmp")
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for t in left:
+        log.warning("removing %s: a partial word2vec file of an export that was killed", storage.uri_of(t))
+        try:
+            storage.delete(t, missing_ok=True)
+        except OSError as exc:      # another user's leftover: not ours to remove
+            log.warning("could not remove %s: %s", storage.uri_of(t), exc)
 
 
 def _parent(uri, storage_options):

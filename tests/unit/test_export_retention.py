@@ -4,6 +4,9 @@ chain; older bundles and incomplete leftovers go, ``_SUCCESS`` first. Before, bu
 deleted: 24 a day, each with the dense tower."""
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -29,6 +32,13 @@ def export(root, name: str, step: int, since: str | None) -> str:
     return out
 
 
+def aged(path) -> None:
+    """A killed export's leftover: nothing written to it for an hour (older than INCOMPLETE_GRACE_S)."""
+    old = time.time() - 3600
+    for p in [path, *path.rglob("*")]:
+        os.utime(p, (old, old))
+
+
 def names(root) -> list[str]:
     return sorted(f"{d.parent.name}/{d.name}" for d in root.glob("*/*") if d.is_dir())
 
@@ -45,6 +55,7 @@ def test_the_newest_full_bundles_and_their_chains_stay(tmp_path):
         export(root, name, step, since)
     (root / "20240101" / "0500-delta").mkdir()         # the failed export's leftover: no _SUCCESS
     (root / "20240101" / "0500-delta" / "model.json").write_text("{}")
+    aged(root / "20240101" / "0500-delta")
     assert prune_bundles(str(root), 2) == ["20240101/0100-base", "20240101/0200-delta", "20240101/0500-delta"]
     assert names(root) == ["20240101/0300-base", "20240101/0400-delta", "20240101/0600-delta",
                            "20240102/0000-delta", "20240102/0100-delta"]
@@ -62,6 +73,7 @@ def test_fewer_full_bundles_than_kept_deletes_only_leftovers(tmp_path):
     export(root, "20240101/0100-base", 0, None)
     export(root, "20240101/0300-delta", 1, "20240101/0100-base")
     (root / "20240101" / "0200-delta").mkdir()
+    aged(root / "20240101" / "0200-delta")
     assert prune_bundles(str(root), 2) == ["20240101/0200-delta"]
     assert prune_bundles(str(tmp_path / "nothing"), 2) == []
     with pytest.raises(ValueError, match="keep_full"):
