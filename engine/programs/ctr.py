@@ -226,6 +226,7 @@ class CTRTrainer:
         self.num_slots = len(p.slots)
         self.steps = 0                # the job's steps at the last commit point (see the property)
         self.examples = 0             # training examples of this process
+        self.examples_before = 0      # this rank's examples before the restored position (train events)
         self.train_seconds = 0.0      # wall seconds of this process's finished training epochs
         self._clock_lock = threading.Lock()
         self._train_clock: tuple[float, float | None] = (0.0, None)   # (seconds, perf_counter of the running
@@ -710,7 +711,8 @@ class CTRTrainer:
     def _train_event(self, epoch, window: BinaryMetrics, loss: float, eps: float) -> None:
         s = window.summary()
         self.metrics.write({"event": "train", "rank": self.rank, "epoch": epoch, "step": self.global_step,
-                            "examples_total": self.examples, "logloss": loss, "auc": s["auc"],
+                            "examples_total": self.examples, "examples_job": self.examples_before + self.examples,
+                            "logloss": loss, "auc": s["auc"],
                             "pred_ctr": s["pred_ctr"], "actual_ctr": s["actual_ctr"],
                             "examples_per_s": eps, "time": time.time()})
 
@@ -757,17 +759,14 @@ class CTRTrainer:
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
         need_min = lockstep or (self.checkpoints.enabled and self.checkpoints.ck.align_steps > 0)
-        sizes = shard_rows(p.data.train_path, self.num_workers) if need_min else [0]
+        resumed = start.epoch > 0 or start.batch > 0
+        sizes = shard_rows(p.data.train_path, self.num_workers) if need_min or resumed else [0]
         rows = min(sizes)
+        if resumed:     # the launcher's bar counts the job's examples, not this process's (ctr_report.Follower)
+            self.examples_before = start.epoch * sizes[self.rank] + min(start.batch * p.batch_size, sizes[self.rank])
         min_batches = rows // p.batch_size
-        align = self.checkpoints.ck.align_steps if self.checkpoints.enabled else 0
-        if self.rank == 0 and 0 < align and min_batches < align:     # points() has none: say why
-            small = sizes.index(rows)
-            log.warning("no checkpoint inside an epoch: worker %d's shard of %s has %d rows, %d batch(es) of "
-                        "%d, fewer than checkpoint.align_steps %d (the workers meet for a checkpoint only at "
-                        "steps every worker reaches); checkpoints come at epoch ends only: lower "
-                        "checkpoint.align_steps or model.batch_size, or run fewer workers",
-                        small, p.data.train_path, rows, min_batches, p.batch_size, align)
+        if self.rank == 0:
+            self.checkpoints.check_shards(sizes, p.batch_size, p.data.train_path)
         if lockstep:
             max_steps = self.mode.steps_per_epoch(rows, p.batch_size)
             log.info("%s mode: %d steps per epoch on every worker", self.mode.name, max_steps)

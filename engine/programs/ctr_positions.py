@@ -139,6 +139,18 @@ class AlignedCheckpoints:
                  pos.batch, uri)
         return pos, step
 
+    def check_shards(self, sizes: list[int], batch_size: int, path: str) -> None:
+        """Warn when the smallest of the workers' shards (``sizes``: rows per worker) holds fewer batches
+        than ``align_steps``: ``points`` then has none, and checkpoints come at epoch ends only."""
+        a = self.ck.align_steps if self.enabled else 0
+        rows = min(sizes)
+        if 0 < a and rows // batch_size < a:
+            log.warning("no checkpoint inside an epoch: worker %d's shard of %s has %d rows, %d batch(es) of "
+                        "%d, fewer than checkpoint.align_steps %d (the workers meet for a checkpoint only at "
+                        "steps every worker reaches); checkpoints come at epoch ends only: lower "
+                        "checkpoint.align_steps or model.batch_size, or run fewer workers",
+                        sizes.index(rows), path, rows, rows // batch_size, batch_size, a)
+
     # -------------------------------------------------------------------------------- meetings
     def points(self, start: int, min_batches: int) -> list[int]:
         """Aligned batch offsets after ``start`` at which every worker is still inside its shard."""

@@ -110,7 +110,9 @@ def reset_metrics(client, mode, name: str) -> None:
 class Follower:
     """Launcher side: tail the metrics file while the job runs and show it on stderr.
 
-    On a terminal a tqdm bar counts training examples (``total_examples``) with the latest train loss
+    On a terminal a tqdm bar counts the job's training examples (``total_examples``; each rank's
+    ``examples_job``: a resumed or restarted process's count starts at its checkpoint's position, so the
+    bar fills after a resume and steps back by what a restart replays) with the latest train loss
     and test AUC as postfix; otherwise each event is logged as one plain line. It shows what is written
     after it starts (before the job's processes): the lines of an earlier run in the same file (a pinned
     ``model.metrics_file`` resumed) are not shown again.
@@ -169,7 +171,8 @@ class Follower:
     def _show(self, ev: dict) -> None:
         kind = ev.get("event")
         if kind == "train":
-            self._examples[ev.get("rank", 0)] = ev.get("examples_total", 0)
+            # the job's examples of that rank (a resumed process's count starts at its checkpoint's position)
+            self._examples[ev.get("rank", 0)] = ev.get("examples_job", ev.get("examples_total", 0))
             if self._bar is not None:
                 self._bar.update(sum(self._examples.values()) - self._bar.n)
                 self._bar.set_postfix(loss=f"{ev.get('logloss') or 0:.4f}", refresh=False)

@@ -96,7 +96,7 @@ def assert_same_model(ckpt_a: str, ckpt_b: str) -> None:
     ("mode=async", "cluster.workers=1", "model.pipeline=stale", "model.dense_merge_steps=3"),
 ], ids=["sync", "async-stale-merged"])
 def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, sets):
-    full, _ = _train(tmp_path, "full", *sets)
+    full, full_events = _train(tmp_path, "full", *sets)
     chain = _chain(tmp_path / "ckpt-full")
     positions = [(m["sources"]["train"]["epoch"], m["sources"]["train"]["batch"]) for m in chain]
     assert positions[0] == (0, 4) and positions[-1] == (2, 0)                # aligned points, then done
@@ -107,6 +107,11 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, sets):
     resumed, events = _train(tmp_path, "resumed", *sets, resume=mid_uri)
     start = next(e for e in events if e["event"] == "start")
     assert start is not None
+    # the launcher's bar counts the job's examples: the resumed process's count starts at the checkpoint's
+    # position, and both runs end at the same count (the resumed one trained only what remained)
+    last = [e for e in events if e["event"] == "train"][-1]
+    full_last = [e for e in full_events if e["event"] == "train"][-1]
+    assert last["examples_job"] == full_last["examples_job"] == full_last["examples_total"] > last["examples_total"]
     assert_same_model(full["checkpoint"], resumed["checkpoint"])
     assert resumed["test_auc"] == full["test_auc"] and resumed["test_logloss"] == full["test_logloss"]
 
