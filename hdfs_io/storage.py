@@ -202,6 +202,22 @@ class Storage:
         full = self.full_path(path)
         return self._retry("stat", path, lambda: self.fs.get_file_info(full))
 
+    def newest_mtime(self, path: str = "") -> float | None:
+        """Seconds since the epoch of the newest modification of ``path`` or anything below it (None:
+        nothing there carries a time, e.g. absent).
+
+        Raises
+        ------
+        OSError
+            The listing failed (after the retries).
+        """
+        infos = [self.info(path)]
+        full = self.full_path(path)
+        infos += self._retry("list", path, lambda: self.fs.get_file_info(
+            pafs.FileSelector(full, recursive=True, allow_not_found=True)))
+        stamps = [i.mtime_ns for i in infos if i.mtime_ns is not None]
+        return max(stamps) / 1e9 if stamps else None
+
     def exists(self, path: str = "") -> bool:
         """True when ``path`` is a file or a directory (on S3: any object has it as a prefix)."""
         return self.info(path).type != pafs.FileType.NotFound

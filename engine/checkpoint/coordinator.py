@@ -43,7 +43,6 @@ import math
 import time
 from typing import Any, Callable, Protocol
 
-import pyarrow.fs as pafs
 
 import hdfs_io
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Publisher, Storage, StorageOptions
@@ -491,16 +490,12 @@ class CheckpointManager:
     def _written_lately(self, name: str) -> bool:
         """True when the newest file (or the directory itself) under ``name`` was modified less than
         ``INCOMPLETE_GRACE_S`` ago, or when that cannot be told (a listing error)."""
-        st = self.storage
         try:
-            infos = [st.info(name)]
-            infos += st.fs.get_file_info(pafs.FileSelector(st.full_path(name), recursive=True,
-                                                           allow_not_found=True))
+            newest = self.storage.newest_mtime(name)
         except OSError as exc:
             log.warning("retention: cannot list %s (%s); keeping it", self.uri_of(name), exc)
             return True
-        stamps = [i.mtime_ns for i in infos if i.mtime_ns is not None]
-        return bool(stamps) and time.time() - max(stamps) / 1e9 < INCOMPLETE_GRACE_S
+        return newest is not None and time.time() - newest < INCOMPLETE_GRACE_S
 
     def _days(self) -> list[str]:
         try:

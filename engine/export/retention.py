@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 
-import pyarrow.fs as pafs
 
 import hdfs_io
 from hdfs_io import Storage, StorageOptions
@@ -120,11 +119,8 @@ def _written_lately(storage: Storage, name: str, grace_s: float) -> bool:
     """True when the newest file under ``name`` (or the directory itself) was modified less than
     ``grace_s`` seconds ago, or when that cannot be told (a listing error)."""
     try:
-        infos = [storage.info(name)]
-        infos += storage.fs.get_file_info(pafs.FileSelector(storage.full_path(name), recursive=True,
-                                                            allow_not_found=True))
+        newest = storage.newest_mtime(name)
     except OSError as exc:
         log.warning("bundle retention: cannot list %s (%s); keeping it", storage.uri_of(name), exc)
         return True
-    stamps = [i.mtime_ns for i in infos if i.mtime_ns is not None]
-    return bool(stamps) and time.time() - max(stamps) / 1e9 < grace_s
+    return newest is not None and time.time() - newest < grace_s

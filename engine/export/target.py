@@ -212,15 +212,17 @@ def swap_in(storage: Storage, staged: str, name: str) -> None:
     storage.delete(old, missing_ok=True)
 
 
-def remove_stale_stages(storage: Storage, name: str) -> None:
-    """Delete bundles staged beside ``name`` by export processes of this host that no longer run."""
+def remove_stale_stages(storage: Storage, name: str, tag: str = STAGE_TAG, what: str = "a bundle staged") -> None:
+    """Delete the temporaries beside ``name`` (``hdfs_io.temp_names`` with ``tag``: a bundle staged for
+    ``--overwrite``, a word2vec file being written) left by export processes of this host that no
+    longer run; ``what`` names them in the log."""
     from hdfs_io import temp_names
     try:
-        left = temp_names.stale(storage.listdir(""), name, STAGE_TAG)
-    except FileNotFoundError:
+        left = temp_names.stale(storage.listdir(""), name, tag)
+    except (FileNotFoundError, NotADirectoryError):
         return
     for d in left:
-        log.warning("removing %s: a bundle staged by an export that was killed", storage.uri_of(d))
+        log.warning("removing %s: %s by an export that was killed", storage.uri_of(d), what)
         try:
             storage.delete(d, missing_ok=True)
         except OSError as exc:      # another user's leftover: not ours to remove

@@ -173,7 +173,7 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
     if storage.fs.type_name in _OBJECT_STORES:
         storage.write_bytes(name, data)                         # the object appears whole at close
     else:
-        _remove_stale(storage, name)
+        T.remove_stale_stages(storage, name, "tmp", "a partial word2vec file written")
         tmp_name = temp_names.temp_name(name, "tmp")
         try:
             storage.write_bytes(tmp_name, data)
@@ -190,21 +190,6 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
 
 
 _OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})
-
-
-def _remove_stale(storage, name: str) -> None:
-    """Temporaries of exports to ``name`` killed on this host (their process is gone)."""
-    from hdfs_io import temp_names
-    try:
-        left = temp_names.stale(storage.listdir(""), name, "tmp")
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for t in left:
-        log.warning("removing %s: a partial word2vec file of an export that was killed", storage.uri_of(t))
-        try:
-            storage.delete(t, missing_ok=True)
-        except OSError as exc:      # another user's leftover: not ours to remove
-            log.warning("could not remove %s: %s", storage.uri_of(t), exc)
 
 
 def _parent(uri, storage_options):
