@@ -72,7 +72,7 @@ class Progress:
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         now, mono = time.time(), time.monotonic()
-        self._state = {"pid": os.getpid(), "beat": now, "mono": mono, "step": 0, "step_time": now,
+        self._state = {"pid": os.getpid(), "beat": now, "mono": mono, "step": 0, "step_base": 0, "step_time": now,
                        "step_mono": mono, "examples": 0, "marks": {}, "last_mark": None, "where": {},
                        "phase": None}
         self._phases: list[dict] = []
@@ -100,6 +100,12 @@ class Progress:
             st["step"] += 1
             st["examples"] += int(examples)
             st["step_time"], st["step_mono"] = time.time(), time.monotonic()
+
+    def base(self, step: int) -> None:
+        """The job's step this process started from (a resumed checkpoint's): ``engine status`` shows
+        ``step_base + step``, the job's step; ``step`` stays this process's count (liveness, rates)."""
+        with self._lock:
+            self._state["step_base"] = int(step)
 
     def moved(self) -> None:
         """The loop made progress that is not a training step (it skips the batches a resumed position

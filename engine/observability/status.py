@@ -18,12 +18,14 @@ What it shows (``table``: one snapshot computed from two samples ``dt`` seconds 
              is stuck (``engine.ps.watchdog``: why, shown in red) and its oldest request's time; a server
              that does not answer within ``timeout_s`` is {"status": "unreachable", "error": ...}, one
              that refuses the call (a wrong token or certificate) {"status": "error", "error": ...}
-    workers  rank, pid, step, steps/s, examples/s, epoch or partition (``where``, else the last mark),
+    workers  rank, pid, step (the job's: a resumed checkpoint's step plus this process's, which is
+             ``process_steps``), steps/s, examples/s, epoch or partition (``where``, else the last mark),
              phase (``exited`` when its process is gone), seconds since the last heartbeat; and
              ``launcher_alive`` (False: the run is over, what is shown is its last state)
 
-Rates are differences of two reads (server counters over wall time; worker counters over their own
-heartbeat times). Requests/s leaves out ``Stats`` and ``Health`` (this view and the launcher's watch).
+Rates and the p99 are differences of two reads (server counters over wall time; worker counters over
+their own heartbeat times): the first frame, with one read, shows none (it used to show the p99 of the
+server's whole life). Requests/s leaves out ``Stats`` and ``Health`` (this view and the launcher's watch).
 The p99 is a quantile of a fixed-bucket histogram, interpolated linearly within its bucket (as
 Prometheus's ``histogram_quantile``); its resolution is the bucket (``LATENCY_BOUNDS_S``).
 """
@@ -227,9 +229,8 @@ def _server_row(i: int, endpoint: str, cur: dict, prev: dict | None, dt: float) 
         before = sum(v for m, v in old.get("requests", {}).items() if m not in MONITORING)
         row["requests_per_s"] = max(0, row["requests_total"] - before) / dt if dt > 0 else None
         old_hist = _data_histogram(old)
-        if len(old_hist) == len(hist):
-            hist = [a - b for a, b in zip(hist, old_hist)]
-    row["p99_latency_s"] = quantile(st.get("latency_bounds_s", []), hist, 0.99) if st.get("latency_bounds_s") else None
+        if len(old_hist) == len(hist) and st.get("latency_bounds_s"):    # the interval's, as the rates
+            row["p99_latency_s"] = quantile(st["latency_bounds_s"], [a - b for a, b in zip(hist, old_hist)], 0.99)
     return row
 
 
@@ -248,7 +249,9 @@ def _alive(pid) -> bool | None:
 
 def _worker_row(rank: int, cur: dict, prev: dict | None, now: float) -> dict:
     where = dict(cur.get("where") or {})
-    row = {"rank": rank, "pid": cur.get("pid"), "alive": _alive(cur.get("pid")), "step": cur.get("step"),
+    # step: the job's (the resumed checkpoint's step plus this process's steps; rates use the latter)
+    row = {"rank": rank, "pid": cur.get("pid"), "alive": _alive(cur.get("pid")),
+           "step": int(cur.get("step_base") or 0) + int(cur.get("step") or 0), "process_steps": cur.get("step"),
            "examples": cur.get("examples"),
            "epoch": where.get("epoch"), "partition": where.get("partition"), "where": where,
            "last_mark": cur.get("last_mark"), "phase": (cur.get("phase") or {}).get("name"),

@@ -167,6 +167,7 @@ class OnlineTrainer(ctr.CTRTrainer):
             resumed = mgr.manifest(name)
             self.last = (resumed.get("sources", {}).get("train") or {}).get("partition")
             self.steps = int(resumed.get("step", 0))
+            progress.current().base(self.steps)               # engine status: the job's step
             run = (resumed.get("extra") or {}).get("run") or {}
             if self.p.run_id and run.get("id") == self.p.run_id:     # a restarted attempt of this run
                 self.done = list(run.get("partitions", []))

@@ -114,6 +114,7 @@ class AlignedCheckpoints:
         pos, step = self._restored()
         self.schedule = Schedule(self.ck, start_s=time.time(), start_step=step)
         progress.current().mark(f"{pos.epoch}:{pos.batch}")     # nothing trained after it yet
+        progress.current().base(step)                            # engine status: the job's step
         return pos, step
 
     def _restored(self) -> tuple[Position, int]:

@@ -304,3 +304,25 @@ def test_a_beat_written_after_the_clock_was_read_is_not_negative():
     now = time.time()
     assert _worker_row(0, {"pid": 1, "beat": now + 0.02}, None, now)["beat_age_s"] == 0.0
     assert _worker_row(0, {"pid": 1, "beat": now - 2.0}, None, now)["beat_age_s"] == pytest.approx(2.0)
+
+
+def test_the_step_is_the_jobs_and_the_first_frame_shows_no_lifetime_p99():
+    """A resumed worker's step column is the job's (its checkpoint's step plus its own; it showed its own,
+    0 after a resume); the p99 comes from two reads like the rates (the first frame showed the p99 of
+    the server's whole life)."""
+    from engine import progress
+    from engine.observability.status import _server_row, _worker_row
+    rep = progress.Progress(None)
+    rep.base(500)
+    for _ in range(3):
+        rep.step(128)
+    row = _worker_row(0, rep.report(), None, time.time())
+    assert (row["step"], row["process_steps"]) == (503, 3)
+    bounds = [0.001, 0.01, 0.1]
+    stats = {"server": 0, "uptime_s": 10.0, "requests": {"Pull": 90}, "latency_bounds_s": bounds,
+             "latency": {"Pull": [0, 0, 90, 0]}}
+    first = _server_row(0, "e", {"ok": True, "stats": stats}, None, 1.0)
+    assert first["p99_latency_s"] is None and first["requests_per_s"] is None
+    later = {**stats, "uptime_s": 11.0, "requests": {"Pull": 100}, "latency": {"Pull": [10, 0, 90, 0]}}
+    second = _server_row(0, "e", {"ok": True, "stats": later}, {"ok": True, "stats": stats}, 1.0)
+    assert second["requests_per_s"] == 10 and second["p99_latency_s"] <= 0.001   # the interval's 10 fast ones
