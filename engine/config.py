@@ -20,7 +20,7 @@ Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
     server: {max_barrier_wait_s, max_concurrent_rpcs, reply_window_bytes, max_message_bytes}
     security: {tls: {cert, key, ca, client_cert, client_key}, token_file, admin_token_file, insecure, ...}
                                 (engine.security.settings)
-    geo: {k_steps, learning_rate, dense_learning_rate, evict_after_steps, delta_scale}
+    geo: {k_steps, learning_rate, evict_after_steps, delta_scale}   (dense: tables.dense's optimizer)
     hybrid: {dense_sync_steps}  (engine.modes.hybrid: dense tower all-reduced among the workers over MPI)
     checkpoint: {root, job, delta_every, base_every, keep_bases, fallback, final, threads, align_steps}
                                 (engine.checkpoint.schedule; root "" = no checkpoints)
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import typing
 from dataclasses import field
@@ -166,14 +167,39 @@ class ServerConfig:
 
 @section
 class GeoConfig:
-    """GEO-SGD: local plain-SGD learning rates, sync period, the local cache's expiry, and whether
-    deltas are averaged over the workers (``mean``, Paddle's geo-SGD) or added in full (``sum``)."""
+    """GEO-SGD: the local plain-SGD learning rate of the sparse rows, sync period, the local cache's
+    expiry, and whether deltas are averaged over the workers (``mean``, Paddle's geo-SGD) or added in
+    full (``sum``). The dense parameters are stepped on the worker with their table's optimizer
+    (``tables.dense.NAME``: adam, learning_rate, beta1, beta2, epsilon; ``engine.modes.geo``); the
+    former plain-SGD step ``geo.dense_learning_rate`` is ignored with a warning (``GEO_REMOVED_KEYS``)."""
 
     k_steps: Annotated[int, Field(ge=1)] = 10
     learning_rate: Annotated[float, Field(gt=0)] = 0.05
-    dense_learning_rate: Annotated[float, Field(gt=0)] = 0.05
     evict_after_steps: Annotated[int, Field(ge=1)] = 1000
     delta_scale: Literal["mean", "sum"] = "mean"
+
+
+#: keys ``geo`` no longer has -> why and what replaces them. A config that still sets one (every config
+#: and checkpoint snapshot written before: ``to_dict`` dumps defaults) loads, with one WARNING naming
+#: the replacement, and the key is ignored (read as an Adam learning rate, the former SGD step 0.05
+#: would train CTR-DNN to test AUC 0.51)
+GEO_REMOVED_KEYS = {
+    "dense_learning_rate": (
+        "was GEO's plain-SGD step of the dense parameters; GEO now steps them with the dense table's own "
+        "optimizer (tables.dense.NAME: optimizer, learning_rate, beta1, beta2, epsilon), whose learning "
+        "rate has another scale, so it is ignored: delete it (to change GEO's dense learning rate, set "
+        "tables.dense.NAME.learning_rate)"),
+}
+
+
+def _drop_removed_geo_keys(geo):
+    """``geo`` without the keys of ``GEO_REMOVED_KEYS`` (one WARNING per key found)."""
+    if not isinstance(geo, dict) or not any(k in geo for k in GEO_REMOVED_KEYS):
+        return geo
+    for key, why in GEO_REMOVED_KEYS.items():
+        if key in geo:
+            logging.getLogger(__name__).warning("geo.%s: %r %s", key, geo[key], why)
+    return {k: v for k, v in geo.items() if k not in GEO_REMOVED_KEYS}
 
 
 @section
@@ -368,6 +394,8 @@ def from_dict(data: dict) -> EngineConfig:
     unknown = sorted(str(k) for k in set(data) - set(TOP_KEYS))
     if unknown:
         raise ConfigError(f"config: unknown key(s) {unknown}; known keys: {TOP_KEYS}")
+    if "geo" in data:
+        data["geo"] = _drop_removed_geo_keys(data["geo"])
     cfg = build(EngineConfig, data, "", texts=texts)
     if not isinstance(tables, dict):
         raise ConfigError(f"tables must be a mapping with 'sparse' and 'dense', got {tables!r}")

@@ -1,9 +1,10 @@
 """Dense optimizers over one flat ``float32`` parameter vector.
 
 The dense parameters of a model are one flat vector (see ``CTRModelBase.dense_params``); the
-servers' dense table applies :class:`Adam` to it (async/sync modes) and a hybrid worker applies it to
-the all-reduced gradient; a GEO worker steps its local copy with plain SGD (``geo.dense_learning_rate``,
-``engine.modes.geo``) and sends the delta. Both update ``params`` in place from a gradient of the same
+servers' dense table applies :class:`Adam` to it (async/sync modes), a hybrid worker applies it to
+the all-reduced gradient, and a GEO worker to its local copy between syncs (``engine.modes.geo``: the
+table's optimizer, built by ``engine.allreduce.make_optimizer``; its moments stay on the worker across
+syncs and are not checkpointed). Both classes update ``params`` in place from a gradient of the same
 layout and keep their state as flat vectors, so state can be checkpointed with the table.
 
 Example::

@@ -23,9 +23,8 @@ def make_mode(cfg, client, *, rank: int, num_workers: int) -> Mode:
         return AsyncMode(client, **common)
     if cfg.mode == "geo":
         g = cfg.geo
-        return GeoMode(client, k_steps=g.k_steps, learning_rate=g.learning_rate,
-                       dense_learning_rate=g.dense_learning_rate, evict_after_steps=g.evict_after_steps,
-                       delta_scale=g.delta_scale, **common)
+        return GeoMode(client, k_steps=g.k_steps, learning_rate=g.learning_rate, dense_tables=cfg.dense_tables,
+                       evict_after_steps=g.evict_after_steps, delta_scale=g.delta_scale, **common)
     if cfg.mode == "hybrid":      # imported here: mpi4py initializes MPI on import
         from .hybrid import HybridMode
         return HybridMode(client, dense_tables=cfg.dense_tables, sync_steps=cfg.hybrid.dense_sync_steps,

@@ -15,7 +15,17 @@ brand-new key starts from the value the server will create). The copy is bounded
 not touched for ``geo.evict_after_steps`` steps are dropped (their deltas were already sent), so the
 local copy holds only the working set of the last ``evict_after_steps`` steps.
 
-Dense parameters live on the worker between syncs (plain SGD at ``geo.dense_learning_rate``).
+Dense parameters live on the worker between syncs, stepped with the optimizer their dense table is
+configured with (``tables.dense.NAME``: Adam with its learning_rate, beta1, beta2, epsilon, or SGD; the
+same ``models.optim`` code the servers' dense table and hybrid mode run, built by
+``engine.allreduce.make_optimizer``), as the design asks ("dense parameters live ... on the worker (GEO),
+with Adam"). To change GEO's dense learning rate, set the table's (the servers apply GEO's dense deltas
+without their optimizer); the former plain-SGD step ``geo.dense_learning_rate`` is ignored, with a warning, by the config.
+At a sync the worker pushes ``delta = (local - synced) * scale`` and pulls the fresh values into
+``local`` and ``synced``; the optimizer's state (Adam's ``m``, ``v`` and step count ``t``) stays on the
+worker across syncs: a sync refreshes the parameters, never the moments. That state is in no checkpoint
+(like the local sparse copy, and like the worker-side optimizer state of Paddle's GEO): a restarted or
+resumed worker starts it from zero (``m = v = 0``, ``t = 0``) on the checkpoint's parameters.
 
 ``delta_scale``: ``mean`` (Paddle's geo-SGD: ``(local - synced) / num_workers``) or ``sum`` (each
 worker's change is added in full, as Hogwild threads on one table would: right for Word2Vec, where every
@@ -26,7 +36,10 @@ Replicas (``sparse_replica``): a model that updates rows in place (Word2Vec) may
 fixed key set as one dense array ``float32[n, dim]`` and train it directly. At each sync the rows whose
 value differs from their last synced value are the touched ones: their delta is pushed and their fresh
 values pulled, as above. Every ``evict_after_steps`` steps every row of the replica is refreshed from
-the servers (the replica's bound on staleness: rows only other workers train).
+the servers (the replica's bound on staleness: rows only other workers train). A replica's sync sends
+no show counts, so a row's count on the servers is the number of syncs that changed it, which depends
+on ``k_steps``: Word2Vec, the one model with replicas, uses no show-based admission or expiry (counting
+each step's changed rows costs a scan of the whole replica per step, ~4% of a Word2Vec step).
 """
 from __future__ import annotations
 
@@ -38,6 +51,7 @@ import pyarrow as pa
 from sparse_tables import SparseTable, TableConfig
 from sparse_tables.keysets import unique_keys
 
+from ..allreduce import make_optimizer
 from ..errors import ConfigError
 from ..ps.warmup import read_only
 from ._kernels import replica_deltas, set_replica_rows
@@ -63,6 +77,21 @@ class _LocalTable:
                     pa.array(np.zeros(n, np.float32)), pa.array(np.zeros(n, np.float32)),
                     pa.array(np.full(n, step, np.uint32), pa.uint32())]
             t.load_rows([pa.RecordBatch.from_arrays(cols, schema=t.schema)])
+
+
+class _LocalDense:
+    """A dense table's local copy: ``local`` (float32[P], stepped by ``opt``), ``synced`` (values at the
+    last sync) and ``opt`` (``models.optim.Adam`` or ``SGD``: its state outlives syncs)."""
+
+    def __init__(self, params: np.ndarray, opt):
+        self.local = np.array(params, np.float32).ravel()      # own, writable
+        self.synced = self.local.copy()
+        self.opt = opt
+
+    def refresh(self, params: np.ndarray) -> None:
+        """The servers' fresh values into ``local`` and ``synced``; the optimizer's state is kept."""
+        self.local = np.array(params, np.float32).ravel()
+        self.synced = self.local.copy()
 
 
 class _Replica:
@@ -110,8 +139,12 @@ class GeoMode(Mode):
     ----------
     k_steps : int
         Steps between syncs.
-    learning_rate, dense_learning_rate : float
-        Local plain-SGD step sizes.
+    learning_rate : float
+        Local plain-SGD step size of the sparse rows.
+    dense_tables : dict[str, engine.config.DenseTableConfig], optional
+        ``tables.dense`` of the config: the optimizer (adam or sgd; learning_rate, beta1, beta2, epsilon)
+        each dense table's local copy is stepped with. A dense table missing here raises ConfigError at
+        its first use.
     evict_after_steps : int
         Rows of the local copy untouched for this many steps are dropped after a sync (replicas: every
         row is refreshed).
@@ -123,17 +156,18 @@ class GeoMode(Mode):
     prefetches_rows = True
 
     def __init__(self, client, *, rank: int, num_workers: int, barrier_timeout_s: float = 600.0,
-                 k_steps: int = 10, learning_rate: float = 0.05, dense_learning_rate: float = 0.05,
+                 k_steps: int = 10, learning_rate: float = 0.05, dense_tables: dict | None = None,
                  evict_after_steps: int = 1000, delta_scale: str = "mean"):
         super().__init__(client, rank=rank, num_workers=num_workers, barrier_timeout_s=barrier_timeout_s)
         if delta_scale not in ("mean", "sum"):
             raise ConfigError(f"geo.delta_scale must be one of ['mean', 'sum'], got {delta_scale!r}")
-        self.k_steps, self.lr, self.dense_lr = k_steps, learning_rate, dense_learning_rate
+        self.k_steps, self.lr = k_steps, learning_rate
+        self.dense_tables = dict(dense_tables or {})
         self.evict_after = evict_after_steps
         self.delta_scale = delta_scale
         self._tables: dict[str, _LocalTable] = {}
         self._replicas: dict[str, _Replica] = {}
-        self._dense: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._dense: dict[str, _LocalDense] = {}
         self._last_evict = 0
         self.syncs = 0
 
@@ -162,6 +196,8 @@ class GeoMode(Mode):
             for table in (t.local, t.synced):
                 table.shrink(now=float(self.evict_after + 1))
                 table.clear_dirty()
+        for cfg in self.dense_tables.values():      # the dense step's kernel (writable float32 arrays)
+            make_optimizer(8, cfg).step(np.zeros(8, np.float32), np.ones(8, np.float32))
 
     def _clock(self) -> float:
         return float(self.step)
@@ -260,21 +296,32 @@ class GeoMode(Mode):
                 self.pull_sparse(table, keys[new])
         t.local.push_delta(keys, deltas)
 
+    def _local_dense(self, table: str) -> _LocalDense:
+        d = self._dense.get(table)
+        if d is None:
+            cfg = self.dense_tables.get(table)
+            if cfg is None:
+                raise ConfigError(f"geo: dense table {table!r} has no optimizer settings (tables.dense."
+                                  f"{table}); declared dense tables: {sorted(self.dense_tables)}")
+            fresh = self.client.pull_dense(table)
+            d = self._dense[table] = _LocalDense(fresh, make_optimizer(fresh.size, cfg))
+        return d
+
     def init_dense(self, table: str, params: np.ndarray) -> np.ndarray:
+        """As ``Mode.init_dense``; the table's local copy and its optimizer state start afresh (zero
+        moments) from the servers' values at the next use."""
         self._dense.pop(table, None)
         return super().init_dense(table, params)
 
     def pull_dense(self, table: str) -> np.ndarray:
-        if table not in self._dense:
-            fresh = self.client.pull_dense(table)
-            self._dense[table] = (fresh, fresh.copy())
-        return self._dense[table][0].copy()
+        """This worker's local parameters (a copy, float32[P]); the first call pulls them from the servers."""
+        return self._local_dense(table).local.copy()
 
     def push_dense_grads(self, table: str, grad: np.ndarray) -> None:
-        if table not in self._dense:
-            self.pull_dense(table)
-        local = self._dense[table][0]
-        local -= np.float32(self.dense_lr) * grad
+        """One optimizer step of the local copy with ``grad : float32[P]`` (the table's optimizer, e.g.
+        Adam; see the module docstring); sent to the servers as a delta at the next sync."""
+        d = self._local_dense(table)
+        d.opt.step(d.local, np.require(np.ravel(grad), np.float32, ("C", "W")))
 
     def end_step(self, examples: int = 0) -> None:
         super().end_step(examples)
@@ -308,10 +355,9 @@ class GeoMode(Mode):
             fresh = self.client.push_delta(name, keys, np.ascontiguousarray(delta, np.float32), shows=shows,
                                            clicks=clicks, return_values=True)
             t.set_rows(keys, fresh, self.step)
-        for name, (local, synced) in self._dense.items():
-            self.client.push_dense_delta(name, (local - synced) * scale)
-            fresh = self.client.pull_dense(name)
-            self._dense[name] = (fresh, fresh.copy())
+        for name, d in self._dense.items():         # parameters refreshed, optimizer state kept
+            self.client.push_dense_delta(name, (d.local - d.synced) * scale)
+            d.refresh(self.client.pull_dense(name))
         self.syncs += 1
         if refresh:
             self._evict()

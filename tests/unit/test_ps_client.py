@@ -183,8 +183,9 @@ def test_async_queue_merges_and_flush_waits():
 
 
 def test_geo_deltas_add_and_local_copy_is_bounded():
-    servers, client = cluster(2, dense={"d": DenseTableConfig(optimizer="sgd", learning_rate=1.0)})
-    modes = [GeoMode(client, rank=r, num_workers=2, k_steps=2, learning_rate=1.0, dense_learning_rate=1.0,
+    dense = {"d": DenseTableConfig(optimizer="sgd", learning_rate=1.0)}   # GEO steps d with this (SGD, lr 1)
+    servers, client = cluster(2, dense=dense)
+    modes = [GeoMode(client, rank=r, num_workers=2, k_steps=2, learning_rate=1.0, dense_tables=dense,
                      evict_after_steps=4) for r in range(2)]
 
     def worker(rank):
