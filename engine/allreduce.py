@@ -343,8 +343,9 @@ def end_world(code: int, error: BaseException | None = None) -> None:
                 reason = f" ({type(error).__name__}: {error})"
             except Exception:           # noqa: BLE001 - an exception whose str fails must not stop the abort
                 reason = f" ({type(error).__name__})"
-        log.error("worker %d: exiting with code %d%s: aborting the MPI world (mpiexec ends every worker; the "
-                  "launcher restarts the job)", mpi.COMM_WORLD.Get_rank(), code, reason,
+        then = "the launcher ends the job (a config or input error)" if code == 2 else "the launcher restarts the job"
+        log.error("worker %d: exiting with code %d%s: aborting the MPI world (mpiexec ends every worker; %s)",
+                  mpi.COMM_WORLD.Get_rank(), code, reason, then,
                   exc_info=(type(error), error, error.__traceback__) if error is not None else None)
         for h in logging.getLogger().handlers:
             h.flush()
@@ -496,6 +497,16 @@ class OverlappedDenseStep:
 
     # ------------------------------------------------------------------------ the progress thread
     def _run(self) -> None:
+        """The progress thread: ``_progress``, whose error (an MPI error, a failed optimizer step) is
+        handed to the training thread, which raises it in ``finish`` or ``begin`` (before, the thread died
+        with it, ``finish`` waited ``timeout_s + 60`` s and the job saw a hang, not the error)."""
+        try:
+            self._progress()
+        except BaseException as e:  # noqa: BLE001 - raised again on the training thread
+            self._error = e
+            self._done.set()
+
+    def _progress(self) -> None:
         from mpi4py import MPI
 
         rep, comm = self.rep, self.rep.comm

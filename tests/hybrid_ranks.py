@@ -68,10 +68,42 @@ def hang(out: str, size: int, how: str) -> None:
         comm.Abort(3)
 
 
+def fail(out: str, size: int) -> None:
+    """``fail-overlap``: on rank 1, step 1's optimizer step on the overlap's progress thread raises; rank 1's
+    ``finish`` must raise that error at once (not wait out the timeout as for a hang), write it to ``out``
+    and abort the world."""
+    import time
+
+    from mpi4py import MPI
+
+    from engine.allreduce import DenseReplica, OverlappedDenseStep
+    comm = MPI.COMM_WORLD
+    rep = DenseReplica(initial(size), table_config(), comm, timeout_s=30.0)
+    ov = OverlappedDenseStep(rep, bucket_floats=size // 4)
+    t0 = time.perf_counter()
+    try:
+        for t in range(3):
+            if comm.rank == 1 and t == 1:
+                def broken(*a, **k):
+                    raise RuntimeError("injected optimizer failure")
+                rep.opt.step_range = broken
+                t0 = time.perf_counter()
+            on_grad, g = ov.begin(), grad(t, comm.rank, size)
+            for lo, hi in ranges(size):
+                on_grad(g, lo, hi)
+            ov.finish()
+    except RuntimeError as e:
+        with open(out, "w") as f:
+            f.write(f"ERROR after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}\n")
+        comm.Abort(3)
+
+
 def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -> None:
     from engine.allreduce import DenseReplica, OverlappedDenseStep, world
     if how.startswith("hang"):
         return hang(out, size, how)
+    if how == "fail-overlap":
+        return fail(out, size)
     comm = world()              # as a worker starts MPI (the CMA probe first)
     rep = DenseReplica(initial(size), table_config(), comm, sync_steps=sync_steps, timeout_s=60)
     live = initial(size) * 0
