@@ -314,15 +314,33 @@ class LocalCluster:
         says it is dead or hung: a worker, or a server before it is ready (it has no address to poll)."""
         dead_after = self.cfg.client.dead_after_s
         now = time.monotonic()          # the reports' clock (engine.progress): a wall-clock step is no hang
+        reports = {id(c): c.report() for c in children if c.proc.poll() is None}
         for c in children:
-            if c.proc.poll() is not None:
+            if id(c) not in reports:
                 continue
-            why = progress.stalled(c.report(), now, dead_after,
+            why = progress.stalled(reports[id(c)], now, dead_after,
                                    c.started + self.cfg.cluster.startup_timeout_s)
             if why:
+                c, why = self._frozen_peer(children, reports, now, c, why)
                 reason = f"hung{' ' + when if when else ''}: {why} (client.dead_after_s={dead_after:g})"
                 raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",
                                   role=c.role, rank=c.rank, exit_code=None, reason=reason, log_tail=c.tail())
+
+    @staticmethod
+    def _frozen_peer(children: list[Child], reports: dict, now: float, c: Child, why: str) -> tuple[Child, str]:
+        """(the child to blame, why): a worker that beats but has not stepped is most often waiting for a
+        peer (a barrier, an all-reduce) that stopped beating (SIGSTOP, frozen) a moment before the limit
+        caught it too; that peer is named, not the rank found first (the hybrid audit: worker 1 stopped,
+        worker 0 reported hung)."""
+        if not why.startswith("no training step"):
+            return c, why
+        ages = {id(o): now - float(r.get("mono", now)) for o in children
+                if (r := reports.get(id(o))) is not None}
+        peer = max((o for o in children if id(o) in ages), key=lambda o: ages[id(o)], default=None)
+        if peer is None or peer is c or ages[id(peer)] < max(2.0, ages.get(id(c), 0.0) + 2.0):
+            return c, why
+        return peer, (f"no heartbeat for {ages[id(peer)]:.0f}s (stopped or frozen process; {c.name} waits: "
+                      f"{why})")
 
     def supervised(self, what: str, fn):
         """Run ``fn()``, one of the launcher's own calls to the servers (a restore, the final checkpoint),
