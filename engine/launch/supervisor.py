@@ -38,6 +38,7 @@ from pathlib import Path
 from .. import job_checkpoints as ckpt_job
 from ..config import EngineConfig
 from ..errors import LaunchError
+from ..modes import LOCKSTEP_MODES
 from .local import LocalCluster
 
 log = logging.getLogger(__name__)
@@ -72,16 +73,23 @@ def position_key(manifest: dict) -> str | None:
     return None
 
 
-def lost_examples(reports: list[dict | None], key: str | None) -> int:
-    """Examples the workers trained after the position ``key`` (see the module docstring)."""
-    lost = 0
+def lost_examples(reports: list[dict | None], key: str | None, *, lockstep: bool = False) -> int:
+    """Examples the workers trained after the position ``key`` (see the module docstring).
+
+    ``lockstep`` (sync, hybrid: ``engine.modes.LOCKSTEP_MODES``): every worker trained as many steps as the
+    furthest one, whose count stands for all (``reports``: one per worker, None for none). A report is
+    written every half second, so a worker killed with its peers (an MPI world's abort) may have
+    reported fewer steps than it ran: the sum undercounted (the hybrid audit: 128 for 256)."""
+    lost = []
     for r in reports:
         if not isinstance(r, dict):     # no report (None), or none readable from a lost worker
             continue
         examples = int(r.get("examples", 0))
         mark = (r.get("marks") or {}).get(key) if key else None
-        lost += examples - int(mark) if mark is not None else examples
-    return lost
+        lost.append(examples - int(mark) if mark is not None else examples)
+    if lockstep and lost:
+        return max(lost) * len(reports)
+    return sum(lost)
 
 
 class Supervisor:
@@ -187,7 +195,8 @@ class Supervisor:
                               role=e.role, rank=e.rank, exit_code=e.exit_code, reason=e.reason,
                               log_tail=e.log_tail) from None
         target = ckpt_job.recovery_target(self.cfg, self.floor, self.origin)
-        lost = lost_examples(cluster.worker_reports(), position_key(target[1]) if target else None)
+        lost = lost_examples(cluster.worker_reports(), position_key(target[1]) if target else None,
+                             lockstep=self.cfg.mode in LOCKSTEP_MODES)
         self.examples_replayed += lost
         self.restarts += 1
         if target is not None:

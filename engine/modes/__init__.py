@@ -8,6 +8,11 @@ from .geo import GeoMode
 from .sync import SyncMode
 
 
+#: modes whose workers run the same steps together (``Mode.lockstep``), by name: for the launcher, which
+#: does not import the mode classes (hybrid's imports MPI)
+LOCKSTEP_MODES = frozenset({"sync", "hybrid"})
+
+
 def make_mode(cfg, client, *, rank: int, num_workers: int) -> Mode:
     """The Mode named by ``cfg.mode`` (an EngineConfig), bound to ``client``.
 
