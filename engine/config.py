@@ -467,6 +467,12 @@ def _check_hybrid(cfg: EngineConfig) -> None:
     if getattr(p, "dense_merge_steps", 1) > 1:
         raise ConfigError(f"mode hybrid needs model.dense_merge_steps=1 (the dense step is all-reduced every "
                           f"step; for fewer syncs set hybrid.dense_sync_steps), got {p.dense_merge_steps}")
+    h = cfg.hybrid
+    if h.bucket_floats > 0 and (h.dense_sync_steps > 1 or getattr(p, "pipeline", "exact") == "sequential"):
+        raise ConfigError(f"hybrid.bucket_floats={h.bucket_floats} overlaps the all-reduce with the backward pass, "
+                          f"which needs hybrid.dense_sync_steps=1 and model.pipeline exact or stale; got "
+                          f"hybrid.dense_sync_steps={h.dense_sync_steps}, model.pipeline="
+                          f"{getattr(p, 'pipeline', None)!r}: set hybrid.bucket_floats=0 (it was ignored)")
     if cfg.cluster.launcher != "local":
         raise ConfigError(f"mode hybrid runs with cluster.launcher (--launcher) local only, got "
                           f"{cfg.cluster.launcher!r}: its workers form one MPI world started by mpiexec (see "

@@ -228,6 +228,9 @@ BASE = ["mode=hybrid", "model.dense_merge_steps=1"]
     (["cluster.endpoints=[10.1.2.3:5000]"], ["cluster.endpoints", "security.insecure"]),
     (["hybrid.dense_sync_steps=0"], ["hybrid.dense_sync_steps"]),
     (["server.max_message_bytes=4194304"], ["server.max_message_bytes"]),
+    # the overlap needs k = 1 and a pipelined loop: it was silently ignored (the hybrid audit)
+    (["hybrid.bucket_floats=65536", "hybrid.dense_sync_steps=4"], ["hybrid.bucket_floats", "hybrid.dense_sync_steps"]),
+    (["hybrid.bucket_floats=65536", "model.pipeline=sequential"], ["hybrid.bucket_floats", "model.pipeline"]),
 ])
 def test_config_refuses_what_hybrid_cannot_do_naming_the_keys(sets, keys):
     from engine.config import HYBRID_MIN_MESSAGE_BYTES
@@ -247,4 +250,5 @@ def test_config_refuses_word2vec_and_accepts_the_documented_settings():
     # stale: the sparse requests overlap the next step; the dense step stays exact (engine.modes.hybrid)
     assert load_config(REPO / "configs" / "ctr_bigdata.yaml", BASE + ["model.pipeline=stale"]).mode == "hybrid"
     assert load_config(REPO / "configs" / "ctr.yaml", BASE + ["cluster.host=10.1.2.3", "security.insecure=true"])
+    assert load_config(REPO / "configs" / "ctr.yaml", BASE + ["hybrid.bucket_floats=65536"]).hybrid.bucket_floats == 65536
     assert load_config(REPO / "configs" / "ctr.yaml", BASE).to_dict()["hybrid"] == {"dense_sync_steps": 1, "bucket_floats": 0}
