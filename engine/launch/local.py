@@ -117,8 +117,17 @@ class Child:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:]) or "(empty log)"
+            lines = []
+        if not lines:       # an MPI rank that failed before it wrote a line: hydra's log says why
+            from .mpi import MPIEXEC_LOG
+            world = self.log_path.parent / MPIEXEC_LOG
+            try:
+                said = world.read_text(errors="replace").splitlines() if self.role == "worker" else []
+            except OSError:
+                said = []
+            if said:
+                return f"(nothing in {self.log_path.name}; the end of {world}:)\n" + "\n".join(said[-n:])
+        return "\n".join(lines[-n:]) or ("(empty log)" if self.log_path.exists() else "(no log)")
 
     # what the launcher reads of a child; a child elsewhere (``engine.launch.ray.RayChild``) answers
     # the same questions through its actor

@@ -31,3 +31,16 @@ def test_a_hang_with_every_peer_beating_names_the_worker_found():
     assert LocalCluster._frozen_peer([w0, w1], reports, now, w0, why) == (w0, why)
     frozen = "no heartbeat for 31s (stopped or frozen process)"      # already the frozen one: kept
     assert LocalCluster._frozen_peer([w0, w1], reports, now, w1, frozen) == (w1, frozen)
+
+
+def test_a_rank_without_a_log_line_shows_the_end_of_mpiexecs_log(tmp_path):
+    """A hybrid rank that failed before it wrote a line was reported with "(no log)"; the reason is in
+    hydra's ``mpiexec.log`` beside it (the hybrid audit)."""
+    from engine.launch.local import Child
+    from engine.launch.mpi import MPIEXEC_LOG
+    (tmp_path / MPIEXEC_LOG).write_text("start\n[proxy:0@host] HYDU_create_process: execvp error on file x\n")
+    worker = Child("worker", 1, None, tmp_path / "worker-1.log")
+    assert worker.tail().endswith("execvp error on file x") and "mpiexec.log" in worker.tail()
+    (tmp_path / "worker-1.log").write_text("its own line\n")
+    assert worker.tail() == "its own line"
+    assert Child("server", 0, None, tmp_path / "server-0.log").tail() == "(no log)"
