@@ -39,7 +39,9 @@ old pod has terminated, so two servers never hold one DNS name. ``terminationGra
 **Health.** Each server also serves the standard gRPC health checking protocol in plaintext on
 ``kubernetes.health_port`` (``cluster.health_port``) and nothing else: kubelet's native ``grpc`` probe
 speaks neither TLS nor tokens. Startup, readiness and liveness probes use it; the startup probe allows
-``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). Readiness asks for the overall
+``cluster.startup_timeout_s`` (kernel compilation, a checkpoint restore). A value whose rendered integer
+Kubernetes would refuse (over int32 or int64, an Indexed Job over 100000 pods) is a ConfigError
+(``check_limits``). Readiness asks for the overall
 status (NOT_SERVING while preempting or stuck), liveness for service ``liveness`` (NOT_SERVING only while
 stuck: a request hung past ``client.timeout_s``, ``engine.ps.watchdog``), with ``LIVENESS_GRACE_S``.
 Each worker serves its liveness on the same port (``engine.liveness``: NOT_SERVING once its loop stalls past ``client.dead_after_s``, no
@@ -87,7 +89,7 @@ from ..security import certs
 from ..security.settings import SecurityConfig, TlsConfig
 
 __all__ = ["CONFIG_PATH", "SECURITY_DIR", "WORK_DIR", "SERVER_ITEMS", "WORKER_ITEMS", "Manifests", "base_name",
-           "pod_config", "render", "storage_env_names", "write"]
+           "check_limits", "pod_config", "render", "storage_env_names", "write"]
 
 CONFIG_DIR = "/etc/engine/config"
 CONFIG_FILE = "config.yaml"
@@ -105,6 +107,13 @@ SERVER_ITEMS = (certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY, certs.TOKEN,
 WORKER_ITEMS = (certs.CA_CERT, certs.CLIENT_CERT, certs.CLIENT_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 EXIT_CONFIG = 2         # a config error (engine.cli.train); 75 and 76: engine.preempt, engine.roles
+#: the servers' startup probe asks every this many seconds; it allows ``cluster.startup_timeout_s`` in all
+STARTUP_PERIOD_S = 5
+#: Kubernetes' integer fields: int32 (probe thresholds, backoffLimit, completions), int64 (grace periods)
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+#: the largest parallelism Kubernetes accepts for an Indexed Job (ours: parallelism = completions)
+INDEXED_JOB_MAX = 100_000
 #: seconds between a failed liveness probe's SIGTERM and its SIGKILL (the probe's own
 #: terminationGracePeriodSeconds): a hung or frozen worker, or a stuck server, cannot act on the SIGTERM
 LIVENESS_GRACE_S = 10
@@ -302,8 +311,9 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     Raises
     ------
     ConfigError
-        No image; a bad ``kubernetes`` value (name, namespace, Secret names, quantities); everything
-        ``pod_config`` refuses. The key is named.
+        No image; a bad ``kubernetes`` value (name, namespace, Secret names, quantities); a value whose
+        rendered integer Kubernetes would refuse (``check_limits``); everything ``pod_config`` refuses.
+        The key is named.
     """
     k = cfg.kubernetes
     image = image or k.image
@@ -320,6 +330,7 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
             raise ConfigError(f"kubernetes.{key} must be a Kubernetes quantity (2, 500m, 8Gi), got {getattr(k, key)!r}")
     if k.port == k.health_port:
         raise ConfigError(f"kubernetes.health_port must differ from kubernetes.port ({k.port})")
+    check_limits(cfg)
     name = base_name(cfg)
     pcfg, warnings = pod_config(cfg)
     held = _held(pcfg.security)
@@ -327,7 +338,7 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     from_dict(load_yaml(text, "the rendered config"))      # what the pods will read loads back
     service, server_job, worker_job = f"{name}-ps", f"{name}-server", f"{name}-worker"
     hosts = [f"{server_job}-{i}.{service}" for i in range(cfg.cluster.servers)]
-    grace = math.ceil(cfg.cluster.preempt_timeout_s) + GRACE_MARGIN_S
+    grace = _grace_s(cfg.cluster.preempt_timeout_s)
 
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(k, f"{name}-config", name, "config"),
                   "data": {CONFIG_FILE: text}}
@@ -354,8 +365,8 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
                         k.server_memory)
     server["ports"] = [{"name": "ps", "containerPort": k.port, "protocol": "TCP"},
                        {"name": "health", "containerPort": k.health_port, "protocol": "TCP"}]
-    server["startupProbe"] = {**probe, "periodSeconds": 5,
-                              "failureThreshold": max(12, math.ceil(cfg.cluster.startup_timeout_s / 5))}
+    server["startupProbe"] = {**probe, "periodSeconds": STARTUP_PERIOD_S,
+                              "failureThreshold": _startup_failures(cfg.cluster.startup_timeout_s)}
     server["readinessProbe"] = {**probe, "periodSeconds": 5, "failureThreshold": 2}
     # the liveness service: NOT_SERVING only while the server is stuck (engine.ps.watchdog), never while
     # it preempts; a stuck server cannot serve the SIGTERM's checkpoint either: the probe's own grace
@@ -386,6 +397,47 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
              f"03-{worker_job}.yaml": _job(cfg, name, worker_job, "worker", cfg.cluster.workers, worker,
                                            worker_vol[1], grace)}
     return Manifests(files, pcfg, hosts, warnings)
+
+
+def _startup_failures(startup_timeout_s: float) -> int:
+    """The startup probe's failureThreshold: ``startup_timeout_s`` in probes of ``STARTUP_PERIOD_S``, at
+    least 12 (a minute)."""
+    return max(12, math.ceil(startup_timeout_s / STARTUP_PERIOD_S))
+
+
+def _grace_s(preempt_timeout_s: float) -> int:
+    """The pods' terminationGracePeriodSeconds: the preemption's time and ``GRACE_MARGIN_S``."""
+    return math.ceil(preempt_timeout_s) + GRACE_MARGIN_S
+
+
+def check_limits(cfg: EngineConfig) -> None:
+    """Every integer the manifests compute from the config fits its Kubernetes field: kubectl refuses
+    a number over the field's type (int32 or int64) and an Indexed Job of more than ``INDEXED_JOB_MAX``
+    pods. The ports are bounded by the config itself; the other integers are constants.
+
+    Raises
+    ------
+    ConfigError
+        Naming the key, its value and the largest value allowed.
+    """
+    c, k = cfg.cluster, cfg.kubernetes
+    if _startup_failures(c.startup_timeout_s) > INT32_MAX:
+        raise ConfigError(f"cluster.startup_timeout_s={c.startup_timeout_s:g} is too large for Kubernetes: the "
+                          f"startup probe's failureThreshold (one probe every {STARTUP_PERIOD_S} s) is an int32, "
+                          f"so at most {INT32_MAX * STARTUP_PERIOD_S} s")
+    if _grace_s(c.preempt_timeout_s) > INT64_MAX:
+        raise ConfigError(f"cluster.preempt_timeout_s={c.preempt_timeout_s:g} is too large for Kubernetes: "
+                          f"terminationGracePeriodSeconds (it + {GRACE_MARGIN_S} s) is an int64, so at most "
+                          f"{INT64_MAX - GRACE_MARGIN_S} s")
+    if k.backoff_limit > INT32_MAX:
+        raise ConfigError(f"kubernetes.backoff_limit={k.backoff_limit} is too large for Kubernetes: the Jobs' "
+                          f"backoffLimit is an int32, at most {INT32_MAX}")
+    for key in ("servers", "workers"):
+        n = getattr(c, key)
+        if n > INDEXED_JOB_MAX:
+            raise ConfigError(f"cluster.{key}={n} is too many for Kubernetes: the {key[:-1]} Job is an Indexed "
+                              f"Job of one pod per {key[:-1]}, all at once, and Kubernetes allows an Indexed Job "
+                              f"a parallelism of at most {INDEXED_JOB_MAX}")
 
 
 def write(manifests: Manifests, out_dir, *, source: str = "") -> list[Path]:

@@ -19,6 +19,11 @@ rule (restart the whole job from ``job_checkpoints.recovery_target``, ``cluster.
 than one node, a local ``checkpoint.root`` must be declared ``checkpoint.shared: true`` (a path every node
 mounts); otherwise checkpoints go to S3 or HDFS.
 
+Joining: ``cluster.ray_address`` (or ``RAY_ADDRESS``) must accept a TCP connection first; a malformed or
+unreachable address, or a cluster Ray cannot join, is a ConfigError naming the key (``engine train``
+exits 2 at once, where Ray's own client retried for many minutes). ``ray.init`` installs Ray's SIGTERM
+handler (it exits); the launcher's own (preempt the job: a checkpoint, exit 75) is put back after it.
+
 Ray is an optional extra: ``pip install 'sparse-engine[ray]'``.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +44,7 @@ from pathlib import Path
 
 from .. import progress
 from ..config import EngineConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, LaunchError
 from ..observability.prometheus import FILE_ENV as METRICS_FILE_ENV
 from ..observability.prometheus import PORT_ENV as METRICS_PORT_ENV
 from ..observability.prometheus import RESTARTS_ENV
@@ -55,6 +61,12 @@ CALL_TIMEOUT_S = 30.0
 #: seconds a call to an actor whose last call timed out may take (until it answers again)
 STALLED_TIMEOUT_S = 1.0
 _TIMED_OUT = object()       # a read of a role's file whose actor did not answer in time
+#: the longest a driver waits for a TCP connection to the Ray cluster's address before ``ray.init``
+CONNECT_CHECK_S = 30.0
+#: Ray's finest resource unit: a non-zero quantity below it is refused by Ray
+RESOURCE_UNIT = 0.0001
+#: Ray Client's default port (``ray://HOST`` without one)
+RAY_CLIENT_PORT = 10001
 
 
 def require_ray():
@@ -179,12 +191,14 @@ class RoleActor:
 
 class _ActorProc:
     """The part of ``subprocess.Popen`` the launcher uses, through a ``RoleActor``; a dead actor reads
-    as a child killed by SIGKILL (``ACTOR_DIED``)."""
+    as a child killed by SIGKILL (``ACTOR_DIED``), unless its role's own exit code was known before.
+    ``actor_dead`` tells a dead actor from a role killed by SIGKILL under a live one (both exit -9)."""
 
     def __init__(self, ray, actor, pid: int):
         self._ray, self._actor, self.pid = ray, actor, pid
         self._code: int | None = None
         self.stalled = False        # its last call timed out: the next ones wait STALLED_TIMEOUT_S only
+        self.actor_dead = False     # a call found the actor dead, or the launcher killed it (shutdown)
 
     def _get(self, ref, timeout: float = CALL_TIMEOUT_S, on_timeout=None):
         """The call's answer; ``ACTOR_DIED`` when its actor died; ``on_timeout`` when it did not answer
@@ -195,7 +209,9 @@ class _ActorProc:
         try:
             value = self._ray.get(ref, timeout=min(timeout, STALLED_TIMEOUT_S) if self.stalled else timeout)
         except self._ray.exceptions.RayActorError:
-            self._code = ACTOR_DIED
+            self.actor_dead = True
+            if self._code is None:
+                self._code = ACTOR_DIED
             return ACTOR_DIED
         except self._ray.exceptions.GetTimeoutError:
             if not self.stalled:
@@ -207,6 +223,8 @@ class _ActorProc:
         return value
 
     def poll(self) -> int | None:
+        if self._code is None and self.actor_dead:
+            self._code = ACTOR_DIED
         if self._code is None:
             code = self._get(self._actor.poll.remote())
             if code is not None:
@@ -223,7 +241,7 @@ class _ActorProc:
         return self._code
 
     def send_signal(self, sig: int) -> None:
-        if self._code is None:
+        if self._code is None and not self.actor_dead:
             self._get(self._actor.signal.remote(sig, False))
 
 
@@ -244,9 +262,12 @@ class RayChild(Child):
         reads the file on the role's node, with that node's clock). When its actor does not answer in
         time, the last report read: its beat ages, so a stalled actor reads as "no heartbeat for N s",
         as a frozen local process does, not as a worker that never reported (which a missing report
-        would say)."""
+        would say). Once the role ended or its actor is gone (died, or killed by ``RayCluster.shutdown``,
+        which reads every report first), also the last report read: the supervisor counts a failed
+        attempt's lost examples (``examples_replayed``) from it after the attempt was torn down, where a
+        local role's progress file is still on disk."""
         value = self._read("progress", on_timeout=_TIMED_OUT)
-        if value is _TIMED_OUT:
+        if value is _TIMED_OUT or (value is None and self._ended()):
             return self._last_report
         if value is not None:      # its node's monotonic clock -> the driver's (engine.progress.rebase)
             read_mono = value.pop("read_mono", None)
@@ -255,8 +276,13 @@ class RayChild(Child):
         self._last_report = value
         return value
 
+    def _ended(self) -> bool:
+        """Its actor is gone or its role exited (nothing newer can be read of it)."""
+        return self.proc.actor_dead or self.proc._code is not None
+
     def _read(self, kind: str, on_timeout=None):
-        if self.proc.poll() == ACTOR_DIED:
+        self.proc.poll()
+        if self.proc.actor_dead:
             return None
         value = self.proc._get(self.actor.read.remote(kind), on_timeout=on_timeout)
         # the actor may die between the poll and the read: _get then answers ACTOR_DIED, not a file's
@@ -264,7 +290,8 @@ class RayChild(Child):
         return None if isinstance(value, int) else value
 
     def tail(self, n: int = 15) -> str:
-        if self.proc.poll() == ACTOR_DIED:
+        self.proc.poll()
+        if self.proc.actor_dead:
             return "(its Ray actor died; the log was on its node: " + str(self.log_path) + ")"
         text = self.proc._get(self.actor.tail.remote(n))
         if isinstance(text, int):       # ACTOR_DIED: it died since the poll
@@ -290,14 +317,90 @@ def forwarded_env() -> dict[str, str]:
             and k not in _PER_ROLE}
 
 
+def ray_endpoint(address: str, key: str) -> tuple[str, int] | None:
+    """(host, port) a driver connects to for the Ray ``address`` (``HOST:PORT``, ``[IPv6]:PORT``,
+    ``ray://HOST[:PORT]``); None for ``auto`` and ``local``, which Ray resolves on this machine.
+
+    Raises
+    ------
+    ConfigError
+        Not one of those forms (naming ``key``: ``cluster.ray_address`` or ``RAY_ADDRESS``).
+    """
+    if address in ("auto", "local"):
+        return None
+    rest, default_port = address, None
+    if "://" in address:
+        scheme, rest = address.split("://", 1)
+        if scheme != "ray":
+            raise ConfigError(f"{key}={address!r}: expected HOST:PORT (the Ray head's GCS address, port 6379 by "
+                              f"default) or ray://HOST[:PORT] (Ray Client)")
+        default_port = RAY_CLIENT_PORT
+    rest = rest.rstrip("/")
+    if rest.startswith("["):                            # [IPv6]:PORT
+        host, _, tail = rest[1:].partition("]")
+        port = tail[1:] if tail.startswith(":") else ""
+    else:
+        host, sep, port = rest.rpartition(":")
+        if not sep:
+            host, port = rest, ""
+    port = port or (str(default_port) if default_port else "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}={address!r}: expected HOST:PORT (the Ray head's GCS address, port 6379 by "
+                          f"default) or ray://HOST[:PORT] (Ray Client)")
+    return host, int(port)
+
+
 def _connect(ray, cfg: EngineConfig) -> None:
     """Join ``cluster.ray_address`` (or the cluster ``RAY_ADDRESS`` names), else start a local Ray for
-    this process (stopped at exit)."""
+    this process (stopped at exit).
+
+    The address must accept a TCP connection within ``cluster.startup_timeout_s`` (at most
+    ``CONNECT_CHECK_S``) first: Ray's own client retries an unreachable one for many minutes, deaf to
+    SIGTERM. ``ray.init`` replaces the SIGTERM handler (``run_job``'s: preempt the job) with one that
+    exits; the handlers of SIGTERM and SIGINT are put back once it returns.
+
+    Raises
+    ------
+    ConfigError
+        The address is malformed, unreachable, or Ray refuses to join it (an authenticated cluster, a
+        version mismatch, ...): the key (``cluster.ray_address`` or ``RAY_ADDRESS``) and the cause are
+        named; ``engine train`` exits 2.
+    """
     if ray.is_initialized():
         return
     address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS") or None
+    key = "cluster.ray_address" if cfg.cluster.ray_address else "RAY_ADDRESS"
+    if address is not None:
+        endpoint = ray_endpoint(address, key)
+        if endpoint is not None and endpoint[0] in ("localhost", "127.0.0.1", "::1"):
+            try:        # as Ray does: this machine's address, which a local Ray's GCS listens on
+                endpoint = (ray.util.get_node_ip_address(), endpoint[1])
+            except Exception:  # noqa: BLE001 - no address found: loopback is what is left to try
+                pass
+        if endpoint is not None:
+            timeout = min(cfg.cluster.startup_timeout_s, CONNECT_CHECK_S)
+            try:
+                socket.create_connection(endpoint, timeout=timeout).close()
+            except OSError as e:
+                why = (f"no answer within {timeout:g} s" if isinstance(e, TimeoutError)
+                       else e.strerror or str(e) or type(e).__name__)
+                empty = "leave it empty" if key == "cluster.ray_address" else "unset it"
+                raise ConfigError(f"{key}={address!r}: no Ray cluster reachable there ({why}); start one "
+                                  f"(`ray start --head`), fix the address, or {empty} to start a local Ray "
+                                  f"for the job") from None
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")      # plain "(worker1 pid=..)" prefixes in log files
-    ray.init(address=address, log_to_driver=True, include_dashboard=False, configure_logging=False)
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        ray.init(address=address, log_to_driver=True, include_dashboard=False, configure_logging=False)
+    except (ValueError, ConnectionError, RuntimeError) as e:
+        if address is None:
+            raise
+        raise ConfigError(f"{key}={address!r}: cannot join the Ray cluster: {e}") from None
+    finally:
+        for sig, handler in handlers.items():     # Ray's own SIGTERM handler exits: ours preempts
+            if handler is not None:
+                signal.signal(sig, handler)
     if address is None:         # ours: stopped at exit with everything it started (agents included)
         atexit.register(_stop_local_ray, ray, _descendants(os.getpid()))
     log.info("Ray: %s, %d node(s)", "started a local instance" if address is None else f"joined {address}",
@@ -343,6 +446,28 @@ def _stop_local_ray(ray, started: set[int]) -> None:
             pass
 
 
+def check_resources(cfg: EngineConfig) -> None:
+    """``cluster.server_resources`` and ``worker_resources`` make valid Ray bundles: at least one value
+    above 0 (Ray refuses a bundle of zeros), and none between 0 and Ray's unit ``RESOURCE_UNIT``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the key and the value.
+    """
+    for key in ("server_resources", "worker_resources"):
+        resources = getattr(cfg.cluster, key)
+        if not resources:
+            continue                    # the default, a token {CPU: 0.01}
+        if not any(v > 0 for v in resources.values()):
+            raise ConfigError(f"cluster.{key}={dict(resources)}: a Ray bundle needs at least one resource above 0 "
+                              f"(e.g. {{CPU: 0.01}}, the default when it is empty)")
+        fine = [k for k, v in resources.items() if 0 < v < RESOURCE_UNIT]
+        if fine:
+            raise ConfigError(f"cluster.{key}={dict(resources)}: {fine[0]} is below Ray's smallest quantity "
+                              f"{RESOURCE_UNIT:g} (use 0, or at least {RESOURCE_UNIT:g})")
+
+
 def check_shared_checkpoints(cfg: EngineConfig, nodes: int) -> None:
     """With more than one node, a local ``checkpoint.root`` needs ``checkpoint.shared: true``.
 
@@ -367,13 +492,16 @@ class RayCluster(LocalCluster):
     Raises
     ------
     ConfigError
-        Ray is missing, or the checkpoint rule (``check_shared_checkpoints``) is broken.
+        Ray is missing, the Ray address is malformed or unreachable (``_connect``), a role's resources
+        make no valid Ray bundle (``check_resources``), or the checkpoint rule
+        (``check_shared_checkpoints``) is broken.
     LaunchError
         The placement group cannot be placed within ``cluster.startup_timeout_s``.
     """
 
     def __init__(self, cfg: EngineConfig, run_dir=None, python: str = sys.executable, allow_load=()):
         self.ray = require_ray()
+        check_resources(cfg)
         super().__init__(cfg, run_dir, python, allow_load)
         _connect(self.ray, cfg)
         nodes = [n for n in self.ray.nodes() if n.get("Alive")]
@@ -391,7 +519,6 @@ class RayCluster(LocalCluster):
         self.pg = placement_group(bundles, strategy="SPREAD")
         ready, _ = self.ray.wait([self.pg.ready()], timeout=c.startup_timeout_s)
         if not ready:
-            from ..errors import LaunchError
             self.ray.util.remove_placement_group(self.pg)
             raise LaunchError(f"Ray could not place {c.servers} server(s) with {bundles[0]} and {c.workers} "
                               f"worker(s) with {bundles[-1]} within cluster.startup_timeout_s="
@@ -428,17 +555,41 @@ class RayCluster(LocalCluster):
         metrics_env = self.role_env(role, rank)
         if metrics_env.pop(METRICS_FILE_ENV, None) is not None:
             files.append("metrics")
-        node_id, node_ip = self.ray.get(actor.node.remote(), timeout=self.cfg.cluster.startup_timeout_s)
+        node_id, node_ip = self._start_call(role, rank, "start", actor.node.remote(), c.startup_timeout_s)
         log.info("%s %d runs on node %s (%s)", role, rank, node_id, node_ip)
         if role == "server":
             argv += ["--host", c.host if self.one_machine else node_ip]
         full_env = {**forwarded_env(), **self._secret_env, **metrics_env, **env}
-        pid = self.ray.get(actor.start.remote(self.config_path.read_text(), argv, full_env, files),
-                           timeout=self.cfg.cluster.startup_timeout_s)
-        log_path = self.ray.get(actor.__ray_call__.remote(lambda a: str(a.log_path)), timeout=CALL_TIMEOUT_S)
+        pid = self._start_call(role, rank, "start its process",
+                               actor.start.remote(self.config_path.read_text(), argv, full_env, files),
+                               c.startup_timeout_s)
+        log_path = self._start_call(role, rank, "name its log",
+                                    actor.__ray_call__.remote(lambda a: str(a.log_path)), CALL_TIMEOUT_S)
         child = RayChild(role, rank, _ActorProc(self.ray, actor, pid), Path(f"{node_ip}:{log_path}"))
         child.actor = actor
         return child
+
+    def _start_call(self, role: str, rank: int, what: str, ref, timeout: float):
+        """The answer of a call to a new role's actor.
+
+        Raises
+        ------
+        LaunchError
+            The actor died (its node or process was lost: exit ``ACTOR_DIED``) or did not answer within
+            ``timeout`` seconds: a failure of the attempt, handled by the restart rule.
+        """
+        try:
+            return self.ray.get(ref, timeout=timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            reason = (f"its Ray actor did not {what} within {timeout:g}s"
+                      + (" (cluster.startup_timeout_s)" if timeout == self.cfg.cluster.startup_timeout_s else ""))
+            code = None
+        except self.ray.exceptions.RayActorError as e:
+            cause = (str(e).splitlines() or [type(e).__name__])[0]
+            reason = f"its Ray actor died before it could {what}: {cause}"
+            code = ACTOR_DIED
+        raise LaunchError(f"{role} {rank}: {reason}", role=role, rank=rank, exit_code=code, reason=reason,
+                          log_tail="(no log: its Ray actor did not answer)")
 
     def metrics_files(self) -> None:
         """Copy each role's /metrics URL, written on its node, into the driver's run directory, where
@@ -449,8 +600,16 @@ class RayCluster(LocalCluster):
                 (self.run_dir / f"{c.role}-{c.rank}.metrics").write_text(url + "\n")
 
     def shutdown(self) -> None:
-        """Stop every role (through its actor), then the actors and the placement group. Idempotent."""
+        """Stop every role (through its actor), read the workers' last progress reports (kept by each
+        ``RayChild`` for the supervisor's ``examples_replayed``), then end the actors and the placement
+        group. Idempotent."""
         super().shutdown()
+        for w in self.workers:
+            if isinstance(w, RayChild) and not w.proc.actor_dead:
+                try:
+                    w.report()
+                except Exception:  # noqa: BLE001 - the last report read before stays
+                    pass
         # a stalled actor answers no cleanup either: then wait no longer than for any call to it
         stalled = any(getattr(c.proc, "stalled", False) for c in [*self.servers, *self.workers])
         try:
@@ -463,6 +622,9 @@ class RayCluster(LocalCluster):
                 self.ray.kill(a)
             except Exception:  # noqa: BLE001 - already dead
                 pass
+        for c in [*self.servers, *self.workers]:
+            if isinstance(c.proc, _ActorProc):    # killed above: never called again (reads keep what they had)
+                c.proc.actor_dead = True
         self.actors = []
         if self.pg is not None:
             try:
