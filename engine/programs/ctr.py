@@ -762,14 +762,15 @@ class CTRTrainer:
         resumed = start.epoch > 0 or start.batch > 0
         sizes = shard_rows(p.data.train_path, self.num_workers) if need_min or resumed else [0]
         rows = min(sizes)
-        if resumed:     # the launcher's bar counts the job's examples, not this process's (ctr_report.Follower)
-            self.examples_before = start.epoch * sizes[self.rank] + min(start.batch * p.batch_size, sizes[self.rank])
         min_batches = rows // p.batch_size
         if self.rank == 0:
             self.checkpoints.check_shards(sizes, p.batch_size, p.data.train_path)
         if lockstep:
             max_steps = self.mode.steps_per_epoch(rows, p.batch_size)
             log.info("%s mode: %d steps per epoch on every worker", self.mode.name, max_steps)
+        if resumed:     # the launcher's bar counts the job's examples, not this process's (ctr_report.Follower)
+            per_epoch = min(max_steps * p.batch_size, sizes[self.rank]) if max_steps else sizes[self.rank]
+            self.examples_before = start.epoch * per_epoch + min(start.batch * p.batch_size, per_epoch)
         for epoch in range(start.epoch, p.epochs):
             self.train_epoch(epoch, max_steps, skip=start.batch if epoch == start.epoch else 0,
                              min_batches=min_batches)
