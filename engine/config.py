@@ -194,12 +194,10 @@ GEO_REMOVED_KEYS = {
 
 def _drop_removed_geo_keys(geo):
     """``geo`` without the keys of ``GEO_REMOVED_KEYS`` (one WARNING per key found)."""
-    if not isinstance(geo, dict) or not any(k in geo for k in GEO_REMOVED_KEYS):
-        return geo
-    for key, why in GEO_REMOVED_KEYS.items():
-        if key in geo:
-            logging.getLogger(__name__).warning("geo.%s: %r %s", key, geo[key], why)
-    return {k: v for k, v in geo.items() if k not in GEO_REMOVED_KEYS}
+    found = [k for k in GEO_REMOVED_KEYS if k in geo] if isinstance(geo, dict) else []
+    for key in found:
+        logging.getLogger(__name__).warning("geo.%s: %r %s", key, geo[key], GEO_REMOVED_KEYS[key])
+    return {k: v for k, v in geo.items() if k not in GEO_REMOVED_KEYS} if found else geo
 
 
 @section

@@ -78,6 +78,9 @@ class DeltaParentError(RequestRejectedError):
     parent (FAILED_PRECONDITION "delta parent mismatch"; ``engine.ps.delta_lineage``). That server
     wrote and cleared nothing; the coordinator writes a base instead."""
 
+    #: what the refusal's message starts with (the server's ``HostError``; the client maps it to this class)
+    MARKER = "delta parent mismatch"
+
 
 class ShardUnavailableError(RemoteError):
     """A server stayed unreachable (UNAVAILABLE) through every retry."""

@@ -140,6 +140,11 @@ class Storage:
         the one backend where :meth:`sync` does anything and :meth:`create_new` is atomic."""
         return self._local
 
+    @property
+    def is_object_store(self) -> bool:
+        """True on an object store (S3, GCS, Azure): an object written appears whole at once."""
+        return self._object_store
+
     # ---------------------------------------------------------------- paths
 
     join = staticmethod(join)

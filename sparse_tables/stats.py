@@ -64,6 +64,13 @@ STATS_LOCK_WAIT_S = 0.02
 SPILL_COUNTERS = ("write_stalls", "write_stall_s", "point_reads")
 
 
+def spill_totals(spill, carried: dict) -> dict:
+    """``SPILL_COUNTERS`` of the live store ``spill`` (None: none) plus those ``carried`` from shards it
+    replaced (``carry_counters``)."""
+    live = (spill.stalls, spill.stall_s, spill.reads) if spill is not None else (0, 0.0, 0)
+    return {k: carried[k] + v for k, v in zip(SPILL_COUNTERS, live)}
+
+
 def read_sizes(t) -> dict:
     """The sizes of shard ``t`` (a ``SparseTable``) that need its lock (module docstring): rows, bytes.
     Lock held (shared or exclusive), or ``t`` still being built."""
@@ -110,9 +117,8 @@ def table_stats(t) -> dict:
     out["disk_bytes"] = spill.disk_bytes() if spill is not None else 0
     out["memory"] = {**memory, "sketch": t._sketch.nbytes, **(spill.memory() if spill is not None else {})}
     if spill is not None:
-        out["rocksdb"] = {**spill.compaction(), "write_stalls": spill.stalls + carried["write_stalls"],
-                          "write_stall_s": round(spill.stall_s + carried["write_stall_s"], 3),
-                          "point_reads": spill.reads + carried["point_reads"],
+        totals = spill_totals(spill, carried)
+        out["rocksdb"] = {**spill.compaction(), **totals, "write_stall_s": round(totals["write_stall_s"], 3),
                           "catching_up": int(spill.bulk_loading),
                           "catch_up_failed": int(spill.catch_up_error is not None)}
     if t._budget is not None:
@@ -127,12 +133,8 @@ def carry_counters(new, old) -> None:
     Call before ``old`` is closed (its RocksDB counters go with its store)."""
     with old._stats_lock:
         counters = dict(old._counters)
-        spill_counts = dict(old._spill_carry)
-    spill = old._spill
-    if spill is not None:
-        spill_counts["write_stalls"] += spill.stalls
-        spill_counts["write_stall_s"] += spill.stall_s
-        spill_counts["point_reads"] += spill.reads
+        carried = dict(old._spill_carry)
+    spill_counts = spill_totals(old._spill, carried)
     with new._stats_lock:
         for k, v in counters.items():
             new._counters[k] = new._counters.get(k, 0) + v

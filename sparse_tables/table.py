@@ -39,6 +39,7 @@ from ._load_kernels import DUPLICATES, key_order
 from ._inputs import check_counts as _check_counts, check_keys as _check_keys, record_keys as _record_keys
 from ._optimizers import HP_SIZE
 from .budget import HEADROOM_ROWS, MemoryBudget
+from .stats import SPILL_COUNTERS
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
 from .errors import SpillError, TableFullError, TableInputError
 from ._warn import WARN_GATES as _WARN_GATES, WARN_GATES_LOCK as _WARN_GATES_LOCK, WarnGate as _WarnGate
@@ -143,7 +144,7 @@ class SparseTable(SpillTier, DeltaCapture):
                               rejected=0, rows_refused_full=0, deleted=0, evictions=0, promotions=0,
                               spill_writes=0, compactions=0, compacted_rows=0, released_bytes=0,
                               loaded_to_disk=0, loaded_unasked=0, **{k: 0 for k in SPILL_TIME_NS})
-        self._spill_carry = dict(write_stalls=0, write_stall_s=0.0, point_reads=0)   # carry_counters
+        self._spill_carry = dict.fromkeys(SPILL_COUNTERS, 0)   # carry_counters (stats.SPILL_COUNTERS)
         if name:
             with _WARN_GATES_LOCK:
                 self._full_gate = _WARN_GATES.setdefault(name, _WarnGate())

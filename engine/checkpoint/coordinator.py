@@ -43,7 +43,6 @@ import math
 import time
 from typing import Any, Callable, Protocol
 
-
 import hdfs_io
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Publisher, Storage, StorageOptions
 from streaming.keys import HASH_VERSION

@@ -285,13 +285,9 @@ class Bundle:
             t = batch.schema.field(self.dense_column).type
             if not pa.types.is_fixed_size_list(t) or t.list_size != D or not pa.types.is_floating(t.value_type):
                 return (self.dense_column, 0, f"expected fixed_size_list<float32>[{D}], got {t}")
-        if D and self.dense_column in names:
-            col = batch.column(self.dense_column)
-            t = col.type
-            if pa.types.is_fixed_size_list(t) and t.list_size == D and pa.types.is_floating(t.value_type):
-                bad = dense_values(col, D)[1]
-                if bad is not None:
-                    return (self.dense_column, *bad)
+            bad = dense_values(batch.column(self.dense_column), D)[1]
+            if bad is not None:
+                return (self.dense_column, *bad)
         if self.label_column in names:
             bad = label_problem(batch.column(self.label_column))
             if bad is not None:

@@ -53,11 +53,11 @@ def is_layout_name(rel: str) -> bool:
     return head == "embeddings" and bool(_GROUP_RE.match(tail))
 
 
-def _foreign(storage: Storage, name: str) -> list[str]:
-    """Entries below ``name`` that no bundle export writes (at most ``_SHOWN + 1``, relative to it)."""
+def _foreign(storage: Storage, name: str, entries: list[str]) -> list[str]:
+    """Of ``entries`` (``name``'s listing), those, and the names below them, that no bundle export writes
+    (at most ``_SHOWN + 1``, relative to ``name``)."""
     out = []
-    for e in storage.listdir(name):
-        rel = e
+    for rel in entries:
         if not is_layout_name(rel):
             out.append(rel)
         elif rel == "embeddings":
@@ -103,11 +103,12 @@ def check_bundle_target(storage: Storage, name: str, *, overwrite: bool) -> str:
     if info.type == pafs.FileType.File:
         raise ExportError(f"{uri}: exists and is a file, not a bundle directory; refusing to replace it, "
                           f"--overwrite or not")
-    foreign = _foreign(storage, name)
+    entries = storage.listdir(name)
+    foreign = _foreign(storage, name, entries)
     if foreign:
         raise _refusal(uri, foreign)
     if not hdfs_io.is_complete(storage, name):
-        return "leftovers" if storage.listdir(name) else "absent"
+        return "leftovers" if entries else "absent"
     if not overwrite:
         raise FileExistsError(errno.EEXIST, "already published", uri)
     return "bundle"

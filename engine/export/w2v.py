@@ -170,7 +170,7 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
         with open(path, "rb") as f:
             data = f.read()
     T.check_file_target(storage, name, overwrite=overwrite)     # appeared meanwhile?
-    if storage.fs.type_name in _OBJECT_STORES:
+    if storage.is_object_store:
         storage.write_bytes(name, data)                         # the object appears whole at close
     else:
         T.remove_stale_stages(storage, name, "tmp", "a partial word2vec file written")
@@ -187,9 +187,6 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
                 log.warning("could not remove %s: %s", storage.uri_of(tmp_name), exc)
             raise
     return {"words": len(words), "dim": int(vecs.shape[1]), "missing": missing}
-
-
-_OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})
 
 
 def _parent(uri, storage_options):

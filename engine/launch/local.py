@@ -185,7 +185,8 @@ class LocalCluster:
         self.preempt_deadline: float | None = None     # monotonic; set by ``preempt``
         self._preempted: set[int] = set()               # worker ranks sent SIGTERM
         self.restarts = 0                 # the supervisor's count so far (engine_restarts_total)
-        self._metrics_announced = False   # observability.prometheus_port: URLs logged + prometheus.json
+        # observability.prometheus_port: URLs logged + prometheus.json (nothing to announce when it is off)
+        self._metrics_announced = cfg.observability.prometheus_port is None
         self.abandoned: list[threading.Thread] = []     # calls a failure left running (``supervised``)
 
     def write_config(self, cfg: EngineConfig) -> None:
@@ -433,7 +434,7 @@ class LocalCluster:
                                   reason="preempt timeout")
             if time.monotonic() >= next_hang_check:
                 self._check_hangs()
-                if not self._metrics_announced and self.cfg.observability.prometheus_port is not None:
+                if not self._metrics_announced:
                     self.metrics_files()
                     self._metrics_announced = prometheus.announce(self.cfg, self.run_dir, self.servers + self.workers)
                 next_hang_check = time.monotonic() + HANG_CHECK_S

@@ -328,12 +328,13 @@ def ray_endpoint(address: str, key: str) -> tuple[str, int] | None:
     """
     if address in ("auto", "local"):
         return None
+    malformed = ConfigError(f"{key}={address!r}: expected HOST:PORT (the Ray head's GCS address, port 6379 by "
+                            f"default) or ray://HOST[:PORT] (Ray Client)")
     rest, default_port = address, None
     if "://" in address:
         scheme, rest = address.split("://", 1)
         if scheme != "ray":
-            raise ConfigError(f"{key}={address!r}: expected HOST:PORT (the Ray head's GCS address, port 6379 by "
-                              f"default) or ray://HOST[:PORT] (Ray Client)")
+            raise malformed
         default_port = RAY_CLIENT_PORT
     rest = rest.rstrip("/")
     if rest.startswith("["):                            # [IPv6]:PORT
@@ -345,8 +346,7 @@ def ray_endpoint(address: str, key: str) -> tuple[str, int] | None:
             host, port = rest, ""
     port = port or (str(default_port) if default_port else "")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{key}={address!r}: expected HOST:PORT (the Ray head's GCS address, port 6379 by "
-                          f"default) or ray://HOST[:PORT] (Ray Client)")
+        raise malformed
     return host, int(port)
 
 
@@ -593,11 +593,15 @@ class RayCluster(LocalCluster):
 
     def metrics_files(self) -> None:
         """Copy each role's /metrics URL, written on its node, into the driver's run directory, where
-        ``prometheus.announce`` reads them for ``prometheus.json``."""
+        ``prometheus.announce`` reads them for ``prometheus.json``. A role whose URL was copied is not
+        asked again (this runs every hang check until every URL is in)."""
         for c in [*self.servers, *self.workers]:
+            copied = self.run_dir / f"{c.role}-{c.rank}.metrics"
+            if copied.is_file() and copied.stat().st_size:
+                continue
             url = c._read("metrics")
             if url:
-                (self.run_dir / f"{c.role}-{c.rank}.metrics").write_text(url + "\n")
+                copied.write_text(url + "\n")
 
     def shutdown(self) -> None:
         """Stop every role (through its actor), read the workers' last progress reports (kept by each

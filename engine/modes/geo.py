@@ -84,12 +84,12 @@ class _LocalDense:
     last sync) and ``opt`` (``models.optim.Adam`` or ``SGD``: its state outlives syncs)."""
 
     def __init__(self, params: np.ndarray, opt):
-        self.local = np.array(params, np.float32).ravel()      # own, writable
-        self.synced = self.local.copy()
         self.opt = opt
+        self.refresh(params)
 
     def refresh(self, params: np.ndarray) -> None:
-        """The servers' fresh values into ``local`` and ``synced``; the optimizer's state is kept."""
+        """The servers' fresh values into ``local`` (an own, writable copy) and ``synced``; the optimizer's
+        state is kept."""
         self.local = np.array(params, np.float32).ravel()
         self.synced = self.local.copy()
 

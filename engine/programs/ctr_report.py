@@ -4,8 +4,8 @@ launcher's live view of the file (progress bar on a terminal, plain log lines ot
 The metrics file (one per run, ``model.metrics_file``) holds one JSON object per line::
 
     {"event": "start", "model": "ctr_dnn", "mode": "async", "workers": 2, "train_rows": 16488, ...}
-    {"event": "train", "rank": 1, "epoch": 0, "step": 40, "examples_total": 10240, "logloss": 0.49,
-     "auc": 0.71, "examples_per_s": 8123.0, "time": ...}            # per worker, per interval
+    {"event": "train", "rank": 1, "epoch": 0, "step": 40, "examples_total": 10240, "examples_job": 10240,
+     "logloss": 0.49, "auc": 0.71, "examples_per_s": 8123.0, "time": ...}   # per worker, per interval
     {"event": "eval", "epoch": 0, "step": 80, "split": "test", "auc": 0.752, "logloss": 0.47,
      "pred_ctr": 0.22, "actual_ctr": 0.23, "copc": 1.04, "count": 4121}   # global, after each epoch
     {"event": "profile", "rank": 0, "step": 120, "steps": 120, "phase_seconds": {...}, ...}   # per worker
@@ -14,7 +14,8 @@ The metrics file (one per run, ``model.metrics_file``) holds one JSON object per
 
 ``step`` is the job's step (``CTRTrainer.global_step``): a resumed or restarted attempt continues from
 its checkpoint's step, so the events of all attempts share one increasing axis; ``examples_total``
-counts this process's examples (0 again in a new attempt).
+counts this process's examples (0 again in a new attempt), ``examples_job`` the rank's examples since the
+job began (the restored position's plus this process's: what the launcher's bar counts).
 
 Global evaluation: every worker scores its shard of the test split into a ``BinaryMetrics`` histogram,
 adds it into the servers' metric accumulator ``model.metrics_table`` (``PSClient.add_metric``: int64

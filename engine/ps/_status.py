@@ -36,7 +36,7 @@ def too_large_error(e: RemoteError, method: str, server: int) -> MessageTooLarge
 def typed(e: RemoteError, attempts: int) -> RemoteError:
     if e.code == "ABORTED" and "generation mismatch" in e.message:
         return GenerationChangedError(e.code, e.message, e.endpoint)
-    if e.code == "FAILED_PRECONDITION" and "delta parent mismatch" in e.message:
+    if e.code == "FAILED_PRECONDITION" and DeltaParentError.MARKER in e.message:
         return DeltaParentError(e.code, e.message, e.endpoint)
     if e.code in _DENIED:
         return AccessDeniedError(e.code, e.message, e.endpoint)

@@ -31,12 +31,10 @@ import os
 import threading
 from typing import Iterator
 
+from ..errors import DeltaParentError
 from .hosts import HostError
 
-__all__ = ["DeltaLineage", "MISMATCH", "key"]
-
-#: marker of the refusal's message (``engine.ps._status`` maps it to ``DeltaParentError``)
-MISMATCH = "delta parent mismatch"
+__all__ = ["DeltaLineage", "key"]
 
 
 def key(uri: str) -> str:
@@ -64,11 +62,6 @@ class DeltaLineage:
         self._from: str | None = None
         self._lock = threading.Lock()
 
-    @property
-    def continues(self) -> str | None:
-        """The normalized location of the checkpoint the next delta must name as parent (None: a base)."""
-        return self._from
-
     @contextlib.contextmanager
     def saving(self, kind: str, uri: str, parent: str) -> Iterator[None]:
         """Around one Save of checkpoint ``uri`` (``kind`` "base" or "delta"; ``parent``: the delta's
@@ -87,7 +80,7 @@ class DeltaLineage:
                     have = self._from or ("nothing: it started, was emptied, or a save or load failed "
                                           "on it since")
                     raise HostError("FAILED_PRECONDITION", (
-                        f"{MISMATCH}: server {self.server}: delta {uri} names parent {parent or '(none)'}, "
+                        f"{DeltaParentError.MARKER}: server {self.server}: delta {uri} names parent {parent or '(none)'}, "
                         f"but this server's changes are counted from {have} (another coordinator saved "
                         f"or loaded since, or this server restarted); nothing was written or cleared: "
                         f"write a base"))

@@ -27,7 +27,7 @@ import pytest
 from engine.cli import main
 from engine.export import load_bundle, open_bundle
 from tests.contract.storage_fixtures import moto_s3, s3_bucket, s3_storage_options  # noqa: F401 (fixtures)
-from tests.integration.test_predict_bad_input import SLOTS, _table, _write, setup  # noqa: F401 (fixture)
+from tests.integration.test_predict_bad_input import SLOTS, _eval_config, _table, _write, setup  # noqa: F401 (fixture)
 from tests.waiting import killed_after_first_line
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,32 +199,6 @@ def test_s3_a_foreign_prefix_and_a_damaged_delta_change_nothing(s3_bucket, s3_st
         export_bundle(src(), f"{root}/b0", since=f"{root}/bad", overwrite=True, storage_options=s3_storage_options)
     assert open_bundle(f"{root}/b0", s3_storage_options).export_id == old
     hdfs_io.verify(st, "b0")
-
-
-def _eval_config(d: Path, test_path: Path, kind="ctr_dnn", hidden="[8]") -> Path:
-    cfg = d / f"eval-{kind}-{len(hidden)}.yaml"
-    cfg.write_text(f"""
-mode: async
-cluster: {{servers: 1, workers: 1}}
-checkpoint: {{root: {d / 'ck'}, job: ctr}}
-observability: {{tensorboard: false}}
-tables:
-  sparse:
-    embedding: {{dim: 4, optimizer: adagrad, learning_rate: 0.05}}
-  dense:
-    dense: {{optimizer: adam, learning_rate: 0.001}}
-model:
-  kind: {kind}
-  slots: [C1, C2, C3]
-  dim: 4
-  hidden: {hidden}
-  metrics_dir: {d / 'metrics'}
-  data:
-    source: arrow
-    train_path: {test_path}
-    test_path: {test_path}
-""")
-    return cfg
 
 
 def test_eval_refuses_a_checkpoint_of_another_model(setup, tmp_path, capsys):   # noqa: F811

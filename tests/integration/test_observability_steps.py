@@ -15,11 +15,9 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine.checkpoint import CheckpointManager
 from engine.config import load_config
@@ -30,6 +28,7 @@ from engine.ps.client import PSClient
 from engine.ps.server import PSServer
 from engine.ps.transport import InProcessTransport
 from engine.roles import WorkerContext
+from tests.integration.test_observability import scrape, wait_file
 
 REPO = Path(__file__).resolve().parents[2]
 BATCH = 128
@@ -89,9 +88,8 @@ def test_worker_counters_move_every_step_and_global_step_follows_commit_points(t
 
 # ------------------------------------------------------------------------------------ across attempts
 def _scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+    """The unlabelled samples of ``url`` by name (``test_observability.scrape``)."""
+    return {name: v for (name, labels), v in scrape(url).items() if not labels}
 
 
 def _steps_by_tag(path: Path) -> dict[str, list[int]]:
@@ -131,11 +129,7 @@ def test_a_resumed_attempt_continues_the_step_axis_and_counts_its_own_work(tmp_p
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url_file, scrapes = tmp_path / "run-second" / "worker-0.metrics", []
     try:
-        deadline = time.monotonic() + 180
-        while not (url_file.is_file() and url_file.read_text().strip()):
-            assert time.monotonic() < deadline and proc.poll() is None, "worker 0 published no metrics URL"
-            time.sleep(0.05)
-        url = url_file.read_text().strip()
+        url = wait_file(url_file, proc, 180)
         while proc.poll() is None and len(scrapes) < 3:
             try:
                 got = _scrape(url)

@@ -215,8 +215,9 @@ def test_export_over_a_published_bundle_names_the_cli_flag(setup, capsys):
                                                         f"--overwrite to replace it")
 
 
-def _eval_config(d: Path, test_path: Path) -> Path:
-    cfg = d / f"eval-{test_path.stem}.yaml"
+def _eval_config(d: Path, test_path: Path, kind: str = "ctr_dnn", hidden: str = "[8]") -> Path:
+    """An ``engine eval`` config of a ``kind`` model with ``hidden`` layers scoring ``test_path``."""
+    cfg = d / f"eval-{test_path.stem}-{kind}-{len(hidden)}.yaml"
     cfg.write_text(f"""
 mode: async
 cluster: {{servers: 1, workers: 1}}
@@ -228,10 +229,10 @@ tables:
   dense:
     dense: {{optimizer: adam, learning_rate: 0.001}}
 model:
-  kind: ctr_dnn
+  kind: {kind}
   slots: [C1, C2, C3]
   dim: 4
-  hidden: [8]
+  hidden: {hidden}
   metrics_dir: {d / 'metrics'}
   data:
     source: arrow

@@ -32,7 +32,8 @@ import pytest
 from engine import progress
 from engine.preempt import EXIT_PREEMPTED
 from hdfs_io import SUCCESS_NAME
-from tests.integration.test_ray_launcher import _end_ray, _ray_start_report, _worker_actor, ray_roles
+from tests.integration.test_ray_launcher import (CLUSTERS, _end_ray, _published, _ray_start_report, _worker_actor,
+                                                ray_roles)
 from tests.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +69,9 @@ def ray_one_node():
                 os.environ.pop("TMPDIR", None)
             else:
                 os.environ["TMPDIR"] = old["TMPDIR"]
+        CLUSTERS.append(tmp)
         yield cluster.address, Path(tmp)
+        CLUSTERS.remove(tmp)
     finally:
         try:
             if tmp is not None:
@@ -102,11 +105,6 @@ def worker_step(session: Path, rank: int, since: float) -> int:
         if r:
             best = max(best, int(r.get("step", 0)))
     return best
-
-
-def published(root: Path) -> list[str]:
-    """The checkpoints under ``root`` that have their ``_SUCCESS`` file."""
-    return [d for d, _, files in os.walk(root) if SUCCESS_NAME in files]
 
 
 def finish(driver: subprocess.Popen, err, timeout: float) -> tuple[str, str]:
@@ -178,7 +176,7 @@ def test_a_killed_worker_actor_counts_the_examples_to_train_again(ray_one_node, 
         driver = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "ENGINE_FAILPOINTS": PACED},
                                   stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
         try:
-            until(lambda: driver.poll() is not None or published(root), "a published checkpoint", timeout_s=120,
+            until(lambda: driver.poll() is not None or _published(root), "a published checkpoint", timeout_s=120,
                   every_s=0.02)
             at, seen = worker_step(session, 1, since), time.monotonic()
             until(lambda: driver.poll() is not None or (worker_step(session, 1, since) >= at + 24

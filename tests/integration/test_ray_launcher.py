@@ -134,7 +134,9 @@ def ray_cluster():
                     os.environ["TMPDIR"] = old["TMPDIR"]
         if reports:
             warnings.warn("the test Ray cluster started on a retry:\n" + "\n".join(reports))
+        CLUSTERS.append(tmp)
         yield cluster.address, cluster.head_node, worker, tmp
+        CLUSTERS.remove(tmp)
     finally:
         try:
             if tmp is not None:
@@ -185,10 +187,18 @@ def test_sync_ctr_on_two_ray_nodes_matches_the_local_launcher(ray_cluster, tmp_p
     assert not ray_roles()
 
 
+#: the session directories of the test Ray clusters this process has running, newest last (their
+#: fixtures push and pop them): role processes are looked for below the newest only, so the roles of a
+#: Ray test of another module running beside this one (pytest -n) are neither counted nor signalled
+CLUSTERS: list[str] = []
+
+
 def ray_roles() -> list[int]:
-    """Role processes started by Ray actors (their config lies in an actor's ``engine-ray-*`` directory);
-    one test runs at a time, so any left after a test are that test's."""
-    return [pid for pid in _pids_using("--role") if "engine-ray-" in _cmdline(pid)]
+    """Role processes started by the actors of this process's current test Ray cluster (their config lies
+    in an actor's ``engine-ray-*`` directory below its session directory); one test of this process runs
+    at a time, so any left after a test are that test's."""
+    here = CLUSTERS[-1] if CLUSTERS else ""
+    return [pid for pid in _pids_using("--role") if "engine-ray-" in (c := _cmdline(pid)) and here in c]
 
 
 def _cmdline(pid: int) -> str:
