@@ -158,6 +158,7 @@ def test_sigterm_to_the_ray_driver_preempts_at_a_checkpoint_and_resume_finishes(
     assert no_roles_left()
 
 
+@pytest.mark.long   # make test-long (pyproject.toml): ~40 s; test_ray_launcher's killed-actor test (make test) runs the same recovery
 @pytest.mark.slow
 def test_a_killed_worker_actor_counts_the_examples_to_train_again(ray_one_node, tmp_path):
     """Worker 1's actor is killed (SIGKILL: its role dies with it) well past a published checkpoint
