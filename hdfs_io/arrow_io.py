@@ -64,7 +64,8 @@ class IpcFileWriter:
     Raises
     ------
     OSError
-        Storage errors (see :class:`Storage`), from the constructor, ``write`` or ``close``.
+        Storage errors (see :class:`Storage`), from the constructor, ``write`` or ``close``; those of
+        ``write`` and ``close`` carry a note (``add_note``) naming the file's URI.
     """
 
     def __init__(self, storage: Storage, path: str, schema: pa.Schema, *, compression: str | None = "zstd"):
@@ -79,15 +80,23 @@ class IpcFileWriter:
 
     def write(self, data: pa.RecordBatch | pa.Table) -> None:
         """Append a record batch, or a table's batches."""
-        if isinstance(data, pa.Table):
-            self._writer.write_table(data)
-        else:
-            self._writer.write_batch(data)
+        try:
+            if isinstance(data, pa.Table):
+                self._writer.write_table(data)
+            else:
+                self._writer.write_batch(data)
+        except OSError as exc:
+            exc.add_note(f"writing {self.storage.uri_of(self.path)}")
+            raise
 
     def close(self) -> FileEntry:
         """Finish the file (its footer) and close the stream; returns its size and CRC-32."""
-        self._writer.close()
-        self._sink.close()
+        try:
+            self._writer.close()
+            self._sink.close()
+        except OSError as exc:
+            exc.add_note(f"writing {self.storage.uri_of(self.path)}")
+            raise
         entry = self._out.entry
         logger.debug("wrote %s: %d bytes, crc32 %s", self.storage.uri_of(self.path), entry.size, entry.crc32)
         return entry

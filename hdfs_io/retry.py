@@ -190,7 +190,9 @@ def call_with_retry(
         When the error is still transient after ``max_attempts`` attempts (the last error is chained as
         ``__cause__``).
     Exception
-        Any non-transient error, unchanged and at once.
+        Any non-transient error at once, unchanged but for a note (``add_note``) naming ``what``, so the
+        message a server or CLI builds from it can say which operation and URI failed (pyarrow's
+        ``OSError: [Errno 28] Error writing bytes to file`` names neither).
     """
     attempt = 1
     while True:
@@ -198,6 +200,7 @@ def call_with_retry(
             return fn()
         except Exception as exc:
             if not policy.retry_on(exc):
+                exc.add_note(what)
                 raise
             if attempt >= policy.max_attempts:
                 if stats is not None:
