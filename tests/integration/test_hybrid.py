@@ -199,6 +199,7 @@ def world_at_step(run_dir: Path, proc: subprocess.Popen, step: int) -> list[Path
     return topology_files(mpiexec[0])
 
 
+@pytest.mark.long   # make test-long (~25 s): the MPI world ended and restarted from its checkpoint is the killed-worker test's
 @pytest.mark.slow
 def test_a_frozen_hybrid_worker_times_its_peer_out_which_aborts_the_world_and_the_job_restarts(tmp_path):
     """Worker 1 is frozen (SIGSTOP) mid-training. Worker 0's next all-reduce (or a checkpoint's barrier)

@@ -77,6 +77,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_bit_identical(tmp_pat
     assert_same_model(full["checkpoint"], final["checkpoint"])
 
 
+@pytest.mark.long   # make test-long (~45 s): the meeting is the launcher SIGTERM test's above; one pod's SIGTERM is test_k8s_pods'
 def test_sigterm_to_one_worker_stops_every_worker_at_one_checkpoint(tmp_path):
     sets = ("mode=async", "cluster.workers=2", *SLOW)
     stopped = preempted_run(tmp_path, "job", 1, *sets)

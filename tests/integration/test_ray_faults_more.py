@@ -126,6 +126,7 @@ def no_roles_left(timeout_s: float = 30.0) -> bool:
     return not ray_roles()
 
 
+@pytest.mark.long   # make test-long (~35 s): the launcher's SIGTERM preemption is test_preemption's; Ray's handler kept is this test's
 @pytest.mark.slow
 def test_sigterm_to_the_ray_driver_preempts_at_a_checkpoint_and_resume_finishes(ray_one_node, tmp_path):
     address, session = ray_one_node

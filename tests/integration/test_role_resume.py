@@ -156,6 +156,7 @@ def test_one_server_restarted_under_a_running_worker_rolls_the_job_back_to_one_c
     assert_same_model(full["checkpoint"], json.loads(result.read_text())["checkpoint"])
 
 
+@pytest.mark.long   # make test-long (~55 s): servers replaced with --resume are test_k8s_pods' preempted-job test's
 def test_every_server_replaced_with_its_resume_uri_restores_the_newest_checkpoint_written_since(tmp_path):
     """``engine k8s --resume URI`` keeps ``--resume URI --resume-id ID`` in the servers' arguments for the
     job's whole life. Here the job warm-starts from another job's checkpoint and writes its own; then
@@ -304,6 +305,7 @@ def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_count
     assert_every_example_once(result)
 
 
+@pytest.mark.long   # make test-long (~35 s): a replaced worker fencing the servers is the no-checkpoint test's above
 def test_a_worker_restarted_while_it_waits_at_the_start_barrier_does_not_leave_its_dead_self_counted(tmp_path):
     """A fresh role-mode job: worker 1 starts first and waits at the start barrier for worker 0; it is
     killed there and its scheduler restarts it. Before, the restarted worker found the servers fresh

@@ -39,6 +39,7 @@ def _train(tmp: Path, tag: str, root: str, storage: list[str], env: dict, *more:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.long   # make test-long (~45 s): S3 train and resume run in test_online_resume; the options are test_storage_config_options'
 @pytest.mark.slow
 def test_train_and_resume_on_s3_with_settings_from_the_config_only(moto_s3, s3_bucket, s3_storage_options,  # noqa: F811
                                                                    tmp_path):

@@ -127,6 +127,7 @@ def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
     assert not leftovers(tmp_path)
 
 
+@pytest.mark.long   # make test-long (~30 s): a frozen server declared dead after dead_after_s is the test above's
 def test_a_server_frozen_in_its_start_up_is_declared_dead_after_dead_after_s(tmp_path):
     """Before its ready file a server has no address to poll: it beats instead (engine.progress), so one
     frozen there is declared dead after client.dead_after_s, not after cluster.startup_timeout_s (120 s).

@@ -32,6 +32,7 @@ def _engine(*args, timeout=240):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.long   # make test-long (~45 s): the fingerprint rule is tests/unit/test_w2v_vocab_identity.py's
 @pytest.mark.slow
 def test_null_figures_then_a_changed_corpus_is_refused(tmp_path):
     rng = np.random.default_rng(3)
