@@ -24,10 +24,7 @@ class RWLock:
         try:
             yield
         finally:
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
+            self._release_shared()
 
     @contextmanager
     def exclusive(self):
@@ -65,7 +62,10 @@ class RWLock:
             yield got
         finally:
             if got:
-                with self._cond:
-                    self._readers -= 1
-                    if self._readers == 0:
-                        self._cond.notify_all()
+                self._release_shared()
+
+    def _release_shared(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
