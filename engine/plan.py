@@ -775,5 +775,8 @@ def _checkpoint(rec: _Record, bench: BenchResults, K: float, share: float, recor
 
 
 def _check(ok: bool, msg: str, value) -> None:
-    if not ok:
-        raise PlanInputError(f"{msg}, got {value!r}")
+    """Raise PlanInputError ``"{msg}, got {value}"`` unless ``ok`` and ``value`` (when a number) is finite:
+    ``--keys inf`` passed ``> 0`` and ended in a traceback."""
+    finite = not isinstance(value, float) or math.isfinite(value)
+    if not (ok and finite):
+        raise PlanInputError(f"{msg}{'' if finite else ' (a finite number)'}, got {value!r}")
