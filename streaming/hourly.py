@@ -53,6 +53,7 @@ from hdfs_io import Storage, StorageOptions
 from hdfs_io.checksum import crc32_hex
 
 from .errors import DataFormatError, SchemaError
+from .ipc_stream import CheckedStream
 
 __all__ = ["Partition", "HourlySource", "partition_name", "partition_time"]
 
@@ -70,7 +71,6 @@ _MAX_TRACKED_SKIPPED = 168
 #: seconds a partition seen complete and then gone (Publisher(overwrite=True) removes it before writing it
 #: again) is waited for before it may be skipped as missing (or ``wait_for_missing_s``, when longer)
 REPUBLISH_WAIT_S = 300.0
-_IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _HOUR = _dt.timedelta(hours=1)
 
 
@@ -140,7 +140,8 @@ class Partition:
         ------
         hdfs_io.CheckpointCorruptError
             A file is not readable Arrow IPC / Parquet, an IPC stream lacks its end-of-stream marker
-            (truncated), or a file's size in bytes or CRC-32 differs from the manifest's (changed since
+            (truncated) or has bytes after it (``streaming.ipc_stream``, checked before the file's first
+            batch is used), or a file's size in bytes or CRC-32 differs from the manifest's (changed since
             the partition was opened, or corrupt); the message names the partition and the file.
         FileNotFoundError
             A file disappeared since the partition was opened.
@@ -193,12 +194,9 @@ def _open(buf: pa.Buffer, fname: str = ""):
         return _ParquetIter(pq.ParquetFile(pa.BufferReader(buf)))
     if buf.size >= 6 and buf[:6].to_pybytes() == b"ARROW1":
         return _FileIter(ipc.open_file(pa.BufferReader(buf)))
-    # a stream ends with an end-of-stream marker; a stream cut at a batch boundary reads "fine" without it
-    legacy = buf.size >= 4 and buf[:4].to_pybytes() != _IPC_EOS[:4]      # pre-0.15 framing: 4-byte EOS
-    tail = buf[max(0, buf.size - 8):].to_pybytes()
-    if not (tail[-4:] == b"\0\0\0\0" if legacy else tail == _IPC_EOS):
-        raise pa.ArrowInvalid(f"IPC stream of {buf.size} bytes has no end-of-stream marker (truncated?)")
-    return ipc.open_stream(pa.BufferReader(buf))
+    # a stream cut at a batch boundary reads "fine" without its end-of-stream marker: the whole stream is
+    # checked before its first batch is used (in memory: a zero-copy scan)
+    return CheckedStream(pa.BufferReader(buf), precheck="scan")
 
 
 class _FileIter:

@@ -12,6 +12,11 @@ list, before sharding). ``ArrowSource.position`` is the position after the last 
 received; passing it as ``start=`` resumes exactly there. With a shuffle buffer the position is the read
 frontier: rows still in the buffer when the position was taken are not re-read on resume.
 
+Reading. Files are read with plain reads (``pyarrow.OSFile``), never memory-mapped (a file truncated
+while it is read is a ``DataFormatError``, not a SIGBUS); an IPC stream must end with its end-of-stream
+marker (``streaming.ipc_stream``): one cut between two record batches is refused, not read as a shorter
+stream.
+
 Sharding. ``shard=(w, W)`` with ``shard_by="files"`` (default) gives worker ``w`` the files ``w::W`` of
 the sorted list; ``shard_by="batches"`` reads every file and keeps input record batches ``w::W`` (counted
 over the whole stream), for a single file or stdin.
@@ -34,8 +39,10 @@ import pyarrow.parquet as pq
 
 from . import keys
 from .errors import DataFormatError, SchemaError
+from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput
 
-__all__ = ["ArrowSource", "SourcePosition", "list_files", "prefetch", "read_schema"]
+__all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "list_files", "prefetch", "read_batches",
+           "read_schema"]
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +121,29 @@ def _name(src) -> str:
     return str(src)
 
 
-def _read_batches(src, columns) -> Iterator[pa.RecordBatch]:
-    """Record batches of one input, in order. Parquet by suffix; IPC stream or IPC file by magic.
+def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
+    """Record batches of one input, in order, as stored. Parquet by suffix; IPC stream or IPC file by magic.
+
+    Files are read with plain reads (``pyarrow.OSFile``), not memory-mapped: a file truncated or replaced
+    while it is read is a ``DataFormatError``, never a SIGBUS, and no delivered batch points into the file.
+    An IPC stream must end with its end-of-stream marker (``streaming.ipc_stream``): a stream cut at a
+    record-batch boundary (its writer killed between two batches) is refused, not read as a shorter
+    stream; a file is tested for it before its first batch is delivered (then scanned to name the batch),
+    and exactly once its last batch was read.
+
+    Parameters
+    ----------
+    src : str, ``"-"`` (stdin) or binary file object
+    columns : list of str, optional
+        Parquet only: read just these (those the file has); IPC batches come whole.
 
     Raises
     ------
     DataFormatError
-        The input is empty, truncated, corrupt or not Arrow IPC / Parquet: names the input, the record
-        batch pyarrow could not read (``<file header>`` when not even the schema could be) and its first
-        row (1-based, over the file). I/O failures of the medium (an errno, or a transient error per
+        The input is empty, truncated (cut inside a record batch or between two, or without its
+        end-of-stream marker), corrupt or not Arrow IPC / Parquet: names the input, the record batch that
+        could not be read or is missing (``<file header>`` when not even the schema could be) and its
+        first row (1-based, over the file). I/O failures of the medium (an errno, or a transient error per
         ``hdfs_io.retry.is_transient``) propagate unchanged.
     """
     name = _name(src)
@@ -136,6 +157,8 @@ def _read_batches(src, columns) -> Iterator[pa.RecordBatch]:
                 rb = next(it)
             except StopIteration:
                 return
+            except IncompleteStreamError as exc:
+                raise _incomplete_error(name, src, exc) from exc
             except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
                 if not _unreadable(exc):
                     raise
@@ -147,11 +170,11 @@ def _read_batches(src, columns) -> Iterator[pa.RecordBatch]:
 
 
 def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
-    """``_read_batches`` without the error translation; appends to ``opened`` once the schema is read."""
+    """``read_batches`` without the error translation; appends to ``opened`` once the schema is read."""
     if src == "-":
         src = sys.stdin.buffer
     if hasattr(src, "read"):
-        reader = pa.ipc.open_stream(src)
+        reader = CheckedStream(TrackedInput(src))
         opened.append(True)
         yield from reader
         return
@@ -161,26 +184,35 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
         cols = [c for c in columns if c in pf.schema_arrow.names] if columns else None
         yield from pf.iter_batches(batch_size=65536, columns=cols)
         return
-    with pa.memory_map(src, "r") as mm:
-        if mm.read(6) == b"ARROW1":
-            f = pa.ipc.open_file(mm)
+    with pa.OSFile(src, "r") as f:
+        if f.read(6) == b"ARROW1":
+            f.seek(0)
+            ipc_file = pa.ipc.open_file(f)
             opened.append(True)
-            for i in range(f.num_record_batches):
-                yield f.get_batch(i)
+            for i in range(ipc_file.num_record_batches):
+                yield ipc_file.get_batch(i)
             return
-        mm.seek(0)
-        reader = pa.ipc.open_stream(mm)
+        f.seek(0)
+        reader = CheckedStream(f)
         opened.append(True)
         yield from reader
 
 
-def read_schema(path: str) -> pa.Schema:
+def read_schema(path: str, *, check_end: bool = False) -> pa.Schema:
     """The schema of one Arrow IPC (file or stream) or Parquet input, without reading its batches.
+
+    Parameters
+    ----------
+    path : str
+    check_end : bool
+        Also test that an IPC stream ends with its end-of-stream marker (its last 8 bytes; when they are
+        wrong the stream is read through to name the record batch where it stops).
 
     Raises
     ------
     DataFormatError
-        The input is empty or not Arrow IPC / Parquet (named, as ``_read_batches`` names it).
+        The input is empty or not Arrow IPC / Parquet, or (``check_end``) a truncated IPC stream (named,
+        as ``read_batches`` names it).
     FileNotFoundError
         ``path`` does not exist.
     """
@@ -188,15 +220,74 @@ def read_schema(path: str) -> pa.Schema:
     try:
         if parquet:
             return pq.read_schema(path)
-        with pa.memory_map(path, "r") as mm:
-            if mm.read(6) == b"ARROW1":
-                return pa.ipc.open_file(mm).schema
-            mm.seek(0)
-            return pa.ipc.open_stream(mm).schema
+        with pa.OSFile(path, "r") as f:
+            if f.read(6) == b"ARROW1":
+                f.seek(0)
+                return pa.ipc.open_file(f).schema
+            f.seek(0)
+            return CheckedStream(f, precheck="tail" if check_end else None).schema
+    except IncompleteStreamError as exc:
+        raise _incomplete_error(path, path, exc) from exc
     except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
         if not _unreadable(exc):
             raise
         raise _format_error(path, path, parquet, False, 0, 0, exc) from exc
+
+
+def check_schema(got: pa.Schema, expected: pa.Schema, name: str, string_slots=()) -> None:
+    """Raise unless ``got`` holds every column of ``expected`` with its type (``ArrowSource``'s rule: a
+    column of ``string_slots`` expected as uint64 may also hold strings or binaries, hashed when read).
+    Other columns of ``got`` are ignored.
+
+    Raises
+    ------
+    SchemaError
+        Names the column, both types (or the columns present when it is missing) and ``name``.
+    """
+    present = got.names
+    for field in expected:
+        idx = got.get_field_index(field.name)
+        if idx < 0:
+            raise SchemaError(name, field.name, str(field.type), None, present)
+        actual = got.field(idx).type
+        if actual == field.type:
+            continue
+        if field.name in string_slots and field.type == pa.uint64() and actual in _STRING_TYPES:
+            continue
+        raise SchemaError(name, field.name, str(field.type), str(actual))
+
+
+def check_inputs(paths, schema: pa.Schema | None = None, *, string_slots=()) -> list:
+    """Check every input file before any batch is read: readable as Arrow IPC / Parquet, an IPC stream
+    ending with its end-of-stream marker (``read_schema(check_end=True)``), and holding ``schema``'s
+    columns as ``ArrowSource`` checks them (``check_schema``). Reads a few bytes and the schema of each
+    file (a whole file only when its stream looks truncated). Stdin and file objects are not checked.
+
+    Parameters
+    ----------
+    paths : as ``list_files`` takes them
+    schema : pyarrow.Schema, optional
+        None = check readability only.
+    string_slots : collection of str
+        Columns that may hold raw strings instead of uint64 keys.
+
+    Returns
+    -------
+    list
+        ``list_files(paths)``.
+
+    Raises
+    ------
+    FileNotFoundError, DataFormatError, SchemaError
+        The first input at fault, named.
+    """
+    files = list_files(paths)
+    for f in files:
+        if isinstance(f, str) and f != "-":
+            got = read_schema(f, check_end=True)
+            if schema is not None:
+                check_schema(got, schema, f, string_slots)
+    return files
 
 
 def _unreadable(exc: BaseException) -> bool:
@@ -214,7 +305,7 @@ def _unreadable(exc: BaseException) -> bool:
 
 def _format_error(name: str, src, parquet: bool, opened: bool, batch: int, rows: int,
                   exc: BaseException) -> DataFormatError:
-    """The ``DataFormatError`` of an input pyarrow could not read (see ``_read_batches``)."""
+    """The ``DataFormatError`` of an input pyarrow could not read (see ``read_batches``)."""
     kind = "a Parquet file" if parquet else "an Arrow IPC file or stream"
     exc = " ".join(str(exc).split())        # pyarrow's text may span lines; the error is one line
     if not opened:
@@ -228,6 +319,17 @@ def _format_error(name: str, src, parquet: bool, opened: bool, batch: int, rows:
     return DataFormatError(name, rows + 1, f"<record batch {batch}>",
                            f"expected a complete record batch, got one pyarrow cannot read ({exc}): the "
                            f"input is truncated or corrupt {before}", unit="row")
+
+
+def _incomplete_error(name: str, src, exc: IncompleteStreamError) -> DataFormatError:
+    """The ``DataFormatError`` of an IPC stream that stops short of its end-of-stream marker."""
+    if exc.cause is not None:     # a batch that cannot be read, found by the scan of a stream with a bad tail
+        return _format_error(name, src, False, True, exc.batches, exc.rows, exc.cause)
+    b, rows = exc.batches, exc.rows
+    read = f"{rows} row{'s' * (rows != 1)} in {b} complete record batch{'es' * (b != 1)}"
+    return DataFormatError(name, rows + 1, f"<record batch {b}>",
+                           f"expected another record batch or the Arrow IPC end-of-stream marker after "
+                           f"{read}, got {exc.reason}", unit="row")
 
 
 def prefetch(iterable, depth: int, *, name: str = "prefetch", join_timeout_s: float = 30.0) -> Iterator:
@@ -384,21 +486,10 @@ class ArrowSource:
     # -- reading -------------------------------------------------------------------------------
 
     def _check_schema(self, got: pa.Schema, expected: pa.Schema | None, name: str):
-        """Validate one input's schema; return the expected schema and the per-column action."""
+        """Validate one input's schema (``check_schema``); return the expected schema."""
         if expected is None:
-            expected = got
-        present = got.names
-        for field in expected:
-            idx = got.get_field_index(field.name)
-            if idx < 0:
-                raise SchemaError(name, field.name, str(field.type), None, present)
-            actual = got.field(idx).type
-            if actual == field.type:
-                continue
-            if (field.name in self.string_slots and field.type == pa.uint64()
-                    and actual in _STRING_TYPES):
-                continue
-            raise SchemaError(name, field.name, str(field.type), str(actual))
+            return got
+        check_schema(got, expected, name, self.string_slots)
         return expected
 
     def _conform(self, rb: pa.RecordBatch, expected: pa.Schema) -> pa.RecordBatch:
@@ -424,7 +515,7 @@ class ArrowSource:
             name = _name(src)
             checked = False
             file_row = 0    # rows of this file before rb
-            for bi, rb in enumerate(_read_batches(src, columns)):
+            for bi, rb in enumerate(read_batches(src, columns)):
                 if not checked:
                     expected = self._check_schema(rb.schema, expected, name)
                     checked = True

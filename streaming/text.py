@@ -217,8 +217,8 @@ def read_vocab(path):
     path = Path(path)
     if path.is_dir():
         path = path / VOCAB_FILE
-    with pa.memory_map(str(path), "r") as mm:
-        table = pa.ipc.open_stream(mm).read_all()
+    with pa.OSFile(str(path), "r") as f:     # not mapped: a file truncated meanwhile is no SIGBUS later
+        table = pa.ipc.open_stream(f).read_all()
     return table.column("word").to_pylist(), table.column("count").to_numpy().astype(np.uint64)
 
 

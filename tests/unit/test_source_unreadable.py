@@ -1,7 +1,8 @@
 """``ArrowSource`` on inputs pyarrow cannot read (empty, truncated, corrupt, not Arrow / Parquet): a
-``DataFormatError`` naming the file, the record batch and its first row, raised where the reading
-stopped (the rows before it are delivered), from the prefetch thread too; errors of the medium are not
-turned into format errors."""
+``DataFormatError`` naming the file, the record batch and its first row, from the prefetch thread too;
+a truncated stream file is refused before its first batch is delivered (its tail lacks the end-of-stream
+marker), a stream that cannot seek where the reading stopped (the rows before it are delivered); errors
+of the medium are not turned into format errors."""
 from __future__ import annotations
 
 import errno
@@ -53,6 +54,13 @@ def test_truncated_stream_names_file_batch_and_row(tmp_path, prefetch):
     assert str(err).startswith(f"{p}: row 31: field <record batch 3>: expected a complete record batch, got one "
                                f"pyarrow cannot read (")
     assert "truncated or corrupt after 30 readable rows in 3 record batches" in str(err)
+    assert rows == []                              # the tail gave the cut away: nothing of the file delivered
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_truncated_pipe_delivers_what_was_read_before(prefetch):
+    err, rows = _read_all(io.BufferedReader(io.BytesIO(_stream_bytes([10, 10, 10, 10])[:-200])), prefetch)
+    assert err.line == 31 and err.field == "<record batch 3>"
     assert rows == list(range(28))                 # what was read before is delivered, in whole batches
 
 
