@@ -203,7 +203,8 @@ def parse_log1p_ints(offsets, data, field_code, out, status):
     out : float32[n]
         Written: ``log1p(max(v, 0))``; 0 for missing and for bad values.
     status : int16[n]
-        A value that is not an integer sets ``status[i] = field_code`` (if still 0).
+        A value that is not an integer, or a positive one too large for float64 (309 digits and more),
+        sets ``status[i] = field_code`` (if still 0).
     """
     n = out.shape[0]
     for i in range(n):
@@ -237,6 +238,10 @@ def parse_log1p_ints(offsets, data, field_code, out, status):
                 status[i] = field_code
         elif neg:
             out[i] = 0.0
+        elif not np.isfinite(v):    # 309+ digits overflow float64: no finite log1p to write
+            out[i] = 0.0
+            if status[i] == 0:
+                status[i] = field_code
         else:
             out[i] = np.log1p(v)
 

@@ -424,6 +424,9 @@ def _reason(code: int, value: bytes) -> tuple[str, str]:
     if code == 1:
         return field, f"expected 0 or 1, got {_describe(value)}"
     if code <= 1 + NUM_DENSE:
+        if value.isdigit():     # an integer, but beyond float64 (parse_log1p_ints)
+            return field, (f"expected an integer below 1.8e308 (its log1p must be finite), got a "
+                           f"{len(value)}-digit integer ({value[:12].decode()}...)")
         return field, f"expected an integer, got {_describe(value)}"
     return field, f"expected hexadecimal digits, got {_describe(value)}"
 

@@ -91,6 +91,7 @@ def test_gzip_input_and_fixed_batches(tmp_path):
     (line("0", ["1", "x2"] + [""] * 11), "I2"),     # non-integer
     (line("0", ["1", "-"] + [""] * 11), "I2"),      # a lone sign
     (line("0", cats=["zz"] + [""] * 25), "C1"),     # non-hex
+    (line("0", ["9" * 400] + [""] * 12), "I1"),     # an integer beyond float64 (its log1p was inf)
     (line("2"), "label"),
     (line(""), "label"),
 ])
@@ -111,6 +112,23 @@ def test_malformed_lines_skip_and_raise(tmp_path, bad_line, field, caplog):
     # the canonical split still counts the malformed line: lines 0-based 4 and 9 are test rows
     rep = convert_criteo(src, tmp_path / "o3", split="test", max_bad_rows=None, progress=False)
     assert read_all(tmp_path / "o3").column("label").to_pylist() == [0.0, 1.0]
+
+
+@pytest.mark.nojit
+def test_integers_beyond_float64_are_malformed_not_infinite(tmp_path):
+    """A 309-digit integer overflowed float64: ``inf`` was written and only a later reader failed, naming
+    its cache or temporary file instead of the text line."""
+    src = write(tmp_path / "huge_int.txt", [good(0), good(1), line("0", ["9" * 400] + ["7"] * 12), good(3),
+                                            line("1", ["9" * 300, "-" + "9" * 400] + ["7"] * 11)])
+    with pytest.raises(DataFormatError) as ei:
+        convert_criteo(src, tmp_path / "o", progress=False)
+    assert str(ei.value).startswith(f"{src}:3: field I1: expected an integer below 1.8e308 (its log1p must be "
+                                    f"finite), got a 400-digit integer (999999999999...)")
+    rep = convert_criteo(src, tmp_path / "o", max_bad_rows=1, progress=False)
+    assert (rep.lines, rep.rows, rep.bad_rows) == (5, 4, 1)
+    dense = np.stack(read_all(tmp_path / "o").column("dense").to_numpy(zero_copy_only=False))
+    assert np.isfinite(dense).all()
+    assert dense[3, 0] == np.float32(np.log1p(float("9" * 300))) and dense[3, 1] == 0   # finite; negative -> 0
 
 
 def test_line_numbers_across_blocks_and_files(tmp_path):
