@@ -56,6 +56,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from streaming.errors import DataFormatError, SchemaError
+
 from ..program_configs import Word2VecConfig as Config
 from .. import job_checkpoints as ckpt_job
 from .. import observability
@@ -94,14 +96,21 @@ def params_of(p: Config):
 
 # ---------------------------------------------------------------------------------- launcher side
 def check_tables(cfg) -> None:
-    """The tables the program needs exist with the right shape and initializers.
+    """The tables the program needs exist with the right shape and initializers, and no other is declared.
 
     Raises
     ------
     ConfigError
-        Naming the table key path.
+        Naming the table key path: a table declared that the program does not use (listing those it
+        uses), or a needed one missing or misconfigured.
     """
     p: Config = cfg.model.params
+    used = (f"this program uses tables.sparse: {', '.join(sorted({p.input_table, p.output_table}))} "
+            f"(model.input_table, model.output_table) and tables.dense: {p.progress_table} (model.progress_table)")
+    for kind, declared, wanted in (("sparse", cfg.sparse_tables, {p.input_table, p.output_table}),
+                                   ("dense", cfg.dense_tables, {p.progress_table})):
+        for name in sorted(set(declared) - wanted):    # a misspelled table would be created, served, ignored
+            raise ConfigError(f"tables.{kind}.{name}: declared but not used by word2vec (a misspelled name?); {used}")
     if p.input_slot == p.output_slot and p.input_table == p.output_table:
         raise ConfigError("model.input_slot and model.output_slot must differ when both vectors share a table")
     want = {p.input_table: ("uniform", 0.5 / p.dim), p.output_table: ("zeros", None)}
@@ -187,6 +196,26 @@ def check_eval_files(p: Config) -> None:
                               f"to the directory holding them, or model.eval_after_train: false")
 
 
+def check_corpus_files(arrow_dir: str) -> None:
+    """Every corpus part of the conversion in ``arrow_dir`` is there, readable, ends with its end-of-stream
+    marker and has the corpus columns (``check_corpus_schema``), before any process starts; reads each
+    part's schema and a few bytes (word ids are checked as the workers read them: ``corpus_batches``).
+
+    Raises
+    ------
+    streaming.errors.DataFormatError, streaming.errors.SchemaError
+        A truncated, unreadable or mistyped part (names the file).
+    ConfigError
+        A part that ``_meta.json`` lists is missing (names ``model.arrow_dir``).
+    """
+    from streaming.source import read_schema
+    from streaming.text import corpus_files
+    for f in corpus_files(arrow_dir):
+        if not os.path.isfile(f):
+            raise ConfigError(f"model.arrow_dir: {arrow_dir}: corpus part {f} (listed in _meta.json) not found")
+        check_corpus_schema(read_schema(f, check_end=True), f)
+
+
 def corpus_meta(arrow_dir: str) -> dict:
     """``_meta.json`` of a conversion (``total_tokens`` = raw words of one epoch)."""
     return json.loads((Path(arrow_dir) / "_meta.json").read_text())
@@ -201,11 +230,14 @@ def prepare(cfg):
     ConfigError
         Bad tables or model knobs, no usable corpus (``prepare_data``), or a missing evaluation file
         (``check_eval_files``).
+    streaming.errors.DataFormatError, streaming.errors.SchemaError
+        A corpus part that is truncated, unreadable or mistyped (``check_corpus_files``).
     """
     check_tables(cfg)
     p: Config = cfg.model.params
     params_of(p)
     p = prepare_data(p)
+    check_corpus_files(p.arrow_dir)
     check_eval_files(p)
     metrics_file = p.metrics_file or os.path.abspath(
         os.path.join(p.metrics_dir, f"word2vec-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl"))
@@ -366,40 +398,121 @@ def evaluate_vectors(words, vectors, data_dir) -> dict:
     return out
 
 
-def steps_per_epoch(files, rank: int, num_workers: int, batch_words: int) -> int:
-    """How many steps ``worker_steps`` yields (reads only the ``raw_tokens`` column)."""
-    from models.word2vec_reference import job_bounds
-    n, i = 0, 0
+def corpus_batches(files, vocab_size: int | None = None, arrow_dir: str = ""):
+    """``(path, first_row, record_batch)`` of the corpus parts in order, read through
+    ``streaming.source.read_batches`` and checked: ``tokens : list<uint32>`` and ``raw_tokens : uint32``
+    present, without nulls, and every word id below ``vocab_size`` (None: not checked).
+
+    ``first_row``: 0-based row (document) of the part where the batch starts.
+
+    Raises
+    ------
+    streaming.errors.DataFormatError
+        A part that is truncated (inside a record batch, or between two: no end-of-stream marker),
+        corrupt or not Arrow, or a batch holding a null or a word id outside the vocabulary (a corpus
+        and ``vocab.arrow`` of different conversions): names the file, its row and the column, and
+        ``model.arrow_dir``.
+    streaming.errors.SchemaError
+        A part without ``tokens`` or ``raw_tokens``, or with another type (names the file and column).
+    """
+    from streaming.source import read_batches
+    where = f" of model.arrow_dir {arrow_dir}" if arrow_dir else ""
     for path in files:
-        with pa.memory_map(str(path), "r") as mm:
-            for rb in pa.ipc.open_stream(mm):
-                mine = i % num_workers == rank
-                i += 1
-                if mine and rb.num_rows:
-                    n += len(job_bounds(rb.column("raw_tokens").to_numpy().astype(np.int64), batch_words)) - 1
+        path = str(path)
+        row = 0
+        for rb in read_batches(path):
+            _check_corpus_batch(rb, path, row, vocab_size, where)
+            yield path, row, rb
+            row += rb.num_rows
+
+
+def check_corpus_schema(schema: pa.Schema, path: str) -> None:
+    """A corpus part's schema has ``tokens : list<uint32>`` and ``raw_tokens : uint32``.
+
+    Raises
+    ------
+    streaming.errors.SchemaError
+        Names the column and ``path``.
+    """
+    names = schema.names
+    for col, want in (("tokens", "list<uint32>"), ("raw_tokens", "uint32")):
+        if col not in names:
+            raise SchemaError(path, col, want, None, names)
+    t = schema.field("tokens").type
+    if not pa.types.is_list(t) or t.value_type != pa.uint32():
+        raise SchemaError(path, "tokens", "list<uint32>", str(t))
+    if schema.field("raw_tokens").type != pa.uint32():
+        raise SchemaError(path, "raw_tokens", "uint32", str(schema.field("raw_tokens").type))
+
+
+def _check_corpus_batch(rb, path: str, row: int, vocab_size, where: str) -> None:
+    """What ``models.word2vec``'s ``batch_arrays`` and ``SkipGramNS.prepare`` would refuse with a
+    ModelInputError naming neither the file nor the row (``corpus_batches``)."""
+    check_corpus_schema(rb.schema, path)
+    tokens = rb.column("tokens")
+    offs = tokens.offsets.to_numpy()
+    offs = offs - offs[0]
+    values = tokens.flatten()           # the word ids of the documents, back to back
+    for col, arr, per_word in (("tokens", tokens, False), ("tokens", values, True),
+                               ("raw_tokens", rb.column("raw_tokens"), False)):
+        if arr.null_count:
+            i = int(np.flatnonzero(~np.asarray(arr.is_valid()))[0])
+            if per_word:                # the document holding the null word id
+                i = int(np.searchsorted(offs, i, side="right")) - 1
+            raise DataFormatError(path, row + i + 1, col, f"expected no nulls in the corpus{where}, got one",
+                                  unit="row")
+    if vocab_size is None or not len(values):
+        return
+    ids = values.to_numpy()
+    if int(ids.max()) >= vocab_size:
+        k = int(np.argmax(ids >= vocab_size))
+        doc = int(np.searchsorted(offs, k, side="right")) - 1
+        raise DataFormatError(
+            path, row + doc + 1, "tokens",
+            f"expected word ids < {vocab_size} (the vocab.arrow{where} holds {vocab_size} "
+            f"word{'s' * (vocab_size != 1)}), got {int(ids[k])}: the corpus part and the vocabulary come "
+            f"from different conversions; convert the corpus again (engine convert text)", unit="row")
+
+
+def steps_per_epoch(files, rank: int, num_workers: int, batch_words: int, vocab_size: int | None = None,
+                    arrow_dir: str = "") -> int:
+    """How many steps ``worker_steps`` yields (every batch checked as ``corpus_batches`` does).
+
+    Raises
+    ------
+    streaming.errors.DataFormatError, streaming.errors.SchemaError
+        As ``corpus_batches``.
+    """
+    from models.word2vec_reference import job_bounds
+    n = 0
+    for i, (_path, _row, rb) in enumerate(corpus_batches(files, vocab_size, arrow_dir)):
+        if i % num_workers == rank and rb.num_rows:
+            n += len(job_bounds(rb.column("raw_tokens").to_numpy().astype(np.int64), batch_words)) - 1
     return n
 
 
-def worker_steps(files, rank: int, num_workers: int, batch_words: int):
+def worker_steps(files, rank: int, num_workers: int, batch_words: int, vocab_size: int | None = None,
+                 arrow_dir: str = ""):
     """This worker's steps: ``(tokens uint32[n], offsets int64[d + 1], raw_words)`` of at most
     ``batch_words`` raw words each (a longer document is one step), from record batches
-    ``i % num_workers == rank`` of the corpus parts in order."""
+    ``i % num_workers == rank`` of the corpus parts in order.
+
+    Raises
+    ------
+    streaming.errors.DataFormatError, streaming.errors.SchemaError
+        As ``corpus_batches`` (every batch is checked, this worker's or not).
+    """
     from models.word2vec import batch_arrays
     from models.word2vec_reference import job_bounds
-    i = 0
-    for path in files:
-        with pa.memory_map(str(path), "r") as mm:
-            for rb in pa.ipc.open_stream(mm):
-                mine = i % num_workers == rank
-                i += 1
-                if not mine or rb.num_rows == 0:
-                    continue
-                tokens, offs, _ = batch_arrays(rb)
-                raw_len = rb.column("raw_tokens").to_numpy().astype(np.int64)
-                bounds = job_bounds(raw_len, batch_words)
-                for a, b in zip(bounds[:-1], bounds[1:]):
-                    o = offs[a:b + 1]
-                    yield tokens[o[0]:o[-1]], o - o[0], int(raw_len[a:b].sum())
+    for i, (_path, _row, rb) in enumerate(corpus_batches(files, vocab_size, arrow_dir)):
+        if i % num_workers != rank or rb.num_rows == 0:
+            continue
+        tokens, offs, _ = batch_arrays(rb)
+        raw_len = rb.column("raw_tokens").to_numpy().astype(np.int64)
+        bounds = job_bounds(raw_len, batch_words)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            o = offs[a:b + 1]
+            yield tokens[o[0]:o[-1]], o - o[0], int(raw_len[a:b].sum())
 
 
 class Word2VecTrainer:
@@ -503,8 +616,10 @@ class Word2VecTrainer:
             self.client.init_dense(p.progress_table, np.zeros(1, np.float32), force=True)
         self.mode.barrier("w2v-progress-init")
         self.global_done = float(self.client.pull_dense(p.progress_table)[0])
-        per_epoch = min(steps_per_epoch(self.files, r, self.num_workers, p.batch_words)
-                        for r in range(self.num_workers)) if self.checkpoints.enabled else 0
+        per_epoch = 0
+        if self.checkpoints.enabled:
+            per_epoch = min(steps_per_epoch(self.files, r, self.num_workers, p.batch_words, len(self.vocab),
+                                            p.arrow_dir) for r in range(self.num_workers))
         syn0 = self.mode.sparse_replica(p.input_table, self.keys_in)
         syn1 = self.mode.sparse_replica(p.output_table, self.keys_out) if syn0 is not None else None
         log.info("worker %d: %d words, %s, %d planned raw words (all workers)", self.rank, len(self.vocab),
@@ -516,7 +631,7 @@ class Word2VecTrainer:
             skip = start.batch if epoch == start.epoch else 0
             meetings = set(self.checkpoints.points(skip, per_epoch))
             for k, (tokens, offs, raw) in enumerate(worker_steps(self.files, self.rank, self.num_workers,
-                                                                 p.batch_words)):
+                                                                 p.batch_words, len(self.vocab), p.arrow_dir)):
                 if k < skip:
                     continue
                 t0 = time.perf_counter()
