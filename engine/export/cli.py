@@ -219,10 +219,62 @@ class _PredictionsFile:
             log.warning("could not remove the partial predictions file %s: %s", self.storage.uri_of(self.tmp), exc)
 
 
+class MixedLabelsError(ValueError):
+    """``engine predict`` input files of which some have the bundle's label column and some do not."""
+
+
+def _input_schema(bundle, data):
+    """The columns ``engine predict`` reads from every input file of ``data`` (a file or a directory),
+    typed as in the first file: the bundle's slot columns, its dense column (a model with dense features)
+    and its label column when the inputs have one; other columns are never read, so a later file may
+    lack them. A column the first file lacks is left to ``bundle.check_values`` (it names the file, row
+    and column). None for stdin (one stream: its first schema is the only one).
+
+    Every file's schema is read first (and a stream's end-of-stream marker tested), so a directory whose
+    later file cannot be scored is refused before any row is.
+
+    Raises
+    ------
+    MixedLabelsError
+        Some files have the label column and some do not: metrics over the labelled files alone would
+        pass for metrics over every row, so the directory is refused (names one file of each kind).
+    BundleError
+        A file's keys were hashed with another ``hash_version`` than the bundle's (names the file).
+    streaming.errors.DataFormatError
+        An empty, truncated or non-Arrow file (names it).
+    """
+    import pyarrow as pa
+
+    from streaming.source import list_files, read_schema
+    from .errors import BundleError
+    if data == "-":
+        return None
+    files = list_files(data)
+    schemas = [(f, read_schema(f, check_end=True)) for f in files]
+    label = bundle.label_column
+    for f, sch in schemas:
+        hv = (sch.metadata or {}).get(b"hash_version")
+        if hv is not None and int(hv) != bundle.hash_version:
+            raise BundleError(f"{f}: input keys use hash_version {int(hv)}, bundle {bundle.uri} was trained on "
+                              f"hash_version {bundle.hash_version}; re-convert the input")
+    with_label = [f for f, sch in schemas if label in sch.names]
+    if with_label and len(with_label) < len(files):
+        without = next(f for f, sch in schemas if label not in sch.names)
+        has = "has" if len(with_label) == 1 else "have"
+        raise MixedLabelsError(
+            f"{data}: {len(with_label)} of its {len(files)} files {has} a {label!r} column (e.g. {with_label[0]}) "
+            f"and the others do not (e.g. {without}): the metrics would cover only part of the rows; score "
+            f"the labelled and the unlabelled files separately, or give every file its {label!r} column")
+    first = schemas[0][1]
+    wanted = list(bundle.slots) + ([bundle.dense_column] if bundle.model.dense_dim else []) + \
+        ([label] if with_label else [])
+    return pa.schema([first.field(c) for c in dict.fromkeys(wanted) if c in first.names], metadata=first.metadata)
+
+
 def run_predict(args) -> int:
     _logging(args.verbose)
     from engine.metrics import BinaryMetrics, LabelError
-    bad = _bad_input_errors() + (IsADirectoryError,)
+    bad = _bad_input_errors() + (IsADirectoryError, MixedLabelsError)
     if args.max_bad_rows < 0:
         print(f"engine predict: --max-bad-rows must be >= 0, got {args.max_bad_rows}", file=sys.stderr)
         return 2
@@ -243,8 +295,10 @@ def run_predict(args) -> int:
             data, skipped = _criteo_to_arrow(data, tmp.name, args.max_bad_rows)
         elif args.max_bad_rows:
             log.warning("--max-bad-rows applies to Criteo text input only; ignored for %s", data)
-        # the check names the file, its row and the column of a value the bundle cannot score
-        src = ArrowSource(data, batch_size=args.batch_size, prefetch=4, check=bundle.check_values)
+        # only the columns the bundle reads (every file's schema checked first); the check names the
+        # file, its row and the column of a value the bundle cannot score
+        src = ArrowSource(data, batch_size=args.batch_size, prefetch=4, schema=_input_schema(bundle, data),
+                          check=bundle.check_values)
         metrics = None
         if args.out:
             preds = _PredictionsFile(args.out)

@@ -153,6 +153,75 @@ def test_unreadable_files_name_file_and_batch(setup, tmp_path, capsys):
         assert _one_line_error(err).startswith(f"engine predict: {p}: {expect}"), (name, err)
 
 
+def test_a_directory_is_read_for_the_bundles_columns_only(setup, tmp_path, capsys):
+    """The first file's whole schema was imposed on the others: a column only it has (``foo``, never read
+    by the bundle) made the second file "missing" it."""
+    bundle, _, _, _ = setup
+    d = tmp_path / "d"
+    d.mkdir()
+    first = _table(seed=1)
+    _write(d / "a.arrow", first.append_column("foo", pa.array(np.arange(N, dtype=np.int64))))
+    _write(d / "b.arrow", _table(seed=2).select(["C3", "dense", "label", "C1", "C2"]))   # other column order
+    rc, stdout, err = _predict(capsys, bundle, d, "--batch-size", 128)
+    assert rc == 0, err
+    res = json.loads(stdout.splitlines()[-1])
+    assert res["rows"] == 2 * N and res["auc"] is not None
+    b = load_bundle(str(bundle))
+    both = pa.concat_tables([_table(seed=1), _table(seed=2)])
+    from engine.metrics import BinaryMetrics
+    m = BinaryMetrics()
+    m.update(b.predict(both), both.column("label").to_numpy())
+    assert res["auc"] == pytest.approx(m.summary()["auc"], abs=1e-12)
+
+
+def test_a_later_file_of_another_hash_version_is_named(setup, tmp_path, capsys):
+    """The first file's schema metadata was imposed on every batch, so a later file's hash_version was
+    never seen: its keys were looked up as if hashed by the bundle's version."""
+    bundle, _, _, _ = setup
+    t = _table(seed=1)
+    _write(tmp_path / "a.arrow", t.replace_schema_metadata({"hash_version": str(K.HASH_VERSION)}))
+    _write(tmp_path / "b.arrow", t.replace_schema_metadata({"hash_version": str(K.HASH_VERSION + 1)}))
+    rc, stdout, err = _predict(capsys, bundle, tmp_path)
+    assert rc == 2 and stdout == ""
+    assert _one_line_error(err).startswith(f"engine predict: {tmp_path / 'b.arrow'}: input keys use hash_version "
+                                           f"{K.HASH_VERSION + 1}, bundle ")
+
+
+@pytest.mark.parametrize("labelled_first", [True, False])
+def test_a_directory_mixing_labelled_and_unlabelled_files_is_refused(setup, tmp_path, capsys, labelled_first):
+    """Unlabelled first: the later file's labels were dropped and the run ended 0 without metrics;
+    labelled first: a "missing column" error. Now one line naming a file of each kind, before any row is
+    scored: metrics over part of the rows would pass for metrics over all of them."""
+    bundle, _, _, _ = setup
+    names = ("a.arrow", "b.arrow") if labelled_first else ("b.arrow", "a.arrow")
+    _write(tmp_path / names[0], _table(seed=1))
+    _write(tmp_path / names[1], _table(seed=2, labels=False))
+    rc, stdout, err = _predict(capsys, bundle, tmp_path)
+    assert rc == 2 and stdout == ""
+    assert _one_line_error(err) == (
+        f"engine predict: {tmp_path}: 1 of its 2 files has a 'label' column (e.g. {tmp_path / names[0]}) and the "
+        f"others do not (e.g. {tmp_path / names[1]}): the metrics would cover only part of the rows; score the "
+        f"labelled and the unlabelled files separately, or give every file its 'label' column")
+
+
+def test_a_stream_cut_at_a_batch_boundary_is_refused(setup, tmp_path, capsys):
+    """A stream whose writer was killed between two batches was scored as a shorter file (400 of 600
+    rows, exit 0)."""
+    bundle, _, good, _ = setup
+    with pa.OSFile(str(good)) as f:
+        r = ipc.open_stream(f)
+        r.read_next_batch()
+        r.read_next_batch()
+        end = f.tell()
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(good.read_bytes()[:end])
+    rc, stdout, err = _predict(capsys, bundle, cut)
+    assert rc == 2 and stdout == ""
+    assert _one_line_error(err).startswith(
+        f"engine predict: {cut}: row 401: field <record batch 2>: expected another record batch or the Arrow "
+        f"IPC end-of-stream marker after 400 rows in 2 complete record batches, got the end of the input")
+
+
 def test_null_slot_values_and_list_elements_are_no_key(setup):
     """Documented: a null key, a null list and a null element of a list mean no key (zeros pooled). A
     null element used to become a garbage key (float NaN cast to uint64) and round every other key of
