@@ -531,12 +531,34 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> EngineC
     Raises
     ------
     ConfigError
-        The file is missing or not YAML, or any value is bad (the key path is named).
+        The file is missing, unreadable, not UTF-8 (the byte offset and line are named) or not YAML,
+        or any value is bad (the key path is named).
     """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    return from_dict(apply_overrides(load_yaml(p.read_text(), str(p)), overrides or []))
+    return from_dict(apply_overrides(load_yaml(read_config_text(p), str(p)), overrides or []))
+
+
+def read_config_text(path: Path) -> str:
+    """The text of the config file ``path``, decoded as UTF-8 (what YAML 1.2 files are).
+
+    Raises
+    ------
+    ConfigError
+        The file cannot be read (names it and the OS error), or holds bytes that are not UTF-8 (names
+        the file, the first bad byte's 0-based offset and its line).
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"config file {path}: not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
+                          f"(line {line}) cannot be decoded ({e.reason}); save the file as UTF-8") from None
 
 
 # ------------------------------------------------------------------------------- the resolved file

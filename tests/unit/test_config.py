@@ -77,6 +77,23 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_a_file_that_is_not_utf8_or_not_readable_is_a_config_error(tmp_path):
+    """A Latin-1 byte gave a UnicodeDecodeError traceback (exit 1); now one line naming the file, the
+    byte's offset and its line."""
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"mode: async\ncluster:\n  workers: 1\n# caf\xe9\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value) == (f"config file {bad}: not UTF-8 text: byte 0xe9 at offset 39 (line 4) cannot be "
+                            f"decoded (invalid continuation byte); save the file as UTF-8")
+    if os.geteuid() != 0:                  # root reads a mode-0 file anyway
+        locked = tmp_path / "locked.yaml"
+        locked.write_text("mode: async\n")
+        locked.chmod(0)
+        with pytest.raises(ConfigError, match=f"config file {locked}: cannot read it: Permission denied"):
+            load_config(locked)
+
+
 # ----------------------------------------------------------------------------- field kinds (issue 15)
 ONLINE = REPO / "configs" / "ctr_online.yaml"
 
