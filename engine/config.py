@@ -428,6 +428,7 @@ def from_dict(data: dict) -> EngineConfig:
             raise ConfigError(f"model.kind must be the name of a worker program, got {kind!r}")
         model_cfg = ModelConfig(kind, build(program_config_class(kind), params, "model", texts=texts))
     cfg = dataclasses.replace(cfg, sparse_tables=sparse, dense_tables=dense, model=model_cfg)
+    _check_unused_tables(cfg)
     if cfg.cluster.endpoints and len(cfg.cluster.endpoints) != cfg.cluster.servers:
         raise ConfigError(f"cluster.endpoints lists {len(cfg.cluster.endpoints)} servers but "
                           f"cluster.servers is {cfg.cluster.servers}")
@@ -445,6 +446,30 @@ def from_dict(data: dict) -> EngineConfig:
             raise ConfigError(f"tables.sparse.{name}.max_rows must be 0 (no limit) or >= cluster.local_shards "
                               f"({cfg.cluster.local_shards}), got {t.max_rows}")
     return cfg
+
+
+def _check_unused_tables(cfg: EngineConfig) -> None:
+    """Refuse a declared table the program does not train (``used_tables`` of its ``model`` section;
+    programs without it are not checked): a misspelt ``--set tables.sparse.embeding.learning_rate=0.5``
+    declared a table of its own, and the setting was lost without a word.
+
+    Raises
+    ------
+    ConfigError
+        Names the first unused table's key path and the tables the program uses (with the keys naming them).
+    """
+    used_of = getattr(cfg.model.params, "used_tables", None) if cfg.model is not None else None
+    if used_of is None:
+        return
+    used = used_of()
+    for kind, declared in (("sparse", cfg.sparse_tables), ("dense", cfg.dense_tables)):
+        unused = [name for name in declared if name not in used[kind]]
+        if unused:
+            uses = "; ".join(f"{k} table(s) " + ", ".join(f"{n!r} ({key})" for n, key in used[k].items())
+                             for k in ("sparse", "dense"))
+            raise ConfigError(f"tables.{kind}.{unused[0]}: model.kind {cfg.model.kind} uses no {kind} table "
+                              f"{unused[0]!r} (it uses {uses}); a misspelt table name loses its settings: fix the "
+                              f"name, or remove the table")
 
 
 #: a dense block's params, Adam's m and v in one message (3 x 4 bytes x ``engine.ps.codec.DENSE_BLOCK``

@@ -41,6 +41,11 @@ class LogregConfig:
     weight_scale: Annotated[float, Field(gt=0)] = 1.0
     planted_bias: float = -0.5
 
+    def used_tables(self) -> dict[str, dict[str, str]]:
+        """The tables this program trains: ``{"sparse": {name: key naming it}, "dense": {...}}``
+        (``engine.config.from_dict`` refuses any other declared table)."""
+        return {"sparse": {self.table: "model.table"}, "dense": {self.dense_table: "model.dense_table"}}
+
 
 @section
 class DataConfig:
@@ -85,6 +90,12 @@ class CTRConfig:
     metrics_dir: str = "runs/metrics"
     metrics_file: str = ""
     data: Annotated[DataConfig, Nested] = field(default_factory=DataConfig)
+
+    def used_tables(self) -> dict[str, dict[str, str]]:
+        """The tables this program trains: ``{"sparse": {name: key naming it}, "dense": {...}}``
+        (``engine.config.from_dict`` refuses any other declared table; ``metrics_table`` is a servers'
+        accumulator, not a declared table)."""
+        return {"sparse": {self.sparse_table: "model.sparse_table"}, "dense": {self.dense_table: "model.dense_table"}}
 
 
 @section

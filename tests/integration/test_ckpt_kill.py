@@ -25,7 +25,7 @@ def test_server_killed_mid_write_leaves_previous_checkpoint_restorable(tmp_path)
     root = str(tmp_path / "ckpt")       # the servers save and load only below their checkpoint.root
     cfg = from_dict({"cluster": {"servers": 2, "workers": 1, "local_shards": 4}, "checkpoint": {"root": root},
                      "tables": {"sparse": {"emb": {"dim": DIM, "optimizer": "adagrad", "num_threads": 1}}},
-                     "model": {"kind": "logreg"}})
+                     "model": {"kind": "logreg", "table": "emb"}})
     rng = np.random.default_rng(0)
     keys = rng.choice(1 << 50, 600_000, replace=False).astype(np.uint64)
     with LocalCluster(cfg, tmp_path / "run") as cluster:

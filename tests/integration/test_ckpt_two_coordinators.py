@@ -27,7 +27,7 @@ def test_a_zombie_coordinators_delta_makes_its_successors_next_checkpoint_a_base
     root = str(tmp_path / "ckpt")
     cfg = from_dict({"cluster": {"servers": 2, "workers": 1, "local_shards": 2}, "checkpoint": {"root": root},
                      "tables": {"sparse": {"emb": {"dim": DIM, "optimizer": "adagrad", "num_threads": 1}}},
-                     "model": {"kind": "logreg"}})
+                     "model": {"kind": "logreg", "table": "emb"}})
     rng = np.random.default_rng(0)
     keys = rng.choice(1 << 50, 20_000, replace=False).astype(np.uint64)
 

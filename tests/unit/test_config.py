@@ -357,3 +357,32 @@ def test_max_rows_below_the_local_shard_count_is_a_config_error():
                                           r"cluster.local_shards \(4\), got 3"):
         from_dict({"cluster": {"local_shards": 4}, "tables": {"sparse": {"emb": {"dim": 2, "max_rows": 3}}}})
     assert from_dict({"tables": {"sparse": {"emb": {"dim": 2, "max_rows": 4}}}}).sparse_tables["emb"].max_rows == 4
+
+
+@pytest.mark.parametrize("config, override, message", [
+    ("ctr.yaml", "tables.sparse.embeding.learning_rate=0.5",
+     "tables.sparse.embeding: model.kind ctr_dnn uses no sparse table 'embeding' (it uses sparse table(s) "
+     "'embedding' (model.sparse_table); dense table(s) 'dense' (model.dense_table)); a misspelt table name "
+     "loses its settings"),
+    ("ctr.yaml", "tables.dense.dens.learning_rate=0.5", "tables.dense.dens: model.kind ctr_dnn uses no dense table"),
+    ("deepfm.yaml", "tables.sparse.emb.dim=11", "tables.sparse.emb: model.kind deepfm uses no sparse table 'emb'"),
+    ("ctr_online.yaml", "tables.dense.dense2.learning_rate=0.5",
+     "tables.dense.dense2: model.kind ctr_online uses no dense table 'dense2'"),
+    ("logreg_demo.yaml", "tables.sparse.weight.learning_rate=0.5",
+     "tables.sparse.weight: model.kind logreg uses no sparse table 'weight' (it uses sparse table(s) 'weights' "
+     "(model.table); dense table(s) 'bias' (model.dense_table))"),
+])
+def test_a_table_the_program_does_not_use_is_refused(config, override, message):
+    """A misspelt table name in --set declared a table of its own: the override was lost, exit 0."""
+    load_config(REPO / "configs" / config)                          # the shipped config passes
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs" / config, [override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_tables_renamed_with_the_model_keys_are_used():
+    cfg = from_dict(base())                     # model.table: emb, model.dense_table: d
+    assert sorted(cfg.sparse_tables) == ["emb"] and sorted(cfg.dense_tables) == ["d"]
+    servers_only = {k: v for k, v in base().items() if k != "model"}
+    servers_only["tables"] = {"sparse": {"a": {"dim": 2}, "b": {"dim": 2}}}
+    assert sorted(from_dict(servers_only).sparse_tables) == ["a", "b"]    # no program: nothing to check
