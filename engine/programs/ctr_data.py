@@ -177,8 +177,15 @@ def _cache_for(inputs: Path, cache_dir: Path) -> Path:
     return cache_dir / f"criteo-{inputs.stem}-{tag}"
 
 
-def _convert(inputs: Path, cfg: DataConfig) -> tuple[str, str]:
-    """Train/test Arrow dirs of a Criteo TSV, converted now unless current."""
+def _convert(inputs: Path, cfg: DataConfig, key: str) -> tuple[str, str]:
+    """Train/test Arrow dirs of a Criteo TSV, converted now unless current.
+
+    Raises
+    ------
+    ConfigError
+        A split without a row (a file of fewer than 5 lines has no test row): names ``key`` (the config
+        key that gave ``inputs``), the file and the split, not the cache directory the user never set.
+    """
     out = _cache_for(inputs, Path(cfg.cache_dir).resolve())
     dirs = {}
     for split in ("train", "test"):
@@ -189,6 +196,13 @@ def _convert(inputs: Path, cfg: DataConfig) -> tuple[str, str]:
             log.info("converting the %s split of %s into %s", split, inputs, d)
             convert_criteo([inputs], d, split=split, batch_size=cfg.convert_batch_size,
                            max_bad_rows=cfg.max_bad_rows)
+        try:
+            list_files(d)
+        except FileNotFoundError:
+            raise ConfigError(f"{key}: {inputs} has no {split} row (the canonical split makes line i a test row "
+                              f"when i % 5 == 4, a train row otherwise; malformed lines skipped by "
+                              f"model.data.max_bad_rows count too): give it at least 5 well-formed lines, or "
+                              f"train on Arrow files of your own (model.data.source: arrow)") from None
         dirs[split] = str(d)
     return dirs["train"], dirs["test"]
 
@@ -279,9 +293,15 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
     """
     if cfg.source == "arrow":
         train, test = cfg.train_path, cfg.test_path
+        for key, path in (("model.data.train_path", train), ("model.data.test_path", test)):
+            if path == "-":
+                raise ConfigError(f"{key}: '-' (stdin) cannot be a split of a CTR job: the launcher counts and "
+                                  f"checks the rows before any worker starts, and every worker reads its shard "
+                                  f"in every epoch; write the stream to a file or directory and name that")
     else:
+        key = "model.data.criteo_path"
         if cfg.source == "generated":
-            inputs = _generated(cfg)
+            inputs, key = _generated(cfg), "model.data.generated_rows"
         else:
             inputs = Path(cfg.criteo_path).resolve()
             if not inputs.is_file():
@@ -289,10 +309,10 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
                     log.warning("model.data.criteo_path %s not found: training on a GENERATED Criteo-format "
                                 "file with a planted logistic model instead (see model.data.fallback)",
                                 cfg.criteo_path)
-                    inputs = _generated(cfg)
+                    inputs, key = _generated(cfg), "model.data.generated_rows"
                 else:
                     raise ConfigError(f"model.data.criteo_path: file not found: {cfg.criteo_path}")
-        train, test = _convert(inputs, cfg)
+        train, test = _convert(inputs, cfg, key)
     check_arrow(train, schema, "model.data.train_path")
     check_arrow(test, schema, "model.data.test_path")
     if cfg.group_column:
