@@ -32,7 +32,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from streaming.criteo import SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema, generate_criteo
+from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
+                              generate_criteo)
+from streaming.errors import SchemaError
 from streaming.source import ArrowSource, list_files, read_schema
 from streaming.values import dense_values, first, label_problem, list_values
 
@@ -41,6 +43,9 @@ from ..ps import _kernels as ps_kernels
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+#: the raw string types a slot column may hold (``ArrowSource`` hashes them)
+STRING_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 
 @dataclass
@@ -152,13 +157,23 @@ def dedup_batch(batch: CTRBatch):
     return uniq[:nu], inverse.astype(np.int32), segments, shows, clicks
 
 
+def string_slots(schema: pa.Schema) -> dict[str, int]:
+    """The slot columns of ``schema`` that may arrive as raw strings -> their slot ids (``SLOT_IDS``:
+    ``C<j>`` is slot ``j``). ``ArrowSource`` hashes such a column with ``streaming.keys.hash_array(slot,
+    values, empty_is_missing=True)``, the function and slot ids ``engine predict`` hashes a raw string
+    column of a bundle with, so a model trained on raw strings scores them alike."""
+    return {name: SLOT_IDS[name] for name in schema.names if name in SLOT_IDS}
+
+
 def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num_workers: int,
                 shuffle_buffer: int = 0, seed: int = 0, prefetch: int = 4) -> ArrowSource:
     """This worker's shard of ``path``: whole files when there are at least as many files as workers,
-    else every ``num_workers``-th record batch."""
+    else every ``num_workers``-th record batch. Slot columns may hold uint64 keys or raw strings
+    (hashed: ``string_slots``); values are checked (``check_values``) when ``schema`` has a label."""
     files = list_files(path)
     shard_by = "files" if len(files) >= num_workers else "batches"
-    return ArrowSource(files, batch_size=batch_size, schema=schema, shuffle_buffer=shuffle_buffer,
+    return ArrowSource(files, batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
+                       shuffle_buffer=shuffle_buffer,
                        seed=seed * 1009 + rank if shuffle_buffer else None, prefetch=prefetch,
                        shard=(rank, num_workers), shard_by=shard_by,
                        check=check_values if "label" in schema.names else None)
@@ -223,7 +238,8 @@ def _generated(cfg: DataConfig) -> Path:
 
 
 def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
-    """Raise unless ``path`` exists and its first input has ``schema``'s columns.
+    """Raise unless ``path`` exists and every one of its inputs has ``schema``'s columns (a slot column
+    may hold raw strings: ``string_slots``). Reads each input's schema only.
 
     Raises
     ------
@@ -231,6 +247,8 @@ def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
         ``path`` is empty or does not exist (``key`` names the config key).
     streaming.errors.SchemaError
         A column is missing or has another type (names the column and the file).
+    streaming.errors.DataFormatError
+        An input is empty or not Arrow IPC / Parquet (names the file).
     """
     if not path:
         raise ConfigError(f"{key} must name an Arrow file or directory when model.data.source is 'arrow'")
@@ -238,12 +256,15 @@ def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
         files = list_files(path)
     except FileNotFoundError as e:
         raise ConfigError(f"{key}: {e}") from None
-    src = ArrowSource(files[:1], batch_size=1, schema=schema, prefetch=0)
-    it = src.batches(0)
-    try:
-        next(it, None)
-    finally:
-        it.close()
+    strings = string_slots(schema)
+    for f in files:
+        got = read_schema(f)
+        for field in schema:
+            if field.name not in got.names:
+                raise SchemaError(f, field.name, str(field.type), None, got.names)
+            actual = got.field(field.name).type
+            if actual != field.type and not (field.name in strings and actual in STRING_TYPES):
+                raise SchemaError(f, field.name, str(field.type), str(actual))
 
 
 def group_column_type(path: str, column: str) -> pa.DataType:
