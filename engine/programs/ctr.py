@@ -58,13 +58,15 @@ batch. GEO's local table applies the same rule with plain SGD. Dense gradients a
 
 Data (``model.data``, see ``ctr_data``) is resolved once in the launcher by ``prepare``: the shared
 Criteo rows are converted to Arrow (canonical split) when their Arrow form is missing or stale, or a
-planted-model file is generated when they are absent. Each worker reads its shard of the train split
-(shuffled within ``shuffle_buffer`` rows, a new order every epoch), evaluates its shard of the test
-split after each epoch, and the histograms are merged on the servers into the global AUC
-(``ctr_report``). Metrics go to one JSON-lines file per run (``model.metrics_file``).
+planted-model file is generated when they are absent; every input's schema, every train label and every
+test value evaluation reads are checked then. Each worker reads its shard of the train split (shuffled
+within ``shuffle_buffer`` rows, a new order every epoch), evaluates its shard of the test split after each
+epoch, and the histograms are merged on the servers into the global AUC (``ctr_report``). Metrics go to
+one JSON-lines file per run (``model.metrics_file``).
 
 Checkpoints (``checkpoint.root`` set) are written by rank 0 at step-aligned meetings of the workers, with
-every worker's data position, so ``--resume`` continues at the next unread batch (``ctr_positions``).
+every worker's data position, so ``--resume`` continues at the next unread batch (``ctr_positions``); the
+final one (``checkpoint.final``) before the final evaluation, so a failing evaluation loses no training.
 """
 from __future__ import annotations
 
@@ -149,7 +151,8 @@ def prepare(cfg):
     ConfigError
         A missing table or a width mismatch, a bad model knob, a missing data path (key named).
     streaming.errors.DataFormatError, streaming.errors.SchemaError
-        Bad input data.
+        Bad input data: a train file's schema or label, a test file's schema or any value evaluation
+        reads (label, dense, keys, group ids), named with the file, the row and the column.
     """
     p: Config = cfg.model.params
     _check_tables(cfg, p)
@@ -160,7 +163,9 @@ def prepare(cfg):
         (os.path.abspath(p.metrics_dir)) + f"/{cfg.model.kind}-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl")
     p = dataclasses.replace(p, data=data, metrics_file=metrics_file)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params=p))
-    rows = sum(shard_rows(data.train_path, 1))
+    rows = sum(shard_rows(data.train_path, 1))           # every train label checked (ctr_data.check_values)
+    log.info("train split %s: %d rows; test split %s: %d rows (values checked)", data.train_path, rows,
+             data.test_path, ctr_eval.check_test_split(data, schema))   # before training, not after it
     MetricsFile(metrics_file).write({
         "event": "start", "model": cfg.model.kind, "mode": cfg.mode, "workers": cfg.cluster.workers,
         "servers": cfg.cluster.servers, "train_path": data.train_path, "test_path": data.test_path,
@@ -779,9 +784,9 @@ class CTRTrainer:
             if epoch < p.epochs - 1:
                 self.checkpoints.meet(Position(epoch + 1, 0))
         self.mode.finish()
-        summary = self.evaluate("final", p.epochs - 1)
-        if self.checkpoints.ck.final:
+        if self.checkpoints.ck.final:   # before the final evaluation: one that fails never loses the model
             self.checkpoints.meet(Position(p.epochs, 0), force=True)
+        summary = self.evaluate("final", p.epochs - 1)
         self.metrics.write({"event": "profile", "rank": self.rank, "step": self.global_step, "steps": self.steps,
                             "dense_steps": self.dense_steps, **getattr(self.mode, "profile", dict)(),
                             "train_seconds": self.train_seconds,

@@ -37,11 +37,13 @@ import logging
 
 import pyarrow as pa
 
+from streaming import keys
 from streaming.source import ArrowSource, list_files
+from streaming.values import first
 
 from ..group_metrics import GroupMetrics, owned_mask
 from ..metrics import BinaryMetrics
-from .ctr_data import group_column_type, make_source
+from .ctr_data import check_values, group_column_type, make_source, string_slots
 from .ctr_report import EVAL_BUCKETS, merge_global
 
 log = logging.getLogger(__name__)
@@ -52,10 +54,10 @@ GROUP_SUFFIX = ".groups"
 GROUP_HASH_SLOT = 0
 
 
-def eval_schema(schema: pa.Schema, column: str, path: str) -> tuple[pa.Schema, dict]:
+def eval_schema(schema: pa.Schema, column: str, path: str) -> pa.Schema:
     """The columns evaluation reads: ``schema`` (the model's) plus the grouping ``column`` of the test
-    split ``path`` -> (schema, ``ArrowSource`` string_slots). A string column is declared uint64 and
-    hashed on read.
+    split ``path``, with the type it has there (integer ids as they are; string ids are hashed by
+    ``group_ids`` after ``eval_check`` has looked for nulls).
 
     Raises
     ------
@@ -63,11 +65,57 @@ def eval_schema(schema: pa.Schema, column: str, path: str) -> tuple[pa.Schema, d
         As ``ctr_data.group_column_type`` (missing column, bad type; names the key and the file).
     """
     t = group_column_type(path, column)
-    if column in schema.names:            # a sparse slot used as the group (already uint64 keys)
-        return schema, {}
-    strings = not pa.types.is_integer(t)
-    field = pa.field(column, pa.uint64() if strings else t)
-    return schema.append(field), ({column: GROUP_HASH_SLOT} if strings else {})
+    if column in schema.names:            # a sparse slot used as the group (hashed to uint64 keys on read)
+        return schema
+    return schema.append(pa.field(column, t))
+
+
+def eval_check(column: str):
+    """The ``ArrowSource`` check of the test split: ``ctr_data.check_values`` (label, dense, keys), and
+    first a null group id in ``column`` when grouping (``""``: none) -> ``check(rb) -> (column, row,
+    reason) or None``; ``ArrowSource`` raises ``DataFormatError`` naming the file, its row and the column."""
+    def check(rb: pa.RecordBatch):
+        if column:
+            col = rb.column(column)
+            if col.null_count:
+                return (column, first(col.is_null()), "expected a group id (model.data.group_column), got null: "
+                                                      "every test row needs a group")
+        return check_values(rb)
+    return check
+
+
+def group_ids(col: pa.Array):
+    """uint64/int64[b] group ids of a (null-free) grouping column: integers as they are, strings hashed
+    to uint64 keys as a sparse slot's values are (``GROUP_HASH_SLOT``; the empty string is one group)."""
+    if pa.types.is_integer(col.type):
+        return col.to_numpy()
+    return keys.hash_array(GROUP_HASH_SLOT, col, empty_is_missing=True)
+
+
+def eval_source(path: str, schema: pa.Schema, column: str, *, batch_size: int, prefetch: int) -> ArrowSource:
+    """The whole test split ``path`` with the columns ``schema`` names (``eval_schema`` when grouping by
+    ``column``), raw string slots hashed and every value checked (``eval_check``)."""
+    return ArrowSource(list_files(path), batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
+                       prefetch=prefetch, check=eval_check(column))
+
+
+def check_test_split(data, schema: pa.Schema) -> int:
+    """Launcher side, before any process starts: read the whole test split once and check every value
+    evaluation will read (label, dense, keys, group ids), so bad test data fails the job before training
+    rather than after it -> rows of the test split.
+
+    Raises
+    ------
+    streaming.errors.DataFormatError
+        A value evaluation cannot use (names the file, its row and the column), or an unreadable input.
+    streaming.errors.SchemaError, ConfigError
+        A missing or mistyped column (the group column: ``eval_schema``).
+    """
+    column = data.group_column
+    if column:
+        schema = eval_schema(schema, column, data.test_path)
+    src = eval_source(data.test_path, schema, column, batch_size=1 << 16, prefetch=0)
+    return sum(rb.num_rows for rb in src.batches(0))
 
 
 class Evaluation:
@@ -90,9 +138,9 @@ class Evaluation:
         p = trainer.cfg
         self.column = p.data.group_column
         self.group_table = p.metrics_table + GROUP_SUFFIX
-        self.schema, self.string_slots = trainer.schema, {}
+        self.schema = trainer.schema
         if self.column and p.data.test_path:     # no path: the worker's run() names what is missing
-            self.schema, self.string_slots = eval_schema(trainer.schema, self.column, p.data.test_path)
+            self.schema = eval_schema(trainer.schema, self.column, p.data.test_path)
 
     def reset(self) -> None:
         """Rank 0 removes what an earlier run left in the group accumulator (call before the barrier of
@@ -105,24 +153,20 @@ class Evaluation:
 
         Raises
         ------
-        ValueError
-            A null group id (names the column).
+        streaming.errors.DataFormatError
+            A value evaluation cannot use (a null group id among them): names the file, row and column.
         """
         t, p = self.t, self.t.cfg
         if not self.column:
-            src = make_source(p.data.test_path, batch_size=p.eval_batch_size, schema=self.schema, rank=t.rank,
+            src = make_source(p.data.test_path, batch_size=p.eval_batch_size, schema=t.schema, rank=t.rank,
                               num_workers=t.num_workers, prefetch=p.prefetch)
             for rb in src.batches(0):
                 yield t.read(rb), None
             return
-        src = ArrowSource(list_files(p.data.test_path), batch_size=p.eval_batch_size, schema=self.schema,
-                          string_slots=self.string_slots, prefetch=p.prefetch)
+        src = eval_source(p.data.test_path, self.schema, self.column, batch_size=p.eval_batch_size,
+                          prefetch=p.prefetch)
         for rb in src.batches(0):
-            col = rb.column(self.column)
-            if col.null_count:
-                raise ValueError(f"model.data.group_column {self.column!r}: {col.null_count} null group id(s) "
-                                 f"in the test split {p.data.test_path}; every row needs a group")
-            groups = col.to_numpy()
+            groups = group_ids(rb.column(self.column))
             mask = owned_mask(groups, t.rank, t.num_workers)
             if not mask.any():
                 continue

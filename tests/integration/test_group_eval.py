@@ -76,7 +76,7 @@ def _train(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
 
 def trainer_predictions(ckpt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(probs float32[n], labels float32[n], users int64[n]) of every test row, computed as the job's
-    evaluation did: the PS restored from the final checkpoint (written right after the final evaluation),
+    evaluation did: the PS restored from the final checkpoint (written right before the final evaluation),
     the whole test split in ``eval_batch_size`` batches, each worker's owned rows of a batch scored
     together."""
     manifest = json.loads(Path(ckpt, "manifest.json").read_text())

@@ -109,3 +109,71 @@ def test_raw_string_slots_are_hashed_as_engine_predict_hashes_them(criteo, tmp_p
         np.testing.assert_array_equal(
             got.column(name).to_numpy(), keys.hash_array(SLOT_IDS[name], raw.column(name), empty_is_missing=True))
 
+
+def _prepare(tmp_path, train, test, monkeypatch, *sets):
+    """``engine.programs.ctr.prepare`` (the launcher's hook, before any process starts) of ctr.yaml."""
+    from engine.config import load_config
+    from engine.programs import ctr
+    for var in ctr.BLAS_ENV:                   # prepare sets them for the children: not in this process
+        monkeypatch.setenv(var, os.environ.get(var, "1"))
+    cfg = load_config(REPO / "configs" / "ctr.yaml", [
+        "model.data.source=arrow", f"model.data.train_path={train}", f"model.data.test_path={test}",
+        "model.slots=[C1, C2]", f"model.metrics_dir={tmp_path / 'metrics'}", *sets])
+    return ctr.prepare(cfg)
+
+
+def _bad_test_split(criteo, tmp_path, case):
+    """The test split with a user id column and one bad value at row 7 of its second file (1-based)."""
+    t = _read(criteo / "test")
+    n = t.num_rows
+    users = pa.array(np.arange(n) % 3, pa.int64())
+    where = np.arange(n) == 6
+    if case == "null-int-group":
+        users = pa.array(np.arange(n) % 3, pa.int64(), mask=where)
+    elif case == "null-string-group":
+        users = pa.array([None if w else f"u{i % 3}" for i, w in enumerate(where)], pa.string())
+    elif case == "nan-label":
+        t = t.set_column(0, "label", pa.array(np.where(where, np.nan, t.column("label").to_numpy()), pa.float32()))
+    elif case == "nan-dense":
+        d = t.column("dense").combine_chunks().values.to_numpy().reshape(n, 13).copy()
+        d[6, 3] = np.nan
+        t = t.set_column(1, t.schema.field("dense"), pa.FixedSizeListArray.from_arrays(pa.array(d.ravel()), 13))
+    elif case == "null-key":
+        t = t.set_column(t.schema.get_field_index("C1"), "C1",
+                         pa.array(t.column("C1").to_numpy(), pa.uint64(), mask=where))
+    t = t.append_column("user", users)
+    d = tmp_path / "test"
+    clean = pa.array([f"u{i % 3}" for i in range(n)]) if case == "null-string-group" else pa.array(np.arange(n) % 3)
+    _write(d / "part-0.arrow", _read(criteo / "test").append_column("user", clean))
+    _write(d / "part-1.arrow", t, chunk=4)
+    return d
+
+
+@pytest.mark.parametrize("case, column, reason", [
+    ("nan-label", "label", "expected a label in [0, 1], got nan"),
+    ("nan-dense", "dense", "expected a finite number at position 3, got nan"),
+    ("null-key", "C1", "expected a key, got null"),
+    ("null-int-group", "user", "expected a group id (model.data.group_column), got null"),
+    ("null-string-group", "user", "expected a group id (model.data.group_column), got null"),
+])
+def test_the_launcher_checks_every_value_of_the_test_split_before_any_process_starts(
+        criteo, tmp_path, monkeypatch, case, column, reason):
+    """Bad test values were found after training (a NaN dense value was even scored, exit 0; a null group
+    id a ValueError naming the directory, exit 1 and restarted); the launcher read the train labels only."""
+    test = _bad_test_split(criteo, tmp_path, case)
+    with pytest.raises(DataFormatError) as e:
+        _prepare(tmp_path, criteo / "train", test, monkeypatch, "model.data.group_column=user")
+    assert str(e.value).startswith(f"{test / 'part-1.arrow'}: row 7: field {column}: {reason}"), str(e.value)
+    if case.endswith("group"):
+        return
+    with pytest.raises(DataFormatError, match=rf"part-1.arrow: row 7: field {column}"):   # without grouping
+        _prepare(tmp_path, criteo / "train", test, monkeypatch)
+
+
+def test_a_clean_test_split_passes_the_launchers_check(criteo, tmp_path, monkeypatch, caplog):
+    test = _bad_test_split(criteo, tmp_path, "none")
+    with caplog.at_level(logging.INFO, logger="engine.programs.ctr"):
+        cfg = _prepare(tmp_path, criteo / "train", test, monkeypatch, "model.data.group_column=user")
+    rows = 2 * _read(criteo / "test").num_rows
+    assert cfg.model.params.data.test_path == str(test)
+    assert any(f"test split {test}: {rows} rows (values checked)" in r.getMessage() for r in caplog.records)
