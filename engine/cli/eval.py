@@ -18,7 +18,7 @@ CTR configs (``ctr_dnn``, ``deepfm``): the checkpoint is exported to a temporary
 ``engine train`` does); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
 ..., "copc": ..., "rows": ...}`` (``model``: the kind the checkpoint holds). A checkpoint of another
 model than the config's (``model.kind``, ``slots``, ``dim``, ``dense_dim`` or ``hidden`` differ) is
-refused, exit 2, naming the field and both values.
+refused, exit 2, naming the field and both values; so is a word2vec config's checkpoint of a CTR model.
 
 ``URI`` is a checkpoint directory or a job root (its newest complete checkpoint), as ``engine export``
 takes. Exit codes: 0 success, 2 bad config, checkpoint or evaluation files (for CTR: an empty, truncated
@@ -67,6 +67,8 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
 
     Raises
     ------
+    ConfigError
+        The checkpoint holds another model than word2vec (``check_kind``).
     ExportError, CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
         No readable checkpoint at ``uri``, or a vocabulary other than the one it was trained with (both
         fingerprints named).
@@ -79,7 +81,9 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
     p = cfg.model.params
     source = open_source(uri, storage_options=cfg.storage.options())
     try:
-        vocab = source.model_description().get("vocab") or os.path.join(p.arrow_dir, "vocab.arrow")
+        desc = source.model_description()
+        check_kind(desc, "word2vec", source.source_uri)    # before its vocabulary is looked at
+        vocab = desc.get("vocab") or os.path.join(p.arrow_dir, "vocab.arrow")
         if not os.path.isfile(vocab):
             raise FileNotFoundError(f"vocabulary {vocab} not found (the corpus conversion the run trained on)")
         words, vectors, missing = word_vectors(source, vocab)
@@ -96,6 +100,22 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
             "missing": missing, **res}
 
 
+def check_kind(desc: dict, kind: str, uri: str) -> None:
+    """The checkpoint's model description ``desc`` holds a ``kind`` model (``ctr_dnn``, ``deepfm``,
+    ``word2vec``; a ``ctr_online`` checkpoint holds its ``model.network``).
+
+    Raises
+    ------
+    ConfigError
+        It holds another: names ``--checkpoint``, ``model.kind`` and both kinds.
+    """
+    from ..errors import ConfigError
+    held = (desc.get("model") or {}).get("kind")
+    if held != kind:
+        raise ConfigError(f"--checkpoint {uri}: model.kind: the checkpoint holds {held!r}, the config says "
+                          f"{kind!r}; evaluate it with the config it was trained with")
+
+
 def check_model_matches(cfg, desc: dict, uri: str) -> None:
     """The config's CTR model is the one the checkpoint holds: ``model.kind``, ``slots``, ``dim``,
     ``dense_dim`` and ``hidden`` of ``cfg`` equal those of the checkpoint's model description ``desc``
@@ -109,9 +129,9 @@ def check_model_matches(cfg, desc: dict, uri: str) -> None:
     """
     from ..errors import ConfigError
     p = cfg.model.params
+    check_kind(desc, cfg.model.kind, uri)
     held = desc.get("model") or {}
-    pairs = (("kind", held.get("kind"), cfg.model.kind),
-             ("slots", list(desc.get("slots") or []), list(p.slots)),
+    pairs = (("slots", list(desc.get("slots") or []), list(p.slots)),
              ("dim", held.get("dim"), int(p.dim)),
              ("dense_dim", held.get("dense_dim"), int(p.dense_dim)),
              ("hidden", list(held.get("hidden") or []), list(p.hidden)))

@@ -211,6 +211,11 @@ def test_eval_refuses_a_checkpoint_of_another_model(setup, tmp_path, capsys):   
         "was trained with"), line
     assert main(["eval", str(_eval_config(tmp_path, good, hidden="[16, 8]")), "--checkpoint", str(job)]) == 2
     assert "model.hidden: the checkpoint holds [8], the config says [16, 8]" in _last_err(capsys.readouterr().err)
+    # a word2vec config: refused on the kind, before a fingerprint warning and a word id "outside the vocabulary"
+    assert main(["eval", str(REPO / "configs" / "word2vec.yaml"), "--checkpoint", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert _last_err(err).endswith("model.kind: the checkpoint holds 'ctr_dnn', the config says 'word2vec'; "
+                                   "evaluate it with the config it was trained with") and "vocab" not in err, err
     assert main(["eval", str(_eval_config(tmp_path, good)), "--checkpoint", str(job)]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["model"] == "ctr_dnn"
 
