@@ -90,7 +90,8 @@ from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
 from . import ctr_eval
-from .ctr_data import CTRBatch, dedup_batch, expected_schema, make_source, prepare_data, shard_rows, to_batch
+from .ctr_data import (CTRBatch, dedup_batch, expected_schema, files_fingerprint, make_source, prepare_data,
+                       shard_rows, to_batch)
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
 
@@ -759,7 +760,7 @@ class CTRTrainer:
         self.mode.init_dense(p.dense_table, self.model.get_dense())
         self.evaluation.reset()
         reset_metrics(self.client, self.mode, p.metrics_table)
-        self.checkpoints = AlignedCheckpoints(self)
+        self.checkpoints = AlignedCheckpoints(self, files=files_fingerprint(p.data.train_path))
         start, self.steps = self.checkpoints.restored()
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps

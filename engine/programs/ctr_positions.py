@@ -25,6 +25,14 @@ skips the first ``batch`` batches of epoch ``epoch`` of its shard. Resuming with
 workers, batch size, shuffle buffer, seed or train split cannot map the position: the worker logs a
 warning and restarts that epoch from its first batch. A finished job records ``(epochs, 0)``.
 
+The CTR trainer also records the train files it reads (``sources.train.files``:
+``ctr_data.files_fingerprint``, names, sizes and a CRC of both ends). A position inside an epoch maps
+only onto the same files: a file added, removed or rewritten since would make the skipped batches other
+rows (some never trained, others trained twice), so such a resume is refused (``ConfigError``, exit 2,
+naming what changed; as Word2Vec refuses a changed corpus). At an epoch's start nothing of the epoch was
+read and the files are read as they are now. A checkpoint written before the files were recorded is
+accepted with a warning.
+
 A step schedule (``delta_every: 500steps``) is checked only at these points, so a checkpoint falls due at
 the first aligned point at or after the period (``align_steps`` should divide it; with ``align_steps: 0``
 only epoch ends). Its count runs from the start, or from the restored checkpoint's ``step``.
@@ -38,10 +46,32 @@ from dataclasses import dataclass
 from .. import job_checkpoints as ckpt_job
 from .. import preempt, progress
 from ..checkpoint.schedule import Schedule
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SAVE_TIMEOUT_S = 3600.0   # the other workers wait this long for rank 0's save
+
+
+def describe_file_changes(was: list, now: list, most: int = 5) -> list[str]:
+    """What differs between two ``ctr_data.files_fingerprint`` lists (``[[name, size, crc], ...]``, read
+    in name order), one phrase per file (at most ``most``, then how many more); [] when they are equal."""
+    old = {str(e[0]): (int(e[1]), str(e[2])) for e in was}
+    new = {str(e[0]): (int(e[1]), str(e[2])) for e in now}
+    out = []
+    for name in sorted(old.keys() | new.keys()):
+        a, b = old.get(name), new.get(name)
+        if a == b:
+            continue
+        if a is None:
+            out.append(f"{name} added ({b[0]} bytes)")
+        elif b is None:
+            out.append(f"{name} removed")
+        elif a[0] != b[0]:
+            out.append(f"{name} was {a[0]} bytes, now {b[0]}")
+        else:
+            out.append(f"{name} rewritten (same size, CRC-32 of its ends was {a[1]}, now {b[1]})")
+    return out[:most] + ([f"and {len(out) - most} more"] if len(out) > most else [])
 
 
 @dataclass(frozen=True)
@@ -64,11 +94,15 @@ class AlignedCheckpoints:
         What the data position depends on (recorded in ``sources.train``; a resume that finds it changed
         restarts the epoch). Default: the CTR trainer's workers, batch size, shuffle buffer, seed and
         train path.
+    files : list, optional
+        The train files read (``ctr_data.files_fingerprint``), recorded in ``sources.train.files``; a
+        resume inside an epoch onto other files is refused (module docstring). None: not recorded.
     """
 
-    def __init__(self, trainer, identity: dict | None = None):
+    def __init__(self, trainer, identity: dict | None = None, files: list | None = None):
         self.t = trainer
         self._given_identity = identity
+        self.files = files
         self.ck = trainer.ctx.config.checkpoint
         self.enabled = self.ck.enabled
         self.mgr = ckpt_job.job_manager(trainer.ctx.config) if self.enabled and trainer.rank == 0 else None
@@ -104,7 +138,10 @@ class AlignedCheckpoints:
 
     def sources(self, pos: Position) -> dict:
         """The manifest's ``sources``."""
-        return {"train": {"epoch": pos.epoch, "batch": pos.batch, **self._identity()}}
+        train = {"epoch": pos.epoch, "batch": pos.batch, **self._identity()}
+        if self.files is not None:
+            train["files"] = self.files
+        return {"train": train}
 
     def restored(self) -> tuple[Position, int]:
         """(position, step) of the checkpoint ``--resume`` restored; ``(Position(), 0)`` without one.
@@ -136,9 +173,42 @@ class AlignedCheckpoints:
                         "the position cannot be mapped: epoch %d restarts from its first batch", self.t.rank,
                         pos.epoch, pos.batch, uri, changed, pos.epoch)
             pos = Position(pos.epoch, 0)
+        if self.files is not None:
+            self._check_files(train.get("files"), pos, uri)
         log.info("worker %d: resuming at epoch %d, batch %d (checkpoint %s)", self.t.rank, pos.epoch,
                  pos.batch, uri)
         return pos, step
+
+    def _check_files(self, recorded, pos: Position, uri: str) -> None:
+        """The train files now (``self.files``) against those the checkpoint recorded (module docstring).
+
+        Raises
+        ------
+        ConfigError
+            Inside an epoch (``pos.batch`` > 0), other files: names ``model.data.train_path``, the
+            checkpoint, the position and what changed (added, removed, size, CRC of the ends).
+        """
+        path = self.t.cfg.data.train_path
+        if not isinstance(recorded, list):
+            if pos.batch and self.t.rank == 0:
+                log.warning("checkpoint %s records no fingerprint of the train files (written before they were "
+                            "recorded): cannot verify that model.data.train_path %s holds the files its position "
+                            "epoch %d batch %d was taken on; resuming on them as they are", uri, path, pos.epoch,
+                            pos.batch)
+            return
+        changes = describe_file_changes(recorded, self.files)
+        if not changes:
+            return
+        if not pos.batch:
+            if self.t.rank == 0:
+                log.info("the train files changed since checkpoint %s (%s): epoch %d is read from its start on "
+                         "them as they are now", uri, "; ".join(changes), pos.epoch)
+            return
+        raise ConfigError(
+            f"model.data.train_path: {path} holds other files than checkpoint {uri} was trained on "
+            f"({'; '.join(changes)}): its position, epoch {pos.epoch} batch {pos.batch}, would skip rows never "
+            f"trained and train others twice. Resume with the files it was trained on, resume from a "
+            f"checkpoint taken at an epoch's start (--resume URI), or train afresh without --resume")
 
     def check_shards(self, sizes: list[int], batch_size: int, path: str) -> None:
         """Warn when the smallest of the workers' shards (``sizes``: rows per worker) holds fewer batches

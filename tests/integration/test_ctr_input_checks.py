@@ -127,3 +127,33 @@ def test_a_model_trained_on_raw_string_slots_predicts_alike_through_engine_predi
     assert pred["rows"] == _read(criteo / "test").num_rows
     assert pred["logloss"] == pytest.approx(final["test_logloss"], abs=1e-5)
     assert pred["auc"] == pytest.approx(final["test_auc"], abs=2e-3)     # the trainer's AUC: a histogram's
+
+
+@pytest.mark.long   # ~25 s, three jobs; make test: changed files of real checkpoints (unit/test_ctr_resume_files)
+@pytest.mark.slow
+def test_a_resume_inside_an_epoch_onto_changed_train_files_exits_2(criteo, tmp_path):
+    """A file added to the train directory (sorting first) after a checkpoint at epoch 0 batch 4: the
+    resume exits 2 naming the file, before it skipped and repeated rows with exit 0; with the files put
+    back it resumes at batch 4."""
+    train = tmp_path / "train"
+    shutil.copytree(criteo / "train", train)
+    sets = ["model.shuffle_buffer=0", "checkpoint.align_steps=2", "checkpoint.delta_every=0.001s"]
+    proc = subprocess.run(_cmd(tmp_path, train, criteo / "test", "a", *sets), cwd=REPO, capture_output=True,
+                          text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), "ctr_dnn")
+    (mid,) = [r.name for r in mgr.list() if mgr.manifest(r.name)["sources"]["train"]["batch"] == 4]
+    uri = mgr.uri_of(mid)
+    shutil.copy(criteo / "test" / "part-00000.arrow", train / "part-0.arrow")
+    proc = subprocess.run(_cmd(tmp_path, train, criteo / "test", "b", *sets) + ["--resume", uri], cwd=REPO,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    size = (train / "part-0.arrow").stat().st_size
+    assert proc.stderr.strip().splitlines()[-1].strip().startswith(
+        f"engine train: config error: model.data.train_path: {train} holds other files than checkpoint {uri} was "
+        f"trained on (part-0.arrow added ({size} bytes)): its position, epoch 0 batch 4, would skip"), proc.stderr
+    (train / "part-0.arrow").unlink()
+    proc = subprocess.run(_cmd(tmp_path, train, criteo / "test", "c", *sets) + ["--resume", uri], cwd=REPO,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming at epoch 0, batch 4 (checkpoint {uri})" in (tmp_path / "run-c" / "worker-0.log").read_text()

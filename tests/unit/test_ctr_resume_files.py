@@ -1,0 +1,144 @@
+"""A CTR checkpoint records the train files its data position was taken on (``sources.train.files``:
+``ctr_data.files_fingerprint``), and a resume inside an epoch onto other files is refused.
+
+Before, the position's identity was only workers, batch size, shuffle buffer, seed and train path: a
+file added to the train directory after a preemption (one that sorts first) moved every batch, and the
+resumed job skipped rows it never trained and trained others twice, exit 0 and no warning. Real Arrow
+files and real checkpoints (an in-process parameter server, saved as rank 0 saves them)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from engine.checkpoint import CheckpointManager
+from engine.config import load_config
+from engine.errors import ConfigError
+from engine.programs.ctr_data import FINGERPRINT_BYTES, files_fingerprint
+from engine.programs.ctr_positions import AlignedCheckpoints, Position, describe_file_changes
+from engine.ps import InProcessTransport, PSClient, PSServer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(path: Path, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    t = pa.table({"label": pa.array(rng.integers(0, 2, n), pa.float32()),
+                  "C1": pa.array(rng.integers(1, 1 << 60, n, dtype=np.uint64))})
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, t.schema) as w:
+        w.write_table(t, max_chunksize=1000)
+
+
+@pytest.fixture
+def train(tmp_path):
+    d = tmp_path / "train"
+    d.mkdir()
+    _write(d / "part-00001.arrow", 20000, 1)      # > 2 x FINGERPRINT_BYTES: head and tail are read
+    _write(d / "part-00002.arrow", 300, 2)
+    return d
+
+
+def test_the_fingerprint_names_sizes_and_both_ends_of_every_file(train):
+    fp = files_fingerprint(str(train))
+    big = (train / "part-00001.arrow").read_bytes()
+    assert len(big) > 2 * FINGERPRINT_BYTES
+    crc = zlib.crc32(big[-FINGERPRINT_BYTES:], zlib.crc32(big[:FINGERPRINT_BYTES]))
+    assert fp[0] == ["part-00001.arrow", len(big), f"{crc:08x}"]
+    small = (train / "part-00002.arrow").read_bytes()
+    assert fp[1] == ["part-00002.arrow", len(small), f"{zlib.crc32(small):08x}"]
+    assert files_fingerprint(str(train / "part-00002.arrow")) == [fp[1]]   # a single file: its name
+    shutil.copy2(train / "part-00001.arrow", train / "copy.tmp")            # a copy (new mtime) is the same file
+    (train / "part-00001.arrow").unlink()
+    (train / "copy.tmp").rename(train / "part-00001.arrow")
+    assert files_fingerprint(str(train)) == fp
+
+
+def test_each_kind_of_change_is_named(train):
+    was = files_fingerprint(str(train))
+    assert describe_file_changes(was, was) == []
+    _write(train / "part-00000.arrow", 50, 3)                               # sorts first
+    (train / "part-00002.arrow").unlink()
+    _write(train / "part-00001.arrow", 20000, 9)                            # other rows, the same size
+    now = files_fingerprint(str(train))
+    assert now[1][1] == was[0][1]
+    size = (train / "part-00000.arrow").stat().st_size
+    assert describe_file_changes(was, now) == [
+        f"part-00000.arrow added ({size} bytes)",
+        f"part-00001.arrow rewritten (same size, CRC-32 of its ends was {was[0][2]}, now {now[1][2]})",
+        "part-00002.arrow removed"]
+    _write(train / "part-00001.arrow", 20001, 1)
+    assert describe_file_changes(was[:1], files_fingerprint(str(train))[1:2]) == [
+        f"part-00001.arrow was {was[0][1]} bytes, now {(train / 'part-00001.arrow').stat().st_size}"]
+    many = [[f"f{i}", 1, "0"] for i in range(8)]
+    assert describe_file_changes([], many, most=5)[-1] == "and 3 more"
+
+
+def _trainer(tmp_path, train: Path, restored: str = ""):
+    """What ``AlignedCheckpoints`` needs of the CTR trainer: its config, data config, rank and workers."""
+    cfg = load_config(REPO / "configs" / "ctr.yaml", [
+        "cluster.workers=1", "model.slots=[C1]", "model.data.source=arrow", f"model.data.train_path={train}",
+        f"model.data.test_path={train}", f"checkpoint.root={tmp_path / 'ckpt'}"])
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, restored=restored))
+    return SimpleNamespace(ctx=SimpleNamespace(config=cfg), cfg=cfg.model.params, rank=0, num_workers=1)
+
+
+def _checkpoint(tmp_path, train: Path, pos: Position, *, record: bool = True) -> str:
+    """A checkpoint of ``pos`` with the ``sources`` rank 0 writes (``record=False``: an older engine's)."""
+    t = _trainer(tmp_path, train)
+    ck = AlignedCheckpoints(t, files=files_fingerprint(str(train)) if record else None)
+    server = PSServer.from_config(t.ctx.config, 0)
+    client = PSClient(InProcessTransport([server]))
+    try:
+        client.init_dense("dense", np.zeros(4, np.float32))
+        mgr = CheckpointManager(str(tmp_path / "ckpt"), "ctr_dnn")
+        m = mgr.save(client, "base" if not mgr.list() else "delta", sources=ck.sources(pos),
+                     config=t.ctx.config.to_dict())
+        return mgr.uri_of(m["name"])
+    finally:
+        client.close()
+        server.close()
+
+
+def _resume(tmp_path, train: Path, uri: str) -> Position:
+    ck = AlignedCheckpoints(_trainer(tmp_path, train, uri), files=files_fingerprint(str(train)))
+    return ck.restored()[0]
+
+
+def test_a_resume_inside_an_epoch_onto_other_files_is_refused(tmp_path, train, caplog):
+    uri = _checkpoint(tmp_path, train, Position(0, 7))
+    manifest = json.loads(Path(uri, "manifest.json").read_text())
+    assert manifest["sources"]["train"]["files"] == files_fingerprint(str(train))
+    assert _resume(tmp_path, train, uri) == Position(0, 7)                  # the same files: exact position
+    _write(train / "part-00000.arrow", 50, 3)                               # sorts first: every batch moves
+    size = (train / "part-00000.arrow").stat().st_size
+    with pytest.raises(ConfigError) as e:
+        _resume(tmp_path, train, uri)
+    assert str(e.value) == (
+        f"model.data.train_path: {train} holds other files than checkpoint {uri} was trained on "
+        f"(part-00000.arrow added ({size} bytes)): its position, epoch 0 batch 7, would skip rows never "
+        f"trained and train others twice. Resume with the files it was trained on, resume from a checkpoint "
+        f"taken at an epoch's start (--resume URI), or train afresh without --resume")
+    (train / "part-00000.arrow").unlink()
+    assert _resume(tmp_path, train, uri) == Position(0, 7)                  # put back: accepted again
+    # at an epoch's start nothing of the epoch was read: the files are read as they are now
+    start = _checkpoint(tmp_path, train, Position(1, 0))
+    _write(train / "part-00000.arrow", 50, 3)
+    with caplog.at_level(logging.INFO, logger="engine.programs.ctr_positions"):
+        assert _resume(tmp_path, train, start) == Position(1, 0)
+    assert any("the train files changed since checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_that_recorded_no_files_is_accepted_with_a_warning(tmp_path, train, caplog):
+    uri = _checkpoint(tmp_path, train, Position(0, 5), record=False)
+    _write(train / "part-00000.arrow", 50, 3)
+    with caplog.at_level(logging.WARNING, logger="engine.programs.ctr_positions"):
+        assert _resume(tmp_path, train, uri) == Position(0, 5)
+    assert any("records no fingerprint of the train files" in r.getMessage() for r in caplog.records)
