@@ -35,8 +35,7 @@ import pyarrow as pa
 
 from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
                               generate_criteo)
-from streaming.errors import SchemaError
-from streaming.source import ArrowSource, list_files, read_schema
+from streaming.source import ArrowSource, check_inputs, list_files, read_schema
 from streaming.values import dense_values, first, label_problem, list_values
 
 from ..program_configs import DataConfig
@@ -44,9 +43,6 @@ from ..ps import _kernels as ps_kernels
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-#: the raw string types a slot column may hold (``ArrowSource`` hashes them)
-STRING_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 
 @dataclass
@@ -274,7 +270,9 @@ def _generated(cfg: DataConfig) -> Path:
 
 def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
     """Raise unless ``path`` exists and every one of its inputs has ``schema``'s columns (a slot column
-    may hold raw strings: ``string_slots``). Reads each input's schema only.
+    may hold raw strings: ``string_slots``) and, an IPC stream, its end-of-stream marker
+    (``streaming.source.check_inputs``: each input's schema and last bytes; a whole file only when it
+    looks truncated).
 
     Raises
     ------
@@ -283,23 +281,14 @@ def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
     streaming.errors.SchemaError
         A column is missing or has another type (names the column and the file).
     streaming.errors.DataFormatError
-        An input is empty or not Arrow IPC / Parquet (names the file).
+        An input is empty, truncated or not Arrow IPC / Parquet (names the file).
     """
     if not path:
         raise ConfigError(f"{key} must name an Arrow file or directory when model.data.source is 'arrow'")
     try:
-        files = list_files(path)
+        check_inputs(path, schema, string_slots=string_slots(schema))
     except FileNotFoundError as e:
         raise ConfigError(f"{key}: {e}") from None
-    strings = string_slots(schema)
-    for f in files:
-        got = read_schema(f)
-        for field in schema:
-            if field.name not in got.names:
-                raise SchemaError(f, field.name, str(field.type), None, got.names)
-            actual = got.field(field.name).type
-            if actual != field.type and not (field.name in strings and actual in STRING_TYPES):
-                raise SchemaError(f, field.name, str(field.type), str(actual))
 
 
 def group_column_type(path: str, column: str) -> pa.DataType:

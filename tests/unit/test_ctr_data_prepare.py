@@ -79,6 +79,21 @@ def test_every_inputs_schema_is_checked_not_the_first_only(criteo, tmp_path):
                                    f"{tmp_path / 'test' / 'part-1.arrow'}")
 
 
+def test_a_train_file_cut_between_two_record_batches_is_refused_before_any_process_starts(criteo, tmp_path):
+    """The second file of the train split lost its last record batches and its end-of-stream marker (its
+    writer killed between two batches): the launcher names it; read, it was a complete, shorter file."""
+    t = _read(criteo / "train")
+    _write(tmp_path / "train" / "part-0.arrow", t)
+    cut = tmp_path / "train" / "part-1.arrow"
+    _write(cut, t.slice(0, 32))
+    with open(cut, "r+b") as f:       # drop the 8-byte marker: the file ends right after batch 3
+        f.truncate(os.path.getsize(cut) - 8)
+    cfg = DataConfig(source="arrow", train_path=str(tmp_path / "train"), test_path=str(criteo / "test"))
+    with pytest.raises(DataFormatError) as e:
+        prepare_data(cfg, SCHEMA)
+    assert str(cut) in str(e.value) and "end-of-stream marker" in str(e.value)
+
+
 def _strings(table, text_rows):
     """``table`` with C1 and C2 as the raw Criteo strings they were hashed from."""
     for name in SLOTS:
