@@ -54,7 +54,7 @@ def load_corpus(paths, max_raw_words: int | None = None) -> TokenCorpus:
         paths = corpus_files(paths) if Path(paths).is_dir() else [paths]
     toks, lens, raws, seen = [], [], [], 0
     for path in paths:
-        with pa.memory_map(str(path), "r") as mm:
+        with pa.OSFile(str(path), "r") as mm:      # read, not mapped (no SIGBUS on a cut file)
             for rb in pa.ipc.open_stream(mm):
                 t, offs, _ = batch_arrays(rb)
                 toks.append(t.copy())
