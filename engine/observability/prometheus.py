@@ -379,7 +379,7 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
 
 # ---------------------------------------------------------------------------------------- gRPC
 class RpcMetricsInterceptor(grpc.ServerInterceptor):
-    """Counts and times every RPC of a server (all are unary; a refusal's handler streams): ``engine_ps_rpc_requests_total{method,code}`` and
+    """Counts and times every RPC of a server (one request, one reply each; their handlers read the request themselves, so a call's time includes its arrival): ``engine_ps_rpc_requests_total{method,code}`` and
     ``engine_ps_rpc_duration_seconds{method}``. Installed first, it sees the token check's refusals too
     (``UNAUTHENTICATED``). Label children are cached, so a call costs two clock reads, one observation
     and one increment.
@@ -410,7 +410,8 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        # unary handlers serve; the token check refuses with a request-streaming one that reads nothing
+        # the PS handlers are request-streaming (they read their one message: engine.ps.call_guard), as is the
+        # token check's refusal, which reads nothing; unary ones are timed all the same
         kind = "unary_unary" if handler is not None and handler.unary_unary is not None else \
             "stream_unary" if handler is not None and handler.stream_unary is not None else None
         if kind is None:

@@ -1,30 +1,68 @@
 """``serve``: the gRPC server of a ``PSServer`` (the ``engine.ps.ParameterServer`` service).
 
 Transport only: requests are parsed by the zero-copy codec and handed to ``PSServer.handle``, whose
-``ServerError`` becomes the call's status; TLS, tokens, keepalive, message limits and the RPC thread
-pool are set here.
+``ServerError`` becomes the call's status (refusals are logged with the caller's address); TLS, tokens,
+keepalive, message limits, the RPC thread pool and the bound of calls stalled on the wire
+(``call_guard``) are set here.
 """
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from . import _malloc, codec
 from . import ps_pb2 as pb
+from .call_guard import CallGuard
 from .keepalive import server_keepalive_options
 from .server import ADMIN_METHODS, METHODS, PSServer, ServerError, admin_reason
 
 log = logging.getLogger("engine.ps.server")
 
 
-def _make_handler(core: PSServer, method: str):
-    def handler(request, context):
+class _Refusals:
+    """Refused requests of one server, logged with their caller's address at most once a second per
+    status code (how many were not logged is said on the next line)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._logged: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def note(self, method: str, code: str, message: str, context) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._logged.get(code, -2.0) < 1.0:
+                self._unlogged[code] = self._unlogged.get(code, 0) + 1
+                return
+            self._logged[code] = now
+            more = self._unlogged.pop(code, 0)
+        log.warning("%s: %s refused %s to %s: %s%s", self.name, method, code, context.peer(), message[:400],
+                    f" ({more} more {code} since the last such line)" if more else "")
+
+
+def _make_handler(core: PSServer, method: str, guard: CallGuard | None, refusals: _Refusals):
+    # request-streaming: gRPC calls it at the call's start, before the request arrives, so the guard sees
+    # a call that never sends it (a unary handler's thread waits for the message unseen)
+    def handler(request_iterator, context):
+        token = guard.start(method, context) if guard is not None else None
         try:
+            request = next(request_iterator, None)
+            if request is None:
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} requires exactly one request message")
+            if token is not None:
+                guard.received(token)
             return core.handle(method, request)
         except ServerError as e:
+            refusals.note(method, e.code, str(e), context)
             context.abort(getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL), str(e))
+        finally:
+            if token is not None:
+                guard.replied(token)
     handler.__name__ = method
     return handler
 
@@ -37,15 +75,19 @@ def method_paths() -> list[str]:
     return [f"/{SERVICE}/{m}" for m in METHODS]
 
 
-def generic_handler(core: PSServer) -> grpc.GenericRpcHandler:
+def generic_handler(core: PSServer, guard: CallGuard | None = None) -> grpc.GenericRpcHandler:
     """The ``engine.ps.ParameterServer`` service of ``core`` with the zero-copy codec: requests are
     parsed by ``codec.parse`` (a malformed one reaches ``handle`` and gets INVALID_ARGUMENT with its
     context instead of gRPC's bare deserialization error), replies written by ``codec.serialize``.
-    The bytes are the protobuf encoding of ps.proto, so generated stubs interoperate."""
+    The bytes are the protobuf encoding of ps.proto, so generated stubs interoperate. The handlers
+    read the one request message of each call themselves (request-streaming handlers), so that
+    ``guard`` (``call_guard.CallGuard``) sees every call from its start; refused requests are logged
+    with their caller's address, once a second per status code at most."""
+    refusals = _Refusals(f"server {core.index}/{core.num_servers}")
     return grpc.method_handlers_generic_handler(SERVICE, {
-        m: grpc.unary_unary_rpc_method_handler(_make_handler(core, m),
-                                               request_deserializer=codec.parser(codec.REQUEST[m]),
-                                               response_serializer=codec.serialize)
+        m: grpc.stream_unary_rpc_method_handler(_make_handler(core, m, guard, refusals),
+                                                request_deserializer=codec.parser(codec.REQUEST[m]),
+                                                response_serializer=codec.serialize)
         for m in METHODS})
 
 
@@ -67,7 +109,11 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
     ``engine.observability.prometheus.RpcMetricsInterceptor``, which so counts refused calls too).
     ``dead_after_s`` (seconds, ``client.dead_after_s``): the server accepts its clients' keepalive pings
     and pings them too, closing a connection from a host that went silent after about that long
-    (``keepalive.server_keepalive_options``).
+    (``keepalive.server_keepalive_options``). A call whose request has not arrived, or whose reply has
+    not been read, ``client.timeout_s`` (``core.watchdog.request_bound_s``) after it started or was
+    answered is cancelled and logged with its caller's address (``core.call_guard``, a
+    ``call_guard.CallGuard`` reaped by a daemon thread until ``core.stopped``): each such call holds an
+    RPC thread, or its reply's memory, at most that long.
 
     Raises
     ------
@@ -92,7 +138,11 @@ def serve(core: PSServer, host: str = "127.0.0.1", port: int = 0, threads: int =
                                   ("grpc.max_receive_message_length", core.max_message_bytes),
                                   ("grpc.so_reuseport", 0), *server_keepalive_options(dead_after_s)],
                          maximum_concurrent_rpcs=max_concurrent_rpcs or None)
-    server.add_generic_rpc_handlers((generic_handler(core),))
+    # a call that never sends its request, or never reads its reply, is cancelled after client.timeout_s
+    core.call_guard = CallGuard(core.watchdog.request_bound_s, f"server {core.index}/{core.num_servers}")
+    threading.Thread(target=core.call_guard.run, args=(core.stopped,), name=f"ps{core.index}-calls",
+                     daemon=True).start()
+    server.add_generic_rpc_handlers((generic_handler(core, core.call_guard),))
     creds = security.credentials() if security is not None else None
     try:
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -168,6 +168,7 @@ class PSServer:
         self.checkpoint_root = checkpoint_root
         self.load_roots = [r for r in load_roots if r]
         self.auth = None                                  # the gRPC AuthInterceptor (serve), for Stats
+        self.call_guard = None                            # calls stalled on the wire (serve), for Stats
         self.governor = None                              # engine.ps.governor (a budgeted role server)
         self.checkpoint_groups, self.checkpoint_threads = checkpoint_groups, checkpoint_threads
         self._pool = ThreadPoolExecutor(max(2, local_shards), thread_name_prefix=f"ps{index}-shard")
@@ -722,6 +723,7 @@ class PSServer:
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
                "barriers": self.barriers.stats(), **self.watchdog.state(),
                "auth_denied": dict(self.auth.denied) if self.auth is not None else {},
+               "calls_cancelled": dict(self.call_guard.cancelled) if self.call_guard is not None else {},
                "sparse": {n: h.stats() for n, h in self.sparse.items()},
                "dense": {n: h.stats() for n, h in self.dense.items()}}
         return pb.JsonResponse(request_id=req.request_id, json=json.dumps(out))

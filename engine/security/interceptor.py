@@ -95,16 +95,31 @@ class AuthInterceptor(grpc.ServerInterceptor):
                               f"carried the worker token")
         handler = continuation(details)
         check = self.admin_request.get(method)
-        if role == ADMIN or check is None or handler is None or handler.unary_unary is None:
+        if role == ADMIN or check is None or handler is None:
             return handler
-        inner = handler.unary_unary
 
-        def guarded(request, context):
+        def refused(request, context) -> None:
             reason = check(request)
             if reason:
                 with self._lock:
                     self.denied["PERMISSION_DENIED"] += 1
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"[{self.name}] {reason} needs the admin token; this call carried the worker token")
-            return inner(request, context)
-        return handler._replace(unary_unary=guarded)
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def guarded(request, context):
+                refused(request, context)
+                return inner(request, context)
+            return handler._replace(unary_unary=guarded)
+        if handler.stream_unary is not None:    # the PS handlers read their one message themselves
+            inner_stream = handler.stream_unary
+
+            def guarded_stream(request_iterator, context):
+                def checked():
+                    for request in request_iterator:
+                        refused(request, context)
+                        yield request
+                return inner_stream(checked(), context)
+            return handler._replace(stream_unary=guarded_stream)
+        return handler
