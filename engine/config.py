@@ -17,7 +17,7 @@ Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
     mode: async                 # sync | async | geo | hybrid
     cluster: {servers, workers, host, endpoints, local_shards, num_vshards, ...}
     client: {timeout_s, retries, backoff_s, threads, async_queue, barrier_timeout_s}
-    server: {max_barrier_wait_s, max_concurrent_rpcs, reply_window_bytes, max_message_bytes}
+    server: {max_barrier_wait_s, max_concurrent_rpcs, reply_window_bytes, max_message_bytes, ...}
     security: {tls: {cert, key, ca, client_cert, client_key}, token_file, admin_token_file, insecure, ...}
                                 (engine.security.settings)
     geo: {k_steps, learning_rate, evict_after_steps, delta_scale}   (dense: tables.dense's optimizer)
@@ -156,6 +156,10 @@ class ServerConfig:
         The clock of ``last_seen`` and of the expiry pass (``expire_after``): the server's wall clock, or
         the data clock the online job moves to the end of each hour it trains (``engine.ps.data_clock``:
         forward only, never past the wall clock + 1 h, unset by a load until the job sets it).
+    max_dense_floats : int, floats, >= 1
+        The largest dense table a client may initialize (``init_dense``, 2^25 by default: 128 MiB of
+        parameters, the shipped models have under 500 000); a larger size is refused with
+        INVALID_ARGUMENT before anything is allocated.
     """
 
     max_barrier_wait_s: Annotated[float, Field(gt=0)] = 600.0
@@ -163,6 +167,7 @@ class ServerConfig:
     reply_window_bytes: Annotated[int, Field(ge=0)] = 64 << 20
     max_message_bytes: Annotated[int, Field(ge=4 << 20, le=(2 << 30) - 1)] = 16 << 20
     expiry_clock: Literal["wall", "data"] = "wall"
+    max_dense_floats: Annotated[int, Field(ge=1)] = 1 << 25
 
 
 @section

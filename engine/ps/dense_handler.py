@@ -60,7 +60,8 @@ def dense(core, req) -> codec.Wire:
         reply = codec.Wire.allocate(sized(resp), "values", codec.F32, (host.block_length(req.block),))
         return reply.arrays["values"]
     if req.op == pb.DENSE_INIT:
-        n = -(-req.size // codec.DENSE_BLOCK) if req.size > 0 else 1
+        host.check_size(int(req.size))              # before its block count and values are looked at
+        n = -(-req.size // codec.DENSE_BLOCK)
         length = min(codec.DENSE_BLOCK, req.size - req.block * codec.DENSE_BLOCK)
         if not 0 <= req.block < n:
             raise ProtocolError(f"block {req.block} out of range for size {req.size}")

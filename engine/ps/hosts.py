@@ -48,6 +48,11 @@ class HostError(Exception):
         self.shard = shard
 
 
+#: default of ``server.max_dense_floats``: the largest dense table a client may initialize (2^25 floats,
+#: 128 MiB of parameters; the shipped models have under 500 000)
+MAX_DENSE_FLOATS = 1 << 25
+
+
 def invalid(msg: str, shard: int | None = None) -> HostError:
     return HostError("INVALID_ARGUMENT", msg, shard)
 
@@ -422,9 +427,10 @@ class DenseHost:
     """
 
     def __init__(self, name: str, config: DenseTableConfig, *, ordinal: int, server: int,
-                 num_servers: int):
+                 num_servers: int, max_floats: int = MAX_DENSE_FLOATS):
         self.name, self.config = name, config
         self.ordinal, self.server, self.num_servers = ordinal, server, num_servers
+        self.max_floats = int(max_floats)        # the largest size a client may initialize it with
         self.size: int | None = None
         self.blocks: dict[int, _Block] = {}
         self._lock = threading.Lock()
@@ -466,19 +472,29 @@ class DenseHost:
         """Raise HostError unless ``grad`` fits ``block`` (which lives here) and is finite."""
         self._check(block, grad, "grad")
 
+    def check_size(self, size: int) -> None:
+        """Raise HostError INVALID_ARGUMENT naming ``size`` unless a client may initialize the table with
+        ``size`` floats: 1 <= size <= ``max_floats`` (``server.max_dense_floats``), and the table's own
+        size once it has one."""
+        if size < 1:
+            raise invalid(f"size: a dense table has >= 1 floats, got {size}")
+        if size > self.max_floats:
+            raise invalid(f"size: {size} floats is more than server.max_dense_floats = {self.max_floats} "
+                          f"(raise it in the servers' config for a larger model); nothing allocated")
+        if self.size is not None and size != self.size:
+            raise invalid(f"size: init with size {size}, but the table was initialized with size {self.size}")
+
     def _sized(self, size: int) -> None:
         """Allocate the blocks this server owns of a table of ``size`` floats (first call), or raise
-        HostError INVALID_ARGUMENT when the table has another size."""
+        HostError INVALID_ARGUMENT (``check_size``). The blocks are built before the table takes the
+        size: an allocation that fails (MemoryError) leaves it uninitialized."""
         with self._lock:
-            if size < 1:
-                raise invalid(f"size must be >= 1, got {size}")
+            self.check_size(size)
             if self.size is None:
-                self.size = size
-                for bl in range(self.num_blocks):
-                    if self.owner(bl) == self.server:
-                        self.blocks[bl] = _Block(self.block_length(bl), self.config)
-            elif size != self.size:
-                raise invalid(f"init with size {size}, but the table was initialized with size {self.size}")
+                n_blocks = max(1, -(-size // DENSE_BLOCK))
+                blocks = {bl: _Block(min(DENSE_BLOCK, size - bl * DENSE_BLOCK), self.config)
+                          for bl in range(n_blocks) if self.owner(bl) == self.server}
+                self.blocks, self.size = blocks, size
 
     def clear(self) -> None:
         """Forget the table: not initialized again until the next ``init`` (a roll-back to a job's
@@ -534,12 +550,15 @@ class DenseHost:
         ------
         HostError
             INVALID_ARGUMENT naming the block and the field (wrong length, NaN/Inf, v < 0, t < 0,
-            moments that do not fit the table's optimizer, another size than the table's, a block that
-            lives elsewhere); nothing changed.
+            moments that do not fit the table's optimizer, another size than the table's or one over
+            ``max_floats``, a block that lives elsewhere); nothing changed.
         """
         if size < 1 or (self.size is not None and size != self.size):
             raise invalid(f"block {block}: size {size} given, the table has "
                           f"{self.size if self.size is not None else 'no size yet (size must be >= 1)'}")
+        if size > self.max_floats:
+            raise invalid(f"block {block}: size {size} floats is more than server.max_dense_floats = "
+                          f"{self.max_floats}; nothing changed")
         n_blocks = max(1, -(-size // DENSE_BLOCK))
         if not 0 <= block < n_blocks:
             raise invalid(f"block {block} out of range: a table of {size} floats has {n_blocks} blocks")

@@ -49,7 +49,7 @@ from .barrier import BarrierError, Barriers
 from .data_clock import DataClock, clock_request
 from .dedup import Expired, InProgress, ReplyWindow
 from .delta_lineage import DeltaLineage
-from .hosts import DenseHost, HostError, SparseHost, invalid, shrink_each
+from .hosts import MAX_DENSE_FLOATS, DenseHost, HostError, SparseHost, invalid, shrink_each
 from .metric_sums import MetricSums
 from .routing import DEFAULT_NUM_VSHARDS
 from .watchdog import PHASES, RequestWatchdog
@@ -151,6 +151,8 @@ class PSServer:
         A request in flight longer than this (not counting waits behind a checkpoint, a restore or an
         expiry pass) makes the server stuck (``engine.ps.watchdog``; ``client.timeout_s``): ``Health``
         says so in ``stuck``.
+    max_dense_floats : int, floats
+        The largest dense table a client may initialize (``server.max_dense_floats``).
     """
 
     def __init__(self, sparse: dict, dense: dict | None = None, *, index: int = 0, num_servers: int = 1,
@@ -158,7 +160,8 @@ class PSServer:
                  storage_options=None, checkpoint_groups: int = 16, checkpoint_threads: int = 2,
                  max_barrier_wait_s: float = 600.0, reply_window_bytes: int = 64 << 20,
                  max_message_bytes: int = codec.MAX_MESSAGE_BYTES, checkpoint_root: str | None = None,
-                 load_roots=(), clock=None, request_bound_s: float = 60.0, expiry_clock: str = "wall"):
+                 load_roots=(), clock=None, request_bound_s: float = 60.0, expiry_clock: str = "wall",
+                 max_dense_floats: int = MAX_DENSE_FLOATS):
         if not 0 <= index < num_servers:
             raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
         if not (isinstance(checkpoint_groups, int) and checkpoint_groups >= 1):
@@ -183,7 +186,7 @@ class PSServer:
                                         busy=self._busy, clock=clock)
                        for name, cfg in sparse.items()}
         self.dense = {name: DenseHost(name, (dense or {})[name], ordinal=i, server=index,
-                                      num_servers=num_servers)
+                                      num_servers=num_servers, max_floats=max_dense_floats)
                       for i, name in enumerate(sorted(dense or {}))}
         self.stopped = threading.Event()
         self.preempting = False                  # SIGTERM: serving until the job checkpointed (Health)
@@ -241,7 +244,8 @@ class PSServer:
                    max_barrier_wait_s=cfg.server.max_barrier_wait_s,
                    reply_window_bytes=cfg.server.reply_window_bytes,
                    max_message_bytes=cfg.server.max_message_bytes, checkpoint_root=cfg.checkpoint.root,
-                   request_bound_s=cfg.client.timeout_s, expiry_clock=cfg.server.expiry_clock)
+                   request_bound_s=cfg.client.timeout_s, expiry_clock=cfg.server.expiry_clock,
+                   max_dense_floats=cfg.server.max_dense_floats)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, method: str, request, *, trusted: bool = False):

@@ -221,7 +221,9 @@ def test_yaml_1_2_numbers_and_booleans(tmp_path):
     # unknown keys, in nested sections too, with the known keys listed
     ("model.data.colour=red", "model.data: unknown key(s) ['colour']; known keys: ['cache_dir',"),
     ("server.threads=4", "server: unknown key(s) ['threads']; known keys: ['expiry_clock', "
-                         "'max_barrier_wait_s', 'max_concurrent_rpcs', 'max_message_bytes', 'reply_window_bytes']"),
+                         "'max_barrier_wait_s', 'max_concurrent_rpcs', 'max_dense_floats', 'max_message_bytes', "
+                         "'reply_window_bytes']"),
+    ("server.max_dense_floats=0", "server.max_dense_floats must be >= 1, got 0"),
     ("tables.views=1", "tables: unknown key(s) ['views']"),
     ("sparse_tables.emb.dim=4", "config: unknown key(s) ['sparse_tables']"),
 ])
@@ -250,18 +252,19 @@ def test_sections_built_in_code_are_checked_too():
         ClusterConfig(nope=1)
     s = ServerConfig(max_barrier_wait_s=5)
     assert s.max_barrier_wait_s == 5.0 and [f.name for f in dataclasses.fields(s)] == [
-        "max_barrier_wait_s", "max_concurrent_rpcs", "reply_window_bytes", "max_message_bytes", "expiry_clock"]
+        "max_barrier_wait_s", "max_concurrent_rpcs", "reply_window_bytes", "max_message_bytes", "expiry_clock",
+        "max_dense_floats"]
 
 
 def test_server_section_defaults_and_round_trip(tmp_path):
-    assert ServerConfig() == ServerConfig(600.0, 256, 64 << 20, 16 << 20, "wall")
+    assert ServerConfig() == ServerConfig(600.0, 256, 64 << 20, 16 << 20, "wall", 1 << 25)
     cfg = load_config(DEMO)
     assert cfg.server == ServerConfig()             # the demo documents every knob with its default
     assert from_dict(base()).server == ServerConfig()
     cfg = load_config(DEMO, ["server.max_concurrent_rpcs=4"])
     assert cfg.to_dict()["server"] == {"max_barrier_wait_s": 600.0, "max_concurrent_rpcs": 4,
                                        "reply_window_bytes": 64 << 20, "max_message_bytes": 16 << 20,
-                                       "expiry_clock": "wall"}
+                                       "expiry_clock": "wall", "max_dense_floats": 1 << 25}
     dump_config(cfg, tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml") == cfg
 

@@ -1,0 +1,94 @@
+"""What one request may make a server hold or do, checked on a real ``PSServer`` (``handle``, the
+method every transport calls): the size of a dense table a client initializes, the names a refused
+request leaves behind, unknown push kinds, metric accumulators, held sync pushes and barrier arrivals,
+the length of request ids and of the client strings an error echoes, and a Fence that names no
+generation."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from engine.config import DenseTableConfig
+from engine.ps import PSServer, codec
+from engine.ps import ps_pb2 as pb
+from engine.ps.server import ServerError
+from sparse_tables import TableConfig
+
+DIM = 4
+
+
+@pytest.fixture
+def core():
+    c = PSServer({"emb": TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros")},
+                 {"d": DenseTableConfig(optimizer="sgd", learning_rate=1.0)}, local_shards=2,
+                 max_dense_floats=1 << 20)
+    yield c
+    c.close()
+
+
+def refused(core, method: str, request) -> ServerError:
+    with pytest.raises(ServerError) as e:
+        core.handle(method, request)
+    return e.value
+
+
+def dense_init(size: int, n: int, rid: str = "w@1:1") -> pb.DenseRequest:
+    return codec.Wire(pb.DenseRequest(table="d", request_id=rid, op=pb.DENSE_INIT, block=0, size=size),
+                      values=np.zeros(n, np.float32))
+
+
+# ---------------------------------------------------------------------------------------- dense size
+def test_a_dense_init_over_the_limit_allocates_nothing_and_the_real_one_then_succeeds(core):
+    e = refused(core, "Dense", dense_init(1 << 31, codec.DENSE_BLOCK))
+    assert e.code == "INVALID_ARGUMENT"
+    assert "size: 2147483648 floats is more than server.max_dense_floats = 1048576" in str(e)
+    assert core.dense["d"].size is None and core.dense["d"].blocks == {}
+    e = refused(core, "Dense", dense_init(-10, 1, "w@1:4"))
+    assert e.code == "INVALID_ARGUMENT" and "size: a dense table has >= 1 floats, got -10" in str(e)
+    assert core.handle("Dense", dense_init(1000, 1000, "w@1:2")).msg.applied      # the job's own init
+    assert core.dense["d"].size == 1000
+    e = refused(core, "Dense", dense_init(2000, 2000, "w@1:3"))
+    assert "size: init with size 2000, but the table was initialized with size 1000" in str(e)
+
+
+def test_setting_a_dense_state_over_the_limit_is_refused(core):
+    req = codec.Wire(pb.DenseRequest(table="d", request_id="a@1:1", op=pb.DENSE_STATE_SET, block=0, size=1 << 21),
+                     values=np.zeros(codec.DENSE_BLOCK, np.float32))
+    e = refused(core, "Dense", req)
+    assert e.code == "INVALID_ARGUMENT" and "more than server.max_dense_floats = 1048576" in str(e)
+    assert core.dense["d"].size is None
+
+
+def test_an_allocation_that_fails_half_way_leaves_the_table_uninitialized(tmp_path):
+    """Under an address-space limit the blocks of a 4 GiB table cannot all be allocated: MemoryError
+    half-way. Before, the table had taken the size first, so it was left sized with blocks missing and
+    the job's real init was refused for its size."""
+    script = textwrap.dedent("""
+        import resource, sys
+        import numpy as np
+        from engine.config import DenseTableConfig
+        from engine.ps import PSServer, codec
+        from engine.ps import ps_pb2 as pb
+        from engine.ps.server import ServerError
+        core = PSServer({}, {"d": DenseTableConfig(optimizer="adam")}, local_shards=2, max_dense_floats=1 << 31)
+        used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (used + (400 << 20), resource.RLIM_INFINITY))
+        def init(size, n):
+            return core.handle("Dense", codec.Wire(pb.DenseRequest(table="d", request_id=f"w@1:{size}",
+                               op=pb.DENSE_INIT, block=0, size=size), values=np.zeros(n, np.float32)))
+        try:
+            init(1 << 30, codec.DENSE_BLOCK)
+            print("ALLOCATED")
+        except ServerError as e:
+            print("REFUSED", e.code)
+        print("SIZE", core.dense["d"].size, len(core.dense["d"].blocks))
+        print("REAL", init(1000, 1000).msg.applied)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:3] == ["REFUSED INTERNAL", "SIZE None 0", "REAL True"], out.stdout
