@@ -29,8 +29,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
 from sparse_tables import TableConfigError, waits
 from sparse_tables.rwlock import RWLock
@@ -51,6 +49,9 @@ from .dedup import Expired, InProgress, ReplyWindow
 from .delta_lineage import DeltaLineage
 from .hosts import MAX_DENSE_FLOATS, DenseHost, HostError, SparseHost, invalid, shrink_each
 from .metric_sums import MetricSums
+from .request_rules import MAX_REQUEST_ID_CHARS, admin_reason, clip
+from .request_rules import keys_or_empty as _keys_or_empty
+from .request_rules import push_arrays as _push_arrays
 from .routing import DEFAULT_NUM_VSHARDS
 from .watchdog import PHASES, RequestWatchdog
 
@@ -67,6 +68,8 @@ GENERATION_CHECKED = frozenset({"Pull", "Push", "Dense", "Step", "Barrier", "Met
 #: requests that make their sender a client of this generation (``clients`` in Health); an expiry pass
 #: (an operator's or the online job's rank 0) is not training, nor is moving the data clock
 _JOINS = GENERATION_CHECKED - {"Fence", "Shrink", "Clock"}
+#: the errors of a request refused before it changed anything
+_REFUSALS = (HostError, BarrierError, ProtocolError, ValueError, InProgress, Expired, OutsideRootError)
 #: requests that change a table (a server that applied one is no longer ``fresh``)
 _WRITES = frozenset({"Push", "Dense", "Step"})
 #: the failpoints of data requests (``engine.failpoints``)
@@ -80,25 +83,6 @@ ADMIN_METHODS = frozenset({"Save", "Load", "Shrink", "Stop"})
 #: reads subtract to the histogram of the interval between them (``engine status``); +inf bucket last
 LATENCY_BOUNDS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0)
-
-
-def admin_reason(method: str, req) -> str | None:
-    """Why a request of a method outside ``ADMIN_METHODS`` still needs the admin token, or None: the one
-    rule both sides use (the server's ``AuthInterceptor`` refuses it with the worker token, the client's
-    transport sends the admin token with it). ``req``: the message (a ``codec.Wire``'s or a parsed one)."""
-    if getattr(req, "error", None) is not None:
-        return None
-    if method == "Fence":
-        return "Fence: emptying every table (clear)" if req.clear else None
-    if method == "Clock":       # it decides which rows the next expiry pass deletes, as Shrink does
-        return "Clock: moving the data clock" if req.advance_to else None
-    if method != "Dense":
-        return None
-    if req.op == pb.DENSE_INIT and req.force:
-        return f"Dense: a forced re-initialisation of table {req.table!r}"
-    if req.op == pb.DENSE_STATE_SET:
-        return f"Dense: setting the optimizer state of table {req.table!r}"
-    return None
 
 
 class ServerError(Exception):
@@ -252,8 +236,9 @@ class PSServer:
         """Run one RPC. Raises ServerError (code + full message) on any failure. ``trusted``: the call
         comes from this process's own operator (``--resume`` at start-up), not from a client, so a
         ``Load`` may name a checkpoint outside ``checkpoint_root``."""
-        table = getattr(request, "table", "") or "-"
-        rid = getattr(request, "request_id", "") or "-"
+        table = clip(getattr(request, "table", "") or "-")      # echoed in errors: client strings, clipped
+        full_rid = getattr(request, "request_id", "") or "-"
+        rid = clip(full_rid)
         with self._count_lock:
             self._requests[method] = self._requests.get(method, 0) + 1
         t0 = time.perf_counter()
@@ -263,19 +248,28 @@ class PSServer:
                 raise HostError("UNIMPLEMENTED", f"unknown method {method!r}")
             if getattr(request, "error", None) is not None:     # codec.Received that did not parse
                 raise request.error
+            if len(full_rid) > MAX_REQUEST_ID_CHARS:
+                raise ProtocolError(f"request_id: {len(full_rid)} characters, more than the {MAX_REQUEST_ID_CHARS} "
+                                    f"a server accepts (a PSClient's name, before '@', makes most of it)")
             generation = self.generation
             self._check_generation(method, request)    # again under the tables lock (_run)
-            if method in _JOINS and "@" in rid:
-                name = rid.split("@", 1)[0]
-                if name not in self.clients:    # the lock only for a client's first request of a generation
-                    with self._clients_lock:    # not into a generation that began since the check
-                        if self.generation == generation:
-                            self.clients.add(name)
-            if _mutating(method, request):
-                reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted, token),
-                                        replay=lambda: self._reread(method, request))
-            else:
-                reply = self._run(method, request, token=token)
+            # its sender takes part once it was answered, or failed in a way that may have changed something
+            # (a refusal changed nothing: a worker whose first request was refused took no part)
+            joins = full_rid.split("@", 1)[0] if method in _JOINS and "@" in full_rid else None
+            try:
+                if _mutating(method, request):
+                    reply = self.window.run(request.request_id, lambda: self._run(method, request, trusted, token),
+                                            replay=lambda: self._reread(method, request))
+                else:
+                    reply = self._run(method, request, token=token)
+            except _REFUSALS:
+                raise
+            except Exception:
+                if joins:
+                    self._joined(joins, generation)
+                raise
+            if joins:
+                self._joined(joins, generation)
             return _stamped(reply, self.generation)
         except Exception as e:  # noqa: BLE001 - every failure must reach the caller with context
             if isinstance(e, HostError):
@@ -305,6 +299,14 @@ class PSServer:
                 with self._count_lock:
                     self._latency[method][bisect.bisect_left(LATENCY_BOUNDS_S, dt)] += 1
                     self._latency_sum[method] += dt
+
+    def _joined(self, name: str, generation: int) -> None:
+        """Client ``name`` had a data request of ``generation`` answered: list it in ``clients`` (Health),
+        unless a generation began since (the lock only for a client's first request of a generation)."""
+        if name not in self.clients:
+            with self._clients_lock:
+                if self.generation == generation:
+                    self.clients.add(name)
 
     def _check_generation(self, method: str, request) -> None:
         """ABORTED unless the request expects this server's generation (or any: 0)."""
@@ -348,7 +350,7 @@ class PSServer:
             with self._tables_lock.exclusive():
                 self.watchdog.running(token)
                 self._check_generation(method, request)     # a Load or a fence since: refused
-                self.fenced = request.reason or request.request_id
+                self.fenced = clip(request.reason or request.request_id, 1000)
                 log.warning("server %d: fenced by %s: generation %d ends%s", self.index, self.fenced,
                             self.generation, "; every table emptied" if request.clear else "")
                 # the tables hold the restored checkpoint plus the ended attempt's writes: no longer it,
@@ -485,14 +487,14 @@ class PSServer:
     def _sparse(self, name: str) -> SparseHost:
         host = self.sparse.get(name)
         if host is None:
-            raise HostError("NOT_FOUND", f"unknown sparse table {name!r}; this server hosts "
+            raise HostError("NOT_FOUND", f"unknown sparse table {clip(name)!r}; this server hosts "
                             f"sparse tables {sorted(self.sparse)}")
         return host
 
     def _dense(self, name: str) -> DenseHost:
         host = self.dense.get(name)
         if host is None:
-            raise HostError("NOT_FOUND", f"unknown dense table {name!r}; this server hosts "
+            raise HostError("NOT_FOUND", f"unknown dense table {clip(name)!r}; this server hosts "
                             f"dense tables {sorted(self.dense)}")
         return host
 
@@ -793,22 +795,3 @@ def _mutating(method: str, request) -> bool:
     if method == "Metric":
         return request.op != pb.METRIC_READ
     return method in MUTATING
-
-
-def _keys_or_empty(t, name: str) -> np.ndarray:
-    return np.empty(0, np.uint64) if codec.is_absent(t) else codec.decode(t, name, codec.U64, 1)
-
-
-def _push_arrays(req, dim: int, what: str, *, may_be_empty: bool = False):
-    """(keys uint64[n], grads float32[n, dim], shows float32[n] or None, clicks float32[n] or None) of
-    the push part of a Push or Step request; ``may_be_empty`` (Step): absent keys and grads are an
-    empty push. Raises ProtocolError naming the field on a wrong dtype, shape or size."""
-    keys = _keys_or_empty(req.keys, "keys") if may_be_empty else codec.decode(req.keys, "keys", codec.U64, 1)
-    n = len(keys)
-    if may_be_empty and n == 0 and codec.is_absent(req.grads):
-        grads = np.empty((0, dim), np.float32)
-    else:
-        grads = codec.decode(req.grads, what, codec.F32, 2, shape=(n, dim))
-    shows, clicks = (None if codec.is_absent(t) else codec.decode(t, name, codec.F32, 1, shape=(n,))
-                     for name, t in (("shows", req.shows), ("clicks", req.clicks)))
-    return keys, grads, shows, clicks

@@ -92,3 +92,52 @@ def test_an_allocation_that_fails_half_way_leaves_the_table_uninitialized(tmp_pa
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[:3] == ["REFUSED INTERNAL", "SIZE None 0", "REAL True"], out.stdout
+
+
+# ---------------------------------------------------------------------------------------- clients, ids
+def pull(rid: str, table: str = "emb") -> codec.Wire:
+    return codec.Wire(pb.PullRequest(table=table, request_id=rid), keys=np.arange(1, 4, dtype=np.uint64))
+
+
+def clients(core) -> list[str]:
+    return json.loads(core.handle("Health", pb.Empty(request_id="h")).json)["clients"]
+
+
+def test_a_refused_request_does_not_make_its_sender_a_client(core):
+    """A worker whose first request failed on a config error (an unknown table) took no part: restarted,
+    it must not find its name in ``clients`` (``roles._agreed`` would say it was restarted within the
+    attempt, and fence the running job)."""
+    assert refused(core, "Pull", pull("worker1@abc:1", "no-such-table")).code == "NOT_FOUND"
+    assert refused(core, "Push", codec.Wire(pb.PushRequest(table="emb", request_id="worker1@abc:2"),
+                                            keys=np.arange(3, dtype=np.uint64),
+                                            grads=np.ones((3, 2), np.float32))).code == "INVALID_ARGUMENT"
+    assert clients(core) == []
+    core.handle("Pull", pull("worker1@abc:3"))
+    assert clients(core) == ["worker1"]
+
+
+def test_long_request_ids_are_refused_and_client_strings_are_clipped_in_errors(core):
+    e = refused(core, "Pull", pull("w" * 300 + "@abc:1"))
+    assert e.code == "INVALID_ARGUMENT"
+    assert "request_id: 306 characters, more than the 256 a server accepts" in str(e)
+    assert clients(core) == [] and len(str(e)) < 800
+    e = refused(core, "Pull", pull("w@abc:2", "t" * 20000))
+    assert e.code == "NOT_FOUND" and "...(20000 characters)" in str(e) and len(str(e)) < 1000
+
+
+def test_over_grpc_a_long_table_name_is_still_not_found(core):
+    """A 20 KB string echoed whole made the error's metadata too large: gRPC answered RESOURCE_EXHAUSTED,
+    which a PSClient retries as an overload for client.timeout_s."""
+    from engine.errors import RemoteError
+    from engine.ps import serve
+    from engine.ps.transport import GrpcTransport
+    server, port = serve(core, "127.0.0.1", 0, threads=2)
+    transport = GrpcTransport([f"127.0.0.1:{port}"], retries=0)
+    try:
+        for rid, table, code in (("w@1:1", "t" * 20000, "NOT_FOUND"), ("w" * 20000, "emb", "INVALID_ARGUMENT")):
+            with pytest.raises(RemoteError) as e:
+                transport.call(0, "Pull", pb.PullRequest(table=table, request_id=rid), 10.0)
+            assert e.value.code == code, e.value
+    finally:
+        transport.close()
+        server.stop(0).wait()
