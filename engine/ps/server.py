@@ -512,6 +512,9 @@ class PSServer:
 
     def Push(self, req: pb.PushRequest) -> pb.PushResponse:
         host = self._sparse(req.table)
+        if req.kind not in (pb.GRAD, pb.DELTA):     # proto3 keeps unknown enum values: never a gradient
+            raise ProtocolError(f"kind: {req.kind} is no PushKind (GRAD = {pb.GRAD}, DELTA = {pb.DELTA}); "
+                                f"nothing applied")
         delta = req.kind == pb.DELTA
         keys, grads, shows, clicks = _push_arrays(req, host.dim, "deltas" if delta else "grads")
         n = len(keys)

@@ -141,3 +141,17 @@ def test_over_grpc_a_long_table_name_is_still_not_found(core):
     finally:
         transport.close()
         server.stop(0).wait()
+
+
+# ---------------------------------------------------------------------------------------- push kind
+def test_a_push_of_an_unknown_kind_is_refused_naming_the_field(core):
+    key = np.array([12345], np.uint64)
+    for i, kind in enumerate((2, 7, 1000)):      # proto3 keeps them; they were applied as gradients
+        wire = codec.Wire(pb.PushRequest(table="emb", request_id=f"w@1:{i}", kind=kind), keys=key,
+                          grads=np.ones((1, DIM), np.float32))
+        req = codec.parse(codec.serialize(wire), codec.REQUEST["Push"])      # as it arrives
+        e = refused(core, "Push", req)
+        assert e.code == "INVALID_ARGUMENT" and f"kind: {kind} is no PushKind (GRAD = 0, DELTA = 1)" in str(e)
+    reply = core.handle("Pull", codec.Wire(pb.PullRequest(table="emb", request_id="w@1:9"), keys=key))
+    assert not reply.arrays["values"].any()      # nothing applied (zeros initializer, SGD lr 1)
+    assert core.sparse["emb"].stats()["push_keys"] == 0
