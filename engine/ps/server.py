@@ -347,6 +347,9 @@ class PSServer:
                     self.data_clock.reset()
             return reply
         if method == "Fence":   # alone too: no write of the attempt it ends straddles it
+            if not request.generation:      # PSClient.fence always names one (read from Health)
+                raise ProtocolError("generation: a Fence must name the generation it ends (Health's "
+                                    "generation); 0 (any) is refused, nothing was fenced")
             with self._tables_lock.exclusive():
                 self.watchdog.running(token)
                 self._check_generation(method, request)     # a Load or a fence since: refused

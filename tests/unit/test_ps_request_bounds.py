@@ -155,3 +155,16 @@ def test_a_push_of_an_unknown_kind_is_refused_naming_the_field(core):
     reply = core.handle("Pull", codec.Wire(pb.PullRequest(table="emb", request_id="w@1:9"), keys=key))
     assert not reply.arrays["values"].any()      # nothing applied (zeros initializer, SGD lr 1)
     assert core.sparse["emb"].stats()["push_keys"] == 0
+
+
+# ---------------------------------------------------------------------------------------- fence
+def test_a_fence_that_names_no_generation_is_refused(core):
+    """Generation 0 means "any" to the generation check: an empty FenceRequest ended the running attempt.
+    ``PSClient.fence`` always names the generation it read from Health."""
+    before = json.loads(core.handle("Health", pb.Empty(request_id="h")).json)
+    e = refused(core, "Fence", pb.FenceRequest(request_id="x@1:1", reason="no generation"))
+    assert e.code == "INVALID_ARGUMENT" and "generation: a Fence must name the generation it ends" in str(e)
+    after = json.loads(core.handle("Health", pb.Empty(request_id="h")).json)
+    assert after["generation"] == before["generation"] and after["fenced"] is None
+    fenced = core.handle("Fence", pb.FenceRequest(request_id="x@1:2", generation=before["generation"], reason="ok"))
+    assert json.loads(fenced.json)["fenced"] == "ok"
