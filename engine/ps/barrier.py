@@ -16,7 +16,10 @@ threads, arrivals and other requests always find a free thread.
 Bounds: a waiter's arrival is withdrawn after ``min(timeout_s, max_wait_s)`` seconds (its next poll
 fails DEADLINE_EXCEEDED), an arrival not polled for ``lease_s`` seconds (a dead caller) is dropped, and
 a barrier nobody waits at for ``prune_after_s`` seconds is forgotten (names with a tag per evaluation
-or partition would otherwise pile up in a job that runs for weeks).
+or partition would otherwise pile up in a job that runs for weeks). The forgetting runs every 1024
+calls and at least once a minute, and drops the arrivals nobody polls any more first (an arrival never
+polled again kept its barrier for ever). A name has at most ``MAX_NAME_CHARS`` characters, and a server
+holds at most ``MAX_BARRIERS`` barriers: a new one beyond them is refused (FAILED_PRECONDITION).
 
 ``on_open`` (the sync-mode apply) runs outside the lock that every barrier of the server shares, so
 a slow apply delays only its own barrier. If it fails, the barrier's waiters are all answered ABORTED
@@ -27,6 +30,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+
+
+#: the longest barrier name
+MAX_NAME_CHARS = 256
+#: the most barriers a server holds at once (a job uses a handful, plus one per evaluation or partition
+#: for ``prune_after_s``)
+MAX_BARRIERS = 4096
+#: longest time between two passes that forget idle barriers, seconds
+PRUNE_EVERY_S = 60.0
 
 
 class BarrierError(Exception):
@@ -81,6 +93,7 @@ class Barriers:
         self._lingering = 0
         self._stopped = False
         self._calls = 0
+        self._pruned = time.monotonic()
 
     @property
     def lingering(self) -> int:
@@ -95,12 +108,16 @@ class Barriers:
         Raises
         ------
         BarrierError
-            INVALID_ARGUMENT (world < 1, no token, or a world that differs from the other callers'),
-            DEADLINE_EXCEEDED (not everybody arrived within the capped timeout; the arrival is
-            withdrawn), UNAVAILABLE (the server is stopping), ABORTED (``on_open`` failed).
+            INVALID_ARGUMENT (world < 1, no token, a name over ``MAX_NAME_CHARS``, or a world that differs
+            from the other callers'), DEADLINE_EXCEEDED (not everybody arrived within the capped timeout;
+            the arrival is withdrawn), UNAVAILABLE (the server is stopping), ABORTED (``on_open`` failed),
+            FAILED_PRECONDITION (a new barrier beyond ``MAX_BARRIERS``).
         """
         if world < 1:
             raise BarrierError("INVALID_ARGUMENT", f"world must be >= 1, got {world}")
+        if len(name) > MAX_NAME_CHARS:
+            raise BarrierError("INVALID_ARGUMENT", f"name: a barrier's name has at most {MAX_NAME_CHARS} "
+                               f"characters, got {len(name)}")
         if not token:
             raise BarrierError("INVALID_ARGUMENT", f"barrier {name!r}: a request id is required (it is "
                                f"the arrival's token)")
@@ -109,10 +126,18 @@ class Barriers:
             if self._stopped:
                 raise BarrierError("UNAVAILABLE", f"barrier {name!r}: server is stopping")
             self._calls += 1
-            if self._calls % 1024 == 0:
-                self._prune(time.monotonic())
+            now = time.monotonic()
+            if self._calls % 1024 == 0 or now - self._pruned > PRUNE_EVERY_S:
+                self._prune(now)
             st = self._states.get(name)
             if st is None:
+                if len(self._states) >= MAX_BARRIERS:
+                    self._prune(now)
+                if len(self._states) >= MAX_BARRIERS:
+                    raise BarrierError("FAILED_PRECONDITION", f"barrier {name[:200]!r}: this server holds "
+                                       f"{len(self._states)} barriers, the most it keeps (engine.ps.barrier."
+                                       f"MAX_BARRIERS); one nobody waits at is forgotten {self.prune_after_s:g}s "
+                                       f"after its last use")
                 st = self._states[name] = _State(world)
             if token in st.released:
                 return BarrierReply(st.released[token], True, st.world)
@@ -123,7 +148,6 @@ class Barriers:
                     raise BarrierError("INVALID_ARGUMENT", f"barrier {name!r}: world {world} differs from "
                                        f"the {st.world} other callers use")
                 st.world = world
-            now = time.monotonic()
             st.touched = now
             if not st.opening:
                 self._drop_stale(st, now)
@@ -143,8 +167,12 @@ class Barriers:
             del st.arrived[tok]
 
     def _prune(self, now: float) -> None:
-        """Forget barriers nobody waits at that were last used ``prune_after_s`` ago (caller holds the
-        lock)."""
+        """Drop the arrivals not polled for ``lease_s`` (their callers are gone), then forget barriers
+        nobody waits at that were last used ``prune_after_s`` ago (caller holds the lock)."""
+        self._pruned = now
+        for st in self._states.values():
+            if not st.opening:
+                self._drop_stale(st, now)
         for name in [n for n, st in self._states.items()
                      if not st.arrived and not st.opening and now - st.touched > self.prune_after_s]:
             del self._states[name]

@@ -48,6 +48,9 @@ class HostError(Exception):
         self.shard = shard
 
 
+#: the most bytes of sync pushes (``accumulate``) a server holds per table until the applying barrier
+#: (every worker's pushes of one step: 2 GiB is 64 workers' 32 MiB each)
+MAX_PENDING_BYTES = 2 << 30
 #: default of ``server.max_dense_floats``: the largest dense table a client may initialize (2^25 floats,
 #: 128 MiB of parameters; the shipped models have under 500 000)
 MAX_DENSE_FLOATS = 1 << 25
@@ -129,6 +132,7 @@ class SparseHost:
         self._pool = pool
         self.busy = busy or (lambda: 0)
         self._pending: list[tuple] = []
+        self._pending_bytes = 0         # of the pushes held for the next barrier
         self._pending_lock = threading.Lock()
 
     # ------------------------------------------------------------------ routing inside the server
@@ -219,18 +223,33 @@ class SparseHost:
         self._each(parts, one, len(keys))
 
     def accumulate(self, keys, grads, shows, clicks) -> None:
-        """Sync mode: hold a validated push until ``apply_pending``. The arrays are copied."""
+        """Sync mode: hold a validated push until ``apply_pending``. The arrays are copied.
+
+        Raises
+        ------
+        HostError
+            INVALID_ARGUMENT (as ``check_push``); FAILED_PRECONDITION when the pushes held would pass
+            ``MAX_PENDING_BYTES`` (pushes with accumulate and no applying barrier); nothing held.
+        """
         self.check_push(keys, grads, shows, clicks, delta=False)
+        size = sum(a.nbytes for a in (keys, grads, shows, clicks) if a is not None)
         item = (keys.copy(), grads.copy(), None if shows is None else shows.copy(),
                 None if clicks is None else clicks.copy())
         with self._pending_lock:
+            if self._pending_bytes + size > MAX_PENDING_BYTES:
+                raise HostError("FAILED_PRECONDITION", f"table {self.name!r}: {self._pending_bytes} bytes of sync "
+                                f"pushes are held for the next applying barrier; this one ({size} bytes) would "
+                                f"pass the {MAX_PENDING_BYTES} a server holds per table (engine.ps.hosts."
+                                f"MAX_PENDING_BYTES): accumulated pushes need a barrier with apply_pending between "
+                                f"steps; nothing held")
+            self._pending_bytes += size
             self._pending.append(item)
 
     def drop_pending(self) -> int:
         """Forget the sync pushes held for the next barrier (a restore rolled the tables back past
         them); returns how many were dropped."""
         with self._pending_lock:
-            n, self._pending = len(self._pending), []
+            n, self._pending, self._pending_bytes = len(self._pending), [], 0
         return n
 
     def apply_pending(self, world: int) -> int:
@@ -238,7 +257,7 @@ class SparseHost:
         ``world`` workers; with shows they are summed (the accessor divides by the summed shows, which
         already makes the update a mean). Returns the number of keys applied."""
         with self._pending_lock:
-            items, self._pending = self._pending, []
+            items, self._pending, self._pending_bytes = self._pending, [], 0
         if not items:
             return 0
         with_shows = [it[2] is not None for it in items]

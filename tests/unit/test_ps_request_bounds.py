@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -168,3 +169,84 @@ def test_a_fence_that_names_no_generation_is_refused(core):
     assert after["generation"] == before["generation"] and after["fenced"] is None
     fenced = core.handle("Fence", pb.FenceRequest(request_id="x@1:2", generation=before["generation"], reason="ok"))
     assert json.loads(fenced.json)["fenced"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------- held state
+def metric_add(name: str, counts, sums=(0.0,), rid: str = "w@1:1"):
+    return codec.Wire(pb.MetricRequest(table=name, request_id=rid, op=pb.METRIC_ADD),
+                      counts=np.asarray(counts, np.int64), sums=np.asarray(sums, np.float64))
+
+
+def metric_read(core, name: str) -> list[int]:
+    r = core.handle("Metric", pb.MetricRequest(table=name, request_id="r", op=pb.METRIC_READ))
+    return r.arrays["counts"].tolist()
+
+
+def test_metric_counts_never_wrap_around(core):
+    """A count's sum wrapped around int64 silently; a negative count is legitimate (the online job's
+    decisions add END = -1: ``engine.programs.online_next``)."""
+    big = np.iinfo(np.int64).max - 1
+    core.handle("Metric", metric_add("m", [big, -big, -1], rid="w@1:1"))
+    e = refused(core, "Metric", metric_add("m", [5, 0, 0], rid="w@1:2"))
+    assert e.code == "OUT_OF_RANGE" and "at index 0 holds 9223372036854775806; adding 5 would pass" in str(e)
+    e = refused(core, "Metric", metric_add("m", [0, -big, 0], rid="w@1:3"))
+    assert e.code == "OUT_OF_RANGE" and "at index 1 holds -9223372036854775806" in str(e)
+    assert metric_read(core, "m") == [big, -big, -1]                          # nothing changed
+    core.handle("Metric", metric_add("m", [1, -1, -1], rid="w@1:4"))          # up to the ends: fine
+    assert metric_read(core, "m") == [big + 1, -big - 1, -2]
+    e = refused(core, "Metric", metric_add("n" * 300, [1], rid="w@1:5"))
+    assert e.code == "INVALID_ARGUMENT" and "at most 256 characters, got 300" in str(e)
+
+
+def test_metric_accumulators_are_capped_in_number_and_bytes(core, monkeypatch):
+    from engine.ps import metric_sums
+    for i in range(1024):                                                       # MAX_ACCUMULATORS
+        core.handle("Metric", metric_add(f"m{i}", [1], rid=f"w@1:{i}"))
+    e = refused(core, "Metric", metric_add("one-more", [1], rid="w@2:1"))
+    assert e.code == "FAILED_PRECONDITION" and "would pass 1024 accumulators or 67108864 bytes" in str(e)
+    core.handle("Metric", metric_add("m0", [1], rid="w@2:2"))                   # existing ones still add
+    assert metric_read(core, "m0") == [2]
+    core.handle("Metric", pb.MetricRequest(table="m1", request_id="w@2:3", op=pb.METRIC_RESET))
+    core.handle("Metric", metric_add("one-more", [1], rid="w@2:4"))             # a reset frees its place
+    monkeypatch.setattr(metric_sums, "MAX_BYTES", 1 << 20, raising=False)                      # a 2 MiB accumulator: too big
+    core.metric_sums.clear()
+    e = refused(core, "Metric", metric_add("big", np.ones(1 << 18), rid="w@2:5"))
+    assert e.code == "FAILED_PRECONDITION" and "a new one of 2097160 bytes would pass" in str(e)
+
+
+def test_held_sync_pushes_are_capped_until_the_applying_barrier(core, monkeypatch):
+    from engine.ps import hosts
+    monkeypatch.setattr(hosts, "MAX_PENDING_BYTES", 100, raising=False)                         # one push: 24 + 48 bytes
+
+    def push(i):
+        return codec.Wire(pb.PushRequest(table="emb", request_id=f"w@1:{i}", accumulate=True),
+                          keys=np.arange(1, 4, dtype=np.uint64), grads=np.ones((3, DIM), np.float32))
+    core.handle("Push", push(1))
+    e = refused(core, "Push", push(2))
+    assert e.code == "FAILED_PRECONDITION" and "72 bytes of sync pushes are held" in str(e)
+    assert "pass the 100 a server holds per table" in str(e)
+    r = core.handle("Barrier", pb.BarrierRequest(request_id="w@1:3", name="sync:step", world=1, apply_pending=True))
+    assert r.released
+    core.handle("Push", push(4))                                                # applied: room again
+
+
+def test_barriers_forget_arrivals_never_polled_again_and_are_capped(monkeypatch):
+    from engine.ps import barrier
+    from engine.ps.barrier import BarrierError, Barriers
+    monkeypatch.setattr(barrier, "PRUNE_EVERY_S", 0.0, raising=False)
+    b = Barriers(lease_s=0.05, prune_after_s=0.1, linger_s=0)
+    assert not b.arrive("left", "t1", 2, 10.0).released       # its caller never polls again
+    time.sleep(0.3)
+    b.arrive("other", "t2", 1, 10.0)
+    assert "left" not in b.stats()                             # the arrival went stale, then the barrier
+    with pytest.raises(BarrierError) as e:
+        b.arrive("n" * 300, "t3", 1, 10.0)
+    assert e.value.code == "INVALID_ARGUMENT" and "at most 256 characters, got 300" in str(e.value)
+    monkeypatch.setattr(barrier, "MAX_BARRIERS", 3, raising=False)
+    held = Barriers(lease_s=60, prune_after_s=600, linger_s=0)
+    for i in range(3):
+        held.arrive(f"b{i}", f"t{i}", 2, 10.0)
+    with pytest.raises(BarrierError) as e:
+        held.arrive("b3", "t3", 2, 10.0)
+    assert e.value.code == "FAILED_PRECONDITION" and "holds 3 barriers, the most it keeps" in str(e.value)
+    assert held.arrive("b0", "t9", 2, 10.0).released          # an existing one is served (its 2nd arrival opens it)
