@@ -131,34 +131,46 @@ class SpillDir:
 
     def release(self, remove: bool = True) -> None:
         """Give the directory up: with ``remove``, delete it (when it is this engine's; in an empty
-        directory made by someone else only our own entries go), then drop the lock. Idempotent."""
+        directory made by someone else only our own entries go), then drop the lock. Idempotent; raises
+        nothing for a directory that is gone or cannot be removed (logged)."""
         if self._fd is None:
             return
         try:
-            if remove and self._owned:
-                # the database first and the marker last: a directory whose removal fails half-way
-                # keeps its marker, so the next run recognises it as ours instead of refusing it
-                shutil.rmtree(self.db_path, ignore_errors=True)
-                for name in os.listdir(self.path):
-                    if name not in (MARKER_NAME, LOCK_NAME):
-                        p = self.path / name
-                        if p.is_dir() and not p.is_symlink():
-                            shutil.rmtree(p, ignore_errors=True)
-                        else:
-                            p.unlink(missing_ok=True)
-                (self.path / MARKER_NAME).unlink(missing_ok=True)
-                (self.path / LOCK_NAME).unlink(missing_ok=True)
-                try:
-                    self.path.rmdir()
-                except OSError:
-                    log.warning("spill directory %s could not be removed completely", self.path)
-            elif remove:
-                shutil.rmtree(self.db_path, ignore_errors=True)
-                for name in (MARKER_NAME, LOCK_NAME):
-                    (self.path / name).unlink(missing_ok=True)
+            self._remove(remove)
+        except OSError as exc:
+            log.warning("spill directory %s could not be removed: %s", self.path, exc)
         finally:
             os.close(self._fd)
             self._fd = None
+
+    def _remove(self, remove: bool) -> None:
+        if remove and self._owned:
+            # the database first and the marker last: a directory whose removal fails half-way
+            # keeps its marker, so the next run recognises it as ours instead of refusing it
+            shutil.rmtree(self.db_path, ignore_errors=True)
+            try:
+                names = os.listdir(self.path)
+            except OSError:          # removed from outside meanwhile
+                names = []
+            for name in names:
+                if name not in (MARKER_NAME, LOCK_NAME):
+                    p = self.path / name
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
+            (self.path / MARKER_NAME).unlink(missing_ok=True)
+            (self.path / LOCK_NAME).unlink(missing_ok=True)
+            try:
+                self.path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                log.warning("spill directory %s could not be removed completely", self.path)
+        elif remove:
+            shutil.rmtree(self.db_path, ignore_errors=True)
+            for name in (MARKER_NAME, LOCK_NAME):
+                (self.path / name).unlink(missing_ok=True)
 
 
 def _write_marker(path: Path) -> None:

@@ -754,9 +754,18 @@ class SpillStore:
         return total
 
     def close(self) -> None:
-        """Close the database, delete the spill directory (it carries our marker) and drop its lock."""
-        self._leave_catch_up()
-        if self._db is not None:
-            self._db.close()
-            self._db = None
-        self._dir.release()
+        """Close the database, delete the spill directory (it carries our marker) and drop its lock.
+        RocksDB's own close error is logged, not raised (the store is a cache deleted here anyway: a
+        store stopped by a write error, ``failed``, reports that error again as it closes), so the
+        directory and its lock always go."""
+        try:
+            self._leave_catch_up()
+            db, self._db = self._db, None
+            if db is not None:
+                try:
+                    db.close()
+                except Exception as exc:  # rocksdict raises plain Exception subclasses
+                    log.warning("RocksDB spill store at %s: closing it reported: %s; its directory is removed "
+                                "all the same", self._dir.db_path, exc)
+        finally:
+            self._dir.release()

@@ -508,16 +508,19 @@ class SparseTable(SpillTier, DeltaCapture):
         return total
 
     def close(self) -> None:
-        """Release the RocksDB tier (its directory is removed) and the pull threads."""
+        """Release the RocksDB tier (its directory is removed, even when its store failed: see
+        ``SpillStore.close``) and the pull threads."""
         with self._lock.exclusive():
             if self._budget is not None:
                 self._budget.forget(self._budget_token)
-            if self._spill is not None:
-                self._spill.close()
-                self._spill = None
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
+            spill, self._spill = self._spill, None
+            try:
+                if spill is not None:
+                    spill.close()
+            finally:
+                if self._pool is not None:
+                    self._pool.shutdown()
+                    self._pool = None
 
     def __enter__(self) -> "SparseTable":
         return self

@@ -31,6 +31,21 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(name="tmpfs")
+def _tmpfs_factory(tmp_path):
+    """Factory for small tmpfs mounts (see tests/tmpfs.py): ``disk = tmpfs("spill", 4 << 20)`` mounts one
+    of that many bytes at ``tmp_path / "spill"`` (``read_only=True``: read-only), unmounted after the
+    test even when it fails. Skips the test when mounting is not possible (not root)."""
+    from contextlib import ExitStack
+
+    from tests.tmpfs import mounted
+
+    with ExitStack() as stack:
+        def make(name: str, size_bytes: int, read_only: bool = False) -> Path:
+            return stack.enter_context(mounted(tmp_path / name, size_bytes, read_only))
+        yield make
+
+
 @pytest.fixture(name="test_hosts")
 def _test_hosts_factory():
     """Factory for network-namespace test hosts (see tests/netns.py): ``hosts = test_hosts(["server0",

@@ -351,8 +351,7 @@ class SparseHost:
                 shards.append(SparseTable(cfg, initial_rows=rows, **clock, budget=budget,
                                           name=f"sparse table {self.name!r} on server {self.server}"))
         except BaseException:
-            for sh in shards:
-                sh.close()
+            _close_each(shards, f"table {self.name!r}: a new shard, after an error making the next")
             raise
         return shards
 
@@ -376,13 +375,12 @@ class SparseHost:
         TableConfigError
             A spill directory cannot be claimed (``SpillDirError``, naming it).
         """
-        for sh in self.shards:
-            sh.release_ram()
         try:
+            for sh in self.shards:
+                sh.release_ram()
             return self._new_shards(1 - self._slot, expected_rows, self.budget)
         except BaseException:
-            for sh in self.shards:
-                sh.restore_ram()
+            self._restore_ram()
             raise
 
     def adopt(self, shards: list[SparseTable]) -> None:
@@ -395,8 +393,7 @@ class SparseHost:
             shards[j % len(shards)].carry_counters(sh)
         old, self.shards = self.shards, shards
         self._slot = 1 - self._slot
-        for sh in old:
-            sh.close()
+        _close_each(old, f"table {self.name!r}: an old shard replaced by a load or a clear")
 
     def clear(self) -> None:
         """Drop every row: empty shards (same configs, budget and spill directory slots) replace the
@@ -412,15 +409,35 @@ class SparseHost:
 
     def discard(self, shards: list[SparseTable]) -> None:
         """Close shards from ``fresh_shards`` that will not be used (their spill directories go); the
-        live shards keep rows in RAM again (``SparseTable.restore_ram``)."""
-        for sh in shards:
-            sh.close()
-        for sh in self.shards:
-            sh.restore_ram()
+        live shards keep rows in RAM again (``SparseTable.restore_ram``). Raises nothing: it runs on a
+        failed load's way out, whose error is the one to report (a shard that cannot be closed or
+        restored is logged)."""
+        try:
+            _close_each(shards, f"table {self.name!r}: a new shard of a failed load")
+        finally:
+            self._restore_ram()
+
+    def _restore_ram(self) -> None:
+        """``restore_ram`` on every live shard, each whatever the others do (a failure is logged)."""
+        for j, sh in enumerate(self.shards):
+            try:
+                sh.restore_ram()
+            except Exception:  # noqa: BLE001 - the other shards must get their RAM back all the same
+                log.exception("table %r: shard %d could not take rows into RAM again", self.name, j)
 
     def close(self) -> None:
-        for s in self.shards:
-            s.close()
+        """Close every local shard (each whatever the others do; a failure is logged)."""
+        _close_each(self.shards, f"table {self.name!r}: closing a shard")
+
+
+def _close_each(shards, what: str) -> None:
+    """Close every shard of ``shards``, each in its own try, so one that fails (logged with ``what``)
+    leaves no other's spill directory and lock behind."""
+    for j, sh in enumerate(shards):
+        try:
+            sh.close()
+        except Exception:  # noqa: BLE001 - the next shards must still be closed
+            log.exception("%s (%d): close failed", what, j)
 
 
 class _Block:
