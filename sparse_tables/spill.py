@@ -551,6 +551,11 @@ class SpillStore(SpillReads):
         keys : uint64[n] -> (found : int64[m] positions into keys, records : uint32[m, stride]).
         Keys the Bloom filter rules out are not read at all (``filtered``: the caller already kept
         only keys ``may_contain`` allows), nor keys with a pending delete (absent).
+
+        Raises
+        ------
+        SpillError
+            RocksDB reported a read error (a corrupt block, an I/O error), naming the store.
         """
         maybe = np.arange(len(keys)) if filtered else np.flatnonzero(self._bloom.may_contain(keys))
         if len(self._pending) and len(maybe):
@@ -559,7 +564,11 @@ class SpillStore(SpillReads):
             return maybe, np.empty((0, self.stride), np.uint32)
         # in key order: RocksDB's multi-get then walks each block once (2x the rows/s of random order)
         maybe = maybe[np.argsort(keys[maybe], kind="stable")]
-        vals = self._db.get(_key_bytes(keys[maybe]))
+        try:
+            vals = self._db.get(_key_bytes(keys[maybe]))
+        except Exception as exc:  # rocksdict raises plain Exception subclasses (a corrupt block, I/O)
+            raise SpillError(f"RocksDB spill store {self._dir.db_path}: reading {len(maybe)} keys failed: "
+                             f"{exc}") from exc
         self.reads += len(maybe)
         hit = [i for i, v in enumerate(vals) if v is not None]
         if not hit:

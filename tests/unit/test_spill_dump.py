@@ -108,6 +108,21 @@ def test_a_scan_that_hits_a_corrupt_block_fails_naming_the_store_instead_of_endi
         st.close()
 
 
+def test_a_multi_get_that_hits_a_corrupt_block_fails_naming_the_store(tmp_path):
+    # rocksdict's multi-get raises a plain Exception ("Corruption: block checksum mismatch"): a promotion
+    # or a delete must get the SpillError the table's docstrings promise
+    st = SpillStore(str(tmp_path / "spill"), stride=24)
+    keys = np.arange(1, 200_001, dtype=np.uint64)
+    st.put(keys, _records_of(keys), np.ones(len(keys), bool))
+    st._db.flush()
+    try:
+        _corrupt_middle_of_largest_sst(st._dir.db_path)
+        with pytest.raises(SpillError, match=r"spill store .*rocksdb: reading 200000 keys failed: Corruption"):
+            st.get(keys)
+    finally:
+        st.close()
+
+
 def test_a_delta_reads_its_spilled_rows_outside_the_lock_as_of_its_instant_and_twice_alike(tmp_path):
     t, old = _spilling_table(tmp_path, 8_000)
     t.clear_dirty()                                              # a base was taken here
