@@ -465,3 +465,23 @@ def _salvage(mv, cls):
 def parser(cls):
     """``parse`` bound to one message class (a gRPC deserializer)."""
     return lambda buf: parse(buf, cls)
+
+
+def keys_or_empty(t, name: str) -> np.ndarray:
+    """uint64[n] keys of field ``t`` (``name``), or none when the field is absent (``decode``)."""
+    return np.empty(0, np.uint64) if is_absent(t) else decode(t, name, U64, 1)
+
+
+def push_arrays(req, dim: int, what: str, *, may_be_empty: bool = False):
+    """(keys uint64[n], grads float32[n, dim], shows float32[n] or None, clicks float32[n] or None) of
+    the push part of a Push or Step request; ``may_be_empty`` (Step): absent keys and grads are an
+    empty push. Raises ProtocolError naming the field on a wrong dtype, shape or size."""
+    keys = keys_or_empty(req.keys, "keys") if may_be_empty else decode(req.keys, "keys", U64, 1)
+    n = len(keys)
+    if may_be_empty and n == 0 and is_absent(req.grads):
+        grads = np.empty((0, dim), np.float32)
+    else:
+        grads = decode(req.grads, what, F32, 2, shape=(n, dim))
+    shows, clicks = (None if is_absent(t) else decode(t, name, F32, 1, shape=(n,))
+                     for name, t in (("shows", req.shows), ("clicks", req.clicks)))
+    return keys, grads, shows, clicks

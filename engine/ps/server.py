@@ -458,7 +458,7 @@ class PSServer:
         with self._tables_lock.shared():
             if method == "Step":
                 host = self._sparse(req.table)
-                pull_keys = _keys_or_empty(req.pull_keys, "pull_keys")
+                pull_keys = codec.keys_or_empty(req.pull_keys, "pull_keys")
                 blocks, spans, total = list(req.blocks), [], 0
                 dense = self._dense(req.dense_table) if blocks else None
                 for b in blocks:
@@ -519,7 +519,7 @@ class PSServer:
             raise ProtocolError(f"kind: {req.kind} is no PushKind (GRAD = {pb.GRAD}, DELTA = {pb.DELTA}); "
                                 f"nothing applied")
         delta = req.kind == pb.DELTA
-        keys, grads, shows, clicks = _push_arrays(req, host.dim, "deltas" if delta else "grads")
+        keys, grads, shows, clicks = codec.push_arrays(req, host.dim, "deltas" if delta else "grads")
         n = len(keys)
         if delta and req.accumulate:
             raise ProtocolError("a DELTA push cannot accumulate")
@@ -545,9 +545,9 @@ class PSServer:
         """Sparse push, dense step, then sparse pull in one request (see ps.proto); everything is
         validated before the first change, so a rejected request leaves every table as it was."""
         host = self._sparse(req.table)
-        keys, grads, shows, clicks = _push_arrays(req, host.dim, "grads", may_be_empty=True)
+        keys, grads, shows, clicks = codec.push_arrays(req, host.dim, "grads", may_be_empty=True)
         n = len(keys)
-        pull_keys = _keys_or_empty(req.pull_keys, "pull_keys")
+        pull_keys = codec.keys_or_empty(req.pull_keys, "pull_keys")
         push_parts = host.check_push(keys, grads, shows, clicks, delta=False) if n else None
         blocks = list(req.blocks)
         dense = spans = None
