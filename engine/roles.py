@@ -148,8 +148,9 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     ``health_port`` (``--health-port``, default ``cluster.health_port``; -1 off): the plaintext gRPC
     health checking port (``engine.ps.health``): SERVING while the server serves; NOT_SERVING while it
     preempts, or while it is stuck (a request hung past ``client.timeout_s``, ``engine.ps.watchdog``:
-    logged once); its service ``liveness`` NOT_SERVING only while stuck, so a liveness probe restarts
-    a stuck server but not a preempting one. ``allow_load`` (``--allow-load URI``) names further roots
+    logged once) or a shard's spill store failed for good (``PSServer.spill_failed``: a full disk;
+    logged once); its service ``liveness`` NOT_SERVING only while stuck or failed, so a liveness probe
+    restarts a stuck or failed server but not a preempting one. ``allow_load`` (``--allow-load URI``) names further roots
     this server's operator lets clients load from (the launcher's ``--resume URI`` outside the root). Off loopback the server refuses to start
     without TLS and tokens (``engine.security.listen``): ConfigError."""
     from .ps import _malloc, governor
@@ -245,7 +246,7 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
             tmp.write_text(f"{host}:{bound}\n")
             tmp.replace(ready_file)
         reporter.close()            # from now on the launcher polls Health (ServerWatch)
-        stuck = None
+        stuck = failed = None
         while not core.stopped.wait(0.5):
             # a request that hangs (engine.ps.watchdog): NOT_SERVING, so a liveness probe restarts it
             now_stuck = core.watchdog.stuck()
@@ -255,8 +256,14 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
             elif stuck and not now_stuck:
                 log.warning("server %d: no longer stuck (it moved after: %s)", rank, stuck)
             stuck = now_stuck
-            if probe is not None:       # readiness: neither preempting nor stuck; liveness: not stuck
-                probe.set(not core.preempting and not stuck, live=not stuck)
+            # a spill store that stopped writing for good (a full disk): not live until a restart
+            now_failed = core.spill_failed()
+            if now_failed and now_failed != failed:
+                log.error("server %d: not live: %s%s", rank, now_failed, "; health port NOT_SERVING: a liveness "
+                          "probe restarts this server" if probe else "")
+            failed = now_failed
+            if probe is not None:       # readiness: not preempting, stuck or failed; liveness: not stuck or failed
+                probe.set(not core.preempting and not stuck and not failed, live=not stuck and not failed)
             if time.monotonic() > deadline[0]:
                 log.warning("server %d: preempt_timeout_s passed; stopping", rank)
                 break

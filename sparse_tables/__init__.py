@@ -6,9 +6,10 @@ to RocksDB (in a spill directory the table claims with a marker and a lock, neve
     >>> t = SparseTable(TableConfig(dim=16, optimizer="adagrad", spill_path=None))
 """
 from .config import OPTIMIZERS, RowLayout, TableConfig, optimizer_state_width
-from .errors import SpillDirError, SpillError, TableConfigError, TableError, TableFullError, TableInputError
+from .errors import (SpillDirError, SpillError, SpillFailedError, TableConfigError, TableError, TableFullError,
+                     TableInputError)
 from .table import SparseTable
 
 __all__ = ["SparseTable", "TableConfig", "RowLayout", "OPTIMIZERS", "optimizer_state_width",
            "TableError", "TableConfigError", "TableInputError", "SpillError", "SpillDirError",
-           "TableFullError"]
+           "SpillFailedError", "TableFullError"]

@@ -91,10 +91,12 @@ class DeltaCapture:
         Raises
         ------
         SpillError
-            While iterated: RocksDB reported a read error (``SpillStore.seek_records``).
+            While iterated: RocksDB reported a read error (``SpillStore.seek_records``). At once:
+            ``SpillFailedError``, the store failed for good (``spill_failed``).
         """
         lock = self._lock.exclusive() if clear else self._lock.shared()
         with lock:
+            self._refuse_if_failed()
             records = self._snapshot_live(int(K.F_DIRTY), 0)
             try:
                 return self._dirty_dump_locked(records, clear, chunk_rows)

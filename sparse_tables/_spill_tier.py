@@ -17,7 +17,7 @@ from ._evict import exact_victims, sample_lru
 from ._inputs import record_keys as _record_keys
 from ._load_kernels import DUPLICATES, SORTED_UNIQUE
 from .budget import HEADROOM_ROWS, MAX_LOAD
-from .errors import SpillError, TableInputError
+from .errors import SpillError, SpillFailedError, TableInputError
 from .keysets import unique_keys
 from .rows import EXISTED_NO, EXISTED_UNKNOWN
 
@@ -44,6 +44,24 @@ LRU_SAMPLES_PER_VICTIM = 4           # Redis's maxmemory-samples is 5
 
 class SpillTier:
     """Methods of ``SparseTable`` for its spill tier (see the module docstring)."""
+
+    @property
+    def spill_failed(self) -> str | None:
+        """Why this shard's RocksDB store stopped writing for good (``SpillStore.failed``: the store
+        and RocksDB's error), or None. From then on the table refuses every call that reads or changes
+        rows (``SpillFailedError``) and is only good for ``close``."""
+        spill = self._spill
+        return None if spill is None else spill.failed
+
+    def _refuse_if_failed(self) -> None:
+        """SpillFailedError when the spill store failed for good: the call that met the failure may
+        have applied its update in part (a push updates RAM rows before its eviction pass writes), so
+        no call may read or build on this state (lock held, by every call that reads or changes rows)."""
+        spill = self._spill
+        if spill is not None and spill.failed is not None:
+            raise SpillFailedError(f"{self.name}: {spill.failed}; this shard refuses every read and write "
+                                   f"from now on (a call that met the failure may have applied its update "
+                                   f"in part): close it", str(spill.path), spill.failed_cause)
 
     @contextmanager
     def bulk_load(self, distinct: bool = False):
@@ -94,10 +112,17 @@ class SpillTier:
         Returns
         -------
         int : rows moved out of RAM
+
+        Raises
+        ------
+        SpillError
+            A write of the rows failed (``SpillFailedError``: the store failed, now or before; its rows
+            then stay in RAM and nothing is released).
         """
         if self._spill is None:
             return 0
         with self._lock.exclusive():
+            self._refuse_if_failed()
             n = int(self._state[K.S_NRAM])
             if n:
                 self._evict(n)
@@ -110,11 +135,12 @@ class SpillTier:
     def restore_ram(self) -> None:
         """End ``release_ram`` (a base load failed and these shards stay live): the arena and index are
         allocated at their initial sizes again (a budgeted shard's, fixed by the budget: no growth by
-        copying) and rows come back into RAM on the pulls and pushes that need them. Idempotent."""
+        copying) and rows come back into RAM on the pulls and pushes that need them. Idempotent; nothing
+        happens once the store failed (``spill_failed``: the shard takes no call but ``close``)."""
         if self._spill is None:
             return
         with self._lock.exclusive():
-            if not self._released:
+            if not self._released or self._spill.failed is not None:   # a failed store: left as it is
                 return
             n = int(self._state[K.S_NRAM])
             if n:               # none at the end of a call while released; kept for safety

@@ -19,6 +19,19 @@ class SpillError(TableError, RuntimeError):
     """The RocksDB tier failed or holds a record that cannot be decoded."""
 
 
+class SpillFailedError(SpillError):
+    """A shard's RocksDB store stopped writing for good: a flush or compaction failed (a full disk, its
+    directory removed, an I/O error) and RocksDB refuses every write from then on; freeing space does
+    not bring it back. The table then refuses every call that reads or changes rows, since the call
+    that met the failure may have applied its update in part: close the table (a server restarts from
+    its newest checkpoint). ``path`` is the spill directory, ``cause`` RocksDB's error."""
+
+    def __init__(self, message: str, path: str = "", cause: str = ""):
+        super().__init__(message)
+        self.path = path
+        self.cause = cause
+
+
 class SpillDirError(TableConfigError):
     """A spill directory cannot be used: it holds files this engine did not create (they are left
     untouched), or another table or process holds its lock. ``path`` is the directory; the message

@@ -37,7 +37,7 @@ from ._catch_up import CATCH_UP
 from ._pending import EMPTY as _NO_KEYS, PendingDeletes
 from ._spill_reads import SpillReads, key_bytes as _key_bytes
 from ._spill_dir import DB_NAME, LOCK_NAME, MARKER_NAME, SpillDir  # noqa: F401 (part of this module's API)
-from .errors import SpillError
+from .errors import SpillError, SpillFailedError
 from .keysets import ScalableBloom
 
 log = logging.getLogger(__name__)
@@ -203,6 +203,10 @@ class SpillStore(SpillReads):
     every later write batch deletes them ahead of its own operations (a key put in that batch ends
     present), the set emptying when such a write succeeds.
 
+    A write error after which RocksDB stops writing for good (a flush or compaction failed: a full
+    disk, the directory removed; ``_check_stopped``) leaves the store ``failed``: every later write is
+    refused at once with ``SpillFailedError``, reads still work, and ``close`` removes it as usual.
+
     Parameters
     ----------
     path : str
@@ -247,6 +251,9 @@ class SpillStore(SpillReads):
         self.catch_up_error: str | None = None   # why CATCH_UP could not catch this store up
         self._compaction_deferred = False       # a bulk load holds auto compaction off (``bulk``)
         self._pending = PendingDeletes()         # deletes RocksDB refused, carried by the next write
+        self.failed: str | None = None           # why RocksDB stopped writing for good (_check_stopped)
+        self.failed_cause = ""                   # RocksDB's error then
+        self._background_errors = 0              # RocksDB's count of them when last looked at
         self.count = 0  # keys present in the database (pending deletes not counted)
         self.reads = 0
         self.writes = 0
@@ -396,7 +403,8 @@ class SpillStore(SpillReads):
         Raises
         ------
         SpillError
-            A write failed or stalled too long (``_write``); ``written``: the keys already on disk."""
+            A write failed or stalled too long (``_write``; ``SpillFailedError`` when the store failed
+            for good); ``written``: the keys already on disk."""
         if len(keys) == 0:
             return
         # in key order: RocksDB's memtable (a skiplist) inserts sorted keys 2-10x faster than random
@@ -434,7 +442,11 @@ class SpillStore(SpillReads):
         SpillError
             RocksDB failed the write, or stalled it for longer than ``stall_timeout_s`` (the message
             names the store and RocksDB's state: level-0 files, pending compaction bytes).
+        SpillFailedError
+            The store is ``failed``, or this write found RocksDB stopped for good (``_check_stopped``).
         """
+        if self.failed is not None:
+            raise self._failed_error(what)
         dead = self._pending.keys if with_pending else _NO_KEYS
         if len(dead) > WRITE_BATCH_ROWS:
             # a large backlog is written first in batches of its own, each forgotten once written: one
@@ -480,6 +492,7 @@ class SpillStore(SpillReads):
                     break
                 except Exception as exc:  # rocksdict raises plain Exception subclasses
                     if "Write stall" not in str(exc):
+                        self._check_stopped(what)
                         raise SpillError(f"RocksDB spill store at {self._dir.db_path}: writing {what} failed: "
                                          f"{exc}") from exc
                 finally:
@@ -503,8 +516,31 @@ class SpillStore(SpillReads):
             if started is not None or paced:
                 self.stall_s += time.monotonic() - t0
 
+    def _check_stopped(self, what: str) -> None:
+        """Raise SpillFailedError (and mark the store ``failed``, logged once) when RocksDB has stopped
+        writing for good: its count of background errors rose (a flush or compaction failed) and a
+        flush, which such a database refuses with that error, fails. RocksDB then answers writes with
+        the error, or (``no_slowdown``) with "Write stall" and writes stopped, which no wait ends. A
+        refusal without a background error (a fault outside RocksDB's database) leaves it usable."""
+        errors = self._properties((("n", "rocksdb.background-errors"),))["n"]
+        if self.failed is None and errors > self._background_errors:
+            self._background_errors = errors
+            try:
+                self._db.flush()
+            except Exception as exc:  # rocksdict raises plain Exception subclasses
+                self.failed_cause = str(exc)
+                self.failed = f"RocksDB spill store at {self._dir.db_path} stopped writing for good: {exc}"
+                log.error("%s (freeing space does not bring it back; reads still work)", self.failed)
+        if self.failed is not None:
+            raise self._failed_error(what)
+
+    def _failed_error(self, what: str) -> SpillFailedError:
+        return SpillFailedError(f"{self.failed}; writing {what} failed", str(self.path), self.failed_cause)
+
     def _stall_state(self, started: float, what: str) -> dict:
-        """RocksDB's state (``compaction``); past ``stall_timeout_s`` since ``started``, a SpillError."""
+        """RocksDB's state (``compaction``); past ``stall_timeout_s`` since ``started``, a SpillError;
+        a SpillFailedError at once when RocksDB stopped writing for good (``_check_stopped``)."""
+        self._check_stopped(what)
         state = self.compaction()
         waited = time.monotonic() - started
         if waited > self.stall_timeout_s:

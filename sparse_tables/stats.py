@@ -37,7 +37,7 @@ with a budget ``memory_budget`` (the server's parts, ``MemoryBudget.parts``) and
 ``rocksdb`` (spilling tables: RocksDB's compactions, write stalls (``write_stalls``, ``write_stall_s``
 seconds), ``point_reads``: keys asked by multi-gets, ``SpillStore.compaction``; ``catching_up`` 1 from a
 bulk load until its catch-up compaction is done, ``catch_up_failed`` 1 when RocksDB refused it,
-``SpillStore.bulk``), ``ram_bytes`` (arena rows in use, index, sketch, filters, dirty keys),
+``SpillStore.bulk``; ``failed`` 1 once the store stopped writing for good, ``SpillStore.failed``), ``ram_bytes`` (arena rows in use, index, sketch, filters, dirty keys),
 ``disk_bytes``, ``index_slots``, ``row_bytes``, ``pull_keys``, ``pull_hits``/``pull_misses`` (RAM),
 ``push_keys``, ``created``, ``rejected`` (not admitted), ``rows_refused_full`` (new keys refused because
 the table held ``max_rows`` rows), ``max_rows`` (0: no limit), ``deleted``, ``evictions``,
@@ -120,7 +120,8 @@ def table_stats(t) -> dict:
         totals = spill_totals(spill, carried)
         out["rocksdb"] = {**spill.compaction(), **totals, "write_stall_s": round(totals["write_stall_s"], 3),
                           "catching_up": int(spill.bulk_loading),
-                          "catch_up_failed": int(spill.catch_up_error is not None)}
+                          "catch_up_failed": int(spill.catch_up_error is not None),
+                          "failed": int(spill.failed is not None)}
     if t._budget is not None:
         out["memory_budget"] = t._budget.parts()
         out["rows_cap"] = t._budget.rows_cap()

@@ -181,6 +181,9 @@ class SparseTable(SpillTier, DeltaCapture):
         ------
         TableInputError
             keys is not a 1-D uint64 array.
+        SpillError
+            RocksDB failed reading or promoting the rows not in RAM; ``SpillFailedError`` when its
+            store failed for good (``spill_failed``: then every call is refused).
         """
         keys = _check_keys(keys)
         dim = self.layout.dim
@@ -199,6 +202,7 @@ class SparseTable(SpillTier, DeltaCapture):
                                       f"[{rows.min()}, {rows.max()}]")
         n = len(keys) if rows is None else len(rows)
         with self._lock.shared():
+            self._refuse_if_failed()
             if rows is None:
                 miss = self._pull_ram(keys, out, self._tick, track)
             else:
@@ -242,6 +246,13 @@ class SparseTable(SpillTier, DeltaCapture):
         TableInputError
             Wrong dtype or shape, length mismatch, NaN/Inf gradients, negative counts. The table is
             unchanged.
+        SpillError
+            RocksDB refused the eviction pass that writes rows back after the update; the update is
+            applied (all of it, or under a budget the parts before that pass) and the rows stay in RAM.
+            ``SpillFailedError``: the store stopped writing for good (``spill_failed``), now or before
+            (then nothing was applied). A table whose store failed refuses every later call, so the
+            update is never applied twice; a server's restart from its newest checkpoint drops it with
+            the rest of what was trained since.
         """
         keys = _check_keys(keys)
         grads = self._check_matrix(grads, len(keys), "grads")
@@ -256,7 +267,7 @@ class SparseTable(SpillTier, DeltaCapture):
         keys : uint64[n]; deltas : float32[n, dim]; shows, clicks : float32[n], optional: the counts the
         worker saw behind each delta since its last sync, added to the rows' show and click (and counted
         for admission) as a push's are; without them show grows by occurrences. Raises TableInputError
-        as ``push``.
+        and SpillError as ``push``.
         """
         keys = _check_keys(keys)
         deltas = self._check_matrix(deltas, len(keys), "deltas")
@@ -271,9 +282,11 @@ class SparseTable(SpillTier, DeltaCapture):
         return out
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
-        """keys : uint64[n] -> bool[n], True where the key has a row (in RAM or RocksDB)."""
+        """keys : uint64[n] -> bool[n], True where the key has a row (in RAM or RocksDB). Raises
+        SpillError for a read error of RocksDB (``SpillFailedError``: its store failed, ``spill_failed``)."""
         keys = _check_keys(keys)
         with self._lock.shared():
+            self._refuse_if_failed()
             return self._present(keys)
 
     def delete(self, keys: np.ndarray, *, tombstones: bool = False, at_parent: bool = False) -> int:
@@ -289,10 +302,12 @@ class SparseTable(SpillTier, DeltaCapture):
         Raises
         ------
         SpillError
-            RocksDB refused the delete of the rows' disk copies (one batch): nothing was deleted.
+            RocksDB refused the delete of the rows' disk copies (one batch): nothing was deleted
+            (``SpillFailedError``: the store failed for good, ``spill_failed``).
         """
         keys = unique_keys(_check_keys(keys))
         with self._lock.exclusive():
+            self._refuse_if_failed()
             trusted = tombstones and at_parent and self._existed_trusted
             if not tombstones:
                 self._changed()
@@ -347,6 +362,7 @@ class SparseTable(SpillTier, DeltaCapture):
             ["pending_deletes"]``), the error says so and carries ``pending`` (uint64[k], those keys) and
             ``deleted`` (int, the rows the pass deleted), and the pass stops there: the rows only on
             disk are expired by the next pass, and admission counts are not halved.
+            ``SpillFailedError`` at once: the store failed for good (``spill_failed``).
         """
         now_s = int(self._clock() if now is None else now)
         cfg = self.config
@@ -354,6 +370,7 @@ class SparseTable(SpillTier, DeltaCapture):
         args = (now_s, expire_s, cfg.show_click_decay, cfg.delete_threshold, cfg.nonclk_coeff,
                 cfg.click_coeff)
         with self._lock.exclusive():
+            self._refuse_if_failed()
             self._changed()
             nram = int(self._state[K.S_NRAM])
             out_keys = np.empty(nram, np.uint64)
@@ -423,8 +440,15 @@ class SparseTable(SpillTier, DeltaCapture):
         ``clear``: a base's instant; the dirty state is cleared (``clear_dirty``) in the same locked step
         when iteration starts, so every row the next delta holds changed after the base's instant and
         its ``existed`` answers for the base (``sparse_tables._delta``).
+
+        Raises
+        ------
+        SpillError
+            While iterated: RocksDB reported a read error (``SpillStore.scan``). At once:
+            ``SpillFailedError``, the store failed for good (``spill_failed``: no dump of its state).
         """
         with self._lock.exclusive() if clear else self._lock.shared():
+            self._refuse_if_failed()
             if clear:
                 self._clear_dirty_locked()
             spill = self._spill         # the dump's own reference: a close meanwhile does not drop it
@@ -462,6 +486,9 @@ class SparseTable(SpillTier, DeltaCapture):
         TableFullError
             A batch would take the table past ``max_rows`` (that batch is not applied; earlier ones are).
             A checkpoint reader counts the rows it will load before it loads them.
+        SpillError
+            RocksDB refused a write of the rows (earlier batches are loaded); ``SpillFailedError`` when
+            its store failed for good (``spill_failed``), before this batch or within it.
         """
         total = 0
         limit = self.config.max_rows
@@ -471,6 +498,7 @@ class SparseTable(SpillTier, DeltaCapture):
             keys = _record_keys(records)
             total += len(records)
             with self._lock.exclusive():
+                self._refuse_if_failed()
                 self._next_tick()
                 # room for the rows not in RAM yet (new, or promoted from RocksDB); overwrites need none
                 rows = np.empty(len(keys), np.int64)
@@ -557,6 +585,7 @@ class SparseTable(SpillTier, DeltaCapture):
         t0 = time.perf_counter_ns()
         with self._lock.exclusive():
             t1 = time.perf_counter_ns()
+            self._refuse_if_failed()
             self._changed()
             self._next_tick()
             now_s = self._now_s()

@@ -4,6 +4,7 @@ the test is skipped with the reason. The ``tmpfs`` fixture (``tests/conftest.py`
 test's end, whatever happened."""
 from __future__ import annotations
 
+import os
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,15 @@ def mounted(path: Path, size_bytes: int, read_only: bool = False):
     finally:
         if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
             subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def leave_free(disk: Path, nbytes: int) -> Path:
+    """A file ``disk/filler`` that takes the free space of ``disk`` but ``nbytes``; returns its path."""
+    st = os.statvfs(disk)
+    path = Path(disk) / "filler"
+    with open(path, "wb") as f:
+        f.write(bytes(max(0, st.f_bavail * st.f_frsize - nbytes)))
+    return path
 
 
 def open_files_under(path: Path, pid: int | str = "self") -> list[str]:

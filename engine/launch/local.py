@@ -55,7 +55,8 @@ class ServerWatch:
     """Polls every server's ``Health`` from one thread per server and remembers the last answer, so
     a silent server (SIGSTOP, a dead host, a cut network) is noticed after ``dead_after_s`` seconds
     whatever the workers are doing, and a stuck one (alive, answering, but a request hung past
-    ``client.timeout_s``: ``engine.ps.watchdog``) as soon as it says so. Each poll has a deadline of
+    ``client.timeout_s``: ``engine.ps.watchdog``) or a failed one (a spill store that stopped writing
+    for good: ``PSServer.spill_failed``) as soon as it says so. Each poll has a deadline of
     ``min(5, dead_after_s / 2)`` seconds."""
 
     def __init__(self, endpoints: list[str], dead_after_s: float, every_s: float = 1.0, security=None):
@@ -63,6 +64,7 @@ class ServerWatch:
         self._transport = GrpcTransport(endpoints, retries=0, security=security, dead_after_s=dead_after_s)
         self._last_ok = [time.monotonic()] * len(endpoints)
         self._stuck: list[str | None] = [None] * len(endpoints)     # each server's last ``stuck``
+        self._failed: list[str | None] = [None] * len(endpoints)    # ... and ``failed``
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._poll, args=(i, every_s), daemon=True,
                                           name=f"watch-server-{i}") for i in range(len(endpoints))]
@@ -79,13 +81,18 @@ class ServerWatch:
                 log.debug("server %d: Health: %s", i, e)
                 continue
             try:
-                self._stuck[i] = json.loads(r.json).get("stuck")
+                health = json.loads(r.json)
+                self._stuck[i], self._failed[i] = health.get("stuck"), health.get("failed")
             except (ValueError, AttributeError) as e:   # an answer, but not a Health of ours
                 log.debug("server %d: Health: unreadable answer: %s", i, e)
 
     def stuck(self) -> list[tuple[int, str]]:
         """[(server rank, why)] for servers whose last ``Health`` said they are stuck."""
         return [(i, why) for i, why in enumerate(self._stuck) if why]
+
+    def failed(self) -> list[tuple[int, str]]:
+        """[(server rank, why)] for servers whose last ``Health`` said a spill store failed."""
+        return [(i, why) for i, why in enumerate(self._failed) if why]
 
     def silent(self) -> list[tuple[int, float]]:
         """[(server rank, seconds since its last answer)] for servers silent past ``dead_after_s``."""
@@ -307,12 +314,13 @@ class LocalCluster:
                               role=c.role, rank=c.rank, exit_code=code, reason=how, log_tail=c.tail())
 
     def _check_hangs(self) -> None:
-        """Raise LaunchError for a server silent for ``dead_after_s`` or stuck, or a stalled worker."""
+        """Raise LaunchError for a server silent for ``dead_after_s``, stuck or failed, or a stalled worker."""
         dead_after = self.cfg.client.dead_after_s
         if self.watch is not None:
             hung = [(rank, f"hung: answered no Health call for {silent:.0f}s (client.dead_after_s={dead_after:g})")
                     for rank, silent in self.watch.silent()]
             hung += [(rank, f"hung: stuck: {why}") for rank, why in self.watch.stuck()]
+            hung += [(rank, f"not live: {why}") for rank, why in self.watch.failed()]
             for rank, reason in hung[:1]:
                 c = self.servers[rank]
                 raise LaunchError(f"{c.name} (pid {c.proc.pid}) {reason}; last lines of {c.log_path}:\n{c.tail()}",

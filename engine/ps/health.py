@@ -4,9 +4,10 @@ grpcio-health-checking), served apart from the PS port for probes that speak nei
 
 The overall status (service ``""``) and ``engine.ps.ParameterServer`` are SERVING while the server
 serves, NOT_SERVING while it is preempting (it still answers its job, but should get no new one),
-stuck (a request hung: ``engine.ps.watchdog``) or stopping: the readiness probe's answer. Service
-``liveness`` is NOT_SERVING only while the server is stuck (or stopping): the liveness probe's, which
-must not restart a server that preempts (it serves its job's last checkpoint meanwhile).
+stuck (a request hung: ``engine.ps.watchdog``), failed (a shard's spill store stopped writing for good:
+``PSServer.spill_failed``) or stopping: the readiness probe's answer. Service ``liveness`` is
+NOT_SERVING only while the server is stuck or failed (or stopping): the liveness probe's, which must
+not restart a server that preempts (it serves its job's last checkpoint meanwhile).
 
 The port is a ``grpc.aio`` server on one event loop per process (a daemon thread, ``_event_loop``): a
 call costs a coroutine, never a thread, so calls that send their headers and never their request, or
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 #: the service a server's liveness probe asks for (``engine k8s``): NOT_SERVING only while it is stuck
+#: or failed
 LIVENESS = "liveness"
 #: longest wait (seconds) for the event loop to start, stop or update a port
 LOOP_WAIT_S = 10.0

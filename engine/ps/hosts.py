@@ -17,7 +17,7 @@ import numpy as np
 
 from models.optim import SGD, Adam
 from sparse_tables import SparseTable, TableConfig, TableConfigError, TableInputError
-from sparse_tables.errors import SpillError
+from sparse_tables.errors import SpillError, SpillFailedError
 from sparse_tables.budget import MemoryBudget
 from sparse_tables.config import RowLayout
 
@@ -179,6 +179,7 @@ class SparseHost:
         ``parts``: the split ``check_keys`` returned for these keys (computed when None)."""
         if parts is None:
             parts = self._split(keys)
+        self.check_alive(j for j, _ in parts)
         if out is None:
             out = np.empty((len(keys), self.dim), np.float32)
         if len(parts) == 1 and len(parts[0][1]) == len(keys):
@@ -210,8 +211,22 @@ class SparseHost:
         return self._split(keys)
 
     def push(self, keys, grads, shows, clicks, *, delta: bool, parts=None) -> None:
+        """Apply a push (``delta``: GEO deltas) to the local shards, after ``check_push`` (``parts``: its
+        split, computed when None) and a check that none of those shards has failed.
+
+        Raises
+        ------
+        HostError
+            INVALID_ARGUMENT (nothing applied); UNAVAILABLE when a shard the keys go to has a failed
+            spill store (``check_alive``: nothing applied) or fails during this push. In the latter case
+            the update is applied in RAM, in all of that shard or in part (the write-back of rows that
+            follows it is what failed), and on the other shards; it is not applied again: the failed
+            shard refuses every later request, its server reports not live (``Health``), and its restart
+            rolls the cluster back to the newest checkpoint, which drops this update with the rest.
+        """
         if parts is None:
             parts = self.check_push(keys, grads, shows, clicks, delta)
+        self.check_alive(j for j, _ in parts)
 
         def one(j, pos):
             whole = len(pos) == len(keys)
@@ -275,6 +290,30 @@ class SparseHost:
             return getattr(self.shards[j], method)(*args, **kw)
         except TableInputError as e:
             raise invalid(str(e), shard=j) from None
+        except SpillFailedError:
+            raise self._unavailable(j, met=True) from None
+
+    def failed(self) -> list[tuple[int, str]]:
+        """[(local shard, why)] for the live shards whose spill store stopped writing for good
+        (``SparseTable.spill_failed``)."""
+        return [(j, why) for j, sh in enumerate(list(self.shards)) if (why := sh.spill_failed) is not None]
+
+    def check_alive(self, shards=None) -> None:
+        """Raise HostError UNAVAILABLE, naming the shard and its store, when one of ``shards`` (local
+        shard indexes; None: all) has a failed spill store: a request touching it is refused before
+        anything is applied."""
+        for j in range(len(self.shards)) if shards is None else shards:
+            if self.shards[j].spill_failed is not None:
+                raise self._unavailable(j)
+
+    def _unavailable(self, j: int, met: bool = False) -> HostError:
+        """UNAVAILABLE for shard ``j`` whose store failed; ``met``: during this request, which may have
+        applied its update in part (``push``), else before it (nothing applied)."""
+        done = ("this request met the failure: what it applied is dropped by that restart" if met else
+                "the request was refused, nothing applied")
+        return HostError("UNAVAILABLE", f"shard {j} of table {self.name!r} is out of service: "
+                         f"{self.shards[j].spill_failed}; this server reports not live (Health: failed) and is "
+                         f"to be restarted from the newest checkpoint; {done}", shard=j)
 
     def shrink(self) -> int:
         """Expiry pass over the local shards at the tables' own clock; returns rows deleted.
@@ -284,10 +323,13 @@ class SparseHost:
 
         Raises
         ------
+        HostError
+            UNAVAILABLE: a shard has a failed spill store (``check_alive``); no pass ran.
         SpillError
             A shard's pass failed: the message names the shard(s), the first error and the rows the
             passes deleted (``deleted``, int, also an attribute); chained to the first error.
         """
+        self.check_alive()
         return shrink_each(self.shards, f"table {self.name!r} on server {self.server}", "shard")
 
     @property
@@ -362,7 +404,9 @@ class SparseHost:
         RAM rows to RocksDB and keep none until the load ends (``SparseTable.release_ram``: reads of
         them meanwhile go to disk without promoting), so during the load RAM holds at most the new
         shards' ``memory_rows`` each. Under ``memory_bytes`` the new shards share the live shards'
-        budget (one block cache, one set of accounts), so the table never holds two budgets' worth.
+        budget (one block cache, one set of accounts), so the table never holds two budgets' worth. A
+        live shard whose spill store failed (``failed``) takes no write: it keeps its RAM rows, and a
+        load that ``adopt`` completes replaces it (the server is live again).
 
         Parameters
         ----------
@@ -374,10 +418,14 @@ class SparseHost:
         ------
         TableConfigError
             A spill directory cannot be claimed (``SpillDirError``, naming it).
+        SpillError
+            A live shard's store failed writing its RAM rows out (``SparseTable.release_ram``); every
+            live shard is restored, no new shard is made.
         """
         try:
             for sh in self.shards:
-                sh.release_ram()
+                if sh.spill_failed is None:
+                    sh.release_ram()
             return self._new_shards(1 - self._slot, expected_rows, self.budget)
         except BaseException:
             self._restore_ram()
@@ -428,6 +476,20 @@ class SparseHost:
     def close(self) -> None:
         """Close every local shard (each whatever the others do; a failure is logged)."""
         _close_each(self.shards, f"table {self.name!r}: closing a shard")
+
+
+def spill_failures(hosts) -> list[str]:
+    """'table T shard J: why' for every local shard of ``hosts`` (SparseHost) whose spill store failed."""
+    return [f"table {h.name!r} shard {j}: {why}" for h in hosts for j, why in h.failed()]
+
+
+def failed_shard(hosts, exc: SpillFailedError) -> int | str:
+    """The local shard whose spill store raised ``exc`` (by its directory), or "?" (a shard no longer live)."""
+    for h in hosts:
+        for j, sh in enumerate(list(h.shards)):
+            if sh.config.spill_path and os.path.abspath(sh.config.spill_path) == os.path.abspath(exc.path):
+                return j
+    return "?"
 
 
 def _close_each(shards, what: str) -> None:

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
-from sparse_tables import TableConfigError, waits
+from sparse_tables import SpillError, SpillFailedError, TableConfigError, waits
 from sparse_tables.rwlock import RWLock
 
 from .. import failpoints
@@ -47,7 +47,7 @@ from .barrier import BarrierError, Barriers
 from .data_clock import DataClock, clock_request
 from .dedup import Expired, InProgress, ReplyWindow
 from .delta_lineage import DeltaLineage
-from .hosts import MAX_DENSE_FLOATS, DenseHost, HostError, SparseHost, invalid, shrink_each
+from .hosts import MAX_DENSE_FLOATS, DenseHost, HostError, SparseHost, failed_shard, invalid, shrink_each, spill_failures
 from .metric_sums import MetricSums
 from .request_rules import MAX_REQUEST_ID_CHARS, admin_reason, clip
 from .request_rules import keys_or_empty as _keys_or_empty
@@ -282,6 +282,8 @@ class PSServer:
                 code, shard = "ABORTED", "all"         # applied once; never applied again
             elif isinstance(e, OutsideRootError):
                 code, shard = "PERMISSION_DENIED", "all"
+            elif isinstance(e, SpillFailedError):   # said once, as the store failed (and in Health)
+                code, shard = "UNAVAILABLE", failed_shard(self.sparse.values(), e)
             elif isinstance(e, (ProtocolError, ValueError)):
                 code, shard = "INVALID_ARGUMENT", "all"
             else:
@@ -610,6 +612,8 @@ class PSServer:
             return self._save(req, kind)
 
     def _save(self, req: pb.PathRequest, kind: str) -> pb.CountResponse:
+        for h in self.sparse.values():      # no checkpoint of a state a failed request may have changed
+            h.check_alive()
         dense = {n: st for n, h in self.dense.items() if (st := h.snapshot()) is not None}
         t0 = time.perf_counter()
         report = save_server_parts(self._checkpoint_storage(req.path), kind=kind, server=self.index,
@@ -646,13 +650,17 @@ class PSServer:
             DATA_LOSS naming the file (missing, damaged, misfit, or the row counts disagree with the
             manifest); NOT_FOUND (not published); FAILED_PRECONDITION (a table that does not fit, a
             table that would pass ``max_rows``: the table, the limit and the row count are named, or a
-            spill directory that cannot be claimed).
+            spill directory that cannot be claimed); UNAVAILABLE: a spill store failed (a full disk),
+            the new shards' or, for a delta, a live one's (refused before anything is applied). A base
+            load replaces live shards whose store had failed: the server is live again.
         """
         ckpt = self._checkpoint_storage(req.path if trusted else self._confine_load(req.path))
         failpoints.hit("server.load")
         fresh: dict = {}
         try:
             manifest = read_checkpoint_manifest(ckpt, "")
+            for h in self.sparse.values() if manifest["kind"] != "base" else ():
+                h.check_alive()                 # a delta writes into the live shards: none may have failed
             if manifest["kind"] == "base":
                 counts = manifest["tables"].get("sparse", {})
                 for name, h in self.sparse.items():
@@ -679,6 +687,8 @@ class PSServer:
                 raise HostError("DATA_LOSS", str(e)) from None
             if isinstance(e, (CheckpointMismatchError, TableConfigError)):
                 raise HostError("FAILED_PRECONDITION", str(e)) from None
+            if isinstance(e, SpillError):   # a full disk: the base's new shards are gone (discard)
+                raise HostError("UNAVAILABLE", f"{e}{'; the load was undone' if fresh else ''}") from None
             raise
         if trusted:     # rolling back to this chain later (a client's Load) stays possible
             self.load_roots.append(req.path.rstrip("/").rsplit("/", 2)[0])
@@ -745,8 +755,15 @@ class PSServer:
         """glibc's malloc heap of this process (``_malloc.heap_stats``), for ``Stats`` and metrics."""
         return _malloc.heap_stats()
 
+    def spill_failed(self) -> str | None:
+        """The local shards whose spill store stopped writing for good (``SparseHost.failed``), each
+        with its store and RocksDB's error, or None: such a server is neither ready nor live (Health)."""
+        return "; ".join(spill_failures(self.sparse.values())) or None
+
     def Health(self, req: pb.Empty) -> pb.JsonResponse:
-        out = {"ready": not self.stopped.is_set(), "preempting": self.preempting, "stuck": self.watchdog.stuck(),
+        failed, stuck = self.spill_failed(), self.watchdog.stuck()
+        out = {"ready": not self.stopped.is_set() and failed is None, "live": stuck is None and failed is None,
+               "failed": failed, "preempting": self.preempting, "stuck": stuck,
                "restored": self.restored,
                "restoring": self.restoring,
                "generation": self.generation, "fresh": self.fresh, "writers": sorted(self.writers),

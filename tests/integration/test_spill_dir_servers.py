@@ -1,9 +1,11 @@
-"""Two jobs with the same ``spill_path`` and table names on one machine: the second job's server is
-refused with an error naming the spill directory it would have shared, and the first job's server keeps
-serving with its rows intact (nothing of its spill directory was wiped). Real server processes."""
+"""Spill directories of real server processes: two jobs with the same ``spill_path`` and table names on
+one machine (the second job's server is refused with an error naming the spill directory it would have
+shared, and the first job's server keeps serving with its rows intact: nothing of its spill directory was
+wiped); a spill disk that fills up (the server says it is not live)."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -51,3 +53,56 @@ def test_second_server_on_a_used_spill_path_is_refused_and_the_first_keeps_servi
     finally:
         second.shutdown()
         first.shutdown()
+
+
+def test_a_server_whose_spill_disk_fills_up_says_it_is_not_live_once_and_refuses_the_shard(tmp_path, tmpfs):
+    """A real server process: its spill store stops writing for good on a full disk. The push that met it
+    and every later one get UNAVAILABLE naming the shard and the store; the health port answers
+    NOT_SERVING for readiness and liveness (a probe restarts it), Health says why, the local launcher's
+    watch ends the attempt; the server logs the failure once, no traceback per request."""
+    from grpc_health.v1 import health_pb2
+
+    from engine.errors import RemoteError
+    from engine.ps.health import LIVENESS
+    from tests.integration.test_health_and_job_end import health, wait_health
+    from tests.integration.test_role_resume import free_ports
+    from tests.tmpfs import leave_free
+
+    disk = tmpfs("spill", 16 << 20)
+    (port,) = free_ports(1)
+    cfg = from_dict({"cluster": {"servers": 1, "workers": 1, "local_shards": 1, "startup_timeout_s": 120,
+                                 "warm_up": False, "health_port": port},
+                     "tables": {"sparse": {"emb": {"dim": DIM, "optimizer": "sgd", "learning_rate": 1.0,
+                                                   "initializer": "zeros", "memory_bytes": 60 << 20,
+                                                   "spill_path": str(disk / "spill"), "num_threads": 1}}}})
+    cluster = LocalCluster(cfg, tmp_path / "run")
+    try:
+        endpoints = cluster.start_servers()
+        wait_health(port, "SERVING")
+        with PSClient(endpoints, timeout_s=60, retries=0) as client:
+            client.push("emb", np.arange(1, 2001, dtype=np.uint64), np.ones((2000, DIM), np.float32))
+            leave_free(disk, 256 << 10)
+            with pytest.raises(RemoteError) as ei:
+                for i in range(1, 40):
+                    keys = np.arange(i * 10**6, i * 10**6 + 50_000, dtype=np.uint64)
+                    client.push("emb", keys, np.ones((len(keys), DIM), np.float32))
+            store = disk / "spill" / "emb-server0-shard0" / "rocksdb"
+            assert ei.value.code == "UNAVAILABLE" and "table 'emb', shard 0" in str(ei.value), str(ei.value)
+            assert f"{store} stopped writing for good: IO error: No space left on device" in str(ei.value)
+            with pytest.raises(RemoteError, match="out of service.*the request was refused, nothing applied"):
+                client.pull("emb", np.arange(1, 11, dtype=np.uint64))
+            wait_health(port, "NOT_SERVING", timeout=10)
+            assert health(port, LIVENESS) == health_pb2.HealthCheckResponse.ServingStatus.Name(
+                health_pb2.HealthCheckResponse.NOT_SERVING)
+            h = client.health()[0]
+            assert not h["ready"] and not h["live"] and h["failed"].startswith("table 'emb' shard 0: RocksDB spill")
+        deadline = time.monotonic() + 10
+        while not cluster.watch.failed() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with pytest.raises(LaunchError, match=r"server 0 .*not live: table 'emb' shard 0: RocksDB spill store"):
+            cluster._check_hangs()
+        text = cluster.servers[0].log_path.read_text()
+        assert text.count("stopped writing for good") == 2, text[-3000:]     # the store's line, the server's
+        assert "not live: table 'emb' shard 0" in text and "Traceback" not in text, text[-3000:]
+    finally:
+        cluster.shutdown()
