@@ -431,7 +431,9 @@ class SpillTier:
         """Expiry over rows authoritative in RocksDB; appends the keys of each chunk it deletes to
         ``deleted`` as it goes (and those of rows of an earlier generation to ``earlier``, ``_delta``), so a pass a read error stops has recorded what it deleted. A chunk whose
         delete RocksDB refuses raises before its keys are recorded: those rows are still there, in
-        RocksDB only, and read as they were (nothing of them is pending)."""
+        RocksDB only, and read as they were (nothing of them is pending). A write-back of decayed rows
+        that fails after some of its batches leaves those rows decayed on disk and dirty (in the next
+        delta), the others as they were."""
         decayed = args[2] != 1.0
         for keys, recs in self._spill.scan(self._spill.snapshot()):
             rows = np.empty(len(keys), np.int64)
@@ -445,6 +447,12 @@ class SpillTier:
             earlier.append(keys[kill][self._earlier(recs[kill, self.layout.meta + K.M_FLAGS])])
             if decayed:
                 keep = ~kill
-                self._spill.put(keys[keep], recs[keep], np.zeros(int(keep.sum()), np.bool_))
+                try:
+                    self._spill.put(keys[keep], recs[keep], np.zeros(int(keep.sum()), np.bool_))
+                except SpillError as exc:
+                    # the batches written hold decayed rows: the next delta must carry them, or a
+                    # checkpoint (base + deltas) would keep them undecayed while the table has them decayed
+                    self._spilled_dirty.add(getattr(exc, "written", keys[:0]))
+                    raise
                 self._spilled_dirty.add(keys[keep])
 

@@ -3,7 +3,8 @@
 An expiry pass removes its expired rows from RAM before it deletes their RocksDB copies. When that write
 failed, the copies stayed on disk and the next pull read the deleted rows back. Each test makes the
 real RocksDB's writes fail (``tests.faults.FailingWrites``) during such a pass and checks that the rows
-stay deleted on every read path, and that the first write that succeeds really deletes them.
+stay deleted on every read path, and that the first write that succeeds really deletes them. The rows
+a pass's failed write-back of decayed rows did write are in the next delta.
 
 Rows: sgd, learning rate 1, zero initializer, so a row pushed once with gradient g reads -g; a stale
 copy read back (then pushed again) would read the sum.
@@ -233,3 +234,34 @@ def test_a_shard_whose_expiry_pass_fails_does_not_stop_the_other_shards_passes(t
     finally:
         for s in host.shards:
             s.close()
+
+
+def test_an_expiry_pass_whose_write_back_of_decayed_rows_fails_half_way_leaves_them_in_the_next_delta(tmp_path):
+    # show/click decay rewrites every spilled row; RocksDB refuses the second of its write batches: the
+    # rows of the first are decayed on disk, and the next delta must carry them (base + delta = the table)
+    t = SparseTable(TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros",
+                                memory_rows=1_000, spill_path=str(tmp_path / "spill"), show_click_decay=0.5,
+                                num_threads=1))
+    keys = _keys(1, 30_000)
+    t.push(keys, np.ones((len(keys), DIM), np.float32), shows=np.full(len(keys), 8, np.float32),
+           clicks=np.zeros(len(keys), np.float32))
+
+    def shows(batches) -> dict:
+        return {int(k): float(s) for b in batches
+                for k, s in zip(b.column("key").to_numpy(), b.column("show").to_numpy())}
+
+    base = shows(t.rows(clear=True))                      # a base checkpoint's rows, its instant
+    real = t._spill._db
+    t._spill._db = failing = FailingWrites(real, 2, DISK_FULL)
+    try:
+        with pytest.raises(SpillError, match="No space left on device"):
+            t.shrink()
+    finally:
+        t._spill._db = real
+    assert failing.calls == 2
+    live = shows(t.rows())
+    decayed = [k for k, v in live.items() if v == 4.0]
+    assert spill.WRITE_BATCH_ROWS <= len(decayed) < len(keys) - 1_000       # a batch made it, not all
+    batches, deleted = t.dirty_rows(clear=True)           # the next delta
+    assert {**base, **shows(batches)} == live and len(deleted) == 0
+    t.close()
