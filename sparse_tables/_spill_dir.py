@@ -43,7 +43,8 @@ class SpillDir:
     SpillDirError
         ``path`` is not a directory, holds files without this engine's marker, or its lock is held by
         another table or process (a second ``SparseTable`` on the same path, or another job with the
-        same ``spill_path`` and table names).
+        same ``spill_path`` and table names), or the file system refuses to create or use it (read-only,
+        a file on the way, no permission, no room).
     """
 
     def __init__(self, path):
@@ -51,7 +52,10 @@ class SpillDir:
         self.db_path = self.path / DB_NAME
         self._fd: int | None = None
         self._owned = False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:          # read-only, not a directory on the way, no permission
+            raise _unusable(self.path, f"cannot create its parent {self.path.parent}", exc) from None
         for _ in range(_CLAIM_ATTEMPTS):
             if self._try_claim():
                 return
@@ -68,11 +72,15 @@ class SpillDir:
             if not self.path.is_dir():
                 raise SpillDirError(f"spill directory {self.path} exists and is not a directory; set "
                                     f"spill_path to a directory this engine may own", str(self.path)) from None
+        except OSError as exc:
+            raise _unusable(self.path, "cannot create it", exc) from None
         if not created:
             try:
                 entries = set(os.listdir(self.path))
             except FileNotFoundError:
                 return False
+            except OSError as exc:
+                raise _unusable(self.path, "cannot list it", exc) from None
             if entries - {LOCK_NAME, MARKER_NAME + ".tmp"} and MARKER_NAME not in entries:
                 raise SpillDirError(
                     f"spill directory {self.path} is not empty and was not created by this engine (no "
@@ -84,6 +92,8 @@ class SpillDir:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except FileNotFoundError:
             return False
+        except OSError as exc:
+            raise _unusable(self.path, f"cannot open its lock file {lock}", exc) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -171,6 +181,13 @@ class SpillDir:
             shutil.rmtree(self.db_path, ignore_errors=True)
             for name in (MARKER_NAME, LOCK_NAME):
                 (self.path / name).unlink(missing_ok=True)
+
+
+def _unusable(path: Path, what: str, exc: OSError) -> SpillDirError:
+    """The SpillDirError of a spill directory the file system refuses (read-only, not a directory on the
+    way, no permission, full): a configuration to change, not a fault to restart from."""
+    return SpillDirError(f"spill directory {path}: {what}: {exc.strerror or exc} (errno {exc.errno}); set "
+                         f"spill_path to a writable directory on a file system with room", str(path))
 
 
 def _write_marker(path: Path) -> None:

@@ -37,7 +37,7 @@ from ._catch_up import CATCH_UP
 from ._pending import EMPTY as _NO_KEYS, PendingDeletes
 from ._spill_reads import SpillReads, key_bytes as _key_bytes
 from ._spill_dir import DB_NAME, LOCK_NAME, MARKER_NAME, SpillDir  # noqa: F401 (part of this module's API)
-from .errors import SpillError, SpillFailedError
+from .errors import SpillDirError, SpillError, SpillFailedError
 from .keysets import ScalableBloom
 
 log = logging.getLogger(__name__)
@@ -222,9 +222,8 @@ class SpillStore(SpillReads):
     Raises
     ------
     SpillDirError
-        The directory cannot be claimed (see ``SpillDir``).
-    SpillError
-        RocksDB cannot open the database.
+        The directory cannot be claimed (see ``SpillDir``), or RocksDB cannot open a database in it
+        (a full disk, say): a configuration to change, not a fault a restart would mend.
     """
 
     def __init__(self, path: str, stride: int, budget=None, compaction: str = "level"):
@@ -235,7 +234,9 @@ class SpillStore(SpillReads):
             self._db = Rdict(str(self._dir.db_path), rocksdb_options(budget, compaction))
         except Exception as exc:  # rocksdict raises plain Exception subclasses
             self._dir.release()
-            raise SpillError(f"cannot open RocksDB spill store at {self._dir.db_path}: {exc}") from exc
+            raise SpillDirError(f"spill directory {self.path}: RocksDB cannot open a database in it: {exc}; set "
+                                f"spill_path to a writable directory on a file system with room",
+                                str(self.path)) from exc
         self._write_opts = WriteOptions()
         self._write_opts.disable_wal = True
         self._write_opts.no_slowdown = True      # stalls are waited out GIL-free (STALL_TIMEOUT_S)

@@ -80,9 +80,9 @@ class SparseTable(SpillTier, DeltaCapture):
     Raises
     ------
     SpillDirError
-        ``spill_path`` holds files this engine did not create, or another table or process uses it.
-    SpillError
-        RocksDB cannot open its database there.
+        ``spill_path`` holds files this engine did not create, another table or process uses it, the
+        file system refuses it (read-only, a file on the way, no permission, no room), or RocksDB
+        cannot open its database there.
     """
 
     def __init__(self, config: TableConfig, *, clock: Callable[[], float] = time.time,

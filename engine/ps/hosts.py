@@ -17,7 +17,7 @@ import numpy as np
 
 from models.optim import SGD, Adam
 from sparse_tables import SparseTable, TableConfig, TableConfigError, TableInputError
-from sparse_tables.errors import SpillError, SpillFailedError
+from sparse_tables.errors import SpillDirError, SpillError, SpillFailedError
 from sparse_tables.budget import MemoryBudget
 from sparse_tables.config import RowLayout
 
@@ -390,8 +390,12 @@ class SparseHost:
                 if cfg.max_rows:
                     rows = min(rows, cfg.max_rows)
                 clock = {} if self.clock is None else {"clock": self.clock}
-                shards.append(SparseTable(cfg, initial_rows=rows, **clock, budget=budget,
-                                          name=f"sparse table {self.name!r} on server {self.server}"))
+                try:
+                    shards.append(SparseTable(cfg, initial_rows=rows, **clock, budget=budget,
+                                              name=f"sparse table {self.name!r} on server {self.server}"))
+                except SpillDirError as exc:    # the config key that chose the directory, for the user
+                    raise SpillDirError(f"tables.sparse.{self.name}.spill_path={config.spill_path!r}: {exc}",
+                                        exc.path) from None
         except BaseException:
             _close_each(shards, f"table {self.name!r}: a new shard, after an error making the next")
             raise

@@ -106,3 +106,24 @@ def test_a_server_whose_spill_disk_fills_up_says_it_is_not_live_once_and_refuses
         assert "not live: table 'emb' shard 0" in text and "Traceback" not in text, text[-3000:]
     finally:
         cluster.shutdown()
+
+
+def test_a_server_on_a_read_only_spill_path_exits_2_with_one_line_naming_it(tmp_path, tmpfs):
+    """A config error, not a fault: exit code 2 (the launcher does not restart it), one line naming the
+    table's spill_path, the directory and the reason; no traceback."""
+    ro = tmpfs("ro", 1 << 20, read_only=True)
+    cfg = from_dict({"cluster": {"servers": 1, "workers": 1, "local_shards": 1, "startup_timeout_s": 120,
+                                 "warm_up": False},
+                     "tables": {"sparse": {"emb": {"dim": DIM, "optimizer": "sgd", "memory_rows": 100,
+                                                   "spill_path": str(ro / "spill"), "num_threads": 1}}}})
+    cluster = LocalCluster(cfg, tmp_path / "run")
+    try:
+        with pytest.raises(LaunchError) as ei:
+            cluster.start_servers()
+        assert ei.value.exit_code == 2, str(ei.value)
+        text = cluster.servers[0].log_path.read_text()
+        assert (f"engine train: table error: tables.sparse.emb.spill_path='{ro / 'spill'}': spill directory "
+                f"{ro / 'spill' / 'emb-server0-shard0'}: cannot create its parent {ro / 'spill'}: Read-only file "
+                f"system") in text and "Traceback" not in text, text[-3000:]
+    finally:
+        cluster.shutdown()

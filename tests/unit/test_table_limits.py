@@ -181,6 +181,28 @@ def test_foreign_directory_is_refused_and_left_untouched(tmp_path):
     assert f.read_text() == "x"
 
 
+def test_a_spill_path_the_file_system_refuses_is_a_config_error_naming_it(tmp_path, tmpfs):
+    """Read-only, a regular file on the way, no room for RocksDB's files: SpillDirError (a
+    TableConfigError: the server exits 2, not restarted) naming the directory and the reason."""
+    from tests.tmpfs import leave_free
+    ro = tmpfs("ro", 1 << 20, read_only=True)
+    (tmp_path / "a-file").write_text("x")
+    full = tmpfs("full", 1 << 20)
+    leave_free(full, 8192)                 # the marker fits, RocksDB's first files do not
+    for path, why in ((ro / "spill" / "t", r"cannot create its parent .*/ro/spill: Read-only file system"),
+                      (ro / "t", r"cannot create it: Read-only file system"),
+                      (tmp_path / "a-file" / "spill" / "t", r"cannot create its parent .*/a-file/spill: Not a "
+                                                            r"directory"),
+                      (full / "t", r"RocksDB cannot open a database in it: .*No space left on device")):
+        with pytest.raises(SpillDirError, match=rf"spill directory {path}: {why}") as ei:
+            SparseTable(_spill_cfg(path))
+        assert isinstance(ei.value, TableConfigError) and ei.value.path == str(path)
+    assert sorted(os.listdir(full)) == ["filler"]                  # nothing of the refused table is left
+    with pytest.raises(SpillDirError, match=r"tables\.sparse\.emb\.spill_path='[^']+/ro': spill directory "
+                                            r"\S+/ro/emb-server0-shard0: cannot create it: Read-only"):
+        _host(_spill_cfg(ro), num_local=2)
+
+
 def test_directory_in_use_is_refused_then_reusable_after_close(tmp_path):
     d = tmp_path / "spill"
     first = SparseTable(_spill_cfg(d))
