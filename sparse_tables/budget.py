@@ -35,7 +35,10 @@ never a copy under the lock.
 """
 from __future__ import annotations
 
+import os
 import threading
+
+from .errors import TableConfigError
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -44,6 +47,15 @@ MAX_LOAD = 0.8                 # the table's index load limit (table.MAX_LOAD)
 HEADROOM_ROWS = 1 << 17        # rows a call may add before its eviction pass (a 100k-key push of new keys)
 SLACK_ROWS = 1 << 15           # arena rows past the cap before a compaction runs (not one per call)
 RESERVE_FRACTION = 0.02
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (``os.sysconf``), or None where it cannot be read."""
+    try:
+        n = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return n if n > 0 else None
 
 
 def _clamp(x: int, lo: int, hi: int) -> int:
@@ -70,9 +82,11 @@ class MemoryBudget:
 
     Raises
     ------
-    ValueError
-        The budget cannot hold the fixed parts and a RAM tier of at least ``HEADROOM_ROWS`` rows per
-        shard; the message gives the least budget that can.
+    TableConfigError
+        (a ValueError) The budget cannot hold the fixed parts and a RAM tier of at least
+        ``HEADROOM_ROWS`` rows per shard; the message, which starts ``memory_bytes=``, gives the least
+        budget that can. (A budget for this machine is checked against its RAM by ``check_host``; one
+        for a planned server, ``engine plan``, is not.)
     """
 
     def __init__(self, budget_bytes: int, shards: int, row_bytes: int, sketch_bytes: int = 0):
@@ -90,7 +104,7 @@ class MemoryBudget:
         self.index_slots, self.max_rows_per_shard = self._index_for(per_shard)
         if self.max_rows_per_shard < HEADROOM_ROWS:
             least = fixed + self.shards * (2 * HEADROOM_ROWS * (self.row_bytes + 2 * INDEX_SLOT_BYTES))
-            raise ValueError(f"memory_bytes={self.budget_bytes} leaves too little for the RAM tier of "
+            raise TableConfigError(f"memory_bytes={self.budget_bytes} leaves too little for the RAM tier of "
                              f"{self.shards} shard(s) after RocksDB ({self.rocksdb_bytes} bytes) and the "
                              f"reserve; give at least {least} bytes")
         self.index_bytes = self.shards * self.index_slots * INDEX_SLOT_BYTES
@@ -100,6 +114,22 @@ class MemoryBudget:
         self._unaccounted = 0                  # measured by the process's owner (set_unaccounted)
         self.cache = None                      # the shared RocksDB block cache (made by the spill store)
         self.write_buffer_manager = None       # its memtables, charged to the cache
+
+    def check_host(self, host_bytes: int | None = None) -> None:
+        """Refuse a budget larger than this machine's physical memory (``host_bytes``, default
+        ``host_memory_bytes``; nothing is checked where it cannot be read): its arena and index would
+        be mapped past what the machine has (an mmap ENOMEM, or pages that swap and an OOM kill later).
+
+        Raises
+        ------
+        TableConfigError
+            The message starts ``memory_bytes=N:`` and gives the host's bytes.
+        """
+        host = host_memory_bytes() if host_bytes is None else int(host_bytes)
+        if host is not None and self.budget_bytes > host:
+            raise TableConfigError(f"memory_bytes={self.budget_bytes}: exceeds this host's {host} bytes of "
+                                   f"physical memory (os.sysconf); memory_bytes is one server's RAM for the "
+                                   f"table: give at most what the server has beside its other tables")
 
     def _index_for(self, per_shard: int) -> tuple[int, int]:
         """(index slots, RAM rows incl. headroom) per shard maximising rows within ``per_shard`` bytes."""

@@ -41,7 +41,7 @@ from ._optimizers import HP_SIZE
 from .budget import HEADROOM_ROWS, MemoryBudget
 from .stats import SPILL_COUNTERS
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
-from .errors import SpillError, TableFullError, TableInputError
+from .errors import SpillError, TableConfigError, TableFullError, TableInputError
 from ._warn import WARN_GATES as _WARN_GATES, WARN_GATES_LOCK as _WARN_GATES_LOCK, WarnGate as _WarnGate
 from .keysets import SortedKeySet, in_sorted, unique_keys
 from .rows import EXISTED_UNKNOWN, EXISTED_YES, batch_to_records, existed_column, records_to_batch, row_schema
@@ -83,6 +83,10 @@ class SparseTable(SpillTier, DeltaCapture):
         ``spill_path`` holds files this engine did not create, another table or process uses it, the
         file system refuses it (read-only, a file on the way, no permission, no room), or RocksDB
         cannot open its database there.
+    TableConfigError
+        ``memory_bytes`` leaves no room for a RAM tier, or exceeds this machine's physical memory
+        (``MemoryBudget.check_host``), or the arena and index cannot be mapped (ENOMEM); the message
+        names the field.
     """
 
     def __init__(self, config: TableConfig, *, clock: Callable[[], float] = time.time,
@@ -110,7 +114,11 @@ class SparseTable(SpillTier, DeltaCapture):
         else:
             self._sketch = np.zeros((0, 0), np.uint32)
         if budget is None and config.memory_bytes:
-            budget = MemoryBudget(config.memory_bytes, 1, lay.row_bytes, self._sketch.nbytes)
+            try:
+                budget = MemoryBudget(config.memory_bytes, 1, lay.row_bytes, self._sketch.nbytes)
+                budget.check_host()
+            except TableConfigError as exc:
+                raise TableConfigError(f"TableConfig.{exc}") from None
         self._budget = budget
         self._budget_token = budget.register() if budget is not None else None
         if budget is not None:
@@ -125,7 +133,14 @@ class SparseTable(SpillTier, DeltaCapture):
                 initial_rows += HEADROOM_ROWS
         self._sizes = (max(16, initial_rows), slots)   # arena rows and index slots (restore_ram)
         self._released = False                          # release_ram: no rows in RAM until restore_ram
-        self._alloc_arrays(*self._sizes)
+        try:
+            self._alloc_arrays(*self._sizes)
+        except OSError as exc:      # mmap's ENOMEM: more than the machine lets this process map
+            if budget is not None:
+                budget.forget(self._budget_token)
+            what = f"memory_bytes={config.memory_bytes}" if budget is not None else f"initial_rows={initial_rows}"
+            raise TableConfigError(f"{self.name}: {what}: its arena ({self._sizes[0]} rows of {lay.row_bytes} "
+                                   f"bytes) and index ({slots} slots) cannot be mapped: {exc}") from None
         self._spill = (SpillStore(config.spill_path, lay.stride, budget, config.spill_compaction)
                        if config.spill_path else None)
         self._spilled_dirty = SortedKeySet()   # 8 bytes per key: it grows with the keys on disk

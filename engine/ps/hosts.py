@@ -374,8 +374,9 @@ class SparseHost:
             try:
                 budget = MemoryBudget(config.memory_bytes, n, RowLayout.of(config).row_bytes,
                                       config.sketch_depth * config.sketch_width * 4 if config.uses_admission else 0)
-            except ValueError as exc:
-                raise TableConfigError(f"table {self.name!r}: {exc}") from None
+                budget.check_host()
+            except ValueError as exc:    # its message starts memory_bytes=
+                raise TableConfigError(f"tables.sparse.{self.name}.{exc}") from None
         try:
             for j in range(n):
                 cfg = config

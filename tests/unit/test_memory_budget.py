@@ -8,7 +8,7 @@ import pytest
 from sparse_tables import SparseTable, TableConfig, TableConfigError
 from sparse_tables import _kernels as K
 from sparse_tables._compact import compact_arena
-from sparse_tables.budget import HEADROOM_ROWS, MemoryBudget
+from sparse_tables.budget import HEADROOM_ROWS, MemoryBudget, host_memory_bytes
 
 MiB = 1 << 20
 DIM = 4
@@ -61,6 +61,48 @@ def test_memory_bytes_needs_a_spill_path_and_a_budget_that_fits():
         TableConfig(dim=DIM, memory_bytes=-1, spill_path="/tmp/x")
     with pytest.raises(ValueError, match="give at least"):
         MemoryBudget(16 * MiB, 1, 96)
+
+
+def test_a_budget_past_this_hosts_memory_is_a_config_error_naming_the_key(tmp_path):
+    host = host_memory_bytes()
+    assert host and host > 1 << 28
+    over = 2 * host                   # mapped and indexed, this took minutes and most of the RAM, or ENOMEM
+    with pytest.raises(TableConfigError, match=rf"TableConfig\.memory_bytes={over}: exceeds this host's {host} "
+                                               rf"bytes of physical memory"):
+        SparseTable(TableConfig(dim=DIM, memory_bytes=over, spill_path=str(tmp_path / "a")))
+    from concurrent.futures import ThreadPoolExecutor
+    from engine.ps.hosts import SparseHost
+    with pytest.raises(TableConfigError, match=rf"tables\.sparse\.emb\.memory_bytes={over}: exceeds this host"):
+        SparseHost("emb", TableConfig(dim=DIM, memory_bytes=over, spill_path=str(tmp_path / "b")), server=0,
+                   num_servers=1, num_vshards=64, num_local=2, pool=ThreadPoolExecutor(1))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(TableConfigError, match=rf"memory_bytes={1 << 30}: exceeds this host's {1 << 29} bytes"):
+        MemoryBudget(1 << 30, 1, 96).check_host(host_bytes=1 << 29)
+    MemoryBudget(1 << 30, 1, 96).check_host(host_bytes=1 << 30)              # all of it: allowed
+
+
+ENOMEM = r"""
+import resource, sys
+from sparse_tables import SparseTable, TableConfig, TableConfigError
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), hard))     # room to run, not for the arena
+try:
+    SparseTable(TableConfig(dim=4, memory_bytes=2 << 30, spill_path=sys.argv[1]))
+except TableConfigError as e:
+    print("TableConfigError:", e)
+"""
+
+
+def test_an_arena_the_os_refuses_to_map_is_a_config_error_naming_memory_bytes(tmp_path):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", ENOMEM, str(tmp_path / "spill")], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith(f"TableConfigError: sparse table: memory_bytes={2 << 30}: its arena (") \
+        and "cannot be mapped: [Errno 12] Cannot allocate memory" in p.stdout, p.stdout
 
 
 def test_a_budgeted_table_keeps_ram_under_its_cap_and_loses_no_row(tmp_path):
