@@ -531,7 +531,7 @@ class SpillStore(SpillReads):
             except Exception as exc:  # rocksdict raises plain Exception subclasses
                 self.failed_cause = str(exc)
                 self.failed = f"RocksDB spill store at {self._dir.db_path} stopped writing for good: {exc}"
-                log.error("%s (freeing space does not bring it back; reads still work)", self.failed)
+                log.error("%s (it takes no write again, even once there is room; reads still work)", self.failed)
         if self.failed is not None:
             raise self._failed_error(what)
 

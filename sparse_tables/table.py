@@ -41,7 +41,7 @@ from ._optimizers import HP_SIZE
 from .budget import HEADROOM_ROWS, MemoryBudget
 from .stats import SPILL_COUNTERS
 from .config import INITIALIZER_CODE, OPTIMIZER_CODE, RowLayout, TableConfig
-from .errors import SpillError, TableConfigError, TableFullError, TableInputError
+from .errors import SpillError, SpillFailedError, TableConfigError, TableFullError, TableInputError
 from ._warn import WARN_GATES as _WARN_GATES, WARN_GATES_LOCK as _WARN_GATES_LOCK, WarnGate as _WarnGate
 from .keysets import SortedKeySet, in_sorted, unique_keys
 from .rows import EXISTED_UNKNOWN, EXISTED_YES, batch_to_records, existed_column, records_to_batch, row_schema
@@ -416,10 +416,10 @@ class SparseTable(SpillTier, DeltaCapture):
         except SpillError as exc:
             what = (f"to delete {len(keys)} disk copies of them: they are pending deletes" if len(keys) else
                     "the retry of earlier pending deletes")
-            err = SpillError(
-                f"{self.name}: expiry pass: {n} expired row(s) are deleted, but RocksDB refused {what} "
-                f"({self._spill.pending_deletes} in all, read as absent, deleted by the next write that "
-                f"succeeds); the pass stopped before the rows on disk: {exc}")
+            msg = (f"{self.name}: expiry pass: {n} expired row(s) are deleted, but RocksDB refused {what} "
+                   f"({self._spill.pending_deletes} in all, read as absent, deleted by the next write that "
+                   f"succeeds); the pass stopped before the rows on disk: {exc}")
+            err = SpillFailedError(msg, exc.path, exc.cause) if isinstance(exc, SpillFailedError) else SpillError(msg)
             err.pending, err.deleted = getattr(exc, "pending", keys), n
             raise err from exc
 

@@ -69,7 +69,8 @@ def shrink_each(units, where: str, kind: str) -> int:
     SpillError
         Some unit's pass failed (RocksDB refused a write or a read): after all ran, one error naming
         ``where``, the failed units (by index) and the rows deleted in all (``deleted``, int, also an
-        attribute, counting a failed pass's own ``deleted``); chained to the first failure.
+        attribute, counting a failed pass's own ``deleted``); chained to the first failure. A
+        ``SpillFailedError`` (with its ``path``) when a spill store failed for good in a pass.
     """
     total, failed = 0, []
     for j, unit in enumerate(units):
@@ -79,9 +80,10 @@ def shrink_each(units, where: str, kind: str) -> int:
             total += int(getattr(exc, "deleted", 0) or 0)
             failed.append((j, exc))
     if failed:
-        err = SpillError(f"{where}: the expiry pass failed on {kind}(s) {[j for j, _ in failed]} of {len(units)} "
-                         f"(the others ran; {total} row(s) deleted in all): "
-                         + "; ".join(str(e) for _, e in failed))
+        msg = (f"{where}: the expiry pass failed on {kind}(s) {[j for j, _ in failed]} of {len(units)} (the "
+               f"others ran; {total} row(s) deleted in all): " + "; ".join(str(e) for _, e in failed))
+        dead = [e for _, e in failed if isinstance(e, SpillFailedError)]
+        err = SpillFailedError(msg, dead[0].path, dead[0].cause) if dead else SpillError(msg)
         err.deleted = total
         raise err from failed[0][1]
     return total
