@@ -1,14 +1,11 @@
 """Rules about what a request may carry that the server and its clients share: which requests need the
-admin token (``admin_reason``), how long a request id may be (``MAX_REQUEST_ID_CHARS``), how a client's
-string is cut when an error echoes it (``clip``), and the arrays of a push (``push_arrays``)."""
+admin token (``admin_reason``), how long a request id may be (``MAX_REQUEST_ID_CHARS``) and how a
+client's string is cut when an error echoes it (``clip``). A push's arrays: ``codec.push_arrays``."""
 from __future__ import annotations
 
-import numpy as np
-
-from . import codec
 from . import ps_pb2 as pb
 
-__all__ = ["MAX_REQUEST_ID_CHARS", "admin_reason", "clip", "keys_or_empty", "push_arrays"]
+__all__ = ["MAX_REQUEST_ID_CHARS", "admin_reason", "clip"]
 
 
 #: the longest request id a server accepts (``{name}@{incarnation}:{seq}``: a few dozen characters)
@@ -39,23 +36,3 @@ def admin_reason(method: str, req) -> str | None:
     if req.op == pb.DENSE_STATE_SET:
         return f"Dense: setting the optimizer state of table {clip(req.table)!r}"
     return None
-
-
-def keys_or_empty(t, name: str) -> np.ndarray:
-    """The keys of tensor field ``name`` (uint64[n]; absent: empty). Raises ProtocolError naming it."""
-    return np.empty(0, np.uint64) if codec.is_absent(t) else codec.decode(t, name, codec.U64, 1)
-
-
-def push_arrays(req, dim: int, what: str, *, may_be_empty: bool = False):
-    """(keys uint64[n], grads float32[n, dim], shows float32[n] or None, clicks float32[n] or None) of
-    the push part of a Push or Step request; ``may_be_empty`` (Step): absent keys and grads are an
-    empty push. Raises ProtocolError naming the field on a wrong dtype, shape or size."""
-    keys = keys_or_empty(req.keys, "keys") if may_be_empty else codec.decode(req.keys, "keys", codec.U64, 1)
-    n = len(keys)
-    if may_be_empty and n == 0 and codec.is_absent(req.grads):
-        grads = np.empty((0, dim), np.float32)
-    else:
-        grads = codec.decode(req.grads, what, codec.F32, 2, shape=(n, dim))
-    shows, clicks = (None if codec.is_absent(t) else codec.decode(t, name, codec.F32, 1, shape=(n,))
-                     for name, t in (("shows", req.shows), ("clicks", req.clicks)))
-    return keys, grads, shows, clicks

@@ -50,8 +50,6 @@ from .delta_lineage import DeltaLineage
 from .hosts import MAX_DENSE_FLOATS, DenseHost, HostError, SparseHost, failed_shard, invalid, shrink_each, spill_failures
 from .metric_sums import MetricSums
 from .request_rules import MAX_REQUEST_ID_CHARS, admin_reason, clip
-from .request_rules import keys_or_empty as _keys_or_empty
-from .request_rules import push_arrays as _push_arrays
 from .routing import DEFAULT_NUM_VSHARDS
 from .watchdog import PHASES, RequestWatchdog
 
