@@ -119,7 +119,7 @@ def world():
 
 def make_optimizer(size: int, cfg):
     """The optimizer the servers' dense table runs for ``cfg`` (a ``DenseTableConfig``), over ``size``
-    floats: the same construction as ``engine.ps.hosts._Block``."""
+    floats: the same construction as ``engine.ps.dense_host._Block``."""
     if cfg.optimizer == "adam":
         return Adam(size, cfg.learning_rate, cfg.beta1, cfg.beta2, cfg.epsilon)
     return SGD(size, cfg.learning_rate)

@@ -47,7 +47,8 @@ from .barrier import BarrierError, Barriers
 from .data_clock import DataClock, clock_request
 from .dedup import Expired, InProgress, ReplyWindow
 from .delta_lineage import DeltaLineage
-from .hosts import MAX_DENSE_FLOATS, DenseHost, HostError, SparseHost, failed_shard, invalid, shrink_each, spill_failures
+from .dense_host import MAX_DENSE_FLOATS, DenseHost
+from .hosts import HostError, SparseHost, failed_shard, invalid, shrink_each, spill_failures
 from .metric_sums import MetricSums
 from .request_rules import MAX_REQUEST_ID_CHARS, admin_reason, clip
 from .routing import DEFAULT_NUM_VSHARDS

@@ -47,12 +47,12 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 
 
 def test_one_worker_steps_bit_for_bit_like_the_servers_dense_table():
-    """The servers' dense table (``engine.ps.hosts.DenseHost``, two blocks of its own Adam each) and one
+    """The servers' dense table (``engine.ps.dense_host.DenseHost``, two blocks of its own Adam each) and one
     worker's replica take the same steps from the same gradients: equal to the last bit."""
     from mpi4py import MPI
 
     from engine.ps.codec import DENSE_BLOCK
-    from engine.ps.hosts import DenseHost
+    from engine.ps.dense_host import DenseHost
     size = DENSE_BLOCK + 1001
     cfg = DenseTableConfig(optimizer="adam", learning_rate=3e-3, beta1=0.9, beta2=0.999, epsilon=1e-8)
     host = DenseHost("dense", cfg, ordinal=0, server=0, num_servers=1)

@@ -114,8 +114,8 @@ def test_server_rejects_keys_routed_to_another_server():
 
 def test_dense_table_adam_matches_models_optim_across_blocks(monkeypatch):
     monkeypatch.setattr(codec, "DENSE_BLOCK", 7)
-    from engine.ps import hosts, server
-    monkeypatch.setattr(hosts, "DENSE_BLOCK", 7)
+    from engine.ps import dense_host, server
+    monkeypatch.setattr(dense_host, "DENSE_BLOCK", 7)
     _, client = cluster(3, dense={"d": DenseTableConfig(optimizer="adam", learning_rate=0.01)})
     rng = np.random.default_rng(2)
     p0 = rng.normal(size=30).astype(np.float32)

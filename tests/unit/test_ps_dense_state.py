@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import DenseTableConfig
 from engine.errors import AccessDeniedError, ProtocolError, RemoteError
-from engine.ps import InProcessTransport, PSClient, PSServer, codec, hosts
+from engine.ps import InProcessTransport, PSClient, PSServer, codec, dense_host
 from engine.ps import ps_pb2 as pb
 from engine.ps.dense_client import DenseOptimizerState
 from models.optim import Adam
@@ -26,7 +26,7 @@ BLOCK = 7
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(codec, "DENSE_BLOCK", BLOCK)
-    monkeypatch.setattr(hosts, "DENSE_BLOCK", BLOCK)
+    monkeypatch.setattr(dense_host, "DENSE_BLOCK", BLOCK)
 
 
 def cluster(n=2, cfg=ADAM, **kw):
@@ -80,7 +80,7 @@ def test_round_trip_over_blocks_spread_on_two_servers(small_blocks):
     same_state(client.pull_dense_state("d"), new)
     with pytest.raises(ProtocolError, match="stepped unequally"):
         client.pull_dense_state("d").step
-    # what a checkpoint saves is that state (hosts.DenseHost.snapshot)
+    # what a checkpoint saves is that state (dense_host.DenseHost.snapshot)
     for s in servers:
         for bl, b in s.dense["d"].snapshot().blocks.items():
             a, z = bl * BLOCK, min(SIZE, (bl + 1) * BLOCK)

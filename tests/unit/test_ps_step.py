@@ -39,8 +39,8 @@ def test_push_pull_equals_push_then_dense_step_then_pull(monkeypatch, serialize,
     dense blocks spread over servers (several on one server), duplicates and keys both pushed and
     pulled (the pull sees the push)."""
     monkeypatch.setattr(codec, "DENSE_BLOCK", 10)
-    from engine.ps import hosts
-    monkeypatch.setattr(hosts, "DENSE_BLOCK", 10)
+    from engine.ps import dense_host
+    monkeypatch.setattr(dense_host, "DENSE_BLOCK", 10)
     size = 10 * blocks - 3
     _, fused = cluster(n_servers, serialize)
     _, separate = cluster(n_servers, serialize)
