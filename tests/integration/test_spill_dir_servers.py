@@ -102,7 +102,12 @@ def test_a_server_whose_spill_disk_fills_up_says_it_is_not_live_once_and_refuses
         with pytest.raises(LaunchError, match=r"server 0 .*not live: table 'emb' shard 0: RocksDB spill store"):
             cluster._check_hangs()
         text = cluster.servers[0].log_path.read_text()
-        assert text.count("stopped writing for good") == 2, text[-3000:]     # the store's line, the server's
+        lines = [ln for ln in text.splitlines() if "stopped writing for good" in ln]
+        # the store logs its failure once; the refused requests are logged at most once a second per code
+        # (grpc_service._Refusals: here the push that met it, maybe the pull); the role once, not live
+        assert sum("sparse_tables.spill" in ln for ln in lines) == 1, text[-3000:]
+        assert sum("refused UNAVAILABLE" in ln for ln in lines) <= 2, text[-3000:]
+        assert sum("engine.roles" in ln for ln in lines) == 1, text[-3000:]
         assert "not live: table 'emb' shard 0" in text and "Traceback" not in text, text[-3000:]
     finally:
         cluster.shutdown()
