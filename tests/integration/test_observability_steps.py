@@ -101,6 +101,8 @@ def _steps_by_tag(path: Path) -> dict[str, list[int]]:
     return out
 
 
+@pytest.mark.long   # make test-long (~30 s): the step axis and counters are the test above's, a resumed job's
+#                    examples_job test_offline_resume's (make test)
 @pytest.mark.slow
 def test_a_resumed_attempt_continues_the_step_axis_and_counts_its_own_work(tmp_path):
     ckpt, tb, metrics = tmp_path / "ckpt", tmp_path / "tb", tmp_path / "m" / "run.jsonl"
