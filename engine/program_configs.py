@@ -147,6 +147,12 @@ class Word2VecConfig:
     metrics_dir: str = "runs/metrics"
     metrics_file: str = ""
 
+    def used_tables(self) -> dict[str, dict[str, str]]:
+        """The tables this program trains: ``{"sparse": {name: key naming it}, "dense": {...}}``
+        (``engine.config.from_dict`` refuses any other declared table; the two sparse keys may name one table)."""
+        sparse = {self.input_table: "model.input_table", self.output_table: "model.output_table"}
+        return {"sparse": sparse, "dense": {self.progress_table: "model.progress_table"}}
+
 
 #: ``model.kind`` -> the section of its program (the kinds of ``engine.programs.PROGRAMS``)
 PROGRAM_CONFIGS = {

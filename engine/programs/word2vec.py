@@ -96,21 +96,15 @@ def params_of(p: Config):
 
 # ---------------------------------------------------------------------------------- launcher side
 def check_tables(cfg) -> None:
-    """The tables the program needs exist with the right shape and initializers, and no other is declared.
+    """The tables the program needs exist with the right shape and initializers (a declared table it does
+    not use is refused earlier, by ``engine.config.from_dict`` through ``Word2VecConfig.used_tables``).
 
     Raises
     ------
     ConfigError
-        Naming the table key path: a table declared that the program does not use (listing those it
-        uses), or a needed one missing or misconfigured.
+        Naming the table key path: a needed table missing or misconfigured.
     """
     p: Config = cfg.model.params
-    used = (f"this program uses tables.sparse: {', '.join(sorted({p.input_table, p.output_table}))} "
-            f"(model.input_table, model.output_table) and tables.dense: {p.progress_table} (model.progress_table)")
-    for kind, declared, wanted in (("sparse", cfg.sparse_tables, {p.input_table, p.output_table}),
-                                   ("dense", cfg.dense_tables, {p.progress_table})):
-        for name in sorted(set(declared) - wanted):    # a misspelled table would be created, served, ignored
-            raise ConfigError(f"tables.{kind}.{name}: declared but not used by word2vec (a misspelled name?); {used}")
     if p.input_slot == p.output_slot and p.input_table == p.output_table:
         raise ConfigError("model.input_slot and model.output_slot must differ when both vectors share a table")
     want = {p.input_table: ("uniform", 0.5 / p.dim), p.output_table: ("zeros", None)}

@@ -101,10 +101,11 @@ def test_a_table_the_program_does_not_use_is_refused(key, name):
     extra = dict(tables[key])
     extra[name] = tables[key]["syn0" if key == "sparse" else "progress"]
     with pytest.raises(ConfigError) as ei:
-        check_tables(_cfg(**{f"tables__{key}": extra}))
-    assert str(ei.value) == (f"tables.{key}.{name}: declared but not used by word2vec (a misspelled name?); this "
-                             f"program uses tables.sparse: syn0, syn1neg (model.input_table, model.output_table) "
-                             f"and tables.dense: progress (model.progress_table)")
+        _cfg(**{f"tables__{key}": extra})
+    assert str(ei.value) == (f"tables.{key}.{name}: model.kind word2vec uses no {key} table {name!r} (it uses "
+                             f"sparse table(s) 'syn0' (model.input_table), 'syn1neg' (model.output_table); dense "
+                             f"table(s) 'progress' (model.progress_table)); a misspelt table name loses its "
+                             f"settings: fix the name, or remove the table")
 
 
 def test_engine_train_on_a_mismatched_vocabulary_exits_2_without_restart(tmp_path):
