@@ -532,6 +532,10 @@ class ServerCollector:
             "over threads): spill_lock_wait / pull_spilled, pulls that missed RAM waiting for a shard's lock "
             "/ holding it; push_lock_wait / push_locked, pushes; promote (of it promote_read, RocksDB's "
             "reads) and evict (of it evict_write) inside them", labels=["table", "part"])
+        failed = GaugeMetricFamily("engine_ps_spill_failed_stores", "RocksDB stores of the table on this server "
+                                   "that stopped writing for good (a full or lost spill disk): their shards refuse "
+                                   "every request and the server reports not live until it is restarted",
+                                   labels=["table"])
         stale = GaugeMetricFamily("engine_ps_table_stats_age_seconds", "Age of the table's size figures "
                                   "(engine_ps_rows, engine_ps_memory_bytes) on this server: 0 when read now, "
                                   "else those of the last read of a shard a writer held (an expiry pass, a "
@@ -558,8 +562,9 @@ class ServerCollector:
                 l0.add_metric([table], float(s["rocksdb"].get("level0_files", 0)))
                 catch_up.add_metric([table, "pending"], float(s["rocksdb"].get("catching_up", 0)))
                 catch_up.add_metric([table, "failed"], float(s["rocksdb"].get("catch_up_failed", 0)))
+                failed.add_metric([table], float(s["rocksdb"].get("failed", 0)))
         yield from fams.values()
-        yield from (rows, mem, disk, stale, stall, l0, catch_up, spill_time)
+        yield from (rows, mem, disk, stale, stall, l0, catch_up, failed, spill_time)
         yield from _malloc_families(self.core)
         yield from _governor_family(self.core)
         parts = getattr(self.core, "checkpoint_parts", None) or {}

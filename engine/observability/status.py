@@ -15,7 +15,8 @@ What it shows (``table``: one snapshot computed from two samples ``dt`` seconds 
     servers  rank, endpoint, rows, rows in RAM, rows on disk, RAM of the tables, RSS of the process,
              disk bytes, requests/s, p99 latency (data requests: Pull/Push/Step/Dense/Metric, handling
              time on the server, from the Stats latency histogram of the interval), errors, whether it
-             is stuck (``engine.ps.watchdog``: why, shown in red) and its oldest request's time; a server
+             is stuck (``engine.ps.watchdog``: why, shown in red) and its oldest request's time, a spill
+             store that stopped writing for good (``spill_failed``: which shard and why, in red); a server
              that does not answer within ``timeout_s`` is {"status": "unreachable", "error": ...}, one
              that refuses the call (a wrong token or certificate) {"status": "error", "error": ...}
     workers  rank, pid, step (the job's: a resumed checkpoint's step plus this process's, which is
@@ -222,7 +223,8 @@ def _server_row(i: int, endpoint: str, cur: dict, prev: dict | None, dt: float) 
            "rss_bytes": st.get("rss_bytes"), "pid": st.get("pid"), "uptime_s": st.get("uptime_s"),
            "requests_total": sum(v for m, v in st.get("requests", {}).items() if m not in MONITORING),
            "errors": st.get("errors"), "requests_per_s": None, "p99_latency_s": None, "tables": tables,
-           "stuck": st.get("stuck"), "oldest_request_s": st.get("oldest_request_s")}
+           "stuck": st.get("stuck"), "oldest_request_s": st.get("oldest_request_s"),
+           "spill_failed": st.get("spill_failed")}
     hist = _data_histogram(st)
     if prev is not None and prev["ok"] and prev["stats"].get("uptime_s", 0) <= st.get("uptime_s", 0):
         old = prev["stats"]
@@ -317,6 +319,9 @@ def render(snap: dict):
             continue
         if s.get("stuck"):        # engine.ps.watchdog: its health port says NOT_SERVING
             errors.append(Text(f"server {s['server']} ({s['endpoint']}) stuck: {s['stuck']}", style="bold red"))
+        if s.get("spill_failed"):     # PSServer.spill_failed: not live, its shard refuses every request
+            errors.append(Text(f"server {s['server']} ({s['endpoint']}) not live, spill store failed: "
+                               f"{s['spill_failed']}", style="bold red"))
         p99 = s["p99_latency_s"]
         st.add_row(str(s["server"]), s["endpoint"], _si(s["rows"]), _si(s["rows_in_ram"]), _si(s["rows_on_disk"]),
                    _bytes(s["table_ram_bytes"]), _bytes(s["rss_bytes"]), _bytes(s["disk_bytes"]),

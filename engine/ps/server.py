@@ -742,7 +742,7 @@ class PSServer:
                "rss_bytes": governor.rss_bytes(), "malloc": self.heap_stats(), "pid": os.getpid(),
                "memory_governor": self.governor.stats() if self.governor is not None else None,
                "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
-               "barriers": self.barriers.stats(), **self.watchdog.state(),
+               "barriers": self.barriers.stats(), **self.watchdog.state(), "spill_failed": self.spill_failed(),
                "auth_denied": dict(self.auth.denied) if self.auth is not None else {},
                "calls_cancelled": dict(self.call_guard.cancelled) if self.call_guard is not None else {},
                "sparse": {n: h.stats() for n, h in self.sparse.items()},

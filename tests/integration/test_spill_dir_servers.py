@@ -61,10 +61,13 @@ def test_a_server_whose_spill_disk_fills_up_says_it_is_not_live_once_and_refuses
     NOT_SERVING for readiness and liveness (a probe restarts it), Health says why, the local launcher's
     watch ends the attempt; the server logs the failure once, no traceback per request."""
     from grpc_health.v1 import health_pb2
+    from rich.console import Console
 
     from engine.errors import RemoteError
+    from engine.observability import status
     from engine.ps.health import LIVENESS
     from tests.integration.test_health_and_job_end import health, wait_health
+    from tests.integration.test_observability import scrape
     from tests.integration.test_role_resume import free_ports
     from tests.tmpfs import leave_free
 
@@ -72,6 +75,7 @@ def test_a_server_whose_spill_disk_fills_up_says_it_is_not_live_once_and_refuses
     (port,) = free_ports(1)
     cfg = from_dict({"cluster": {"servers": 1, "workers": 1, "local_shards": 1, "startup_timeout_s": 120,
                                  "warm_up": False, "health_port": port},
+                     "observability": {"prometheus_port": 0},
                      "tables": {"sparse": {"emb": {"dim": DIM, "optimizer": "sgd", "learning_rate": 1.0,
                                                    "initializer": "zeros", "memory_bytes": 60 << 20,
                                                    "spill_path": str(disk / "spill"), "num_threads": 1}}}})
@@ -96,6 +100,15 @@ def test_a_server_whose_spill_disk_fills_up_says_it_is_not_live_once_and_refuses
                 health_pb2.HealthCheckResponse.NOT_SERVING)
             h = client.health()[0]
             assert not h["ready"] and not h["live"] and h["failed"].startswith("table 'emb' shard 0: RocksDB spill")
+            # the dashboards show it too: Prometheus (an alert's input) and engine status
+            url = next((tmp_path / "run").rglob("server-0.metrics")).read_text().strip()
+            metrics = scrape(url)
+            assert metrics["engine_ps_spill_failed_stores", (("table", "emb"),)] == 1
+            snap = status.once(status.resolve(endpoints[0]), interval_s=0.1)
+            assert snap["servers"][0]["spill_failed"] == h["failed"]
+            shown = Console(width=400, record=True)
+            shown.print(status.render(snap))
+            assert f"server 0 ({endpoints[0]}) not live, spill store failed: table 'emb' shard 0" in shown.export_text()
         deadline = time.monotonic() + 10
         while not cluster.watch.failed() and time.monotonic() < deadline:
             time.sleep(0.2)
