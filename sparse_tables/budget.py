@@ -58,6 +58,47 @@ def host_memory_bytes() -> int | None:
     return n if n > 0 else None
 
 
+#: a cgroup memory limit at or above this is "none" (cgroup v1 writes 2**63 rounded down to a page)
+_NO_LIMIT = 1 << 62
+
+
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
+                        root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+    """The tightest memory limit of this process's cgroup and its ancestors: ``(bytes, file read)``, or
+    None when there is none (or cgroups cannot be read). A Kubernetes pod's or a container's limit is
+    where its processes are OOM-killed, however much physical memory the host has.
+
+    cgroup v2 (``0::PATH`` in ``/proc/self/cgroup``): ``memory.max`` of ``root/PATH`` and each parent;
+    v1 (a line naming the ``memory`` controller): ``memory.limit_in_bytes`` under ``root/memory``. A
+    container whose own cgroup is mounted as the root finds it at the root itself (the walk ends there).
+    """
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p != ".."]
+        for i in range(len(parts), -1, -1):
+            file = os.path.join(base, *parts[:i], name)
+            try:
+                with open(file) as f:
+                    value = int(f.read().strip())
+            except (OSError, ValueError):        # absent here, or "max" (v2: no limit)
+                continue
+            if 0 < value < _NO_LIMIT:
+                found.append((value, file))
+    return min(found) if found else None
+
+
 def _clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
 
@@ -117,19 +158,28 @@ class MemoryBudget:
 
     def check_host(self, host_bytes: int | None = None) -> None:
         """Refuse a budget larger than this machine's physical memory (``host_bytes``, default
-        ``host_memory_bytes``; nothing is checked where it cannot be read): its arena and index would
-        be mapped past what the machine has (an mmap ENOMEM, or pages that swap and an OOM kill later).
+        ``host_memory_bytes``; nothing is checked where it cannot be read) or, when ``host_bytes`` is not
+        given, than this process's cgroup memory limit (``cgroup_memory_limit``: a container's or a
+        Kubernetes pod's): its arena and index would be mapped past what the server may use (an mmap
+        ENOMEM, or pages that swap and an OOM kill later).
 
         Raises
         ------
         TableConfigError
-            The message starts ``memory_bytes=N:`` and gives the host's bytes.
+            The message starts ``memory_bytes=N:`` and gives the host's bytes, or the cgroup's limit and
+            the file it was read from.
         """
         host = host_memory_bytes() if host_bytes is None else int(host_bytes)
         if host is not None and self.budget_bytes > host:
             raise TableConfigError(f"memory_bytes={self.budget_bytes}: exceeds this host's {host} bytes of "
                                    f"physical memory (os.sysconf); memory_bytes is one server's RAM for the "
                                    f"table: give at most what the server has beside its other tables")
+        limit = cgroup_memory_limit() if host_bytes is None else None
+        if limit is not None and self.budget_bytes > limit[0]:
+            raise TableConfigError(f"memory_bytes={self.budget_bytes}: exceeds this process's cgroup memory "
+                                   f"limit of {limit[0]} bytes ({limit[1]}: a container's or pod's limit, where "
+                                   f"it would be OOM-killed); memory_bytes is one server's RAM for the table: "
+                                   f"give at most the limit less the server's other tables and its own memory")
 
     def _index_for(self, per_shard: int) -> tuple[int, int]:
         """(index slots, RAM rows incl. headroom) per shard maximising rows within ``per_shard`` bytes."""

@@ -121,6 +121,8 @@ LIVENESS_GRACE_S = 10
 _LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?\Z")                     # DNS-1035 label
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 _QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|[mkMGTPE]|[KMGTPE]i)?\Z")
+_QUANTITY_SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+                    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -432,12 +434,28 @@ def check_limits(cfg: EngineConfig) -> None:
     if k.backoff_limit > INT32_MAX:
         raise ConfigError(f"kubernetes.backoff_limit={k.backoff_limit} is too large for Kubernetes: the Jobs' "
                           f"backoffLimit is an int32, at most {INT32_MAX}")
+    budgets = {name: t.memory_bytes for name, t in cfg.sparse_tables.items() if t.memory_bytes > 0}
+    pod = quantity_bytes(k.server_memory)
+    if budgets and sum(budgets.values()) > pod:
+        named = " + ".join(f"tables.sparse.{n}.memory_bytes={b}" for n, b in budgets.items())
+        raise ConfigError(f"kubernetes.server_memory={k.server_memory} ({pod:.0f} bytes) is less than the table "
+                          f"budgets of one server ({named}): the pod's memory limit is where the server is "
+                          f"OOM-killed; give server_memory the budgets plus ~1Gi for the process, or lower them")
     for key in ("servers", "workers"):
         n = getattr(c, key)
         if n > INDEXED_JOB_MAX:
             raise ConfigError(f"cluster.{key}={n} is too many for Kubernetes: the {key[:-1]} Job is an Indexed "
                               f"Job of one pod per {key[:-1]}, all at once, and Kubernetes allows an Indexed Job "
                               f"a parallelism of at most {INDEXED_JOB_MAX}")
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A Kubernetes quantity (``8Gi``, ``500M``, ``1e9``; already matched by ``_QUANTITY``) in bytes."""
+    m = _QUANTITY.match(quantity)
+    number, suffix = float(m.group(1)), m.group(3) or ""
+    if suffix[:1] in ("e", "E") and len(suffix) > 1:          # an exponent: 1e9, 5E+6
+        return number * 10.0 ** int(suffix[1:])
+    return number * _QUANTITY_SUFFIX[suffix]
 
 
 def write(manifests: Manifests, out_dir, *, source: str = "") -> list[Path]:

@@ -74,3 +74,17 @@ def test_the_largest_values_render_within_their_fields_and_validate(creds, extra
 
 def test_the_default_manifests_fit_their_fields(creds):
     _assert_fits(render(creds))
+
+
+def test_table_budgets_past_the_server_pods_memory_limit_are_refused_naming_both_keys(tmp_path, creds, capsys):
+    """A server pod's memory limit below its tables' ``memory_bytes`` rendered fine, and the server was
+    OOM-killed once its RAM tier filled (the server's own check reads its cgroup only when it starts)."""
+    budget = ("tables.sparse.embedding.spill_path=/spill", "tables.sparse.embedding.memory_bytes=9000000000")
+    with pytest.raises(ConfigError) as e:
+        render(creds, *budget)                               # kubernetes.server_memory: 8Gi by default
+    assert str(e.value).startswith("kubernetes.server_memory=8Gi (8589934592 bytes) is less than the table "
+                                   "budgets of one server (tables.sparse.embedding.memory_bytes=9000000000)"), e.value
+    assert cli(tmp_path / "out", sets(creds, *budget)) == 2
+    assert "kubernetes.server_memory=8Gi" in error_line(capsys) and not (tmp_path / "out").exists()
+    for limit in ("10Gi", "9.5G", "1e10"):
+        _assert_fits(render(creds, *budget, f"kubernetes.server_memory={limit}"))

@@ -562,3 +562,53 @@ def test_the_write_stall_triggers_come_back_from_a_background_thread_once_level0
     assert st.bulk_loading and spill.CATCH_UP.queued(st)
     st.close()                                       # takes it out; the database closes after that
     assert not st.bulk_loading and not spill.CATCH_UP.queued(st)
+
+
+IN_CGROUP = r"""
+import os, sys
+from concurrent.futures import ThreadPoolExecutor
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+from sparse_tables import SparseTable, TableConfig, TableConfigError
+from engine.ps.hosts import SparseHost
+try:
+    SparseHost("emb", TableConfig(dim=4, memory_bytes=int(sys.argv[2]), spill_path=sys.argv[3]), server=0,
+               num_servers=1, num_vshards=64, num_local=2, pool=ThreadPoolExecutor(1))
+except TableConfigError as e:
+    print(e)
+    sys.exit(2)
+print("accepted")
+"""
+
+
+@pytest.fixture
+def memory_cgroup(tmp_path):
+    """A real cgroup v1 memory cgroup with a 256 MiB limit (removed afterwards, its processes gone)."""
+    import os
+    base = "/sys/fs/cgroup/memory"
+    if not os.access(base, os.W_OK) or not os.path.isfile(os.path.join(base, "cgroup.procs")):
+        pytest.skip("no writable cgroup v1 memory controller here (needs root)")
+    path = os.path.join(base, f"engine-test-{os.getpid()}-{tmp_path.name}")
+    os.mkdir(path)
+    try:
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(256 * MiB))
+        yield path
+    finally:
+        os.rmdir(path)
+
+
+def test_a_budget_past_the_cgroup_memory_limit_is_a_config_error_naming_it(tmp_path, memory_cgroup):
+    """A real process in a real memory cgroup (as a container's or a Kubernetes pod's): a budget past its
+    limit was accepted (only physical memory was compared), and the server was OOM-killed as it grew."""
+    import subprocess
+    import sys
+    run = [sys.executable, "-c", IN_CGROUP, memory_cgroup]
+    over = subprocess.run(run + [str(384 * MiB), str(tmp_path / "a")], capture_output=True, text=True, timeout=120)
+    limit_file = f"{memory_cgroup}/memory.limit_in_bytes"
+    assert over.returncode == 2, over.stdout + over.stderr
+    assert over.stdout.strip().startswith(f"tables.sparse.emb.memory_bytes={384 * MiB}: exceeds this process's "
+                                          f"cgroup memory limit of {256 * MiB} bytes ({limit_file}: "), over.stdout
+    assert not (tmp_path / "a").exists()
+    under = subprocess.run(run + [str(128 * MiB), str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    assert under.returncode == 0 and under.stdout.strip() == "accepted", under.stdout + under.stderr
