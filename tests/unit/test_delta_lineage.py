@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-import engine.ps.server as server_mod
+import engine.ps.checkpoint_handlers as server_mod
 from engine.checkpoint import CheckpointManager
 from engine.errors import DeltaParentError
 from engine.ps import InProcessTransport, PSClient, PSServer
