@@ -46,8 +46,8 @@ def events(inner, cfg, rank: int, role: str = "worker"):
 
 def watch_trainer(trainer) -> None:
     """Export ``trainer``'s counters to this process's Prometheus endpoint, read at scrape time:
-    ``trainer.live_counters()`` (``examples``, ``steps``, ``train_seconds`` of this process, live) or
-    else the attributes of those names, and ``phases``; nothing when metrics are off."""
+    ``trainer.live_counters()`` (``examples``, ``steps``, ``train_seconds`` of this process, live; required)
+    and ``phases``; nothing when metrics are off."""
     from . import prometheus
     m = prometheus.current()
     if m is not None:

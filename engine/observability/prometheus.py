@@ -602,8 +602,8 @@ def _watchdog_families(watchdog):
 
 class TrainerCollector:
     """A worker program's counters, read at scrape time: ``examples``, ``steps`` and ``train_seconds``
-    from its ``live_counters()`` (this process's work since it started, moving every step: the CTR
-    trainers) or else from the attributes of those names; ``phases`` (phase -> seconds); and its mode's
+    from its ``live_counters()`` (this process's work since it started, moving every step: the CTR and
+    Word2Vec trainers; a program that ``watch_trainer``s must have it); ``phases`` (phase -> seconds); and its mode's
     all-reduce figures in mode hybrid (``mode.profile()["allreduce"]``). Missing values are skipped."""
 
     _COUNTERS = (("examples", "engine_worker_examples", "Training examples this worker process consumed since "
@@ -623,8 +623,7 @@ class TrainerCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
         t = self.trainer
-        live = getattr(t, "live_counters", None)
-        values = live() if callable(live) else {k: getattr(t, k, None) for k, _, _ in self._COUNTERS}
+        values = t.live_counters()
         for key, name, doc in self._COUNTERS:
             v = values.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -319,8 +319,7 @@ def test_the_catch_up_of_a_restores_stores_is_a_gauge_per_table_and_state(tmp_pa
 def test_trainer_counters_are_the_trainers_live_counters_of_this_process():
     """``engine_worker_{examples,steps,train_seconds}_total`` come from ``live_counters()`` (moved every
     step, counted by this process) when the trainer has it, not from attributes that move only at commit
-    points (a CTR trainer's ``steps`` holds the restored checkpoint's step and moves at aligned points);
-    a trainer without it (word2vec) is still read through its attributes."""
+    points (a CTR trainer's ``steps`` holds the restored checkpoint's step and moves at aligned points)."""
     class Trainer:
         examples, steps, train_seconds = 0, 512, 0.0            # what the old collector exported
         phases = {"compute": 1.5}
@@ -328,8 +327,9 @@ def test_trainer_counters_are_the_trainers_live_counters_of_this_process():
         def live_counters(self):
             return {"examples": 84864, "steps": 663, "train_seconds": 12.5}
 
-    class Attributes:
-        steps, examples = 7, 896
+    class Other:
+        def live_counters(self):
+            return {"steps": 7, "examples": 896}
 
     m = RoleMetrics("worker", 0)
     m.watch_trainer(Trainer())
@@ -340,6 +340,6 @@ def test_trainer_counters_are_the_trainers_live_counters_of_this_process():
     docs = {f.name: f.documentation for f in m.registry.collect()}
     for name in ("engine_worker_examples", "engine_worker_steps", "engine_worker_train_seconds"):
         assert "since it started" in docs[name] and "restarted process starts from 0" in docs[name], docs[name]
-    m.watch_trainer(Attributes())                               # replaces the first trainer
+    m.watch_trainer(Other())                                    # replaces the first trainer
     assert (get("engine_worker_steps_total"), get("engine_worker_examples_total")) == (7, 896)
     assert get("engine_worker_train_seconds_total") is None
