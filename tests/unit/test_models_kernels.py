@@ -153,6 +153,26 @@ def test_sigmoid_xent_stable_and_correct(dtype):
     np.testing.assert_array_equal(p2, prob)
 
 
+def test_sigmoid_xent_of_float32_arrays_computes_in_float64():
+    """The docstring's promise for float32 inputs (the training dtype): every term in float64, rounded
+    once when stored. With ``float(z[i])`` Numba kept float32 and the loss had float32 precision per
+    example (7000.0 for z = 1e4 with the soft label 0.3 instead of 6999.99988...)."""
+    z = np.array([-1e4, -100.0, -17.5, -3.25, 0.7, 5.0, 17.5, 100.0, 1e4], np.float32)
+    y = np.array([0.3, 1.0, 0.0, 1.0, 0.0, 0.3, 1.0, 0.0, 0.3], np.float32)
+    prob = np.empty_like(z)
+    grad = np.empty_like(z)
+    total = K.sigmoid_xent(z, y, 0.25, prob, grad)
+    zz, yy = z.astype(np.float64), y.astype(np.float64)
+    loss_ref = np.logaddexp(0.0, zz) - zz * yy           # float64 reference, exactly the float32 inputs
+    p_ref = np.exp(-np.logaddexp(0.0, -zz))
+    assert math.isclose(total, math.fsum(loss_ref), rel_tol=1e-13)
+    np.testing.assert_allclose(prob, p_ref.astype(np.float32), rtol=1e-7, atol=0)
+    np.testing.assert_allclose(grad, ((p_ref - yy) * 0.25).astype(np.float32), rtol=1e-7, atol=0)
+    p2 = np.empty_like(z)
+    K.sigmoid(z, p2)
+    np.testing.assert_array_equal(p2, prob)
+
+
 def test_fm_forward_backward_matches_naive():
     rng = np.random.default_rng(1)
     batch, num_slots, dim, col0 = 3, 4, 2, 1
