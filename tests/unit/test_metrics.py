@@ -62,3 +62,26 @@ def test_merged_workers_equal_one_accumulator():
     assert merged.summary()["logloss"] == pytest.approx(whole.summary()["logloss"])
     # the mean of per-worker AUCs is not the global AUC in general; merging must not do that
     assert merged.count == whole.count
+
+
+def test_saturated_predictions_tie_in_the_end_buckets():
+    """The module docstring's limit of the bucketed AUC: predictions closer than 2^-20 tie, so a model whose
+    sigmoid saturates (|logit| > ~13.9) on many rows reads a lower AUC than the exact one; the bucketed AUC
+    is exactly the rank AUC of the bucket indices."""
+    rng = np.random.default_rng(0)
+    labels = (rng.random(20_000) < 0.3).astype(np.float64)
+    z = rng.normal(0.0, 12.0, 20_000) + 8.0 * labels
+    probs = (1 / (1 + np.exp(-z))).astype(np.float32)           # the models' dtype
+    m = BinaryMetrics()
+    m.update(probs, labels)
+    exact = exact_auc(probs.astype(np.float64), labels)
+    buckets = np.minimum((probs.astype(np.float64) * m.num_buckets).astype(np.int64), m.num_buckets - 1)
+    assert m.auc() == pytest.approx(exact_auc(buckets, labels), abs=1e-12)
+    assert round(m.auc(), 4) == 0.6779 and round(exact, 4) == 0.6802   # 28% of the rows beyond +-13.9
+
+
+def test_nothing_seen_gives_nan_means_not_zero():
+    s = BinaryMetrics(16).summary()
+    assert s["count"] == 0
+    for key in ("auc", "logloss", "pred_ctr", "actual_ctr", "copc", "accuracy"):
+        assert np.isnan(s[key]), key
