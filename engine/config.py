@@ -240,6 +240,10 @@ class DenseTableConfig:
     learning_rate: Annotated[float, Field(gt=0)] = 1e-3
     beta1: Annotated[float, Field(ge=0, le=0.999999)] = 0.9
     beta2: Annotated[float, Field(ge=0, le=0.999999)] = 0.999
+    #: Adam's epsilon as PyTorch's ``torch.optim.Adam`` (Kingma & Ba, Algorithm 1): added to the
+    #: bias-corrected ``sqrt(v / (1 - beta2^t))`` (``models.optim.Adam``). A sparse table's ``epsilon``
+    #: (``tables.sparse.NAME.epsilon``, lazy Adam as Paddle's SparseAdamSGDRule) is the paper's "epsilon
+    #: hat", added to the uncorrected ``sqrt(v)``: the same number damps more there (README "Optimizers")
     epsilon: Annotated[float, Field(gt=0)] = 1e-8
 
 

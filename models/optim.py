@@ -105,7 +105,11 @@ class Adam:
     beta1, beta2 : float
         Moment decay rates in [0, 1).
     eps : float
-        Denominator term, > 0.
+        Denominator term, > 0, added to the bias-corrected ``sqrt(v / (1 - beta2^t))`` (the paper's
+        Algorithm 1, PyTorch's ``torch.optim.Adam``, Paddle's ``adam`` op). A sparse table's lazy Adam
+        (``sparse_tables._optimizers``, Paddle's SparseAdamSGDRule) adds its ``epsilon`` to the
+        uncorrected ``sqrt(v)`` instead (the paper's "epsilon hat"): the same configured value is not the
+        same damping on both sides (there it acts as ``eps / sqrt(1 - beta2^t)`` here would).
 
     Attributes
     ----------

@@ -12,6 +12,14 @@ std_adagrad  per dimension (Duchi et al. 2011): a_j += g_j^2; w_j -= lr * g_j / 
 adam         lazy Adam (Kingma & Ba 2015, per-row step via beta powers as Paddle's SparseAdamSGDRule):
              p1 *= b1; p2 *= b2; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
              w -= lr * sqrt(1-p2) / (1-p1) * m / (sqrt(v) + eps)
+             eps here is the paper's "epsilon hat" (the form at the end of its section 2), added to the
+             UNcorrected sqrt(v): Paddle's SparseAdamSGDRule (ps/table/sparse_sgd_rule.cc), PyTorch's
+             SparseAdam and TensorFlow's Adam / LazyAdam do the same. The dense tables' Adam
+             (models.optim.Adam: PyTorch's Adam, the paper's Algorithm 1) adds its epsilon to the
+             bias-corrected sqrt(v / (1-b2^t)) instead, so one `epsilon` value is a larger damping here:
+             this rule equals the dense one with eps / sqrt(1-p2) there, i.e. 31.6x (t = 1), 10x (t = 10),
+             3.2x (t = 100), 1.26x (t = 1000) the configured value at b2 = 0.999, t being the row's own
+             update count (lazy: rare keys stay at small t). It matters only for gradients near epsilon.
 ftrl         FTRL-Proximal (McMahan et al. 2013, Algorithm 1), alpha = lr:
              sigma = (sqrt(n + g^2) - sqrt(n)) / alpha; z += g - sigma w; n += g^2;
              w = 0 if |z| <= l1 else -(z - sign(z) l1) / ((beta + sqrt(n)) / alpha + l2)

@@ -79,7 +79,12 @@ class TableConfig:
         the rest). A parameter server's ``SparseHost`` reads it per server and divides it among its
         local shards.
     initial_accumulator, epsilon : float
-        Adagrad accumulator start value and denominator epsilon (also Adam's epsilon).
+        Adagrad accumulator start value and denominator epsilon (also Adam's epsilon). For ``adam``
+        epsilon is Kingma & Ba's "epsilon hat", added to the uncorrected ``sqrt(v)`` (Paddle's
+        SparseAdamSGDRule, PyTorch's SparseAdam), NOT the epsilon of a dense table's Adam (PyTorch's
+        Adam, added to the bias-corrected ``sqrt(v / (1 - beta2^t))``): the same value damps more here,
+        by ``1 / sqrt(1 - beta2^t)`` with the row's own step count ``t`` (31.6x at t = 1 with beta2 =
+        0.999); formulas in ``sparse_tables._optimizers``.
     beta1, beta2 : float
         Adam moment decay rates.
     ftrl_beta, ftrl_l1, ftrl_l2 : float
