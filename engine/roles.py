@@ -68,6 +68,10 @@ def server_endpoints(cfg: EngineConfig) -> list[str]:
     eps = [e.strip() for e in env.split(",") if e.strip()] if env else list(cfg.cluster.endpoints)
     if not eps:
         raise ConfigError("no server endpoints: set ENGINE_SERVERS=host:port,... or cluster.endpoints")
+    if len(eps) != cfg.cluster.servers:     # the servers route vshards by cluster.servers (the config
+        raise ConfigError(                  # checks cluster.endpoints against it; this, the variable)
+            f"ENGINE_SERVERS lists {len(eps)} servers but cluster.servers is {cfg.cluster.servers}: give "
+            f"every server and worker a config with cluster.servers: {len(eps)}")
     return eps
 
 
