@@ -23,7 +23,9 @@ from . import status as status_cmd
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engine", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="engine", description="Train sparse recommender models (CTR-DNN, DeepFM, Word2Vec) on parameter "
+        "servers, and export, serve, evaluate and watch them. 'engine COMMAND --help' describes each command.")
     sub = parser.add_subparsers(dest="command", required=True)
     train_cmd.add_parser(sub)
     convert_cmd.add_parser(sub)

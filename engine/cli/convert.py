@@ -25,7 +25,7 @@ log = logging.getLogger("engine.convert")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="convert raw data (Criteo TSV) to Arrow IPC stream files",
+    p = sub.add_parser("convert", help="convert raw data (Criteo TSV, a text corpus) to Arrow IPC stream files",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
     c = fmt.add_parser("criteo", help="Criteo train.txt layout (label, I1..I13, C1..C26; gzip accepted)",
