@@ -97,6 +97,21 @@ def run(args) -> int:
     return code
 
 
+def resume_command(args) -> str:
+    """The command line that continues this launcher's job from its newest checkpoint: the same config,
+    ``--set`` overrides, ``--launcher`` and ``--until`` (``checkpoint.root``/``job`` may be among the
+    overrides: without them ``--resume`` would look in another job's root), then ``--resume``."""
+    import shlex
+    cmd = ["engine", "train", args.config]
+    for kv in args.overrides:
+        cmd += ["--set", kv]
+    if args.launcher:
+        cmd += ["--launcher", args.launcher]
+    if args.until:
+        cmd += ["--until", args.until]
+    return shlex.join(cmd + ["--resume"])
+
+
 def _end_role_process() -> None:
     """Shorten the end of a role process (``--role``, always a process of its own) to its last flush.
 
@@ -156,7 +171,7 @@ def _run(args) -> int:
         final = run_job(cfg, program, args.run_dir, resume=args.resume, resume_fallback=args.resume_fallback)
         if final.get("preempted"):
             print(json.dumps(final), flush=True)
-            print(f"engine train: preempted; resume with: engine train {args.config} --resume "
+            print(f"engine train: preempted; resume with: {resume_command(args)} "
                   f"(checkpoint {final.get('checkpoint')})", file=sys.stderr)
             return preempt.EXIT_PREEMPTED
     except ConfigError as e:
@@ -175,7 +190,7 @@ def _run(args) -> int:
         print(f"engine train: cannot resume: {e}", file=sys.stderr)
         return 1
     except StorageError as e:           # unreachable after hdfs_io's retries (e.g. at a restart's look-up)
-        then = (f"continue with: engine train {args.config} --resume" if not args.role else
+        then = (f"continue with: {resume_command(args)}" if not args.role else
                 "its scheduler restarts this role")
         print(f"engine train: checkpoint storage failed: {e}; what the newest complete checkpoint holds is "
               f"kept: once the storage answers, {then}", file=sys.stderr)

@@ -51,6 +51,7 @@ def preempted_run(tmp, tag: str, victim, *sets: str) -> dict:
                          else role_pid(d, "worker", victim)))
     assert code == EXIT_PREEMPTED, err[-3000:]
     assert "preempted; resume with" in err and took < 60
+    assert "--set model.data.source=generated" in err.split("resume with")[-1]   # the job's overrides too
     assert not leftovers(run_dir)
     final = json.loads(out.strip().splitlines()[-1])
     assert final["preempted"] is True and final["checkpoint"], final

@@ -1,0 +1,28 @@
+"""The command ``engine train`` prints after a preemption (exit 75) or a storage failure continues the same
+job: the config's ``--set`` overrides, ``--launcher`` and ``--until`` come along. It used to print only
+``engine train CONFIG --resume``, which drops a ``--set checkpoint.root=...``/``checkpoint.job=...`` and
+so resumes another job's checkpoints (or none), and any other override the job ran with."""
+from __future__ import annotations
+
+import shlex
+
+from engine.cli import _build_parser
+from engine.cli.train import resume_command
+
+
+def test_the_resume_command_keeps_the_overrides_launcher_and_until():
+    args = _build_parser().parse_args(
+        ["train", "configs/ctr.yaml", "--set", "checkpoint.job=my job", "--set", "model.epochs=3",
+         "--launcher", "local", "--until", "2024010108", "--run-dir", "runs/x", "--resume", "s3://b/old"])
+    cmd = resume_command(args)
+    assert shlex.split(cmd) == ["engine", "train", "configs/ctr.yaml", "--set", "checkpoint.job=my job",
+                                "--set", "model.epochs=3", "--launcher", "local", "--until", "2024010108",
+                                "--resume"]
+    # re-parsed, it is the same job with a plain --resume (the newest complete checkpoint of its root)
+    again = _build_parser().parse_args(shlex.split(cmd)[1:])
+    assert again.overrides == args.overrides and again.resume == "" and again.config == args.config
+
+
+def test_without_options_it_is_the_plain_resume():
+    args = _build_parser().parse_args(["train", "configs/ctr.yaml"])
+    assert resume_command(args) == "engine train configs/ctr.yaml --resume"
