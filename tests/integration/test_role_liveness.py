@@ -106,7 +106,7 @@ def test_a_worker_whose_servers_never_answer_exits_1_with_one_line(tmp_path):
     env = {**os.environ, "ENGINE_SERVERS": f"127.0.0.1:{port}", "ENGINE_NUM_WORKERS": "1"}
     p = subprocess.run([sys.executable, "-m", "engine", "train", str(REPO / "configs" / "logreg_demo.yaml"),
                         "--role", "worker", "--rank", "0", "--set", "cluster.startup_timeout_s=3",
-                        "--set", f"checkpoint.root={tmp_path / 'ckpt'}"],
+                        "--set", "cluster.servers=1", "--set", f"checkpoint.root={tmp_path / 'ckpt'}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
