@@ -12,7 +12,7 @@ cluster.endpoints=[h:1,h:2]`` a list), except that a string field always gets th
 files and in ``--set`` alike: ``--set model.until=2024010108`` and ``until: 0100`` give the strings
 ``"2024010108"`` and ``"0100"``.
 
-Layout (see ``configs/logreg_demo.yaml`` for every knob with a comment)::
+Layout (``configs/ctr.yaml`` sets every knob, with a comment; each program's config its ``model`` knobs)::
 
     mode: async                 # sync | async | geo | hybrid
     cluster: {servers, workers, host, endpoints, local_shards, num_vshards, ...}
