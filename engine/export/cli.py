@@ -36,14 +36,21 @@ log = logging.getLogger("engine.export")
 _TEXT_SUFFIXES = (".txt", ".tsv", ".gz", ".csv")
 
 
+def _help(command: str) -> str:
+    """The module docstring's paragraphs about ``command`` (``export`` or ``predict``) and the exit codes:
+    each command's ``--help`` describes that command only."""
+    paras = __doc__.strip().split("\n\n")
+    return "\n\n".join(q for q in paras[1:] if q.startswith(f"``engine {command} ") or q.startswith("Exit codes"))
+
+
 def add_subparsers(sub) -> None:
     """Register ``export`` and ``predict`` on the ``engine`` command's subparsers."""
     p = sub.add_parser("export", help="export a checkpoint for serving (bundle, ONNX, word2vec)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=_help("export"), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="checkpoint directory, or a job root (its newest complete checkpoint)")
     p.add_argument("out", help="output bundle directory (or word2vec file) on any storage URI")
     p.add_argument("--format", choices=("bundle", "onnx", "word2vec"), default="bundle")
-    p.add_argument("--min-show", type=float, default=None, help="drop rows seen fewer than N times")
+    p.add_argument("--min-show", type=float, default=None, metavar="N", help="drop rows seen fewer than N times")
     p.add_argument("--dtype", choices=("float32", "float16"), default=None, help="stored embedding dtype")
     p.add_argument("--delta", metavar="SINCE", default=None,
                    help="write a delta against this earlier export (rows changed since + deleted keys)")
@@ -54,11 +61,11 @@ def add_subparsers(sub) -> None:
     p.add_argument("--vocab", default=None,
                    help="word2vec: vocab.arrow (or its directory); default: the one a word2vec checkpoint records")
     p.add_argument("--binary", action="store_true", help="word2vec: binary format")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(run=run_export)
 
     q = sub.add_parser("predict", help="score Arrow or Criteo input with a serving bundle",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=_help("predict"), formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("bundle", help="bundle URI (a delta loads its whole chain)")
     q.add_argument("data", help="Arrow IPC/Parquet file or directory, '-' for stdin, or Criteo text")
     q.add_argument("--out", default=None, help="write predictions here (Arrow IPC file, column prob)")
@@ -68,7 +75,7 @@ def add_subparsers(sub) -> None:
     q.add_argument("--max-bad-rows", type=int, default=0, metavar="N",
                    help="Criteo text input: malformed lines to skip (each logged) before failing (default 0: "
                         "fail on the first); skipped lines have no prediction, so rows no longer line up")
-    q.add_argument("-v", "--verbose", action="store_true")
+    q.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     q.set_defaults(run=run_predict)
 
 
