@@ -186,6 +186,8 @@ def evaluate_ctr(cfg, uri: str) -> dict:
 def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hdfs_io import StorageUnavailableError
+
     from ..config import load_config
     bad = _bad_input_errors()
     try:
@@ -198,6 +200,9 @@ def run(args) -> int:
         else:
             print(f"engine eval: model.kind must be word2vec, ctr_dnn or deepfm, got {kind!r}", file=sys.stderr)
             return 2
+    except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
+        print(f"engine eval: checkpoint storage unavailable: {e}", file=sys.stderr)
+        return 1
     except bad as e:
         print(f"engine eval: {e}", file=sys.stderr)
         return 2

@@ -93,11 +93,20 @@ def _word2vec_description(model: Mapping[str, Any], *, hash_version: int, num_vs
 
 
 def is_checkpoint_uri(uri: str, storage_options: StorageOptions | None = None) -> bool:
-    """True when ``uri`` is a published checkpoint directory or a job root holding one."""
+    """True when ``uri`` is a published checkpoint directory or a job root holding one.
+
+    Raises
+    ------
+    hdfs_io.StorageUnavailableError
+        The storage did not answer through its retries (or its client is missing): no verdict on ``uri``.
+    """
+    from hdfs_io import StorageUnavailableError
     try:
         _resolve(uri, storage_options)
         return True
-    except Exception:  # noqa: BLE001 - any failure means "not a checkpoint"
+    except StorageUnavailableError:
+        raise
+    except Exception:  # noqa: BLE001 - any other failure means "not a checkpoint"
         return False
 
 

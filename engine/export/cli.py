@@ -94,6 +94,7 @@ def _bad_input_errors():
 
 def run_export(args) -> int:
     _logging(args.verbose)
+    from hdfs_io import StorageUnavailableError
     from models.errors import ModelInputError       # e.g. a word the word2vec format cannot hold
     bad = _bad_input_errors() + (ModelInputError,)
     try:
@@ -126,6 +127,9 @@ def run_export(args) -> int:
             out = {"event": "export", "format": args.format, "out": args.out, "bundle": meta["bundle"],
                    "rows": meta["embedding"]["rows"], "deleted": meta["embedding"]["deleted"],
                    "export_id": meta["export_id"], "seconds": meta["stats"]["seconds"]}
+    except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
+        print(f"engine export: checkpoint storage unavailable: {e}", file=sys.stderr)
+        return 1
     except FileExistsError as e:       # hdfs_io's message speaks of the library's overwrite=True
         what = "exists" if args.format == "word2vec" else "published"
         print(f"engine export: {e.filename or args.out}: already {what}; pass --overwrite to replace it",
