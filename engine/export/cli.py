@@ -285,6 +285,7 @@ def _input_schema(bundle, data):
 def run_predict(args) -> int:
     _logging(args.verbose)
     from engine.metrics import BinaryMetrics, LabelError
+    from hdfs_io import StorageUnavailableError
     bad = _bad_input_errors() + (IsADirectoryError, MixedLabelsError)
     if args.max_bad_rows < 0:
         print(f"engine predict: --max-bad-rows must be >= 0, got {args.max_bad_rows}", file=sys.stderr)
@@ -330,6 +331,9 @@ def run_predict(args) -> int:
         print(f"engine predict: {args.data}: column {bundle.label_column!r}, row {rows + e.index + 1} of the "
               f"input (counted over its files in order): {e}", file=sys.stderr)
         return 2
+    except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
+        print(f"engine predict: storage unavailable: {e}", file=sys.stderr)
+        return 1
     except bad as e:
         print(f"engine predict: {e}", file=sys.stderr)
         return 2
