@@ -56,6 +56,16 @@ def test_push_sums_duplicates_and_shows(monkeypatch):
     client.push("emb", big, np.ones((1000, DIM), np.float32))
     np.testing.assert_array_equal(client.pull("emb", big[::-1])[:, 1], -np.ones(1000) - (big[::-1] == 5) * 60
                                   - np.isin(big[::-1], [6, 7]) * 20)
+    # shows and clicks of duplicate keys are summed too (and the gradient is scaled by 1 / shows)
+    keys = np.array([2005, 2006, 2005, 2007, 2005] * 20, np.uint64)
+    shows = np.tile(np.array([1, 2, 3, 1, 4], np.float32), 20)
+    clicks = np.tile(np.array([1, 0, 1, 1, 0], np.float32), 20)
+    client.push("emb", keys, np.ones((100, DIM), np.float32), shows=shows, clicks=clicks)
+    rows = {r["key"]: r for sv in servers for sh in sv.sparse["emb"].shards for b in sh.rows()
+            for r in b.to_pylist() if r["key"] >= 2005}
+    assert {k: (r["show"], r["click"]) for k, r in rows.items()} == {2005: (160, 40), 2006: (40, 0), 2007: (20, 20)}
+    np.testing.assert_allclose(client.pull("emb", np.array([2005, 2006, 2007], np.uint64))[:, 0],
+                               [-60 / 160, -20 / 40, -20 / 20], rtol=1e-6)
 
 
 def test_client_rejects_bad_arguments_before_sending():
