@@ -76,6 +76,10 @@ def test_codec_rejects_truncated_wrong_dtype_and_wrong_shape():
     cut = pb.Tensor(dtype=t.dtype, shape=t.shape, data=t.data[:-3])
     with pytest.raises(ProtocolError, match="truncated"):
         codec.decode(cut, "keys", codec.U64, 1)
+    for extra in (b"\0" * 8, b"\0" * 3):     # padded: one element too many, or a part of one
+        padded = pb.Tensor(dtype=t.dtype, shape=t.shape, data=t.data + extra)
+        with pytest.raises(ProtocolError, match=f"keys: payload is {32 + len(extra)} bytes, expected 32"):
+            codec.decode(padded, "keys", codec.U64, 1)
     with pytest.raises(ProtocolError, match="expected dtype <f4"):
         codec.decode(t, "grads", codec.F32, 1)
     g = codec.encode(np.zeros((4, 2), np.float32))
