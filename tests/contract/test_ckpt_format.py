@@ -271,6 +271,33 @@ def test_damaged_checkpoints_name_the_file_and_fallback(mk):
     assert part in str(ei.value)
 
 
+@pytest.mark.parametrize("kind, what", [("base", "rows"), ("delta", "rows"), ("delta", "tombstones")])
+def test_a_manifest_whose_counts_differ_from_its_files_fails_the_restore(mk, kind, what):
+    """Every file of a table is read by the one server here, so the rows and tombstones its files hold
+    must add up to the manifest's counts: a checkpoint that lost or gained rows behind its manifest's back
+    (files rewritten with matching checksums) is refused, naming the table, the count and the manifest."""
+    make, mgr = mk
+    rng = np.random.default_rng(4)
+    c = make(1)
+    keys = rng.choice(1 << 40, 200, replace=False).astype(np.uint64)
+    c.push("emb", keys, _grads(rng, 200))
+    m = mgr.save(c, "base", when=T0)
+    if kind == "delta":
+        c.push("emb", keys[:30], _grads(rng, 30))
+        c.delete("emb", keys[-5:])
+        m = mgr.save(c, "delta", when=T0 + dt.timedelta(hours=1))
+    st = mgr.storage
+    man = json.loads(st.read_bytes(f"{m['name']}/manifest.json"))
+    want = man["tables"]["sparse"]["emb"][what]
+    assert want == {"base": 200, "delta": 30 if what == "rows" else 5}[kind]
+    man["tables"]["sparse"]["emb"][what] = want + 1
+    st.write_bytes(f"{m['name']}/manifest.json", json.dumps(man).encode())
+    with pytest.raises(CheckpointCorruptError,
+                       match=f"manifest.json: table 'emb': the manifest counts {want + 1} {what}, its files "
+                             f"hold {want}"):
+        mgr.restore(make(1))
+
+
 def test_half_written_checkpoint_is_ignored(mk):
     make, mgr = mk
     rng = np.random.default_rng(4)
