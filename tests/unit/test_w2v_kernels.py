@@ -50,13 +50,18 @@ def naive_sigmoid(x):
     return float(K.EXP_TABLE[int((float(x) + 6.0) * 83)])
 
 
-def naive_train(sents, reduced, negs, syn0, syn1neg, window, negative, alpha):
-    """gensim ``train_batch_sg`` → ``w2v_fast_sentence_sg_neg`` in float32 numpy, one pair at a time."""
+def naive_train(sents, reduced, negs, syn0, syn1neg, window, negative, alpha, alpha_end=None):
+    """gensim ``train_batch_sg`` → ``w2v_fast_sentence_sg_neg`` in float32 numpy, one pair at a time; the
+    rate moves linearly from ``alpha`` at the batch's first effective word towards ``alpha_end``
+    (default: constant)."""
     syn0, syn1neg = syn0.copy(), syn1neg.copy()
-    alpha = np.float32(alpha)
-    cursor, loss = 0, 0.0
+    m = sum(len(s) for s in sents)
+    step = ((alpha if alpha_end is None else alpha_end) - alpha) / max(m, 1)
+    cursor, loss, word = 0, 0.0, 0
     for s, red in zip(sents, reduced):
         for i in range(len(s)):
+            rate = np.float32(alpha + step * word)
+            word += 1
             lo, hi = max(0, i - window + red[i]), min(len(s), i + window + 1 - red[i])
             for j in range(lo, hi):
                 if j == i:
@@ -73,7 +78,7 @@ def naive_train(sents, reduced, negs, syn0, syn1neg, window, negative, alpha):
                     f_dot = np.float32(np.dot(syn0[l1].astype(np.float64), syn1neg[t].astype(np.float64)))
                     if f_dot <= -6 or f_dot >= 6:
                         continue
-                    g = np.float32((np.float32(label) - np.float32(naive_sigmoid(f_dot))) * alpha)
+                    g = np.float32((np.float32(label) - np.float32(naive_sigmoid(f_dot))) * rate)
                     x = f_dot if label == 1.0 else -f_dot
                     if -6 < x < 6:
                         loss -= float(K.LOG_TABLE[int((float(x) + 6.0) * 83)])
@@ -137,15 +142,25 @@ def test_train_matches_naive():
 
 @pytest.mark.nojit
 def test_alpha_interpolates_across_batch():
-    """alpha_start == alpha_end is gensim's constant rate; a zero rate changes nothing."""
+    """The rate moves linearly from alpha_start at the batch's first effective word towards alpha_end
+    (the reference, word by word); alpha_start == alpha_end is gensim's constant rate; a zero rate
+    changes nothing."""
     sg, docs, tokens, offsets = toy()
     V, dim = len(sg.vocab), sg.params.dim
-    syn0 = sg.init_input_vectors(np.arange(V))
+    syn0 = sg.init_input_vectors(np.arange(V)) * 50
     syn1 = np.full((V, dim), 0.1, np.float32)
     batch = sg.prepare(tokens, offsets, new_state(2))
     a0, a1 = syn0.copy(), syn1.copy()
     sg.train(batch, batch.words, batch.words, batch.negs, a0, a1, 0.0, 0.0)
     assert np.array_equal(a0, syn0) and np.array_equal(a1, syn1)
+    sents = [batch.words[a:b].tolist() for a, b in zip(batch.sent_offsets[:-1], batch.sent_offsets[1:])]
+    red = [batch.reduced[a:b].tolist() for a, b in zip(batch.sent_offsets[:-1], batch.sent_offsets[1:])]
+    ref0, ref1, _ = naive_train(sents, red, batch.negs.tolist(), syn0, syn1, 3, 3, 0.05, 0.001)
+    sg.train(batch, batch.words, batch.words, batch.negs, a0, a1, 0.05, 0.001)
+    np.testing.assert_allclose(a0, ref0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a1, ref1, rtol=1e-5, atol=1e-6)
+    const0, _, _ = naive_train(sents, red, batch.negs.tolist(), syn0, syn1, 3, 3, 0.05)
+    assert np.abs(const0 - ref0).max() > 1e-3          # the decay matters at this size: not vacuous
 
 
 @pytest.mark.nojit
