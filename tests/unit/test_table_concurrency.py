@@ -1,6 +1,7 @@
 """One ``SparseTable`` under the threads of a server: pushes and pulls from several threads while its
 arena and index grow, its RAM tier evicts to RocksDB and promotes back, base and delta saves run (each
-applied to a replica), an expiry pass, ``release_ram`` / ``restore_ram`` and ``stats()`` run beside them.
+applied to a replica), an expiry pass, ``release_ram`` / ``restore_ram`` and ``stats()`` run beside them;
+with a RAM tier of 48 rows, and (``make test-long``) under a memory budget.
 
 What the docstrings promise and this checks:
 
@@ -50,13 +51,13 @@ def dump_rows(batches):
     return out
 
 
-def check_instant(rows: dict, errors: list, what: str) -> None:
+def check_instant(rows: dict, errors: list, what: str, groups: int) -> None:
     """A dump is one instant: each row's values equal -show, and a group's keys agree."""
     for k, (v, show) in rows.items():
         if not (np.all(v == v[0]) and v[0] == -show):
             errors.append(f"{what}: torn row {k}: values {v.tolist()} show {show}")
             return
-    for g in range(GROUPS):
+    for g in range(groups):
         ks = [k for k in group_keys(g).tolist() if k in rows]
         shows = {rows[k][1] for k in ks}
         if len(shows) > 1:
@@ -64,19 +65,33 @@ def check_instant(rows: dict, errors: list, what: str) -> None:
             return
 
 
-def spilled(path, **kw) -> SparseTable:
-    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros", memory_rows=48,
-                      spill_path=str(path), num_threads=2, **kw)
-    return SparseTable(cfg, initial_rows=16)
+def spilled(path, eviction: str, budget: bool) -> SparseTable:
+    """A RAM tier of 48 rows; or (``budget``) a memory budget whose RAM tier its owner's measure of
+    unaccounted bytes holds at its floor of 1024 rows, so pushes promote in parts, pulls in chunks, and
+    the arena compacts (``sparse_tables._spill_tier``)."""
+    tier = dict(memory_bytes=80 << 20) if budget else dict(memory_rows=48)
+    cfg = TableConfig(dim=DIM, optimizer="sgd", learning_rate=1.0, initializer="zeros", spill_path=str(path),
+                      num_threads=2, eviction=eviction, **tier)
+    t = SparseTable(cfg, initial_rows=16)
+    if budget:
+        b = t.budget
+        b.set_unaccounted(b.reserve_bytes + (b.rows_allowed() - 1500) * b.row_bytes)
+        assert b.rows_cap() == 1024
+    return t
 
 
-@pytest.mark.parametrize("eviction", ["lru", "slru"])
-def test_threads_lose_no_update_tear_no_row_and_end(tmp_path, eviction):
-    t = spilled(tmp_path / "t", eviction=eviction)
-    replica = spilled(tmp_path / "r", eviction=eviction)
+@pytest.mark.parametrize("eviction, budget", [
+    ("lru", False), ("slru", False),
+    # ~25 s: the same threads over a memory budget's paths; make test covers them without the budget
+    pytest.param("lru", True, marks=pytest.mark.long)])
+def test_threads_lose_no_update_tear_no_row_and_end(tmp_path, eviction, budget):
+    groups = 700 if budget else GROUPS          # over the budget's floor of 1024 rows in RAM
+    per_push = 120 if budget else 6
+    t = spilled(tmp_path / "t", eviction, budget)
+    replica = spilled(tmp_path / "r", eviction, budget)
     stop = threading.Event()
     errors: list[str] = []
-    pushes = np.zeros(GROUPS, np.int64)
+    pushes = np.zeros(groups, np.int64)
     pushes_lock = threading.Lock()
     saves = {"base": 0, "delta": 0}
     stats_s = []
@@ -93,11 +108,11 @@ def test_threads_lose_no_update_tear_no_row_and_end(tmp_path, eviction):
     @guard
     def pusher(seed):
         rng = np.random.default_rng(seed)
-        mine = np.zeros(GROUPS, np.int64)
+        mine = np.zeros(groups, np.int64)
         for _ in range(400):
             if stop.is_set():
                 break
-            gs = rng.choice(GROUPS, rng.integers(1, 6), replace=False)
+            gs = rng.choice(groups, rng.integers(1, per_push), replace=False)
             keys = np.concatenate([group_keys(g) for g in gs])
             reps = rng.integers(1, 3)               # a key twice in one push: both count (summed)
             keys = np.tile(keys, reps)
@@ -111,7 +126,7 @@ def test_threads_lose_no_update_tear_no_row_and_end(tmp_path, eviction):
     def puller(seed):
         rng = np.random.default_rng(seed)
         while not stop.is_set():
-            gs = rng.choice(GROUPS, rng.integers(1, 8), replace=False)
+            gs = rng.choice(groups, rng.integers(1, per_push + 2), replace=False)
             keys = np.concatenate([group_keys(g) for g in gs])
             v = t.pull(keys)
             bad = ~np.all(v == v[:, :1], axis=1)
@@ -125,7 +140,7 @@ def test_threads_lose_no_update_tear_no_row_and_end(tmp_path, eviction):
             batches, tombstones = list(dump), dump.deleted
         finally:
             dump.close()
-        check_instant(dump_rows(batches), errors, f"{what} {n}")
+        check_instant(dump_rows(batches), errors, f"{what} {n}", groups)
         r = replica_box[0]
         with r.delta_load(parent):
             r.load_rows(iter(batches))
@@ -154,8 +169,8 @@ def test_threads_lose_no_update_tear_no_row_and_end(tmp_path, eviction):
             n += 1
             if uri is None or n % 5 == 0:
                 batches = list(t.rows(clear=True, chunk_rows=40))
-                check_instant(dump_rows(batches), errors, f"base {n}")
-                fresh = spilled(tmp_path / f"r{n}", eviction=eviction)
+                check_instant(dump_rows(batches), errors, f"base {n}", groups)
+                fresh = spilled(tmp_path / f"r{n}", eviction, budget)
                 with fresh.bulk_load(distinct=True):
                     fresh.load_rows(iter(batches))
                 fresh.finish_restore(f"mem://{n}")
@@ -219,7 +234,7 @@ def test_threads_lose_no_update_tear_no_row_and_end(tmp_path, eviction):
 
     # every push landed once
     want = {}
-    for g in range(GROUPS):
+    for g in range(groups):
         for k in group_keys(g).tolist():
             if pushes[g]:
                 want[k] = float(pushes[g])
