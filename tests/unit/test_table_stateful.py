@@ -554,7 +554,10 @@ class TableMachine(RuleBasedStateMachine):
         for k in mine:
             assert mine[k] == theirs[k], ("replica row", k)
         assert len(self.replica) == len(self.t) == len(self.m.rows)
-        assert self.replica.stats()["rows"] == len(self.m.rows)
+        s = self.replica.stats()
+        assert s["rows"] == len(self.m.rows)
+        if self.cfg.spill_path is not None:     # a load leaves the RAM tier within its cap too
+            assert s["rows_in_ram"] <= self.cfg.memory_rows, s["rows_in_ram"]
 
     # -------------------------------------------------------------------------- invariants
     @invariant()
