@@ -23,9 +23,10 @@ prefetch(arr, i), prefetch_last(arr, i)
     without blocking. No-ops under ``NUMBA_DISABLE_JIT=1``.
 
 The mixers are ``@njit(inline="always")``: they compile into the caller, so a caller's
-``@njit(cache=True)`` cache holds their code. Numba keys a cache on the caller's own source file only;
-after changing a function here, remove the callers' ``__pycache__/*.nbi`` / ``*.nbc`` files (or touch
-the callers) so they recompile.
+``@njit(cache=True)`` cache holds their code. Numba keys a cache on the text of the caller's own source
+file only (touching it does nothing); a module that imports this one at its top has its cached kernels
+keyed on this package's kernel sources too (``sparse_tables._jit.install_cache_stamp``), so they
+recompile after a change here.
 
 These names are the same objects as the private ones (re-exported, not copied), so a kernel that
 calls them compiles to the same code as the table's own kernels.
