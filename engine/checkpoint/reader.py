@@ -193,10 +193,10 @@ def _read_tombstones(plan: _Plan, name: str, fname: str, entry: FileEntry) -> tu
     return np.ascontiguousarray(table.column("key").to_numpy()), at_parent
 
 
-def _apply_tombstones(plan: _Plan, tomb_keys: list, rows: dict) -> dict:
+def _apply_tombstones(plan: _Plan, tomb_keys: list, tables) -> dict:
     """Delete each tombstone file's keys (``(table, (keys, at_parent))`` items) from the shards they
-    route to; returns rows deleted by table."""
-    tombs = {name: 0 for name in rows}
+    route to; returns rows deleted by table (each of ``tables``, names, at least 0)."""
+    tombs = {name: 0 for name in tables}
     for name, (keys, at_parent) in tomb_keys:
         local = routing.lookup(keys, plan.num_vshards, plan.local_owner)
         for j, shard in enumerate(plan.sparse[name]):
@@ -480,9 +480,12 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
             for shards in sparse.values():
                 for shard in shards:
                     trust.enter_context(shard.delta_load(parent))
-            rows, _ = _load_rows(plan, threads, None)
+            # tombstones before rows: no key is both (a tombstone had a row at the parent and has none
+            # at the delta), and a full table (max_rows) whose expiry made room for new keys needs the
+            # room back before they load; rows first passed max_rows midway and the delta did not load
             tomb_keys = [(name, _read_tombstones(plan, name, fname, entry)) for name, fname, entry in plan.tomb_files]
-            tombs = _apply_tombstones(plan, tomb_keys, rows)
+            tombs = _apply_tombstones(plan, tomb_keys, plan.tables)
+            rows, _ = _load_rows(plan, threads, None)
     for name, shards in sparse.items():     # restored state is the new "clean" point for the next delta
         for shard in shards:
             if name in plan.tables:             # ... and, with no traffic meanwhile, exactly this checkpoint

@@ -196,6 +196,38 @@ def test_delta_past_max_rows_is_refused_before_anything_changes(trained, tmp_pat
         s.close()
 
 
+def test_a_full_table_whose_expiry_made_room_restores_its_delta(tmp_path):
+    """A table at max_rows expires rows and new keys take their room: its delta (new rows and
+    tombstones, the same row count) restores. The reader loaded the delta's rows before deleting its
+    tombstones, so the shard passed max_rows midway and the load was refused."""
+    rng = np.random.default_rng(5)
+    servers, client = make(tmp_path, "src", n=1, max_rows=200)       # 100 rows a shard
+    shards = servers[0].sparse["emb"].shards
+    old = rng.choice(1 << 40, 400, replace=False).astype(np.uint64)
+    client.push("emb", old, np.ones((400, DIM), np.float32))          # both shards full, the rest refused
+    held = old[np.any([sh.contains(old) for sh in shards], axis=0)]
+    assert len(held) == 200
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), "job")
+    base = mgr.save(client, "base", when=0.0)
+    CLOCK.advance(60.0)
+    client.push("emb", held[20:], np.ones((180, DIM), np.float32))    # the first 20 are not seen again
+    CLOCK.advance(60.0)
+    assert client.shrink("emb") == 20
+    new = rng.choice(1 << 40, 400, replace=False).astype(np.uint64) + np.uint64(1 << 41)
+    client.push("emb", new, np.ones((400, DIM), np.float32))          # new keys take the room back
+    assert sum(len(sh) for sh in shards) == 200
+    delta = mgr.save(client, "delta", when=120.0)
+    every = np.concatenate([old, new])
+    want = client.pull("emb", every)
+    dst, dclient = make(tmp_path, "dst", n=1, max_rows=200)
+    dclient.load(mgr.uri_of(base["name"]))
+    dclient.load(mgr.uri_of(delta["name"]))
+    np.testing.assert_array_equal(dclient.pull("emb", every), want)
+    assert sum(len(sh) for sh in dst[0].sparse["emb"].shards) == 200
+    for s in servers + dst:
+        s.close()
+
+
 def test_a_checkpoint_with_the_old_float32_metrics_table_still_loads(tmp_path):
     """Before exact metric sums, CTR configs declared a float32 ``metrics`` dense table and every
     checkpoint saved it; a config without that table restores such a checkpoint, ignoring it."""

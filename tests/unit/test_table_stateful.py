@@ -372,10 +372,10 @@ class TableMachine(RuleBasedStateMachine):
                         t.load_rows(iter(batches))
                     exact = t.finish_restore(uri)
                 else:
-                    with t.delta_load(parent) as trusted:
-                        t.load_rows(iter(batches))
+                    with t.delta_load(parent) as trusted:      # tombstones first, as the reader
                         if len(tombstones):
                             t.delete(tombstones, tombstones=True, at_parent=True)
+                        t.load_rows(iter(batches))
                     exact = t.finish_restore(uri)
                     # a table that spills and holds exactly the parent takes existed as true
                     assert trusted == (t._spill is not None), (uri, trusted)
@@ -521,10 +521,10 @@ class TableMachine(RuleBasedStateMachine):
         uri = f"mem://ckpt/{self.serial}"
         parent = self.chain[-1][1]
         self.chain.append(("delta", uri, batches, tombstones))
-        with self.replica.delta_load(parent) as trusted:
-            self.replica.load_rows(iter(batches))
+        with self.replica.delta_load(parent) as trusted:      # tombstones first, as the reader
             if len(tombstones):
                 self.replica.delete(tombstones, tombstones=True, at_parent=True)
+            self.replica.load_rows(iter(batches))
         assert trusted == (self.cfg.spill_path is not None)
         self.replica.finish_restore(uri)
         self._replica_equals_table()
