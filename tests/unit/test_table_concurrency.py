@@ -230,7 +230,9 @@ def test_threads_lose_no_update_tear_no_row_and_end(tmp_path, eviction, budget):
     assert saves["base"] >= 1 and saves["delta"] >= 1, saves
     s = t.stats()
     assert s["evictions"] > 0 and s["promotions"] > 0
-    assert max(stats_s) < 1.0, max(stats_s)
+    # never behind a writer for long (its lock wait is 20 ms; the rest is GIL hand-offs among 8 busy threads:
+    # up to 0.26 s seen on 2 cores)
+    assert max(stats_s) < 5.0, max(stats_s)
 
     # every push landed once
     want = {}
