@@ -32,12 +32,9 @@ server, its workers and the rest, sampled with psutil over the middle 80% of tra
 ratio a ``_cpu_bound`` twin: the ratio the hybrid job would reach if it kept every core busy at the CPU
 per example it used (``cpu_bound``). On a machine whose cores a job saturates, that bounds what any
 scheduling of the same work can reach.
-Reference, NOT measured by this bench: every record carries ``paddle_reference_examples_per_s`` (22,000),
-the figure this repository has quoted since 2026-11-21 for Paddle 2.6.2's parameter server (1 server + 2
-trainers, same net, batch 512, "on this kind of machine"), with ``paddle_reference_date``,
-``paddle_reference_source`` and ``paddle_reference_measured_in_this_run: false``. No script, log or run in
-the repository produced that figure (see ``PADDLE_REFERENCE``), so no ratio is computed from it: a ratio
-printed here is measured in the run (``ratio_vs_roofline``), never against a remembered constant.
+Every ratio printed is measured in the run (``ratio_vs_roofline``), never against a remembered constant: the
+22,000 examples/s quoted for Paddle 2.6.2's parameter server since 2026-11-21 was never measured by this
+repository (no script, log or run produced it), so no record carries it.
 
 Run as root (test hosts from network namespaces, ``bench/ctr_hosts.py``), ``ctr_dnn_async_hosts`` runs
 ``ctr_dnn_async`` with its server and two workers on three test hosts, mutual TLS and tokens on, right after
@@ -68,19 +65,6 @@ sys.path.insert(0, str(REPO))
 
 from engine.programs.ctr_data import DataConfig, expected_schema, prepare_data  # noqa: E402
 from streaming.criteo import SPARSE_COLUMNS as SLOTS, generate_criteo  # noqa: E402
-
-#: Paddle's figure as the repository has carried it; printed beside the measurements, never divided by.
-PADDLE_REFERENCE = {
-    "paddle_reference_examples_per_s": 22000,
-    "paddle_reference_measured_in_this_run": False,
-    "paddle_reference_date": "2026-11-21",
-    "paddle_reference_source": (
-        "Paddle 2.6.2 parameter server, 1 server + 2 trainers, same net, batch 512, 'on this kind of "
-        "machine': a constant first written into bench/ctr_bench.py (and later the README) by commit add1f44 "
-        "on 2026-11-21; the date is when it was recorded, not a measurement date. No script, log, data or "
-        "machine description of the Paddle run is in the repository and Paddle is not installed here, so "
-        "the figure cannot be reproduced: quoted, not measured"),
-}
 
 RUNS = {   # name: (config, model, mode, extra overrides)
     "ctr_dnn_async": ("configs/ctr_bigdata.yaml", "ctr_dnn", "async", ()),
@@ -339,8 +323,7 @@ def observability_record(name: str, train: Path, test: Path, batch: int, work: P
 
 def record(name: str, final: dict, roof: float, batch: int, wall: float, profile: dict | None = None) -> dict:
     """The JSON record of one measurement from ``engine train``'s final line (``examples_per_s``,
-    ``test_auc``, ``test_logloss``) and the roofline measured in the same run (examples/s). The Paddle
-    reference is attached as quoted (``PADDLE_REFERENCE``); no ratio is computed from it."""
+    ``test_auc``, ``test_logloss``) and the roofline measured in the same run (examples/s)."""
     _, kind, mode, own = RUNS[name]
     return {"bench": name, "model": kind, "mode": mode, "servers": 1, "workers": 2, "batch_size": batch,
             "dim": 10,
@@ -348,7 +331,6 @@ def record(name: str, final: dict, roof: float, batch: int, wall: float, profile
             "ratio_vs_roofline": round(final["examples_per_s"] / roof, 3),
             "test_auc": final.get("test_auc"), "test_logloss": final.get("test_logloss"),
             "job_wall_s": round(wall, 1),
-            **PADDLE_REFERENCE,
             **({"overrides": list(own)} if own else {}), **(profile or {})}
 
 
