@@ -120,6 +120,13 @@ def _check_tables(cfg, p: Config) -> None:
         extra = " (deepfm rows hold the first-order weight + the embedding: dim + 1)" if kind == "deepfm" else ""
         raise ConfigError(f"tables.sparse.{p.sparse_table}.dim must be {model.sparse_width} for {kind} with "
                           f"model.dim={p.dim}{extra}, got {t.dim}")
+    if t.initializer == "zeros" and p.dense_dim == 0:    # every tower input 0: ReLU'(0) = 0 passes nothing back
+        learns = ("only the output bias learns" if kind == "ctr_dnn" else
+                  "only the first-order weights learn: a logistic regression")
+        raise ConfigError(f"tables.sparse.{p.sparse_table}.initializer: zeros with model.dense_dim=0 cannot train "
+                          f"{kind}: every embedding starts at 0 and no dense feature feeds the tower, so no gradient "
+                          f"reaches the embeddings or hidden layers ({learns}); use initializer uniform or normal "
+                          f"(init_range e.g. 0.01), or dense features")
     if p.dense_table not in cfg.dense_tables:
         raise ConfigError(f"tables.dense.{p.dense_table}: missing (model.dense_table names it); declared "
                           f"dense tables: {sorted(cfg.dense_tables)}")

@@ -60,6 +60,18 @@ def test_train_bad_config(override, needle, capsys):
     assert needle in _err(capsys)
 
 
+@pytest.mark.parametrize("kind, learns", [("ctr_dnn", "only the output bias learns"),
+                                           ("deepfm", "only the first-order weights learn")])
+def test_zero_initialized_embeddings_without_dense_features_are_refused(kind, learns, capsys):
+    """Every input of the tower is 0 and ReLU'(0) = 0: no gradient ever reaches the embeddings (checked on
+    the models: ctr_dnn's gradients are all 0 but the output bias's, deepfm's but the first-order weights')."""
+    config = CTR if kind == "ctr_dnn" else str(REPO / "configs" / "deepfm.yaml")
+    assert main(["train", config, "--set", "tables.sparse.embedding.initializer=zeros",
+                 "--set", "model.dense_dim=0"]) == 2
+    msg = _err(capsys)
+    assert "tables.sparse.embedding.initializer: zeros with model.dense_dim=0 cannot train" in msg and learns in msg
+
+
 def test_train_missing_data_path(tmp_path, capsys):
     assert main(["train", CTR, "--set", "model.data.source=criteo",
                  "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
