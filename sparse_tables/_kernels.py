@@ -282,10 +282,13 @@ def init_values(arena_f, r, voff, dim, key, seed, kind, scale):
 
 
 @njit(nogil=True, cache=True)
-def initial_values(keys, dim, seed, kind, scale, out):
-    """The row a push would create for each key. keys : uint64[n], out : float32[n, dim]."""
+def initial_values(keys, dim, seed, kind, scale, lo, hi, out):
+    """The values a pull shows for absent keys, within ``[lo, hi]`` (``min_bound``, ``max_bound``), as the row
+    a push creates holds them once its update is clipped. keys : uint64[n], out : float32[n, dim]."""
     for i in range(keys.shape[0]):
         init_values(out, i, 0, dim, keys[i], U64(seed), kind, scale)
+        for j in range(dim):
+            out[i, j] = np.float32(min(max(out[i, j], lo), hi))
 
 
 @borrowed

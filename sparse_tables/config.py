@@ -90,7 +90,8 @@ class TableConfig:
     ftrl_beta, ftrl_l1, ftrl_l2 : float
         FTRL-Proximal beta, L1 and L2 strengths.
     min_bound, max_bound : float
-        Values are clipped to this range after every optimizer update (Paddle's weight_bounds).
+        Values are clipped to this range after every optimizer update, and the initial values a pull shows
+        for absent keys too (Paddle's weight_bounds, which its SGD rules apply to initial values).
     min_count : int
         Admission: a key becomes a row once it has been pushed this many times (occurrences); counts of
         not-yet-admitted keys live in a count-min sketch (``sketch_depth`` x ``sketch_width`` uint32).

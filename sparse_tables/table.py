@@ -293,7 +293,8 @@ class SparseTable(SpillTier, DeltaCapture):
         """The values a push would create for keys : uint64[n] -> float32[n, dim] (nothing is created)."""
         keys = _check_keys(keys)
         out = np.empty((len(keys), self.layout.dim), np.float32)
-        K.initial_values(keys, self.layout.dim, self._seed, self._init_kind, self.config.init_range, out)
+        K.initial_values(keys, self.layout.dim, self._seed, self._init_kind, self.config.init_range,
+                         self.config.min_bound, self.config.max_bound, out)
         return out
 
     def contains(self, keys: np.ndarray) -> np.ndarray:

@@ -38,7 +38,7 @@ def initial_values(cfg: TableConfig, key: int) -> np.ndarray:
             u1 = uniform01(seed, key, 2 * j) + 1.0 / 33554432.0
             u2 = uniform01(seed, key, 2 * j + 1)
             out[j] = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2) * cfg.init_range
-    return out
+    return np.clip(out, cfg.min_bound, cfg.max_bound).astype(np.float32)   # created within the bounds
 
 
 def initial_state(cfg: TableConfig) -> np.ndarray:

@@ -126,6 +126,25 @@ def test_a_geo_delta_is_held_to_the_weight_bounds(clock):
     np.testing.assert_array_equal(t.pull(u64(1, 2)), np.array([[0.25, -0.5], [0.1, -0.1]], np.float32))
 
 
+@pytest.mark.parametrize("initializer", ["uniform", "normal"])
+def test_a_new_row_starts_within_the_weight_bounds(clock, initializer):
+    """Paddle's rules bound a row's initial values too; a pull of absent keys here showed the initializer's
+    draw, outside [min_bound, max_bound] (uniform 0.5 against bounds of 0.1 and 0.05)."""
+    cfg = TableConfig(dim=8, optimizer="sgd", initializer=initializer, init_range=0.5, min_bound=-0.1,
+                      max_bound=0.05, seed=3)
+    t = SparseTable(cfg, clock=lambda: clock[0])
+    keys = np.arange(1, 201, dtype=np.uint64)
+    unclipped = np.stack([naive.initial_values(TableConfig(dim=8, initializer=initializer, init_range=0.5,
+                                                           seed=3), int(k)) for k in keys])
+    assert unclipped.min() < -0.1 and unclipped.max() > 0.05               # the draw crosses both bounds
+    expected = np.clip(unclipped, -0.1, 0.05)
+    np.testing.assert_allclose(t.initial_values(keys), expected, rtol=1e-6)       # a pull of absent keys
+    np.testing.assert_allclose(t.pull(keys, init_missing=True), expected, rtol=1e-6)
+    t.push(keys, np.zeros((len(keys), 8), np.float32))                    # creates the rows
+    assert len(t) == len(keys)
+    np.testing.assert_allclose(t.pull(keys), expected, rtol=1e-6)
+
+
 def test_expiry_deletes_and_reports_tombstones(clock, tmp_path):
     t = SparseTable(TableConfig(dim=2, expire_after=10, memory_rows=2, spill_path=str(tmp_path / "s")),
                     clock=lambda: clock[0])

@@ -28,7 +28,8 @@ def test_initial_values_are_a_pure_function_of_seed_and_key(initializer):
     cfg = TableConfig(dim=5, initializer=initializer, init_range=0.3, seed=11)
     keys = np.array([0, 1, 2**63 + 5, 2**64 - 1, 123456789], np.uint64)
     out = np.empty((len(keys), 5), np.float32)
-    K.initial_values(keys, 5, np.uint64(11), {"uniform": 0, "normal": 1, "zeros": 2}[initializer], 0.3, out)
+    K.initial_values(keys, 5, np.uint64(11), {"uniform": 0, "normal": 1, "zeros": 2}[initializer], 0.3,
+                     -np.inf, np.inf, out)
     expected = np.stack([naive.initial_values(cfg, int(k)) for k in keys])
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7)
     if initializer == "uniform":

@@ -126,7 +126,7 @@ def f32(x):
 
 
 def initial_values(cfg: TableConfig, key: int) -> np.ndarray:
-    """``TableConfig.initializer``: a pure function of (seed, key)."""
+    """``TableConfig.initializer``: a pure function of (seed, key), within ``min_bound``/``max_bound``."""
     seed = cfg.seed % (1 << 64)
     out = np.zeros(cfg.dim, np.float32)
     for j in range(cfg.dim):
@@ -136,7 +136,7 @@ def initial_values(cfg: TableConfig, key: int) -> np.ndarray:
             u1 = _uniform01(seed, key, 2 * j) + 1.0 / 33554432.0
             u2 = _uniform01(seed, key, 2 * j + 1)
             out[j] = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2) * cfg.init_range
-    return out
+    return f32(np.clip(out, cfg.min_bound, cfg.max_bound))
 
 
 def initial_state(cfg: TableConfig) -> np.ndarray:
