@@ -525,6 +525,8 @@ def _scale_rows(bench: BenchResults, t) -> Where | None:
 #: (a size ratio of 10 between levels); universal's full merge writes a copy of every input before it
 #: deletes them, up to twice the data (RocksDB wiki, "Leveled Compaction" and "Universal Compaction")
 DISK_PEAK_ASSUMED = {"level": 1.111, "universal": 2.0}
+#: the optimizers ``sparse_tables.optimizer_state_width`` knows (a bench row naming another is refused)
+OPTIMIZERS = ("sgd", "adagrad", "std_adagrad", "adam", "ftrl")
 
 
 def _disk_bytes(rec: _Record, bench: BenchResults, record: int, space_amplification: float,
@@ -563,8 +565,15 @@ def _disk_bytes(rec: _Record, bench: BenchResults, record: int, space_amplificat
         if "record_bytes" in srow:
             bench_rec = 8 + rec.use(bench.figure("scale_summary", "record_bytes", unit="bytes", where=where))
         else:
-            sdim = int(srow["dim"])
-            bench_rec = 8 + RowLayout(sdim, optimizer_state_width(srow.get("optimizer", "adagrad"), sdim)).row_bytes
+            sdim = rec.use(bench.figure("scale_summary", "dim", unit="floats", where=where))
+            opt = srow.get("optimizer", "adagrad")
+            n = bench.latest("scale_summary", where)[0]
+            if sdim != int(sdim) or not isinstance(opt, str) or opt not in OPTIMIZERS:
+                bad = f"dim must be a whole number, got {sdim:g}" if sdim != int(sdim) else \
+                    f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {opt!r}"
+                raise PlanInputError(f"{bench.path}:{n}: scale_summary.{bad}")
+            sdim = int(sdim)
+            bench_rec = 8 + RowLayout(sdim, optimizer_state_width(opt, sdim)).row_bytes
         return rec.computed("disk_bytes_per_row_scaled", b_disk * on_disk / bench_rec, "bytes",
                             f"bytes per spilled row x {on_disk} / {bench_rec:g} (8 key + record bytes, "
                             f"config / bench)"), True

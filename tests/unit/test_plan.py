@@ -310,6 +310,22 @@ def test_non_numeric_figure_is_named_with_its_line(tmp_path, ctr):
         plan_1e9(ctr, bench(tmp_path, rows))
 
 
+@pytest.mark.parametrize("fields, needle", [
+    ({"dim": "sixteen"}, r"bench.jsonl:11: scale_summary.dim must be a finite number > 0, got 'sixteen'"),
+    ({"dim": None}, r"bench.jsonl:11: scale_summary.dim must be a finite number > 0, got None"),
+    ({"dim": 16.5}, r"bench.jsonl:11: scale_summary.dim must be a whole number"),
+    ({"dim": 16, "optimizer": "adamw"}, r"bench.jsonl:11: scale_summary.optimizer must be one of .*'adamw'"),
+])
+def test_bad_scale_summary_row_shape_is_named_with_its_line(tmp_path, ctr, fields, needle):
+    # without record_bytes the bench row's record is rebuilt from its dim and optimizer: a malformed one
+    # ended in a ValueError, TypeError or KeyError traceback
+    row = {k: v for k, v in SCALE.items() if k != "record_bytes"} | fields
+    with pytest.raises(PlanInputError, match=needle):
+        plan_1e9(ctr, bench(tmp_path, ROWS + [row]))
+    ok = plan_1e9(ctr, bench(tmp_path, ROWS + [row | {"dim": 16, "optimizer": "adagrad"}]))
+    assert disk_demand(ok) == pytest.approx(0.75e9 * 110 * 80 / 104 * 1.111)
+
+
 def test_unique_keys_above_batch_times_slots_is_refused(tmp_path, ctr):
     with pytest.raises(PlanInputError, match="batch_size x slots = 128 x 26"):
         plan_1e9(ctr, bench(tmp_path), unique_keys_per_batch=128 * 26 + 1)
