@@ -17,6 +17,9 @@ RAM (``bytes_per_row`` of ``bench/table_bench.py``, measured at its own dim and 
               bloom_bits: the spill tier's Bloom filter per key (sparse_tables.keysets); rss_factor =
               scale_summary.rss_max_over_budget (a server's largest RSS over its memory budget, measured),
               else 1 and RocksDB's block cache and memtables are not counted
+              with memory_rows (spill_path set): a server holds at most
+              cap + (server_ram / rss_factor - cap * b_ram) / (bloom_bits / 8) keys, cap = memory_rows *
+              local_shards rows in RAM (none when cap * b_ram * rss_factor exceeds the server's RAM)
     RAM     = memory_bytes * rss_factor     with tables.sparse.T.memory_bytes: the table's RAM on a server,
               everything included; its RAM tier holds ``sparse_tables.budget.MemoryBudget.rows_cap`` rows
               per local shard once the filters of the server's keys are counted, so a server can hold at
@@ -618,13 +621,20 @@ def _memory(rec: _Record, cfg, t, name: str, K: float, V: int, rows: _Rows, mach
     if ram_fraction is None and t.spill_path:
         cap = rec.computed("ram_rows_per_server", t.memory_rows * shards, "rows",
                            f"{tk}.memory_rows x cluster.local_shards {shards} (spill_path set)")
+        # a full RAM tier plus the filters of every key beyond it: RAM, not only disk, bounds a server's keys
         srv_ram = rows.ram_of(cap, cap)
         ok = srv_ram <= mach["ram"]
-        note = "per server: memory_rows x local_shards rows"
-        if not ok:
-            note += ", over the server's RAM: lower memory_rows or pass --ram-fraction"
+        if ok:
+            most = rec.computed("max_keys_per_server", cap + (mach["ram"] / rows.rss_factor - cap * rows.ram)
+                                / rows.bloom_bytes, "rows", "ram_rows_per_server + (server_ram / rss_factor - "
+                                "ram_rows_per_server x ram_bytes_per_row) / Bloom bytes per key")
+            ram = Resource("ram", K, most, "keys", servers_for(K, most, V),
+                           "keys whose filters fit the server's RAM beside memory_rows x local_shards rows")
+        else:
+            ram = Resource("ram", srv_ram, mach["ram"], "bytes", None, "memory_rows x local_shards rows alone "
+                           "are over the server's RAM: lower memory_rows or pass --ram-fraction")
         return _Memory(lambda k: min(k, cap), lambda k: rows.ram_of(min(k, cap), k), [
-            Resource("ram", srv_ram, mach["ram"], "bytes", 1 if ok else None, note),
+            ram,
             Resource("disk", K * rows.disk, mach["disk"], "bytes", servers_for(K, disk_rows + cap, V),
                      f"each server also keeps {cap:.3g} rows in RAM")])
     if ram_fraction is not None:

@@ -174,6 +174,25 @@ def test_budget_mode_uses_memory_rows_per_server(tmp_path):
     assert disk.servers == 21 == p.servers
 
 
+def test_memory_rows_servers_fit_the_spill_filters_of_their_keys_in_ram(tmp_path):
+    # disk alone fits 1e12 keys on 3 servers, but each would keep 3.3e11 keys' filters (1.25 bytes each)
+    # beside its 1e9-row RAM tier: 510 GB on a 100 GB server, planned as fitting
+    cfg = load_config(CTR, [f"tables.sparse.embedding.spill_path={tmp_path / 'spill'}",
+                            "tables.sparse.embedding.memory_rows=250000000"])
+    p = plan_1e9(cfg, bench(tmp_path), keys=1e12, ram_fraction=None, server_ram_bytes=100e9,
+                 server_disk_bytes=38e12, examples_per_s=1e3)
+    ram = next(x for x in p.resources if x.name == "ram")
+    most = 1e9 + (100e9 - 1e9 * 88) / 1.25                   # RAM tier 1e9 x 88 B; filters of the rest
+    assert ram.capacity == pytest.approx(most)
+    assert ram.servers == naive_servers_for(1e12, most, 1024) == p.servers and p.binding == ["ram"]
+    assert p.deployment["ram_per_server_bytes"] <= 100e9
+    # a RAM tier alone over the server's RAM: no number of servers fits
+    p = plan_1e9(cfg, bench(tmp_path), keys=1e12, ram_fraction=None, server_ram_bytes=80e9,
+                 server_disk_bytes=38e12, examples_per_s=1e3)
+    ram = next(x for x in p.resources if x.name == "ram")
+    assert ram.servers is None and not p.feasible and "lower memory_rows" in ram.note
+
+
 def test_memory_bytes_budget_bounds_the_keys_a_server_holds(tmp_path):
     cfg = load_config(CTR, [f"tables.sparse.embedding.spill_path={tmp_path / 'spill'}",
                             "tables.sparse.embedding.memory_bytes=4000000000"])
