@@ -91,11 +91,17 @@ class BenchResults:
     @classmethod
     def read(cls, path: str | Path) -> BenchResults:
         try:
-            text = Path(path).read_text()
+            data = Path(path).read_bytes()
         except OSError as e:
             raise PlanInputError(f"bench results {path}: cannot read ({e.strerror or e}); write it from the "
                                  f"bench scripts' output (one JSON object per line) or pass --bench-results"
                                  ) from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:      # a binary or mis-encoded file: name the line, not a traceback
+            line = data.count(b"\n", 0, e.start) + 1
+            raise PlanInputError(f"{path}:{line}: not UTF-8 text (byte "
+                                 f"{data[e.start]:#04x}); the bench scripts print JSON lines") from None
         rows = []
         for n, line in enumerate(text.splitlines(), start=1):
             s = line.strip()

@@ -323,6 +323,14 @@ def test_malformed_line_is_named_with_file_and_line(tmp_path, line, needle):
         BenchResults.read(write_bench(tmp_path, extra_lines=[line]))
 
 
+def test_non_utf8_file_is_named_with_its_line(tmp_path):
+    # a binary or Latin-1 file ended in a UnicodeDecodeError traceback
+    path = write_bench(tmp_path)
+    path.write_bytes(path.read_bytes() + b'{"bench": "pull", "note": "caf\xe9"}\n')
+    with pytest.raises(PlanInputError, match=r"bench.jsonl:11: not UTF-8 text \(byte 0xe9\)"):
+        BenchResults.read(path)
+
+
 def test_non_numeric_figure_is_named_with_its_line(tmp_path, ctr):
     rows = [dict(r, keys_per_s="fast") if r["bench"] == "pull" and "servers" in r else r for r in ROWS]
     with pytest.raises(PlanInputError, match=r"bench.jsonl:7: pull.keys_per_s must be a finite number"):
