@@ -17,9 +17,8 @@ RAM (``bytes_per_row`` of ``bench/table_bench.py``, measured at its own dim and 
               bloom_bits: the spill tier's Bloom filter per key (sparse_tables.keysets); rss_factor =
               scale_summary.rss_max_over_budget (a server's largest RSS over its memory budget, measured),
               else 1 and RocksDB's block cache and memtables are not counted
-              with memory_rows (spill_path set): a server holds at most
-              cap + (server_ram / rss_factor - cap * b_ram) / (bloom_bits / 8) keys, cap = memory_rows *
-              local_shards rows in RAM (none when cap * b_ram * rss_factor exceeds the server's RAM)
+              memory_rows: a server holds <= cap + (server_ram / rss_factor - cap * b_ram) / (bloom_bits / 8)
+              keys, cap = memory_rows * local_shards rows in RAM (none if cap * b_ram * rss_factor > its RAM)
     RAM     = memory_bytes * rss_factor     with tables.sparse.T.memory_bytes: the table's RAM on a server,
               everything included; its RAM tier holds ``sparse_tables.budget.MemoryBudget.rows_cap`` rows
               per local shard once the filters of the server's keys are counted, so a server can hold at
@@ -623,8 +622,7 @@ def _memory(rec: _Record, cfg, t, name: str, K: float, V: int, rows: _Rows, mach
                            f"{tk}.memory_rows x cluster.local_shards {shards} (spill_path set)")
         # a full RAM tier plus the filters of every key beyond it: RAM, not only disk, bounds a server's keys
         srv_ram = rows.ram_of(cap, cap)
-        ok = srv_ram <= mach["ram"]
-        if ok:
+        if srv_ram <= mach["ram"]:
             most = rec.computed("max_keys_per_server", cap + (mach["ram"] / rows.rss_factor - cap * rows.ram)
                                 / rows.bloom_bytes, "rows", "ram_rows_per_server + (server_ram / rss_factor - "
                                 "ram_rows_per_server x ram_bytes_per_row) / Bloom bytes per key")
@@ -633,10 +631,9 @@ def _memory(rec: _Record, cfg, t, name: str, K: float, V: int, rows: _Rows, mach
         else:
             ram = Resource("ram", srv_ram, mach["ram"], "bytes", None, "memory_rows x local_shards rows alone "
                            "are over the server's RAM: lower memory_rows or pass --ram-fraction")
-        return _Memory(lambda k: min(k, cap), lambda k: rows.ram_of(min(k, cap), k), [
-            ram,
-            Resource("disk", K * rows.disk, mach["disk"], "bytes", servers_for(K, disk_rows + cap, V),
-                     f"each server also keeps {cap:.3g} rows in RAM")])
+        disk = Resource("disk", K * rows.disk, mach["disk"], "bytes", servers_for(K, disk_rows + cap, V),
+                        f"each server also keeps {cap:.3g} rows in RAM")
+        return _Memory(lambda k: min(k, cap), lambda k: rows.ram_of(min(k, cap), k), [ram, disk])
     if ram_fraction is not None:
         f = rec.use(Figure("ram_fraction", ram_fraction, "share", "flag", "--ram-fraction"))
     else:
@@ -661,6 +658,9 @@ def _memory_budget(rec: _Record, t, tk: str, shards: int, K: float, V: int, rows
         raise ConfigError(f"{tk}.memory_bytes: {e}") from None
     token = budget.register()
     free = budget_bytes - budget.rocksdb_bytes - budget.index_bytes - budget.sketch_bytes - budget.reserve_bytes
+    if free <= shards * (HEADROOM_ROWS + SLACK_ROWS + 1024) * rows.record:     # was servers_for's ValueError
+        raise ConfigError(f"{tk}.memory_bytes: {budget_bytes} leaves no room for a RAM tier of {shards} shard(s) "
+                          f"and spill filters after RocksDB, the index and the reserve; raise it")
     most = rec.computed("max_keys_per_server", (free - shards * (HEADROOM_ROWS + SLACK_ROWS + 1024) * rows.record)
                         / rows.bloom_bytes, "rows", "(MemoryBudget's free bytes - local_shards x (headroom + "
                         "slack + 1024) records) / Bloom bytes per key: the filters leave no RAM tier past it")

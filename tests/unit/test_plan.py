@@ -210,6 +210,15 @@ def test_memory_bytes_budget_bounds_the_keys_a_server_holds(tmp_path):
     assert d["rows_in_ram_per_server"] == 4 * (left // 72 // 4 - 2**17 - 2**15)
 
 
+def test_memory_bytes_leaving_no_ram_tier_is_a_config_error(tmp_path):
+    # MemoryBudget accepts 120 MB for 4 shards, but nothing is left beside its headroom rows for a filter:
+    # max_keys_per_server was negative and servers_for raised a bare ValueError (a traceback)
+    cfg = load_config(CTR, [f"tables.sparse.embedding.spill_path={tmp_path / 'spill'}",
+                            "tables.sparse.embedding.memory_bytes=120000000"])
+    with pytest.raises(ConfigError, match=r"tables.sparse.embedding.memory_bytes: 120000000 leaves no room"):
+        plan_1e9(cfg, bench(tmp_path), keys=1e6, ram_fraction=None)
+
+
 def test_scale_summary_replaces_the_disk_assumption(tmp_path, ctr):
     rows = ROWS + [{"bench": "scale_summary", "target_keys": 200_000_000, "keys_held": 200_000_000,
                     "budget_bytes": 4_000_000_000, "rss_max_over_budget": 1.3, "disk_bytes_per_row": 120.0,
