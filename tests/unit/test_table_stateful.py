@@ -29,7 +29,6 @@ arena's end-of-free-list word), 2**32, 2**63, and the keys whose index hash is a
 from __future__ import annotations
 
 import copy
-import math
 import os
 import shutil
 import tempfile
@@ -41,6 +40,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from sparse_tables import SparseTable, TableConfig
 from sparse_tables.rows import EXISTED_NO, EXISTED_YES
+from tests import naive
+from tests.naive import f32, initial_state, optimizer_step
 
 M64 = (1 << 64) - 1
 # the spill stores live in RAM where it can (tmpfs: RocksDB's opens, option changes and closes, dozens per
@@ -51,18 +52,6 @@ ADMIT_SALT = 0xA0761D6478BD642F
 
 
 # ------------------------------------------------------------------------------ reference hashing
-def _splitmix64(x: int) -> int:
-    z = (x + 0x9E3779B97F4A7C15) & M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def _uniform01(seed: int, key: int, j: int) -> float:
-    base = _splitmix64(key ^ _splitmix64(seed))
-    return (_splitmix64((base + j) & M64) >> 40) / 16777216.0
-
-
 def _unxorshift(x: int, s: int) -> int:
     y = x
     for _ in range(64 // s + 1):
@@ -121,67 +110,6 @@ def make_config(name: str, spill_path: str | None) -> TableConfig:
 
 
 # ------------------------------------------------------------------------------ the model
-def f32(x):
-    return np.float32(x) if np.isscalar(x) else np.asarray(x, np.float32)
-
-
-def initial_values(cfg: TableConfig, key: int) -> np.ndarray:
-    """``TableConfig.initializer``: a pure function of (seed, key), within ``min_bound``/``max_bound``."""
-    seed = cfg.seed % (1 << 64)
-    out = np.zeros(cfg.dim, np.float32)
-    for j in range(cfg.dim):
-        if cfg.initializer == "uniform":
-            out[j] = (2.0 * _uniform01(seed, key, j) - 1.0) * cfg.init_range
-        elif cfg.initializer == "normal":
-            u1 = _uniform01(seed, key, 2 * j) + 1.0 / 33554432.0
-            u2 = _uniform01(seed, key, 2 * j + 1)
-            out[j] = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2) * cfg.init_range
-    return f32(np.clip(out, cfg.min_bound, cfg.max_bound))
-
-
-def initial_state(cfg: TableConfig) -> np.ndarray:
-    d = cfg.dim
-    width = {"sgd": 0, "adagrad": 1, "std_adagrad": d, "adam": 2 * d + 2, "ftrl": 2 * d}[cfg.optimizer]
-    s = np.zeros(width, np.float32)
-    if cfg.optimizer in ("adagrad", "std_adagrad"):
-        s[:] = cfg.initial_accumulator
-    elif cfg.optimizer == "adam":
-        s[-2:] = 1.0
-    return s
-
-
-def optimizer_step(cfg: TableConfig, w: np.ndarray, s: np.ndarray, g32: np.ndarray, scale: float):
-    """One update (``sparse_tables._optimizers``' docstring) in float64; stored words rounded to float32."""
-    g = g32.astype(np.float64) * scale
-    lr, eps, d = cfg.learning_rate, cfg.epsilon, cfg.dim
-    w = w.astype(np.float64)
-    s = s.copy()
-    if cfg.optimizer == "sgd":
-        w = w - lr * g
-    elif cfg.optimizer == "adagrad":
-        s[0] = f32(float(s[0]) + float(np.sum(g * g)) / d)
-        w = w - lr * g / (math.sqrt(float(s[0])) + eps)
-    elif cfg.optimizer == "std_adagrad":
-        s[:] = f32(s.astype(np.float64) + g * g)
-        w = w - lr * g / (np.sqrt(s.astype(np.float64)) + eps)
-    elif cfg.optimizer == "adam":
-        s[2 * d] = f32(float(s[2 * d]) * cfg.beta1)
-        s[2 * d + 1] = f32(float(s[2 * d + 1]) * cfg.beta2)
-        step = lr * math.sqrt(1.0 - float(s[2 * d + 1])) / (1.0 - float(s[2 * d]))
-        s[:d] = f32(cfg.beta1 * s[:d].astype(np.float64) + (1 - cfg.beta1) * g)
-        s[d:2 * d] = f32(cfg.beta2 * s[d:2 * d].astype(np.float64) + (1 - cfg.beta2) * g * g)
-        w = w - step * s[:d].astype(np.float64) / (np.sqrt(s[d:2 * d].astype(np.float64)) + eps)
-    elif cfg.optimizer == "ftrl":
-        z, n = s[:d].astype(np.float64), s[d:].astype(np.float64)
-        sigma = (np.sqrt(n + g * g) - np.sqrt(n)) / lr
-        s[:d] = f32(z + g - sigma * w)
-        s[d:] = f32(n + g * g)
-        z, n = s[:d].astype(np.float64), s[d:].astype(np.float64)
-        w = np.where(np.abs(z) <= cfg.ftrl_l1, 0.0,
-                     -(z - np.sign(z) * cfg.ftrl_l1) / ((cfg.ftrl_beta + np.sqrt(n)) / lr + cfg.ftrl_l2))
-    return f32(np.clip(w, cfg.min_bound, cfg.max_bound)), s
-
-
 class Row:
     __slots__ = ("w", "s", "show", "click", "seen")
 
@@ -211,7 +139,7 @@ class Model:
             if k in self.rows:
                 out[i] = self.rows[k].w
             elif init_missing and not self.admission:
-                out[i] = initial_values(self.cfg, k)
+                out[i] = naive.initial_values(self.cfg, k)
         return out
 
     def _admit(self, key: int, inc: int) -> bool:
@@ -223,7 +151,7 @@ class Model:
         if c < cfg.min_count:
             return False
         return cfg.admit_probability >= 1 or \
-            _uniform01((cfg.seed % (1 << 64)) ^ ADMIT_SALT, key, c) < cfg.admit_probability
+            naive.uniform01((cfg.seed % (1 << 64)) ^ ADMIT_SALT, key, c) < cfg.admit_probability
 
     def push(self, keys, grads, shows, clicks, now: int, delta: bool) -> None:
         """Duplicates merged first (gradients, shows, clicks summed in float32 in occurrence order: the
@@ -248,7 +176,7 @@ class Model:
                 if not self._admit(k, occurrences):
                     self.rejected += 1
                     continue
-                self.rows[k] = Row(initial_values(cfg, k), initial_state(cfg), f32(0), f32(0), now)
+                self.rows[k] = Row(naive.initial_values(cfg, k), initial_state(cfg), f32(0), f32(0), now)
                 self.created += 1
             row = self.rows[k]
             if delta:
