@@ -199,6 +199,7 @@ def throughput(args) -> float:
         client_ms = 1e3 * float(np.median([sum(o[rep][op][2] for o in outs) for rep in range(args.repeats)])
                                 ) / batches_run
         print(json.dumps({"bench": op, "servers": 1, "clients": 2, "dim": DIM, "batch_keys": BATCH,
+                          "cpus_granted": len(os.sched_getaffinity(0)),     # engine plan scales by it
                           "rounds_per_client": args.rounds, "repeats": args.repeats, "keys_per_s": round(kps),
                           "in_process_keys_per_s": round(ip), "ratio_vs_in_process": round(kps / ip, 3),
                           "ratio_median": round(float(np.median(np.array(remote) / np.array(local[op]))), 3),
