@@ -506,7 +506,11 @@ def _row_bytes(rec: _Record, bench: BenchResults, t, tk: str, space_amplificatio
                          f"DISK_PEAK_ASSUMED: {style}'s assumed peak over leveled's ({tk}.spill_compaction)")
         b_disk = rec.computed("disk_bytes_per_row_at_peak", b_disk * f, "bytes",
                               "disk_bytes_per_row x disk_peak_factor")
-    return _Rows(record, b_ram, b_disk, rss.value if rss else 1.0, bloom)
+    rss_factor = rss.value if rss else 1.0
+    if rss_factor < 1.0:     # RSS below its budget: the RAM tier never filled in that run; plan on the budget
+        rec.notes.append(f"rss_max_over_budget {rss_factor:g} < 1 is taken as 1 (a server may use all its budget)")
+        rss_factor = 1.0
+    return _Rows(record, b_ram, b_disk, rss_factor, bloom)
 
 
 def _style_rows(style: str) -> Where:
@@ -708,8 +712,9 @@ def _throughput(rec: _Record, bench: BenchResults, load: float, V: int, cores: f
         sp_mem = rec.use(bench.figure("spill", "in_memory_keys_per_s", unit="keys/s",
                                       name="spill_in_memory_keys_per_s",
                                       need="the same pushes with every row in RAM"))
-        s = rec.computed("spill_factor", sp / sp_mem, "x", "spill.keys_per_s / spill.in_memory_keys_per_s "
-                         "(measured on pushes; applied to pulls too: an assumption)")
+        s = rec.computed("spill_factor", min(1.0, sp / sp_mem), "x", "spill.keys_per_s / "
+                         "spill.in_memory_keys_per_s, at most 1 (measured on pushes; applied to pulls too: an "
+                         "assumption)")
     pull_cap = rec.computed("pull_capacity_per_server", pull * cores / c_bench * s, "keys/s",
                             "ps_pull_keys_per_s x server_cores / ps_bench_cores x spill_factor")
     push_cap = rec.computed("push_capacity_per_server", push * cores / c_bench * s, "keys/s",

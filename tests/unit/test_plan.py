@@ -424,3 +424,16 @@ def test_unique_keys_measured_from_the_shared_criteo_rows(shared_data, monkeypat
     assert fig.kind == "measured" and "mean of 5 batches of 128 rows" in fig.source
     # every slot has its own key prefix, so a batch has at least S unique keys; repeats keep it below B x S
     assert S < fig.value < B * S
+
+
+def test_measured_factors_never_plan_for_less_than_the_budget_or_more_than_ram_speed(tmp_path, ctr):
+    """An RSS below its budget (a run whose RAM tier never filled) shrank the planned RAM, and a spill run
+    faster than its in-memory twin (noise) raised the planned throughput past RAM speed."""
+    fast_spill = dict(ROWS[3], keys_per_s=9_000_000, in_memory_keys_per_s=8_700_000)
+    rows = [r for r in ROWS if r is not ROWS[3]] + [fast_spill, dict(SCALE, rss_max_over_budget=0.8)]
+    p = plan_1e9(ctr, bench(tmp_path, rows))
+    assert next(f for f in p.inputs if f.name == "spill_factor").value == 1.0
+    assert any("rss_max_over_budget 0.8 < 1 is taken as 1" in n for n in p.notes)
+    ram = next(x for x in p.resources if x.name == "ram").demand
+    same_at_1 = plan_1e9(ctr, bench(tmp_path, rows[:-1] + [dict(SCALE, rss_max_over_budget=1.0)]))
+    assert ram == pytest.approx(next(x for x in same_at_1.resources if x.name == "ram").demand)
