@@ -365,7 +365,7 @@ def make_plan(cfg, bench: BenchResults, *, keys: float, examples_per_s: float,
     ConfigError
         The config has no model or no such sparse table.
     """
-    _check(keys > 0, "--keys must be > 0", keys)
+    _check(keys >= 1, "--keys must be >= 1 (a count of rows)", keys)
     _check(examples_per_s > 0, "--examples-per-s must be > 0", examples_per_s)
     _check(ram_fraction is None or 0 < ram_fraction <= 1, "--ram-fraction must be in (0, 1]", ram_fraction)
     _check(workers is None or workers >= 1, "--workers must be >= 1", workers)

@@ -406,12 +406,13 @@ def test_cli_bad_input_exits_2_with_one_named_line(tmp_path, capsys):
     assert main(cli_args(tmp_path / "missing.jsonl")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("engine plan: bench results") and "missing.jsonl" in err[0]
-    assert main(cli_args(write_bench(tmp_path), "--keys", "0")) == 2
-    assert "--keys must be > 0" in capsys.readouterr().err
+    for keys in ("0", "0.5"):                                    # 0.5 rows planned a table of half a row
+        assert main(cli_args(write_bench(tmp_path), "--keys", keys)) == 2
+        assert f"--keys must be >= 1 (a count of rows), got {float(keys)}" in capsys.readouterr().err
     for flag, value in (("--keys", "inf"), ("--examples-per-s", "inf"), ("--keys", "nan")):
         assert main(cli_args(write_bench(tmp_path), flag, value)) == 2      # inf ended in a traceback
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and f"{flag} must be > 0" in err[0], err
+        assert len(err) == 1 and f"{flag} must be " in err[0] and "(a finite number)" in err[0], err
 
 
 # ------------------------------------------------------------------------------------ real data
