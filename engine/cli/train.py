@@ -100,11 +100,17 @@ def run(args) -> int:
 def resume_command(args) -> str:
     """The command line that continues this launcher's job from its newest checkpoint: the same config,
     ``--set`` overrides, ``--launcher`` and ``--until`` (``checkpoint.root``/``job`` may be among the
-    overrides: without them ``--resume`` would look in another job's root), then ``--resume``."""
+    overrides: without them ``--resume`` would look in another job's root), then ``--resume``. An inline
+    storage secret given with ``--set`` (``StorageConfig.SECRETS``) is not repeated (the line goes to logs):
+    its value reads ``<as before>``."""
     import shlex
+
+    from ..config import StorageConfig
+    secret = {f"storage.{k}" for k in StorageConfig.SECRETS}
     cmd = ["engine", "train", args.config]
     for kv in args.overrides:
-        cmd += ["--set", kv]
+        key = kv.split("=", 1)[0].strip()
+        cmd += ["--set", f"{key}=<as before>" if key in secret else kv]
     if args.launcher:
         cmd += ["--launcher", args.launcher]
     if args.until:

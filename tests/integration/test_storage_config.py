@@ -102,4 +102,6 @@ def test_checkpoint_storage_that_never_answers_ends_the_job_with_one_line_not_a_
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("engine train: checkpoint storage failed: ") and "127.0.0.1:9" in last, last
-    assert last.endswith("engine train " + str(REPO / "configs/logreg_demo.yaml") + " --resume"), last
+    # the job's command with its --set overrides (a0f3fe2), its inline secrets not repeated
+    assert "continue with: engine train " + str(REPO / "configs/logreg_demo.yaml") + " --set checkpoint.root=" in last
+    assert last.endswith("--set 'storage.access_key=<as before>' --set 'storage.secret_key=<as before>' --resume"), last

@@ -26,3 +26,13 @@ def test_the_resume_command_keeps_the_overrides_launcher_and_until():
 def test_without_options_it_is_the_plain_resume():
     args = _build_parser().parse_args(["train", "configs/ctr.yaml"])
     assert resume_command(args) == "engine train configs/ctr.yaml --resume"
+
+
+def test_inline_storage_secrets_are_not_repeated():
+    """The line goes to the terminal and the logs: a --set storage.secret_key=... was printed back in full."""
+    args = _build_parser().parse_args(["train", "configs/ctr.yaml", "--set", "storage.access_key=AKIAEXAMPLE",
+                                       "--set", "storage.secret_key=s3cr3t/value", "--set", "storage.region=eu"])
+    cmd = resume_command(args)
+    assert "AKIAEXAMPLE" not in cmd and "s3cr3t" not in cmd
+    assert shlex.split(cmd)[3:9] == ["--set", "storage.access_key=<as before>", "--set",
+                                     "storage.secret_key=<as before>", "--set", "storage.region=eu"]
