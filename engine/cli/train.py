@@ -150,6 +150,9 @@ def _run(args) -> int:
         return 2
     from .. import roles
     try:
+        if args.resume_fallback and args.resume is None:
+            raise ConfigError("--resume-fallback: only with --resume (it picks the checkpoint --resume restores "
+                              "when the newest is damaged); without --resume the job starts fresh")
         if args.resume_id is not None and args.role != "server":
             raise ConfigError("--resume-id: only for --role server with --resume URI (a launcher restarts "
                               "from the job's newest checkpoint by itself)")

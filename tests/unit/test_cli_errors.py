@@ -72,6 +72,12 @@ def test_zero_initialized_embeddings_without_dense_features_are_refused(kind, le
     assert "tables.sparse.embedding.initializer: zeros with model.dense_dim=0 cannot train" in msg and learns in msg
 
 
+def test_resume_fallback_without_resume_is_refused(capsys):
+    """It was accepted and did nothing: the job started fresh, which the flag's user did not mean."""
+    assert main(["train", CTR, "--resume-fallback"]) == 2
+    assert "--resume-fallback: only with --resume" in _err(capsys)
+
+
 def test_train_missing_data_path(tmp_path, capsys):
     assert main(["train", CTR, "--set", "model.data.source=criteo",
                  "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
