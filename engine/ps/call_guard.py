@@ -28,6 +28,8 @@ import logging
 import threading
 import time
 
+from sparse_tables._warn import WarnGate
+
 __all__ = ["CallGuard"]
 
 log = logging.getLogger("engine.ps.server")
@@ -74,8 +76,7 @@ class CallGuard:
         self._calls: dict[int, list] = {}               # token -> [since, phase, method, context]
         self._tokens = itertools.count()
         self._lock = threading.Lock()
-        self._logged = 0.0
-        self._unlogged = 0
+        self._gate = WarnGate()                         # one line a second at most
 
     def start(self, method: str, context) -> int:
         """A call of ``method`` started (``context``: its ``grpc.ServicerContext``); returns its token."""
@@ -126,14 +127,14 @@ class CallGuard:
                              f"({'no request' if phase == _REQUEST else 'reply unread'} for {now - since:.0f}s)")
             context.cancel()
         if late:
-            self._log(now, len(late), named)
+            self._log(len(late), named)
         return len(late)
 
-    def _log(self, now: float, n: int, named: list[str]) -> None:
-        if now - self._logged < 1.0:
-            self._unlogged += n
+    def _log(self, n: int, named: list[str]) -> None:
+        total = self._gate.add(n, 1.0)
+        if not total:
             return
-        self._logged, more, self._unlogged = now, self._unlogged, 0
+        more = total - n
         log.warning("%s: cancelled %d call(s) whose caller sent no request message or read no reply within "
                     "client.timeout_s = %gs (each held an RPC thread or its reply's memory): %s%s", self.name, n,
                     self.bound_s, ", ".join(named) + (", ..." if n > len(named) else ""),

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+
+from sparse_tables._warn import WarnGate
 
 from . import _malloc, codec
 from . import ps_pb2 as pb
@@ -25,24 +26,20 @@ log = logging.getLogger("engine.ps.server")
 
 class _Refusals:
     """Refused requests of one server, logged with their caller's address at most once a second per
-    status code (how many were not logged is said on the next line)."""
+    status code (how many were not logged is said on the next line; ``sparse_tables._warn.WarnGate``)."""
 
     def __init__(self, name: str):
         self.name = name
-        self._logged: dict[str, float] = {}
-        self._unlogged: dict[str, int] = {}
+        self._gates: dict[str, WarnGate] = {}
         self._lock = threading.Lock()
 
     def note(self, method: str, code: str, message: str, context) -> None:
-        now = time.monotonic()
         with self._lock:
-            if now - self._logged.get(code, -2.0) < 1.0:
-                self._unlogged[code] = self._unlogged.get(code, 0) + 1
-                return
-            self._logged[code] = now
-            more = self._unlogged.pop(code, 0)
-        log.warning("%s: %s refused %s to %s: %s%s", self.name, method, code, context.peer(), message[:400],
-                    f" ({more} more {code} since the last such line)" if more else "")
+            gate = self._gates.setdefault(code, WarnGate())
+        n = gate.add(1, 1.0)
+        if n:
+            log.warning("%s: %s refused %s to %s: %s%s", self.name, method, code, context.peer(), message[:400],
+                        f" ({n - 1} more {code} since the last such line)" if n > 1 else "")
 
 
 def _make_handler(core: PSServer, method: str, guard: CallGuard | None, refusals: _Refusals):
