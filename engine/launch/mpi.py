@@ -5,20 +5,22 @@ no ssh) and what it tells the launcher about each rank.
 
     mpiexec -launcher fork -n W  python -m engine.launch.mpi RUN_DIR/mpi-world.json
 
-Each of the W processes is this module's ``main``: it reads its rank from hydra's ``PMI_RANK``, writes
-its pid to ``worker-R.pid``, sends its output to ``worker-R.log``, sets its own environment
-(``ENGINE_PROGRESS_FILE``...) and ``exec``s the worker command of rank R (``python -m engine train
-CONFIG --role worker --rank R --result-file ...``), so the MPI rank is the worker's process (its pid,
-its command line: ``engine.launch.procs.role_pid`` finds it). The world file holds no secret: those
-travel in mpiexec's environment, which hydra passes to every rank.
+Each of the W processes is this module's ``main``, a shim (``_rank_shim``): it reads its rank from
+hydra's ``PMI_RANK``, sends its output to ``worker-R.log``, starts the worker command of rank R
+(``python -m engine train CONFIG --role worker --rank R --result-file ...``) as its child with its own
+environment (``ENGINE_PROGRESS_FILE``...), writes the worker's pid to ``worker-R.pid`` and waits for it.
+The worker is the MPI rank (MPI is initialized there, with the PMI connection it inherited), what
+the launcher signals and what ``engine.launch.procs.role_pid`` finds by its command line. The shim
+records how the worker ended in ``worker-R.exit.json`` and ends the same way. The world file holds
+no secret: those travel in mpiexec's environment, which hydra passes to every rank.
 
 ``RankProcess`` is what the launcher holds per worker in place of a ``subprocess.Popen``: its ``pid``
-is the rank's, signals go to the rank, and its exit code is read from mpiexec when the world ends. A
-rank that dies ends the world (hydra kills the others and prints the dead rank's pid and exit); the
-rank that died reports its exit code or signal, the others report 0, so the launcher's error names
-the dead worker and the supervisor restarts the whole job from its newest checkpoint. A rank that
-fails aborts the world (``engine.allreduce.end_world``, after logging why); hydra reports nothing
-then, and that rank is named from MPICH's abort line at the end of its log.
+is the worker's, signals go to it, and its exit code is read when the world ends. A rank that dies
+ends the world (hydra kills the others); the rank that died reports its exit code or signal from its
+shim's record, the others report 0, so the launcher's error names the dead worker and the supervisor
+restarts the whole job from its newest checkpoint. A rank that fails aborts the world
+(``engine.allreduce.end_world``, after logging why): its record, or MPICH's abort line at the end
+of its log, names it.
 
 hydra writes a file of the machine's topology for the ranks (``/tmp/hydra_hwloc_xmlfile_*``) and removes
 it only when the world ends well. ``World`` removes it after an abort; and since a launcher killed with
@@ -32,7 +34,9 @@ import json
 import logging
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -94,24 +98,86 @@ def world_command(python: str, run_dir: Path, ranks: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    """Per-rank entry under mpiexec: become rank ``PMI_RANK``'s worker (see the module docstring). With
-    ``--tied-to PID -- CMD...`` (the launcher's mpiexec): die when PID's starting thread ends, then exec CMD."""
+    """Per-rank entry under mpiexec: start rank ``PMI_RANK``'s worker and stay its parent (see the module
+    docstring and ``_rank_shim``). With ``--tied-to PID -- CMD...`` (the launcher's mpiexec): die when
+    PID's starting thread ends, then exec CMD."""
     if len(argv) > 3 and argv[0] == "--tied-to" and argv[2] == "--":
         die_with_parent(int(argv[1]))
         os.execv(argv[3], argv[3:])
     if len(argv) != 1 or "PMI_RANK" not in os.environ:
         sys.exit("usage: mpiexec -n W python -m engine.launch.mpi WORLD.json (started by engine train)")
     rank = int(os.environ["PMI_RANK"])
-    r = json.loads(Path(argv[0]).read_text())["ranks"][rank]
+    _rank_shim(json.loads(Path(argv[0]).read_text())["ranks"][rank])
+
+
+#: signals hydra or an operator may send a rank's process (hydra's child): passed on to the worker
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _rank_shim(r: dict) -> None:
+    """Hydra's child for one rank: fork the worker, wait for it, record how it ended, end the same way.
+
+    The worker (its own process group, its output in ``r["log"]``, its pid in ``r["pid"]``) is what
+    the launcher signals and what ``engine.launch.procs.role_pid`` finds. This process stays its
+    parent for one reason: to learn how it ended. A rank's end is seen from outside only as "gone",
+    and when one rank is killed hydra kills the others with the same signal at once, so two SIGKILLs
+    in one wake-up could not be told apart (the launcher named a killed rank 1's peer as the first
+    death). ``waitpid`` here gives the worker's own exit code or signal and the time it ended, written
+    to ``r["exit"]`` (JSON: ``shim_pid``, ``pid``, ``code`` (negative: a signal), ``ended``, monotonic
+    seconds) before this process ends the same way (the same code, or the same signal, so hydra reports
+    and cleans up as for the worker itself). The peers hydra then kills end with their shims
+    (SIGKILL to the shim, the worker by ``PR_SET_PDEATHSIG``) and record nothing: only a rank that
+    ended by itself has a code in its record. ``FORWARDED`` signals are passed on to the worker."""
     fd = os.open(r["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    if os.getpgid(0) != os.getpid():   # a group of its own (hydra makes each rank a session leader):
-        os.setpgid(0, 0)                # the launcher signals one rank's group, as for any child
-    Path(r["pid"]).write_text(str(os.getpid()))
-    env = {**os.environ, **r["env"], "ENGINE_PARENT_PID": str(os.getppid())}   # dies with hydra's proxy
-    os.execve(r["cmd"][0], r["cmd"], env)
+    shim = os.getpid()
+    die_with_parent(os.getppid())                  # hydra's proxy: killed, it takes this rank along
+    record = {"shim_pid": shim}
+    _write_record(r["exit"], record)
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)     # none lost between fork and the handlers
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setpgid(0, 0)                       # a group of its own: the launcher signals it as any child
+            die_with_parent(shim)                  # SIGKILL when this shim ends (hydra's cleanup kills it)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+            env = {**os.environ, **r["env"], "ENGINE_PARENT_PID": str(shim)}
+            os.execve(r["cmd"][0], r["cmd"], env)
+        except BaseException as e:  # noqa: BLE001 - the forked child must never return into the shim
+            os.write(2, f"rank shim: cannot start {r['cmd'][0]}: {e}\n".encode(errors="replace"))
+        os._exit(127)
+    record["pid"] = pid
+    Path(r["pid"]).write_text(str(pid))
+    _write_record(r["exit"], record)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _f: _forward(pid, s))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    _, status = os.waitpid(pid, 0)                 # retried across the forwarding handlers (PEP 475)
+    code = os.waitstatus_to_exitcode(status)
+    _write_record(r["exit"], {**record, "code": code, "ended": time.monotonic()})
+    if code >= 0:
+        os._exit(code)
+    signal.signal(-code, signal.SIG_DFL)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # the worker's core (if any) is the one to keep
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+    os.kill(shim, -code)
+    os._exit(128 - code)
+
+
+def _forward(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _write_record(path: str, record: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record))
+    os.replace(tmp, path)
 
 
 def topology_file_of(pid: int) -> tuple[Path, int, int] | None:
@@ -196,15 +262,18 @@ class World:
         Per rank, the file its pid is written to once it started (removed here first).
     rank_logs : list of Path, optional
         Per rank, its log (searched for an ``MPI_Abort`` when the world ends without hydra's report).
+    exit_paths : list of Path, optional
+        Per rank, its shim's record of how the worker ended (``_rank_shim``; removed here first).
     """
 
     def __init__(self, cmd: list[str], *, env: dict, run_dir: Path, pid_paths: list[Path],
-                 rank_logs: list[Path] | None = None):
+                 rank_logs: list[Path] | None = None, exit_paths: list[Path] | None = None):
         self.run_dir = run_dir
         self.log_path = run_dir / MPIEXEC_LOG
         self.pid_paths = pid_paths
         self.rank_logs = rank_logs or []
-        for p in pid_paths:
+        self.exit_paths = exit_paths or []
+        for p in [*pid_paths, *self.exit_paths]:
             p.unlink(missing_ok=True)
         self._scratch_lock = threading.Lock()     # the watch thread records, the launcher's removes
         self.scratch = self._hold()          # before mpiexec: a failed start leaves no unheld record
@@ -221,12 +290,11 @@ class World:
         threading.Thread(target=self._watch_ends, name="mpi-world-ends", daemon=True).start()
 
     def _watch_ends(self) -> None:
-        """Record when each rank's process ends (a pidfd per rank, which works for processes that are
-        not our children), so the launcher can name the rank that died first: hydra's report names the
-        lowest rank with a bad status, and when one rank is killed mpiexec kills the others with the
-        same signal (a SIGKILLed rank 1 was reported as rank 0's SIGKILL). Best effort: where pidfds are
-        missing or refused (a seccomp profile) or both ends are seen in one wake-up, the order stays the
-        ranks' own. Also looks for hydra's topology file (``_find_topology``) until it is found."""
+        """Record when each rank's worker is seen gone (a pidfd per rank, which works for processes that
+        are not our children): the order of deaths when no shim recorded one (a shim itself was killed;
+        ``_read_codes``). Best effort: where pidfds are missing or refused (a seccomp profile) or two
+        ends are seen in one wake-up, the order stays the ranks' own. Also looks for hydra's topology
+        file (``_find_topology``) until it is found."""
         import select
         fds: dict[int, int] = {}
         poller = select.poll()
@@ -277,13 +345,13 @@ class World:
     def _find_topology(self) -> tuple[Path, int, int] | None:
         """(path, st_dev, st_ino) of the hwloc topology file (``/tmp/hydra_hwloc_xmlfile_*``) that hydra
         wrote for the ranks once they initialized MPI, found open in the ranks' proxy (a child of this
-        mpiexec), or None."""
+        mpiexec, the parent of each rank's shim), or None."""
         for r in range(len(self.pid_paths)):
             pid = self.rank_pid(r)
             if pid is None:
                 continue
             try:
-                proxy = parent_pid(pid)
+                proxy = parent_pid(parent_pid(pid))         # worker -> its shim -> hydra's proxy
                 if parent_pid(proxy) != self.proc.pid:
                     continue
                 found = topology_file_of(proxy)
@@ -366,15 +434,39 @@ class World:
             self._remove_topology()
         return self._codes
 
+    def exit_record(self, rank: int) -> dict | None:
+        """The record ``rank``'s shim wrote (``_rank_shim``): ``shim_pid``, and once the worker started
+        ``pid``, and once it ended by itself ``code`` and ``ended``; None if none (yet) or unreadable."""
+        try:
+            rec = json.loads(self.exit_paths[rank].read_text())
+        except (IndexError, OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def end_time(self, rank: int) -> float | None:
+        """Monotonic seconds ``rank``'s worker ended: its shim's record (exact), else when
+        ``_watch_ends`` saw it gone, else None."""
+        rec = self.exit_record(rank)
+        if rec is not None and isinstance(rec.get("ended"), (int, float)):
+            return float(rec["ended"])
+        return self.ended_at.get(rank)
+
     def _read_codes(self, rc: int) -> dict[int, int]:
         n = len(self.pid_paths)
         if rc == 0:
             return dict.fromkeys(range(n), 0)
+        records = {r: self.exit_record(r) or {} for r in range(n)}
+        ended = {r: rec["code"] for r, rec in records.items() if isinstance(rec.get("code"), int)}
+        if any(ended.values()):
+            # the shims' records: each rank that ended by itself, with its own code or signal; the
+            # peers hydra killed after it recorded nothing and report 0
+            return {r: ended.get(r, 0) for r in range(n)}
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             text = ""
         pids = {self.rank_pid(r): r for r in range(n)}
+        pids.update({rec.get("shim_pid"): r for r, rec in records.items()})   # hydra names its children
         codes = dict.fromkeys(range(n), 0)
         named = False
         for m in _BAD.finditer(text):
@@ -395,8 +487,8 @@ class World:
         first = self._first_ended()
         bad = next((c for c in codes.values() if c != 0), None)
         if first is not None and bad is not None and codes[first] == 0:
-            # hydra reports the lowest rank it found failed, not the first to fail: a SIGKILLed rank 1
-            # came out as code 0 and rank 0, which mpiexec then killed, as signal 9
+            # no shim recorded an end (a shim itself was killed): hydra reports the lowest rank it
+            # found failed, not the first to fail, so the rank seen to end first takes the code
             codes[first] = bad
         return codes
 
@@ -419,8 +511,8 @@ class World:
         return None
 
     def _first_ended(self) -> int | None:
-        """The rank seen to end strictly before every other (``_watch_ends``), or None."""
-        times = sorted((t, r) for r, t in dict(self.ended_at).items())
+        """The rank that ended strictly before every other (``end_time``), or None."""
+        times = sorted((t, r) for r in range(len(self.pid_paths)) if (t := self.end_time(r)) is not None)
         if not times or (len(times) > 1 and times[1][0] <= times[0][0]):
             return None
         return times[0][1]
@@ -456,12 +548,18 @@ class RankProcess:
 
     @property
     def ended_at(self) -> float | None:
-        """Monotonic seconds this rank's process was seen to end, or None."""
-        return self.world.ended_at.get(self.rank)
+        """Monotonic seconds this rank's worker ended (``World.end_time``), or None."""
+        return self.world.end_time(self.rank)
 
     def poll(self) -> int | None:
+        """This rank's exit code (negative: a signal) once the world ended; before that, the code of a
+        worker that failed by itself (its shim's record), so the launcher acts on it at once: hydra does
+        not end a world whose rank exits before ``MPI_Init`` (its peers wait there), the launcher does."""
         codes = self.world.codes()
-        return None if codes is None else codes[self.rank]
+        if codes is None:
+            code = (self.world.exit_record(self.rank) or {}).get("code")
+            return code if isinstance(code, int) and code != 0 else None
+        return codes[self.rank]
 
     def wait(self, timeout: float | None = None) -> int:
         self.world.proc.wait(timeout)
@@ -520,11 +618,12 @@ def start_world(cluster, env: dict, *, child) -> list:
         result, prog = cluster.worker_files(r)
         ranks.append({"cmd": cluster.role_command("worker", r, ["--result-file", str(result)]),
                       "env": {**cluster.role_env("worker", r), progress.ENV: str(prog)},
-                      "log": str(run_dir / f"worker-{r}.log"), "pid": str(run_dir / f"worker-{r}.pid")})
+                      "log": str(run_dir / f"worker-{r}.log"), "pid": str(run_dir / f"worker-{r}.pid"),
+                      "exit": str(run_dir / f"worker-{r}.exit.json")})
         children.append((r, result, prog))
     world = World(world_command(cluster.python, run_dir, ranks), env=loopback_env(cluster.child_env(env)),
                   run_dir=run_dir, pid_paths=[Path(x["pid"]) for x in ranks],
-                  rank_logs=[Path(x["log"]) for x in ranks])
+                  rank_logs=[Path(x["log"]) for x in ranks], exit_paths=[Path(x["exit"]) for x in ranks])
     out = []
     for r, result, prog in children:
         c = child("worker", r, RankProcess(world, r), Path(ranks[r]["log"]))

@@ -167,8 +167,9 @@ def test_a_peer_that_stops_answering_times_out_with_a_clear_error(tmp_path, how)
 
 def test_an_error_on_the_overlaps_progress_thread_is_raised_at_once_on_the_workers_thread(tmp_path):
     """Rank 1's optimizer step fails on the progress thread (any error there: MPI's, the step's): its
-    ``finish`` raises that error within a second, and the world is aborted. Before, the thread died with
-    it, ``finish`` waited ``timeout_s + 60`` s, and the launcher reported a hang, not the error."""
+    ``finish`` raises that error at once (about a second when idle), and the world is aborted. Before,
+    the thread died with it, ``finish`` waited ``timeout_s + 60`` s, and the launcher reported a hang,
+    not the error."""
     cmd = [mpiexec_path(), "-launcher", "fork", "-n", "2", sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
            str(tmp_path / "error.txt"), "1", "3", str(SIZE), "fail-overlap"]
     proc = run_mpiexec(cmd, cwd=REPO, timeout=120)
@@ -176,7 +177,8 @@ def test_an_error_on_the_overlaps_progress_thread_is_raised_at_once_on_the_worke
     assert proc.returncode != 0, out
     error = (tmp_path / "error.txt").read_text() if (tmp_path / "error.txt").is_file() else ""
     m = re.search(r"ERROR after ([\d.]+) s: RuntimeError: injected optimizer failure", error)
-    assert m and float(m.group(1)) < 5.0, error + out
+    # well inside the collective's 30 s timeout (the old wait was 90 s); 7.6 s seen on 2 cores at load 10
+    assert m and float(m.group(1)) < 20.0, error + out
 
 
 def overlap_buckets(size: int, smallest: int) -> list[tuple[int, int]]:
