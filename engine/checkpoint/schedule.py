@@ -24,15 +24,18 @@ clock time spent training.
 Step counts. ``delta_every`` and ``base_every`` each take either a time or a step count (they may differ:
 ``delta_every: 500steps`` with the default ``base_every: 24h``). A step is one batch of every worker (the
 manifest's ``step``): with 2 workers of 128 rows, ``500steps`` is 128,000 examples. A step period counts
-only where the program reports its step at its checkpoint points, i.e. the offline programs (``ctr_dnn``,
-``deepfm``, ``logreg``, ``word2vec``: ``engine.programs.ctr_positions.AlignedCheckpoints``), which check
-the schedule at aligned points only: every ``align_steps`` steps of an epoch and at epoch ends. A step
+only where the program reports its step at its checkpoint points. The offline programs (``ctr_dnn``,
+``deepfm``, ``logreg``, ``word2vec``: ``engine.programs.ctr_positions.AlignedCheckpoints``) check the
+schedule at aligned points only: every ``align_steps`` steps of an epoch and at epoch ends. A step
 period that is not a multiple of ``align_steps`` therefore falls due at the first aligned point at or
 after it (``delta_every: 300steps`` with ``align_steps: 256``: steps 512, 1024, ...), and with
-``align_steps: 0`` only at epoch ends. A program that does not write its own checkpoints is checkpointed
-by the launcher's wall-clock thread (``engine.job_checkpoints.Periodic``; none of the shipped ones), and
-the online CTR job checks after each partition: both see no steps, so a step period never falls due
-there (a warning says so when the schedule is built); the time periods work as before.
+``align_steps: 0`` only at epoch ends. The online CTR job checks at the end of each partition, with its
+steps (``engine.programs.ctr_online.online_schedule``), and writes a checkpoint there whatever is due
+(a delta unless a base is). A program that does not write its own checkpoints is checkpointed by the
+launcher's wall-clock thread (``engine.job_checkpoints.Periodic``; none of the shipped ones): it sees
+no steps, so a step period never falls due there (a warning says so when the schedule is built); the
+time periods work as before. ``delta_every: partition`` falls due only in the online job (a warning
+says so elsewhere).
 
 Precedence, as for times: a base is due when its period has passed since the last base; otherwise a
 delta when its period has passed since the last checkpoint of either kind (a base restarts the delta
@@ -158,6 +161,9 @@ class Schedule:
     start_step : int, optional
         Step of the last base (or of the start: 0, or the restored checkpoint's step); the step counts
         run from here. None: the caller reports no steps, so a step period never falls due (logged).
+    partitions : bool
+        The caller reports the ends of input partitions (the online job): ``delta_every: partition``
+        falls due there. False (the offline programs): it never falls due (logged).
 
     Examples
     --------
@@ -166,7 +172,8 @@ class Schedule:
     (None, 'delta')
     """
 
-    def __init__(self, config: CheckpointConfig, start_s: float = 0.0, start_step: int | None = None):
+    def __init__(self, config: CheckpointConfig, start_s: float = 0.0, start_step: int | None = None,
+                 partitions: bool = False):
         self.delta = parse_every(config.delta_every, "checkpoint.delta_every", partition=True)
         self.base = parse_every(config.base_every, "checkpoint.base_every")
         self.per_partition = self.delta.unit == "partition"
@@ -181,6 +188,11 @@ class Schedule:
                                 "checkpoints: it never falls due here (step counts apply to the offline CTR "
                                 "programs, which checkpoint at aligned points); use a time like 30m",
                                 key, text)
+        if self.per_partition and not partitions:
+            log.warning("checkpoint.delta_every=partition writes a delta after each input partition of the "
+                        "online job; this program reads no partitions, so no periodic delta is written "
+                        "(only base_every's bases and the final checkpoint): use a step count like 500steps "
+                        "or a time like 30m")
 
     def _passed(self, every: Every, since_s: float, since_step: int, now_s: float, step: int | None) -> bool:
         if every.amount <= 0:

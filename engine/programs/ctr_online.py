@@ -142,6 +142,14 @@ def final(cfg, results: list[dict]) -> dict:
     return event
 
 
+def online_schedule(ck, start_s: float, start_step: int) -> Schedule:
+    """The online job's checkpoint ``Schedule``: checked at the end of each partition, with the job's
+    steps (batches of each worker since the job began, the manifest's ``step``) and the partition's
+    end, so ``base_every: 5000steps`` falls due at the first partition end at or after 5000 steps
+    past the base. ``start_s`` (seconds) and ``start_step``: those of the chain's base (or the start)."""
+    return Schedule(ck, start_s=start_s, start_step=start_step, partitions=True)
+
+
 class OnlineTrainer(ctr.CTRTrainer):
     """The online loop of one worker rank (see the module docstring)."""
 
@@ -179,11 +187,13 @@ class OnlineTrainer(ctr.CTRTrainer):
                 self.mgr.head = resumed["name"]
                 if self.p.export_root:
                     self.last_export = self._previous_export(resumed["name"])
-        start = 0.0
+        start, base_step = 0.0, 0
         if resumed is not None:
             base = resumed["base"]
             start = self._base_time(base)
-        self.schedule = Schedule(self.ck, start_s=start)
+            base_step = self.steps if base == name else int(mgr.manifest(base).get("step", 0))
+        # the clocks of base_every / delta_every run from the chain's base: its time and its step
+        self.schedule = online_schedule(self.ck, start, base_step)
         self.started = resumed is not None
 
     def _previous_export(self, resumed: str) -> str | None:
@@ -242,7 +252,7 @@ class OnlineTrainer(ctr.CTRTrainer):
             return None
         now = part.end.timestamp()
         if not self.started:                      # the first checkpoint of a fresh job is its base
-            self.schedule = Schedule(self.ck, start_s=now)
+            self.schedule = online_schedule(self.ck, now, self.steps)
             kind = "base"
         else:
             kind = self.schedule.due(now, partition_done=True, step=self.steps) or "delta"

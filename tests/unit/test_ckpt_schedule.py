@@ -35,10 +35,36 @@ def test_schedule_hourly_deltas_daily_bases():
     assert s.due(86400.0 + 3599) is None
 
 
-def test_schedule_per_partition():
-    s = Schedule(CheckpointConfig(delta_every="partition"), start_s=0.0)
+def test_schedule_per_partition(caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoint.schedule"):
+        s = Schedule(CheckpointConfig(delta_every="partition"), start_s=0.0, partitions=True)
     assert s.due(10.0) is None
     assert s.due(10.0, partition_done=True) == "delta"
+    assert caplog.text == ""
+
+
+def test_per_partition_deltas_in_a_program_without_partitions_are_told(caplog):
+    """An offline program reads no partitions: ``delta_every: partition`` writes no periodic delta
+    there, which was silent."""
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoint.schedule"):
+        s = Schedule(CheckpointConfig(delta_every="partition"), start_s=0.0, start_step=0)
+    assert "checkpoint.delta_every=partition" in caplog.text and "no periodic delta" in caplog.text
+    assert s.due(10.0, step=10_000) is None
+
+
+def test_the_online_jobs_step_bases_count_from_the_bases_step(caplog):
+    """The online job reports its steps at each partition end: ``base_every: 5000steps`` after a resume
+    at step 12000 (its base's) falls due 5000 steps later, not at the first partition (it counted from
+    0, and the schedule warned that step counts never fall due there)."""
+    from engine.programs.ctr_online import online_schedule
+    cfg = CheckpointConfig(delta_every="partition", base_every="5000steps")
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoint.schedule"):
+        s = online_schedule(cfg, 0.0, 12_000)
+    assert caplog.text == ""
+    assert s.due(3600.0, partition_done=True, step=12_100) == "delta"
+    assert s.due(7200.0, partition_done=True, step=17_000) == "base"
+    s.done("base", 7200.0, step=17_000)
+    assert s.due(10800.0, partition_done=True, step=21_000) == "delta"
 
 
 @pytest.mark.parametrize("text, every", [
@@ -114,7 +140,7 @@ def test_step_count_runs_from_the_restored_step():
 
 
 def test_callers_without_steps_never_fire_by_steps_and_are_told(caplog):
-    """The launcher's wall-clock thread (job_checkpoints.Periodic) and the online job report no steps."""
+    """The launcher's wall-clock thread (job_checkpoints.Periodic) reports no steps."""
     cfg = CheckpointConfig(delta_every="500steps", base_every="24h")
     with caplog.at_level(logging.WARNING, logger="engine.checkpoint.schedule"):
         s = Schedule(cfg, start_s=0.0)
