@@ -285,8 +285,11 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
 
 def _took_part(health: dict, name: str) -> bool:
     """A server's ``Health`` names worker ``name`` among its ``writers`` (since its last load) or its
-    ``clients`` (data requests in its present generation): an earlier incarnation of it took part."""
-    return name in health.get("writers", ()) or name in health.get("clients", ())
+    ``clients`` (data requests in its present generation): an earlier incarnation of it took part. Or
+    the server dropped names from either (``writers_dropped``, ``clients_dropped``: more names than it
+    keeps, ``engine.ps.names``): ``name`` may have been one of them, so it may have taken part."""
+    return (name in health.get("writers", ()) or name in health.get("clients", ())
+            or bool(health.get("writers_dropped")) or bool(health.get("clients_dropped")))
 
 
 def _restored_since(cfg: EngineConfig, core, rank: int, uri: str, resume_id: str, fallback: bool) -> bool:

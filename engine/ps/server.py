@@ -47,6 +47,7 @@ from .delta_lineage import DeltaLineage
 from .dense_host import MAX_DENSE_FLOATS, DenseHost
 from .hosts import HostError, SparseHost, failed_shard, invalid, shrink_each, spill_failures
 from .metric_sums import MetricSums
+from .names import RecentNames
 from .request_rules import MAX_REQUEST_ID_CHARS, admin_reason, clip
 from .routing import DEFAULT_NUM_VSHARDS
 from .watchdog import PHASES, RequestWatchdog
@@ -178,11 +179,11 @@ class PSServer(CheckpointHandlers):
         self.fresh = True                        # nothing written or loaded since this server started
         # clients that wrote since this server started or last loaded (their request ids' names: a
         # worker's is ``worker{rank}``): a worker that finds its own name here is a restarted one (Health)
-        self.writers: set[str] = set()
+        self.writers = RecentNames()
         # clients whose data requests this generation accepted (names, as ``writers``): a starting worker
         # that finds its own name here was restarted within the attempt, which cannot take it back (the
         # others may be past the start's barriers, or counted its dead self's arrival at one) (Health)
-        self.clients: set[str] = set()
+        self.clients = RecentNames()     # both bounded: the most recently seen names (engine.ps.names)
         self._clients_lock = threading.Lock()
         self.fenced: str | None = None           # why the last Fence ended the attempt (Health)
         self.fenced_from: str | None = None      # what ``restored`` said when it came (Health)
@@ -300,11 +301,11 @@ class PSServer(CheckpointHandlers):
 
     def _joined(self, name: str, generation: int) -> None:
         """Client ``name`` had a data request of ``generation`` answered: list it in ``clients`` (Health),
-        unless a generation began since (the lock only for a client's first request of a generation)."""
-        if name not in self.clients:
-            with self._clients_lock:
-                if self.generation == generation:
-                    self.clients.add(name)
+        unless a generation began since (every request refreshes its name: the names kept are the most
+        recently seen, ``engine.ps.names``)."""
+        with self._clients_lock:
+            if self.generation == generation:
+                self.clients.add(name)
 
     def _check_generation(self, method: str, request) -> None:
         """ABORTED unless the request expects this server's generation (or any: 0)."""
@@ -406,7 +407,7 @@ class PSServer(CheckpointHandlers):
         """Move to a new generation (after a Load or a Fence) and drop what was held for the old one."""
         with self._clients_lock:
             self.generation = max(time.time_ns(), self.generation + 1)
-            self.clients = set()
+            self.clients.clear()
         self._drop_transient()
 
     def _drop_transient(self) -> None:
@@ -653,8 +654,9 @@ class PSServer(CheckpointHandlers):
                "failed": failed, "preempting": self.preempting, "stuck": stuck,
                "restored": self.restored,
                "restoring": self.restoring,
-               "generation": self.generation, "fresh": self.fresh, "writers": sorted(self.writers),
-               "clients": sorted(self.clients),
+               "generation": self.generation, "fresh": self.fresh, "writers": self.writers.sorted(),
+               "clients": self.clients.sorted(), "writers_dropped": self.writers.dropped,
+               "clients_dropped": self.clients.dropped,
                "fenced": self.fenced, "fenced_from": self.fenced_from, "checkpoint_floor": self.checkpoint_floor,
                "expiry_clock": "wall" if self.data_clock is None else "data",
                "data_time": None if self.data_clock is None else self.data_clock.value,
