@@ -29,7 +29,7 @@ servers' data clock to the end of each hour before any worker trains it (``engin
 rows' ``last_seen`` and the expiry pass count hours of data, not time since the push. The job runs forever, or until ``model.until``
 (``--until YYYYMMDDHH``) or ``model.max_partitions`` partitions consumed by this ``engine train`` run:
 counted over all its attempts (a restarted cluster continues the count and the list of the checkpoint
-it restored, ``extra.run``), while a new ``engine train --resume`` starts a new count. Under ``engine
+it restored, ``extra.run``: ranges of hours, ``engine.programs.online_runs``), while a new ``engine train --resume`` starts a new count. Under ``engine
 k8s`` the run is the worker Job (``ENGINE_RUN_ID``, its uid); ``--role worker`` processes started any
 other way count each attempt on its own. Rank 0 applies the count (``online_next``).
 
@@ -54,6 +54,7 @@ import os
 import time
 import uuid
 
+import hdfs_io
 from streaming.hourly import HourlySource, partition_time
 
 from .. import failpoints, observability, preempt, progress
@@ -66,7 +67,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..metrics import BinaryMetrics
 from ..program_configs import CTROnlineConfig as Config
-from . import ctr
+from . import ctr, online_runs
 from .ctr_data import check_values, expected_schema
 from .ctr_report import EVAL_BUCKETS, MetricsFile, merge_global, now_stamp, reset_metrics
 from .online_next import NextPartition
@@ -178,7 +179,11 @@ class OnlineTrainer(ctr.CTRTrainer):
             progress.current().base(self.steps)               # engine status: the job's step
             run = (resumed.get("extra") or {}).get("run") or {}
             if self.p.run_id and run.get("id") == self.p.run_id:     # a restarted attempt of this run
-                self.done = list(run.get("partitions", []))
+                try:        # ranges of hours (online_runs), or one name each (checkpoints written before)
+                    self.done = online_runs.expand(run.get("partitions", []), run.get("partitions_count"))
+                except ValueError as e:
+                    uri = f"{mgr.uri_of(name)}/manifest.json"
+                    raise hdfs_io.CheckpointCorruptError(f"{uri}: extra.run.partitions: {e}", uri=uri) from None
                 self.exports_failed = int(run.get("exports_failed", 0))
         if self.rank == 0:
             self.mgr = CheckpointManager(self.ck.root, job_name(ctx.config), keep_bases=self.ck.keep_bases,
@@ -260,7 +265,9 @@ class OnlineTrainer(ctr.CTRTrainer):
             deleted = self.client.shrink()
             log.info("expiry pass before the base of %s: %d row(s) deleted", part.name, deleted)
         pos = {"partition": part.name, "file_index": len(part.files), "batch_index": 0, "row": 0}
-        run = {"id": self.p.run_id, "partitions": self.done + [part.name], "exports_failed": self.exports_failed}
+        names = self.done + [part.name]         # as ranges of hours: a manifest's size stays flat (online_runs)
+        run = {"id": self.p.run_id, "partitions": online_runs.compact(names), "partitions_count": len(names),
+               "exports_failed": self.exports_failed}
         m = self.mgr.save(self.client, kind, when=part.end, step=self.steps, sources={"train": pos},
                           config=self.full_config.to_dict(), extra={"consumed": list(self.consumed), "run": run})
         self.schedule.done(m["kind"], now, step=self.steps)

@@ -173,6 +173,10 @@ def test_max_partitions_counts_the_whole_run_across_a_restart(table, tmp_path, j
     assert final["restarts"] == 1, job.tail()                                 # the kill did restart the job
     assert final["partitions"] == names[:2] and final["last_partition"] == names[1]
     assert job.consumed() == names[:2]
+    # the run's partitions as ranges of hours (engine.programs.online_runs): read back by the restarted
+    # attempt from the first checkpoint, written again with the second
+    run = job.mgr.manifest(job.mgr.latest().name)["extra"]["run"]
+    assert run["partitions"] == ["20240101/00..20240101/01"] and run["partitions_count"] == 2, run
 
 
 def test_an_hour_without_rows_reports_null_metrics_and_a_warning(table, tmp_path, job_factory):
