@@ -19,7 +19,11 @@ a barrier nobody waits at for ``prune_after_s`` seconds is forgotten (names with
 or partition would otherwise pile up in a job that runs for weeks). The forgetting runs every 1024
 calls and at least once a minute, and drops the arrivals nobody polls any more first (an arrival never
 polled again kept its barrier for ever). A name has at most ``MAX_NAME_CHARS`` characters, and a server
-holds at most ``MAX_BARRIERS`` barriers: a new one beyond them is refused (FAILED_PRECONDITION).
+holds at most ``MAX_BARRIERS`` barriers. When they are all held, the ones nobody waits at that were
+last used ``lease_s`` ago are forgotten at once (the online job uses four per hourly partition: catching
+up on more than 1,024 small hours within ``prune_after_s`` was refused, and the job restarted); a
+caller released by one of them polls again within ``lease_s`` or is counted gone anyway. Only a new
+barrier beyond ``MAX_BARRIERS`` all used within ``lease_s`` is refused (FAILED_PRECONDITION).
 
 ``on_open`` (the sync-mode apply) runs outside the lock that every barrier of the server shares, so
 a slow apply delays only its own barrier. If it fails, the barrier's waiters are all answered ABORTED
@@ -131,13 +135,13 @@ class Barriers:
                 self._prune(now)
             st = self._states.get(name)
             if st is None:
-                if len(self._states) >= MAX_BARRIERS:
-                    self._prune(now)
+                if len(self._states) >= MAX_BARRIERS:     # full: forget the idle ones a lease ago too
+                    self._prune(now, idle_s=min(self.lease_s, self.prune_after_s))
                 if len(self._states) >= MAX_BARRIERS:
                     raise BarrierError("FAILED_PRECONDITION", f"barrier {name[:200]!r}: this server holds "
                                        f"{len(self._states)} barriers, the most it keeps (engine.ps.barrier."
-                                       f"MAX_BARRIERS); one nobody waits at is forgotten {self.prune_after_s:g}s "
-                                       f"after its last use")
+                                       f"MAX_BARRIERS), each used within the last {self.lease_s:g}s or "
+                                       f"waited at")
                 st = self._states[name] = _State(world)
             if token in st.released:
                 return BarrierReply(st.released[token], True, st.world)
@@ -166,15 +170,17 @@ class Barriers:
         for tok in [t for t, (_, last) in st.arrived.items() if now - last > self.lease_s]:
             del st.arrived[tok]
 
-    def _prune(self, now: float) -> None:
+    def _prune(self, now: float, idle_s: float | None = None) -> None:
         """Drop the arrivals not polled for ``lease_s`` (their callers are gone), then forget barriers
-        nobody waits at that were last used ``prune_after_s`` ago (caller holds the lock)."""
+        nobody waits at that were last used ``idle_s`` ago (default ``prune_after_s``; caller holds the
+        lock)."""
         self._pruned = now
+        idle_s = self.prune_after_s if idle_s is None else idle_s
         for st in self._states.values():
             if not st.opening:
                 self._drop_stale(st, now)
         for name in [n for n, st in self._states.items()
-                     if not st.arrived and not st.opening and now - st.touched > self.prune_after_s]:
+                     if not st.arrived and not st.opening and now - st.touched > idle_s]:
             del self._states[name]
 
     def _open(self, st: _State, name: str, on_open) -> BarrierReply:

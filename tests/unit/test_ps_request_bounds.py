@@ -250,3 +250,25 @@ def test_barriers_forget_arrivals_never_polled_again_and_are_capped(monkeypatch)
         held.arrive("b3", "t3", 2, 10.0)
     assert e.value.code == "FAILED_PRECONDITION" and "holds 3 barriers, the most it keeps" in str(e.value)
     assert held.arrive("b0", "t9", 2, 10.0).released          # an existing one is served (its 2nd arrival opens it)
+
+
+def test_all_barriers_held_forgets_the_ones_idle_for_a_lease_instead_of_refusing(monkeypatch):
+    """The online job uses four barriers per hourly partition: catching up on more than MAX_BARRIERS / 4
+    small hours within ``prune_after_s`` (600 s) was refused FAILED_PRECONDITION (a real server refused
+    its 4,097th barrier 3.3 s into a loop of released ones), and the job restarted. Now a full table
+    forgets the idle barriers last used ``lease_s`` ago; one still waited at stays."""
+    from engine.ps import barrier
+    from engine.ps.barrier import BarrierError, Barriers
+    monkeypatch.setattr(barrier, "MAX_BARRIERS", 4, raising=False)
+    b = Barriers(lease_s=0.1, prune_after_s=600, linger_s=0)
+    assert not b.arrive("waited", "w0", 2, 10.0).released      # a caller waiting at it (polling)
+    for i in range(3):
+        assert b.arrive(f"trained-{i}", f"t{i}", 1, 10.0).released     # released: nobody waits any more
+    with pytest.raises(BarrierError) as e:
+        b.arrive("trained-3", "t3", 1, 10.0)                   # all four used just now: refused
+    assert e.value.code == "FAILED_PRECONDITION" and "holds 4 barriers, the most it keeps" in str(e.value)
+    time.sleep(0.15)
+    b.arrive("waited", "w0", 2, 10.0)                           # its caller polls: it stays
+    assert b.arrive("trained-3", "t3", 1, 10.0).released       # the idle ones are forgotten
+    assert set(b.stats()) == {"waited", "trained-3"}
+    assert b.arrive("waited", "w1", 2, 10.0).released          # the waited one still opens
