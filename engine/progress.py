@@ -49,6 +49,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ENV = "ENGINE_PROGRESS_FILE"
+#: the most ``marks`` a report keeps, the newest: an online job marks every hourly partition, so a
+#: worker running for a year rewrote 8,760 of them (~300 KB) every half second. A roll-back goes to one
+#: of the job's retained checkpoints, far newer than the 1,024th mark back; a mark no longer kept only
+#: makes the supervisor count every example of this attempt as trained again (``lost_examples``)
+MAX_MARKS = 1024
 
 
 class Progress:
@@ -127,9 +132,14 @@ class Progress:
             return copy.deepcopy({**self._state, "beat": time.time(), "mono": time.monotonic()})
 
     def mark(self, name: str) -> None:
-        """Remember the examples count at point ``name`` (e.g. a checkpoint's data position)."""
+        """Remember the examples count at point ``name`` (e.g. a checkpoint's data position); the newest
+        ``MAX_MARKS`` are kept (see there)."""
         with self._lock:
-            self._state["marks"][name] = self._state["examples"]
+            marks = self._state["marks"]
+            marks.pop(name, None)          # marked again: the newest
+            marks[name] = self._state["examples"]
+            while len(marks) > MAX_MARKS:
+                del marks[next(iter(marks))]
             self._state["last_mark"] = name
         if self.path is not None:      # at once: the process may be killed before the next beat
             self._write()

@@ -55,3 +55,28 @@ def test_a_report_read_on_another_host_is_rebased_into_the_readers_clock():
     assert progress.stalled(moved, 10_505.0, 30.0, 0.0) is None          # in its checkpoint phase, 55 s in
     assert "'checkpoint' has run 65s" in progress.stalled(moved, 10_515.0, 30.0, 0.0)
     assert progress.rebase(None, 1.0) is None
+
+
+def test_the_file_keeps_the_newest_marks_only_so_a_worker_of_a_year_writes_a_small_one(tmp_path):
+    """An online job marks every hourly partition: a worker running for a year rewrote 8,760 marks every
+    half second. The newest ``MAX_MARKS`` stay (a roll-back goes to a retained checkpoint, among them);
+    a mark marked again counts as the newest."""
+    from engine.launch.supervisor import lost_examples
+    cap = getattr(progress, "MAX_MARKS", 1024)
+    path = tmp_path / "worker-0.progress.json"
+    p = progress.Progress(str(path), interval_s=60)
+    try:
+        for h in range(3 * cap):
+            p.step(10)
+            p.mark(f"partition:{h}")
+            if h == 5:
+                p.mark("partition:0")            # again: no longer the oldest
+        got = progress.read(path)
+    finally:
+        p.close()
+    marks = got["marks"]
+    assert len(marks) == cap and got["last_mark"] == f"partition:{3 * cap - 1}"
+    assert list(marks)[-1] == got["last_mark"] and "partition:1" not in marks
+    assert len(path.read_text()) < 64 << 10
+    newest = f"partition:{3 * cap - 2}"
+    assert lost_examples([{**got, "examples": got["examples"] + 30}], newest) == 40
