@@ -44,6 +44,11 @@ from .local import LocalCluster
 log = logging.getLogger(__name__)
 
 
+#: failures older than ``cluster.restart_window_s`` kept for the message of a job that gives up (the
+#: newest; each holds its log's last lines): a job restarted once an hour for a month kept all 720
+MAX_OLDER_FAILURES = 20
+
+
 @dataclass
 class Failure:
     """One failed attempt: which role, what happened, its last log lines."""
@@ -118,7 +123,8 @@ class Supervisor:
         self.origin: str | None = None
         # the job root of an explicit --resume URI (its chain's base and deltas lie below it)
         self.first_resume = ckpt_job.manager_for(cfg, resume)[0].uri if resume else ""
-        self.failures: list[Failure] = []
+        self.failures: list[Failure] = []   # the failures within the window, and the newest older ones
+        self.failed = 0                     # every failure of the job
         self.restarts = 0
         self.examples_replayed = 0
         self.checkpoint: str | None = None
@@ -183,14 +189,20 @@ class Supervisor:
     def _failed(self, attempt: int, e: LaunchError, cluster: LocalCluster) -> None:
         f = Failure(attempt, e.role, e.rank, e.exit_code, e.reason, e.log_tail, time.monotonic())
         self.failures.append(f)
+        self.failed += 1
         c = self.cfg.cluster
         recent = [x for x in self.failures if f.at - x.at <= c.restart_window_s]
+        older = self.failures[:len(self.failures) - len(recent)]
+        # a job that runs for months keeps the failures that count and the newest older ones only
+        self.failures = older[len(older) - min(len(older), MAX_OLDER_FAILURES):] + recent
         usage = e.exit_code == 2          # a config or usage error: a restart fails the same way
         if len(recent) > c.max_restarts or usage:
             why = (f"{e.role} {e.rank} exited with code 2 (a config or usage error)" if usage else
                    f"{len(recent)} failures within cluster.restart_window_s={c.restart_window_s:g}s, "
                    f"cluster.max_restarts={c.max_restarts}")
-            raise LaunchError(f"giving up after {len(self.failures)} failure(s) ({why}):\n"
+            unlisted = self.failed - len(self.failures)
+            raise LaunchError(f"giving up after {self.failed} failure(s) ({why}):\n"
+                              + (f"({unlisted} older failure(s) not listed)\n" if unlisted else "")
                               + "\n".join(x.describe() for x in self.failures),
                               role=e.role, rank=e.rank, exit_code=e.exit_code, reason=e.reason,
                               log_tail=e.log_tail) from None

@@ -47,3 +47,22 @@ def test_a_config_or_usage_error_is_never_restarted(tmp_path):
     with pytest.raises(LaunchError, match="exited with code 2 \\(a config or usage error\\)"):
         sup._failed(0, _dead(1, code=2), cluster)
     assert sup.restarts == 0
+
+
+def test_a_job_restarted_for_months_keeps_the_failures_that_count_and_the_newest_older_ones(tmp_path, monkeypatch):
+    """Every failure was kept with its log's last lines and listed when the job gave up: a job that
+    runs for months with a failure now and then held (and printed) all of them. Now the failures within
+    the window and the newest ``MAX_OLDER_FAILURES`` older ones; the count covers all."""
+    from engine.launch import supervisor
+    monkeypatch.setattr(supervisor, "MAX_OLDER_FAILURES", 3, raising=False)
+    sup, cluster = _supervisor(tmp_path, window_s=0.05, max_restarts=1)
+    for attempt in range(12):       # one failure per window: the job survives every one
+        sup._failed(attempt, _dead(attempt), cluster)
+        time.sleep(0.06)
+    assert sup.restarts == 12 and len(sup.failures) <= 4, len(sup.failures)
+    sup._failed(12, _dead(12), cluster)
+    with pytest.raises(LaunchError) as e:       # two within the window (back to back): it gives up
+        sup._failed(13, _dead(13), cluster)
+    msg = str(e.value)
+    assert "giving up after 14 failure(s)" in msg and "older failure(s) not listed" in msg, msg
+    assert "worker 13" in msg and "worker 0:" not in msg, msg
