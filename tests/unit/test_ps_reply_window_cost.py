@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 import tracemalloc
 
+import pytest
+
 from engine.ps import ps_pb2 as pb
 from engine.ps.dedup import ENTRY_OVERHEAD_BYTES, ReplyWindow
 
@@ -43,3 +45,24 @@ def test_a_completed_entry_holds_less_memory_than_it_is_charged():
         tracemalloc.stop()
     assert w.stats()["entries"] == n
     assert held / n < ENTRY_OVERHEAD_BYTES, held / n
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_the_id_record_holds_small_replies_serialized_and_a_repeat_gets_the_same_reply():
+    """An evicted id keeps its small reply for a repeat; the reply message object cost ~730 bytes of RSS
+    an id with its key (2^18 ids: ~190 MB beside the window's budget), serialized ~330."""
+    n = 100_000
+    w = ReplyWindow(max_bytes=1000 * (ENTRY_OVERHEAD_BYTES + 100), max_ids=n + 10_000)
+    _run(w, 0, 2000)                                         # full: every request now moves one to the record
+    before = _rss()
+    _run(w, 2000, n)
+    per_id = (_rss() - before) / n
+    assert w.stats()["evicted_ids"] > n, w.stats()
+    assert per_id < 500, per_id
+    rid = "worker0@1732950000123456789-abcdef12:0"           # evicted long ago: answered, not applied
+    again = w.run(rid, lambda: pytest.fail("a repeat was applied again"))
+    assert again == pb.Empty(request_id=rid) and w.stats()["hits"] == 1
