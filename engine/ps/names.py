@@ -24,8 +24,8 @@ from collections import OrderedDict
 
 __all__ = ["MAX_NAMES", "RecentNames"]
 
-#: the most names a server keeps in ``writers`` and in ``clients`` each (a job with more workers than
-#: this would see its own workers' names dropped: every start would roll back)
+#: the most names a server keeps in ``writers`` and in ``clients`` each (``PSServer.from_config`` keeps
+#: at least 4 a worker: a job's own workers' names dropped would make every start roll back)
 MAX_NAMES = 4096
 
 

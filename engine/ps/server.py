@@ -47,6 +47,7 @@ from .delta_lineage import DeltaLineage
 from .dense_host import MAX_DENSE_FLOATS, DenseHost
 from .hosts import HostError, SparseHost, failed_shard, invalid, shrink_each, spill_failures
 from .metric_sums import MetricSums
+from . import names
 from .names import RecentNames
 from .request_rules import MAX_REQUEST_ID_CHARS, admin_reason, clip
 from .routing import DEFAULT_NUM_VSHARDS
@@ -134,6 +135,9 @@ class PSServer(CheckpointHandlers):
         says so in ``stuck``.
     max_dense_floats : int, floats
         The largest dense table a client may initialize (``server.max_dense_floats``).
+    max_client_names : int, optional
+        Names kept in ``writers`` and ``clients`` each (default ``names.MAX_NAMES``; ``from_config``:
+        at least 4 per worker, so a job's own workers are never the ones dropped).
     """
 
     def __init__(self, sparse: dict, dense: dict | None = None, *, index: int = 0, num_servers: int = 1,
@@ -142,7 +146,7 @@ class PSServer(CheckpointHandlers):
                  max_barrier_wait_s: float = 600.0, reply_window_bytes: int = 64 << 20,
                  max_message_bytes: int = codec.MAX_MESSAGE_BYTES, checkpoint_root: str | None = None,
                  load_roots=(), clock=None, request_bound_s: float = 60.0, expiry_clock: str = "wall",
-                 max_dense_floats: int = MAX_DENSE_FLOATS):
+                 max_dense_floats: int = MAX_DENSE_FLOATS, max_client_names: int | None = None):
         if not 0 <= index < num_servers:
             raise ValueError(f"server index must be in [0, {num_servers}), got {index}")
         if not (isinstance(checkpoint_groups, int) and checkpoint_groups >= 1):
@@ -179,11 +183,11 @@ class PSServer(CheckpointHandlers):
         self.fresh = True                        # nothing written or loaded since this server started
         # clients that wrote since this server started or last loaded (their request ids' names: a
         # worker's is ``worker{rank}``): a worker that finds its own name here is a restarted one (Health)
-        self.writers = RecentNames()
+        self.writers = RecentNames(max_client_names)
         # clients whose data requests this generation accepted (names, as ``writers``): a starting worker
         # that finds its own name here was restarted within the attempt, which cannot take it back (the
         # others may be past the start's barriers, or counted its dead self's arrival at one) (Health)
-        self.clients = RecentNames()     # both bounded: the most recently seen names (engine.ps.names)
+        self.clients = RecentNames(max_client_names)     # both bounded: the most recently seen (engine.ps.names)
         self._clients_lock = threading.Lock()
         self.fenced: str | None = None           # why the last Fence ended the attempt (Health)
         self.fenced_from: str | None = None      # what ``restored`` said when it came (Health)
@@ -226,7 +230,8 @@ class PSServer(CheckpointHandlers):
                    reply_window_bytes=cfg.server.reply_window_bytes,
                    max_message_bytes=cfg.server.max_message_bytes, checkpoint_root=cfg.checkpoint.root,
                    request_bound_s=cfg.client.timeout_s, expiry_clock=cfg.server.expiry_clock,
-                   max_dense_floats=cfg.server.max_dense_floats)
+                   max_dense_floats=cfg.server.max_dense_floats,
+                   max_client_names=max(names.MAX_NAMES, 4 * cfg.cluster.workers))
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, method: str, request, *, trusted: bool = False):

@@ -64,3 +64,20 @@ def test_a_fresh_server_lets_a_first_worker_in_and_nothing_is_dropped():
         assert roles._agreed([health], "worker0") == (True, None)
     finally:
         core.close()
+
+
+def test_a_job_of_many_workers_keeps_four_names_a_worker():
+    """With more workers than ``MAX_NAMES`` a job's own names would be dropped, and every start roll
+    back: the servers of a config keep at least four names a worker."""
+    from pathlib import Path
+
+    from engine.config import load_config
+    demo = Path(__file__).resolve().parents[2] / "configs" / "logreg_demo.yaml"
+    small = PSServer.from_config(load_config(demo, ["cluster.warm_up=false"]), 0)
+    big = PSServer.from_config(load_config(demo, ["cluster.workers=5000", "cluster.warm_up=false"]), 0)
+    try:
+        assert small.clients.cap == names.MAX_NAMES and small.writers.cap == names.MAX_NAMES
+        assert big.clients.cap == 20_000 and big.writers.cap == 20_000
+    finally:
+        small.close()
+        big.close()
