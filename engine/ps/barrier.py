@@ -25,6 +25,13 @@ up on more than 1,024 small hours within ``prune_after_s`` was refused, and the 
 caller released by one of them polls again within ``lease_s`` or is counted gone anyway. Only a new
 barrier beyond ``MAX_BARRIERS`` all used within ``lease_s`` is refused (FAILED_PRECONDITION).
 
+Generations: ``reset(generation)`` (a restore or a fence of the server) forgets every barrier and
+records the server's new generation; an arrival that names another one (``arrive(generation=...)``) is
+refused ABORTED under the same lock. The server checks a request's generation before it calls
+``arrive``, but a reset could land between that check and the arrival: with 20 workers polling, a
+fence left up to 17 arrivals of the ended attempt counted in the next attempt's barrier of that name,
+which then opened before all of its own callers came.
+
 ``on_open`` (the sync-mode apply) runs outside the lock that every barrier of the server shares, so
 a slow apply delays only its own barrier. If it fails, the barrier's waiters are all answered ABORTED
 with its error (nobody is left waiting for an opening that will not come).
@@ -85,11 +92,14 @@ class Barriers:
         Polls allowed to linger at once (``0``: every poll is answered at once).
     lease_s : float, seconds
         An arrival not polled for this long is withdrawn (its caller is gone).
+    generation : int
+        The server's generation (0: none); ``reset`` sets a new one.
     """
 
     def __init__(self, *, max_wait_s: float = 600.0, linger_s: float = 0.5, max_lingering: int = 1 << 30,
-                 lease_s: float = 30.0, prune_after_s: float = 600.0):
+                 lease_s: float = 30.0, prune_after_s: float = 600.0, generation: int = 0):
         self.max_wait_s, self.linger_s = float(max_wait_s), float(linger_s)
+        self.generation = int(generation)       # the server's, set by reset(): arrivals naming another are refused
         self.max_lingering, self.lease_s = int(max_lingering), float(lease_s)
         self.prune_after_s = float(prune_after_s)
         self._cond = threading.Condition()
@@ -105,9 +115,11 @@ class Barriers:
         with self._cond:
             return self._lingering
 
-    def arrive(self, name: str, token: str, world: int, timeout_s: float, on_open=None) -> BarrierReply:
+    def arrive(self, name: str, token: str, world: int, timeout_s: float, on_open=None,
+               generation: int = 0) -> BarrierReply:
         """Arrive at (or poll) barrier ``name`` as ``token``. ``on_open()`` runs once, under the
-        barrier's lock, when the last arrival opens it (before anyone is released).
+        barrier's lock, when the last arrival opens it (before anyone is released). ``generation``: the
+        server generation the caller expects (0: any); another than ``self.generation`` is refused.
 
         Raises
         ------
@@ -115,7 +127,8 @@ class Barriers:
             INVALID_ARGUMENT (world < 1, no token, a name over ``MAX_NAME_CHARS``, or a world that differs
             from the other callers'), DEADLINE_EXCEEDED (not everybody arrived within the capped timeout;
             the arrival is withdrawn), UNAVAILABLE (the server is stopping), ABORTED (``on_open`` failed),
-            FAILED_PRECONDITION (a new barrier beyond ``MAX_BARRIERS``).
+            FAILED_PRECONDITION (a new barrier beyond ``MAX_BARRIERS``), ABORTED "generation mismatch"
+            (the caller expects a generation the server left: nothing counted).
         """
         if world < 1:
             raise BarrierError("INVALID_ARGUMENT", f"world must be >= 1, got {world}")
@@ -129,6 +142,10 @@ class Barriers:
         with self._cond:
             if self._stopped:
                 raise BarrierError("UNAVAILABLE", f"barrier {name!r}: server is stopping")
+            if generation and self.generation and generation != self.generation:
+                raise BarrierError("ABORTED", f"barrier {name!r}: generation mismatch: the request expects "
+                                   f"generation {generation}, this server is at {self.generation} (it loaded a "
+                                   f"checkpoint or was fenced since); the arrival was not counted")
             self._calls += 1
             now = time.monotonic()
             if self._calls % 1024 == 0 or now - self._pruned > PRUNE_EVERY_S:
@@ -249,11 +266,14 @@ class Barriers:
             self._stopped = True
             self._cond.notify_all()
 
-    def reset(self) -> None:
+    def reset(self, generation: int = 0) -> None:
         """Forget every barrier (a restore starts a new round of meetings: an arrival of a caller that
-        died before it would otherwise count toward the next one). Callers of the old state are refused
-        anyway: their requests carry the old generation."""
+        died before it would otherwise count toward the next one) and serve ``generation`` from now on
+        (0: keep the current one): callers of the old state are refused under this lock, so none of
+        their arrivals lands in the new state after it was cleared."""
         with self._cond:
+            if generation:
+                self.generation = int(generation)
             self._states.clear()
             self._cond.notify_all()
 

@@ -195,7 +195,7 @@ class PSServer(CheckpointHandlers):
         # ``roles.run_server``: the ones named above it were written since, by this job (Health)
         self.checkpoint_floor: str | None = None
         self.lineage = DeltaLineage(index)       # the checkpoint a delta saved now continues (Save, Load)
-        self.barriers = Barriers(max_wait_s=max_barrier_wait_s)
+        self.barriers = Barriers(max_wait_s=max_barrier_wait_s, generation=self.generation)
         self.window = ReplyWindow(reply_window_bytes)
         self.max_message_bytes = int(max_message_bytes)
         self.metric_sums = MetricSums()
@@ -423,7 +423,7 @@ class PSServer(CheckpointHandlers):
         for h in self.dense.values():
             h.drop_pending()
         self.metric_sums.clear()
-        self.barriers.reset()
+        self.barriers.reset(self.generation)
         if dropped:
             log.warning("server %d: dropped %d sync push(es) held for the state the load replaced",
                         self.index, dropped)
@@ -590,14 +590,18 @@ class PSServer(CheckpointHandlers):
 
         def apply() -> None:
             self.watchdog.running(token)
-            self._apply_pending(world)
+            self._apply_pending(world, req)
         on_open = apply if req.apply_pending else None
-        r = self.barriers.arrive(req.name, req.request_id, world, req.timeout_s, on_open)
+        # the generation again under the barriers' lock: a Load or a Fence (which takes no lock a
+        # Barrier holds) may have reset them since handle() checked it
+        r = self.barriers.arrive(req.name, req.request_id, world, req.timeout_s, on_open, generation=req.generation)
         return pb.BarrierResponse(request_id=req.request_id, round=r.generation, released=r.released,
                                   arrived=r.arrived, waited=r.waited)
 
-    def _apply_pending(self, world: int) -> None:
+    def _apply_pending(self, world: int, req) -> None:
         with self._tables_lock.shared(), self._apply_lock:
+            # an opener of an ended generation that waited behind a Load applies nothing of the new one
+            self._check_generation("Barrier", req)
             for host in self.sparse.values():
                 host.apply_pending(world)
             for host in self.dense.values():

@@ -514,3 +514,63 @@ def test_a_starting_worker_agrees_only_with_one_state_its_former_self_did_not_wr
     assert _agreed([h("u"), h("v")], "worker1") == (False, None)                      # restored apart
     assert _agreed([h(), h()], "worker0") == (False, None)                            # in use, no checkpoint
     assert _agreed([h(fresh=True), h()], "worker0") == (False, None)
+
+
+def test_an_arrival_whose_generation_ended_after_the_servers_check_is_refused_not_counted():
+    """A Fence (or a Load) takes no lock that a Barrier holds: it may land between the server's check of
+    a poll's generation and the arrival. The arrival is checked again under the barriers' lock. Before,
+    it was counted in the fresh barrier of the next attempt: with 20 workers polling, a fence left up to
+    17 arrivals of the ended attempt there (for 30 s, the lease), and the next attempt's barrier of that
+    name opened before its own callers all came."""
+    from engine.errors import GenerationChangedError
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    with PSClient(InProcessTransport([core]), name="worker3") as old, \
+            PSClient(InProcessTransport([core]), name="worker0") as fencer:
+        old.barrier("sync:step", 1)                     # met the servers: its requests name this generation
+        health = fencer.health()
+        arrive = core.barriers.arrive
+
+        def fenced_first(*a, **k):                      # the fence lands right after the server's check
+            core.barriers.arrive = arrive
+            fencer.fence([h["generation"] for h in health], "worker 0 restarted")
+            return arrive(*a, **k)
+        core.barriers.arrive = fenced_first
+        with pytest.raises(GenerationChangedError, match="generation mismatch"):
+            old.barrier("sync:step", 2)
+        assert core.barriers.stats().get("sync:step", {"arrived": 0})["arrived"] == 0, core.barriers.stats()
+    core.close()
+
+
+def test_a_sync_opener_whose_generation_ended_while_it_waited_for_the_tables_applies_nothing():
+    """The last arrival of a sync barrier applies the held pushes under the tables lock; a Load that held
+    the tables meanwhile moved the server to a new generation, so the apply is refused (every waiter of the
+    round learns it) rather than applying what clients of the new generation hold by then."""
+    from engine.errors import GenerationChangedError
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    keys = np.arange(1, 21, dtype=np.uint64)
+    out = {}
+    with PSClient(InProcessTransport([core]), name="worker0") as c:
+        c.push("emb", keys, np.ones((20, DIM), np.float32), accumulate=True)
+
+        def meet():
+            try:
+                c.barrier("sync:step", 1, apply_pending=True)
+                out["barrier"] = "released"
+            except GenerationChangedError as e:
+                out["barrier"] = e.message
+        lock, asked = core._tables_lock, threading.Event()
+        shared = lock.shared
+
+        def watched():                                  # the opener asks for the tables to apply
+            asked.set()
+            return shared()
+        lock.shared = watched
+        with lock.exclusive():                          # a Load holding the tables
+            t = threading.Thread(target=meet)
+            t.start()
+            until(asked.is_set, "the opener waits for the tables", timeout_s=10)
+            core._new_generation()                      # what the Load does before it lets go
+        t.join(10)
+        lock.shared = shared
+        assert "generation mismatch" in out["barrier"], out
+    core.close()
