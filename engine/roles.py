@@ -536,11 +536,21 @@ def _end_preempted(client, rank: int, workers: int, timeout: float) -> None:
 
 def _end_job_barriers(client, rank: int, workers: int, timeout: float, name: str) -> None:
     """Every worker meets at barrier ``name``; the others then say they saw its release and leave, and
-    rank 0 waits for all of them (so no worker still polls a server rank 0 then stops)."""
+    rank 0 waits for all of them (so no worker still polls a server rank 0 then stops).
+
+    A worker whose "seen" arrival finds the servers gone leaves as one that finished: rank 0 stops them
+    only once every arrival was counted, so its arrival landed and only the reply was lost (its retry
+    reached a stopping server); and a server lost after the release loses nothing of a job whose every
+    worker has finished. Before, that worker exited 76 (roll back) after the job's end, and a scheduler
+    restarted it against servers that were gone."""
     with progress.current().phase(f"barrier {name}", 2 * timeout):
         client.barrier(name, workers, timeout=timeout)
         if rank != 0:
-            client.arrive(f"{name}-seen", workers, timeout=timeout)
+            try:
+                client.arrive(f"{name}-seen", workers, timeout=timeout)
+            except (ShardUnavailableError, PSTimeoutError) as e:
+                log.info("worker %d: the servers stopped before the answer to its last arrival came (%s); "
+                         "every worker had finished", rank, e)
             return
         client.barrier(f"{name}-seen", workers, timeout=timeout)
 

@@ -17,6 +17,7 @@ from engine.ps import ps_pb2 as pb
 from tests.integration.test_multihost import engine
 from tests.integration.test_role_resume import free_ports
 from tests.integration.test_status import status
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +153,51 @@ def test_a_stuck_server_says_not_serving_and_its_worker_exits_76(tmp_path, loopb
     assert text.count("server 0: stuck: ") == 1, text[-3000:]
     assert "health port NOT_SERVING: a liveness probe restarts this server" in text
     assert "no longer stuck (it moved after: " in text
+
+
+def test_a_worker_whose_last_arrival_reply_is_lost_as_the_servers_stop_exits_as_finished(tmp_path):
+    """The job-end protocol (``roles._end_job``) of 3 workers against a real server process; worker 2
+    reaches it through a real gRPC proxy that drops the replies to its "seen" arrival (applied, then
+    lost) and to its first retry, so its next retry finds the server that rank 0 stopped meanwhile.
+    Every worker ends without an error. Before, worker 2 raised ShardUnavailableError: it exited 76 (roll
+    back) after the job had ended, and a scheduler restarted it against servers that were gone."""
+    import threading
+
+    from engine.config import from_dict
+    from engine.launch.local import LocalCluster
+    from engine.ps import PSClient
+    from engine.roles import _end_job
+    from tests.faults import DroppingProxy
+
+    cfg = from_dict({"cluster": {"servers": 1, "workers": 1, "startup_timeout_s": 60, "warm_up": False},
+                     "tables": {"sparse": {"emb": {"dim": 1}}}})
+    cluster = LocalCluster(cfg, tmp_path / "run")
+    out: dict[int, str] = {}
+    try:
+        cluster.start_servers()
+        # worker 2 arrives last at the job-end barrier: its call 0 opens it, calls 1 and 2 are its
+        # "seen" arrival and the first retry of it
+        proxy = DroppingProxy(cluster.endpoints[0], lambda method, n: method == "Barrier" and n in (1, 2))
+
+        def worker(rank: int) -> None:
+            endpoint = proxy.endpoint if rank == 2 else cluster.endpoints[0]
+            with PSClient([endpoint], name=f"worker{rank}", retries=2, backoff_s=0.05) as c:
+                try:
+                    if rank == 2:
+                        until(lambda: c.stats()[0]["barriers"].get("engine-job-end", {}).get("arrived") == 2,
+                              "workers 0 and 1 at the job-end barrier", timeout_s=30, every_s=0.02)
+                    _end_job(c, rank, 3, 60.0)
+                    out[rank] = "ok"
+                except Exception as e:  # noqa: BLE001 - what the worker would exit with
+                    out[rank] = f"{type(e).__name__}: {e}"
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert proxy.dropped.get("Barrier", 0) >= 1, proxy.dropped
+        proxy.close()
+    finally:
+        cluster.stop_servers()
+        cluster.shutdown()
+    assert out == {0: "ok", 1: "ok", 2: "ok"}, out
