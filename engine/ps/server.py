@@ -411,19 +411,22 @@ class PSServer(CheckpointHandlers):
     def _new_generation(self) -> None:
         """Move to a new generation (after a Load or a Fence) and drop what was held for the old one."""
         with self._clients_lock:
-            self.generation = max(time.time_ns(), self.generation + 1)
+            generation = max(time.time_ns(), self.generation + 1)
+            # the barriers first: nobody knows the new generation before it is published below, and
+            # from now on an arrival naming the old one is refused (barrier.Barriers: generations)
+            self.barriers.reset(generation)
+            self.generation = generation
             self.clients.clear()
         self._drop_transient()
 
     def _drop_transient(self) -> None:
         """After a Load: what was held for the state the load replaced goes too (sync pushes and dense
-        gradients waiting for their barrier, metric sums of an evaluation in progress, barrier
-        arrivals); applied later, it would land on the restored tables."""
+        gradients waiting for their barrier, metric sums of an evaluation in progress; the barrier
+        arrivals went in ``_new_generation``); applied later, it would land on the restored tables."""
         dropped = sum(h.drop_pending() for h in self.sparse.values())
         for h in self.dense.values():
             h.drop_pending()
         self.metric_sums.clear()
-        self.barriers.reset(self.generation)
         if dropped:
             log.warning("server %d: dropped %d sync push(es) held for the state the load replaced",
                         self.index, dropped)

@@ -574,3 +574,26 @@ def test_a_sync_opener_whose_generation_ended_while_it_waited_for_the_tables_app
         lock.shared = shared
         assert "generation mismatch" in out["barrier"], out
     core.close()
+
+
+def test_a_client_of_the_new_generation_meets_at_a_barrier_while_the_server_still_drops_the_old_state():
+    """The barriers move to a new generation before the server publishes it (Health), so a client that
+    read it at once is never refused by them while the server is still dropping what it held for the
+    old one (sync pushes, metric sums)."""
+    core = PSServer({"emb": SGD1}, local_shards=1)
+    out = {}
+    with PSClient(InProcessTransport([core]), name="worker0") as fencer:
+        drop = core._drop_transient
+
+        def meanwhile():          # a client that read the new generation from Health meets here
+            with PSClient(InProcessTransport([core]), name="worker1") as c:
+                try:
+                    c.barrier("sync:step", 1)
+                    out["barrier"] = "released"
+                except Exception as e:  # noqa: BLE001 - the refusal is what is looked for
+                    out["barrier"] = str(e)
+            drop()
+        core._drop_transient = meanwhile
+        fencer.fence([h["generation"] for h in fencer.health()], "a restart")
+    assert out == {"barrier": "released"}, out
+    core.close()
