@@ -542,7 +542,8 @@ def _end_job_barriers(client, rank: int, workers: int, timeout: float, name: str
     only once every arrival was counted, so its arrival landed and only the reply was lost (its retry
     reached a stopping server); and a server lost after the release loses nothing of a job whose every
     worker has finished. Before, that worker exited 76 (roll back) after the job's end, and a scheduler
-    restarted it against servers that were gone."""
+    restarted it against servers that were gone. Likewise rank 0 ends the job when a worker does not say
+    so within ``timeout`` (it died after the release): before, it exited 1 with the job finished."""
     with progress.current().phase(f"barrier {name}", 2 * timeout):
         client.barrier(name, workers, timeout=timeout)
         if rank != 0:
@@ -552,7 +553,14 @@ def _end_job_barriers(client, rank: int, workers: int, timeout: float, name: str
                 log.info("worker %d: the servers stopped before the answer to its last arrival came (%s); "
                          "every worker had finished", rank, e)
             return
-        client.barrier(f"{name}-seen", workers, timeout=timeout)
+        try:
+            client.barrier(f"{name}-seen", workers, timeout=timeout)
+        except BarrierTimeoutError as e:
+            # every worker reached the job's end (the barrier above opened); one that did not say so
+            # since died or lost its connection: rank 0 still ends the job (before: it exited 1 after
+            # the timeout, a finished job counted as a failure, and its servers kept running)
+            log.warning("worker 0: not every worker said it saw the job's end (%s); every worker had "
+                        "finished: ending the job all the same", e.message)
 
 
 def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, host: str | None = None,

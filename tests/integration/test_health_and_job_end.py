@@ -201,3 +201,45 @@ def test_a_worker_whose_last_arrival_reply_is_lost_as_the_servers_stop_exits_as_
         cluster.stop_servers()
         cluster.shutdown()
     assert out == {0: "ok", 1: "ok", 2: "ok"}, out
+
+
+def test_rank_0_ends_a_finished_job_when_a_worker_never_says_it_saw_the_end(tmp_path):
+    """The job-end protocol of 3 workers against a real server process; worker 2 meets the others at the
+    job-end barrier, then dies before its "seen" arrival. Rank 0 waits for it until the barrier's timeout,
+    then stops the servers all the same: every worker had finished. Before, rank 0 raised
+    BarrierTimeoutError (exit 1: a finished job counted as a failure) and left the servers running."""
+    import threading
+
+    from engine.config import from_dict
+    from engine.launch.local import LocalCluster
+    from engine.ps import PSClient
+    from engine.roles import _end_job
+
+    cfg = from_dict({"cluster": {"servers": 1, "workers": 1, "startup_timeout_s": 60, "warm_up": False},
+                     "tables": {"sparse": {"emb": {"dim": 1}}}})
+    cluster = LocalCluster(cfg, tmp_path / "run")
+    out: dict[int, str] = {}
+    try:
+        cluster.start_servers()
+
+        def worker(rank: int) -> None:
+            with PSClient(cluster.endpoints, name=f"worker{rank}", retries=1) as c:
+                try:
+                    if rank == 2:            # meets the others, then is gone
+                        c.barrier("engine-job-end", 3, timeout=30)
+                    else:
+                        _end_job(c, rank, 3, 3.0)
+                    out[rank] = "ok"
+                except Exception as e:  # noqa: BLE001 - what the worker would exit with
+                    out[rank] = f"{type(e).__name__}: {e}"
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert out == {0: "ok", 1: "ok", 2: "ok"}, out
+        until(lambda: cluster.servers[0].proc.poll() is not None, "the server stopped by rank 0", timeout_s=20)
+        assert cluster.servers[0].proc.returncode == 0
+    finally:
+        cluster.stop_servers()
+        cluster.shutdown()
