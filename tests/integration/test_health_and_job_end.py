@@ -155,91 +155,89 @@ def test_a_stuck_server_says_not_serving_and_its_worker_exits_76(tmp_path, loopb
     assert "no longer stuck (it moved after: " in text
 
 
-def test_a_worker_whose_last_arrival_reply_is_lost_as_the_servers_stop_exits_as_finished(tmp_path):
+@pytest.fixture
+def one_server(tmp_path):
+    """A started ``LocalCluster`` of one real server process (the job-end protocol's tests run the
+    workers' side in threads); stopped after the test."""
+    from engine.config import from_dict
+    from engine.launch.local import LocalCluster
+    cfg = from_dict({"cluster": {"servers": 1, "workers": 1, "startup_timeout_s": 60, "warm_up": False},
+                     "tables": {"sparse": {"emb": {"dim": 1}}}})
+    cluster = LocalCluster(cfg, tmp_path / "run")
+    try:
+        cluster.start_servers()
+        yield cluster
+    finally:
+        cluster.stop_servers()
+        cluster.shutdown()
+
+
+def run_workers(worker, n: int, timeout_s: float) -> dict[int, str]:
+    """``worker(rank)`` for ranks 0..n-1, each on its own thread -> per rank "ok", or the exception it
+    raised as "Type: message" (what the worker would exit with)."""
+    import threading
+    out: dict[int, str] = {}
+
+    def run(rank: int) -> None:
+        try:
+            worker(rank)
+            out[rank] = "ok"
+        except Exception as e:  # noqa: BLE001 - what the worker would exit with
+            out[rank] = f"{type(e).__name__}: {e}"
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return out
+
+
+def test_a_worker_whose_last_arrival_reply_is_lost_as_the_servers_stop_exits_as_finished(one_server):
     """The job-end protocol (``roles._end_job``) of 3 workers against a real server process; worker 2
     reaches it through a real gRPC proxy that drops the replies to its "seen" arrival (applied, then
     lost) and to its first retry, so its next retry finds the server that rank 0 stopped meanwhile.
     Every worker ends without an error. Before, worker 2 raised ShardUnavailableError: it exited 76 (roll
     back) after the job had ended, and a scheduler restarted it against servers that were gone."""
-    import threading
-
-    from engine.config import from_dict
-    from engine.launch.local import LocalCluster
     from engine.ps import PSClient
     from engine.roles import _end_job
     from tests.faults import DroppingProxy
 
-    cfg = from_dict({"cluster": {"servers": 1, "workers": 1, "startup_timeout_s": 60, "warm_up": False},
-                     "tables": {"sparse": {"emb": {"dim": 1}}}})
-    cluster = LocalCluster(cfg, tmp_path / "run")
-    out: dict[int, str] = {}
-    try:
-        cluster.start_servers()
-        # worker 2 arrives last at the job-end barrier: its call 0 opens it, calls 1 and 2 are its
-        # "seen" arrival and the first retry of it
-        proxy = DroppingProxy(cluster.endpoints[0], lambda method, n: method == "Barrier" and n in (1, 2))
+    # worker 2 arrives last at the job-end barrier: its call 0 opens it, calls 1 and 2 are its "seen"
+    # arrival and the first retry of it
+    endpoint = one_server.endpoints[0]
+    proxy = DroppingProxy(endpoint, lambda method, n: method == "Barrier" and n in (1, 2))
 
-        def worker(rank: int) -> None:
-            endpoint = proxy.endpoint if rank == 2 else cluster.endpoints[0]
-            with PSClient([endpoint], name=f"worker{rank}", retries=2, backoff_s=0.05) as c:
-                try:
-                    if rank == 2:
-                        until(lambda: c.stats()[0]["barriers"].get("engine-job-end", {}).get("arrived") == 2,
-                              "workers 0 and 1 at the job-end barrier", timeout_s=30, every_s=0.02)
-                    _end_job(c, rank, 3, 60.0)
-                    out[rank] = "ok"
-                except Exception as e:  # noqa: BLE001 - what the worker would exit with
-                    out[rank] = f"{type(e).__name__}: {e}"
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
+    def worker(rank: int) -> None:
+        with PSClient([proxy.endpoint if rank == 2 else endpoint], name=f"worker{rank}", retries=2,
+                      backoff_s=0.05) as c:
+            if rank == 2:
+                until(lambda: c.stats()[0]["barriers"].get("engine-job-end", {}).get("arrived") == 2,
+                      "workers 0 and 1 at the job-end barrier", timeout_s=30, every_s=0.02)
+            _end_job(c, rank, 3, 60.0)
+    try:
+        out = run_workers(worker, 3, 90)
         assert proxy.dropped.get("Barrier", 0) >= 1, proxy.dropped
-        proxy.close()
     finally:
-        cluster.stop_servers()
-        cluster.shutdown()
+        proxy.close()
     assert out == {0: "ok", 1: "ok", 2: "ok"}, out
 
 
-def test_rank_0_ends_a_finished_job_when_a_worker_never_says_it_saw_the_end(tmp_path):
+def test_rank_0_ends_a_finished_job_when_a_worker_never_says_it_saw_the_end(one_server):
     """The job-end protocol of 3 workers against a real server process; worker 2 meets the others at the
     job-end barrier, then dies before its "seen" arrival. Rank 0 waits for it until the barrier's timeout,
     then stops the servers all the same: every worker had finished. Before, rank 0 raised
     BarrierTimeoutError (exit 1: a finished job counted as a failure) and left the servers running."""
-    import threading
-
-    from engine.config import from_dict
-    from engine.launch.local import LocalCluster
     from engine.ps import PSClient
     from engine.roles import _end_job
 
-    cfg = from_dict({"cluster": {"servers": 1, "workers": 1, "startup_timeout_s": 60, "warm_up": False},
-                     "tables": {"sparse": {"emb": {"dim": 1}}}})
-    cluster = LocalCluster(cfg, tmp_path / "run")
-    out: dict[int, str] = {}
-    try:
-        cluster.start_servers()
-
-        def worker(rank: int) -> None:
-            with PSClient(cluster.endpoints, name=f"worker{rank}", retries=1) as c:
-                try:
-                    if rank == 2:            # meets the others, then is gone
-                        c.barrier("engine-job-end", 3, timeout=30)
-                    else:
-                        _end_job(c, rank, 3, 3.0)
-                    out[rank] = "ok"
-                except Exception as e:  # noqa: BLE001 - what the worker would exit with
-                    out[rank] = f"{type(e).__name__}: {e}"
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert out == {0: "ok", 1: "ok", 2: "ok"}, out
-        until(lambda: cluster.servers[0].proc.poll() is not None, "the server stopped by rank 0", timeout_s=20)
-        assert cluster.servers[0].proc.returncode == 0
-    finally:
-        cluster.stop_servers()
-        cluster.shutdown()
+    def worker(rank: int) -> None:
+        with PSClient(one_server.endpoints, name=f"worker{rank}", retries=1) as c:
+            if rank == 2:            # meets the others, then is gone
+                c.barrier("engine-job-end", 3, timeout=30)
+            else:
+                _end_job(c, rank, 3, 3.0)
+    out = run_workers(worker, 3, 60)
+    assert out == {0: "ok", 1: "ok", 2: "ok"}, out
+    server = one_server.servers[0]
+    until(lambda: server.proc.poll() is not None, "the server stopped by rank 0", timeout_s=20)
+    assert server.proc.returncode == 0

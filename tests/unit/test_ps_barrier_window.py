@@ -439,6 +439,28 @@ def test_rank0_clears_again_when_a_server_moved_on_and_an_older_server_is_named(
         core.close()
 
 
+def while_a_load_holds_the_tables(core: PSServer, call, who: str) -> None:
+    """Run ``call`` on a thread while the tables lock is held as a Load holds it; once the call asks for
+    the tables (past the server's first generation check), move the server to a new generation, as the
+    Load does before it lets go; then let the call go on and wait for it."""
+    lock, asked = core._tables_lock, threading.Event()
+    shared = lock.shared
+
+    def watched():
+        asked.set()
+        return shared()
+    lock.shared = watched
+    try:
+        with lock.exclusive():
+            t = threading.Thread(target=call)
+            t.start()
+            until(asked.is_set, f"{who} waits for the tables", timeout_s=10)
+            core._new_generation()
+        t.join(10)
+    finally:
+        lock.shared = shared
+
+
 def test_a_write_that_waited_for_a_load_is_refused_not_applied_to_the_restored_tables():
     """The generation is checked again under the tables lock: a push that passed the first check while a
     Load (or a Fence) held the tables finds a new generation once it gets them, and applies nothing."""
@@ -456,19 +478,7 @@ def test_a_write_that_waited_for_a_load_is_refused_not_applied_to_the_restored_t
                 out["push"] = "applied"
             except GenerationChangedError as e:
                 out["push"] = e.message
-        lock, asked = core._tables_lock, threading.Event()
-        shared = lock.shared
-
-        def watched():                                     # the push asks for the tables: past its first check
-            asked.set()
-            return shared()
-        lock.shared = watched
-        with lock.exclusive():                             # a Load holding the tables
-            t = threading.Thread(target=push)
-            t.start()
-            until(asked.is_set, "the push waits for the tables", timeout_s=10)
-            core._new_generation()                         # what the Load does before it lets go
-        t.join(10)
+        while_a_load_holds_the_tables(core, push, "the push")
         assert "generation mismatch" in out["push"], out
         with PSClient(InProcessTransport([core])) as fresh:
             np.testing.assert_array_equal(fresh.pull("emb", keys), before)
@@ -558,20 +568,7 @@ def test_a_sync_opener_whose_generation_ended_while_it_waited_for_the_tables_app
                 out["barrier"] = "released"
             except GenerationChangedError as e:
                 out["barrier"] = e.message
-        lock, asked = core._tables_lock, threading.Event()
-        shared = lock.shared
-
-        def watched():                                  # the opener asks for the tables to apply
-            asked.set()
-            return shared()
-        lock.shared = watched
-        with lock.exclusive():                          # a Load holding the tables
-            t = threading.Thread(target=meet)
-            t.start()
-            until(asked.is_set, "the opener waits for the tables", timeout_s=10)
-            core._new_generation()                      # what the Load does before it lets go
-        t.join(10)
-        lock.shared = shared
+        while_a_load_holds_the_tables(core, meet, "the opener")
         assert "generation mismatch" in out["barrier"], out
     core.close()
 
