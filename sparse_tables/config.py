@@ -13,6 +13,7 @@ with its optimizer state, and a pull touches one record.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 from .errors import TableConfigError
@@ -37,6 +38,23 @@ def optimizer_state_width(optimizer: str, dim: int) -> int:
     beta1^t, beta2^t; ftrl: z[dim], n[dim].
     """
     return {"sgd": 0, "adagrad": 1, "std_adagrad": dim, "adam": 2 * dim + 2, "ftrl": 2 * dim}[optimizer]
+
+
+#: a field's annotation -> (its kind, whether None is allowed); ``TableConfig.__post_init__`` checks each
+#: value's type, so a YAML ``seed: [1, 2]`` or ``dim: true`` is refused naming the field instead of
+#: failing inside a server (``np.uint64([1, 2] % 2**64)``) or passing as 1
+_FIELD_KINDS = {"int": ("int", False), "float": ("float", False), "str": ("str", False),
+                "str | None": ("str", True), "float | None": ("float", True)}
+_KIND_NAMES = {"int": "an int", "float": "a number", "str": "a string"}
+
+
+def _is_kind(value, kind: str) -> bool:
+    """An int is any integral number but a bool (numpy's too), a float any real number but a bool."""
+    if kind == "str":
+        return isinstance(value, str)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral if kind == "int" else numbers.Real)
 
 
 @dataclass(frozen=True)
@@ -132,6 +150,12 @@ class TableConfig:
         than leveled at the end (docs/scale-measurements.md). ``engine plan`` sizes disk by the peak measured
         for the style; where disk binds (10^12 keys) leveled needs fewer servers, hence the default. Ignored
         without ``spill_path``.
+
+    Raises
+    ------
+    TableConfigError
+        A value of the wrong type (an int field takes integral numbers but not bools, a float field real
+        numbers but not bools, a ``str`` field strings) or out of its range, naming ``TableConfig.FIELD``.
     """
 
     dim: int = 8
@@ -171,6 +195,11 @@ class TableConfig:
         def bad(name: str, expected: str) -> TableConfigError:
             return TableConfigError(f"TableConfig.{name} must be {expected}, got {getattr(self, name)!r}")
 
+        for f in fields(self):          # types first: the range checks below assume them
+            kind, optional = _FIELD_KINDS[f.type]
+            value = getattr(self, f.name)
+            if not (value is None and optional) and not _is_kind(value, kind):
+                raise bad(f.name, _KIND_NAMES[kind] + (" or None" if optional else ""))
         if not isinstance(self.dim, int) or self.dim <= 0:
             raise bad("dim", "a positive int")
         if self.optimizer not in OPTIMIZERS:

@@ -389,3 +389,22 @@ def test_tables_renamed_with_the_model_keys_are_used():
     servers_only = {k: v for k, v in base().items() if k != "model"}
     servers_only["tables"] = {"sparse": {"a": {"dim": 2}, "b": {"dim": 2}}}
     assert sorted(from_dict(servers_only).sparse_tables) == ["a", "b"]    # no program: nothing to check
+
+
+@pytest.mark.parametrize("override, message", [
+    ("tables.sparse.emb.seed=[1,2]", "tables.sparse.emb.seed must be an int, got [1, 2]"),
+    ("tables.sparse.emb.seed=1.5", "tables.sparse.emb.seed must be an int, got 1.5"),
+    ("tables.sparse.emb.dim=true", "tables.sparse.emb.dim must be an int, got True"),
+    ("tables.sparse.emb.memory_rows=true", "tables.sparse.emb.memory_rows must be an int, got True"),
+    ("tables.sparse.emb.init_range=true", "tables.sparse.emb.init_range must be a number, got True"),
+    ("tables.sparse.emb.learning_rate='0.1'", "tables.sparse.emb.learning_rate must be a number, got '0.1'"),
+    ("tables.sparse.emb.expire_after={a: 1}", "tables.sparse.emb.expire_after must be a number or None"),
+])
+def test_sparse_table_values_of_the_wrong_type_are_refused(override, message):
+    """They passed the config (``seed: [1, 2]``, ``dim: true``: TableConfig checked ranges, not types) and
+    every server then died on them with a traceback (``[1, 2] % 2**64``), restarted max_restarts times."""
+    with pytest.raises(ConfigError) as e:
+        from_dict(apply_overrides(base(), [override]))
+    assert str(e.value) == message or str(e.value).startswith(message), str(e.value)
+    spilled = from_dict(apply_overrides(base(), ["tables.sparse.emb.spill_path=5", "tables.sparse.emb.seed=7"]))
+    assert spilled.sparse_tables["emb"].spill_path == "5" and spilled.sparse_tables["emb"].seed == 7
