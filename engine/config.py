@@ -53,7 +53,7 @@ from pydantic import Field
 from sparse_tables import TableConfig, TableConfigError
 
 from .checkpoint.schedule import CheckpointConfig
-from .config_base import Nested, StrTuple, build, section, with_texts
+from .config_base import MAX_SECONDS, Nested, StrTuple, build, section, with_texts
 from .config_yaml import Source, load_yaml, parse_value
 from .errors import ConfigError
 from .observability.settings import ObservabilityConfig
@@ -104,12 +104,12 @@ class ClusterConfig:
     server_threads: Annotated[int, Field(ge=1)] = 8
     local_shards: Annotated[int, Field(ge=1)] = 4
     num_vshards: Annotated[int, Field(ge=1)] = 1024
-    startup_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    stop_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    startup_timeout_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 120.0
+    stop_timeout_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 10.0
     warm_up: bool = True
     max_restarts: Annotated[int, Field(ge=0)] = 3
-    restart_window_s: Annotated[float, Field(gt=0)] = 3600.0
-    preempt_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    restart_window_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 3600.0
+    preempt_timeout_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 300.0
     launcher: Literal["local", "ray"] = "local"
     ray_address: str = ""                       # "" : RAY_ADDRESS, else start a local Ray
     server_resources: dict[str, Annotated[float, Field(ge=0, strict=False)]] = field(default_factory=dict)
@@ -123,14 +123,15 @@ class ClusterConfig:
 class ClientConfig:
     """PS client behaviour (timeouts in seconds)."""
 
-    timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 60.0
     retries: Annotated[int, Field(ge=0)] = 5
-    backoff_s: Annotated[float, Field(gt=0)] = 0.05
-    max_backoff_s: Annotated[float, Field(gt=0)] = 2.0
+    backoff_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 0.05
+    max_backoff_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 2.0
     threads: Annotated[int, Field(ge=1)] = 8
     async_queue: Annotated[int, Field(ge=0)] = 0
-    barrier_timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    dead_after_s: Annotated[float, Field(gt=0)] = 30.0   # a silent server or a stuck worker is dead after this
+    barrier_timeout_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 600.0
+    # a silent server or a stuck worker is dead after this
+    dead_after_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 30.0
 
 
 @section
@@ -139,7 +140,7 @@ class ServerConfig:
 
     Attributes
     ----------
-    max_barrier_wait_s : float, seconds, > 0
+    max_barrier_wait_s : float, seconds, in (0, MAX_SECONDS]
         Longest a barrier waits on the server; a client's own barrier timeout
         (``client.barrier_timeout_s``) is capped by it.
     max_concurrent_rpcs : int, >= 0
@@ -162,7 +163,7 @@ class ServerConfig:
         INVALID_ARGUMENT before anything is allocated.
     """
 
-    max_barrier_wait_s: Annotated[float, Field(gt=0)] = 600.0
+    max_barrier_wait_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 600.0
     max_concurrent_rpcs: Annotated[int, Field(ge=0)] = 256
     reply_window_bytes: Annotated[int, Field(ge=0)] = 64 << 20
     max_message_bytes: Annotated[int, Field(ge=4 << 20, le=(2 << 30) - 1)] = 16 << 20
@@ -269,8 +270,8 @@ class StorageConfig:
     secret_key_env: str = ""
     session_token_env: str = ""
     anonymous: bool = False     # S3 without credentials (public buckets)
-    connect_timeout_s: Annotated[float, Field(ge=0)] = 0.0   # 0 = the SDK's default
-    request_timeout_s: Annotated[float, Field(ge=0)] = 0.0
+    connect_timeout_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = 0.0   # 0 = the SDK's default
+    request_timeout_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = 0.0
     hdfs_user: str = ""
     hdfs_kerb_ticket: str = ""  # path of a Kerberos ticket cache for hdfs://
 

@@ -12,6 +12,7 @@ A section declares its knobs with their bounds and choices on the fields::
 ``build(cls, mapping, "geo")`` checks a mapping against it. Validation is pydantic's, in strict mode:
 unknown keys are rejected, an int field takes only ints (not ``"3"``, ``3.0`` or ``true``), a float field
 ints and floats but not ``nan``/``inf``, a bool field only ``true``/``false`` (not ``1`` or ``"yes"``).
+Durations (``*_s`` fields) are bounded by ``Field(le=MAX_SECONDS)``.
 Its errors become one ``ConfigError`` naming the key path, the value and what is allowed::
 
     geo.k_steps must be >= 1, got 0
@@ -38,10 +39,16 @@ from pydantic_core import ArgsKwargs, core_schema
 from .config_yaml import Texts, parse_value, source_text
 from .errors import ConfigError
 
-__all__ = ["CONFIG", "IntTuple", "Nested", "StrTuple", "build", "describe", "section"]
+__all__ = ["CONFIG", "MAX_SECONDS", "IntTuple", "Nested", "StrTuple", "build", "describe", "section"]
 
 #: pydantic settings of every section: strict types, unknown keys rejected, no nan/inf floats
 CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+#: the longest duration (``*_s`` field) a config takes, seconds: 2^31 - 1 ms (24.8 days), the most gRPC's
+#: millisecond options hold (``client.dead_after_s`` becomes a keepalive timeout in ms). Unbounded,
+#: ``client.dead_after_s: 1e308`` killed every role with a traceback (a float infinity to int) and
+#: ``client.timeout_s: 1e308`` hung the workers "waiting for the servers" until the watchdog stopped them
+MAX_SECONDS = 2_147_483.0
 
 #: a tuple field set from a YAML list (strict mode alone would want a tuple), or from "a,b"
 StrTuple = Annotated[tuple[str, ...], Field(strict=False)]

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from .config_base import IntTuple, Nested, StrTuple, section
+from .config_base import MAX_SECONDS, IntTuple, Nested, StrTuple, section
 from .errors import ConfigError
 
 __all__ = ["CTRConfig", "CTROnlineConfig", "DataConfig", "LogregConfig", "PROGRAM_CONFIGS", "Word2VecConfig",
@@ -82,7 +82,7 @@ class CTRConfig:
     shuffle_buffer: Annotated[int, Field(ge=0)] = 65536
     eval_every_epoch: bool = True
     eval_batch_size: Annotated[int, Field(ge=1)] = 4096
-    log_every_s: Annotated[float, Field(gt=0)] = 2.0
+    log_every_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 2.0
     prefetch: Annotated[int, Field(ge=0)] = 4
     pipeline: Literal["exact", "stale", "sequential"] = "exact"
     dense_merge_steps: Annotated[int, Field(ge=1)] = 1
@@ -105,8 +105,9 @@ class CTROnlineConfig(CTRConfig):
 
     network: Literal["ctr_dnn", "deepfm"] = "ctr_dnn"
     partitions: str = ""
-    poll_interval_s: Annotated[float, Field(gt=0)] = 10.0
-    wait_for_missing_s: Annotated[float, Field(ge=0)] = 0.0   # a missing hour before a complete later one
+    poll_interval_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 10.0
+    # a missing hour before a complete later one
+    wait_for_missing_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = 0.0
     until: str = ""              # YYYYMMDDHH, a string as written ("" = run forever)
     max_partitions: Annotated[int, Field(ge=0)] = 0
     export_root: str = ""        # serving bundles after every checkpoint ("" = none): full after a base
@@ -141,7 +142,7 @@ class Word2VecConfig:
     progress_table: str = "progress"
     input_slot: Annotated[int, Field(ge=0, le=65535)] = 1
     output_slot: Annotated[int, Field(ge=0, le=65535)] = 2
-    log_every_s: Annotated[float, Field(gt=0)] = 5.0
+    log_every_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 5.0
     eval_after_train: bool = True
     eval_data_dir: str = "../shared/data/text"
     metrics_dir: str = "runs/metrics"

@@ -30,7 +30,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from ..config_base import section
+from ..config_base import MAX_SECONDS, section
 from ..errors import ConfigError
 
 __all__ = ["ObservabilityConfig"]
@@ -46,7 +46,7 @@ class ObservabilityConfig:
         None: no endpoint; 0: a free port per role; else the (base) port.
     pushgateway : str
         Pushgateway URL (``http://host:9091`` or ``host:9091``); "" = off.
-    push_interval_s : float, seconds, > 0
+    push_interval_s : float, seconds, in (0, MAX_SECONDS]
     tensorboard : bool
     tensorboard_dir : str
         A directory (local path); RUN_ID subdirectories are made below it.
@@ -54,7 +54,7 @@ class ObservabilityConfig:
 
     prometheus_port: Annotated[int, Field(ge=0, le=65535)] | None = None
     pushgateway: str = ""
-    push_interval_s: Annotated[float, Field(gt=0)] = 15.0
+    push_interval_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 15.0
     tensorboard: bool = True
     tensorboard_dir: str = "runs/tensorboard"
 

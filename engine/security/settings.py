@@ -24,7 +24,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from ..config_base import Nested, section
+from ..config_base import MAX_SECONDS, Nested, section
 from ..errors import ConfigError
 
 __all__ = ["TlsConfig", "SecurityConfig"]
@@ -66,8 +66,8 @@ class SecurityConfig:
     token_file: str = ""
     admin_token_env: str = ""
     admin_token_file: str = ""
-    token_overlap_s: Annotated[float, Field(ge=0)] = 300.0
-    reload_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    token_overlap_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = 300.0
+    reload_interval_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 5.0
     insecure: bool = False
 
     def __post_init__(self) -> None:

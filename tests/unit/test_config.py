@@ -408,3 +408,20 @@ def test_sparse_table_values_of_the_wrong_type_are_refused(override, message):
     assert str(e.value) == message or str(e.value).startswith(message), str(e.value)
     spilled = from_dict(apply_overrides(base(), ["tables.sparse.emb.spill_path=5", "tables.sparse.emb.seed=7"]))
     assert spilled.sparse_tables["emb"].spill_path == "5" and spilled.sparse_tables["emb"].seed == 7
+
+
+@pytest.mark.parametrize("override", ["client.dead_after_s=1e308", "client.timeout_s=1e308",
+                                      "cluster.preempt_timeout_s=1e19", "security.reload_interval_s=1e10",
+                                      "observability.push_interval_s=2147484"])
+def test_durations_past_max_seconds_are_refused(override):
+    """``client.dead_after_s: 1e308`` passed and killed every role with a traceback (keepalive's
+    ``int(1000 * inf)``); ``client.timeout_s: 1e308`` hung the workers waiting for the servers."""
+    from engine.config_base import MAX_SECONDS
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        from_dict(apply_overrides(base(), [override]))
+    assert str(e.value).startswith(f"{key} must be <= 2147483, got "), str(e.value)
+    assert MAX_SECONDS == 2_147_483.0
+    cfg = from_dict(apply_overrides(base(), [f"{key}={MAX_SECONDS}"]))          # the bound itself is taken
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == MAX_SECONDS

@@ -5,9 +5,12 @@ Before, ``cluster.startup_timeout_s=1e12`` rendered a startup probe ``failureThr
 not check integer formats), so these tests check the numbers directly."""
 from __future__ import annotations
 
+import math
+
 import kubernetes_validate
 import pytest
 
+from engine.config_base import MAX_SECONDS
 from engine.errors import ConfigError
 from engine.launch import k8s
 from tests.unit.test_k8s_manifests import VERSIONS, by_kind, cli, container, creds, error_line, render, sets  # noqa: F401
@@ -39,8 +42,9 @@ def _assert_fits(m: k8s.Manifests) -> None:
 
 
 @pytest.mark.parametrize("key, value, limit, also", [
-    ("cluster.startup_timeout_s", "1e12", str(INT32_MAX * 5), ()),
-    ("cluster.preempt_timeout_s", "1e19", str(INT64_MAX - 60), ()),
+    # durations stop at MAX_SECONDS in every config (engine.config_base), well inside their fields
+    ("cluster.startup_timeout_s", "1e12", "2147483", ()),
+    ("cluster.preempt_timeout_s", "1e19", "2147483", ()),
     ("kubernetes.backoff_limit", str(INT32_MAX + 1), str(INT32_MAX), ()),
     ("cluster.workers", "100001", "100000", ()),
     ("cluster.servers", "100001", "100000", ("cluster.num_vshards=200000",)),     # vshards >= servers
@@ -58,9 +62,9 @@ def test_a_value_over_its_kubernetes_field_is_refused_naming_the_key_and_the_lim
 
 
 @pytest.mark.parametrize("extra", [
-    (f"cluster.startup_timeout_s={INT32_MAX * 5}",),            # the largest startup time that fits
+    (f"cluster.startup_timeout_s={MAX_SECONDS}",),              # the largest startup time a config takes
     (f"kubernetes.backoff_limit={INT32_MAX}",),
-    ("cluster.preempt_timeout_s=1e18",),
+    (f"cluster.preempt_timeout_s={MAX_SECONDS}",),
 ])
 def test_the_largest_values_render_within_their_fields_and_validate(creds, extra):
     m = render(creds, *extra)
@@ -69,7 +73,8 @@ def test_the_largest_values_render_within_their_fields_and_validate(creds, extra
         kubernetes_validate.validate(obj, VERSIONS[-1], strict=True)
     if extra[0].startswith("cluster.startup_timeout_s"):
         probe = container(by_kind(m)["server"])["startupProbe"]
-        assert probe["failureThreshold"] == INT32_MAX and probe["periodSeconds"] == k8s.STARTUP_PERIOD_S
+        assert probe["failureThreshold"] == math.ceil(MAX_SECONDS / k8s.STARTUP_PERIOD_S)
+        assert probe["periodSeconds"] == k8s.STARTUP_PERIOD_S
 
 
 def test_the_default_manifests_fit_their_fields(creds):
