@@ -45,6 +45,7 @@ import fnmatch
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -276,10 +277,38 @@ def _open_input(path: str):
     return raw, stream
 
 
+#: pyarrow's error when the invalid-row handler could not take a line: it decodes the line as UTF-8
+#: before calling ``_LineMapper.handler``, so a line that is not UTF-8 (binary data) fails there
+_UNHANDLED_ROW = re.compile(r"CSV parse error: Row #(\d+): Expected (\d+) columns, got (\d+)")
+
+
+@contextlib.contextmanager
+def _quiet_undecodable_rows():
+    """Drop the "Exception ignored" traceback pyarrow prints when a rejected line is not UTF-8 (its
+    decoding, before ``_LineMapper.handler``, fails); the parse error it raises next is worded by
+    ``_read_error``. Every other unraisable exception goes to the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(u):
+        if not (isinstance(u.exc_value, UnicodeDecodeError)
+                and isinstance(getattr(u.object, "__self__", None), _LineMapper)):
+            previous(u)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def _read_error(path: str, e: Exception) -> ConvertError:
     """The ``ConvertError`` naming input ``path`` for an error pyarrow raised while reading it (shared
     with ``streaming.text``)."""
     msg = str(e)
+    m = _UNHANDLED_ROW.search(msg)
+    if m:       # not the line's text: it is binary, and would be printed raw
+        return ConvertError(path, f"line {m.group(1)}: not UTF-8 text (a binary file?), and {m.group(3)} "
+                                  f"tab-separated fields where {m.group(2)} are expected")
     if "Truncated compressed stream" in msg:
         return ConvertError(path, "truncated gzip data: the file ends inside its compressed stream (an "
                                   "incomplete copy or download?)")
@@ -594,7 +623,7 @@ def _convert_inputs(paths, sources, split, writer: _PartWriter, policy: _BadRowP
             raw, stream = _open_input(path)
         except OSError as e:
             raise _read_error(path, e) from e
-        with raw:
+        with raw, _quiet_undecodable_rows():
             try:
                 reader = pacsv.open_csv(
                     stream,

@@ -34,6 +34,21 @@ def test_convert_malformed_line_names_file_and_line(tmp_path, capsys):
     assert "bad.txt:2" in msg and "40 tab-separated fields" in msg
 
 
+def test_convert_binary_line_is_one_clean_error(tmp_path, capsys):
+    """A line that is not UTF-8 (and not 40 fields) printed pyarrow's "Exception ignored" traceback and then
+    an error line holding the raw binary bytes."""
+    bad = tmp_path / "bin.txt"
+    good = "\t".join(["1"] + ["3"] * 13 + ["68fd1e64"] * 26)
+    bad.write_bytes((good + "\n").encode() + b"\xff\xfe\x00\x01garbage\x1b[2J\n" + (good + "\n").encode())
+    assert main(["convert", "criteo", str(bad), str(tmp_path / "out"), "--max-bad-rows", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("engine ")]
+    assert lines == [f"engine convert: {bad}: line 2: not UTF-8 text (a binary file?), and 1 tab-separated fields "
+                     f"where 40 are expected"], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_skips_bad_rows_when_allowed(tmp_path, capsys):
     bad = tmp_path / "bad.txt"
     good = "\t".join(["1"] + ["3"] * 13 + ["68fd1e64"] * 26)
