@@ -18,10 +18,11 @@ A ``null`` (or ``~``) stays None (a string field refuses it); an empty value (``
 gets the YAML value. The loader is YAML 1.2 (ruamel.yaml's safe mode): ``yes``/``no``/``on``/``off``
 are strings, not booleans, and ``0100`` is 100, not octal 64. Mapping keys are always their text
 (config keys are names). Anchors, aliases and merge keys (``<<: *base``) work; duplicate keys are an
-error.
+error, and so is nesting deeper than ``MAX_FLOW_DEPTH`` levels of ``[``/``{``.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -134,11 +135,39 @@ def _yaml_error(e: YAMLError) -> str:
     return " ".join(str(e).split())
 
 
+#: the deepest nesting of ``[...]`` / ``{...}`` a document may have (the shipped configs: 2). ruamel's
+#: scanner takes time quadratic in it (2000 levels on one line: 22 s) and its composer recurses once per
+#: level (500 levels: a RecursionError traceback)
+MAX_FLOW_DEPTH = 100
+# what can hide a bracket: a quoted scalar, a comment (an apostrophe in a plain scalar also opens a
+# "quote" here: it can only hide brackets, and Python's recursion limit stays the last guard)
+_FLOW_TOKENS = re.compile(r""""(?:[^"\\]|\\.)*"|'(?:[^']|'')*'|#[^\n]*|[\[\]{}]""")
+
+
+def _check_flow_depth(text: str, where: str, what: str) -> None:
+    """Refuse a document whose ``[``/``{`` nesting passes ``MAX_FLOW_DEPTH``, naming the line."""
+    if text.count("[") + text.count("{") <= MAX_FLOW_DEPTH:
+        return
+    depth = 0
+    for m in _FLOW_TOKENS.finditer(text):
+        tok = m.group()
+        if tok in "[{":
+            depth += 1
+            if depth > MAX_FLOW_DEPTH:
+                line = text.count("\n", 0, m.start()) + 1
+                raise ConfigError(f"{where}: {what}: [ and {{ nested more than {MAX_FLOW_DEPTH} deep (line {line})")
+        elif tok in "]}":
+            depth = max(0, depth - 1)
+
+
 def _compose(text: str, where: str, what: str = "not valid YAML") -> Node | None:
+    _check_flow_depth(text, where, what)
     try:
         return _yaml().compose(text)
     except YAMLError as e:
         raise ConfigError(f"{where}: {what}: {_yaml_error(e)}") from None
+    except RecursionError:          # nested past Python's recursion limit (block mappings, one per line)
+        raise ConfigError(f"{where}: {what}: nested too deep") from None
 
 
 def load_yaml(text: str, where: str) -> Source:
@@ -159,7 +188,8 @@ def load_yaml(text: str, where: str) -> Source:
     Raises
     ------
     ConfigError
-        Not valid YAML, not a mapping at the top level, a duplicate key, a non-scalar key.
+        Not valid YAML, not a mapping at the top level, a duplicate key, a non-scalar key, ``[``/``{``
+        nested deeper than ``MAX_FLOW_DEPTH`` (or anything past Python's recursion limit).
     """
     node = _compose(text, where)
     if node is None:
@@ -168,6 +198,8 @@ def load_yaml(text: str, where: str) -> Source:
         value, texts = _construct(node, where)
     except YAMLError as e:
         raise ConfigError(f"{where}: not valid YAML: {_yaml_error(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: not valid YAML: nested too deep") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: config must be a mapping at the top level, got {type(value).__name__}")
     return Source(value, texts)
@@ -199,6 +231,8 @@ def parse_value(raw: str, where: str) -> tuple[Any, Texts]:
         value, texts = _construct(node, where)
     except YAMLError as e:
         raise ConfigError(f"{where}: value is not valid YAML: {_yaml_error(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: value is not valid YAML: nested too deep") from None
     if isinstance(node, ScalarNode) and not isinstance(value, str) and value is not None:
         texts[()] = (value, text)
     return value, texts

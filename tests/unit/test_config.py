@@ -425,3 +425,26 @@ def test_durations_past_max_seconds_are_refused(override):
     cfg = from_dict(apply_overrides(base(), [f"{key}={MAX_SECONDS}"]))          # the bound itself is taken
     section, name = key.split(".")
     assert getattr(getattr(cfg, section), name) == MAX_SECONDS
+
+
+def test_deeply_nested_yaml_is_a_config_error_naming_the_line(tmp_path):
+    """2000 levels of ``[`` took ruamel 22 s (quadratic scanner) and ended in a RecursionError traceback; so
+    did 500 levels, and 700 levels of block mappings."""
+    import time
+
+    from engine.config_yaml import MAX_FLOW_DEPTH
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("mode: async\n# [[[ in a comment\nx: '[[[['\ny: " + "[" * 2000 + "]" * 2000 + "\n")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"deep.yaml: not valid YAML: \[ and {{ nested more than "
+                                          rf"{MAX_FLOW_DEPTH} deep \(line 4\)"):
+        load_config(deep)
+    assert time.monotonic() - started < 2
+    block = tmp_path / "block.yaml"
+    block.write_text("".join(" " * i + f"k{i}:\n" for i in range(700)) + " " * 700 + "v: 1\n")
+    with pytest.raises(ConfigError, match="block.yaml: not valid YAML: nested too deep"):
+        load_config(block)
+    with pytest.raises(ConfigError, match=r"--set 'x=\[\[\[.*value is not valid YAML: \[ and { nested more than"):
+        apply_overrides({}, ["x=" + "[" * 600 + "]" * 600])
+    ok = load_yaml("x: " + "[" * MAX_FLOW_DEPTH + "]" * MAX_FLOW_DEPTH + "\n", "ok.yaml")    # the limit itself
+    assert isinstance(ok["x"], list)
