@@ -439,6 +439,8 @@ def from_dict(data: dict) -> EngineConfig:
         model_cfg = ModelConfig(kind, build(program_config_class(kind), params, "model", texts=texts))
     cfg = dataclasses.replace(cfg, sparse_tables=sparse, dense_tables=dense, model=model_cfg)
     _check_unused_tables(cfg)
+    for i, endpoint in enumerate(cfg.cluster.endpoints):
+        check_endpoint(endpoint, f"cluster.endpoints[{i}]")
     if cfg.cluster.endpoints and len(cfg.cluster.endpoints) != cfg.cluster.servers:
         raise ConfigError(f"cluster.endpoints lists {len(cfg.cluster.endpoints)} servers but "
                           f"cluster.servers is {cfg.cluster.servers}")
@@ -456,6 +458,24 @@ def from_dict(data: dict) -> EngineConfig:
             raise ConfigError(f"tables.sparse.{name}.max_rows must be 0 (no limit) or >= cluster.local_shards "
                               f"({cfg.cluster.local_shards}), got {t.max_rows}")
     return cfg
+
+
+def check_endpoint(endpoint: str, key: str) -> None:
+    """``endpoint`` is ``host:port``: a host (a name, an IPv4 address or ``[IPv6]``) and a port in [1, 65535].
+
+    Raises
+    ------
+    ConfigError
+        It is not: names ``key`` (``cluster.endpoints[1]``, ``ENGINE_SERVERS``), the endpoint and why. A
+        server given ``h`` or ``h:x`` died on it with a traceback; a worker waited ``startup_timeout_s``
+        for it.
+    """
+    host, sep, port = endpoint.rpartition(":")
+    why = ("no ':port'" if not sep else "no host" if not host.strip() else
+           None if port.isascii() and port.isdigit() and 1 <= int(port) <= 65535 else
+           f"the port must be in [1, 65535], got {port!r}")
+    if why:
+        raise ConfigError(f"{key} must be host:port ({why}), got {endpoint!r}")
 
 
 def _check_unused_tables(cfg: EngineConfig) -> None:

@@ -62,12 +62,16 @@ def server_endpoints(cfg: EngineConfig) -> list[str]:
     Raises
     ------
     ConfigError
-        Neither is set, or the count differs from cluster.servers.
+        Neither is set, an endpoint is not host:port, or the count differs from cluster.servers.
     """
     env = os.environ.get("ENGINE_SERVERS", "")
     eps = [e.strip() for e in env.split(",") if e.strip()] if env else list(cfg.cluster.endpoints)
     if not eps:
         raise ConfigError("no server endpoints: set ENGINE_SERVERS=host:port,... or cluster.endpoints")
+    if env:                                 # the config checked cluster.endpoints
+        from .config import check_endpoint
+        for e in eps:
+            check_endpoint(e, "ENGINE_SERVERS")
     if len(eps) != cfg.cluster.servers:     # the servers route vshards by cluster.servers (the config
         raise ConfigError(                  # checks cluster.endpoints against it; this, the variable)
             f"ENGINE_SERVERS lists {len(eps)} servers but cluster.servers is {cfg.cluster.servers}: give "

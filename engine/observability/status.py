@@ -122,12 +122,21 @@ def resolve(target: str | None, *, root: str = DEFAULT_ROOT, config: str | None 
         return Target(endpoints, run_dir, cfg, int(info.get("workers", 0)), info.get("launcher_pid"),
                       label=str(run_dir))
     endpoints = [e.strip() for e in target.split(",") if e.strip()]
-    bad = [e for e in endpoints if ":" not in e or not e.rsplit(":", 1)[1].isdigit()]
+    bad = [e for e in endpoints if not _is_endpoint(e)]
     if not endpoints or bad:
         raise ConfigError(f"engine status: {target!r} is neither a directory nor host:port endpoints "
                           f"(bad: {', '.join(bad) or 'empty'})")
     return Target(endpoints, None, cfg, label=",".join(endpoints),
                   notes=["servers only: give the run directory to see the workers"])
+
+
+def _is_endpoint(endpoint: str) -> bool:
+    from ..config import check_endpoint
+    try:
+        check_endpoint(endpoint, "endpoint")
+    except ConfigError:
+        return False
+    return True
 
 
 class Sampler:

@@ -39,3 +39,27 @@ def test_a_worker_given_fewer_endpoints_than_cluster_servers_exits_2_with_one_li
     assert p.returncode == 2, p.stderr[-2000:]
     assert "ENGINE_SERVERS lists 1 servers but cluster.servers is 2" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("endpoint, why", [("h", "no ':port'"), ("h:x", "the port must be in [1, 65535], got 'x'"),
+                                           (":7100", "no host"), ("h:0", "the port must be in [1, 65535], got '0'"),
+                                           ("h:70000", "the port must be in [1, 65535], got '70000'")])
+def test_an_endpoint_that_is_not_host_port_is_a_config_error(monkeypatch, endpoint, why):
+    """A server given ``cluster.endpoints: [h]`` (or ``h:x``) died on it with an IndexError (ValueError)
+    traceback, a worker waited cluster.startup_timeout_s for it; ``engine status :1`` exited 1 "unreachable"."""
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs" / "logreg_demo.yaml",
+                    ["cluster.servers=2", f"cluster.endpoints=[h:1, '{endpoint}']"])
+    assert str(e.value) == f"cluster.endpoints[1] must be host:port ({why}), got '{endpoint}'"
+    cfg = load_config(REPO / "configs" / "logreg_demo.yaml", ["cluster.servers=2"])
+    monkeypatch.setenv("ENGINE_SERVERS", f"h:1,{endpoint}")
+    with pytest.raises(ConfigError) as e:
+        server_endpoints(cfg)
+    assert str(e.value) == f"ENGINE_SERVERS must be host:port ({why}), got '{endpoint}'"
+    from engine.observability import status
+    with pytest.raises(ConfigError) as e:
+        status.resolve(f"h:1,{endpoint}", root="/nonexistent")
+    assert str(e.value).endswith(f"is neither a directory nor host:port endpoints (bad: {endpoint})")
+    good = load_config(REPO / "configs" / "logreg_demo.yaml",
+                       ["cluster.servers=2", "cluster.endpoints=['[::1]:1', h:65535]"])
+    assert good.cluster.endpoints == ("[::1]:1", "h:65535")
