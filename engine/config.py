@@ -67,6 +67,12 @@ MODES = typing.get_args(Mode)
 SECRET_ENV = {"access_key": "ENGINE_STORAGE_ACCESS_KEY", "secret_key": "ENGINE_STORAGE_SECRET_KEY"}
 
 
+#: most virtual shards a job may have: every client and server holds an int32 owner map of
+#: ``num_vshards`` entries (vshard ids are int32), 4 MiB at this bound, 1024x the default; 2^40 asked each
+#: server for a 4 TiB array and every server died with a MemoryError traceback
+MAX_VSHARDS = 1 << 20
+
+
 @section
 class ClusterConfig:
     """Processes and addresses. ``endpoints`` (``host:port`` of every server, in rank order) is for
@@ -103,7 +109,7 @@ class ClusterConfig:
     endpoints: StrTuple = ()
     server_threads: Annotated[int, Field(ge=1)] = 8
     local_shards: Annotated[int, Field(ge=1)] = 4
-    num_vshards: Annotated[int, Field(ge=1)] = 1024
+    num_vshards: Annotated[int, Field(ge=1, le=MAX_VSHARDS)] = 1024
     startup_timeout_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 120.0
     stop_timeout_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = 10.0
     warm_up: bool = True

@@ -448,3 +448,12 @@ def test_deeply_nested_yaml_is_a_config_error_naming_the_line(tmp_path):
         apply_overrides({}, ["x=" + "[" * 600 + "]" * 600])
     ok = load_yaml("x: " + "[" * MAX_FLOW_DEPTH + "]" * MAX_FLOW_DEPTH + "\n", "ok.yaml")    # the limit itself
     assert isinstance(ok["x"], list)
+
+
+def test_num_vshards_past_max_vshards_is_refused():
+    """``cluster.num_vshards: 1099511627776`` (2^40) passed, and every server died allocating its 4 TiB
+    owner map (a MemoryError traceback, restarted max_restarts times, exit 1)."""
+    from engine.config import MAX_VSHARDS
+    with pytest.raises(ConfigError, match=r"^cluster.num_vshards must be <= 1048576, got 1099511627776$"):
+        from_dict(apply_overrides(base(), ["cluster.num_vshards=1099511627776"]))
+    assert from_dict(apply_overrides(base(), [f"cluster.num_vshards={MAX_VSHARDS}"])).cluster.num_vshards == 1 << 20
