@@ -32,14 +32,21 @@ class LogregConfig:
 
     table: str = "weights"
     dense_table: str = "bias"
-    num_features: Annotated[int, Field(ge=1)] = 100
+    # the worker draws float32[num_features] planted weights and pulls all of them at the end
+    num_features: Annotated[int, Field(ge=1, le=1 << 24)] = 100
     keys_per_example: Annotated[int, Field(ge=1)] = 8
     examples_per_worker: Annotated[int, Field(ge=1)] = 8000
     batch_size: Annotated[int, Field(ge=1)] = 64
     epochs: Annotated[int, Field(ge=1)] = 3
-    seed: int = 7
+    seed: Annotated[int, Field(ge=0)] = 7        # numpy's generators take no negative seed
     weight_scale: Annotated[float, Field(gt=0)] = 1.0
     planted_bias: float = -0.5
+
+    def __post_init__(self) -> None:
+        if self.batch_size > self.examples_per_worker:      # the worker drops the last partial batch
+            raise ConfigError(f"model.batch_size ({self.batch_size}) must be <= model.examples_per_worker "
+                              f"({self.examples_per_worker}): every worker trains whole batches of its "
+                              f"examples only, and would train none")
 
     def used_tables(self) -> dict[str, dict[str, str]]:
         """The tables this program trains: ``{"sparse": {name: key naming it}, "dense": {...}}``

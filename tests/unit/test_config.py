@@ -457,3 +457,18 @@ def test_num_vshards_past_max_vshards_is_refused():
     with pytest.raises(ConfigError, match=r"^cluster.num_vshards must be <= 1048576, got 1099511627776$"):
         from_dict(apply_overrides(base(), ["cluster.num_vshards=1099511627776"]))
     assert from_dict(apply_overrides(base(), [f"cluster.num_vshards={MAX_VSHARDS}"])).cluster.num_vshards == 1 << 20
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.batch_size=9000", "model.batch_size (9000) must be <= model.examples_per_worker (8000): every worker "
+                              "trains whole batches of its examples only, and would train none"),
+    ("model.seed=-1", "model.seed must be >= 0, got -1"),
+    ("model.num_features=18446744073709551616", "model.num_features must be <= 16777216, got 18446744073709551616"),
+])
+def test_logreg_settings_that_cannot_train_are_refused(override, message):
+    """batch_size over examples_per_worker trained 0 steps and exited 0 with a "final" line; a negative seed
+    and 2^64 features killed every worker with a numpy traceback (restarted, exit 1)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, [override])
+    assert str(e.value) == message
+    assert load_config(DEMO, ["model.batch_size=8000", "model.seed=0"]).model.params.batch_size == 8000
