@@ -442,6 +442,7 @@ def from_dict(data: dict) -> EngineConfig:
         kind = params.pop("kind")
         if not isinstance(kind, str):
             raise ConfigError(f"model.kind must be the name of a worker program, got {kind!r}")
+        _check_model_keys(kind, params)
         model_cfg = ModelConfig(kind, build(program_config_class(kind), params, "model", texts=texts))
     cfg = dataclasses.replace(cfg, sparse_tables=sparse, dense_tables=dense, model=model_cfg)
     _check_unused_tables(cfg)
@@ -482,6 +483,34 @@ def check_endpoint(endpoint: str, key: str) -> None:
            f"the port must be in [1, 65535], got {port!r}")
     if why:
         raise ConfigError(f"{key} must be host:port ({why}), got {endpoint!r}")
+
+
+def _check_model_keys(kind: str, params: dict) -> None:
+    """Refuse ``model`` keys that ``kind``'s program does not have, naming the kinds that have them:
+    ``--set model.window=5`` on a CTR config is a word2vec knob.
+
+    Raises
+    ------
+    ConfigError
+        ``model: unknown key(s) ['window'] for model.kind ctr_dnn (key of model.kind word2vec); known
+        keys: [...]``. An unknown ``kind`` is left to ``build``'s caller (``program_config_class``).
+    """
+    from .program_configs import PROGRAM_CONFIGS
+    if kind not in PROGRAM_CONFIGS:
+        return
+    keys_of = {k: {f.name for f in dataclasses.fields(c)} for k, c in PROGRAM_CONFIGS.items()}
+    unknown = sorted(str(k) for k in params if str(k) not in keys_of[kind])
+    if not unknown:
+        return
+    groups: dict[tuple, list] = {}          # the kinds that have a key -> those keys
+    for k in unknown:
+        groups.setdefault(tuple(other for other, keys in keys_of.items() if k in keys), []).append(k)
+    if len(groups) == 1 and () not in groups:
+        hint = f"key{'s' if len(unknown) > 1 else ''} of model.kind {', '.join(next(iter(groups)))}"
+    else:
+        hint = "; ".join(f"{ks} of model.kind {', '.join(kinds)}" for kinds, ks in groups.items() if kinds)
+    raise ConfigError(f"model: unknown key(s) {unknown} for model.kind {kind}{f' ({hint})' if hint else ''}; "
+                      f"known keys: {sorted(keys_of[kind])}")
 
 
 def _check_unused_tables(cfg: EngineConfig) -> None:

@@ -472,3 +472,18 @@ def test_logreg_settings_that_cannot_train_are_refused(override, message):
         load_config(DEMO, [override])
     assert str(e.value) == message
     assert load_config(DEMO, ["model.batch_size=8000", "model.seed=0"]).model.params.batch_size == 8000
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.window=5", "model: unknown key(s) ['window'] for model.kind ctr_dnn (key of model.kind word2vec); "
+                       "known keys: ['batch_size', "),
+    ("model.partitions=x", "model: unknown key(s) ['partitions'] for model.kind ctr_dnn (key of model.kind "
+                           "ctr_online); known keys: "),
+    ("model.bogus=1", "model: unknown key(s) ['bogus'] for model.kind ctr_dnn; known keys: "),
+])
+def test_a_model_key_of_another_program_names_the_program(override, message):
+    """``--set model.window=5`` on a CTR config said only "unknown key(s) ['window']", not that it is a
+    word2vec knob that the config's model.kind does not have."""
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs" / "ctr.yaml", [override])
+    assert str(e.value).startswith(message), str(e.value)
