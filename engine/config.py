@@ -454,6 +454,10 @@ def from_dict(data: dict) -> EngineConfig:
     if cfg.cluster.num_vshards < cfg.cluster.servers:
         raise ConfigError(f"cluster.num_vshards must be >= cluster.servers ({cfg.cluster.servers}), "
                           f"got {cfg.cluster.num_vshards}")
+    per_server = cfg.cluster.num_vshards // cfg.cluster.servers      # the fewest vshards a server owns
+    if cfg.cluster.local_shards > per_server:       # a local shard owns whole vshards: the rest stay empty
+        raise ConfigError(f"cluster.local_shards must be <= cluster.num_vshards // cluster.servers ({per_server}: "
+                          f"a local shard holds whole vshards, more would stay empty), got {cfg.cluster.local_shards}")
     if cfg.mode == "hybrid":
         _check_hybrid(cfg)
     kind = cfg.model.kind if cfg.model is not None else None

@@ -487,3 +487,14 @@ def test_a_model_key_of_another_program_names_the_program(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(REPO / "configs" / "ctr.yaml", [override])
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_more_local_shards_than_a_server_has_vshards_is_refused():
+    """``cluster.local_shards: 9223372036854775808`` passed and every server died with an OverflowError
+    traceback (smaller huge counts: one SparseTable per shard, most of them never holding a row)."""
+    with pytest.raises(ConfigError, match=r"^cluster.local_shards must be <= cluster.num_vshards // cluster.servers "
+                                          r"\(8: a local shard holds whole vshards, more would stay empty\), got 9$"):
+        from_dict(apply_overrides(base(), ["cluster.num_vshards=17", "cluster.servers=2", "cluster.local_shards=9",
+                                           "cluster.endpoints=[]"]))
+    cfg = from_dict(apply_overrides(base(), ["cluster.num_vshards=17", "cluster.servers=2", "cluster.local_shards=8"]))
+    assert cfg.cluster.local_shards == 8

@@ -47,7 +47,7 @@ def _assert_fits(m: k8s.Manifests) -> None:
     ("cluster.preempt_timeout_s", "1e19", "2147483", ()),
     ("kubernetes.backoff_limit", str(INT32_MAX + 1), str(INT32_MAX), ()),
     ("cluster.workers", "100001", "100000", ()),
-    ("cluster.servers", "100001", "100000", ("cluster.num_vshards=200000",)),     # vshards >= servers
+    ("cluster.servers", "100001", "100000", ("cluster.num_vshards=200000", "cluster.local_shards=1")),   # vshards >= servers
 ])
 def test_a_value_over_its_kubernetes_field_is_refused_naming_the_key_and_the_limit(tmp_path, creds, capsys, key,
                                                                                   value, limit, also):
