@@ -25,6 +25,10 @@ INITIALIZER_CODE = {name: i for i, name in enumerate(INITIALIZERS)}
 EVICTIONS = ("slru", "lru")
 SPILL_COMPACTIONS = ("level", "universal")
 
+#: the widest count-min sketch a table may have: each of its ``sketch_depth`` rows is ``sketch_width`` uint32
+#: (4 GiB here), allocated when the table starts; 2^64 passed and every server died with a numpy traceback
+MAX_SKETCH_WIDTH = 1 << 30
+
 #: Row layout format version, recorded with every row dump.
 LAYOUT_VERSION = 1
 META_WORDS = 5
@@ -112,7 +116,8 @@ class TableConfig:
         for absent keys too (Paddle's weight_bounds, which its SGD rules apply to initial values).
     min_count : int
         Admission: a key becomes a row once it has been pushed this many times (occurrences); counts of
-        not-yet-admitted keys live in a count-min sketch (``sketch_depth`` x ``sketch_width`` uint32).
+        not-yet-admitted keys live in a count-min sketch (``sketch_depth`` x ``sketch_width`` uint32;
+        ``sketch_width`` at most ``MAX_SKETCH_WIDTH``).
     admit_probability : float
         Admission: once ``min_count`` is reached, each push admits the key with this probability
         (a pure function of seed, key and count).
@@ -234,8 +239,8 @@ class TableConfig:
             raise bad("min_count", "an int >= 0")
         if not 0 < self.admit_probability <= 1:
             raise bad("admit_probability", "in (0, 1]")
-        if not isinstance(self.sketch_width, int) or self.sketch_width < 64:
-            raise bad("sketch_width", "an int >= 64")
+        if not isinstance(self.sketch_width, int) or not 64 <= self.sketch_width <= MAX_SKETCH_WIDTH:
+            raise bad("sketch_width", f"an int in [64, {MAX_SKETCH_WIDTH}] (2^30: 4 GiB per sketch row)")
         if not isinstance(self.sketch_depth, int) or not 1 <= self.sketch_depth <= 16:
             raise bad("sketch_depth", "an int in [1, 16]")
         if self.expire_after is not None and not self.expire_after >= 0:

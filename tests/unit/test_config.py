@@ -498,3 +498,13 @@ def test_more_local_shards_than_a_server_has_vshards_is_refused():
                                            "cluster.endpoints=[]"]))
     cfg = from_dict(apply_overrides(base(), ["cluster.num_vshards=17", "cluster.servers=2", "cluster.local_shards=8"]))
     assert cfg.cluster.local_shards == 8
+
+
+def test_a_sketch_wider_than_max_sketch_width_is_refused():
+    """``sketch_width: 18446744073709551616`` passed, and every server died allocating the sketch (numpy's
+    "Maximum allowed dimension exceeded" traceback, restarted, exit 1)."""
+    from sparse_tables.config import MAX_SKETCH_WIDTH
+    with pytest.raises(ConfigError, match=r"^tables.sparse.emb.sketch_width must be an int in \[64, 1073741824\]"):
+        from_dict(apply_overrides(base(), ["tables.sparse.emb.sketch_width=18446744073709551616"]))
+    cfg = from_dict(apply_overrides(base(), [f"tables.sparse.emb.sketch_width={MAX_SKETCH_WIDTH}"]))
+    assert cfg.sparse_tables["emb"].sketch_width == 1 << 30
