@@ -118,6 +118,28 @@ def resume_command(args) -> str:
     return shlex.join(cmd + ["--resume"])
 
 
+def _check_flags(args) -> None:
+    """Refuse a port outside its range and a file flag whose directory does not exist, before anything
+    starts: gRPC bound ``--port 99999`` as 34463 (the port modulo 2^16) without a word, and a
+    ``--ready-file`` or ``--result-file`` in a missing directory ended the role with a traceback once it
+    was listening or had trained.
+
+    Raises
+    ------
+    ConfigError
+        Names the flag and the value.
+    """
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535] (0: a free port), got {args.port}")
+    if args.health_port is not None and not -1 <= args.health_port <= 65535:
+        raise ConfigError(f"--health-port must be in [-1, 65535] (-1: off, 0: a free port), got {args.health_port}")
+    for flag, path in (("--ready-file", args.ready_file), ("--result-file", args.result_file)):
+        if path:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise ConfigError(f"{flag} {path}: its directory {parent} does not exist")
+
+
 def _end_role_process() -> None:
     """Shorten the end of a role process (``--role``, always a process of its own) to its last flush.
 
@@ -153,6 +175,7 @@ def _run(args) -> int:
         if args.resume_fallback and args.resume is None:
             raise ConfigError("--resume-fallback: only with --resume (it picks the checkpoint --resume restores "
                               "when the newest is damaged); without --resume the job starts fresh")
+        _check_flags(args)
         if args.resume_id is not None and args.role != "server":
             raise ConfigError("--resume-id: only for --role server with --resume URI (a launcher restarts "
                               "from the job's newest checkpoint by itself)")

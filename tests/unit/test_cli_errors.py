@@ -93,6 +93,22 @@ def test_resume_fallback_without_resume_is_refused(capsys):
     assert "--resume-fallback: only with --resume" in _err(capsys)
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--port", "99999"], "--port must be in [0, 65535] (0: a free port), got 99999"),
+    (["--port", "-5"], "--port must be in [0, 65535] (0: a free port), got -5"),
+    (["--health-port", "-7"], "--health-port must be in [-1, 65535] (-1: off, 0: a free port), got -7"),
+    (["--ready-file", "/nonexistent-dir/ready"], "--ready-file /nonexistent-dir/ready: its directory /nonexistent-dir "
+                                                 "does not exist"),
+    (["--result-file", "/nonexistent-dir/r.json"], "--result-file /nonexistent-dir/r.json: its directory"),
+])
+def test_train_flags_out_of_range_are_refused(flags, needle, capsys):
+    """A server given ``--port 99999`` listened on 34463 (gRPC takes the port modulo 2^16) without a word,
+    ``--health-port -7`` was taken as off, and a ready or result file in a missing directory ended the role
+    with a FileNotFoundError traceback once it was listening (or had trained)."""
+    assert main(["train", str(REPO / "configs" / "logreg_demo.yaml"), *flags]) == 2
+    assert needle in _err(capsys)
+
+
 def test_train_missing_data_path(tmp_path, capsys):
     assert main(["train", CTR, "--set", "model.data.source=criteo",
                  "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
