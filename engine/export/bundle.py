@@ -48,6 +48,7 @@ import datetime as _dt
 import io
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -359,7 +360,7 @@ def export_bundle(source: ExportSource, out_uri: str, *, min_show: float | None 
     out_uri : str
         Bundle directory on any :mod:`hdfs_io` backend (``/local``, ``s3://``, ``hdfs://``).
     min_show : float, default 0
-        Drop rows with ``show < min_show`` (Paddle's save threshold); needs a ``show`` column.
+        Drop rows with ``show < min_show`` (Paddle's save threshold); needs a ``show`` column. Finite, >= 0.
     dtype : {"float32", "float16"}, default "float32"
         Stored embedding dtype (float16 halves the values).
     since : str, optional
@@ -384,8 +385,9 @@ def export_bundle(source: ExportSource, out_uri: str, *, min_show: float | None 
     Raises
     ------
     ExportError
-        Bad description, rows of the wrong schema, duplicate keys, dense size mismatch, options that
-        contradict the delta's base; ``out_uri`` is a file or a directory that is not a bundle (a few of
+        Bad description, rows of the wrong schema, duplicate keys, dense size mismatch, a ``min_show`` that
+        is negative or not finite, a ``groups`` outside [1, num_vshards], options that contradict the delta's
+        base; ``out_uri`` is a file or a directory that is not a bundle (a few of
         its foreign names quoted), is, contains or is inside the source checkpoint's job root, or is
         ``since`` or a link of its chain. Nothing at ``out_uri`` was changed.
     FileExistsError
@@ -422,6 +424,9 @@ def export_bundle(source: ExportSource, out_uri: str, *, min_show: float | None 
     groups = DEFAULT_GROUPS if groups is None else int(groups)
     if dtype not in _DTYPES:
         raise ExportError(f"dtype: expected float32 or float16, got {dtype!r}")
+    if not (math.isfinite(min_show) and min_show >= 0):     # nan kept every row, inf none (a bundle of 0 rows)
+        raise ExportError(f"min_show: expected a finite number >= 0 (rows shown fewer times are dropped), "
+                          f"got {min_show}")
     nv = desc["num_vshards"]
     if not 1 <= groups <= nv:
         raise ExportError(f"groups: expected an int in [1, num_vshards={nv}], got {groups}")

@@ -91,6 +91,16 @@ def test_min_show_drops_rows_and_unknown_keys_read_zeros(rows, tmp_path):
         export_bundle(_source(_model(), keys, vals), str(tmp_path / "c"), min_show=5)
 
 
+@pytest.mark.parametrize("min_show", [float("nan"), float("inf"), -1.0])
+def test_a_min_show_that_is_not_a_finite_count_is_refused(rows, tmp_path, min_show):
+    """``engine export --min-show nan`` kept every row and ``inf`` published a bundle of 0 rows, both exit 0."""
+    keys, vals, show = rows
+    with pytest.raises(ExportError, match=r"^min_show: expected a finite number >= 0 \(rows shown fewer times are "
+                                          rf"dropped\), got {min_show}$"):
+        export_bundle(_source(_model(), keys, vals, show), str(tmp_path / "b"), min_show=min_show)
+    assert not (tmp_path / "b").exists()
+
+
 def test_float16_halves_the_embeddings(rows, tmp_path):
     keys, vals, _ = rows
     m = _model()
