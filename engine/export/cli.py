@@ -290,6 +290,9 @@ def run_predict(args) -> int:
     if args.max_bad_rows < 0:
         print(f"engine predict: --max-bad-rows must be >= 0, got {args.max_bad_rows}", file=sys.stderr)
         return 2
+    if args.batch_size < 1:             # it reached ArrowSource's ValueError: a traceback, exit 1
+        print(f"engine predict: --batch-size must be >= 1, got {args.batch_size}", file=sys.stderr)
+        return 2
     from streaming.source import ArrowSource
     from .predictor import load_bundle
     tmp = preds = None

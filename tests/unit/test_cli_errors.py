@@ -109,6 +109,13 @@ def test_train_flags_out_of_range_are_refused(flags, needle, capsys):
     assert needle in _err(capsys)
 
 
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_predict_batch_size_below_one_is_refused(tmp_path, size, capsys):
+    """It reached ArrowSource's ValueError once the bundle had loaded: a traceback, exit 1."""
+    assert main(["predict", str(tmp_path / "bundle"), str(tmp_path / "data.arrow"), "--batch-size", size]) == 2
+    assert _err(capsys) == f"engine predict: --batch-size must be >= 1, got {size}"
+
+
 def test_train_missing_data_path(tmp_path, capsys):
     assert main(["train", CTR, "--set", "model.data.source=criteo",
                  "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
