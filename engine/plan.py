@@ -395,8 +395,9 @@ def make_plan(cfg, bench: BenchResults, *, keys: float, examples_per_s: float,
              "cores": (server_cores, "--server-cores"),
              "network": (None if network_gbps is None else network_gbps * 1e9 / 8, "--network-gbps")}
     mach = {}
-    for k, (v, flag) in given.items():
-        _check(v is None or v > 0, f"{flag} must be > 0", v)
+    per_flag = {"ram": 1e9, "disk": 1e9, "cores": 1, "network": 1e9 / 8}     # the flag's unit -> ours
+    for k, (v, flag) in given.items():       # an error shows the value as given (GB, Gb/s), not in bytes
+        _check(v is None or v > 0, f"{flag} must be > 0", v if v is None else v / per_flag[k])
         fig = m[k] if v is None else dataclasses.replace(m[k], value=float(v), kind="flag", source=flag)
         mach[k] = rec.use(fig)
 

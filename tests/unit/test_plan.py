@@ -438,3 +438,15 @@ def test_measured_factors_never_plan_for_less_than_the_budget_or_more_than_ram_s
     ram = next(x for x in p.resources if x.name == "ram").demand
     same_at_1 = plan_1e9(ctr, bench(tmp_path, rows[:-1] + [dict(SCALE, rss_max_over_budget=1.0)]))
     assert ram == pytest.approx(next(x for x in same_at_1.resources if x.name == "ram").demand)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"server_disk_bytes": -1e9}, "--server-disk-gb must be > 0, got -1.0"),
+    ({"server_ram_bytes": -2.5e9}, "--server-ram-gb must be > 0, got -2.5"),
+    ({"network_gbps": -10.0}, "--network-gbps must be > 0, got -10.0"),
+])
+def test_a_bad_machine_flag_shows_the_value_as_given(tmp_path, ctr, kw, needle):
+    """``--server-disk-gb -1`` said "got -1000000000.0" (the bytes it became), not what was typed."""
+    with pytest.raises(PlanInputError) as e:
+        plan_1e9(ctr, bench(tmp_path), **kw)
+    assert str(e.value) == needle
