@@ -66,7 +66,7 @@ class DataConfig:
     cache_dir: str = "runs/cache"
     generated_rows: Annotated[int, Field(ge=10)] = 20000
     generated_seed: Annotated[int, Field(ge=0)] = 20240
-    convert_batch_size: Annotated[int, Field(ge=1)] = 512
+    convert_batch_size: Annotated[int, Field(ge=1, le=1 << 22)] = 512     # streaming.criteo.MAX_BATCH_SIZE
     max_bad_rows: Annotated[int, Field(ge=0)] = 0
     group_column: str = ""       # test-split column of a user/query id: GAUC, pos/neg order ratio ("" = none)
 

@@ -231,6 +231,13 @@ class _PartWriter:
         self._close_file()
 
 
+#: bytes of the converter's batch buffers per row: label float32, dense float32[13], keys uint64[26]
+ROW_BUFFER_BYTES = 4 + 4 * NUM_DENSE + 8 * NUM_SPARSE
+#: most rows per record batch (about 1.1 GB of buffers, allocated when the conversion starts); 2^62 ended
+#: in numpy's "array is too big" with nothing naming the batch size
+MAX_BATCH_SIZE = 1 << 22
+
+
 class _LineMapper:
     """Maps ranks of valid rows (as the CSV reader emits them) back to 0-based line indices, given the
     lines the reader rejected (field-count errors), which arrive in line order before the batch that
@@ -565,7 +572,7 @@ def convert_criteo(inputs, out_dir, *, split: str | None = None, batch_size: int
     FileNotFoundError
         If an input does not exist.
     ValueError
-        On bad arguments.
+        On bad arguments (``batch_size`` outside [1, ``MAX_BATCH_SIZE``], ``rows_per_file`` below 1, ...).
     OSError
         Writing the output failed (e.g. the disk is full); ``out_dir`` is left as it was.
     """
@@ -577,6 +584,9 @@ def convert_criteo(inputs, out_dir, *, split: str | None = None, batch_size: int
         raise ValueError(f"split must be None, 'train' or 'test', got {split!r}")
     if batch_size < 1 or rows_per_file < 1:
         raise ValueError(f"batch_size and rows_per_file must be >= 1, got {batch_size}, {rows_per_file}")
+    if batch_size > MAX_BATCH_SIZE:
+        raise ValueError(f"batch_size must be <= {MAX_BATCH_SIZE} (its buffers are allocated up front: "
+                         f"{ROW_BUFFER_BYTES} bytes per row), got {batch_size}")
     if max_bad_rows is not None and max_bad_rows < 0:
         raise ValueError(f"max_bad_rows must be >= 0 or None, got {max_bad_rows}")
     for p in paths:

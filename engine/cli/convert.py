@@ -100,6 +100,7 @@ def run(args) -> int:
     from streaming.criteo import ConvertError, convert_criteo
     from streaming.errors import DataFormatError, SchemaError
 
+    from streaming.criteo import MAX_BATCH_SIZE
     for name in ("max_bad_rows", "batch_size", "rows_per_file"):
         v = getattr(args, name)
         if v < (0 if name == "max_bad_rows" else 1):
@@ -107,6 +108,10 @@ def run(args) -> int:
             print(f"engine convert: {flag} must be >= {0 if name == 'max_bad_rows' else 1}, got {v}",
                   file=sys.stderr)
             return 2
+    if args.batch_size > MAX_BATCH_SIZE:
+        print(f"engine convert: --batch-size must be <= {MAX_BATCH_SIZE} (rows per record batch, whose buffers "
+              f"are allocated up front), got {args.batch_size}", file=sys.stderr)
+        return 2
     try:
         report = convert_criteo(args.inputs, args.out_dir, split=args.split, batch_size=args.batch_size,
                                 rows_per_file=args.rows_per_file, max_bad_rows=args.max_bad_rows)

@@ -62,6 +62,19 @@ def test_convert_bad_argument(tmp_path, capsys):
     assert "--batch-size" in _err(capsys)
 
 
+def test_convert_batch_size_past_its_buffers_is_refused(tmp_path, capsys):
+    """``--batch-size 4611686018427387904`` ended in numpy's "array is too big" naming nothing; the engine
+    train path (model.data.convert_batch_size) has the same bound."""
+    from streaming.criteo import MAX_BATCH_SIZE
+    good = tmp_path / "good.txt"
+    good.write_text("\t".join(["1"] + ["3"] * 13 + ["68fd1e64"] * 26) + "\n")
+    assert main(["convert", "criteo", str(good), str(tmp_path / "out"), "--batch-size", str(1 << 62)]) == 2
+    assert _err(capsys) == (f"engine convert: --batch-size must be <= {MAX_BATCH_SIZE} (rows per record batch, whose "
+                            f"buffers are allocated up front), got {1 << 62}")
+    assert main(["train", CTR, "--set", f"model.data.convert_batch_size={MAX_BATCH_SIZE + 1}"]) == 2
+    assert f"model.data.convert_batch_size must be <= {MAX_BATCH_SIZE}" in _err(capsys)
+
+
 @pytest.mark.parametrize("override, needle", [
     ("model.bogus=1", "model: unknown key(s) ['bogus']"),
     ("model.batch_size=0", "model.batch_size must be >= 1, got 0"),
