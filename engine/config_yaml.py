@@ -18,7 +18,7 @@ A ``null`` (or ``~``) stays None (a string field refuses it); an empty value (``
 gets the YAML value. The loader is YAML 1.2 (ruamel.yaml's safe mode): ``yes``/``no``/``on``/``off``
 are strings, not booleans, and ``0100`` is 100, not octal 64. Mapping keys are always their text
 (config keys are names). Anchors, aliases and merge keys (``<<: *base``) work; duplicate keys are an
-error, and so is nesting deeper than ``MAX_FLOW_DEPTH`` levels of ``[``/``{``.
+error naming both lines, and so is nesting deeper than ``MAX_FLOW_DEPTH`` levels of ``[``/``{``.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def _construct(root: Node, where: str) -> tuple[Any, Texts]:
                     if not isinstance(src, MappingNode):
                         raise ConfigError(f"{where}: {_dotted(path)}: a merge key (<<) must name mappings")
                     out.update(walk(src, path))
-            seen = set()
+            seen: dict = {}         # key -> its 0-based line
             for k, v in node.value:
                 if k.tag == _MERGE_TAG:
                     continue
@@ -116,9 +116,10 @@ def _construct(root: Node, where: str) -> tuple[Any, Texts]:
                     raise ConfigError(f"{where}: {_dotted(path)}: mapping keys must be names, got a "
                                       f"{'list' if isinstance(k, SequenceNode) else 'mapping'}")
                 key = k.value
-                if key in seen:
-                    raise ConfigError(f"{where}: duplicate key {_dotted(path + (key,))}")
-                seen.add(key)
+                if key in seen:         # PyYAML would keep the last one without a word
+                    raise ConfigError(f"{where}: duplicate key {_dotted(path + (key,))} (line "
+                                      f"{seen[key] + 1}, again at line {k.start_mark.line + 1})")
+                seen[key] = k.start_mark.line
                 out[key] = walk(v, path + (key,))
             return out
         finally:

@@ -274,8 +274,8 @@ def test_yaml_reader_keeps_texts_through_anchors_and_rejects_duplicates(tmp_path
     doc = load_yaml(text + "model:\n  <<: *c\n  kind: ctr_online\n", "x.yaml")
     doc.pop("common")
     assert from_dict(doc).model.params.until == "0100"
-    with pytest.raises(ConfigError, match="duplicate key cluster.workers"):
-        load_config(_yaml(tmp_path, "cluster:\n  workers: 1\n  workers: 2\n"))
+    with pytest.raises(ConfigError, match=r"duplicate key cluster.workers \(line 2, again at line 4\)$"):
+        load_config(_yaml(tmp_path, "cluster:\n  workers: 1\n  servers: 1\n  workers: 2\n"))
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(_yaml(tmp_path, "cluster: [\n"))
     with pytest.raises(ConfigError, match="mapping at the top level"):
