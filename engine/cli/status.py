@@ -54,8 +54,10 @@ def run(args) -> int:
     from ..observability import status
 
     try:
-        if args.interval <= 0 or args.timeout <= 0:
-            raise ConfigError(f"--interval and --timeout must be > 0, got {args.interval:g} and {args.timeout:g}")
+        from ..config_base import MAX_SECONDS
+        for flag, value in (("--interval", args.interval), ("--timeout", args.timeout)):
+            if not 0 < value <= MAX_SECONDS:      # nan and 1e308 ended in a traceback from time.sleep
+                raise ConfigError(f"{flag} must be in (0, {MAX_SECONDS:.0f}] seconds, got {value:g}")
         if args.json and not args.once:
             raise ConfigError("--json needs --once (the live view is for terminals)")
         target = status.resolve(args.target, root=args.root or status.DEFAULT_ROOT, config=args.config)

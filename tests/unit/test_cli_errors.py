@@ -129,6 +129,18 @@ def test_predict_batch_size_below_one_is_refused(tmp_path, size, capsys):
     assert _err(capsys) == f"engine predict: --batch-size must be >= 1, got {size}"
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--interval", "nan"], "engine status: --interval must be in (0, 2147483] seconds, got nan"),
+    (["--interval", "1e308"], "engine status: --interval must be in (0, 2147483] seconds, got 1e+308"),
+    (["--timeout", "0"], "engine status: --timeout must be in (0, 2147483] seconds, got 0"),
+])
+def test_status_interval_and_timeout_out_of_range_are_refused(flags, needle, capsys):
+    """``--interval nan`` and ``--interval 1e308`` passed the "> 0" check and ended in a ValueError and an
+    OverflowError traceback from time.sleep (exit 1)."""
+    assert main(["status", "127.0.0.1:1", "--once", "--json", *flags]) == 2
+    assert _err(capsys) == needle
+
+
 def test_train_missing_data_path(tmp_path, capsys):
     assert main(["train", CTR, "--set", "model.data.source=criteo",
                  "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
