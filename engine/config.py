@@ -625,10 +625,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> EngineC
     Raises
     ------
     ConfigError
-        The file is missing, unreadable, not UTF-8 (the byte offset and line are named) or not YAML,
+        The file is missing, a directory, unreadable, not UTF-8 (the byte offset and line are named) or not YAML,
         or any value is bad (the key path is named).
     """
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {p}: is a directory, not a YAML file")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     return from_dict(apply_overrides(load_yaml(read_config_text(p), str(p)), overrides or []))

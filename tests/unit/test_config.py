@@ -75,6 +75,8 @@ def test_config_is_frozen_and_round_trips(tmp_path):
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"^config file .*: is a directory, not a YAML file$"):   # was "not found"
+        load_config(tmp_path)
 
 
 def test_a_file_that_is_not_utf8_or_not_readable_is_a_config_error(tmp_path):
