@@ -42,6 +42,9 @@ def run(args) -> int:
     from ..errors import ConfigError
     from ..security import certs
 
+    if not args.out_dir.strip():        # Path("") is the current directory: the CA key and tokens landed there
+        print("engine certs: OUT_DIR is empty; name the directory to write the credentials into", file=sys.stderr)
+        return 2
     if args.tokens and not args.renew:
         print("engine certs: --tokens only applies with --renew (new credentials always get new tokens)",
               file=sys.stderr)

@@ -45,6 +45,9 @@ def run(args) -> int:
     from ..launch import k8s
     from ..security import certs
 
+    if not args.out.strip():            # Path("") is the current directory: the manifests landed there
+        print("engine k8s: --out is empty; name the directory to write the manifests into", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.overrides)
         manifests = k8s.render(cfg, image=args.image, resume=args.resume, resume_id=args.resume_id)

@@ -141,6 +141,23 @@ def test_status_interval_and_timeout_out_of_range_are_refused(flags, needle, cap
     assert _err(capsys) == needle
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["certs", "", "--hosts", "localhost"], "engine certs: OUT_DIR is empty; name the directory to write the "
+                                            "credentials into"),
+    (["k8s", str(REPO / "configs" / "logreg_demo.yaml"), "--out", "", "--image", "x",
+      "--set", "security.insecure=true", "--set", "checkpoint.root=s3://b/ckpt"],
+     "engine k8s: --out is empty; name the directory to write the manifests into"),
+])
+def test_an_empty_output_directory_is_refused(tmp_path, monkeypatch, argv, needle, capsys):
+    """``engine certs '' --hosts ''`` wrote the CA key, certificates and tokens into the current directory (a
+    repository checkout, here), exit 0; ``engine k8s --out ''`` wrote the manifests there and printed
+    ``kubectl apply -f ''``."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert _err(capsys) == needle
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_missing_data_path(tmp_path, capsys):
     assert main(["train", CTR, "--set", "model.data.source=criteo",
                  "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
