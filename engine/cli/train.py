@@ -140,6 +140,24 @@ def _check_flags(args) -> None:
                 raise ConfigError(f"{flag} {path}: its directory {parent} does not exist")
 
 
+def _make_run_dir(path: str, key: str) -> None:
+    """Create the launcher's run directory (or the root it makes one in) now, so one that cannot be made
+    (a file, a missing or read-only parent) is a config error naming ``key`` rather than a
+    FileExistsError/FileNotFoundError traceback from the launcher.
+
+    Raises
+    ------
+    ConfigError
+        ``path`` cannot be made a directory (the OS error named).
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        why = ("exists and is not a directory" if isinstance(e, FileExistsError) else
+               f"cannot create it: {e.strerror or e}")
+        raise ConfigError(f"{key} {path}: {why}") from None
+
+
 def _end_role_process() -> None:
     """Shorten the end of a role process (``--role``, always a process of its own) to its last flush.
 
@@ -200,6 +218,10 @@ def _run(args) -> int:
         program = load_program(cfg.model.kind)
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)
+        if args.run_dir:
+            _make_run_dir(args.run_dir, "--run-dir")
+        else:
+            _make_run_dir(cfg.cluster.run_root, "cluster.run_root")
         final = run_job(cfg, program, args.run_dir, resume=args.resume, resume_fallback=args.resume_fallback)
         if final.get("preempted"):
             print(json.dumps(final), flush=True)

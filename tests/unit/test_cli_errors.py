@@ -158,6 +158,19 @@ def test_an_empty_output_directory_is_refused(tmp_path, monkeypatch, argv, needl
     assert list(tmp_path.iterdir()) == []
 
 
+def test_train_run_dir_that_cannot_be_made_is_refused(tmp_path, capsys):
+    """A --run-dir (or cluster.run_root) that is a file ended in a FileExistsError traceback from the
+    launcher, exit 1."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    demo = str(REPO / "configs" / "logreg_demo.yaml")
+    assert main(["train", demo, "--run-dir", str(afile)]) == 2
+    assert _err(capsys) == f"engine train: config error: --run-dir {afile}: exists and is not a directory"
+    assert main(["train", demo, "--set", f"cluster.run_root={afile}/runs"]) == 2
+    assert _err(capsys) == (f"engine train: config error: cluster.run_root {afile}/runs: cannot create it: "
+                            f"Not a directory")
+
+
 def test_train_missing_data_path(tmp_path, capsys):
     assert main(["train", CTR, "--set", "model.data.source=criteo",
                  "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
