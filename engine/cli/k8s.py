@@ -12,7 +12,8 @@ that complete the deployment::
 
 Exit codes: 0 written; 2 a config error (an inline storage secret, security missing without
 ``security.insecure: true``, no image, a bad ``kubernetes`` value, ``mode: hybrid`` with more than one
-worker) or DIR not writable, with one ``engine k8s: ...`` line on stderr.
+worker), DIR not writable or holding another render's manifests (another job name: ``kubectl apply -f DIR``
+would apply them too), with one ``engine k8s: ...`` line on stderr.
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ def run(args) -> int:
         return 2
     try:
         paths = k8s.write(manifests, args.out, source=args.config)
+    except k8s.ManifestsError as e:
+        print(f"engine k8s: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"engine k8s: cannot write {args.out}: {e}", file=sys.stderr)
         return 2

@@ -463,18 +463,48 @@ def write(manifests: Manifests, out_dir, *, source: str = "") -> list[Path]:
 
     Raises
     ------
+    ManifestsError
+        ``out_dir`` holds ``.yaml`` files of another render (another job's names): ``kubectl apply -f`` would
+        apply them too; nothing was written.
     OSError
-        The directory or a file cannot be written.
+        The directory or a file cannot be written (each file is written whole or not at all).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    head = f"# rendered by `engine k8s`{f' from {source}' if source else ''}; render again rather than edit\n"
+    stale = sorted(p.name for p in out.glob("*.yaml") if p.name not in manifests.files and _rendered_by_us(p))
+    if stale:       # `kubectl apply -f DIR` would apply them too: another job's (or a renamed job's) objects
+        more = f" and {len(stale) - 2} more" if len(stale) > 2 else ""
+        raise ManifestsError(f"{out} holds manifests of another `engine k8s` render ({', '.join(stale[:2])}{more}), "
+                             f"which 'kubectl apply -f {out}' would apply too: remove them or render into a new "
+                             f"directory")
+    head = f"{_HEAD}{f' from {source}' if source else ''}; render again rather than edit\n"
     paths = []
-    for fname, obj in manifests.files.items():
+    for fname, obj in manifests.files.items():      # each file whole or not at all (a new file renamed in)
         path = out / fname
-        path.write_text(head + yaml.dump(obj, Dumper=_Dumper, sort_keys=False))
+        tmp = out / f".{fname}.{os.getpid()}.tmp"
+        try:
+            tmp.write_text(head + yaml.dump(obj, Dumper=_Dumper, sort_keys=False))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         paths.append(path)
     return paths
+
+
+#: the first words of every file ``write`` renders
+_HEAD = "# rendered by `engine k8s`"
+
+
+class ManifestsError(OSError):
+    """``write``'s directory holds manifests of another render (``engine k8s`` exits 2 naming them)."""
+
+
+def _rendered_by_us(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(len(_HEAD)) == _HEAD
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -414,3 +414,20 @@ def test_the_name_defaults_to_the_job_as_a_dns_label(creds):
     assert k8s.base_name(load_config(CTR, sets(creds, "checkpoint.job=My_Job.v2"))) == "my-job-v2"
     assert k8s.base_name(load_config(CTR, sets(creds, "checkpoint.job=", "kubernetes.name=ctr"))) == "ctr"
     assert k8s.base_name(load_config(CTR, sets(creds, "checkpoint.job=2024"))) == "engine-2024"
+
+
+def test_a_directory_holding_another_renders_manifests_is_refused(tmp_path, creds, capsys):
+    """Rendering a renamed job into the same --out left the old job's four files beside the new ones, and the
+    printed 'kubectl apply -f DIR' applied both jobs. The same job renders again in place; a file of another
+    origin is left alone."""
+    out = tmp_path / "out"
+    assert cli(out, sets(creds)) == 0
+    before = sorted(p.name for p in out.iterdir())
+    (out / "notes.yaml").write_text("# mine\n")
+    assert cli(out, sets(creds)) == 0                                    # the same render: replaced in place
+    capsys.readouterr()
+    assert cli(out, sets(creds, "checkpoint.job=other")) == 2
+    line = error_line(capsys)
+    assert "holds manifests of another `engine k8s` render (00-ctr-dnn-config.yaml, 01-ctr-dnn-ps.yaml and 2 " \
+           "more)" in line and "kubectl apply -f" in line, line
+    assert sorted(p.name for p in out.iterdir()) == sorted(before + ["notes.yaml"])   # nothing written, no temp
