@@ -86,10 +86,11 @@ def _logging(verbose: bool) -> None:
 
 def _bad_input_errors():
     import hdfs_io
-    from streaming.errors import DataFormatError, SchemaError
+    from streaming.errors import ConvertError, DataFormatError, SchemaError
     from .errors import BundleError, ExportError
+    # ConvertError: predict's Criteo text input that cannot be read (a binary line, truncated gzip)
     return (BundleError, ExportError, hdfs_io.NotPublishedError, hdfs_io.CheckpointCorruptError,
-            FileNotFoundError, FileExistsError, DataFormatError, SchemaError)
+            FileNotFoundError, FileExistsError, DataFormatError, SchemaError, ConvertError)
 
 
 def run_export(args) -> int:

@@ -263,6 +263,24 @@ def test_criteo_text_fails_on_first_malformed_line_unless_allowed(setup, tmp_pat
     assert len(ipc.open_file(str(out)).read_all()) == 49
 
 
+def test_criteo_text_that_cannot_be_read_is_one_line(setup, tmp_path, capsys):
+    """A line that is not UTF-8 (or a truncated gzip) raised ConvertError, which predict did not catch: a
+    traceback, exit 1."""
+    bundle = setup[0]
+    text = tmp_path / "c.txt"
+    generate_criteo(text, rows=5, seed=2)
+    text.write_bytes(text.read_bytes() + b"\xff\xfe garbage\n")
+    out = tmp_path / "p.arrow"
+    rc, _, err = _predict(capsys, bundle, text, "--out", out)
+    assert rc == 2 and not out.exists()
+    assert _one_line_error(err) == (f"engine predict: {text}: line 6: not UTF-8 text (a binary file?), and 1 "
+                                    f"tab-separated fields where 40 are expected")
+    gz = tmp_path / "t.txt.gz"
+    gz.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    rc, _, err = _predict(capsys, bundle, gz)
+    assert rc == 2 and "truncated gzip data" in _one_line_error(err)
+
+
 def test_bundle_of_another_hash_version_is_refused_at_load(setup, tmp_path, capsys):
     from engine.export import RowBatchSource, describe_model, export_bundle
     m = build_model("ctr_dnn", num_slots=3, dim=4, dense_dim=13, hidden=(8,), seed=0)
