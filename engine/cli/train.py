@@ -46,8 +46,8 @@ def add_parser(sub) -> None:
                    help="override a config value, e.g. --set mode=sync --set cluster.workers=3")
     p.add_argument("--role", choices=("server", "worker"), default=os.environ.get("ENGINE_ROLE"),
                    help="run one role only (default: launch all locally; env ENGINE_ROLE)")
-    p.add_argument("--rank", type=int, default=int(os.environ.get("ENGINE_RANK", "0")),
-                   help="rank of this role (env ENGINE_RANK)")
+    p.add_argument("--rank", type=int, default=None,        # ENGINE_RANK is read in run(): garbage in it
+                   help="rank of this role (env ENGINE_RANK)")   # broke every command's parser
     p.add_argument("--host", default=None, help="server bind address, and a worker's health port's "
                    "(default cluster.host)")
     p.add_argument("--port", type=int, default=None, help="server port (0: pick a free port)")
@@ -79,6 +79,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    error = _role_from_env(args)
+    if error:
+        print(f"engine train: config error: {error}", file=sys.stderr)
+        return 2
     if args.role not in ("server", "worker"):       # the launcher (ENGINE_ROLE may be set empty)
         return _run(args)
     code, error = 1, None
@@ -95,6 +99,21 @@ def run(args) -> int:
             end_world(code, error)                                    # logging why (the abort ends the
         _end_role_process()                                           # process before Python would)
     return code
+
+
+def _role_from_env(args) -> str | None:
+    """Complete ``args.rank`` from ``ENGINE_RANK`` (default 0) and check an ``ENGINE_ROLE`` the parser took
+    as ``--role``'s default; returns what is wrong with them, or None. An ``ENGINE_ROLE`` of ``serve`` ran
+    the launcher without a word; an ``ENGINE_RANK`` of ``x`` broke every ``engine`` command's parser."""
+    if args.role not in (None, "", "server", "worker"):
+        return f"ENGINE_ROLE must be server or worker (or empty: the launcher), got {args.role!r}"
+    if args.rank is None:
+        raw = os.environ.get("ENGINE_RANK", "0")
+        try:
+            args.rank = int(raw)
+        except ValueError:
+            return f"ENGINE_RANK must be an int, got {raw!r}"
+    return None
 
 
 def resume_command(args) -> str:

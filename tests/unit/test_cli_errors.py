@@ -171,6 +171,22 @@ def test_train_run_dir_that_cannot_be_made_is_refused(tmp_path, capsys):
                             f"Not a directory")
 
 
+def test_bad_role_environment_is_one_line_and_breaks_no_other_command(monkeypatch, capsys):
+    """``ENGINE_RANK=x`` raised a ValueError while building the parser, so every ``engine`` command (status,
+    plan, ...) died with a traceback; ``ENGINE_ROLE=serve`` ran the launcher without a word."""
+    demo = str(REPO / "configs" / "logreg_demo.yaml")
+    monkeypatch.setenv("ENGINE_RANK", "x")
+    assert main(["status", "h:99999", "--once"]) == 2                      # its own error, not the variable's
+    assert "h:99999" in _err(capsys)
+    assert main(["train", demo, "--role", "worker"]) == 2
+    assert _err(capsys) == "engine train: config error: ENGINE_RANK must be an int, got 'x'"
+    monkeypatch.delenv("ENGINE_RANK")
+    monkeypatch.setenv("ENGINE_ROLE", "serve")
+    assert main(["train", demo]) == 2
+    assert _err(capsys) == ("engine train: config error: ENGINE_ROLE must be server or worker (or empty: the "
+                            "launcher), got 'serve'")
+
+
 def test_train_missing_data_path(tmp_path, capsys):
     assert main(["train", CTR, "--set", "model.data.source=criteo",
                  "--set", f"model.data.criteo_path={tmp_path}/missing.txt"]) == 2
