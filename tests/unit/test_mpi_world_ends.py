@@ -124,11 +124,14 @@ def test_a_rank_that_exits_before_mpi_init_is_seen_at_once(tmp_path, no_pidfds):
             time.sleep(0.02)
         assert mpi.RankProcess(world, 1).poll() == 3 and mpi.RankProcess(world, 0).poll() is None
     finally:
+        # as the launcher's shutdown: each worker's group, and mpiexec's for a rank whose worker has not
+        # started yet (on a loaded machine rank 0's may not have been: it was left waiting for ever)
+        world.signal_all(signal.SIGKILL)
         for r in range(2):
             pid = world.rank_pid(r)
             if pid is not None:
                 try:
-                    os.killpg(pid, signal.SIGKILL)       # as the launcher's shutdown: each worker's group
+                    os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
     assert end(world)[1] == 3
