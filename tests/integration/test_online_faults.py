@@ -125,8 +125,10 @@ def test_an_unwritable_export_root_skips_that_hours_bundle_and_training_goes_on(
     exports = tmp_path / "exports"
     job = job_factory(tmp_path, "2024010104", "--set", f"model.export_root={exports}")
     names = [_publish(table, job.parts, 0)]
-    job.wait_until(lambda: hdfs_io.is_complete(hdfs_io.Storage.from_uri(str(exports)), "20240101/0100-base"),
-                   "the first bundle")
+    # the export's end, not its _SUCCESS: the publisher fsyncs the directories up to the root after it,
+    # and a root moved away in between failed hour 00's export too (exports_failed 2; seen under load)
+    job.wait_until(lambda: f"bundle {exports}/20240101/0100-base: " in job.logs(), "the first bundle")
+    assert hdfs_io.is_complete(hdfs_io.Storage.from_uri(str(exports)), "20240101/0100-base")
     aside = tmp_path / "exports.aside"
     exports.rename(aside)
     exports.write_text("not a directory")            # the export root is unwritable for hour 01
