@@ -134,8 +134,6 @@ def _rank_shim(r: dict) -> None:
     os.close(fd)
     shim = os.getpid()
     die_with_parent(os.getppid())                  # hydra's proxy: killed, it takes this rank along
-    record = {"shim_pid": shim}
-    _write_record(r["exit"], record)
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)     # none lost between fork and the handlers
     pid = os.fork()
     if pid == 0:
@@ -148,7 +146,7 @@ def _rank_shim(r: dict) -> None:
         except BaseException as e:  # noqa: BLE001 - the forked child must never return into the shim
             os.write(2, f"rank shim: cannot start {r['cmd'][0]}: {e}\n".encode(errors="replace"))
         os._exit(127)
-    record["pid"] = pid
+    record = {"shim_pid": shim, "pid": pid}
     Path(r["pid"]).write_text(str(pid))
     _write_record(r["exit"], record)
     for sig in FORWARDED:
@@ -435,8 +433,8 @@ class World:
         return self._codes
 
     def exit_record(self, rank: int) -> dict | None:
-        """The record ``rank``'s shim wrote (``_rank_shim``): ``shim_pid``, and once the worker started
-        ``pid``, and once it ended by itself ``code`` and ``ended``; None if none (yet) or unreadable."""
+        """The record ``rank``'s shim wrote (``_rank_shim``): ``shim_pid`` and ``pid`` once the worker
+        started, and once it ended by itself ``code`` and ``ended``; None if none (yet) or unreadable."""
         try:
             rec = json.loads(self.exit_paths[rank].read_text())
         except (IndexError, OSError, ValueError):

@@ -65,16 +65,23 @@ def end(world: mpi.World, timeout: float = 60) -> dict[int, int]:
         return world.codes()
     finally:
         if world.proc.poll() is None:
-            world.signal_all(signal.SIGKILL)
-            for r in range(2):
-                pid = world.rank_pid(r)
-                if pid is not None:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            kill(world)
             world.proc.wait(10)
         world._remove_topology()
+
+
+def kill(world: mpi.World) -> None:
+    """SIGKILL as the launcher's shutdown sends it: to each started worker's group, and to mpiexec's
+    for a rank whose worker has not started yet (on a loaded machine rank 0's may not have been: its
+    world was left waiting for ever)."""
+    world.signal_all(signal.SIGKILL)
+    for r in range(2):
+        pid = world.rank_pid(r)
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture
@@ -124,16 +131,7 @@ def test_a_rank_that_exits_before_mpi_init_is_seen_at_once(tmp_path, no_pidfds):
             time.sleep(0.02)
         assert mpi.RankProcess(world, 1).poll() == 3 and mpi.RankProcess(world, 0).poll() is None
     finally:
-        # as the launcher's shutdown: each worker's group, and mpiexec's for a rank whose worker has not
-        # started yet (on a loaded machine rank 0's may not have been: it was left waiting for ever)
-        world.signal_all(signal.SIGKILL)
-        for r in range(2):
-            pid = world.rank_pid(r)
-            if pid is not None:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill(world)
     assert end(world)[1] == 3
 
 
