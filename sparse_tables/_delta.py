@@ -63,7 +63,8 @@ class DeltaCapture:
         finally:
             dump.close()
 
-    def dirty_dump(self, clear: bool = False, chunk_rows: int = 65536) -> DirtyRows:
+    def dirty_dump(self, clear: bool = False, chunk_rows: int = 65536, *,
+                   sketch: list | None = None) -> DirtyRows:
         """Rows changed and keys deleted since the last clear (for delta checkpoints), as of now.
 
         The dirty RAM rows are copied and RocksDB's read view made at one instant under the lock; the
@@ -79,6 +80,9 @@ class DeltaCapture:
             racing with a delta save lands in the next delta rather than being lost.
         chunk_rows : int
             Rows per record batch.
+        sketch : list, optional
+            Receives a copy of the admission sketch (uint32[depth, width]) taken in the same locked
+            step (nothing without admission; ``sparse_tables._admission``).
 
         Returns
         -------
@@ -98,6 +102,7 @@ class DeltaCapture:
         with lock:
             self._refuse_if_failed()
             records = self._snapshot_live(int(K.F_DIRTY), 0)
+            self._copy_sketch(sketch)
             try:
                 return self._dirty_dump_locked(records, clear, chunk_rows)
             except BaseException:

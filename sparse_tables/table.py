@@ -33,6 +33,7 @@ import pyarrow as pa
 from . import _kernels as K
 from ._arena import big_array as _big_array, pow2 as _pow2
 from ._snapshot import RecordSnapshot, take as take_snapshot
+from ._admission import AdmissionSketch
 from ._delta import DeltaCapture
 from ._spill_tier import SPILL_TIME_NS, SpillTier
 from ._load_kernels import DUPLICATES, key_order
@@ -57,7 +58,7 @@ TICK_REBASE = 1 << 31
 FULL_WARNING_INTERVAL_S = 60.0   # a full table (max_rows) logs at most one warning per interval and name
 
 
-class SparseTable(SpillTier, DeltaCapture):
+class SparseTable(SpillTier, DeltaCapture, AdmissionSketch):
     """One shard of a sparse table.
 
     Parameters
@@ -447,7 +448,8 @@ class SparseTable(SpillTier, DeltaCapture):
         it exports never go back."""
         _carry_counters(self, old)
 
-    def rows(self, chunk_rows: int = 65536, *, clear: bool = False) -> Iterator[pa.RecordBatch]:
+    def rows(self, chunk_rows: int = 65536, *, clear: bool = False,
+             sketch: list | None = None) -> Iterator[pa.RecordBatch]:
         """Every row, RAM and RocksDB, exactly once, as RecordBatches of ``self.schema``.
 
         The RAM rows are copied and RocksDB's read view made (``SpillStore.snapshot``) at one instant under
@@ -455,7 +457,9 @@ class SparseTable(SpillTier, DeltaCapture):
         spills copies its RAM rows into a spool file in its spill directory (``_snapshot``), not RAM.
         ``clear``: a base's instant; the dirty state is cleared (``clear_dirty``) in the same locked step
         when iteration starts, so every row the next delta holds changed after the base's instant and
-        its ``existed`` answers for the base (``sparse_tables._delta``).
+        its ``existed`` answers for the base (``sparse_tables._delta``). ``sketch``: a list that receives a
+        copy of the admission sketch (uint32[depth, width]) taken in that same step, when iteration
+        starts (nothing without admission; ``sparse_tables._admission``).
 
         Raises
         ------
@@ -467,6 +471,7 @@ class SparseTable(SpillTier, DeltaCapture):
             self._refuse_if_failed()
             if clear:
                 self._clear_dirty_locked()
+            self._copy_sketch(sketch)
             spill = self._spill         # the dump's own reference: a close meanwhile does not drop it
             # the RAM rows with an older copy on disk (which the scan skips) come as a sorted key array
             ram = self._snapshot_live(0, int(K.F_ON_DISK))

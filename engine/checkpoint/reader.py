@@ -18,6 +18,8 @@ All or nothing:
   and checked, the row count each shard would reach compared with its ``max_rows``) and only then read
   again and applied: a damaged or oversized delta changes no row.
 
+The admission sketches (``sketch_parts``) are read and checked before any row changes, and set last.
+
 Row limits. A shard with ``TableConfig.max_rows`` never receives more rows than that: a base stops
 filling a table once a shard's share is exceeded (and keeps counting, so the error gives the row count
 the checkpoint would have reached), a delta is refused before it applies. Both raise
@@ -43,6 +45,7 @@ from sparse_tables.rows import existed_column
 
 from ..sharding import routing
 from .manifest import read_checkpoint_manifest
+from .sketch_parts import SKETCH_RE, read_sketches
 from .writer import DENSE_SCHEMA, TOMBSTONE_SCHEMA, DenseBlockState, group_of
 
 __all__ = ["load_server_parts", "CheckpointMismatchError", "CheckpointCapacityError"]
@@ -80,6 +83,7 @@ class _Plan:
     sparse_files: list = field(default_factory=list)    # (table, file name, FileEntry)
     tomb_files: list = field(default_factory=list)
     dense_files: list = field(default_factory=list)
+    sketch_files: dict = field(default_factory=dict)    # table -> [(server, j, file name, FileEntry)]
     tables: list = field(default_factory=list)          # sparse tables of the checkpoint hosted here
     every_file: set = field(default_factory=set)        # ... of which this server reads every file
 
@@ -160,6 +164,9 @@ def _plan(ckpt: Storage, manifest: dict, num_vshards: int, local_owner: np.ndarr
                 plan.tomb_files.append((m.group(1), fname, entry))
         elif m := _DENSE_RE.match(fname):
             plan.dense_files.append((m.group(1), fname, entry))
+        elif m := SKETCH_RE.match(fname):
+            if m.group(1) in sparse:
+                plan.sketch_files.setdefault(m.group(1), []).append((int(m.group(2)), int(m.group(3)), fname, entry))
     return plan
 
 
@@ -461,6 +468,8 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
     dense = _read_dense(plan, dense_owns) if dense_owns is not None else {}
     if check_dense is not None:
         check_dense(dense)
+    sketches = {name: read_sketches(ckpt, manifest, plan.sketch_files.get(name, []), name, sparse[name],
+                                    num_vshards, local_owner) for name in plan.tables}
     if base:
         budget = _BaseBudget(sparse)
         with ExitStack() as bulk:   # fresh shards: RocksDB's write stalls raised while the base loads
@@ -486,6 +495,10 @@ def load_server_parts(ckpt: Storage, *, num_vshards: int, local_owner: np.ndarra
             tomb_keys = [(name, _read_tombstones(plan, name, fname, entry)) for name, fname, entry in plan.tomb_files]
             tombs = _apply_tombstones(plan, tomb_keys, plan.tables)
             rows, _ = _load_rows(plan, threads, None)
+    for name, counts in sketches.items():   # admission counts as saved (``sketch_parts``)
+        for shard, c in zip(sparse[name], counts or ()):
+            if c is not None:
+                shard.restore_sketch(c)
     for name, shards in sparse.items():     # restored state is the new "clean" point for the next delta
         for shard in shards:
             if name in plan.tables:             # ... and, with no traffic meanwhile, exactly this checkpoint

@@ -17,6 +17,8 @@ Part files (Arrow IPC file format, zstd buffers)::
                                                at the delta (schema metadata "at_parent": "1")
     dense/{table}/s{SSSS}.arrow                block int32, params/m/v list<float32>, t int64;
                                                schema metadata "size" (floats in the whole table)
+    sketch/{table}/s{SSSS}-j{JJ}.arrow         tables with count admission: local shard JJ's admission
+                                               sketch, copied with its rows (``sketch_parts``)
 
 Group of a row: ``vshard(key) * groups // num_vshards`` (contiguous vshard ranges), so a reader on any
 cluster size reads only the groups overlapping its own vshard range.
@@ -48,6 +50,7 @@ from sparse_tables.keysets import unique_keys
 
 from ..sharding import routing
 from ..sharding._kernels import group as _group
+from .sketch_parts import sketch_facts, write_sketch_part
 
 __all__ = ["DenseBlockState", "DenseState", "save_server_parts", "part_report_name", "group_of",
            "TABLE_NAME_RE", "TOMBSTONE_SCHEMA", "DENSE_SCHEMA"]
@@ -190,13 +193,14 @@ def _stream_parts(ckpt: Storage, name: str, server: int, j: int, schema: pa.Sche
 
 
 def _dump_base(ckpt: Storage, name: str, server: int, j: int, shard: SparseTable, num_vshards: int,
-               groups: int) -> tuple[dict, int]:
+               groups: int, sketch: list) -> tuple[dict, int]:
     """One attempt at a shard's part files of a base: (file entries, rows). A failed attempt removes its
     files and releases the dump (its RocksDB iterator); a retry dumps the shard afresh, which is as
-    consistent: its dirty marks are cleared again first, so what changed since lands in the next delta."""
+    consistent: its dirty marks are cleared again first, so what changed since lands in the next delta.
+    ``sketch`` receives the admission sketch's copy of the attempt's instant (the last one counts)."""
     # the dirty marks cleared and the RAM rows copied (then RocksDB's view made) in one locked step: a
     # racing push lands in the next delta only, so that delta's ``existed`` answers for this base
-    with contextlib.closing(shard.rows(clear=True)) as rows:
+    with contextlib.closing(shard.rows(clear=True, sketch=sketch)) as rows:
         return _stream_parts(ckpt, name, server, j, shard.schema, rows, num_vshards, groups)
 
 
@@ -269,22 +273,28 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
     tombs: dict[str, int] = {}
 
     def one_shard(name: str, j: int, shard: SparseTable):
+        sketch: list = []       # the admission sketch, copied in the rows' locked step
         if kind == "base":
-            written, n = call_with_retry(lambda: _dump_base(ckpt, name, server, j, shard, num_vshards, groups),
-                                         policy=ckpt.retry, stats=ckpt.retry_stats, uri=ckpt.uri,
-                                         what=f"base of table {name!r} shard {j} to {ckpt.uri}")
-            return name, written, n, np.empty(0, np.uint64)
-        # the delta's instant: dirty marks cleared, RAM rows copied and RocksDB's view made at once; a
-        # retry (transient storage error) writes the same rows again from that instant
-        dump = shard.dirty_dump(clear=True)
-        try:
             written, n = call_with_retry(
-                lambda: _stream_parts(ckpt, name, server, j, dump.schema, dump, num_vshards, groups),
+                lambda: _dump_base(ckpt, name, server, j, shard, num_vshards, groups, sketch),
                 policy=ckpt.retry, stats=ckpt.retry_stats, uri=ckpt.uri,
-                what=f"delta of table {name!r} shard {j} to {ckpt.uri}")
-        finally:
-            dump.close()
-        return name, written, n, dump.deleted
+                what=f"base of table {name!r} shard {j} to {ckpt.uri}")
+            deleted = np.empty(0, np.uint64)
+        else:
+            # the delta's instant: dirty marks cleared, RAM rows copied and RocksDB's view made at once;
+            # a retry (transient storage error) writes the same rows again from that instant
+            dump = shard.dirty_dump(clear=True, sketch=sketch)
+            try:
+                written, n = call_with_retry(
+                    lambda: _stream_parts(ckpt, name, server, j, dump.schema, dump, num_vshards, groups),
+                    policy=ckpt.retry, stats=ckpt.retry_stats, uri=ckpt.uri,
+                    what=f"delta of table {name!r} shard {j} to {ckpt.uri}")
+            finally:
+                dump.close()
+            deleted = dump.deleted
+        if sketch:
+            written = {**written, **write_sketch_part(ckpt, name, server, j, sketch[-1])}
+        return name, written, n, deleted
 
     jobs = [(name, j, shard) for name, shards in sparse.items() for j, shard in enumerate(shards)]
     deleted_by_table: dict[str, list[np.ndarray]] = {name: [] for name in sparse}
@@ -312,7 +322,9 @@ def save_server_parts(ckpt: Storage, *, kind: str, server: int, num_servers: int
             fname = f"dense/{name}/s{server:04d}.arrow"
             files[fname] = write_ipc_file(ckpt, fname, _dense_table(state)).to_json()
     tables = {name: {"dim": shards[0].layout.dim, "optimizer": shards[0].config.optimizer,
-                     "state_width": shards[0].layout.state_width} for name, shards in sparse.items() if shards}
+                     "state_width": shards[0].layout.state_width,
+                     **({"sketch": facts} if (facts := sketch_facts(shards)) else {})}
+              for name, shards in sparse.items() if shards}
     report = {"server": server, "num_servers": num_servers, "num_vshards": num_vshards, "groups": groups,
               "kind": kind, "files": files, "rows": rows, "tombstones": tombs, "tables": tables,
               "dense": dense_sizes, **({"resumed_with": dict(resumed_with)} if resumed_with else {})}

@@ -52,8 +52,8 @@ def test_a_base_writes_part_files_while_the_shard_is_still_being_read_and_restor
     yielded = [0]
     rows = shard.rows
 
-    def counted(chunk_rows=65536, *, clear=False):
-        for batch in rows(chunk_rows=4_096, clear=clear):       # ten batches and more: RAM rows, then RocksDB's
+    def counted(chunk_rows=65536, *, clear=False, sketch=None):
+        for batch in rows(chunk_rows=4_096, clear=clear, sketch=sketch):       # ten batches and more: RAM rows, then RocksDB's
             yielded[0] += 1
             yield batch
     monkeypatch.setattr(shard, "rows", counted)
