@@ -596,7 +596,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
     reporter = progress.install(startup_s=cfg.cluster.startup_timeout_s, in_memory=watched)
     from .observability import prometheus
     metrics = prometheus.start(cfg, "worker", rank)     # observability.prometheus_port; None: off
-    client = connect(cfg, server_endpoints(cfg), name=f"worker{rank}", admin=rank == 0,
+    from .security.credentials import holds_admin_token   # the rule the launchers give the token by
+    client = connect(cfg, server_endpoints(cfg), name=f"worker{rank}", admin=holds_admin_token("worker", rank),
                      async_queue=cfg.client.async_queue)
     liveness = None
     try:

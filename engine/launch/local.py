@@ -40,7 +40,7 @@ from ..errors import LaunchError
 from ..observability import prometheus
 from ..ps import ps_pb2 as pb
 from ..ps.transport import GrpcTransport
-from ..security.credentials import client_security
+from ..security.credentials import client_security, withheld_vars
 
 log = logging.getLogger(__name__)
 
@@ -214,11 +214,18 @@ class LocalCluster:
         return [self.python, "-m", "engine", "train", str(self.config_path), "--role", role,
                 "--rank", str(rank), *extra]
 
-    def child_env(self, env: dict) -> dict:
-        """The environment every child gets: this one without inline secrets, then the config's secrets
-        (``secret_env``) and ``env``."""
+    def child_env(self, env: dict, withheld: tuple[str, ...] = ()) -> dict:
+        """The environment a child gets: this one without inline secrets, then the config's secrets
+        (``secret_env``) and ``env``; without the variables ``withheld`` names (``withheld_env``)."""
         inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV.values()}
-        return {**inherited, "PYTHONUNBUFFERED": "1", **self._secret_env, **env}
+        full = {**inherited, "PYTHONUNBUFFERED": "1", **self._secret_env, **env}
+        return {k: v for k, v in full.items() if k not in withheld}
+
+    def withheld_env(self, role: str, rank: int) -> tuple[str, ...]:
+        """The variables of ``child_env`` that the process of ``role`` and ``rank`` does not get: the
+        admin token's (``security.admin_token_env``) unless it holds that token, as the servers and
+        worker rank 0 do (``engine.security.credentials.withheld_vars``)."""
+        return withheld_vars(self.cfg.security, role, rank)
 
     def role_env(self, role: str, rank: int) -> dict:
         """What one role's process adds to ``child_env``: its Prometheus port and the restarts so far."""
@@ -238,7 +245,8 @@ class LocalCluster:
     def _spawn(self, role: str, rank: int, extra: list[str], env: dict) -> Child:
         log_path = self.run_dir / f"{role}-{rank}.log"
         cmd = self.role_command(role, rank, extra)
-        full_env = self.child_env({"ENGINE_PARENT_PID": str(os.getpid()), **self.role_env(role, rank), **env})
+        full_env = self.child_env({"ENGINE_PARENT_PID": str(os.getpid()), **self.role_env(role, rank), **env},
+                                  self.withheld_env(role, rank))
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True)

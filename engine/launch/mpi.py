@@ -12,7 +12,9 @@ environment (``ENGINE_PROGRESS_FILE``...), writes the worker's pid to ``worker-R
 The worker is the MPI rank (MPI is initialized there, with the PMI connection it inherited), what
 the launcher signals and what ``engine.launch.procs.role_pid`` finds by its command line. The shim
 records how the worker ended in ``worker-R.exit.json`` and ends the same way. The world file holds
-no secret: those travel in mpiexec's environment, which hydra passes to every rank.
+no secret: those travel in mpiexec's environment, which hydra passes to every rank; a rank's shim takes
+out the variables its record lists under ``unset`` (the admin token's, on every rank but 0) before it
+starts the worker.
 
 ``RankProcess`` is what the launcher holds per worker in place of a ``subprocess.Popen``: its ``pid``
 is the worker's, signals go to it, and its exit code is read when the world ends. A rank that dies
@@ -86,7 +88,8 @@ def world_command(python: str, run_dir: Path, ranks: list[dict]) -> list[str]:
     run_dir : Path
     ranks : list of dict
         Per rank r (in order): ``cmd`` (list[str], the worker command), ``env`` (dict[str, str] added to
-        the inherited environment), ``log`` and ``pid`` (paths).
+        the inherited environment), ``unset`` (list[str], optional: variables of the inherited environment
+        the worker does not get, e.g. the admin token's on ranks above 0), ``log`` and ``pid`` (paths).
     """
     spec = run_dir / WORLD_FILE
     spec.write_text(json.dumps({"ranks": ranks}))
@@ -141,7 +144,8 @@ def _rank_shim(r: dict) -> None:
             os.setpgid(0, 0)                       # a group of its own: the launcher signals it as any child
             die_with_parent(shim)                  # SIGKILL when this shim ends (hydra's cleanup kills it)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-            env = {**os.environ, **r["env"], "ENGINE_PARENT_PID": str(shim)}
+            env = {k: v for k, v in os.environ.items() if k not in r.get("unset", ())}
+            env.update({**r["env"], "ENGINE_PARENT_PID": str(shim)})
             os.execve(r["cmd"][0], r["cmd"], env)
         except BaseException as e:  # noqa: BLE001 - the forked child must never return into the shim
             os.write(2, f"rank shim: cannot start {r['cmd'][0]}: {e}\n".encode(errors="replace"))
@@ -597,6 +601,24 @@ def loopback_env(env: dict) -> dict:
     return out
 
 
+def rank_records(cluster) -> list[dict]:
+    """Per worker rank of ``cluster`` (a ``LocalCluster``): the record its shim reads from the world file
+    (``world_command``'s ``ranks``; ``result`` added: the worker's result file). Each worker's old
+    result and progress files are removed (``LocalCluster.worker_files``)."""
+    from .. import progress
+
+    run_dir = cluster.run_dir
+    ranks = []
+    for r in range(cluster.cfg.cluster.workers):
+        result, prog = cluster.worker_files(r)
+        ranks.append({"cmd": cluster.role_command("worker", r, ["--result-file", str(result)]),
+                      "env": {**cluster.role_env("worker", r), progress.ENV: str(prog)},
+                      "unset": list(cluster.withheld_env("worker", r)),
+                      "log": str(run_dir / f"worker-{r}.log"), "pid": str(run_dir / f"worker-{r}.pid"),
+                      "exit": str(run_dir / f"worker-{r}.exit.json"), "result": str(result)})
+    return ranks
+
+
 def start_world(cluster, env: dict, *, child) -> list:
     """Start ``cluster``'s (a ``LocalCluster``) workers as one MPI world -> their ``child`` objects
     (``engine.launch.local.Child``, passed in so this module never imports the launcher), with the
@@ -611,14 +633,8 @@ def start_world(cluster, env: dict, *, child) -> list:
     from .. import progress
 
     run_dir = cluster.run_dir
-    ranks, children = [], []
-    for r in range(cluster.cfg.cluster.workers):
-        result, prog = cluster.worker_files(r)
-        ranks.append({"cmd": cluster.role_command("worker", r, ["--result-file", str(result)]),
-                      "env": {**cluster.role_env("worker", r), progress.ENV: str(prog)},
-                      "log": str(run_dir / f"worker-{r}.log"), "pid": str(run_dir / f"worker-{r}.pid"),
-                      "exit": str(run_dir / f"worker-{r}.exit.json")})
-        children.append((r, result, prog))
+    ranks = rank_records(cluster)
+    children = [(r, Path(x["result"]), Path(x["env"][progress.ENV])) for r, x in enumerate(ranks)]
     world = World(world_command(cluster.python, run_dir, ranks), env=loopback_env(cluster.child_env(env)),
                   run_dir=run_dir, pid_paths=[Path(x["pid"]) for x in ranks],
                   rank_logs=[Path(x["log"]) for x in ranks], exit_paths=[Path(x["exit"]) for x in ranks])

@@ -103,9 +103,12 @@ class RoleActor:
         import ray
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
-    def start(self, config_text: str, argv: list[str], env: dict, files: list[str]) -> int:
+    def start(self, config_text: str, argv: list[str], env: dict, files: list[str], unset: tuple = ()) -> int:
         """Write the config, start ``engine train`` with ``argv`` (after the config path) and ``files``
-        (``ready``, ``result``, ``progress``) placed in this actor's directory; returns the child's pid."""
+        (``ready``, ``result``, ``progress``) placed in this actor's directory; returns the child's pid.
+        The child's environment is this actor's with ``env`` added and the variables ``unset`` names
+        taken out (the admin token's for a role that does not hold it: a local Ray's actors inherit
+        the driver's environment)."""
         cfg = self.dir / "config.yaml"
         fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -113,7 +116,8 @@ class RoleActor:
         self.files = {k: self.dir / f"{self.label}.{k}" for k in files}
         extra = [a for k, flag in (("ready", "--ready-file"), ("result", "--result-file")) if k in self.files
                  for a in (flag, str(self.files[k]))]
-        child_env = {**os.environ, **env, "ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        child_env = {k: v for k, v in {**os.environ, **env}.items() if k not in unset}
+        child_env.update({"ENGINE_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         if "progress" in self.files:
             child_env[progress.ENV] = str(self.files["progress"])
         if "metrics" in self.files:     # the role writes its /metrics URL here (engine.observability)
@@ -559,9 +563,11 @@ class RayCluster(LocalCluster):
         log.info("%s %d runs on node %s (%s)", role, rank, node_id, node_ip)
         if role == "server":
             argv += ["--host", c.host if self.one_machine else node_ip]
-        full_env = {**forwarded_env(), **self._secret_env, **metrics_env, **env}
+        withheld = self.withheld_env(role, rank)
+        full_env = {k: v for k, v in {**forwarded_env(), **self._secret_env, **metrics_env, **env}.items()
+                    if k not in withheld}
         pid = self._start_call(role, rank, "start its process",
-                               actor.start.remote(self.config_path.read_text(), argv, full_env, files),
+                               actor.start.remote(self.config_path.read_text(), argv, full_env, files, withheld),
                                c.startup_timeout_s)
         log_path = self._start_call(role, rank, "name its log",
                                     actor.__ray_call__.remote(lambda a: str(a.log_path)), CALL_TIMEOUT_S)

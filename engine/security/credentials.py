@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from .settings import SecurityConfig
 
 __all__ = ["Secret", "ServerTokens", "ServerSecurity", "ClientSecurity", "server_security", "client_security",
-           "ADMIN", "WORKER"]
+           "holds_admin_token", "withheld_vars", "ADMIN", "WORKER"]
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +362,25 @@ def _load_tls(contents: dict) -> dict:
     if "ca" in contents:
         _check_validity(contents["ca"], "security.tls.ca")
     return contents
+
+
+def holds_admin_token(role: str, rank: int) -> bool:
+    """Whether the process of ``role`` (``server``/``worker``) and ``rank`` needs the admin token: every
+    server (it tells admin calls from others) and worker rank 0 (the checkpoint coordinator: saves,
+    restores, the roll-back's ``Fence`` with ``clear``, the hybrid mode's dense state). The launcher,
+    which starts them, holds it too. A worker of another rank never reads it (``connect(admin=False)``),
+    so a launcher gives it no admin token variable (``withheld_vars``)."""
+    return role == "server" or (role == "worker" and rank == 0)
+
+
+def withheld_vars(cfg: SecurityConfig, role: str, rank: int) -> tuple[str, ...]:
+    """The environment variables a launcher takes out of the environment of ``role``'s process ``rank``:
+    the one ``security.admin_token_env`` names, unless that process holds the admin token
+    (``holds_admin_token``); else none. Least privilege: with the token, any worker could stop every
+    server or load another checkpoint into them. With ``admin_token_file`` there is nothing to take out
+    (the file's mode and owner guard it; ``engine k8s`` mounts it where only Kubernetes decides)."""
+    name = cfg.admin_token_env
+    return (name,) if name and not holds_admin_token(role, rank) else ()
 
 
 def _secret(cfg: SecurityConfig, kind: str) -> Secret | None:

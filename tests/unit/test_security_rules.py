@@ -128,3 +128,57 @@ def test_a_world_readable_token_or_key_is_a_warning(tmp_path, caplog):
     server_security(cfg)
     assert f"security.token_file: {c / 'token'} is readable by every user of this machine (mode 644)" in caplog.text
     assert f"security.tls key: {c / 'server.key'} is readable by every user" in caplog.text
+
+
+def test_the_launcher_gives_the_admin_token_only_to_the_roles_that_hold_it(tmp_path, monkeypatch):
+    """Least privilege: with ``security.admin_token_env`` the launcher passed its whole environment, the
+    admin token included, to every worker, though only the servers (they check it) and worker rank 0
+    (the checkpoint coordinator) use it; any worker could stop every server. Real child processes: the
+    local launcher's, and hybrid mode's MPI rank shims (run as hydra runs them, with ``PMI_RANK``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from engine.config import from_dict
+    from engine.launch.local import LocalCluster
+    from engine.launch.mpi import rank_records
+    from engine.security.credentials import holds_admin_token
+
+    monkeypatch.setenv("ENGINE_TEST_TOKEN", "worker-token")
+    monkeypatch.setenv("ENGINE_TEST_ADMIN_TOKEN", "admin-token")
+    monkeypatch.chdir(tmp_path)
+    fake = tmp_path / "fake-python"           # stands in for the interpreter: records its environment
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    "a = sys.argv\nname = a[a.index('--role') + 1] + a[a.index('--rank') + 1]\n"
+                    "open(name + '.env', 'w').write(json.dumps(dict(os.environ)))\n")
+    fake.chmod(0o755)
+    cfg = from_dict({"mode": "async", "cluster": {"servers": 1, "workers": 2},
+                     "tables": {"sparse": {"emb": {"dim": 4}}, "dense": {"d": {"optimizer": "sgd"}}},
+                     "model": {"kind": "logreg", "table": "emb", "dense_table": "d"},
+                     "security": {"token_env": "ENGINE_TEST_TOKEN", "admin_token_env": "ENGINE_TEST_ADMIN_TOKEN"}})
+    cluster = LocalCluster(cfg, tmp_path / "run", python=str(fake))
+
+    def env_of(name: str) -> dict:
+        return json.loads((tmp_path / f"{name}.env").read_text())
+
+    for role, rank in (("server", 0), ("worker", 0), ("worker", 1)):
+        assert cluster._spawn(role, rank, [], {}).proc.wait(timeout=60) == 0
+        env = env_of(f"{role}{rank}")
+        assert env["ENGINE_TEST_TOKEN"] == "worker-token", (role, rank)
+        assert env.get("ENGINE_TEST_ADMIN_TOKEN") == ("admin-token" if holds_admin_token(role, rank) else None), \
+            (role, rank)
+    # hybrid: hydra passes mpiexec's environment (the admin token in it, for rank 0) to every rank's shim
+    world = tmp_path / "world.json"
+    world.write_text(json.dumps({"ranks": rank_records(cluster)}))
+    mpiexec_env = cluster.child_env({})
+    for rank in range(2):
+        (tmp_path / f"worker{rank}.env").unlink()
+        shim = subprocess.run([sys.executable, "-m", "engine.launch.mpi", str(world)], timeout=60,
+                              env={**mpiexec_env, "PMI_RANK": str(rank)})
+        assert shim.returncode == 0
+        env = env_of(f"worker{rank}")
+        assert env.get("ENGINE_TEST_ADMIN_TOKEN") == ("admin-token" if rank == 0 else None), rank
+        assert env["ENGINE_TEST_TOKEN"] == "worker-token"
+    # the launcher itself keeps it (restores, the final checkpoint, Stop)
+    assert os.environ["ENGINE_TEST_ADMIN_TOKEN"] == "admin-token"
