@@ -26,7 +26,8 @@ workers, batch size, shuffle buffer, seed or train split cannot map the position
 warning and restarts that epoch from its first batch. A finished job records ``(epochs, 0)``.
 
 The CTR trainer also records the train files it reads (``sources.train.files``:
-``ctr_data.files_fingerprint``, names, sizes and a CRC of both ends). A position inside an epoch maps
+``ctr_data.files_fingerprint``, names, sizes, a CRC of both ends and one of blocks sampled between
+them). A position inside an epoch maps
 only onto the same files: a file added, removed or rewritten since would make the skipped batches other
 rows (some never trained, others trained twice), so such a resume is refused (``ConfigError``, exit 2,
 naming what changed; as Word2Vec refuses a changed corpus). At an epoch's start nothing of the epoch was
@@ -54,23 +55,25 @@ SAVE_TIMEOUT_S = 3600.0   # the other workers wait this long for rank 0's save
 
 
 def describe_file_changes(was: list, now: list, most: int = 5) -> list[str]:
-    """What differs between two ``ctr_data.files_fingerprint`` lists (``[[name, size, crc], ...]``, read
-    in name order), one phrase per file (at most ``most``, then how many more); [] when they are equal."""
-    old = {str(e[0]): (int(e[1]), str(e[2])) for e in was}
-    new = {str(e[0]): (int(e[1]), str(e[2])) for e in now}
+    """What differs between two ``ctr_data.files_fingerprint`` lists (``[[name, size, crc, inner], ...]``,
+    read in name order), one phrase per file (at most ``most``, then how many more); [] when they are
+    equal. An entry without ``inner`` (recorded before it was) is compared by name, size and ``crc``."""
+    old = {str(e[0]): (int(e[1]), str(e[2]), str(e[3]) if len(e) > 3 else None) for e in was}
+    new = {str(e[0]): (int(e[1]), str(e[2]), str(e[3]) if len(e) > 3 else None) for e in now}
     out = []
     for name in sorted(old.keys() | new.keys()):
         a, b = old.get(name), new.get(name)
-        if a == b:
-            continue
         if a is None:
             out.append(f"{name} added ({b[0]} bytes)")
         elif b is None:
             out.append(f"{name} removed")
         elif a[0] != b[0]:
             out.append(f"{name} was {a[0]} bytes, now {b[0]}")
-        else:
+        elif a[1] != b[1]:
             out.append(f"{name} rewritten (same size, CRC-32 of its ends was {a[1]}, now {b[1]})")
+        elif a[2] is not None and b[2] is not None and a[2] != b[2]:
+            out.append(f"{name} rewritten inside (same size and ends, CRC-32 of the blocks sampled between "
+                       f"them was {a[2]}, now {b[2]})")
     return out[:most] + ([f"and {len(out) - most} more"] if len(out) > most else [])
 
 
@@ -186,7 +189,8 @@ class AlignedCheckpoints:
         ------
         ConfigError
             Inside an epoch (``pos.batch`` > 0), other files: names ``model.data.train_path``, the
-            checkpoint, the position and what changed (added, removed, size, CRC of the ends).
+            checkpoint, the position and what changed (added, removed, size, CRC of the ends or of the
+            blocks between them).
         """
         path = self.t.cfg.data.train_path
         if not isinstance(recorded, list):
