@@ -401,6 +401,19 @@ def _roll_back(cfg: EngineConfig, client, health: list[dict]) -> None:
         health = client.health()
 
 
+def _count_rollbacks(health: list[dict]) -> None:
+    """Role mode: add the job's roll-backs so far to this worker's ``engine_restarts_total``: the most any
+    server counted (``rollbacks`` in ``Health``; a server restarted since counts from 0 again). No
+    supervisor counts restarts here (``ENGINE_RESTARTS``, the local launcher's, is then 0): a scheduler
+    (the kubelet, a Job controller) restarts the pods, and every such restart is a roll-back of the
+    servers to the job's newest checkpoint (``_roll_back``)."""
+    from .observability import prometheus
+    m = prometheus.current()
+    n = max((int(h.get("rollbacks") or 0) for h in health), default=0)
+    if m is not None and n > 0:
+        m.restarts.inc(n)
+
+
 def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1) -> EngineConfig:
     """Role mode: agree with the servers on one state before training (the recovery rule without a
     launcher), and resume at its data position.
@@ -493,6 +506,7 @@ def _restored_by_servers(cfg: EngineConfig, client, rank: int, workers: int = 1)
                 waited_at = [h.get("generation") for h in health]
                 deadline = time.monotonic() + cfg.cluster.startup_timeout_s
     client.pin_generations(health)      # the state agreed on: a load or fence after it is refused
+    _count_rollbacks(health)
     if uri is None:
         if all(h.get("fresh") for h in health) and workers > 1:
             # a fresh job: nobody writes before every worker has looked, or a late worker would see some

@@ -39,7 +39,8 @@ engine_worker_train_logloss / _auc           worker  the last reporting window's
 engine_eval_auc / _logloss / _copc ...       rank 0  the last global evaluation
 engine_checkpoint_seconds{op,kind}           rank 0  a whole checkpoint save / restore
 engine_checkpoint_bytes_total{kind}          rank 0  bytes of published checkpoints
-engine_restarts_total                        all     restarts of the job before this process
+engine_restarts_total                        all     restarts of the job before this process (role mode:
+                                                     the roll-backs the servers counted, ``PSServer.rollbacks``)
 ===========================================  ======  ===========================================
 
 (*) Live (every step moves them) and counted by this worker process since it started: a restarted or
@@ -229,8 +230,11 @@ class RoleMetrics:
         return RpcMetricsInterceptor(self.registry, methods)
 
     def watch_server(self, core) -> None:
-        """Export ``core``'s (``engine.ps.server.PSServer``) tables and checkpoint parts at scrape time."""
+        """Export ``core``'s (``engine.ps.server.PSServer``) tables and checkpoint parts at scrape time,
+        and count its roll-backs (``PSServer.rollbacks``) in ``engine_restarts_total``."""
         self.registry.register(ServerCollector(core))
+        self.restarts.inc(core.rollbacks)
+        core.on_rollback = self.restarts.inc
 
     def watch_trainer(self, trainer) -> None:
         """Export a worker program's counters (``live_counters()`` or the attributes ``examples``,

@@ -181,6 +181,11 @@ class PSServer(CheckpointHandlers):
         # changes at every start, Load and Fence: data requests that expect another one are refused
         self.generation = time.time_ns()
         self.fresh = True                        # nothing written or loaded since this server started
+        # roll-backs of the job this server lived through (Health, engine_restarts_total): Loads and
+        # Fences that ended an attempt which had written to it (``_rolled_back``)
+        self.rollbacks = 0
+        self._written_since_rollback = False
+        self.on_rollback = None                  # called after each one counted (the metrics' counter)
         # clients that wrote since this server started or last loaded (their request ids' names: a
         # worker's is ``worker{rank}``): a worker that finds its own name here is a restarted one (Health)
         self.writers = RecentNames(max_client_names)
@@ -346,6 +351,7 @@ class PSServer(CheckpointHandlers):
                     self.restored, self.restoring = None, end
                 self.fresh = False
                 self.writers.clear()
+                self._rolled_back()
                 self._new_generation()
                 if self.data_clock is not None:     # the job sets it again from the restored position
                     self.data_clock.reset()
@@ -377,6 +383,7 @@ class PSServer(CheckpointHandlers):
                         if self.data_clock is not None:
                             self.data_clock.reset()
                 finally:        # a clear that failed half-way ends the attempt all the same
+                    self._rolled_back()
                     self._new_generation()
             return self.Health(request)
         if method == "Barrier":
@@ -405,8 +412,21 @@ class PSServer(CheckpointHandlers):
         longer fresh, and the writer's name (its request id's, before ``@``) is listed in Health."""
         if method in _WRITES and _mutating(method, request):
             self.fresh = False
+            self._written_since_rollback = True
             self.writers.add(request.request_id.split("@", 1)[0])
         return reply
+
+    def _rolled_back(self) -> None:
+        """A Load or a Fence (under the exclusive tables lock): when the attempt it ends had written to
+        this server, the job rolled back (role mode: a worker or server restarted, and rank 0 restores
+        the newest checkpoint or empties the servers). Counted once per attempt: the fence of a
+        replaced worker and rank 0's load after it are one roll-back, a chain's links one, and a
+        restore onto a server nothing wrote to (a launcher's restart, with new servers) none."""
+        if self._written_since_rollback:
+            self._written_since_rollback = False
+            self.rollbacks += 1
+            if self.on_rollback is not None:
+                self.on_rollback()
 
     def _new_generation(self) -> None:
         """Move to a new generation (after a Load or a Fence) and drop what was held for the old one."""
@@ -670,6 +690,7 @@ class PSServer(CheckpointHandlers):
                "clients": self.clients.sorted(), "writers_dropped": self.writers.dropped,
                "clients_dropped": self.clients.dropped,
                "fenced": self.fenced, "fenced_from": self.fenced_from, "checkpoint_floor": self.checkpoint_floor,
+               "rollbacks": self.rollbacks,
                "expiry_clock": "wall" if self.data_clock is None else "data",
                "data_time": None if self.data_clock is None else self.data_clock.value,
                "server": self.index, "num_servers": self.num_servers,
