@@ -55,3 +55,25 @@ def test_a_damaged_record_is_one_clear_error_naming_the_entry(entries, count, me
     assert message in str(e.value)
     with pytest.raises(ValueError, match="expected a partition name"):
         compact(["20240101-05"])
+
+
+def test_the_final_line_of_a_run_of_a_year_gives_ranges_and_a_count(tmp_path):
+    """``engine train`` prints the online job's final JSON line with the run's partitions: listed one name
+    each, a run of a year made it a 131 KB line (found by an audit). Now ranges, as the manifests hold
+    them, and how many partitions they stand for."""
+    from engine.config import load_config
+    from engine.programs import ctr_online
+    from pathlib import Path
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "ctr_online.yaml",
+                      ["observability.tensorboard=false"])
+    year = _hours(0, 8760)
+    names = year[:100] + year[101:]                     # one hour skipped
+    line = json.dumps(ctr_online.final(cfg, [{"rank": 1, "partitions": names}, {"rank": 0, "partitions": names,
+                                                                                 "last_partition": names[-1]}]))
+    event = json.loads(line)
+    assert len(line) < 1000, len(line)
+    assert event["partitions"] == ["20240101/00..20240105/03", "20240105/05..20241230/23"]
+    assert event["partitions_count"] == 8759 and expand(event["partitions"], event["partitions_count"]) == names
+    assert event["last_partition"] == "20241230/23"
+    nothing = ctr_online.final(cfg, [{"rank": 0, "partitions": [], "last_partition": None}])
+    assert nothing["partitions"] == [] and nothing["partitions_count"] == 0
