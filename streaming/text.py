@@ -51,7 +51,7 @@ from .errors import DataFormatError
 
 __all__ = ["convert_text", "TextConvertReport", "text_arrow_is_current", "read_vocab", "corpus_schema",
            "vocab_schema", "corpus_files", "vocab_fingerprint", "conversion_fingerprint", "ConvertError",
-           "EmptyVocabularyError", "META_FILE", "VOCAB_FILE", "CORPUS_DIR", "MAX_CHUNK_TOKENS"]
+           "EmptyVocabularyError", "NotTextError", "META_FILE", "VOCAB_FILE", "CORPUS_DIR", "MAX_CHUNK_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -328,10 +328,64 @@ def _progress(path, desc):
     return tqdm(total=os.stat(path).st_size, unit="B", unit_scale=True, desc=desc, leave=False)
 
 
+#: bytes at the start of a corpus (after gzip) that must look like text (``_check_text``)
+TEXT_CHECK_BYTES = 1 << 16
+
+
+class NotTextError(ConvertError):
+    """The corpus does not start as UTF-8 text: a NUL byte or bytes that are not UTF-8 in its first
+    ``TEXT_CHECK_BYTES`` (a binary file: an image, an archive, an Arrow or Parquet file, a program; or
+    text in another encoding). Before, a binary file whose byte strings each occurred fewer than
+    ``min_count`` times was refused as an "empty vocabulary".
+
+    Parameters
+    ----------
+    path : str
+    offset : int
+        Byte offset of the first bad byte (in the decompressed text for a gzip file).
+    byte : int
+        Its value (0-255).
+    """
+
+    def __init__(self, path, offset: int, byte: int, gzip: bool = False):
+        self.offset, self.byte, self.gzip = int(offset), int(byte), bool(gzip)
+        what = "a NUL byte" if byte == 0 else f"the byte 0x{byte:02x}, not UTF-8"
+        where = f"byte offset {offset}{' of the decompressed text' if gzip else ''}"
+        super().__init__(path, f"not UTF-8 text: {where} holds {what} (a binary file, or text in another "
+                               f"encoding? engine convert text reads UTF-8 text, plain or gzip, one document "
+                               f"a line)")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.offset, self.byte, self.gzip)
+
+
+def _check_text(path: str, head) -> None:
+    """Raise ``NotTextError`` unless ``head`` (``uint8[n]``, the corpus's first bytes) is UTF-8 without
+    a NUL byte; a multi-byte character cut at its end passes. Only the start is checked: a file that
+    starts as text is read as text (a rare bad token further on stays out of the vocabulary, a frequent
+    one is a ``DataFormatError``)."""
+    import codecs
+    raw = bytes(head[:TEXT_CHECK_BYTES])
+    nul = raw.find(b"\0")
+    try:
+        codecs.utf_8_decode(raw if nul < 0 else raw[:nul], "strict", False)
+    except UnicodeDecodeError as e:
+        raise NotTextError(path, e.start, raw[e.start], gzip=_is_gzip(path)) from None
+    if nul >= 0:
+        raise NotTextError(path, nul, 0, gzip=_is_gzip(path))
+
+
+def _is_gzip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def _count_pass(path: str, report: TextConvertReport, block_bytes: int) -> pa.Table:
     acc = pa.table({"word": pa.array([], pa.binary()), "count": pa.array([], pa.int64())})
     bar = _progress(path, "vocab")
-    for block in _blocks(path, block_bytes):
+    for i, block in enumerate(_blocks(path, block_bytes)):
+        if i == 0:
+            _check_text(path, block)
         toks, line_ntok = _tokens(block)
         report.total_tokens += len(toks)
         report.lines += len(line_ntok)

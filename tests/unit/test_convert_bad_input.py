@@ -12,7 +12,7 @@ from pathlib import Path
 from engine.cli import main
 from streaming.criteo import ConvertError, arrow_is_current
 from streaming.source import ArrowSource
-from streaming.text import EmptyVocabularyError, text_arrow_is_current
+from streaming.text import TEXT_CHECK_BYTES, EmptyVocabularyError, NotTextError, text_arrow_is_current
 
 REPO = Path(__file__).resolve().parents[2]
 W2V = str(REPO / "configs" / "word2vec.yaml")
@@ -130,7 +130,8 @@ def test_failed_text_convert_keeps_the_previous_conversion(tmp_path, capsys):
     trunc = _truncated_gzip(tmp_path / "t.gz", "a b c\n" * 5000)
     nonutf8 = tmp_path / "bad.txt"
     nonutf8.write_bytes(b"caf\xe9 caf\xe9\n")
-    for bad, needle in ((trunc, f"{trunc}: truncated gzip"), (nonutf8, "expected UTF-8 text"),
+    for bad, needle in ((trunc, f"{trunc}: truncated gzip"),
+                        (nonutf8, f"{nonutf8}: not UTF-8 text: byte offset 3 holds the byte 0xe9"),
                         (corpus, "no word occurs --min-count=9 times")):
         assert main(["convert", "text", str(bad), str(out), "--min-count", "9" if bad == corpus else "1"]) == 2
         assert needle in _err(capsys)
@@ -152,6 +153,36 @@ def test_empty_vocabulary_refused(tmp_path, capsys):
                             "times or more (the most frequent of its 3 distinct words occurs 2 times, 4 tokens "
                             "in all); lower --min-count")
     assert not out.exists() and _siblings(out) == []
+
+
+def test_a_binary_file_is_named_not_text_at_its_first_bad_byte(tmp_path, capsys):
+    """A binary file (random bytes: each byte string occurs once or twice) was refused as an "empty
+    vocabulary: no word occurs --min-count=5 times", as if it were a small text; and one of NUL bytes
+    (valid UTF-8) the same. Now the file is named not text, at the byte offset of its first bad byte."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    out = tmp_path / "out"
+    binary = tmp_path / "img.bin"
+    binary.write_bytes(b"GIF89a" + bytes([0xb7]) + rng.integers(0, 256, 20000, dtype=np.uint8).tobytes())
+    nuls = tmp_path / "zeros.dat"
+    nuls.write_bytes(b"text first " + b"\0" * 5000)
+    packed = tmp_path / "img.bin.gz"
+    packed.write_bytes(gzip.compress(binary.read_bytes()))
+    suffix = ("(a binary file, or text in another encoding? engine convert text reads UTF-8 text, plain or "
+              "gzip, one document a line)")
+    for path, msg in ((binary, "byte offset 6 holds the byte 0xb7, not UTF-8"),
+                      (nuls, "byte offset 11 holds a NUL byte"),
+                      (packed, "byte offset 6 of the decompressed text holds the byte 0xb7, not UTF-8")):
+        assert main(["convert", "text", str(path), str(out)]) == 2
+        assert _err(capsys) == f"engine convert: {path}: not UTF-8 text: {msg} {suffix}"
+        assert not out.exists() and _siblings(out) == []
+    e = pickle.loads(pickle.dumps(NotTextError("x", 6, 0xb7, gzip=True)))
+    assert (e.offset, e.byte, e.gzip) == (6, 0xb7, True) and "decompressed" in str(e)
+    # only the start is checked: a text with a rare bad byte past it converts as before (the token OOV)
+    text = tmp_path / "mostly.txt"
+    text.write_bytes(b"the cat sat\n" * (TEXT_CHECK_BYTES // 12 + 100) + b"caf\xe9\n")
+    assert main(["convert", "text", str(text), str(out), "--min-count", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["vocab_size"] == 3
 
 
 def test_out_dir_with_other_files_is_refused_not_emptied(tmp_path, capsys):
