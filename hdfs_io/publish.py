@@ -12,8 +12,8 @@ exist for them. Each step is one ``PUT`` on S3 (an object appears whole at close
 needed. ``manifest.json`` then lets a reader check the data it reads (:func:`verify`).
 
 Durability (local disk only). On a local filesystem :meth:`Publisher.commit` fsyncs, in this order:
-every data file the manifest lists and every directory holding them; ``manifest.json`` and the
-directory; then ``_SUCCESS``, the directory and each of its ancestors up to the storage root (the new
+every data file the manifest lists and every subdirectory holding them; ``manifest.json`` and the
+directory (its entries: the data files' and the manifest's, in one fsync); then ``_SUCCESS``, the directory and each of its ancestors up to the storage root (the new
 directory entries). A power loss can therefore never leave ``_SUCCESS`` next to an empty part file or
 manifest. S3 needs nothing (an object is durable once its PUT returned); HDFS is left to its close
 semantics (replicated to the datanodes' memory; pyarrow has no ``hsync``), so a whole-cluster power
@@ -175,8 +175,8 @@ class Publisher:
         """Write ``manifest.json`` then ``_SUCCESS``; called by a normal exit of the ``with`` block.
 
         Steps: refuse if the directory was published meanwhile or a listed file is missing or has
-        another size; fsync the data files and their directories (local disk only); create ``manifest.json`` (exclusively on a local disk) and fsync
-        it and the directory; check that ``manifest.json`` is still ours and every file it lists is
+        another size; fsync the data files and their subdirectories (local disk only); create ``manifest.json`` (exclusively on a local disk) and fsync
+        it and the directory (all its entries: the data files' and the manifest's); check that ``manifest.json`` is still ours and every file it lists is
         there with its listed size (one metadata call per file, no data read); refuse again if
         ``_SUCCESS`` appeared; write ``_SUCCESS`` and fsync it, the directory and its ancestors up to
         the storage root. See the module docstring for what is (not) guaranteed on S3 and HDFS.
@@ -271,7 +271,7 @@ class Publisher:
         )
 
     def _sync_data_files(self) -> None:
-        """fsync every listed file, then every directory holding one (deepest first); local disk only."""
+        """fsync every listed file, then every subdirectory holding one (deepest first); local disk only."""
         st = self.storage
         if not st.is_local or not self.entries:
             return
@@ -299,7 +299,9 @@ class Publisher:
                 st.sync(join(self.dir, d))
             except FileNotFoundError:
                 raise self._conflict(d, "directory holding listed files is missing") from None
-        st.sync(self.dir)
+        # ``self.dir`` itself is fsynced once ``manifest.json`` is in it (``_finish``): one fsync of a
+        # directory makes all its entries durable, the data files' and subdirectories' with the
+        # manifest's, before ``_SUCCESS`` exists. Synced here too, it was fsynced three times a publish.
 
     def _check_still_ours(self, payload: bytes) -> None:
         """Our manifest is in place and, on a local disk, every file it lists has its listed size (on

@@ -235,3 +235,9 @@ def test_local_publish_fsyncs_everything_before_success(tmp_path: Path):
     assert synced_after(success), f"{SUCCESS_NAME} itself was not fsynced"
     for d in (pub, pub.parent, root):
         assert synced_after(str(d)), f"directory {d} not fsynced after {SUCCESS_NAME} was created"
+    # and nothing twice in one phase: the directory once before _SUCCESS (with the manifest in it, which
+    # makes the data files' entries durable too) and once after; it was fsynced a third time right
+    # before the manifest was created, for nothing
+    counts = {p: len(lines) for p, lines in fsynced.items() if p.startswith(str(root))}
+    assert counts.pop(str(pub)) == 2, fsynced[str(pub)]
+    assert set(counts.values()) == {1}, {p: n for p, n in counts.items() if n != 1}
