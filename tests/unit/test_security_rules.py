@@ -134,7 +134,8 @@ def test_the_launcher_gives_the_admin_token_only_to_the_roles_that_hold_it(tmp_p
     """Least privilege: with ``security.admin_token_env`` the launcher passed its whole environment, the
     admin token included, to every worker, though only the servers (they check it) and worker rank 0
     (the checkpoint coordinator) use it; any worker could stop every server. Real child processes: the
-    local launcher's, and hybrid mode's MPI rank shims (run as hydra runs them, with ``PMI_RANK``)."""
+    local launcher's, hybrid mode's MPI rank shims (run as hydra runs them, with ``PMI_RANK``) and Ray's
+    role actors (their ``start``, outside Ray)."""
     import json
     import os
     import subprocess
@@ -180,5 +181,21 @@ def test_the_launcher_gives_the_admin_token_only_to_the_roles_that_hold_it(tmp_p
         env = env_of(f"worker{rank}")
         assert env.get("ENGINE_TEST_ADMIN_TOKEN") == ("admin-token" if rank == 0 else None), rank
         assert env["ENGINE_TEST_TOKEN"] == "worker-token"
+    # Ray: a role actor's process inherits the actor's environment (a local Ray's actors have the
+    # driver's), less what the launcher withholds
+    import shutil
+
+    from engine.launch.ray import RoleActor
+    monkeypatch.setattr(sys, "executable", str(fake))
+    for rank in range(2):
+        (tmp_path / f"worker{rank}.env").unlink()
+        actor = RoleActor(f"worker{rank}")
+        try:
+            actor.start("{}", ["--role", "worker", "--rank", str(rank)], {}, [],
+                        cluster.withheld_env("worker", rank))
+            assert actor.proc.wait(timeout=60) == 0
+        finally:
+            shutil.rmtree(actor.dir, ignore_errors=True)
+        assert env_of(f"worker{rank}").get("ENGINE_TEST_ADMIN_TOKEN") == ("admin-token" if rank == 0 else None)
     # the launcher itself keeps it (restores, the final checkpoint, Stop)
     assert os.environ["ENGINE_TEST_ADMIN_TOKEN"] == "admin-token"
