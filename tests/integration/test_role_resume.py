@@ -295,6 +295,12 @@ def test_a_worker_replaced_alone_fences_the_servers_and_the_job_rolls_back_count
             w.thread.join(240)
         assert workers[1].codes == [-signal.SIGKILL, 0], workers[1].codes
         assert workers[0].codes == [EXIT_ROLLBACK, 0], workers[0].codes
+        # one roll-back of the job (the replacement's fence, then rank 0's restore or clear), which each
+        # server counts once (Health "rollbacks": engine_restarts_total in role mode, where no
+        # supervisor counts restarts)
+        from engine.ps import PSClient
+        with PSClient([f"127.0.0.1:{p}" for p in ports], name="probe") as probe:
+            assert [h["rollbacks"] for h in probe.health()] == [1, 1]
     finally:
         stop_all(workers, procs)
     log0, log1 = (tmp_path / "worker-0.log").read_text(), (tmp_path / "worker-1.log").read_text()
