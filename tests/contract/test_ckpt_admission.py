@@ -39,6 +39,17 @@ def _mgr(tmp_path) -> CheckpointManager:
     return CheckpointManager(str(tmp_path / "ckpt"), "m")
 
 
+def _base_of_two_pushes(tmp_path, servers: int, local: int = 2) -> str:
+    """Every key pushed twice (one short of min_count) on a cluster saved as a base, then closed (the
+    job's processes gone). Returns the base's name."""
+    c = ShardCluster(servers, {"emb": _cfg(tmp_path)}, local=local)
+    _push(c)
+    _push(c)
+    base = _mgr(tmp_path).save(c, "base", when=T0)["name"]
+    c.close()
+    return base
+
+
 @pytest.mark.parametrize("spill", [False, True])
 def test_a_roll_back_to_a_base_restores_the_counts_of_its_instant(tmp_path, spill):
     c = ShardCluster(2, {"emb": _cfg(tmp_path, spill)})
@@ -55,12 +66,7 @@ def test_a_roll_back_to_a_base_restores_the_counts_of_its_instant(tmp_path, spil
 
 
 def test_a_resume_into_fresh_servers_keeps_the_counts_short_of_min_count(tmp_path):
-    c = ShardCluster(2, {"emb": _cfg(tmp_path)})
-    mgr = _mgr(tmp_path)
-    _push(c)
-    _push(c)
-    base = mgr.save(c, "base", when=T0)["name"]
-    c.close()
+    base = _base_of_two_pushes(tmp_path, 2)
     fresh = ShardCluster(2, {"emb": _cfg(tmp_path)})
     _mgr(tmp_path).restore(fresh, base)
     _push(fresh)
@@ -85,12 +91,7 @@ def test_the_newest_delta_carries_the_counts_of_its_instant(tmp_path):
 
 
 def test_another_layout_restores_counts_no_lower_than_the_true_ones(tmp_path):
-    c = ShardCluster(2, {"emb": _cfg(tmp_path)}, local=2)
-    mgr = _mgr(tmp_path)
-    _push(c)
-    _push(c)
-    base = mgr.save(c, "base", when=T0)["name"]
-    c.close()
+    base = _base_of_two_pushes(tmp_path, 2, local=2)
     other = ShardCluster(3, {"emb": _cfg(tmp_path)}, local=1)    # N=2 x 2 -> M=3 x 1
     _mgr(tmp_path).restore(other, base)
     _push(other)
@@ -99,12 +100,7 @@ def test_another_layout_restores_counts_no_lower_than_the_true_ones(tmp_path):
 
 
 def test_a_changed_sketch_shape_is_logged_and_counts_start_from_zero(tmp_path, caplog):
-    c = ShardCluster(1, {"emb": _cfg(tmp_path)})
-    mgr = _mgr(tmp_path)
-    _push(c)
-    _push(c)
-    base = mgr.save(c, "base", when=T0)["name"]
-    c.close()
+    base = _base_of_two_pushes(tmp_path, 1)
     wider = ShardCluster(1, {"emb": dataclasses.replace(_cfg(tmp_path), sketch_width=8192)})
     with caplog.at_level(logging.WARNING, logger="engine.checkpoint.sketch_parts"):
         _mgr(tmp_path).restore(wider, base)
