@@ -328,51 +328,44 @@ def _progress(path, desc):
     return tqdm(total=os.stat(path).st_size, unit="B", unit_scale=True, desc=desc, leave=False)
 
 
-#: bytes at the start of a corpus (after gzip) that must look like text (``_check_text``)
+#: bytes at the start of a corpus (after gzip) that must hold no NUL byte (``_check_text``)
 TEXT_CHECK_BYTES = 1 << 16
 
 
 class NotTextError(ConvertError):
-    """The corpus does not start as UTF-8 text: a NUL byte or bytes that are not UTF-8 in its first
-    ``TEXT_CHECK_BYTES`` (a binary file: an image, an archive, an Arrow or Parquet file, a program; or
-    text in another encoding). Before, a binary file whose byte strings each occurred fewer than
-    ``min_count`` times was refused as an "empty vocabulary".
+    """The corpus is not text: a NUL byte in its first ``TEXT_CHECK_BYTES`` (decompressed), which no text
+    file holds (a binary file: an image, an archive, an Arrow or Parquet file, a program). Before, a
+    binary file whose byte strings each occurred fewer than ``min_count`` times was refused as an "empty
+    vocabulary". Text in another encoding has no NUL byte: it is read, and a frequent token that is not
+    UTF-8 is refused naming its line (``DataFormatError``).
 
     Parameters
     ----------
     path : str
     offset : int
-        Byte offset of the first bad byte (in the decompressed text for a gzip file).
-    byte : int
-        Its value (0-255).
+        Byte offset of the first NUL byte (in the decompressed text for a gzip file).
+    gzip : bool
+        Whether the file is gzip.
     """
 
-    def __init__(self, path, offset: int, byte: int, gzip: bool = False):
-        self.offset, self.byte, self.gzip = int(offset), int(byte), bool(gzip)
-        what = "a NUL byte" if byte == 0 else f"the byte 0x{byte:02x}, not UTF-8"
+    def __init__(self, path, offset: int, gzip: bool = False):
+        self.offset, self.gzip = int(offset), bool(gzip)
         where = f"byte offset {offset}{' of the decompressed text' if gzip else ''}"
-        super().__init__(path, f"not UTF-8 text: {where} holds {what} (a binary file, or text in another "
-                               f"encoding? engine convert text reads UTF-8 text, plain or gzip, one document "
-                               f"a line)")
+        super().__init__(path, f"not text: {where} holds a NUL byte (a binary file? engine convert text reads "
+                               f"UTF-8 text, plain or gzip, one document a line)")
 
     def __reduce__(self):
-        return type(self), (self.path, self.offset, self.byte, self.gzip)
+        return type(self), (self.path, self.offset, self.gzip)
 
 
 def _check_text(path: str, head) -> None:
-    """Raise ``NotTextError`` unless ``head`` (``uint8[n]``, the corpus's first bytes) is UTF-8 without
-    a NUL byte; a multi-byte character cut at its end passes. Only the start is checked: a file that
-    starts as text is read as text (a rare bad token further on stays out of the vocabulary, a frequent
-    one is a ``DataFormatError``)."""
-    import codecs
-    raw = bytes(head[:TEXT_CHECK_BYTES])
-    nul = raw.find(b"\0")
-    try:
-        codecs.utf_8_decode(raw if nul < 0 else raw[:nul], "strict", False)
-    except UnicodeDecodeError as e:
-        raise NotTextError(path, e.start, raw[e.start], gzip=_is_gzip(path)) from None
+    """Raise ``NotTextError`` when ``head`` (``uint8[n]``, the corpus's first bytes) holds a NUL byte in
+    its first ``TEXT_CHECK_BYTES``. Only the start is checked: a file that starts as text is read as
+    text (a rare token that is not UTF-8 stays out of the vocabulary, a frequent one is a
+    ``DataFormatError`` naming its line)."""
+    nul = bytes(head[:TEXT_CHECK_BYTES]).find(b"\0")
     if nul >= 0:
-        raise NotTextError(path, nul, 0, gzip=_is_gzip(path))
+        raise NotTextError(path, nul, gzip=_is_gzip(path))
 
 
 def _is_gzip(path: str) -> bool:

@@ -131,7 +131,7 @@ def test_failed_text_convert_keeps_the_previous_conversion(tmp_path, capsys):
     nonutf8 = tmp_path / "bad.txt"
     nonutf8.write_bytes(b"caf\xe9 caf\xe9\n")
     for bad, needle in ((trunc, f"{trunc}: truncated gzip"),
-                        (nonutf8, f"{nonutf8}: not UTF-8 text: byte offset 3 holds the byte 0xe9"),
+                        (nonutf8, f"{nonutf8}:1: field token: expected UTF-8 text, got the bytes b'caf\\xe9'"),
                         (corpus, "no word occurs --min-count=9 times")):
         assert main(["convert", "text", str(bad), str(out), "--min-count", "9" if bad == corpus else "1"]) == 2
         assert needle in _err(capsys)
@@ -155,32 +155,32 @@ def test_empty_vocabulary_refused(tmp_path, capsys):
     assert not out.exists() and _siblings(out) == []
 
 
-def test_a_binary_file_is_named_not_text_at_its_first_bad_byte(tmp_path, capsys):
+def test_a_binary_file_is_named_not_text_at_its_first_nul_byte(tmp_path, capsys):
     """A binary file (random bytes: each byte string occurs once or twice) was refused as an "empty
     vocabulary: no word occurs --min-count=5 times", as if it were a small text; and one of NUL bytes
-    (valid UTF-8) the same. Now the file is named not text, at the byte offset of its first bad byte."""
+    (valid UTF-8) the same. Now the file is named not text, at the byte offset of its first NUL byte."""
     import numpy as np
     rng = np.random.default_rng(0)
     out = tmp_path / "out"
+    noise = rng.integers(1, 256, 20000, dtype=np.uint8).tobytes()
     binary = tmp_path / "img.bin"
-    binary.write_bytes(b"GIF89a" + bytes([0xb7]) + rng.integers(0, 256, 20000, dtype=np.uint8).tobytes())
+    binary.write_bytes(b"GIF89a" + noise[:500] + b"\0" + noise)
     nuls = tmp_path / "zeros.dat"
     nuls.write_bytes(b"text first " + b"\0" * 5000)
     packed = tmp_path / "img.bin.gz"
     packed.write_bytes(gzip.compress(binary.read_bytes()))
-    suffix = ("(a binary file, or text in another encoding? engine convert text reads UTF-8 text, plain or "
-              "gzip, one document a line)")
-    for path, msg in ((binary, "byte offset 6 holds the byte 0xb7, not UTF-8"),
+    suffix = "(a binary file? engine convert text reads UTF-8 text, plain or gzip, one document a line)"
+    for path, msg in ((binary, "byte offset 506 holds a NUL byte"),
                       (nuls, "byte offset 11 holds a NUL byte"),
-                      (packed, "byte offset 6 of the decompressed text holds the byte 0xb7, not UTF-8")):
+                      (packed, "byte offset 506 of the decompressed text holds a NUL byte")):
         assert main(["convert", "text", str(path), str(out)]) == 2
-        assert _err(capsys) == f"engine convert: {path}: not UTF-8 text: {msg} {suffix}"
+        assert _err(capsys) == f"engine convert: {path}: not text: {msg} {suffix}"
         assert not out.exists() and _siblings(out) == []
-    e = pickle.loads(pickle.dumps(NotTextError("x", 6, 0xb7, gzip=True)))
-    assert (e.offset, e.byte, e.gzip) == (6, 0xb7, True) and "decompressed" in str(e)
-    # only the start is checked: a text with a rare bad byte past it converts as before (the token OOV)
+    e = pickle.loads(pickle.dumps(NotTextError("x", 6, gzip=True)))
+    assert (e.offset, e.gzip) == (6, True) and "decompressed" in str(e)
+    # only the start is checked: a text with a rare NUL byte past it converts as before
     text = tmp_path / "mostly.txt"
-    text.write_bytes(b"the cat sat\n" * (TEXT_CHECK_BYTES // 12 + 100) + b"caf\xe9\n")
+    text.write_bytes(b"the cat sat\n" * (TEXT_CHECK_BYTES // 12 + 100) + b"c\0t\n")
     assert main(["convert", "text", str(text), str(out), "--min-count", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["vocab_size"] == 3
 
