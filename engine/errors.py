@@ -23,6 +23,11 @@ class ProtocolError(EngineError, ValueError):
     """A PS message is malformed: wrong dtype or shape, truncated payload, bad field value."""
 
 
+class ProtocolVersionError(ProtocolError):
+    """A server speaks another PS protocol version than this client (``engine.ps.protocol``): the job
+    runs roles of two engine versions. The message names the server, its endpoint and both versions."""
+
+
 class UnknownTableError(EngineError, KeyError):
     """A request names a table the server does not host."""
 

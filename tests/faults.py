@@ -4,6 +4,7 @@ connection lost after the server applied the request would. The request bytes re
 unchanged, so a retry carries the same request id."""
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,9 +13,12 @@ import grpc
 
 from engine.ps import codec
 from engine.ps import ps_pb2 as pb
+from engine.ps.protocol import METADATA_KEY
+from engine.ps.protocol import metadata as protocol_metadata
 from engine.ps.server import METHODS
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+_FORWARDED = (METADATA_KEY, "authorization")
 
 
 def _identity(b):
@@ -51,7 +55,9 @@ class DroppingProxy:
 
         def forward(request: bytes, context):
             try:
-                reply = call(request, timeout=60)
+                # the caller's protocol version and token travel on (engine.ps.protocol)
+                md = tuple((k, v) for k, v in context.invocation_metadata() if k in _FORWARDED)
+                reply = call(request, timeout=60, metadata=md)
             except grpc.RpcError as e:
                 context.abort(e.code(), e.details() or "")
             with self._lock:
@@ -102,3 +108,29 @@ class FailingWrites:
 
     def __getattr__(self, name):
         return getattr(self.real, name)
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _ProtocolHeader(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor):
+    """Adds this engine's protocol version to every call's metadata, as ``GrpcTransport`` does."""
+
+    @staticmethod
+    def _details(d):
+        return _Details(d.method, d.timeout, (*(d.metadata or ()), protocol_metadata()), d.credentials,
+                        d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def protocol_channel(endpoint: str, **kwargs) -> grpc.Channel:
+    """A plaintext channel to a PS server whose raw calls (stubs, ``unary_unary``) carry this engine's
+    protocol version (``engine.ps.protocol``), which a server requires of every data request."""
+    return grpc.intercept_channel(grpc.insecure_channel(endpoint, **kwargs), _ProtocolHeader())

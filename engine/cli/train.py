@@ -33,7 +33,7 @@ from sparse_tables import TableConfigError
 from streaming.errors import ConvertError, DataFormatError, SchemaError
 
 from .. import preempt
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError, ProtocolVersionError
 
 log = logging.getLogger("engine.train")
 
@@ -255,6 +255,9 @@ def _run(args) -> int:
         return 2
     except TableConfigError as e:       # e.g. a spill directory that is not ours, or in use
         print(f"engine train: table error: {e}", file=sys.stderr)
+        return 2
+    except ProtocolVersionError as e:    # roles of two engine versions: restarting it does not help
+        print(f"engine train: {e}", file=sys.stderr)
         return 2
     except LaunchError as e:
         print(f"engine train: failed: {e}", file=sys.stderr)

@@ -63,7 +63,7 @@ from ..errors import (
     RequestRejectedError,
     ShardUnavailableError,
 )
-from . import _arrays, _kernels, codec, routing
+from . import _arrays, _kernels, codec, protocol, routing
 from . import ps_pb2 as pb
 from ._status import too_large as _too_large
 from ._status import too_large_error as _too_large_error
@@ -229,6 +229,7 @@ class PSClient(DenseClient):
                 replies = self._fan_out([(s, "Health", pb.Empty(request_id=self._rid()))
                                          for s in range(self.num_servers)], idempotent=True)
                 infos = [json.loads(r.json) for r in replies]
+                protocol.check_servers(infos, self.transport.endpoints)     # before any data request
                 for i, h in enumerate(infos):
                     if h["server"] != i or h["num_servers"] != self.num_servers:
                         raise ProtocolError(
@@ -702,10 +703,13 @@ class PSClient(DenseClient):
             idempotent=True)]
 
     def health(self) -> list[dict]:
+        """Every server's ``Health`` answer; ProtocolError when one speaks another protocol version."""
         rid = self._rid()
-        return [json.loads(r.json) for r in self._fan_out(
+        out = [json.loads(r.json) for r in self._fan_out(
             [(s, "Health", pb.Empty(request_id=f"{rid}.{s}")) for s in range(self.num_servers)],
             idempotent=True)]
+        protocol.check_servers(out, self.transport.endpoints)
+        return out
 
     def fence(self, generations: list[int], reason: str, *, clear: bool = False,
               servers: list[int] | None = None) -> list[bool]:

@@ -15,7 +15,7 @@ import grpc
 
 from sparse_tables._warn import WarnGate
 
-from . import _malloc, codec
+from . import _malloc, codec, protocol
 from . import ps_pb2 as pb
 from .call_guard import CallGuard
 from .keepalive import server_keepalive_options
@@ -53,6 +53,8 @@ def _make_handler(core: PSServer, method: str, guard: CallGuard | None, refusals
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} requires exactly one request message")
             if token is not None:
                 guard.received(token)
+            if (why := protocol.refusal(method, context.invocation_metadata())) is not None:
+                raise ServerError("FAILED_PRECONDITION", why)   # another engine version: nothing applied
             return core.handle(method, request)
         except ServerError as e:
             refusals.note(method, e.code, str(e), context)

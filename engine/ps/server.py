@@ -49,6 +49,7 @@ from .hosts import HostError, SparseHost, failed_shard, invalid, shrink_each, sp
 from .metric_sums import MetricSums
 from . import names
 from .names import RecentNames
+from .protocol import PROTOCOL_VERSION
 from .request_rules import MAX_REQUEST_ID_CHARS, admin_reason, clip
 from .routing import DEFAULT_NUM_VSHARDS
 from .watchdog import PHASES, RequestWatchdog
@@ -693,7 +694,7 @@ class PSServer(CheckpointHandlers):
                "rollbacks": self.rollbacks,
                "expiry_clock": "wall" if self.data_clock is None else "data",
                "data_time": None if self.data_clock is None else self.data_clock.value,
-               "server": self.index, "num_servers": self.num_servers,
+               "server": self.index, "num_servers": self.num_servers, "protocol": PROTOCOL_VERSION,
                "num_vshards": self.num_vshards, "max_message_bytes": self.max_message_bytes,
                "sparse": {n: {"dim": h.dim} for n, h in self.sparse.items()},
                "dense": {n: {"ordinal": h.ordinal, "size": h.size, "block_size": codec.DENSE_BLOCK}

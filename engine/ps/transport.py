@@ -35,10 +35,12 @@ from ..errors import RemoteError
 from . import _malloc, codec
 from . import ps_pb2 as pb
 from .keepalive import keepalive_options
+from .protocol import metadata as _protocol_metadata
 from .server import ADMIN_METHODS, METHODS, PSServer, ServerError, admin_reason
 
 _SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 _SERVICE = "/" + _SERVICE_NAME + "/"
+_PROTOCOL_MD = (_protocol_metadata(),)
 #: gRPC refuses retry policies of more than 5 attempts
 GRPC_MAX_ATTEMPTS = 5
 
@@ -133,12 +135,13 @@ class GrpcTransport(Transport):
             self._version = version
 
     def call(self, server: int, method: str, request, timeout: float):
-        md = None
+        md = _PROTOCOL_MD        # every call names its protocol version (``protocol``)
         if self.security is not None:
             if self.security.tls and self.security.version != self._version:
                 self._rotated()
             msg = request.msg if isinstance(request, codec.Wire) else request
-            md = self.security.metadata(admin=method in ADMIN_METHODS or admin_reason(method, msg) is not None)
+            md = (*(self.security.metadata(admin=method in ADMIN_METHODS or admin_reason(method, msg) is not None)
+                    or ()), *_PROTOCOL_MD)
         try:
             reply = self._calls[server][method](request, timeout=timeout, metadata=md)
         except grpc.RpcError as e:

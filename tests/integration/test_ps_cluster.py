@@ -16,6 +16,7 @@ from engine.launch.local import LocalCluster
 from engine.ps import PSClient, codec, routing
 from engine.ps import ps_pb2 as pb
 from engine.ps import ps_pb2_grpc as pb_grpc
+from tests.faults import protocol_channel
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +124,7 @@ def test_sync_mode_applies_one_merged_update_per_step(cluster):
 
 @pytest.fixture
 def stub(cluster):
-    channel = grpc.insecure_channel(cluster.endpoints[0])
+    channel = protocol_channel(cluster.endpoints[0])
     yield pb_grpc.ParameterServerStub(channel)
     channel.close()
 
@@ -193,7 +194,7 @@ def test_truncated_raw_frames_get_invalid_argument_with_context(cluster, stub):
     """Bytes that are not a whole message (cut inside an array, or garbage) reach the handler and get
     INVALID_ARGUMENT naming the server, the table and the request id that could be read."""
     keys = own_keys()
-    raw = grpc.insecure_channel(cluster.endpoints[0])
+    raw = protocol_channel(cluster.endpoints[0])
     try:
         push = raw.unary_unary("/engine.ps.ParameterServer/Push", request_serializer=lambda b: b,
                                response_deserializer=lambda b: b)

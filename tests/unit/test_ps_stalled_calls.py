@@ -19,6 +19,7 @@ import pytest
 from engine.errors import RemoteError
 from engine.ps import PSClient, PSServer, codec, serve
 from engine.ps import ps_pb2 as pb
+from engine.ps.protocol import metadata as protocol_metadata
 from engine.ps.transport import GrpcTransport
 from sparse_tables import TableConfig
 
@@ -91,7 +92,8 @@ def test_a_reply_the_caller_never_reads_is_cancelled(server):
                                       keys=np.arange(2000, dtype=np.uint64)))
     message = b"\x00" + struct.pack(">I", len(body)) + body
     headers = (b"\x83\x86" + _literal(4, "/engine.ps.ParameterServer/Pull") + _literal(1, ep)
-               + _literal(31, "application/grpc") + b"\x00\x02te\x08trailers")
+               + _literal(31, "application/grpc") + b"\x00\x02te\x08trailers"
+               + b"\x00" + b"".join(bytes([len(x)]) + x.encode() for x in protocol_metadata()))   # its version
     with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
         s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, struct.pack(">HI", 4, 0)))  # window 0
         s.sendall(_frame(1, 0x4, 1, headers))
