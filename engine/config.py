@@ -444,7 +444,8 @@ def from_dict(data: dict) -> EngineConfig:
             raise ConfigError(f"model.kind must be the name of a worker program, got {kind!r}")
         _check_model_keys(kind, params)
         model_cfg = ModelConfig(kind, build(program_config_class(kind), params, "model", texts=texts))
-    cfg = dataclasses.replace(cfg, sparse_tables=sparse, dense_tables=dense, model=model_cfg)
+    cfg = _drop_former_metrics_table(dataclasses.replace(cfg, sparse_tables=sparse, dense_tables=dense,
+                                                         model=model_cfg))
     _check_unused_tables(cfg)
     for i, endpoint in enumerate(cfg.cluster.endpoints):
         check_endpoint(endpoint, f"cluster.endpoints[{i}]")
@@ -515,6 +516,20 @@ def _check_model_keys(kind: str, params: dict) -> None:
         hint = "; ".join(f"{ks} of model.kind {', '.join(kinds)}" for kinds, ks in groups.items() if kinds)
     raise ConfigError(f"model: unknown key(s) {unknown} for model.kind {kind}{f' ({hint})' if hint else ''}; "
                       f"known keys: {sorted(keys_of[kind])}")
+
+
+def _drop_former_metrics_table(cfg: EngineConfig) -> EngineConfig:
+    """``cfg`` without the dense table ``model.metrics_table`` names, with one WARNING. Configs written
+    before 2026-11-25 declared it (``tables.dense.metrics``: sgd, learning rate 1) to merge evaluation
+    histograms; the servers now sum metrics in accumulators of that name, and a declared table of it
+    was refused as a misspelt one, so such a config no longer loaded."""
+    name = getattr(cfg.model.params, "metrics_table", None) if cfg.model is not None else None
+    if not name or name not in cfg.dense_tables or name == getattr(cfg.model.params, "dense_table", None):
+        return cfg
+    logging.getLogger(__name__).warning(
+        "tables.dense.%s: the dense table model.metrics_table named before 2026-11-25 (evaluation histograms "
+        "were merged in it); the servers now sum metrics themselves, so it is ignored: delete it", name)
+    return dataclasses.replace(cfg, dense_tables={n: t for n, t in cfg.dense_tables.items() if n != name})
 
 
 def _check_unused_tables(cfg: EngineConfig) -> None:

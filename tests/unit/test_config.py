@@ -385,6 +385,24 @@ def test_a_table_the_program_does_not_use_is_refused(config, override, message):
     assert str(e.value).startswith(message), str(e.value)
 
 
+@pytest.mark.parametrize("config", ["ctr.yaml", "deepfm.yaml", "ctr_online.yaml"])
+def test_a_config_of_before_2026_11_25_with_its_metrics_table_loads_with_a_warning(config, caplog):
+    """Shipped configs until 6999b4d (2026-11-25) declared ``tables.dense.metrics`` (sgd, learning rate 1),
+    the dense table ``model.metrics_table`` named for merging evaluation histograms. The servers sum
+    metrics themselves since; the unused-table check refused such a config as a misspelt table, so a
+    config that worked before the upgrade no longer loaded (found loading 6ca8201's configs/*.yaml)."""
+    new = load_config(REPO / "configs" / config)
+    with caplog.at_level("WARNING", logger="engine.config"):
+        old = load_config(REPO / "configs" / config, ["tables.dense.metrics.optimizer=sgd",
+                                                      "tables.dense.metrics.learning_rate=1.0",
+                                                      "model.metrics_table=metrics"])
+    assert old == new and "metrics" not in old.dense_tables
+    assert any("tables.dense.metrics: the dense table model.metrics_table named before 2026-11-25" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(ConfigError, match="tables.dense.metricz: model.kind"):   # any other name: refused
+        load_config(REPO / "configs" / config, ["tables.dense.metricz.optimizer=sgd"])
+
+
 def test_tables_renamed_with_the_model_keys_are_used():
     cfg = from_dict(base())                     # model.table: emb, model.dense_table: d
     assert sorted(cfg.sparse_tables) == ["emb"] and sorted(cfg.dense_tables) == ["d"]
