@@ -4,6 +4,7 @@ exclusive lock for a Load). The part files' format is ``engine.checkpoint.writer
 parent rule is ``engine.ps.delta_lineage``'s."""
 from __future__ import annotations
 
+import logging
 import time
 
 from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage
@@ -17,6 +18,8 @@ from ..security.confine import OutsideRootError, confine
 from ..sharding import routing
 from . import ps_pb2 as pb
 from .hosts import HostError
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointHandlers:
@@ -91,6 +94,8 @@ class CheckpointHandlers:
             hosts = list(self.sparse.values())
             owner = (routing.local_shard_owners(self.num_vshards, self.num_servers, self.index,
                                                 hosts[0].num_local) if hosts else None)
+            _check_dense_names(manifest, list(self.dense), ckpt.uri)
+
             def check_dense(dense: dict) -> None:      # before any live row changes
                 for name, (size, blocks) in dense.items():
                     if name in self.dense:
@@ -131,3 +136,30 @@ class CheckpointHandlers:
 
     def _checkpoint_storage(self, uri: str) -> Storage:
         return Storage.from_uri(uri, storage_options=self.storage_options)
+
+
+def _check_dense_names(manifest: dict, hosted: list[str], uri: str) -> None:
+    """Refuse a checkpoint whose dense tables this server's do not match (before anything is read).
+
+    A hosted dense table the checkpoint neither holds nor declares (its config snapshot's
+    ``tables.dense``: a table that was not initialized yet when it was saved is declared there) would
+    keep its initial values while the rest of the model restores: a renamed ``model.dense_table``
+    resumed with a fresh MLP and no word (test AUC 0.652 -> 0.629). A dense table of the checkpoint
+    that this server does not host is not loaded, and logged (the ``tables.dense.metrics`` of
+    checkpoints of before 2026-11-25 is one: nothing reads it any more).
+
+    Raises
+    ------
+    CheckpointMismatchError
+        Naming the hosted table, the checkpoint and the dense tables it holds.
+    """
+    held = manifest["tables"].get("dense", {})
+    declared = ((manifest.get("config") or {}).get("tables") or {}).get("dense") or {}
+    missing = [n for n in hosted if n not in held and n not in declared]
+    if held and missing:
+        raise CheckpointMismatchError(
+            f"dense table {missing[0]!r}: checkpoint {uri} holds no such table (its dense tables: "
+            f"{sorted(held)}); restoring it would leave {missing[0]!r} at its initial values while the rest of "
+            f"the model restores: name the checkpoint's table (model.dense_table, tables.dense)")
+    for name in sorted(set(held) - set(hosted)):
+        log.warning("dense table %r of checkpoint %s is not hosted here; it is not loaded", name, uri)
