@@ -87,6 +87,16 @@ class DeltaParentError(RequestRejectedError):
     MARKER = "delta parent mismatch"
 
 
+class RestoreMismatchError(RequestRejectedError):
+    """A server refused to load a checkpoint that does not fit its tables (FAILED_PRECONDITION "checkpoint
+    does not fit": a missing or renamed table, another dim or optimizer, more rows than ``max_rows``;
+    ``engine.checkpoint.reader.CheckpointMismatchError`` on the server). Nothing was loaded, and a
+    restart fails the same way: the config or the checkpoint must change."""
+
+    #: what the refusal's message starts with (the server's ``HostError``; the client maps it to this class)
+    MARKER = "checkpoint does not fit"
+
+
 class ShardUnavailableError(RemoteError):
     """A server stayed unreachable (UNAVAILABLE) through every retry."""
 

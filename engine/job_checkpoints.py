@@ -26,7 +26,7 @@ import time
 from .checkpoint.coordinator import CheckpointManager, CheckpointNotFoundError
 from .checkpoint.manifest import parse_name, ref_of_uri
 from .checkpoint.schedule import Schedule
-from .errors import ConfigError
+from .errors import ConfigError, RestoreMismatchError
 from .connect import connect
 
 __all__ = ["job_name", "manager_for", "job_manager", "newest_name", "check_resume_id", "resumed_since",
@@ -208,6 +208,9 @@ def resume(cfg, endpoints: list[str], uri: str | None, *, fallback: bool = False
     ------
     CheckpointNotFoundError, hdfs_io.CheckpointCorruptError
         Nothing to restore / damaged (the message names the file).
+    ConfigError
+        The checkpoint does not fit the config's tables (a server's ``RestoreMismatchError``: a table
+        missing or renamed, another dim or optimizer; nothing loaded): a restart would fail the same way.
     """
     from hdfs_io import CheckpointCorruptError
 
@@ -216,6 +219,8 @@ def resume(cfg, endpoints: list[str], uri: str | None, *, fallback: bool = False
         client.wait_ready(cfg.cluster.startup_timeout_s)
         try:
             manifest = mgr.restore(client, target, fallback=fallback or cfg.checkpoint.fallback, floor=floor)
+        except RestoreMismatchError as e:
+            raise ConfigError(f"cannot resume: {e.message}; change the config or resume another checkpoint") from None
         except CheckpointCorruptError as e:
             if not origin or origin == uri:
                 raise

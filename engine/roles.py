@@ -30,7 +30,7 @@ from . import failpoints, preempt, progress
 from .config import EngineConfig, restore_secrets
 from .connect import connect
 from .errors import (BarrierTimeoutError, ConfigError, GenerationChangedError, LaunchError, PSTimeoutError,
-                     ShardUnavailableError)
+                     RestoreMismatchError, ShardUnavailableError)
 from .launch.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ class _OneServer:
             return self.core.handle("Load", pb.PathRequest(request_id=f"resume:{uri}", path=uri, chain_end=chain_end),
                                     trusted=True).count
         except ServerError as e:
+            if e.code == "FAILED_PRECONDITION" and RestoreMismatchError.MARKER in str(e):
+                # the operator's config and checkpoint disagree: a restart fails the same way (exit 2)
+                raise ConfigError(f"cannot resume: {e}; change the config or resume another checkpoint") from None
             raise RuntimeError(str(e)) from None
 
     def save(self, uri: str, parent: str = "") -> int:    # not used by a restore

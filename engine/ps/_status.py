@@ -10,6 +10,7 @@ from ..errors import (
     PSTimeoutError,
     RemoteError,
     RequestRejectedError,
+    RestoreMismatchError,
     ShardUnavailableError,
 )
 from . import codec
@@ -38,6 +39,8 @@ def typed(e: RemoteError, attempts: int) -> RemoteError:
         return GenerationChangedError(e.code, e.message, e.endpoint)
     if e.code == "FAILED_PRECONDITION" and DeltaParentError.MARKER in e.message:
         return DeltaParentError(e.code, e.message, e.endpoint)
+    if e.code == "FAILED_PRECONDITION" and RestoreMismatchError.MARKER in e.message:
+        return RestoreMismatchError(e.code, e.message, e.endpoint)
     if e.code in _DENIED:
         return AccessDeniedError(e.code, e.message, e.endpoint)
     if e.code in _REJECTED:

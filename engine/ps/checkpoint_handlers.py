@@ -14,6 +14,7 @@ from .. import failpoints
 from ..checkpoint.manifest import kind_of_uri, read_checkpoint_manifest
 from ..checkpoint.reader import CheckpointMismatchError, load_server_parts
 from ..checkpoint.writer import save_server_parts
+from ..errors import RestoreMismatchError
 from ..security.confine import OutsideRootError, confine
 from ..sharding import routing
 from . import ps_pb2 as pb
@@ -74,8 +75,9 @@ class CheckpointHandlers:
         HostError
             DATA_LOSS naming the file (missing, damaged, misfit, or the row counts disagree with the
             manifest); NOT_FOUND (not published); FAILED_PRECONDITION (a table that does not fit, a
-            table that would pass ``max_rows``: the table, the limit and the row count are named, or a
-            spill directory that cannot be claimed); UNAVAILABLE: a spill store failed (a full disk),
+            table that would pass ``max_rows``: the table, the limit and the row count are named, the
+            message starting with ``RestoreMismatchError.MARKER``; or a spill directory that cannot be
+            claimed); UNAVAILABLE: a spill store failed (a full disk),
             the new shards' or, for a delta, a live one's (refused before anything is applied). A base
             load replaces live shards whose store had failed: the server is live again.
         """
@@ -112,7 +114,9 @@ class CheckpointHandlers:
                 raise HostError("NOT_FOUND", str(e)) from None
             if isinstance(e, CheckpointCorruptError):
                 raise HostError("DATA_LOSS", str(e)) from None
-            if isinstance(e, (CheckpointMismatchError, TableConfigError)):
+            if isinstance(e, CheckpointMismatchError):      # the client's RestoreMismatchError
+                raise HostError("FAILED_PRECONDITION", f"{RestoreMismatchError.MARKER}: {e}") from None
+            if isinstance(e, TableConfigError):
                 raise HostError("FAILED_PRECONDITION", str(e)) from None
             if isinstance(e, SpillError):   # a full disk: the base's new shards are gone (discard)
                 raise HostError("UNAVAILABLE", f"{e}{'; the load was undone' if fresh else ''}") from None
