@@ -435,24 +435,40 @@ class SpillTier:
         that fails after some of its batches leaves those rows decayed on disk and dirty (in the next
         delta), the others as they were."""
         decayed = args[2] != 1.0
-        for keys, recs in self._spill.scan(self._spill.snapshot()):
-            rows = np.empty(len(keys), np.int64)
-            K.find_rows(self._index, self._arena_u, keys, rows)
-            cold = rows < 0
-            keys, recs = keys[cold], recs[cold]
-            kill = np.empty(len(keys), np.bool_)
-            K.shrink_records(recs, self._lay, *args, kill)
-            self._spill.delete(keys[kill])
-            deleted.append(keys[kill])
-            earlier.append(keys[kill][self._earlier(recs[kill, self.layout.meta + K.M_FLAGS])])
-            if decayed:
-                keep = ~kill
-                try:
-                    self._spill.put(keys[keep], recs[keep], np.zeros(int(keep.sum()), np.bool_))
-                except SpillError as exc:
-                    # the batches written hold decayed rows: the next delta must carry them, or a
-                    # checkpoint (base + deltas) would keep them undecayed while the table has them decayed
-                    self._spilled_dirty.add(getattr(exc, "written", keys[:0]))
-                    raise
-                self._spilled_dirty.add(keys[keep])
+        spill = self._spill
+        spill.begin_filter_rebuild()        # the pass sees every key on disk: a filter of those it leaves
+        complete = False
+        try:
+            for keys, recs in spill.scan(spill.snapshot()):
+                self._shrink_chunk(args, keys, recs, decayed, deleted, earlier)
+            complete = True
+        finally:
+            spill.end_filter_rebuild(complete)
+
+    def _shrink_chunk(self, args, keys, recs, decayed, deleted, earlier) -> None:
+        """One chunk of ``_shrink_disk``'s scan: keys : uint64[m], recs : uint32[m, stride], every key on
+        disk in a key range. Rows also in RAM were expired with the RAM tier; their disk copies stay."""
+        rows = np.empty(len(keys), np.int64)
+        K.find_rows(self._index, self._arena_u, keys, rows)
+        cold = np.flatnonzero(rows < 0)
+        on_disk = keys
+        keys, recs = keys[cold], recs[cold]
+        kill = np.empty(len(keys), np.bool_)
+        K.shrink_records(recs, self._lay, *args, kill)
+        self._spill.delete(keys[kill])
+        left = np.ones(len(on_disk), np.bool_)      # the rebuilt filter: every key here but those deleted
+        left[cold[kill]] = False
+        self._spill.filter_keep(on_disk[left])
+        deleted.append(keys[kill])
+        earlier.append(keys[kill][self._earlier(recs[kill, self.layout.meta + K.M_FLAGS])])
+        if decayed:
+            keep = ~kill
+            try:
+                self._spill.put(keys[keep], recs[keep], np.zeros(int(keep.sum()), np.bool_))
+            except SpillError as exc:
+                # the batches written hold decayed rows: the next delta must carry them, or a
+                # checkpoint (base + deltas) would keep them undecayed while the table has them decayed
+                self._spilled_dirty.add(getattr(exc, "written", keys[:0]))
+                raise
+            self._spilled_dirty.add(keys[keep])
 

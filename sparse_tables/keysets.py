@@ -361,6 +361,10 @@ class ScalableBloom:
     with 7 hashes, 0.81%), so a chain of 5 full filters answers "maybe" for ~4% of absent keys.
     All filters live in one pool, each aligned to a cache line; a new filter copies the pool once
     (as many bytes as the filters before it, a few milliseconds).
+
+    It never forgets a key, so its size follows the keys ever added, not those still present: its owner
+    replaces it with a filter of the keys it still holds when ``added`` says enough of it is stale
+    (``spill.SpillStore.begin_filter_rebuild``).
     """
 
     def __init__(self, initial_capacity: int = 1 << 20, bits_per_key: int = 10, nhash: int = 6):
@@ -375,8 +379,14 @@ class ScalableBloom:
     def nbytes(self) -> int:
         return self._pool.nbytes
 
+    @property
+    def added(self) -> int:
+        """Keys added since the filter was made or cleared, duplicates included (each took capacity)."""
+        return self._added
+
     def add(self, keys: np.ndarray) -> None:
         """Record keys : uint64[n] (duplicates only cost capacity)."""
+        self._added += len(keys)
         start = 0
         while start < len(keys):
             if self._count >= self._capacity:
@@ -414,4 +424,5 @@ class ScalableBloom:
         self._starts = np.zeros(0, np.int64)     # each filter's first word in the pool
         self._nblocks = np.zeros(0, np.int64)    # each filter's 512-bit blocks
         self._capacity = self._count = 0
+        self._added = 0
         self._next_capacity = self._initial_capacity
