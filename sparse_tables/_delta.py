@@ -145,6 +145,7 @@ class DeltaCapture:
         K.clear_flag(self._arena_u, self._state, self._lay, K.F_DIRTY)
         self._spilled_dirty.clear()
         self._deleted = []
+        self._deleted_bytes = 0
         self._state[K.S_GEN] = K.next_generation(int(self._state[K.S_GEN]))
         self._checkpoint = None
 

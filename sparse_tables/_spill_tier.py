@@ -383,10 +383,12 @@ class SpillTier:
             self._budget.report(self._budget_token, self._growing_bytes(), int(self._state[K.S_NEXT]))
 
     def _growing_bytes(self) -> int:
-        """Bytes that grow with the keys on disk: the spill Bloom filter, the dirty spilled keys and the
+        """Bytes that grow with the keys on disk: the spill Bloom filter, the dirty spilled keys, the keys
+        deleted since the last clear (the next delta's tombstones: an expiry pass's can be many) and the
         pending deletes' keys."""
         spill = self._spill
-        return (spill.bloom_bytes + spill.pending_bytes if spill is not None else 0) + self._spilled_dirty.nbytes
+        return ((spill.bloom_bytes + spill.pending_bytes if spill is not None else 0) + self._spilled_dirty.nbytes
+                + self._deleted_bytes)
 
     def _evict(self, k: int) -> None:
         """Write k RAM rows, the first in ``config.eviction``'s order (``sparse_tables._evict``), to RocksDB

@@ -79,7 +79,7 @@ def read_sizes(t) -> dict:
     spilled = t._rows_spilled()
     rows_bytes = int(state[K.S_NEXT]) * t.layout.row_bytes
     index_bytes, index_slots = t._index.nbytes, len(t._index)
-    dirty_bytes = t._spilled_dirty.nbytes
+    dirty_bytes = t._spilled_dirty.nbytes + t._deleted_bytes
     spill = t._spill
     bloom_bytes = spill.bloom_bytes if spill is not None else 0
     return {"rows": nram + spilled, "rows_in_ram": nram, "rows_spilled": spilled,

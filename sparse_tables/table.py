@@ -146,7 +146,8 @@ class SparseTable(SpillTier, DeltaCapture, AdmissionSketch):
                        if config.spill_path else None)
         self._spilled_dirty = SortedKeySet()   # 8 bytes per key: it grows with the keys on disk
         self._load_distinct = False            # inside bulk_load(distinct=True)
-        self._deleted: list[np.ndarray] = []
+        self._deleted: list[np.ndarray] = []   # keys deleted since the last clear (the next delta's tombstones)
+        self._deleted_bytes = 0                # their bytes: counted with the dirty keys (_growing_bytes)
         self._checkpoint: str | None = None    # the checkpoint this table holds exactly (mark_checkpoint)
         self._existed_trusted = False          # inside delta_load of a delta whose parent it holds
         self._changes = 0                      # pushes, deletes and expiry passes so far (_delta)
@@ -347,7 +348,7 @@ class SparseTable(SpillTier, DeltaCapture, AdmissionSketch):
                 gone.append(on_disk)
             K.remove_rows(self._index, self._arena_u, self._state, self._lay, rows[in_ram])
             deleted = np.concatenate(gone)
-            self._deleted.append(np.concatenate(earlier))
+            self._note_deleted(np.concatenate(earlier))
         self._count(deleted=len(deleted))
         return len(deleted)
 
@@ -403,11 +404,18 @@ class SparseTable(SpillTier, DeltaCapture, AdmissionSketch):
                     self._shrink_disk(args, deleted, earlier)    # appends each chunk's keys as it deletes them
             finally:        # a read error mid-pass: the rows deleted so far still become tombstones
                 deleted_keys = np.concatenate(deleted)
-                self._deleted.append(np.concatenate(earlier))
+                self._note_deleted(np.concatenate(earlier))
                 self._count(deleted=len(deleted_keys))
+                if self._budget is not None:    # the tombstones' keys, and the filter the pass rebuilt
+                    self._budget.report(self._budget_token, self._growing_bytes(), int(self._state[K.S_NEXT]))
             if self._sketch.size:
                 self._sketch >>= 1
         return len(deleted_keys)
+
+    def _note_deleted(self, keys: np.ndarray) -> None:
+        """keys : uint64[k] whose rows the last clear's checkpoint held and a delete removed (lock held)."""
+        self._deleted.append(keys)
+        self._deleted_bytes += keys.nbytes
 
     def _delete_expired_copies(self, keys: np.ndarray, n: int) -> None:
         """Delete the RocksDB copies of expired rows the pass removed from RAM (keys : uint64[k], of its
