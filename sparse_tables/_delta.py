@@ -142,7 +142,7 @@ class DeltaCapture:
             self._clear_dirty_locked()
 
     def _clear_dirty_locked(self) -> None:
-        K.clear_flag(self._arena_u, self._state, self._lay, K.F_DIRTY)
+        K.clear_flag(self._arena_u, self._state, self._lay, K.F_DIRTY | K.F_LISTED)
         self._spilled_dirty.clear()
         self._deleted = []
         self._deleted_bytes = 0

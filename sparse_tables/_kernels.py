@@ -45,6 +45,8 @@ F_ON_DISK = np.uint32(2)  # a copy of this row exists in RocksDB
 F_SYNCED = np.uint32(4)   # ... and that copy equals the RAM row (eviction need not rewrite it)
 F_FREE = np.uint32(8)     # arena row is on the free list
 F_REUSED = np.uint32(16)  # a pull found it in RAM, or it was read back from RocksDB (SLRU's protected rows)
+F_LISTED = np.uint32(32)  # its key is in the table's set of spilled dirty keys until the next clear (it came
+                          # back dirty from RocksDB): an eviction need not add it again (``_spill_tier``)
 # bits GEN_SHIFT.. of the flags word: the generation in which a push created the row (0: loaded), see
 # ``sparse_tables._delta``; the flags above stay below 1 << GEN_SHIFT
 GEN_SHIFT = 8
