@@ -644,6 +644,13 @@ class PSServer(CheckpointHandlers):
         hosts = [self._sparse(req.table)] if req.table else list(self.sparse.values())
         failpoints.hit("server.shrink")
         count = shrink_each(hosts, f"server {self.index}", "table")    # every table's pass runs
+        if self.checkpoint_root == "":
+            # this server saves no checkpoint, so nothing reads what changed since the last one: without
+            # a clear the set of spilled dirty keys held every key ever evicted dirty, the expired ones
+            # too (a churning table: +3.1 MB a day for 880k keys on disk, 42 bytes a key by day 11)
+            for host in hosts:
+                for shard in list(host.shards):
+                    shard.clear_dirty()
         return pb.CountResponse(request_id=req.request_id, count=count)
 
     def Clock(self, req: pb.ClockRequest) -> pb.JsonResponse:
