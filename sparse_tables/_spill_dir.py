@@ -183,6 +183,38 @@ class SpillDir:
                 (self.path / name).unlink(missing_ok=True)
 
 
+def sweep_dead(parent, pattern) -> list[Path]:
+    """Remove the spill directories in ``parent`` whose names match ``pattern`` (a compiled regular
+    expression, matched whole) and that a dead run left: each carries the marker and its lock is free.
+    One in use (its lock held, by this process too) or without the marker is left as it is. Returns the
+    directories removed. Raises nothing (a directory that cannot be claimed or removed is skipped).
+
+    A server's spill directories are reopened, and so wiped, only under the same names: a server killed
+    while its shards lived under the other slot name (``{table}-server{S}-shard{J}.1``, after a base
+    load), or under a shard number the next run no longer has (fewer local shards), kept its RocksDB files
+    on disk until a later run happened to claim those names again (``engine.ps.hosts``)."""
+    parent = Path(parent)
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = parent / name
+        if not pattern.fullmatch(name) or path.is_symlink() or not path.is_dir() \
+                or not (path / MARKER_NAME).exists():
+            continue
+        try:
+            claim = SpillDir(path)
+        except SpillDirError:       # in use, or changed under us: not ours to remove now
+            continue
+        claim.release(remove=True)
+        if not path.exists():
+            removed.append(path)
+            log.info("spill directory %s: left by a run that ended; removed", path)
+    return removed
+
+
 def _unusable(path: Path, what: str, exc: OSError) -> SpillDirError:
     """The SpillDirError of a spill directory the file system refuses (read-only, not a directory on the
     way, no permission, full): a configuration to change, not a fault to restart from."""

@@ -36,7 +36,7 @@ from . import waits
 from ._catch_up import CATCH_UP
 from ._pending import EMPTY as _NO_KEYS, PendingDeletes
 from ._spill_reads import SpillReads, key_bytes as _key_bytes
-from ._spill_dir import DB_NAME, LOCK_NAME, MARKER_NAME, SpillDir  # noqa: F401 (part of this module's API)
+from ._spill_dir import DB_NAME, LOCK_NAME, MARKER_NAME, SpillDir, sweep_dead  # noqa: F401 (this module's API)
 from .errors import SpillDirError, SpillError, SpillFailedError
 from .keysets import ScalableBloom
 

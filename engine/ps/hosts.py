@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +20,7 @@ from sparse_tables import SparseTable, TableConfig, TableConfigError, TableInput
 from sparse_tables.errors import SpillDirError, SpillError, SpillFailedError
 from sparse_tables.budget import MemoryBudget
 from sparse_tables.config import RowLayout
+from sparse_tables.spill import sweep_dead
 
 from . import _arrays, _kernels, routing
 
@@ -372,6 +374,11 @@ class SparseHost:
                 budget.check_host()
             except ValueError as exc:    # its message starts memory_bytes=
                 raise TableConfigError(f"tables.sparse.{self.name}.{exc}") from None
+        if config.spill_path:
+            # this server's directories of this table that a dead run left under names not opened again
+            # now (the other slot, a shard number beyond num_local): they held their RocksDB files for good
+            mine = re.compile(rf"{re.escape(self.name)}-server{self.server}-shard\d+(\.\d+)?")
+            sweep_dead(config.spill_path, mine)
         try:
             for j in range(n):
                 cfg = config
