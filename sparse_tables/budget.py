@@ -14,8 +14,9 @@ index      the hash index, sized once for the largest RAM tier the budget allows
 rocksdb    the block cache shared by the shards (data blocks, and RocksDB's index and filter      fixed
            blocks, which live in it) + every shard's memtables (write_buffer_size x
            max_write_buffer_number)
-filters    the spill Bloom filters (``keysets.ScalableBloom``: 10 bits per key written since the   grows
-           last expiry pass, which rebuilds them from the keys it leaves on disk)
+filters    the spill Bloom filters (``keysets.ScalableBloom``): 10 bits per key on disk at the    grows
+           last expiry pass (which rebuilds them from the keys it leaves there) and per key
+           written since
 dirty_keys keys of rows evicted while dirty, and keys deleted since (tombstones), kept until the  grows
            next delta checkpoint clears them
 sketch     the admission count-min sketch (when admission is on)                                  fixed
