@@ -146,6 +146,8 @@ class DeltaCapture:
         self._spilled_dirty.clear()
         self._deleted = []
         self._deleted_bytes = 0
+        if self._budget is not None:    # what it held is freed now, not at the next eviction pass
+            self._budget.report(self._budget_token, self._growing_bytes(), int(self._state[K.S_NEXT]))
         self._state[K.S_GEN] = K.next_generation(int(self._state[K.S_GEN]))
         self._checkpoint = None
 
