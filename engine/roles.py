@@ -290,6 +290,19 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     return preempt.EXIT_PREEMPTED if core.preempting else 0
 
 
+def _reach(client, cfg: EngineConfig, lost: str) -> str:
+    """Where a failure to reach server ``lost`` (its endpoint) lies, seen from this host now: every
+    server asked once (``engine.ps.reach``, within ``min(5, client.dead_after_s / 2)`` seconds), so the
+    line names this host's own network when no server answers, or the path to ``lost`` alone when the
+    others do (an asymmetric partition: that server may be alive and serving the other roles)."""
+    from .ps import reach
+    try:
+        return reach.describe(client.transport.endpoints, lost,
+                              reach.probe(client.transport, min(5.0, cfg.client.dead_after_s / 2)))
+    except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the failure it explains
+        return f"the servers could not be asked again ({type(e).__name__}: {e})"
+
+
 def _took_part(health: dict, name: str) -> bool:
     """A server's ``Health`` names worker ``name`` among its ``writers`` (since its last load) or its
     ``clients`` (data requests in its present generation): an earlier incarnation of it took part. Or
@@ -627,7 +640,8 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
                 client.wait_ready(cfg.cluster.startup_timeout_s)
             except (ShardUnavailableError, PSTimeoutError) as e:   # one line, exit 1 (counted: a wrong
                 raise LaunchError(                                  # address never heals)
-                    f"worker {rank}: {e} (cluster.startup_timeout_s)") from None
+                    f"worker {rank}: {e} (cluster.startup_timeout_s); "
+                    f"{_reach(client, cfg, e.endpoint)}") from None
         try:
             cfg = _restored_by_servers(cfg, client, rank, workers)
             mode = make_mode(cfg, client, rank=rank, num_workers=workers)
@@ -650,11 +664,15 @@ def run_worker(cfg: EngineConfig, rank: int, *, result_file: str | None = None, 
             result = {"rank": rank, "rollback": True, "reason": e.message}
         except ShardUnavailableError as e:
             # a server silent past client.dead_after_s and the retries (a lost host: engine.ps.keepalive):
-            # its replacement restores a checkpoint, so this worker's state is gone with it either way
-            log.error("worker %d: server %s is unreachable (%s); exiting with code %d: restarted, the workers "
+            # its replacement restores a checkpoint, so this worker's state is gone with it either way.
+            # Across hosts the cause may lie elsewhere (this host's own link, or only the path to that
+            # server): the servers are asked again, and the line says which (engine.ps.reach)
+            where = _reach(client, cfg, e.endpoint)
+            log.error("worker %d: server %s is unreachable (%s); %s; exiting with code %d: restarted, the workers "
                       "roll every server back to one checkpoint and resume there (a replacement server must "
-                      "answer within cluster.startup_timeout_s)", rank, e.endpoint, e.message, EXIT_ROLLBACK)
-            result = {"rank": rank, "rollback": True, "reason": f"server {e.endpoint} unreachable: {e.message}"}
+                      "answer within cluster.startup_timeout_s)", rank, e.endpoint, e.message, where, EXIT_ROLLBACK)
+            result = {"rank": rank, "rollback": True,
+                      "reason": f"server {e.endpoint} unreachable: {e.message}; {where}"}
         except BarrierTimeoutError:
             raise           # a peer that never came, or a wrong world size: exit 1, counted
         except PSTimeoutError as e:
