@@ -17,8 +17,10 @@ path between two switches drops them. No iptables or tc is needed.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,7 @@ def start_servers(hosts: TestHosts, cfg: Path, tmp: Path) -> None:
 # one process on the worker's host answers a line per endpoint read from stdin (one interpreter start)
 REACH = """
 import sys
+import time
 from engine.config import load_config
 from engine.connect import connect
 from engine.roles import _reach
@@ -125,3 +128,70 @@ def test_a_worker_that_loses_a_server_says_whether_the_path_or_its_own_link_fail
         assert f"server0:{PORT}: " in line and f"server1:{PORT}: " in line, line
         worker.stdin.close()
         assert worker.wait(timeout=30) == 0
+
+
+@pytest.mark.long   # make test-long (~90 s): the line's diagnosis is the test above's (make test), and the fence and
+#                     roll-back of a worker replaced alone, counting every example once, are test_role_resume's
+def test_a_worker_cut_from_one_server_rolls_the_job_back_once_and_every_example_counts_once(tmp_path):
+    """An asymmetric partition in a role-mode job (2 servers, 2 workers, async, each worker under a
+    scheduler that restarts it): worker 1 cannot reach server 1 while every other pair works. Worker 1
+    exits 76 after about ``dead_after_s`` and the retries, saying server 1 is unreachable from its host
+    while server 0 answers; restarted, it waits for server 1; once the path heals it fences the servers,
+    worker 0 exits 76 and, restarted, rolls the job back once. Every example is counted once."""
+    require_netns()
+    from engine.programs.ctr import BLAS_ENV
+    from engine.roles import EXIT_ROLLBACK
+    from tests.integration.test_chaos_offline import args, run
+    from tests.integration.test_role_resume import assert_every_example_once, role_cmd
+    from tests.pods import Pod
+
+    run(args(tmp_path, "full", "mode=async", "cluster.workers=2", "model.blas_threads=1"))
+    here = ("--set", "security.insecure=true", "--set", "client.dead_after_s=6")
+    result = tmp_path / "role-result.json"
+    with TestHosts(["server0", "server1", "worker0", "worker1"]) as hosts:
+        hosts.env_overrides.update({**{var: "1" for var in BLAS_ENV}, "ENGINE_SERVERS": ENDPOINTS,
+                                    "ENGINE_NUM_WORKERS": "2",
+                                    # 0.1 s a step: the cut lands with most of the training still ahead
+                                    "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.1"})
+        for r in range(2):
+            ready = tmp_path / f"server{r}.ready"
+            p = hosts.popen(f"server{r}", role_cmd(tmp_path, "role", "server", r, *here, "--host",
+                                                   hosts.ip(f"server{r}"), "--port", str(PORT), "--ready-file",
+                                                   str(ready)),
+                            stdout=open(tmp_path / f"server{r}.log", "w"), stderr=subprocess.STDOUT, cwd=REPO)
+            until(lambda: ready.exists() or p.poll() is not None, f"server {r} ready", timeout_s=120, every_s=0.1)
+            assert p.poll() is None, (tmp_path / f"server{r}.log").read_text()[-3000:]
+        workers = [Pod(["ip", "netns", "exec", hosts.ns(f"worker{r}"),
+                        *role_cmd(tmp_path, "role", "worker", r, *here,
+                                  *(("--result-file", str(result)) if r == 0 else ()))],
+                       lambda n: hosts.env(), tmp_path / f"worker-{r}.log") for r in range(2)]
+        try:
+            from engine.checkpoint import CheckpointManager
+            mgr = CheckpointManager(str(tmp_path / "ckpt-role"), "ctr_dnn")
+            until(lambda: len(mgr.list()) >= 1 or any(w.codes for w in workers), "a checkpoint", timeout_s=180,
+                  every_s=0.05)
+            assert not any(w.codes for w in workers), [w.codes for w in workers]
+            cut_pair(hosts, "worker1", "server1")
+            until(lambda: workers[1].codes or workers[0].codes, "worker 1 gives server 1 up", timeout_s=90,
+                  every_s=0.1)
+            assert workers[1].codes == [EXIT_ROLLBACK] and not workers[0].codes, [w.codes for w in workers]
+            time.sleep(5)                           # its restart waits for server 1 meanwhile
+            assert len(workers[1].codes) == 1, workers[1].codes
+            heal_pair(hosts, "worker1", "server1")
+            for w in workers:
+                w.thread.join(240)
+            assert workers[1].codes == [EXIT_ROLLBACK, 0], workers[1].codes
+            assert workers[0].codes == [EXIT_ROLLBACK, 0], workers[0].codes
+            probe = hosts.python("worker0", "import json; from engine.ps import PSClient\n"
+                                 f"with PSClient({ENDPOINTS.split(',')!r}, name='probe') as c:\n"
+                                 " print(json.dumps([h['rollbacks'] for h in c.health()]))", timeout=60, check=True)
+            assert json.loads(probe.stdout) == [1, 1], probe.stdout     # one roll-back of the job
+        finally:
+            for w in workers:
+                w.stop()
+    log1, log0 = (tmp_path / "worker-1.log").read_text(), (tmp_path / "worker-0.log").read_text()
+    assert (f"server server1:{PORT} is unreachable from this host while server0:{PORT} answers" in log1
+            and "exiting with code 76" in log1), log1[-3000:]
+    assert "fenced 2 of 2 server(s)" in log1, log1[-3000:]
+    assert "rolling every server back to" in log0 and "Traceback" not in log0 + log1, log0[-3000:]
+    assert_every_example_once(result)
