@@ -195,3 +195,46 @@ def test_a_worker_cut_from_one_server_rolls_the_job_back_once_and_every_example_
     assert "fenced 2 of 2 server(s)" in log1, log1[-3000:]
     assert "rolling every server back to" in log0 and "Traceback" not in log0 + log1, log0[-3000:]
     assert_every_example_once(result)
+
+
+@pytest.mark.long   # make test-long (~40 s): test_ps_exactly_once's proxy drops replies after the server applied the
+#                     requests (make test), and test_partition counts the pushes around a full cut
+def test_replies_lost_one_way_past_dead_after_s_leave_every_push_applied_once(tmp_path):
+    """One-directional loss: the server's frames to the worker's host are dropped while the worker's
+    requests still arrive. A push caught by it is applied, its reply lost; the connection is given up
+    after about ``dead_after_s`` and the push resent on a new one, which connects once the path heals,
+    and the reply window answers it without applying it again. The rows count every push exactly
+    once, and no call fails (the loss is shorter than the retries)."""
+    require_netns()
+    from tests.integration.test_partition import CONFIG as ONE_SERVER
+    from tests.integration.test_partition import SILENT_S, Client, first_call_across, start_server
+    cfg = tmp_path / "cluster.yaml"
+    dump_config(from_dict(ONE_SERVER), cfg)
+    with TestHosts(["server0", "worker0"]) as hosts:
+        start_server(hosts, "server0", cfg, tmp_path)
+        client = Client(hosts, "worker0", cfg, tmp_path, "client")
+        client.wait_ok(6, 0.0, "first calls")
+        caught = None
+        for _ in range(3):          # until the loss catches a push in flight (most often the first time)
+            client.wait_ok(2, time.time(), "calls before the loss")
+            subprocess.run(["ip", "-n", hosts.ns("server0"), "neigh", "replace", hosts.ip("worker0"), "lladdr",
+                            NOBODY, "dev", "eth0", "nud", "permanent"], check=True, timeout=20)
+            in_force = time.time()
+            time.sleep(SILENT_S + 4)                # past the keepalive's give-up
+            subprocess.run(["ip", "-n", hosts.ns("server0"), "neigh", "del", hosts.ip("worker0"), "dev", "eth0"],
+                           check=True, timeout=20)
+            client.wait_ok(4, time.time(), "calls after the heal", timeout_s=120)
+            caught = first_call_across(client.records(), in_force)
+            if caught["op"] == "push":
+                break
+        records = client.finish()
+        stats = hosts.python("worker0", "from engine.ps import PSClient\n"
+                             f"with PSClient(['server0:{PORT}'], name='probe') as c:\n"
+                             " print(c.stats()[0]['reply_window']['hits'])", timeout=60, check=True)
+    calls = [r for r in records if r["op"] != "final"]
+    assert all(r["ok"] for r in calls), [r for r in calls if not r["ok"]]
+    assert caught["op"] == "push" and caught["t1"] - caught["t0"] > SILENT_S, caught   # resent on a new connection
+    final = records[-1]
+    assert "rows" in final and len(set(final["rows"])) == 1, final
+    assert -final["rows"][0] == sum(r["op"] == "push" for r in calls), (final["rows"][0], len(calls))
+    assert int(stats.stdout) >= 1, stats.stdout        # the resent push was answered from the reply window
