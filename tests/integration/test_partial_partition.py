@@ -238,3 +238,34 @@ def test_replies_lost_one_way_past_dead_after_s_leave_every_push_applied_once(tm
     assert "rows" in final and len(set(final["rows"])) == 1, final
     assert -final["rows"][0] == sum(r["op"] == "push" for r in calls), (final["rows"][0], len(calls))
     assert int(stats.stdout) >= 1, stats.stdout        # the resent push was answered from the reply window
+
+
+@pytest.mark.long   # make test-long (~50 s): test_partition's short cut (make test) is one such outage ridden out
+def test_a_worker_link_flapping_faster_than_dead_after_s_fails_no_call_and_applies_every_push_once(tmp_path):
+    """The worker host's link goes down and up 10 times (2 s down, 2 s up; ``dead_after_s`` 6 s): its
+    connections outlive each outage (TCP retransmits), so no call fails, and the rows count every push
+    exactly once."""
+    require_netns()
+    from tests.integration.test_partition import CONFIG as ONE_SERVER
+    from tests.integration.test_partition import SILENT_S, Client, start_server
+    cfg = tmp_path / "cluster.yaml"
+    dump_config(from_dict(ONE_SERVER), cfg)
+    with TestHosts(["server0", "worker0"]) as hosts:
+        start_server(hosts, "server0", cfg, tmp_path)
+        client = Client(hosts, "worker0", cfg, tmp_path, "client")
+        client.wait_ok(6, 0.0, "first calls")
+        flaps = time.time()
+        for _ in range(10):
+            link(hosts, "worker0", "down")
+            time.sleep(2.0)
+            link(hosts, "worker0", "up")
+            time.sleep(2.0)
+        client.wait_ok(4, time.time(), "calls after the flaps")
+        records = client.finish()
+    calls = [r for r in records if r["op"] != "final"]
+    assert all(r["ok"] for r in calls), [r for r in calls if not r["ok"]]
+    assert sum(r["t0"] > flaps for r in calls) >= 20, len(calls)     # calls kept going through the flaps
+    assert max(r["t1"] - r["t0"] for r in calls) < SILENT_S, max(r["t1"] - r["t0"] for r in calls)
+    final = records[-1]
+    assert "rows" in final and len(set(final["rows"])) == 1, final
+    assert -final["rows"][0] == sum(r["op"] == "push" for r in calls), (final["rows"][0], len(calls))
