@@ -36,7 +36,7 @@ from pathlib import Path
 from .. import preempt, progress
 from ..config import SECRET_ENV, EngineConfig, dump_config, secret_env
 from ..connect import connect
-from ..errors import LaunchError
+from ..errors import LaunchError, RemoteError
 from ..observability import prometheus
 from ..ps import ps_pb2 as pb
 from ..ps.transport import GrpcTransport
@@ -65,6 +65,7 @@ class ServerWatch:
         self._last_ok = [time.monotonic()] * len(endpoints)
         self._stuck: list[str | None] = [None] * len(endpoints)     # each server's last ``stuck``
         self._failed: list[str | None] = [None] * len(endpoints)    # ... and ``failed``
+        self._errors: list[str | None] = [None] * len(endpoints)    # each server's last failed poll
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._poll, args=(i, every_s), daemon=True,
                                           name=f"watch-server-{i}") for i in range(len(endpoints))]
@@ -79,6 +80,8 @@ class ServerWatch:
                 self._last_ok[i] = time.monotonic()
             except Exception as e:  # noqa: BLE001 - silence is what is measured
                 log.debug("server %d: Health: %s", i, e)
+                self._errors[i] = (f"{e.code}: {e.message}" if isinstance(e, RemoteError)
+                                   else f"{type(e).__name__}: {e}")
                 continue
             try:
                 health = json.loads(r.json)
@@ -98,6 +101,15 @@ class ServerWatch:
         """[(server rank, seconds since its last answer)] for servers silent past ``dead_after_s``."""
         now = time.monotonic()
         return [(i, now - t) for i, t in enumerate(self._last_ok) if now - t > self.dead_after_s]
+
+    def silent_reason(self, rank: int, silent_s: float) -> str:
+        """Why server ``rank``, silent for ``silent_s`` seconds, is given up, for the failure's line. The
+        launcher cannot tell a hung server from one it alone cannot reach (a network failure between its
+        host and the server's, the workers' paths intact), so the line names both, with the last poll's
+        error; before, it said "hung" of a live server the workers still reached."""
+        return (f"answered no Health call from the launcher's host for {silent_s:.0f}s (client.dead_after_s="
+                f"{self.dead_after_s:g}; last error: {(self._errors[rank] or 'none')[-200:]}): hung, its host down, "
+                f"or the network between the launcher's host and it failed")
 
     def close(self) -> None:
         if not self._stop.is_set():
@@ -323,10 +335,8 @@ class LocalCluster:
 
     def _check_hangs(self) -> None:
         """Raise LaunchError for a server silent for ``dead_after_s``, stuck or failed, or a stalled worker."""
-        dead_after = self.cfg.client.dead_after_s
         if self.watch is not None:
-            hung = [(rank, f"hung: answered no Health call for {silent:.0f}s (client.dead_after_s={dead_after:g})")
-                    for rank, silent in self.watch.silent()]
+            hung = [(rank, self.watch.silent_reason(rank, silent)) for rank, silent in self.watch.silent()]
             hung += [(rank, f"hung: stuck: {why}") for rank, why in self.watch.stuck()]
             hung += [(rank, f"not live: {why}") for rank, why in self.watch.failed()]
             for rank, reason in hung[:1]:

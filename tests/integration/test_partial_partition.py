@@ -269,3 +269,54 @@ def test_a_worker_link_flapping_faster_than_dead_after_s_fails_no_call_and_appli
     final = records[-1]
     assert "rows" in final and len(set(final["rows"])) == 1, final
     assert -final["rows"][0] == sum(r["op"] == "push" for r in calls), (final["rows"][0], len(calls))
+
+
+# the launcher's watch of one server (engine.launch.local.ServerWatch), dead_after_s 2 s: the line the launcher
+# fails the attempt with once the server is silent, or a timeout
+WATCH = """
+import time
+from engine.launch.local import ServerWatch
+w = ServerWatch(["server0:%d"], 2.0, every_s=0.2)
+print("watching", flush=True)
+input()                                         # the test cut the path
+for _ in range(300):
+    time.sleep(0.1)
+    if w.silent():
+        rank, silent = w.silent()[0]
+        print(w.silent_reason(rank, silent), flush=True)
+        break
+else:
+    print("never silent", flush=True)
+w.close()
+""" % PORT
+
+
+def test_a_server_the_launcher_alone_cannot_reach_is_not_called_hung(tmp_path):
+    """The launcher's host loses its path to a server that every worker still reaches (under Ray the
+    driver polls every server's Health from its own node). The launcher gives the server up after
+    ``dead_after_s`` (it cannot supervise it), and its line says the server is hung, its host down, or
+    the path from the launcher's host failed, with the last poll's error; before, it said "hung" of a
+    live server."""
+    require_netns()
+    cfg = tmp_path / "cluster.yaml"
+    dump_config(from_dict({**CONFIG, "cluster": {**CONFIG["cluster"], "servers": 1}}), cfg)
+    with TestHosts(["server0", "launcher", "worker0"]) as hosts:
+        watch = hosts.popen("launcher", [sys.executable, "-c", WATCH], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=REPO)
+        ready = tmp_path / "server0.ready"
+        server = hosts.popen("server0", [sys.executable, "-m", "engine", "train", cfg, "--role", "server", "--rank",
+                                         0, "--host", hosts.ip("server0"), "--port", PORT, "--ready-file", ready],
+                             stdout=open(tmp_path / "server0.log", "a"), stderr=subprocess.STDOUT, cwd=REPO)
+        until(lambda: ready.exists() or server.poll() is not None, "server ready", timeout_s=120, every_s=0.1)
+        assert watch.stdout.readline().strip() == "watching"
+        time.sleep(1.0)                             # a poll answered
+        cut_pair(hosts, "launcher", "server0")
+        watch.stdin.write("\n")
+        watch.stdin.flush()
+        line = watch.stdout.readline().strip()      # bounded: the watch gives up after 30 s
+        hosts.python("worker0", f"import socket; socket.create_connection(('server0', {PORT}), 5).close()",
+                     timeout=30, check=True)        # the server is alive, and reached from elsewhere
+        assert watch.wait(timeout=30) == 0
+    assert line.startswith("answered no Health call from the launcher's host for "), line
+    assert "last error: DEADLINE_EXCEEDED" in line or "last error: UNAVAILABLE" in line, line
+    assert line.endswith("hung, its host down, or the network between the launcher's host and it failed"), line

@@ -122,7 +122,7 @@ def test_a_frozen_server_is_declared_dead_and_the_job_recovers(tmp_path):
     # more on a loaded machine); the message below is what tells the Health verdict from a worker that
     # the stopped server left without steps (which progress would also declare hung)
     assert detected < dead_after + 20, f"recovery began {detected:.1f}s after SIGSTOP"
-    assert "server 1" in err and "hung: answered no Health call" in err, err[-2000:]
+    assert "server 1" in err and "answered no Health call from the launcher" in err, err[-2000:]
     assert json.loads(out.strip().splitlines()[-1])["restarts"] == 1
     assert not leftovers(tmp_path)
 
@@ -233,7 +233,7 @@ def test_a_server_that_hangs_or_dies_inside_the_restore_is_a_failure_like_any_ot
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     assert detected < dead_after + 30, f"the frozen restore was abandoned {detected:.1f}s after SIGSTOP"
-    assert "restart 2/5" in err and "server 1 failed (hung: answered no Health call" in err, err[-3000:]
+    assert "restart 2/5" in err and "server 1 failed (answered no Health call from the launcher" in err, err[-3000:]
     assert "restart 3/5" in err and "server 0 failed (was killed by signal 9)" in err, err[-3000:]
     final = json.loads(out.strip().splitlines()[-1])
     assert final["restarts"] == 3, (final, err[-3000:])
