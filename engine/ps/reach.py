@@ -64,6 +64,13 @@ def describe(endpoints: list[str], lost: str, reach: list[str | None]) -> str:
     answering = [endpoints[s] for s, why in enumerate(reach) if why is None]
     # gRPC puts the cause last ("... error: Network is unreachable"): a long error keeps its end
     listed = "; ".join(f"{ep}: {why if len(why) <= 160 else '...' + why[-120:]}" for ep, why in failing)
+    if lost not in endpoints:           # no one server was named (a fan-out's own timeout)
+        if not failing:
+            return "every server answers from this host now"
+        if answering:
+            return (f"from this host now, {', '.join(ep for ep, _ in failing)} fail(s) while "
+                    f"{', '.join(answering)} answer(s) ({listed})")
+        lost = "any one of them"
     if not answering:
         if any("Network is unreachable" in why for _, why in failing):
             return (f"no server answers from this host now, and this host has no route to them ({listed}): "
