@@ -17,6 +17,7 @@ path between two switches drops them. No iptables or tc is needed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -197,6 +198,22 @@ def test_a_worker_cut_from_one_server_rolls_the_job_back_once_and_every_example_
     assert_every_example_once(result)
 
 
+@contextlib.contextmanager
+def _one_server_and_client(tmp_path):
+    """Hosts server0 and worker0 (netns), test_partition's one-server cluster on server0 and its calling
+    client on worker0, past its first calls: yields (hosts, client); the hosts are removed after."""
+    require_netns()
+    from tests.integration.test_partition import CONFIG as ONE_SERVER
+    from tests.integration.test_partition import Client, start_server
+    cfg = tmp_path / "cluster.yaml"
+    dump_config(from_dict(ONE_SERVER), cfg)
+    with TestHosts(["server0", "worker0"]) as hosts:
+        start_server(hosts, "server0", cfg, tmp_path)
+        client = Client(hosts, "worker0", cfg, tmp_path, "client")
+        client.wait_ok(6, 0.0, "first calls")
+        yield hosts, client
+
+
 @pytest.mark.long   # make test-long (~40 s): test_ps_exactly_once's proxy drops replies after the server applied the
 #                     requests (make test), and test_partition counts the pushes around a full cut
 def test_replies_lost_one_way_past_dead_after_s_leave_every_push_applied_once(tmp_path):
@@ -205,15 +222,8 @@ def test_replies_lost_one_way_past_dead_after_s_leave_every_push_applied_once(tm
     after about ``dead_after_s`` and the push resent on a new one, which connects once the path heals,
     and the reply window answers it without applying it again. The rows count every push exactly
     once, and no call fails (the loss is shorter than the retries)."""
-    require_netns()
-    from tests.integration.test_partition import CONFIG as ONE_SERVER
-    from tests.integration.test_partition import SILENT_S, Client, first_call_across, start_server
-    cfg = tmp_path / "cluster.yaml"
-    dump_config(from_dict(ONE_SERVER), cfg)
-    with TestHosts(["server0", "worker0"]) as hosts:
-        start_server(hosts, "server0", cfg, tmp_path)
-        client = Client(hosts, "worker0", cfg, tmp_path, "client")
-        client.wait_ok(6, 0.0, "first calls")
+    from tests.integration.test_partition import SILENT_S, first_call_across
+    with _one_server_and_client(tmp_path) as (hosts, client):
         caught = None
         for _ in range(3):          # until the loss catches a push in flight (most often the first time)
             client.wait_ok(2, time.time(), "calls before the loss")
@@ -245,15 +255,8 @@ def test_a_worker_link_flapping_faster_than_dead_after_s_fails_no_call_and_appli
     """The worker host's link goes down and up 10 times (2 s down, 2 s up; ``dead_after_s`` 6 s): its
     connections outlive each outage (TCP retransmits), so no call fails, and the rows count every push
     exactly once."""
-    require_netns()
-    from tests.integration.test_partition import CONFIG as ONE_SERVER
-    from tests.integration.test_partition import SILENT_S, Client, start_server
-    cfg = tmp_path / "cluster.yaml"
-    dump_config(from_dict(ONE_SERVER), cfg)
-    with TestHosts(["server0", "worker0"]) as hosts:
-        start_server(hosts, "server0", cfg, tmp_path)
-        client = Client(hosts, "worker0", cfg, tmp_path, "client")
-        client.wait_ok(6, 0.0, "first calls")
+    from tests.integration.test_partition import SILENT_S
+    with _one_server_and_client(tmp_path) as (hosts, client):
         flaps = time.time()
         for _ in range(10):
             link(hosts, "worker0", "down")
