@@ -30,24 +30,21 @@ class AdmissionSketch:
         if out is not None and self._sketch.size:
             out.append(self._sketch.copy())
 
-    def restore_sketch(self, counts: np.ndarray | None) -> bool:
-        """Replace the admission sketch's counts by ``counts`` (uint32[sketch_depth, sketch_width],
-        from a checkpoint), or zero them (``None``: a checkpoint that saved none). Returns False, and
-        changes nothing, when the table has no admission sketch or ``counts`` has another shape (the
-        table's ``sketch_depth`` / ``sketch_width`` changed since the save).
+    def restore_sketch(self, counts: np.ndarray) -> bool:
+        """Replace the admission sketch's counts by ``counts`` (uint32[sketch_depth, sketch_width], from a
+        checkpoint). Returns False, and changes nothing, when the table has no admission sketch or
+        ``counts`` has another shape (the table's ``sketch_depth`` / ``sketch_width`` changed since the
+        save; ``engine.checkpoint.sketch_parts`` checks it first and says so).
 
         Raises
         ------
         ValueError
             ``counts`` is not uint32.
         """
-        if counts is not None and counts.dtype != np.uint32:
+        if counts.dtype != np.uint32:
             raise ValueError(f"{self.name}: admission sketch counts must be uint32, got {counts.dtype}")
         with self._lock.exclusive():
-            if not self._sketch.size or (counts is not None and counts.shape != self._sketch.shape):
+            if not self._sketch.size or counts.shape != self._sketch.shape:
                 return False
-            if counts is None:
-                self._sketch[:] = 0
-            else:
-                self._sketch[:] = counts
+            self._sketch[:] = counts
             return True

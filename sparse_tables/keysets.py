@@ -363,8 +363,8 @@ class ScalableBloom:
     (as many bytes as the filters before it, a few milliseconds).
 
     It never forgets a key, so its size follows the keys ever added, not those still present: its owner
-    replaces it with a filter of the keys it still holds when ``added`` says enough of it is stale
-    (``spill.SpillStore.begin_filter_rebuild``).
+    replaces it at every expiry pass with a filter of the keys it still holds
+    (``spill.SpillStore.begin_filter_rebuild``; ``added`` says how many each took).
     """
 
     def __init__(self, initial_capacity: int = 1 << 20, bits_per_key: int = 10, nhash: int = 6):

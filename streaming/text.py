@@ -273,9 +273,7 @@ def conversion_fingerprint(out_dir) -> dict:
 
 def _open(path: str):
     raw = pa.OSFile(path, "r")
-    magic = raw.read(2)
-    raw.seek(0)
-    return pa.CompressedInputStream(raw, "gzip") if magic == b"\x1f\x8b" else raw
+    return pa.CompressedInputStream(raw, "gzip") if _is_gzip(path) else raw
 
 
 def _blocks(path: str, block_bytes: int):

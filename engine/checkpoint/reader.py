@@ -38,13 +38,14 @@ from typing import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from hdfs_io import CheckpointCorruptError, FileEntry, Storage, file_entries, read_ipc_file
+from hdfs_io import CheckpointCorruptError, FileEntry, Storage, file_entries
 from hdfs_io.arrow_io import open_ipc_batches
 from sparse_tables import SparseTable, TableFullError, TableInputError
 from sparse_tables.rows import existed_column
 
 from ..sharding import routing
 from .manifest import read_checkpoint_manifest
+from .part_files import check_columns as _check_columns, read_part as _read
 from .sketch_parts import SKETCH_RE, read_sketches
 from .writer import DENSE_SCHEMA, TOMBSTONE_SCHEMA, DenseBlockState, group_of
 
@@ -89,29 +90,6 @@ class _Plan:
 
     def uri(self, fname: str) -> str:
         return self.ckpt.uri_of(fname)
-
-
-def _read(ckpt: Storage, name: str, entry: FileEntry) -> pa.Table:
-    try:
-        return read_ipc_file(ckpt, name, expected=entry)
-    except FileNotFoundError as exc:
-        uri = ckpt.uri_of(name)
-        raise CheckpointCorruptError(f"{uri}: listed in the manifest but missing", uri=uri) from exc
-
-
-def _check_columns(table: pa.Table, schema: pa.Schema, uri: str, what: str) -> None:
-    """Raise CheckpointCorruptError unless ``table`` has every column of ``schema`` with its type and
-    no nulls where the schema forbids them."""
-    for f in schema:
-        i = table.schema.get_field_index(f.name)
-        if i < 0:
-            raise CheckpointCorruptError(f"{uri}: {what}: missing column {f.name!r} (expected {f.type})", uri=uri)
-        col = table.column(i)
-        if not col.type.equals(f.type):
-            raise CheckpointCorruptError(f"{uri}: {what}: column {f.name!r}: expected {f.type}, got {col.type}",
-                                         uri=uri)
-        if not f.nullable and col.null_count:
-            raise CheckpointCorruptError(f"{uri}: {what}: column {f.name!r} has {col.null_count} nulls", uri=uri)
 
 
 def _file_group(fname: str) -> int:

@@ -24,9 +24,10 @@ import re
 import numpy as np
 import pyarrow as pa
 
-from hdfs_io import CheckpointCorruptError, FileEntry, Storage, read_ipc_file, write_ipc_file
+from hdfs_io import CheckpointCorruptError, FileEntry, Storage, write_ipc_file
 
 from ..sharding import routing
+from .part_files import check_columns, read_part
 
 __all__ = ["SKETCH_SCHEMA", "SKETCH_RE", "sketch_part_name", "sketch_facts", "write_sketch_part",
            "read_sketches"]
@@ -63,20 +64,15 @@ def write_sketch_part(ckpt: Storage, table: str, server: int, j: int, counts: np
 
 def _read_counts(ckpt: Storage, fname: str, entry: FileEntry, shape: tuple[int, int]) -> np.ndarray:
     uri = ckpt.uri_of(fname)
-    try:
-        table = read_ipc_file(ckpt, fname, expected=entry)
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"{uri}: listed in the manifest but missing", uri=uri) from exc
-    col = table.column("counts") if "counts" in table.column_names else None
-    if col is None or not col.type.equals(SKETCH_SCHEMA.field("counts").type):
-        raise CheckpointCorruptError(f"{uri}: admission sketch: expected column 'counts' "
-                                     f"{SKETCH_SCHEMA.field('counts').type}, got schema {table.schema}", uri=uri)
+    table = read_part(ckpt, fname, entry)
+    check_columns(table, SKETCH_SCHEMA, uri, "admission sketch")
+    col = table.column("counts")
     arr = col.combine_chunks()
     lengths = np.diff(arr.offsets.to_numpy()) if len(arr) else np.empty(0, np.int64)
-    if arr.null_count or len(arr) != shape[0] or (lengths != shape[1]).any():
+    if len(arr) != shape[0] or (lengths != shape[1]).any():
         raise CheckpointCorruptError(f"{uri}: admission sketch: expected {shape[0]} rows of {shape[1]} "
-                                     f"counts, got {len(arr)} rows of lengths {sorted(set(lengths.tolist()))}"
-                                     f"{' with nulls' if arr.null_count else ''}", uri=uri)
+                                     f"counts, got {len(arr)} rows of lengths {sorted(set(lengths.tolist()))}",
+                                     uri=uri)
     return arr.flatten().to_numpy(zero_copy_only=False).astype(np.uint32, copy=False).reshape(shape)
 
 
