@@ -71,7 +71,12 @@ Servers per resource: keys route by vshard, ``num_vshards = V`` in contiguous ra
 Checkpoint (``ckpt_bench.py``'s local-disk ``ckpt_base_save`` / ``ckpt_base_restore``)::
 
     ckpt bytes = K * ckpt.bytes_per_row * (row_bytes - 8) / ckpt.raw_bytes_per_row
-    save time  = busiest share * ckpt bytes / (save mb_per_s * 1e6 / bench servers)   (restore alike)
+                 + N * local_shards * sketch_depth * sketch_width * 4     (with admission: each shard's sketch)
+    save time  = (busiest share * rows' bytes + one server's sketches) / (save mb_per_s * 1e6 / bench servers)
+                 (restore alike)
+
+The sketches are counted at their in-memory size, an upper bound: zstd writes a sketch whose counters are
+mostly small in about an eighth of it (2.0 MB for 16 MiB at 69% of its counters set).
 """
 from __future__ import annotations
 
@@ -360,7 +365,12 @@ def make_plan(cfg, bench: BenchResults, *, keys: float, examples_per_s: float,
         rec.use(held)
         rec.notes.append(f"{per:.3g} keys per server is {per / held.value:.3g}x the most one table held in "
                          f"bench/scale_bench.py ({held.value:.3g}): extrapolated")
-    dep["checkpoint"] = _checkpoint(rec, bench, K, share, rows.record)
+    sketch = 0
+    if t.uses_admission:
+        sketch = rec.computed("ckpt_sketch_bytes_per_server", cfg.cluster.local_shards * t.sketch_depth
+                              * t.sketch_width * 4, "bytes", f"cluster.local_shards x tables.sparse.{name}."
+                              "sketch_depth x sketch_width x 4 (admission's count-min sketch, saved per shard)")
+    dep["checkpoint"] = _checkpoint(rec, bench, K, share, rows.record, N, sketch)
     header = {"config": config_path, "model": cfg.model.kind, "mode": cfg.mode, "table": name, "dim": t.dim,
               "optimizer": t.optimizer, "example": "raw words" if batch_key == "batch_words" else "examples",
               "bench_results": bench.path}
@@ -694,8 +704,10 @@ def _network(rec: _Record, cfg, dim: int, U: float, steps: float, V: int, nic: f
     return _Network(to_srv, from_srv, busiest, Resource("network", sparse + dense, nic, "bytes/s", n, note))
 
 
-def _checkpoint(rec: _Record, bench: BenchResults, K: float, share: float, record: int) -> dict:
-    """Base checkpoint bytes and the busiest server's save and restore seconds."""
+def _checkpoint(rec: _Record, bench: BenchResults, K: float, share: float, record: int, servers: int,
+                sketch: float) -> dict:
+    """Base checkpoint bytes and the busiest server's save and restore seconds: ``servers`` servers, each
+    also saving ``sketch`` bytes of admission sketches (0 without admission)."""
     save = rec.use(bench.figure("ckpt_save", "mb_per_s", unit="MB/s", need="base checkpoint write rate"))
     restore = rec.use(bench.figure("ckpt_restore", "mb_per_s", unit="MB/s", need="base checkpoint read rate"))
     bpr = rec.use(bench.figure("ckpt_save", "bytes_per_row", unit="bytes", need="checkpoint file bytes per row"))
@@ -707,9 +719,10 @@ def _checkpoint(rec: _Record, bench: BenchResults, K: float, share: float, recor
                            f"ckpt bytes_per_row x (record {record} - 8) / raw_bytes_per_row")
     rec.notes.append("checkpoint times use ckpt_bench's local-disk rates per server; a shared store (HDFS, S3) "
                      "whose aggregate bandwidth is lower binds instead")
-    total = K * per_row
-    return {"base_bytes": total, "base_save_s": share * total / (save * 1e6 / srv),
-            "restore_s": share * total / (restore * 1e6 / srv)}
+    rows_bytes = K * per_row
+    busiest = share * rows_bytes + sketch
+    return {"base_bytes": rows_bytes + servers * sketch, "sketch_bytes": servers * sketch,
+            "base_save_s": busiest / (save * 1e6 / srv), "restore_s": busiest / (restore * 1e6 / srv)}
 
 
 def _check(ok: bool, msg: str, value) -> None:

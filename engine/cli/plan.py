@@ -152,7 +152,8 @@ def render(plan) -> str:
         rows.append(["network per worker",
                      f"{_amount(w['to_servers'], 'bytes/s')} out, {_amount(w['from_servers'], 'bytes/s')} in"])
     save, restore = duration(ck["base_save_s"]), duration(ck["restore_s"])
-    rows.append(["base checkpoint", f"{si(ck['base_bytes'], 'B')}: save {save}, restore {restore}"])
+    sk = f" (admission sketches {si(ck['sketch_bytes'], 'B')})" if ck.get("sketch_bytes") else ""
+    rows.append(["base checkpoint", f"{si(ck['base_bytes'], 'B')}{sk}: save {save}, restore {restore}"])
     out += _table(rows)
     out += ["", "Inputs"]
     out += _table([["name", "value", "kind", "source"]] +

@@ -151,6 +151,23 @@ def test_hybrid_sends_no_dense_tower_to_the_servers_and_notes_the_all_reduce(tmp
     assert f"{ring_mb:.3g} MB each way per worker step at cluster.workers=4" in note
 
 
+
+def test_admission_sketches_are_part_of_the_checkpoint(tmp_path, ctr):
+    """With admission each local shard saves its count-min sketch in every base (4 x 2^20 int32 counters,
+    16 MiB): the plan's checkpoint bytes and the busiest server's save time count them."""
+    b = bench(tmp_path)
+    plain = plan_1e9(ctr, b).deployment["checkpoint"]
+    cfg = load_config(CTR, ["tables.sparse.embedding.min_count=2"])
+    p = plan_1e9(cfg, b)
+    ck, n = p.deployment["checkpoint"], p.servers
+    per_server = 4 * 4 * 2**20 * 4                     # local_shards x sketch_depth x sketch_width x 4 bytes
+    assert ck["sketch_bytes"] == n * per_server
+    assert ck["base_bytes"] == pytest.approx(plain["base_bytes"] + n * per_server)
+    assert ck["base_save_s"] == pytest.approx(plain["base_save_s"] + per_server / 250e6)
+    assert ck["restore_s"] == pytest.approx(plain["restore_s"] + per_server / 300e6)
+    assert {f.name: f.value for f in p.inputs}["ckpt_sketch_bytes_per_server"] == per_server
+    assert plain["sketch_bytes"] == 0
+
 @pytest.mark.parametrize("overrides, binding", [
     ({"server_ram_bytes": 1e9}, "ram"),
     ({"server_disk_bytes": 1e9}, "disk"),
