@@ -13,13 +13,13 @@ ENV PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/tmp/numba-cache
 
 WORKDIR /opt/sparse-engine-src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY engine ./engine
 COPY sparse_tables ./sparse_tables
 COPY models ./models
 COPY streaming ./streaming
 COPY hdfs_io ./hdfs_io
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir -c constraints.txt . \
     && cd / && rm -rf /opt/sparse-engine-src \
     && groupadd --system --gid 10001 engine \
     && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/engine --shell /usr/sbin/nologin engine \

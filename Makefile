@@ -4,21 +4,29 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-long compile test-nojit bench train clean
+.PHONY: install lock test test-long compile test-nojit bench train clean
 
 install: $(STAMP)
+
+lock: install
+	$(VENV)/bin/uv pip compile pyproject.toml --all-extras --universal --python-version 3.10 --upgrade -q -o constraints.txt
 
 # uv resolves and installs the same packages as pip from PyPI, in ~45 s where pip took ~2 min
 # of CI's 20 (measured 2026-11-28, fresh venv). --compile-bytecode: pip writes .pyc files of what it
 # installs and uv by default does not; where PYTHONDONTWRITEBYTECODE is set, every process would compile
 # numpy, numba and grpc again. Without uv (no wheel for this platform), pip does the same install.
-$(STAMP): pyproject.toml
+# constraints.txt pins every package (and each package's dependencies) to the versions the suite passed
+# with, for every Python from 3.10 (`uv pip compile --universal`: markers where versions differ): a fresh install gets what was tested,
+# not whatever PyPI released since (a new ray, numba or moto breaking CI on a day nobody changed a line).
+# pyproject.toml keeps the ranges the code supports; `make lock` moves the pins to the newest releases
+# within them (then run `make test` before committing the new file).
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv || echo "uv could not be installed: installing with pip (slower)"
 	if [ -x $(VENV)/bin/uv ]; then \
-	  $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e '.[test,bench,ray,hybrid]'; \
+	  $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -c constraints.txt -e '.[test,bench,ray,hybrid]'; \
 	else \
-	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[test,bench,ray,hybrid]'; \
+	  $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -c constraints.txt -e '.[test,bench,ray,hybrid]'; \
 	fi
 	touch $(STAMP)
 
