@@ -6,8 +6,8 @@ never imports ``engine.ps``).
   newest complete checkpoint under ``checkpoint.root/job`` (or the one URI names) onto every server,
   and records its name in ``checkpoint.restored`` so the workers (which get the updated config) know
   what was restored: its step, source positions and consumed partitions.
-* while a job trains, ``Periodic`` writes a delta every ``checkpoint.delta_every`` of training (wall)
-  time and a base every ``checkpoint.base_every``, from a background thread of the launcher (each
+* while a job trains, ``Periodic`` writes a delta every ``checkpoint.delta_every`` of training time
+  (elapsed, on the monotonic clock) and a base every ``checkpoint.base_every``, from a background thread of the launcher (each
   server snapshots its shards consistently while pushes go on);
 * at the end of a finite job, ``final`` writes one more checkpoint (a delta on top of the restored one,
   else a base) unless the program writes its own (``WRITES_CHECKPOINTS = True``, e.g. online jobs).
@@ -243,7 +243,9 @@ def job_manager(cfg) -> CheckpointManager:
 
 
 class Periodic:
-    """Background checkpoints of a running job on the schedule of ``checkpoint`` (wall-clock time).
+    """Background checkpoints of a running job on the schedule of ``checkpoint``: its periods are measured
+    on the launcher's monotonic clock (a step of the wall clock, NTP or an operator's ``date -s``, neither
+    stops nor hastens them); the wall clock (UTC) only names each checkpoint.
 
     Parameters
     ----------
@@ -256,7 +258,7 @@ class Periodic:
     def __init__(self, cfg, endpoints: list[str], *, poll_s: float = 5.0):
         self.cfg, self.endpoints = cfg, endpoints
         self.mgr = job_manager(cfg)
-        self.schedule = Schedule(cfg.checkpoint, start_s=time.time())
+        self.schedule = Schedule(cfg.checkpoint, start_s=time.monotonic())
         self.written: list[str] = []
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(poll_s,), name="checkpoint-schedule", daemon=True)
@@ -266,17 +268,17 @@ class Periodic:
         client = None
         try:
             while not self._stop.wait(poll_s):
-                now = time.time()
-                kind = self.schedule.due(now)
+                mono = time.monotonic()      # the periods: a step of the wall clock moves no checkpoint
+                kind = self.schedule.due(mono)
                 if kind is None:
                     continue
                 client = client or _client(self.cfg, self.endpoints)
                 try:
-                    m = self.mgr.save(client, kind, when=now, config=self.cfg.to_dict())
+                    m = self.mgr.save(client, kind, when=time.time(), config=self.cfg.to_dict())
                     self.written.append(self.mgr.uri_of(m["name"]))
                 except Exception as e:  # noqa: BLE001 - training goes on; the next checkpoint is a base
                     log.error("scheduled %s checkpoint failed: %s", kind, e)
-                self.schedule.done(kind, now)
+                self.schedule.done(kind, mono)
         finally:
             if client is not None:
                 client.close()

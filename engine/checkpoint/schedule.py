@@ -18,8 +18,11 @@
                               # and rank 0 writes a checkpoint if one is due, recording each worker's
                               # exact data position; 0 = only at epoch ends
 
-Training time is the data's time where the data has one (an hourly partition's hour), else the wall
-clock time spent training.
+Training time is the data's time where the data has one (an hourly partition's hour), else the time
+spent training, measured on the monotonic clock (``time.monotonic()`` of the process that keeps the
+schedule: the launcher's ``Periodic`` thread, the offline programs' rank 0), so a step of the wall clock
+(NTP, a VM resumed, an operator's ``date -s``) neither holds checkpoints back nor brings them forward. The
+wall clock (UTC) only names the checkpoints (``engine.checkpoint.manifest.checkpoint_name``).
 
 Step counts. ``delta_every`` and ``base_every`` each take either a time or a step count (they may differ:
 ``delta_every: 500steps`` with the default ``base_every: 24h``). A step is one batch of every worker (the
@@ -157,7 +160,9 @@ class Schedule:
     ----------
     config : CheckpointConfig
     start_s : float, seconds
-        Training time of the last base (or of the start); the clocks run from here.
+        Training time of the last base (or of the start); the clocks run from here. One clock for
+        ``start_s`` and every ``now_s``: the data's time, or ``time.monotonic()`` (never ``time.time()``:
+        a backward step of the wall clock would hold every time period back by that much).
     start_step : int, optional
         Step of the last base (or of the start: 0, or the restored checkpoint's step); the step counts
         run from here. None: the caller reports no steps, so a step period never falls due (logged).

@@ -109,7 +109,7 @@ class AlignedCheckpoints:
         self.ck = trainer.ctx.config.checkpoint
         self.enabled = self.ck.enabled
         self.mgr = ckpt_job.job_manager(trainer.ctx.config) if self.enabled and trainer.rank == 0 else None
-        self.schedule = Schedule(self.ck, start_s=time.time(), start_step=0)
+        self.schedule = Schedule(self.ck, start_s=time.monotonic(), start_step=0)   # periods: monotonic
         self.last_uri: str | None = None
         if self.mgr is not None:
             self._check_alignment()
@@ -152,7 +152,7 @@ class AlignedCheckpoints:
         The schedule's step count restarts from that step.
         """
         pos, step = self._restored()
-        self.schedule = Schedule(self.ck, start_s=time.time(), start_step=step)
+        self.schedule = Schedule(self.ck, start_s=time.monotonic(), start_step=step)
         progress.current().mark(f"{pos.epoch}:{pos.batch}")     # nothing trained after it yet
         progress.current().base(step)                            # engine status: the job's step
         return pos, step
@@ -248,15 +248,17 @@ class AlignedCheckpoints:
         report.mark(f"{pos.epoch}:{pos.batch}")
         with report.phase(f"checkpoint at {pos.epoch}:{pos.batch}", SAVE_TIMEOUT_S):
             if t.rank == 0:
-                now = time.time()
+                # the schedule's periods on the monotonic clock (a step of the wall clock neither holds
+                # checkpoints back nor brings them forward); the wall clock only names the checkpoint
+                mono = time.monotonic()
                 stop = preempt.decide(t.client)
-                kind = self.schedule.due(now, step=t.steps) or ("delta" if force or stop else None)
+                kind = self.schedule.due(mono, step=t.steps) or ("delta" if force or stop else None)
                 if kind is not None:
                     if not self.mgr.head:
                         kind = "base"
-                    m = self.mgr.save(t.client, kind, when=now, step=t.steps, sources=self.sources(pos),
+                    m = self.mgr.save(t.client, kind, when=time.time(), step=t.steps, sources=self.sources(pos),
                                       config=t.ctx.config.to_dict())
-                    self.schedule.done(m["kind"], now, step=t.steps)
+                    self.schedule.done(m["kind"], mono, step=t.steps)
                     self.last_uri = self.mgr.uri_of(m["name"])
                     log.info("checkpoint %s at epoch %d batch %d", self.last_uri, pos.epoch, pos.batch)
                 if stop:
