@@ -223,6 +223,32 @@ class Storage:
         stamps = [i.mtime_ns for i in infos if i.mtime_ns is not None]
         return max(stamps) / 1e9 if stamps else None
 
+    def clock_now(self, path: str = "") -> float:
+        """The store's clock now, in seconds since the epoch: the modification time the store gives a
+        probe file written at ``path/_clock-<random>`` (removed again). Compare ``newest_mtime`` with this,
+        not with this host's ``time.time()``: the store's times come from the clock of whatever stamped
+        them (S3's servers, an HDFS NameNode, an NFS server), which may be minutes from this host's
+        (``engine.checkpoint.coordinator.INCOMPLETE_GRACE_S``). On a local file system it is this host's
+        clock. Costs one write, one stat and one delete.
+
+        Raises
+        ------
+        OSError
+            The probe could not be written or stated (after the retries); a failed delete is logged only.
+        """
+        probe = posixpath.join(path, f"_clock-{os.urandom(6).hex()}") if path else f"_clock-{os.urandom(6).hex()}"
+        self.write_bytes(probe, b"")
+        try:
+            info = self.info(probe)
+            if info.mtime_ns is None:
+                raise OSError(f"{self.uri_of(probe)}: the store gave the clock probe no modification time")
+            return info.mtime_ns / 1e9
+        finally:
+            try:
+                self.delete(probe, missing_ok=True)
+            except OSError as exc:
+                logger.warning("could not remove the clock probe %s: %s", self.uri_of(probe), exc)
+
     def exists(self, path: str = "") -> bool:
         """True when ``path`` is a file or a directory (on S3: any object has it as a prefix)."""
         return self.info(path).type != pafs.FileType.NotFound

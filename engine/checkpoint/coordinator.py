@@ -58,7 +58,12 @@ __all__ = ["Cluster", "CheckpointManager", "CheckpointNotFoundError"]
 log = logging.getLogger(__name__)
 
 #: retention leaves an incomplete checkpoint directory alone while its newest file is younger than this
-#: (seconds): it may be a save still in flight (a slow server), not the leftovers of a crashed one
+#: (seconds): it may be a save still in flight (a slow server), not the leftovers of a crashed one. The age
+#: is the store's times compared with each other (the file's modification time against a probe's the
+#: store stamps now, ``hdfs_io.Storage.clock_now``), never with the pruning host's clock, which may be
+#: minutes from the store's (S3, an HDFS NameNode, an NFS server stamp the times). On a file system whose
+#: clients stamp the times (a local disk; CephFS, Lustre), the writer's and the pruner's clocks must agree
+#: within this.
 INCOMPLETE_GRACE_S = 600.0
 
 
@@ -93,6 +98,30 @@ def _redacted(config: dict) -> dict:
     if not isinstance(storage, dict) or not any(storage.get(k) for k in ("access_key", "secret_key")):
         return config
     return {**config, "storage": {**storage, "access_key": "", "secret_key": ""}}
+
+
+def written_lately(storage: Storage, name: str, grace_s: float, store_now: list, what: str) -> bool:
+    """True when the newest modification under ``name`` is less than ``grace_s`` seconds before the
+    store's clock now, or when that cannot be told (a listing error, a failed clock probe: keep it).
+
+    ``store_now`` caches the store's clock for one retention pass: [] until read, then [seconds] (or
+    [None] when the probe failed: everything is kept this time). The store's times are compared with each
+    other only: the pruning host's clock may be minutes from the store's (``INCOMPLETE_GRACE_S``)."""
+    try:
+        newest = storage.newest_mtime(name)
+    except OSError as exc:
+        log.warning("%s: cannot list %s (%s); keeping it", what, storage.uri_of(name), exc)
+        return True
+    if newest is None:
+        return False
+    if not store_now:
+        try:
+            store_now.append(storage.clock_now())
+        except OSError as exc:
+            log.warning("%s: cannot read the store's clock under %s (%s); keeping every incomplete directory "
+                        "this time", what, storage.uri, exc)
+            store_now.append(None)
+    return store_now[0] is None or store_now[0] - newest < grace_s
 
 
 def _is_damage(exc: BaseException) -> bool:
@@ -439,9 +468,10 @@ class CheckpointManager:
         if complete:
             newest = complete[-1]
             done = {r.name for r in complete}
+            store_now: list[float | None] = []      # the store's clock, read once and only when needed
             for r in list_checkpoints(self.storage, complete_only=False):
                 if r < newest and r.name not in done:
-                    if self._written_lately(r.name):
+                    if self._written_lately(r.name, store_now):
                         log.info("retention: keeping incomplete %s, written to less than %.0f s ago (a save in "
                                  "flight?)", self.uri_of(r.name), INCOMPLETE_GRACE_S)
                         continue
@@ -486,15 +516,11 @@ class CheckpointManager:
                     cur = None
         return out
 
-    def _written_lately(self, name: str) -> bool:
+    def _written_lately(self, name: str, store_now: list) -> bool:
         """True when the newest file (or the directory itself) under ``name`` was modified less than
-        ``INCOMPLETE_GRACE_S`` ago, or when that cannot be told (a listing error)."""
-        try:
-            newest = self.storage.newest_mtime(name)
-        except OSError as exc:
-            log.warning("retention: cannot list %s (%s); keeping it", self.uri_of(name), exc)
-            return True
-        return newest is not None and time.time() - newest < INCOMPLETE_GRACE_S
+        ``INCOMPLETE_GRACE_S`` before the store's clock now (``store_now``: [] until read, then [seconds]
+        or [None] when the probe failed), or when that cannot be told (a listing or probe error)."""
+        return written_lately(self.storage, name, INCOMPLETE_GRACE_S, store_now, "retention")
 
     def _days(self) -> list[str]:
         try:

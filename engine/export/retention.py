@@ -21,12 +21,11 @@ Deletion removes ``_SUCCESS`` first, so a reader never loads half of a deleted b
 from __future__ import annotations
 
 import logging
-import time
-
 
 import hdfs_io
 from hdfs_io import Storage, StorageOptions
 
+from ..checkpoint.coordinator import written_lately
 from ..checkpoint.manifest import list_checkpoints
 from .bundle import open_bundle
 from .errors import BundleError
@@ -53,8 +52,9 @@ def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
         they are, and every link of ``current``'s own chain is kept whatever its age.
     incomplete_grace_s : float, optional
         An incomplete bundle directory whose newest file (or the directory) was modified less than this
-        many seconds ago is kept (an export in flight); default ``INCOMPLETE_GRACE_S`` of
-        ``engine.checkpoint.coordinator`` (600).
+        many seconds before the store's clock now (``hdfs_io.Storage.clock_now``; never this host's
+        clock, which may be minutes from the store's) is kept (an export in flight); default
+        ``INCOMPLETE_GRACE_S`` of ``engine.checkpoint.coordinator`` (600).
 
     Returns
     -------
@@ -89,13 +89,14 @@ def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
     cutoff = full[-keep_full] if len(full) >= keep_full else None
     done = {r.name for r in published}
     newest = published[-1] if published else None
-    deleted = []
+    deleted, store_now = [], []         # the store's clock: read once, only when an incomplete one is seen
     for ref in list_checkpoints(storage, complete_only=False):
         if ref.name in keep or (current is not None and ref.name > current):
             continue
         old = cutoff is not None and ref < cutoff
         leftover = ref.name not in done and newest is not None and ref < newest
-        if (old or leftover) and ref.name not in done and _written_lately(storage, ref.name, incomplete_grace_s):
+        if (old or leftover) and ref.name not in done and written_lately(storage, ref.name, incomplete_grace_s,
+                                                                         store_now, "bundle retention"):
             log.info("bundle retention: keeping incomplete %s, written to less than %.0f s ago (an export in "
                      "flight?)", storage.uri_of(ref.name), incomplete_grace_s)
             continue
@@ -114,13 +115,3 @@ def prune_bundles(root: str, keep_full: int, *, current: str | None = None,
                  ", ".join(deleted))
     return deleted
 
-
-def _written_lately(storage: Storage, name: str, grace_s: float) -> bool:
-    """True when the newest file under ``name`` (or the directory itself) was modified less than
-    ``grace_s`` seconds ago, or when that cannot be told (a listing error)."""
-    try:
-        newest = storage.newest_mtime(name)
-    except OSError as exc:
-        log.warning("bundle retention: cannot list %s (%s); keeping it", storage.uri_of(name), exc)
-        return True
-    return newest is not None and time.time() - newest < grace_s
