@@ -543,8 +543,8 @@ class LocalCluster:
 
 
 def new_run_dir(cfg: EngineConfig) -> Path:
-    """A new run directory ``{cluster.run_root}/{job}-{YYYYmmdd-HHMMSS}-{pid}`` (job: ``checkpoint.job``
-    or ``model.kind``; ``-2``, ``-3`` ... appended if taken, e.g. a restart in the same second), and
+    """A new run directory ``{cluster.run_root}/{job}-{YYYYmmdd-HHMMSS}-{pid}`` (the time in UTC, whatever
+    ``TZ`` says; job: ``checkpoint.job`` or ``model.kind``; ``-2``, ``-3`` ... appended if taken, e.g. a restart in the same second), and
     ``{run_root}/latest`` re-pointed at it (a relative symlink, replaced atomically).
 
     Raises
@@ -553,7 +553,7 @@ def new_run_dir(cfg: EngineConfig) -> Path:
         ``cluster.run_root`` cannot be created or written.
     """
     root = Path(cfg.cluster.run_root).resolve()
-    name = f"{cfg.checkpoint.job or cfg.model.kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name = f"{cfg.checkpoint.job or cfg.model.kind}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         for n in range(1, 1000):

@@ -197,4 +197,6 @@ def _fmt(v) -> str:
 
 
 def now_stamp() -> str:
-    return time.strftime("%Y%m%d-%H%M%S")
+    """``YYYYmmdd-HHMMSS`` of now in UTC (metrics file names, run ids): names of runs started under
+    other ``TZ`` settings, or across a DST change, sort in the order the runs started."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
