@@ -173,8 +173,10 @@ class Sampler:
                     else "error", "error": " ".join(str(e).split())[:300]}
 
     def sample(self) -> dict:
-        """``{"time": wall s, "servers": [{"ok", "stats" | "error"}], "workers": {rank: report}}``."""
-        now = time.time()
+        """``{"time": wall s, "mono": monotonic s, "servers": [{"ok", "stats" | "error"}], "workers": {rank:
+        report}}``. Rates divide by the ``mono`` interval (a step of the wall clock between two samples
+        is no interval); ``time`` is shown and ages workers' wall-clock beats."""
+        now, mono = time.time(), time.monotonic()
         servers = list(self._pool.map(self._stats, range(len(self.target.endpoints))))
         workers = {}
         if self.target.run_dir is not None:
@@ -186,7 +188,7 @@ class Sampler:
                 rep = progress.read(f)
                 if rep is not None:
                     workers[rank] = rep
-        return {"time": now, "servers": servers, "workers": workers}
+        return {"time": now, "mono": mono, "servers": servers, "workers": workers}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -278,7 +280,7 @@ def _worker_row(rank: int, cur: dict, prev: dict | None, now: float) -> dict:
 
 def table(target: Target, cur: dict, prev: dict | None) -> dict:
     """One snapshot (the ``--json`` object) from the samples ``cur`` and ``prev`` (None: no rates)."""
-    dt = cur["time"] - prev["time"] if prev is not None else 0.0
+    dt = (cur.get("mono", cur["time"]) - prev.get("mono", prev["time"])) if prev is not None else 0.0
     servers = [_server_row(i, ep, cur["servers"][i], prev["servers"][i] if prev else None, dt)
                for i, ep in enumerate(target.endpoints)]
     workers = [_worker_row(r, rep, (prev or {}).get("workers", {}).get(r), cur["time"])

@@ -208,7 +208,7 @@ class PSServer(CheckpointHandlers):
         self._apply_lock = threading.Lock()
         # requests that read or change the tables share it; Load holds it alone while it swaps them
         self._tables_lock = RWLock()
-        self._started = time.time()
+        self._started = time.monotonic()     # uptime: a step of the wall clock is no restart (engine status)
         self._requests = dict.fromkeys(METHODS, 0)
         self._latency = {m: [0] * (len(LATENCY_BOUNDS_S) + 1) for m in METHODS}   # counts per bucket
         self._latency_sum = dict.fromkeys(METHODS, 0.0)                            # seconds
@@ -670,7 +670,7 @@ class PSServer(CheckpointHandlers):
                "latency_bounds_s": list(LATENCY_BOUNDS_S), "latency": latency, "latency_sum_s": latency_sum,
                "rss_bytes": governor.rss_bytes(), "malloc": self.heap_stats(), "pid": os.getpid(),
                "memory_governor": self.governor.stats() if self.governor is not None else None,
-               "uptime_s": time.time() - self._started, "reply_window": self.window.stats(),
+               "uptime_s": time.monotonic() - self._started, "reply_window": self.window.stats(),
                "barriers": self.barriers.stats(), **self.watchdog.state(), "spill_failed": self.spill_failed(),
                "auth_denied": dict(self.auth.denied) if self.auth is not None else {},
                "calls_cancelled": dict(self.call_guard.cancelled) if self.call_guard is not None else {},

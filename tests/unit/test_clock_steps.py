@@ -110,3 +110,30 @@ def test_the_schedule_itself_is_clock_agnostic():
     from engine.checkpoint.schedule import CheckpointConfig, Schedule
     s = Schedule(dataclasses.replace(CheckpointConfig(), delta_every="1h"), start_s=100.0)
     assert s.due(100.0 + 3599) is None and s.due(100.0 + 3600) == "delta"
+
+
+def test_a_backward_wall_clock_step_is_no_server_restart_in_engine_status(cluster, monkeypatch):
+    """``engine status`` takes a server whose ``uptime_s`` went down for a restarted one and shows no rate,
+    and divides its rates by the interval between its samples: both were on the wall clock (a backward
+    step made the uptime negative and the interval negative: no rates). Now on the monotonic clock."""
+    import engine.observability.status as status
+    import engine.ps.server as server_mod
+    _, server, client = cluster
+    table = next(iter(server.sparse))
+    server_clock, status_clock = _SteppedTime(), _SteppedTime()
+    monkeypatch.setattr(server_mod, "time", server_clock)
+    monkeypatch.setattr(status, "time", status_clock)
+    target = status.Target(endpoints=["in-process"])
+
+    def sample():
+        return {"time": status_clock.time(), "mono": time.monotonic(), "workers": {},
+                "servers": [{"ok": True, "stats": client.stats()[0]}]}
+    prev = sample()
+    time.sleep(0.05)
+    server_clock.step(-7200.0)
+    status_clock.step(-7200.0)
+    for _ in range(5):
+        client.pull(table, np.arange(1, 9, dtype=np.uint64))
+    assert client.stats()[0]["uptime_s"] >= 0
+    row = status.table(target, sample(), prev)["servers"][0]
+    assert row["requests_per_s"] is not None and row["requests_per_s"] > 0, row
