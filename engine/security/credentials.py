@@ -341,11 +341,19 @@ def _check_validity(pem: bytes, what: str, *, now=None) -> None:
     valid = [c for c in certs if c.not_valid_before_utc <= now < c.not_valid_after_utc]
     if not valid:
         c = max(certs, key=lambda c: c.not_valid_after_utc)
-        when = (f"expired on {c.not_valid_after_utc:%Y-%m-%d %H:%M} UTC" if now >= c.not_valid_after_utc else
-                f"is not valid before {c.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (this host's clock: "
-                f"{now:%Y-%m-%d %H:%M})")
-        raise ValueError(f"{what}: the certificate ({c.subject.rfc4514_string()}) {when}: renew it "
-                         f"(engine certs OUT --hosts ... --renew)")
+        if now >= c.not_valid_after_utc:
+            raise ValueError(f"{what}: the certificate ({c.subject.rfc4514_string()}) expired on "
+                             f"{c.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: renew it (engine certs OUT --hosts ... "
+                             f"--renew)")
+        c = min(certs, key=lambda c: c.not_valid_before_utc)
+        behind = (c.not_valid_before_utc - now).total_seconds()
+        # engine certs starts certificates an hour before it runs: a host further behind than that is
+        # almost always a wrong clock here (a VM resumed, no NTP), which renewing does not mend
+        raise ValueError(f"{what}: the certificate ({c.subject.rfc4514_string()}) is not valid before "
+                         f"{c.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (this host's clock: {now:%Y-%m-%d %H:%M} "
+                         f"UTC, {behind / 3600:.1f} h before it): set this host's clock right (NTP); `engine "
+                         f"certs` starts certificates 1 h before it runs, so only a host whose clock is more than "
+                         f"that behind the one that ran it refuses them")
     end = max(c.not_valid_after_utc for c in valid)
     if (end - now).total_seconds() < EXPIRY_WARNING_S:
         log.warning("%s: the certificate expires on %s UTC, in %.1f days: renew it (engine certs OUT --hosts "

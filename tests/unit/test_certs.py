@@ -214,7 +214,8 @@ def test_an_expired_or_not_yet_valid_certificate_is_refused_at_load_naming_it(tm
     assert server.tls.refresh(force=True) is False and server.tls.value["cert"] == before
     assert "cannot be used yet" in caplog.text and "expired on" in caplog.text
     _reissue(out, start_days_ago=-2, lasts_days=30)    # valid from the day after tomorrow
-    with pytest.raises(ConfigError, match=r"is not valid before .* \(this host's clock: "):
+    with pytest.raises(ConfigError, match=r"is not valid before .* \(this host's clock: .* UTC, 4[78]\.\d h "
+                                          r"before it\): set this host's clock right \(NTP\)"):
         server_security(cfg)
     caplog.clear()
     _reissue(out, start_days_ago=1, lasts_days=4)      # valid, ends in 3 days
