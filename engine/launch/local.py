@@ -41,6 +41,7 @@ from ..observability import prometheus
 from ..ps import ps_pb2 as pb
 from ..ps.transport import GrpcTransport
 from ..security.credentials import client_security, withheld_vars
+from . import awake
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,14 @@ class ServerWatch:
     whatever the workers are doing, and a stuck one (alive, answering, but a request hung past
     ``client.timeout_s``: ``engine.ps.watchdog``) or a failed one (a spill store that stopped writing
     for good: ``PSServer.spill_failed``) as soon as it says so. Each poll has a deadline of
-    ``min(5, dead_after_s / 2)`` seconds."""
+    ``min(5, dead_after_s / 2)`` seconds. Silence is counted only while this process ran
+    (``engine.launch.awake``): a launcher stopped or frozen itself does not take the servers for silent
+    when it runs again."""
 
-    def __init__(self, endpoints: list[str], dead_after_s: float, every_s: float = 1.0, security=None):
+    def __init__(self, endpoints: list[str], dead_after_s: float, every_s: float = 1.0, security=None,
+                 clock: awake.AwakeClock | None = None):
         self.dead_after_s = float(dead_after_s)
+        self.awake = clock or awake.clock()
         self._transport = GrpcTransport(endpoints, retries=0, security=security, dead_after_s=dead_after_s)
         self._last_ok = [time.monotonic()] * len(endpoints)
         self._stuck: list[str | None] = [None] * len(endpoints)     # each server's last ``stuck``
@@ -98,9 +103,11 @@ class ServerWatch:
         return [(i, why) for i, why in enumerate(self._failed) if why]
 
     def silent(self) -> list[tuple[int, float]]:
-        """[(server rank, seconds since its last answer)] for servers silent past ``dead_after_s``."""
+        """[(server rank, seconds since its last answer)] for servers silent past ``dead_after_s``
+        (seconds this process was awake: ``engine.launch.awake``)."""
         now = time.monotonic()
-        return [(i, now - t) for i, t in enumerate(self._last_ok) if now - t > self.dead_after_s]
+        ages = [(i, self.awake.age(t, now)) for i, t in enumerate(self._last_ok)]
+        return [(i, age) for i, age in ages if age > self.dead_after_s]
 
     def silent_reason(self, rank: int, silent_s: float) -> str:
         """Why server ``rank``, silent for ``silent_s`` seconds, is given up, for the failure's line. The
@@ -350,12 +357,13 @@ class LocalCluster:
         says it is dead or hung: a worker, or a server before it is ready (it has no address to poll)."""
         dead_after = self.cfg.client.dead_after_s
         now = time.monotonic()          # the reports' clock (engine.progress): a wall-clock step is no hang
-        reports = {id(c): c.report() for c in children if c.proc.poll() is None}
+        clock = awake.clock()           # ages while this launcher ran: its own stop or freeze is no hang
+        reports = {id(c): clock.discount(c.report(), now) for c in children if c.proc.poll() is None}
         for c in children:
             if id(c) not in reports:
                 continue
-            why = progress.stalled(reports[id(c)], now, dead_after,
-                                   c.started + self.cfg.cluster.startup_timeout_s)
+            start = c.started + self.cfg.cluster.startup_timeout_s
+            why = progress.stalled(reports[id(c)], now, dead_after, start + clock.asleep(start, now))
             if why:
                 c, why = self._frozen_peer(children, reports, now, c, why)
                 reason = f"hung{' ' + when if when else ''}: {why} (client.dead_after_s={dead_after:g})"
