@@ -75,7 +75,10 @@ _HOUR = _dt.timedelta(hours=1)
 
 
 def partition_name(when: _dt.datetime) -> str:
-    """``datetime(2024, 1, 1, 5)`` -> ``"20240101/05"``."""
+    """``datetime(2024, 1, 1, 5)`` -> ``"20240101/05"``: the hour in UTC (a naive ``when`` is UTC; one
+    that carries another time zone is converted, so an hour of a DST change is never named twice)."""
+    if when.tzinfo is not None:
+        when = when.astimezone(_dt.timezone.utc)
     return when.strftime("%Y%m%d/%H")
 
 

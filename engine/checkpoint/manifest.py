@@ -90,7 +90,9 @@ class CheckpointRef:
 
 
 def checkpoint_name(when: _dt.datetime, kind: str, seq: int = 0) -> CheckpointRef:
-    """The reference of a checkpoint taken at ``when`` (UTC unless it carries a timezone).
+    """The reference of a checkpoint taken at ``when``, named in UTC: a naive ``when`` is UTC, one that
+    carries another time zone is converted (before, it was named in that zone's local time: an hour of a
+    DST change named twice, names out of order with other writers').
 
     Raises
     ------
@@ -99,6 +101,8 @@ def checkpoint_name(when: _dt.datetime, kind: str, seq: int = 0) -> CheckpointRe
     """
     if kind not in KINDS:
         raise ValueError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
+    if when.tzinfo is not None:
+        when = when.astimezone(_dt.timezone.utc)
     return CheckpointRef(when.strftime("%Y%m%d"), when.strftime("%H%M"), int(seq), kind)
 
 
