@@ -17,7 +17,7 @@ nothing else: ``engine.ps.health.HealthPort``, as the servers do) and answers by
   Never`` the pod fails and the Job controller replaces it), and the new worker joins by the recovery
   rule (it finds its name among the servers' writers and fences them, or as rank 0 rolls the job back);
 - no answer at all when the process is frozen (SIGSTOP, a host swapping to death): the probe times out,
-  with the same outcome;
+  with the same outcome; continued, it counts no stall over the time it was frozen (``engine.awake``);
 - SERVING while it waits inside a call to a server within that call's bound (``engine.ps.inflight``):
   a server that froze or whose host was lost holds every worker's calls, and the worker finds it
   itself (``ShardUnavailableError``: it exits 76, which Kubernetes' podFailurePolicy does not count),
@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 
-from . import progress
+from . import awake, progress
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,12 @@ class WorkerLiveness:
         report = self.reporter.report()
         if self.in_flight is not None:      # the loop resumes when a long call returns
             report["step_mono"] = max(float(report["step_mono"]), self.in_flight.long_call_ended)
-        why = progress.stalled(report, time.monotonic(), self.dead_after_s, self.started)
+        # ages while this process ran: stopped or frozen and continued (SIGSTOP, a frozen cgroup), it
+        # looked here before its loop could step again and called itself hung (engine.awake)
+        now = time.monotonic()
+        clock = awake.clock()
+        why = progress.stalled(clock.discount(report, now), now, self.dead_after_s,
+                               self.started + clock.asleep(self.started, now))
         waiting = self.in_flight.waiting() if why and self.in_flight is not None else None
         if waiting:
             if waiting != self.waiting:

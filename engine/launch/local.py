@@ -41,7 +41,7 @@ from ..observability import prometheus
 from ..ps import ps_pb2 as pb
 from ..ps.transport import GrpcTransport
 from ..security.credentials import client_security, withheld_vars
-from . import awake
+from .. import awake
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ServerWatch:
     ``client.timeout_s``: ``engine.ps.watchdog``) or a failed one (a spill store that stopped writing
     for good: ``PSServer.spill_failed``) as soon as it says so. Each poll has a deadline of
     ``min(5, dead_after_s / 2)`` seconds. Silence is counted only while this process ran
-    (``engine.launch.awake``): a launcher stopped or frozen itself does not take the servers for silent
+    (``engine.awake``): a launcher stopped or frozen itself does not take the servers for silent
     when it runs again."""
 
     def __init__(self, endpoints: list[str], dead_after_s: float, every_s: float = 1.0, security=None,
@@ -104,7 +104,7 @@ class ServerWatch:
 
     def silent(self) -> list[tuple[int, float]]:
         """[(server rank, seconds since its last answer)] for servers silent past ``dead_after_s``
-        (seconds this process was awake: ``engine.launch.awake``)."""
+        (seconds this process was awake: ``engine.awake``)."""
         now = time.monotonic()
         ages = [(i, self.awake.age(t, now)) for i, t in enumerate(self._last_ok)]
         return [(i, age) for i, age in ages if age > self.dead_after_s]

@@ -1,4 +1,5 @@
-"""A supervisor does not count its own stop as the silence of what it watches (``engine.launch.awake``).
+"""A supervisor does not count its own stop as the silence of what it watches (``engine.awake``); nor
+does a role-mode worker's liveness count its own stop as its loop's hang.
 
 Before, a launcher stopped (Ctrl-Z and ``fg``, SIGSTOP, its container frozen, its host swapping) for
 longer than ``client.dead_after_s`` found every server "silent" the moment it ran again, before its Health
@@ -18,12 +19,12 @@ import textwrap
 import time
 from pathlib import Path
 
-from engine.launch.awake import AwakeClock
+from engine.awake import AwakeClock
 from engine.ps import PSServer, serve
 from sparse_tables import TableConfig
 
 REPO = Path(__file__).resolve().parents[2]
-DEAD_AFTER_S = 1.0
+DEAD_AFTER_S = 2.0      # seconds; the stops below last 1 s longer
 
 WATCHER = textwrap.dedent("""
     import sys, time
@@ -65,6 +66,43 @@ def test_a_watcher_stopped_longer_than_dead_after_takes_no_live_server_for_silen
         proc.wait(10)
         server.stop(0)
         core.close()
+
+
+LIVE_WORKER = textwrap.dedent("""
+    import logging, sys, time
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from engine import progress
+    from engine.liveness import WorkerLiveness
+    reporter = progress.install(in_memory=True)
+    live = WorkerLiveness(reporter, "127.0.0.1", 0, float(sys.argv[1]), "worker 0")
+    end = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < end:          # a training loop: a step every 50 ms
+        reporter.step(1)
+        if reporter.report()["step"] == 1:
+            print("stepping", flush=True)
+        time.sleep(0.05)
+""")
+
+
+def test_a_role_mode_worker_stopped_and_continued_does_not_call_itself_hung():
+    """``engine.liveness``: continued after a stop longer than ``dead_after_s``, the worker's liveness
+    looked before its loop stepped again and went NOT_SERVING ("no training step for 2s ... a hang"; 4
+    runs of 4), which a probe with a failure threshold of 1 turns into a restart."""
+    proc = subprocess.Popen([sys.executable, "-c", LIVE_WORKER, str(DEAD_AFTER_S), "4.5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert "stepping" in proc.stdout.readline()
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(DEAD_AFTER_S + 1.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err[-2000:]
+    assert "NOT_SERVING" not in err, err[-2000:]
 
 
 def test_ages_leave_out_the_stalls_and_the_one_under_way():
