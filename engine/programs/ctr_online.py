@@ -199,8 +199,9 @@ class OnlineTrainer(ctr.CTRTrainer):
         start, base_step = 0.0, 0
         if resumed is not None:
             base = resumed["base"]
-            start = self._base_time(base)
-            base_step = self.steps if base == name else int(mgr.manifest(base).get("step", 0))
+            base_manifest = resumed if base == name else mgr.manifest(base)
+            start = self._base_time(base, base_manifest)
+            base_step = int(base_manifest.get("step", 0))
         # the clocks of base_every / delta_every run from the chain's base: its time and its step
         self.schedule = online_schedule(self.ck, start, base_step)
         self.started = resumed is not None
@@ -221,7 +222,19 @@ class OnlineTrainer(ctr.CTRTrainer):
         return None
 
     @staticmethod
-    def _base_time(name: str) -> float:
+    def _base_time(name: str, manifest: dict | None = None) -> float:
+        """Data time (seconds since the epoch, UTC) of base ``name``: its manifest's ``train_time``, else
+        the time its name says. The name can be later than the data: a job resumed from an older
+        checkpoint beside newer ones names its checkpoints after the newest (names only grow), so the
+        base written at 2024-01-01 10:00 of data may be named ``20240103/0900-base.1``, and a restart
+        measured ``base_every`` from 2024-01-03 (no base for two more days of data)."""
+        when = (manifest or {}).get("train_time")
+        if isinstance(when, str):
+            try:
+                t = _dt.datetime.fromisoformat(when)
+                return (t if t.tzinfo else t.replace(tzinfo=_dt.timezone.utc)).timestamp()
+            except ValueError:
+                pass
         day, rest = name.split("/")
         return _dt.datetime.strptime(day + rest[:4], "%Y%m%d%H%M").replace(tzinfo=_dt.timezone.utc).timestamp()
 

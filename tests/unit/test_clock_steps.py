@@ -137,3 +137,23 @@ def test_a_backward_wall_clock_step_is_no_server_restart_in_engine_status(cluste
     assert client.stats()[0]["uptime_s"] >= 0
     row = status.table(target, sample(), prev)["servers"][0]
     assert row["requests_per_s"] is not None and row["requests_per_s"] > 0, row
+
+
+def test_a_resumed_online_job_measures_base_every_from_its_bases_data_time_not_its_name(cluster):
+    """Names only grow: a base of 2024-01-01 10:00 (data time) written beside a newer checkpoint of
+    2024-01-03 09:00 (a job resumed from an older checkpoint) is named after the newer one. The online job
+    restarted from it measured ``base_every`` from the name's time, two days of data late; it reads the
+    manifest's ``train_time`` now. A real in-process server saves both checkpoints."""
+    import datetime as dt
+
+    from engine.programs.ctr_online import OnlineTrainer
+    cfg, _, client = cluster
+
+    def at(day, hour):
+        return dt.datetime(2024, 1, day, hour, tzinfo=dt.timezone.utc).timestamp()
+    mgr = CheckpointManager(cfg.checkpoint.root, "ctr_online")
+    mgr.save(client, "base", when=at(3, 9))
+    m = CheckpointManager(cfg.checkpoint.root, "ctr_online").save(client, "base", when=at(1, 10))
+    assert m["name"] == "20240103/0900-base.1"                      # named after the newest
+    assert OnlineTrainer._base_time(m["name"], m) == at(1, 10)       # its data time
+    assert OnlineTrainer._base_time("20240103/0900-base", None) == at(3, 9)   # no manifest: the name
