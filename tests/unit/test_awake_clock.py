@@ -69,34 +69,44 @@ def test_a_watcher_stopped_longer_than_dead_after_takes_no_live_server_for_silen
 
 
 LIVE_WORKER = textwrap.dedent("""
-    import logging, sys, time
+    import logging, sys
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from engine import progress
     from engine.liveness import WorkerLiveness
-    reporter = progress.install(in_memory=True)
+    reporter = progress.install(in_memory=True, startup_s=60.0)   # as a worker: start-up until its first step
     live = WorkerLiveness(reporter, "127.0.0.1", 0, float(sys.argv[1]), "worker 0")
-    end = time.monotonic() + float(sys.argv[2])
-    while time.monotonic() < end:          # a training loop: a step every 50 ms
+    print("ready", flush=True)
+    for line in sys.stdin:                 # a training loop: one step per line the test sends
+        if line.strip() == "end":
+            break
         reporter.step(1)
-        if reporter.report()["step"] == 1:
-            print("stepping", flush=True)
-        time.sleep(0.05)
 """)
 
 
 def test_a_role_mode_worker_stopped_and_continued_does_not_call_itself_hung():
     """``engine.liveness``: continued after a stop longer than ``dead_after_s``, the worker's liveness
-    looked before its loop stepped again and went NOT_SERVING ("no training step for 2s ... a hang"; 4
-    runs of 4), which a probe with a failure threshold of 1 turns into a restart."""
-    proc = subprocess.Popen([sys.executable, "-c", LIVE_WORKER, str(DEAD_AFTER_S), "4.5"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    looked before its loop stepped again and went NOT_SERVING ("no training step for 2s ... a hang"),
+    which a probe with a failure threshold of 1 turns into a restart. Here the loop steps when the test
+    says, so the liveness (every second) always looks first: 1.2 s after the stop, less than
+    ``dead_after_s`` of time awake since the last step."""
+    proc = subprocess.Popen([sys.executable, "-c", LIVE_WORKER, str(DEAD_AFTER_S)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            proc.stdin.write("step\n")
+            proc.stdin.flush()
+            time.sleep(0.1)
     try:
-        assert "stepping" in proc.stdout.readline()
-        time.sleep(0.3)
+        assert "ready" in proc.stdout.readline()
+        steps(3)
         os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(DEAD_AFTER_S + 1.0)
         os.kill(proc.pid, signal.SIGCONT)
-        _, err = proc.communicate(timeout=30)
+        time.sleep(1.2)
+        steps(3)
+        _, err = proc.communicate("end\n", timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
