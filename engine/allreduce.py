@@ -117,6 +117,59 @@ def world():
     return MPI.COMM_WORLD
 
 
+def check_world_confined(comm, *, insecure: bool, endpoints=()) -> None:
+    """Refuse an MPI world whose traffic leaves this host unless ``security.insecure`` is true: MPI is
+    neither authenticated nor encrypted. Collective: every rank of ``comm`` calls it at the same point.
+
+    The config's rule (``engine.config``) sees ``cluster.host`` and ``cluster.endpoints`` only; the
+    addresses really used are checked here, where the world exists: the servers' endpoints the client
+    dialled (``ENGINE_SERVERS`` in role mode, which the config never saw) and the ranks' hosts. A world
+    whose ranks are on more than one host (MPI's shared-memory split, which follows the process
+    manager's host map: ``mpiexec -hosts a,b``) sends the dense tower's all-reduce over the network
+    whatever address the config names.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm
+        The workers' world.
+    insecure : bool
+        ``security.insecure``.
+    endpoints : sequence of str
+        ``host:port`` of the servers this worker uses (``PSTransport.endpoints``; ``inproc:N`` is local).
+
+    Raises
+    ------
+    ConfigError
+        Not ``insecure`` and an endpoint is not loopback or the ranks span hosts (named; every rank
+        raises it, so the world ends with exit code 2 on every rank).
+    """
+    from .security.listen import is_loopback
+    if insecure:
+        return
+    remote = [e for e in endpoints if not e.startswith("inproc:") and not is_loopback(e.rsplit(":", 1)[0])]
+    if remote:
+        raise ConfigError(f"mode hybrid off loopback (server endpoint {remote[0]!r}, from ENGINE_SERVERS or "
+                          f"cluster.endpoints) needs security.insecure: true: the workers' MPI traffic is neither "
+                          f"authenticated nor encrypted")
+    if comm.Get_size() < 2:
+        return
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        leader = node.bcast(comm.Get_rank(), root=0)       # lowest world rank on this host: the host's id
+    finally:
+        node.Free()
+    hosts = comm.allgather((leader, MPI.Get_processor_name()))
+    groups: dict = {}
+    for rank, (lead, name) in enumerate(hosts):
+        groups.setdefault((lead, name), []).append(rank)
+    if len({lead for lead, _ in hosts}) > 1:
+        where = "; ".join(f"ranks {ranks} on {name}" for (_, name), ranks in sorted(groups.items()))
+        raise ConfigError(f"mode hybrid: the workers' MPI world spans {len(groups)} hosts ({where}), so the dense "
+                          f"tower's all-reduce crosses the network, neither authenticated nor encrypted: set "
+                          f"security.insecure: true in the workers' config on a network you trust")
+
+
 def make_optimizer(size: int, cfg):
     """The optimizer the servers' dense table runs for ``cfg`` (a ``DenseTableConfig``), over ``size``
     floats: the same construction as ``engine.ps.dense_host._Block``."""

@@ -1,6 +1,7 @@
 """One rank of an MPI world exercising hybrid mode's dense replica (``engine.allreduce.DenseReplica``):
 run as ``mpiexec -n W python tests/hybrid_ranks.py OUT.npz SYNC_STEPS STEPS SIZE [whole|overlap]`` by
-``tests/unit/test_hybrid_mode.py``. Every rank starts from ``initial(size)`` and steps with its own
+``tests/unit/test_hybrid_mode.py`` (and ``... hybrid_ranks.py confined OUT CASES`` by
+``tests/unit/test_hybrid_world_confined.py``). Every rank starts from ``initial(size)`` and steps with its own
 gradients ``grad(step, rank, size)`` through the real all-reduce and optimizer (``overlap``: range by
 range through ``engine.allreduce.OverlappedDenseStep``'s progress thread, as a backward pass reports
 them); rank 0 gathers every rank's parameters (and Adam moments) after every step and saves them as
@@ -98,6 +99,33 @@ def fail(out: str, size: int) -> None:
         comm.Abort(3)
 
 
+def confined(out: str, cases: str) -> None:
+    """``confined``: for each case ``SETS@ENDPOINT`` of ``cases`` (``;``-separated; SETS comma-separated
+    overrides), build the hybrid mode as a worker does (``engine.modes.make_mode`` over configs/ctr.yaml)
+    with a client whose server is at ENDPOINT; write one line per case to ``out.RANK``: ``ok`` or the
+    error's type and message."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from engine.allreduce import world
+    from engine.config import load_config
+    from engine.modes import make_mode
+    comm = world()
+    got = []
+    for case in cases.split(";"):
+        sets, endpoint = case.split("@")
+        cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "ctr.yaml",
+                          ["mode=hybrid", "model.dense_merge_steps=1", f"cluster.workers={comm.size}",
+                           *filter(None, sets.split(","))])
+        client = SimpleNamespace(transport=SimpleNamespace(endpoints=[endpoint]))
+        try:
+            make_mode(cfg, client, rank=comm.rank, num_workers=comm.size)
+            got.append("ok")
+        except Exception as e:   # noqa: BLE001 - reported to the test
+            got.append(f"{type(e).__name__}: {e}")
+    Path(f"{out}.{comm.rank}").write_text("\n".join(got))
+
+
 def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -> None:
     from engine.allreduce import DenseReplica, OverlappedDenseStep, world
     if how.startswith("hang"):
@@ -137,4 +165,6 @@ def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "confined":
+        sys.exit(confined(*sys.argv[2:4]))
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])

@@ -33,7 +33,8 @@ def make_mode(cfg, client, *, rank: int, num_workers: int) -> Mode:
     if cfg.mode == "hybrid":      # imported here: mpi4py initializes MPI on import
         from .hybrid import HybridMode
         return HybridMode(client, dense_tables=cfg.dense_tables, sync_steps=cfg.hybrid.dense_sync_steps,
-                          overlap_buckets=cfg.hybrid.bucket_floats or None, **common)
+                          overlap_buckets=cfg.hybrid.bucket_floats or None, insecure=cfg.security.insecure,
+                          **common)
     raise ConfigError(f"mode must be one of ['sync', 'async', 'geo', 'hybrid'], got {cfg.mode!r}")
 
 

@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from ..allreduce import DenseReplica, OverlappedDenseStep, world
+from ..allreduce import DenseReplica, OverlappedDenseStep, check_world_confined, world
 from ..errors import ConfigError
 from .asynchronous import AsyncMode
 
@@ -80,12 +80,16 @@ class HybridMode(AsyncMode):
         ``hybrid.bucket_floats``: with k = 1, the smallest collective (floats) of the dense step
         overlapped with the backward pass (``OverlappedDenseStep``); None (default): no overlap, the
         whole gradient all-reduced after the pass.
+    insecure : bool
+        ``security.insecure``: without it a world on several hosts, or servers off loopback, is refused
+        (``engine.allreduce.check_world_confined``).
 
     Raises
     ------
     ConfigError
         The MPI world does not match ``--rank`` / ``cluster.workers`` (the worker was not started by
-        the launcher's ``mpiexec``), or mpi4py is missing.
+        the launcher's ``mpiexec``), mpi4py is missing, or the world's traffic leaves the host without
+        ``insecure``.
     """
 
     name = "hybrid"
@@ -94,7 +98,8 @@ class HybridMode(AsyncMode):
     lockstep = True
 
     def __init__(self, client, *, rank: int, num_workers: int, dense_tables: dict, sync_steps: int = 1,
-                 comm=None, barrier_timeout_s: float = 600.0, overlap_buckets: int | None = None):
+                 comm=None, barrier_timeout_s: float = 600.0, overlap_buckets: int | None = None,
+                 insecure: bool = False):
         super().__init__(client, rank=rank, num_workers=num_workers, barrier_timeout_s=barrier_timeout_s)
         self.comm = comm if comm is not None else world()
         if (self.comm.Get_rank(), self.comm.Get_size()) != (rank, num_workers):
@@ -102,6 +107,8 @@ class HybridMode(AsyncMode):
                 f"mode hybrid: this worker is MPI rank {self.comm.Get_rank()} of {self.comm.Get_size()}, but "
                 f"--rank {rank} of cluster.workers={num_workers}: start the workers with one `mpiexec -n "
                 f"{num_workers}` whose rank r runs --rank r (the local launcher does)")
+        # the addresses really used: ENGINE_SERVERS, and a world on several hosts (the config sees neither)
+        check_world_confined(self.comm, insecure=insecure, endpoints=getattr(getattr(client, "transport", None), "endpoints", ()))
         self.dense_tables = dict(dense_tables)
         self.sync_steps = int(sync_steps)
         self.replicas: dict[str, DenseReplica] = {}

@@ -1,0 +1,62 @@
+"""Hybrid mode refuses MPI traffic off this host unless ``security.insecure: true``, judged by the addresses
+really used (``engine.allreduce.check_world_confined``), in real 2-rank ``mpiexec`` worlds.
+
+The config's rule sees ``cluster.host`` and ``cluster.endpoints`` only. A multi-host job as the README
+runs it (servers named in ``ENGINE_SERVERS``, the workers one ``mpiexec -hosts a,b`` world) passed it with
+``cluster.endpoints`` empty and ``cluster.host`` 127.0.0.1: its workers all-reduced the dense tower over
+the hosts' network, unauthenticated and unencrypted, with ``security.insecure: false`` (run across
+network-namespace hosts, 2026-11-30: ``tests/integration/test_hybrid_hosts.py``).
+
+A world "on two hosts" is made here without network namespaces: hydra's ssh launcher with a launcher
+program that runs the proxy locally, for hosts 127.0.0.2 and 127.0.0.3. hydra's host map then puts each
+rank on a host of its own, as on two machines (MPI's shared-memory split sees 1 rank per host).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from engine.launch.mpi import mpiexec_path
+from tests.mpi_worlds import run_mpiexec
+
+REPO = Path(__file__).resolve().parents[2]
+#: hydra's "ssh": ``ssh [opts] HOST CMD...`` -> CMD here (the proxy starts on this machine)
+LOCAL_SSH = '#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done\nshift\nexec sh -c "$*"\n'
+LOOPBACK, REMOTE = "127.0.0.1:7000", "10.9.8.7:7000"
+SPANS = "ConfigError: mode hybrid: the workers' MPI world spans 2 hosts (ranks [0] on "
+OFF = (f"ConfigError: mode hybrid off loopback (server endpoint '{REMOTE}', from ENGINE_SERVERS or "
+       f"cluster.endpoints) needs security.insecure: true")
+
+
+def world(tmp: Path, cases: list[str], *, hosts: bool) -> list[list[str]]:
+    """A 2-rank world (on two "hosts" or one) building the hybrid mode for each ``SETS@ENDPOINT`` case ->
+    per rank, per case: ``ok`` or the error."""
+    where = ["-launcher", "fork"]
+    if hosts:
+        ssh = tmp / "local_ssh.sh"
+        ssh.write_text(LOCAL_SSH)
+        ssh.chmod(0o755)
+        where = ["-launcher", "ssh", "-launcher-exec", str(ssh), "-hosts", "127.0.0.2,127.0.0.3", "-ppn", "1"]
+    out = tmp / f"got-{hosts}"
+    proc = run_mpiexec([mpiexec_path(), *where, "-n", "2", sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
+                        "confined", str(out), ";".join(cases)], cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [Path(f"{out}.{r}").read_text().split("\n") for r in range(2)]
+
+
+def test_a_world_on_two_hosts_needs_security_insecure(tmp_path):
+    for default, insecure, remote in world(tmp_path, [f"@{LOOPBACK}", f"security.insecure=true@{LOOPBACK}",
+                                                      f"@{REMOTE}"], hosts=True):
+        assert default.startswith(SPANS) and "ranks [1] on " in default, default
+        assert "security.insecure: true" in default
+        assert insecure == "ok"
+        assert remote.startswith(OFF), remote
+
+
+def test_servers_that_only_engine_servers_names_off_loopback_need_security_insecure(tmp_path):
+    """The client's endpoints (ENGINE_SERVERS in role mode, which the config never sees) are checked; a
+    world on one host with servers on loopback needs nothing."""
+    for default, remote, insecure in world(tmp_path, [f"@{LOOPBACK}", f"@{REMOTE}", f"security.insecure=true@{REMOTE}"],
+                                           hosts=False):
+        assert default == "ok" and insecure == "ok"
+        assert remote.startswith(OFF), remote
