@@ -117,16 +117,39 @@ def world():
     return MPI.COMM_WORLD
 
 
-def check_world_confined(comm, *, insecure: bool, endpoints=()) -> None:
+def world_hosts(comm) -> list[tuple[int, str]]:
+    """Per rank of ``comm``: (its host's id, the host's name). The id is the lowest world rank on that
+    host (MPI's shared-memory split, which follows the process manager's host map: ``mpiexec -hosts
+    a,b``), the name ``MPI_Get_processor_name``. Collective: every rank calls it at the same point."""
+    from mpi4py import MPI
+    if comm.Get_size() < 2:
+        return [(0, MPI.Get_processor_name())]
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        leader = node.bcast(comm.Get_rank(), root=0)
+    finally:
+        node.Free()
+    return comm.allgather((leader, MPI.Get_processor_name()))
+
+
+def describe_peers(hosts: list[tuple[int, str]], rank: int, most: int = 8) -> str:
+    """The ranks a collective of ``rank`` waits for, with their hosts (``world_hosts``): ``"rank 1 on w1"``,
+    ``"ranks 1 on w1, 2 on w2"`` (the first ``most``, then how many more)."""
+    others = [f"{r} on {name}" + (" (this host)" if lead == hosts[rank][0] else "")
+              for r, (lead, name) in enumerate(hosts) if r != rank]
+    more = f" and {len(others) - most} more" if len(others) > most else ""
+    return ("rank " if len(others) == 1 else "ranks ") + ", ".join(others[:most]) + more
+
+
+def check_world_confined(comm, *, insecure: bool, endpoints=(), hosts=None) -> None:
     """Refuse an MPI world whose traffic leaves this host unless ``security.insecure`` is true: MPI is
     neither authenticated nor encrypted. Collective: every rank of ``comm`` calls it at the same point.
 
     The config's rule (``engine.config``) sees ``cluster.host`` and ``cluster.endpoints`` only; the
     addresses really used are checked here, where the world exists: the servers' endpoints the client
     dialled (``ENGINE_SERVERS`` in role mode, which the config never saw) and the ranks' hosts. A world
-    whose ranks are on more than one host (MPI's shared-memory split, which follows the process
-    manager's host map: ``mpiexec -hosts a,b``) sends the dense tower's all-reduce over the network
-    whatever address the config names.
+    whose ranks are on more than one host sends the dense tower's all-reduce over the network whatever
+    address the config names.
 
     Parameters
     ----------
@@ -136,6 +159,8 @@ def check_world_confined(comm, *, insecure: bool, endpoints=()) -> None:
         ``security.insecure``.
     endpoints : sequence of str
         ``host:port`` of the servers this worker uses (``PSTransport.endpoints``; ``inproc:N`` is local).
+    hosts : list of (int, str), optional
+        ``world_hosts(comm)``, if already gathered (else gathered here).
 
     Raises
     ------
@@ -151,19 +176,12 @@ def check_world_confined(comm, *, insecure: bool, endpoints=()) -> None:
         raise ConfigError(f"mode hybrid off loopback (server endpoint {remote[0]!r}, from ENGINE_SERVERS or "
                           f"cluster.endpoints) needs security.insecure: true: the workers' MPI traffic is neither "
                           f"authenticated nor encrypted")
-    if comm.Get_size() < 2:
-        return
-    from mpi4py import MPI
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        leader = node.bcast(comm.Get_rank(), root=0)       # lowest world rank on this host: the host's id
-    finally:
-        node.Free()
-    hosts = comm.allgather((leader, MPI.Get_processor_name()))
+    if hosts is None:
+        hosts = world_hosts(comm)
     groups: dict = {}
     for rank, (lead, name) in enumerate(hosts):
         groups.setdefault((lead, name), []).append(rank)
-    if len({lead for lead, _ in hosts}) > 1:
+    if len(groups) > 1:
         where = "; ".join(f"ranks {ranks} on {name}" for (_, name), ranks in sorted(groups.items()))
         raise ConfigError(f"mode hybrid: the workers' MPI world spans {len(groups)} hosts ({where}), so the dense "
                           f"tower's all-reduce crosses the network, neither authenticated nor encrypted: set "
@@ -193,6 +211,8 @@ class DenseReplica:
         1: all-reduce the gradients every step; k > 1: average parameters and moments every k steps.
     timeout_s : float, seconds
         Longest wait for one collective.
+    peers : str
+        Who a collective waits for, for the timeout's message (``describe_peers``: "rank 1 on w1").
 
     Attributes
     ----------
@@ -205,7 +225,8 @@ class DenseReplica:
         Wall and CPU time (of the waiting thread) spent in the test-and-yield loop (all collectives so far).
     """
 
-    def __init__(self, params: np.ndarray, cfg, comm, *, sync_steps: int = 1, timeout_s: float = 600.0):
+    def __init__(self, params: np.ndarray, cfg, comm, *, sync_steps: int = 1, timeout_s: float = 600.0,
+                 peers: str = ""):
         if sync_steps < 1:
             raise ConfigError(f"hybrid.dense_sync_steps must be >= 1, got {sync_steps}")
         self.params = np.array(params, np.float32).ravel()
@@ -213,6 +234,7 @@ class DenseReplica:
         self.size = comm.Get_size()
         self.sync_steps = int(sync_steps)
         self.timeout_s = float(timeout_s)
+        self.peers = peers
         self.opt = make_optimizer(len(self.params), cfg)
         self.steps = 0
         self.unsynced = 0            # model averaging: local steps since the last average
@@ -269,14 +291,23 @@ class DenseReplica:
             if waited > self.timeout_s:
                 # no MPI_Cancel: MPI forbids cancelling a collective (MPICH fails "unknown type of
                 # request"); the worker exits non-zero and end_world aborts the world
-                raise CollectiveTimeoutError(f"MPI all-reduce of {len(recv)} floats did not complete within "
-                                             f"{self.timeout_s:g} s (client.barrier_timeout_s): a worker hangs")
+                raise self.timed_out(len(recv))
             nap = backoff(nap, waited)
             time.sleep(nap)
         self.wait_s += time.perf_counter() - t0
         self.wait_cpu_s += time.thread_time() - c0
         self.collectives += 1
         return recv
+
+    def timed_out(self, floats: int) -> CollectiveTimeoutError:
+        """The error of a collective of ``floats`` floats not complete within ``timeout_s``: it names the
+        ranks it waited for and their hosts (``peers``). MPI does not say which of them is missing; a
+        rank on another host may be alive and cut off by the network (a partition between the hosts)."""
+        who = f"waiting for {self.peers}" if self.peers else "waiting for the other workers"
+        return CollectiveTimeoutError(
+            f"MPI all-reduce of {floats} floats did not complete within {self.timeout_s:g} s "
+            f"(client.barrier_timeout_s), {who}: a worker hangs, died without ending the world, or is cut off "
+            f"from this host by the network")
 
     # -------------------------------------------------------------------------------- steps
     def start_step(self, grad: np.ndarray):
@@ -598,9 +629,7 @@ class OverlappedDenseStep:
                     continue
                 waited = time.perf_counter() - started
                 if waited > rep.timeout_s:      # no MPI_Cancel of a collective (see finish_sum)
-                    self._error = CollectiveTimeoutError(
-                        f"MPI all-reduce of {hi - lo} floats did not complete within {rep.timeout_s:g} s "
-                        f"(client.barrier_timeout_s): a worker hangs")
+                    self._error = rep.timed_out(hi - lo)
                     self._account(c0)
                     self._done.set()
                     return

@@ -44,9 +44,10 @@ def hang(out: str, size: int, how: str) -> None:
 
     from mpi4py import MPI
 
-    from engine.allreduce import CollectiveTimeoutError, DenseReplica, OverlappedDenseStep
+    from engine.allreduce import CollectiveTimeoutError, DenseReplica, OverlappedDenseStep, describe_peers, world_hosts
     comm = MPI.COMM_WORLD
-    rep = DenseReplica(initial(size), table_config(), comm, timeout_s=2.0)
+    rep = DenseReplica(initial(size), table_config(), comm, timeout_s=2.0,
+                       peers=describe_peers(world_hosts(comm), comm.rank))     # as engine.modes.hybrid does
     ov = OverlappedDenseStep(rep, bucket_floats=size // 4) if how == "hang-overlap" else None
     t0 = time.perf_counter()
     try:

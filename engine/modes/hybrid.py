@@ -57,7 +57,8 @@ import time
 
 import numpy as np
 
-from ..allreduce import DenseReplica, OverlappedDenseStep, check_world_confined, world
+from ..allreduce import (DenseReplica, OverlappedDenseStep, check_world_confined, describe_peers, world,
+                          world_hosts)
 from ..errors import ConfigError
 from .asynchronous import AsyncMode
 
@@ -107,8 +108,11 @@ class HybridMode(AsyncMode):
                 f"mode hybrid: this worker is MPI rank {self.comm.Get_rank()} of {self.comm.Get_size()}, but "
                 f"--rank {rank} of cluster.workers={num_workers}: start the workers with one `mpiexec -n "
                 f"{num_workers}` whose rank r runs --rank r (the local launcher does)")
+        hosts = world_hosts(self.comm)
         # the addresses really used: ENGINE_SERVERS, and a world on several hosts (the config sees neither)
-        check_world_confined(self.comm, insecure=insecure, endpoints=getattr(getattr(client, "transport", None), "endpoints", ()))
+        check_world_confined(self.comm, insecure=insecure, hosts=hosts,
+                             endpoints=getattr(getattr(client, "transport", None), "endpoints", ()))
+        self.peers = describe_peers(hosts, rank)    # named when an all-reduce times out
         self.dense_tables = dict(dense_tables)
         self.sync_steps = int(sync_steps)
         self.replicas: dict[str, DenseReplica] = {}
@@ -135,7 +139,7 @@ class HybridMode(AsyncMode):
         self.barrier(f"init-dense-{table}")
         state = self.client.pull_dense_state(table)
         rep = DenseReplica(state.params, self.dense_tables[table], self.comm, sync_steps=self.sync_steps,
-                           timeout_s=self.barrier_timeout_s)
+                           timeout_s=self.barrier_timeout_s, peers=self.peers)
         rep.load_state(state)
         self.replicas[table] = rep
         return rep.params.copy()
