@@ -85,9 +85,30 @@ def cma_refused() -> str | None:
     return errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
 
 
+def confine_one_host_world(env=os.environ) -> bool:
+    """Before MPI starts in a rank of a world that hydra says is all on this host (``MPI_LOCALNRANKS``
+    equal to ``PMI_SIZE``, both set by hydra's proxy): confine the ranks' listeners to loopback
+    (``engine.launch.mpi.LOOPBACK_ONLY``) unless the user set one of those variables -> whether it did.
+
+    The local launcher sets them for its world (``loopback_env``); a world started by the user's own
+    ``mpiexec -n W`` on one host (role mode) did not get them, and each rank's UCX listened on the
+    machine's network address too (2026-11-30: ``ss -ltnp`` under ``mpiexec -n 2``), open to anyone who
+    reaches the host, for traffic that is neither authenticated nor encrypted, while the config's
+    addresses were all loopback. A world on several hosts is left alone (it needs the network)."""
+    from .launch.mpi import LOOPBACK_ONLY
+    local, size = env.get("MPI_LOCALNRANKS"), env.get("PMI_SIZE")
+    if not local or local != size or any(k in env for k in LOOPBACK_ONLY):
+        return False
+    env.update(LOOPBACK_ONLY)
+    return True
+
+
 def world():
     """``mpi4py.MPI.COMM_WORLD`` (imports mpi4py, which initializes MPI: a singleton world of one
     process when not started by ``mpiexec``).
+
+    A world all on this host talks on loopback only (``confine_one_host_world``), as the local
+    launcher's does.
 
     Before MPI starts, ``cma_refused`` probes ``process_vm_readv``: where it is refused and the user has
     not set ``MPIR_CVAR_CH4_CMA_ENABLE`` (which is then obeyed), CMA is switched off for this process
@@ -100,6 +121,8 @@ def world():
     ConfigError
         mpi4py or its MPI library is missing.
     """
+    if "mpi4py.MPI" not in sys.modules:
+        confine_one_host_world()
     if CMA_CVAR not in os.environ and "mpi4py.MPI" not in sys.modules:
         why = cma_refused()
         if why is not None:

@@ -1,6 +1,6 @@
 """One rank of an MPI world exercising hybrid mode's dense replica (``engine.allreduce.DenseReplica``):
 run as ``mpiexec -n W python tests/hybrid_ranks.py OUT.npz SYNC_STEPS STEPS SIZE [whole|overlap]`` by
-``tests/unit/test_hybrid_mode.py`` (and ``... hybrid_ranks.py confined OUT CASES`` by
+``tests/unit/test_hybrid_mode.py`` (and ``... hybrid_ranks.py confined OUT CASES`` and ``listeners OUT`` by
 ``tests/unit/test_hybrid_world_confined.py``). Every rank starts from ``initial(size)`` and steps with its own
 gradients ``grad(step, rank, size)`` through the real all-reduce and optimizer (``overlap``: range by
 range through ``engine.allreduce.OverlappedDenseStep``'s progress thread, as a backward pass reports
@@ -127,6 +127,22 @@ def confined(out: str, cases: str) -> None:
     Path(f"{out}.{comm.rank}").write_text("\n".join(got))
 
 
+def listeners(out: str) -> None:
+    """``listeners``: start MPI as a worker does (``engine.allreduce.world``), all-reduce once (the ranks
+    connect), and write the addresses this rank listens on to ``out.RANK``, one per line."""
+    import psutil
+
+    from engine.allreduce import world
+    comm = world()
+    a = np.ones(1 << 16, np.float32)
+    comm.Allreduce(a.copy(), a)
+    held = sorted({f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process().net_connections("tcp")
+                   if c.status == psutil.CONN_LISTEN})
+    with open(f"{out}.{comm.rank}", "w") as f:
+        f.write("\n".join(held))
+    comm.Barrier()
+
+
 def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -> None:
     from engine.allreduce import DenseReplica, OverlappedDenseStep, world
     if how.startswith("hang"):
@@ -166,6 +182,8 @@ def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "listeners":
+        sys.exit(listeners(sys.argv[2]))
     if sys.argv[1] == "confined":
         sys.exit(confined(*sys.argv[2:4]))
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])

@@ -13,10 +13,12 @@ rank on a host of its own, as on two machines (MPI's shared-memory split sees 1 
 """
 from __future__ import annotations
 
+import ipaddress
+import os
 import sys
 from pathlib import Path
 
-from engine.launch.mpi import mpiexec_path
+from engine.launch.mpi import LOOPBACK_ONLY, mpiexec_path
 from tests.mpi_worlds import run_mpiexec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,3 +62,19 @@ def test_servers_that_only_engine_servers_names_off_loopback_need_security_insec
                                            hosts=False):
         assert default == "ok" and insecure == "ok"
         assert remote.startswith(OFF), remote
+
+
+def test_a_world_on_one_host_under_the_users_own_mpiexec_listens_on_loopback_only(tmp_path):
+    """Role mode on one host (``mpiexec -n 2 ... engine train --role worker``), not the local launcher,
+    which sets ``UCX_NET_DEVICES=lo`` itself: each rank's UCX listened on the machine's network address
+    too (192.0.2.2 here, 2026-11-30). Now the rank confines itself (``confine_one_host_world``); hydra's
+    own control port (0.0.0.0, inherited by the ranks) binds every interface by design (README)."""
+    env = {k: v for k, v in os.environ.items() if k not in LOOPBACK_ONLY}
+    out = tmp_path / "listen"
+    proc = run_mpiexec([mpiexec_path(), "-n", "2", sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
+                        "listeners", str(out)], cwd=REPO, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held = [a for r in range(2) for a in Path(f"{out}.{r}").read_text().split("\n") if a]
+    assert any(a.startswith("127.") for a in held), held      # the ranks' own listeners were seen
+    off = [a for a in held if not (ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback or a.startswith("0.0.0.0:"))]
+    assert not off, f"MPI ranks listen off loopback: {off}"
