@@ -429,6 +429,11 @@ class DenseReplica:
             self.finish_average(self.start_average())
 
 
+#: seconds a rank waits in ``MPI_Abort`` before it ends itself (``end_world``): the abort completes in
+#: milliseconds when mpiexec is reachable
+ABORT_GRACE_S = 5
+
+
 def end_world(code: int, error: BaseException | None = None) -> None:
     """Called by the worker's CLI with its exit ``code`` just before it exits: on failure (not 0, not a
     preemption, which every rank takes at the same meeting) abort the MPI world, so mpiexec ends every
@@ -438,7 +443,11 @@ def end_world(code: int, error: BaseException | None = None) -> None:
 
     ``error`` is the exception the worker is failing with, if any: its traceback goes into the log line
     here, because the abort ends the process before Python would print it (the worker's log then held
-    the abort and no reason)."""
+    the abort and no reason).
+
+    The abort waits for the process manager; where it cannot reach ``mpiexec`` (a partition between the
+    hosts) the process ends itself after ``ABORT_GRACE_S`` (SIGALRM), instead of waiting as long as the
+    partition lasts."""
     from .preempt import EXIT_PREEMPTED
     mpi = sys.modules.get("mpi4py.MPI")
     if code in (0, EXIT_PREEMPTED) or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
@@ -457,6 +466,12 @@ def end_world(code: int, error: BaseException | None = None) -> None:
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()
+        # MPI_Abort asks the process manager to end the world and waits for it to end this process: a rank
+        # whose host lost the network to mpiexec's waited there for as long as the partition lasted (its
+        # world long gone, the process alive), 2026-11-30. SIGALRM's default action ends the process
+        # after ABORT_GRACE_S whatever MPI does (nothing in the engine handles SIGALRM)
+        import signal
+        signal.alarm(ABORT_GRACE_S)
         mpi.COMM_WORLD.Abort(code)
 
 

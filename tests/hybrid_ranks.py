@@ -1,6 +1,6 @@
 """One rank of an MPI world exercising hybrid mode's dense replica (``engine.allreduce.DenseReplica``):
 run as ``mpiexec -n W python tests/hybrid_ranks.py OUT.npz SYNC_STEPS STEPS SIZE [whole|overlap]`` by
-``tests/unit/test_hybrid_mode.py`` (and ``... hybrid_ranks.py confined OUT CASES`` and ``listeners OUT`` by
+``tests/unit/test_hybrid_mode.py`` (and ``... hybrid_ranks.py confined OUT CASES`` ``listeners OUT`` and ``abort OUT`` by
 ``tests/unit/test_hybrid_world_confined.py``). Every rank starts from ``initial(size)`` and steps with its own
 gradients ``grad(step, rank, size)`` through the real all-reduce and optimizer (``overlap``: range by
 range through ``engine.allreduce.OverlappedDenseStep``'s progress thread, as a backward pass reports
@@ -143,6 +143,25 @@ def listeners(out: str) -> None:
     comm.Barrier()
 
 
+def abort(out: str) -> None:
+    """``abort``: rank 1 writes its pid to ``out.pid``, waits for the file ``out.go``, then fails as a
+    worker does (``engine.allreduce.end_world``, which aborts the world); rank 0 waits."""
+    import os
+    import time
+    from pathlib import Path
+
+    from engine.allreduce import end_world, world
+    comm = world()
+    comm.Barrier()
+    if comm.rank == 1:
+        Path(f"{out}.pid").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not Path(f"{out}.go").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        end_world(1, RuntimeError("injected failure"))
+    time.sleep(60)
+
+
 def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -> None:
     from engine.allreduce import DenseReplica, OverlappedDenseStep, world
     if how.startswith("hang"):
@@ -182,6 +201,8 @@ def main(out: str, sync_steps: int, steps: int, size: int, how: str = "whole") -
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "abort":
+        sys.exit(abort(sys.argv[2]))
     if sys.argv[1] == "listeners":
         sys.exit(listeners(sys.argv[2]))
     if sys.argv[1] == "confined":

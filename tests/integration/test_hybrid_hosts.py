@@ -12,7 +12,8 @@ messages through shared memory: a cut network then stops nothing but hydra's out
 
 - A partition between the workers' hosts (the server reachable from both) longer than
   ``client.barrier_timeout_s``: each rank's all-reduce fails after that bound naming the rank it waited
-  for on the other host, the world ends, and restarted it trains once the partition heals: the servers
+  for on the other host, the world ends (the far rank, whose ``MPI_Abort`` cannot reach ``mpiexec``,
+  ends itself after ``ABORT_GRACE_S``), and restarted it trains once the partition heals: the servers
   are rolled back to the newest checkpoint and every example is counted once (the servers' show counts
   equal those of the same job run without a fault).
 - A partition of 4 s, shorter than the bound: MPICH's TCP connection rides it out (no restart) with the
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.allreduce import ABORT_GRACE_S
 from engine.checkpoint import CheckpointManager
 from engine.launch.mpi import mpiexec_path
 from tests.integration.test_chaos_offline import args, run
@@ -141,6 +143,21 @@ class HybridHosts:
         assert shows(final["checkpoint"]) == float((self.ref / "shows").read_text()), final
 
 
+def workers_on(hosts: TestHosts, host: str) -> list[int]:
+    """Pids of the engine workers running in ``host``'s namespace."""
+    out = subprocess.run(["ip", "netns", "pids", hosts.ns(host)], capture_output=True, text=True, timeout=20).stdout
+    found = []
+    for pid in out.split():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"engine" in argv and b"--role" in argv and state != "Z":
+            found.append(int(pid))
+    return found
+
+
 def test_a_partition_between_the_workers_hosts_fails_the_all_reduce_in_its_bound_and_the_world_restarts(
         reference, tmp_path):
     require_netns()
@@ -155,7 +172,13 @@ def test_a_partition_between_the_workers_hosts_fails_the_all_reduce_in_its_bound
             cut_pair(hosts, "w0", "w1")
             until(lambda: world.codes, "the world ends in the partition", timeout_s=BOUND_S + 60, every_s=0.1)
             ended = time.monotonic() - cut_at
-            time.sleep(5.0)                     # the restarted world cannot form across the partition meanwhile
+            # the rank on w1 aborted too, and MPI_Abort waits for mpiexec, which it cannot reach: it ends
+            # itself after ABORT_GRACE_S (it lived as long as the partition); the restarted world cannot
+            # form across the partition meanwhile, so no worker runs on w1 then
+            until(lambda: not workers_on(hosts, "w1"), "the aborted rank on w1 ends", timeout_s=ABORT_GRACE_S + 15,
+                  every_s=0.1)
+            time.sleep(3.0)
+            assert not workers_on(hosts, "w1")
             heal_pair(hosts, "w0", "w1")
             world.thread.join(300)
             assert world.codes[-1] == 0 and len(world.codes) == 2, (world.codes, job.logs())

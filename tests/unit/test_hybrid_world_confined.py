@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from engine.launch.mpi import LOOPBACK_ONLY, mpiexec_path
-from tests.mpi_worlds import run_mpiexec
+from tests.mpi_worlds import run_mpiexec, topology_files
+from tests.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
 #: hydra's "ssh": ``ssh [opts] HOST CMD...`` -> CMD here (the proxy starts on this machine)
@@ -78,3 +82,41 @@ def test_a_world_on_one_host_under_the_users_own_mpiexec_listens_on_loopback_onl
     assert any(a.startswith("127.") for a in held), held      # the ranks' own listeners were seen
     off = [a for a in held if not (ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback or a.startswith("0.0.0.0:"))]
     assert not off, f"MPI ranks listen off loopback: {off}"
+
+
+def test_a_rank_whose_abort_cannot_reach_mpiexec_ends_itself(tmp_path):
+    """A failing worker aborts its world (``end_world``); ``MPI_Abort`` then waits for hydra to end the
+    process. Across a partition between the hosts hydra's proxy cannot reach ``mpiexec``, and the rank
+    stayed alive for as long as the partition lasted (seen across netns hosts, 2026-11-30). Here mpiexec
+    is stopped (SIGSTOP) instead, the same for the rank: it must end within ``ABORT_GRACE_S``."""
+    from engine.allreduce import ABORT_GRACE_S
+    out = tmp_path / "abort"
+    proc = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, str(REPO / "tests" / "hybrid_ranks.py"),
+                             "abort", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    pid_file = Path(f"{out}.pid")
+    held = []
+    try:
+        until(lambda: (pid_file.exists() and pid_file.read_text()) or proc.poll() is not None, "rank 1 started",
+              timeout_s=60, every_s=0.02)
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        pid = int(pid_file.read_text())
+        held = topology_files(proc.pid)                    # hydra leaves it behind when killed: removed below
+        os.kill(proc.pid, signal.SIGSTOP)                  # mpiexec hears nothing from now on
+        Path(f"{out}.go").touch()
+        t0 = time.monotonic()
+        until(lambda: not alive(pid), "the aborting rank ends", timeout_s=ABORT_GRACE_S + 15, every_s=0.05)
+        assert time.monotonic() - t0 >= ABORT_GRACE_S - 1      # it waited for mpiexec first
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)                # mpiexec, its proxy and the ranks
+        proc.communicate(timeout=10)
+        for f in held:
+            f.unlink(missing_ok=True)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper is dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
