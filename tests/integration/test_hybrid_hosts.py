@@ -18,6 +18,8 @@ messages through shared memory: a cut network then stops nothing but hydra's out
   equal those of the same job run without a fault).
 - A partition of 4 s, shorter than the bound: MPICH's TCP connection rides it out (no restart) with the
   same counts.
+- A worker cut from the server only (the sparse path) exits 76 naming the server, which aborts the world;
+  started again it trains once the path heals, every example counted once.
 - Without ``security.insecure: true`` such a job is refused (every rank exits 2 naming the server's
   address), although the config names no address off loopback: the servers are named in
   ``ENGINE_SERVERS`` only (``engine.allreduce.check_world_confined``; a world across hosts with servers on
@@ -220,5 +222,35 @@ def test_a_short_partition_is_ridden_out_and_a_world_across_hosts_needs_security
             world.stop()
             job.remove_topology()
         assert world.codes == [0], (world.codes, job.logs())
+        assert "CollectiveTimeoutError" not in job.logs()
+        job.assert_every_example_once()
+
+
+def test_a_worker_cut_from_the_server_only_exits_76_naming_it_and_the_world_restarts(reference, tmp_path):
+    """The sparse path: w1 cannot reach ps0 while w0 reaches both and the workers reach each other. With
+    ``client.barrier_timeout_s`` (60 s here) above ``client.dead_after_s`` and its keepalive grace (6 s,
+    ~11 s), as with the defaults, worker 1 gives the server up first, says so and exits 76, which aborts
+    the world with code 76; started again, the world waits for the path and trains once it heals, every
+    example counted once."""
+    require_netns()
+    patient = ["--set", "client.barrier_timeout_s=60"]
+    with TestHosts(["ps0", "w0", "w1"]) as hosts:
+        job = HybridHosts(hosts, reference, tmp_path)
+        job.start_server(*INSECURE, *FAULTS)
+        world = job.world(*INSECURE, *FAULTS, *patient)
+        try:
+            job.first_checkpoint(world)
+            time.sleep(1.0)
+            cut_pair(hosts, "w1", "ps0")
+            until(lambda: world.codes, "the world ends", timeout_s=120, every_s=0.1)
+            time.sleep(3.0)
+            heal_pair(hosts, "w1", "ps0")
+            world.thread.join(300)
+        finally:
+            world.stop()
+            job.remove_topology()
+        assert world.codes == [76, 0], (world.codes, job.logs())
+        w1 = (tmp_path / "w1.log").read_text(errors="replace")
+        assert f"worker 1: server ps0:{PORT} is unreachable" in w1 and "exiting with code 76" in w1, w1[-3000:]
         assert "CollectiveTimeoutError" not in job.logs()
         job.assert_every_example_once()
