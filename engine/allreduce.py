@@ -12,10 +12,15 @@ completed without MPICH's busy wait.
   completes a request rather than ``MPI_Wait``, which busy-polls a core a small machine's server needs.
 - ``OverlappedDenseStep``: the all-reduce and the optimizer step range by range beside the backward
   pass, on a progress thread (PyTorch DDP's gradient buckets).
-- ``end_world``: a failing worker aborts the world, so mpiexec ends every rank at once.
+- ``end_world``: a failing worker aborts the world, so mpiexec ends every rank at once (a rank that
+  cannot reach mpiexec ends itself after ``ABORT_GRACE_S``).
+- ``world_hosts``, ``check_world_confined``, ``confine_one_host_world``: where the ranks are, and the
+  rule that MPI traffic leaves the host only with ``security.insecure`` (judged by the addresses really
+  used); a world all on one host listens on loopback only.
 
 Faults: a collective that does not complete within its timeout (a peer hangs) raises
-``CollectiveTimeoutError``; a peer that dies ends the MPI world (``mpiexec``).
+``CollectiveTimeoutError`` naming the ranks it waited for and their hosts; a peer that dies ends the MPI
+world (``mpiexec``).
 """
 from __future__ import annotations
 

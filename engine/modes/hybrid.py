@@ -49,7 +49,9 @@ moments and bias correction as the job that wrote it; async mode's checkpoints r
 A fresh job starts from rank 0's initial parameters with zero moments and t = 0, as before.
 
 MPI traffic is neither authenticated nor encrypted: off loopback the config refuses this mode unless
-``security.insecure: true`` (``engine.config``).
+``security.insecure: true`` (``engine.config``), and so does every worker for the addresses it really
+uses: servers named in ``ENGINE_SERVERS``, a world whose ranks are on several hosts
+(``engine.allreduce.check_world_confined``).
 """
 from __future__ import annotations
 
