@@ -137,7 +137,7 @@ def test_ranks_whose_seccomp_profile_refuses_process_vm_readv_all_reduce_without
     probed = _under_seccomp(cmd, env)
     out = probed.stdout[-2000:] + probed.stderr[-3000:]
     assert probed.returncode == 0, out
-    assert probed.stderr.count(f"process_vm_readv is refused in this process (EPERM") == 2, out   # each rank
+    assert probed.stderr.count("process_vm_readv is refused in this process (EPERM") == 2, out   # each rank
     assert f"{CMA_CVAR}=0 is set" in probed.stderr, out
     with np.load(tmp_path / "probed.npz") as z:
         params = z["params"]
