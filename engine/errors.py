@@ -3,6 +3,8 @@ the standard hierarchy still catch them; each message names what was wrong and w
 server, shard, request id)."""
 from __future__ import annotations
 
+from hdfs_io.errors import StorageUnavailableError
+
 
 class EngineError(Exception):
     """Base class of every error the engine raises."""
@@ -95,6 +97,28 @@ class RestoreMismatchError(RequestRejectedError):
 
     #: what the refusal's message starts with (the server's ``HostError``; the client maps it to this class)
     MARKER = "checkpoint does not fit"
+
+
+class CheckpointStorageError(RemoteError, StorageUnavailableError):
+    """A server could not write or read a checkpoint's files: their storage failed (FAILED_PRECONDITION
+    "checkpoint storage error": S3 or HDFS down or silent through ``hdfs_io``'s retries, a full or
+    read-only disk, access refused). The message names the server, the operation (``save`` / ``load``)
+    and the checkpoint, then the storage call and the file that failed. A Save published nothing and
+    cleared the server's delta lineage (the next checkpoint is a base); a Load changed no table.
+
+    Also an ``hdfs_io.StorageUnavailableError`` (an ``OSError``): ``engine train`` ends on it with one line
+    saying how to continue once the storage answers, never a traceback, whichever role met it. Not
+    retried by the client: the server already retried every storage call."""
+
+    #: what the server's message starts with (its ``HostError``; the client maps it to this class)
+    MARKER = "checkpoint storage error"
+
+    def __init__(self, code: str, message: str, endpoint: str = ""):
+        RemoteError.__init__(self, code, message, endpoint)
+        self.uri = None
+
+    def __reduce__(self):   # picklable across processes like the other RemoteErrors
+        return (type(self), (self.code, self.message, self.endpoint))
 
 
 class ShardUnavailableError(RemoteError):

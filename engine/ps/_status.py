@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import (
     AccessDeniedError,
+    CheckpointStorageError,
     DeltaParentError,
     GenerationChangedError,
     MessageTooLargeError,
@@ -41,6 +42,8 @@ def typed(e: RemoteError, attempts: int) -> RemoteError:
         return DeltaParentError(e.code, e.message, e.endpoint)
     if e.code == "FAILED_PRECONDITION" and RestoreMismatchError.MARKER in e.message:
         return RestoreMismatchError(e.code, e.message, e.endpoint)
+    if e.code == "FAILED_PRECONDITION" and CheckpointStorageError.MARKER in e.message:
+        return CheckpointStorageError(e.code, e.message, e.endpoint)
     if e.code in _DENIED:
         return AccessDeniedError(e.code, e.message, e.endpoint)
     if e.code in _REJECTED:

@@ -14,7 +14,7 @@ from .. import failpoints
 from ..checkpoint.manifest import kind_of_uri, read_checkpoint_manifest
 from ..checkpoint.reader import CheckpointMismatchError, load_server_parts
 from ..checkpoint.writer import save_server_parts
-from ..errors import RestoreMismatchError
+from ..errors import CheckpointStorageError, RestoreMismatchError
 from ..security.confine import OutsideRootError, confine
 from ..sharding import routing
 from . import ps_pb2 as pb
@@ -32,10 +32,16 @@ class CheckpointHandlers:
         ``HHMM-base`` or ``HHMM-delta[.N]``; see ``engine.checkpoint.writer``). Returns the rows written.
 
         A delta must name the checkpoint this server's changes are counted from as ``req.parent``
-        (``engine.ps.delta_lineage``), else FAILED_PRECONDITION "delta parent mismatch", nothing written."""
+        (``engine.ps.delta_lineage``), else FAILED_PRECONDITION "delta parent mismatch", nothing written.
+        A storage failure (down or silent through ``hdfs_io``'s retries, a full or read-only disk) is
+        FAILED_PRECONDITION "checkpoint storage error" naming the call and the file (``_storage_failed``);
+        the parts it wrote are not published, and only a base is accepted after it."""
         kind = kind_of_uri(confine(req.path, self.checkpoint_root))
         with self.lineage.saving(kind, req.path, req.parent):   # a delta must continue this server's state
-            return self._save(req, kind)
+            try:
+                return self._save(req, kind)
+            except OSError as e:    # the storage's (hdfs_io names the call and the file): no server fault
+                raise _storage_failed(self.index, "save", req.path, e) from None
 
     def _save(self, req: pb.PathRequest, kind: str) -> pb.CountResponse:
         for h in self.sparse.values():      # no checkpoint of a state a failed request may have changed
@@ -80,6 +86,8 @@ class CheckpointHandlers:
             claimed); UNAVAILABLE: a spill store failed (a full disk),
             the new shards' or, for a delta, a live one's (refused before anything is applied). A base
             load replaces live shards whose store had failed: the server is live again.
+            FAILED_PRECONDITION "checkpoint storage error" (``_storage_failed``): the checkpoint's storage
+            failed (down or silent through ``hdfs_io``'s retries, access refused); nothing changed.
         """
         ckpt = self._checkpoint_storage(req.path if trusted else self._confine_load(req.path))
         failpoints.hit("server.load")
@@ -120,6 +128,8 @@ class CheckpointHandlers:
                 raise HostError("FAILED_PRECONDITION", str(e)) from None
             if isinstance(e, SpillError):   # a full disk: the base's new shards are gone (discard)
                 raise HostError("UNAVAILABLE", f"{e}{'; the load was undone' if fresh else ''}") from None
+            if isinstance(e, OSError):      # the checkpoint's storage failed: no table changed
+                raise _storage_failed(self.index, "load", req.path, e) from None
             raise
         if trusted:     # rolling back to this chain later (a client's Load) stays possible
             self.load_roots.append(req.path.rstrip("/").rsplit("/", 2)[0])
@@ -167,3 +177,15 @@ def _check_dense_names(manifest: dict, hosted: list[str], uri: str) -> None:
             f"the model restores: name the checkpoint's table (model.dense_table, tables.dense)")
     for name in sorted(set(held) - set(hosted)):
         log.warning("dense table %r of checkpoint %s is not hosted here; it is not loaded", name, uri)
+
+
+def _storage_failed(server: int, op: str, uri: str, e: OSError) -> HostError:
+    """FAILED_PRECONDITION "checkpoint storage error" (the client's ``CheckpointStorageError``) for a Save
+    or Load of server ``server`` whose storage failed, logged as one WARNING: ``op`` and the checkpoint
+    ``uri``, then the storage call and the file the error names (``hdfs_io`` adds them as notes: pyarrow's
+    own message names neither). Not INTERNAL: not this server's fault, no traceback in its log, and the
+    client does not retry a call that the storage layer already retried."""
+    notes = [n for n in getattr(e, "__notes__", ()) if isinstance(n, str)]
+    detail = f"{type(e).__name__}: {e}" + (f" ({'; '.join(notes)})" if notes else "")
+    log.warning("server %d: %s of %s failed in its storage: %s", server, op, uri, detail)
+    return HostError("FAILED_PRECONDITION", f"{CheckpointStorageError.MARKER}: {op} of {uri} failed: {detail}")
