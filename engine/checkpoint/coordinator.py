@@ -243,16 +243,31 @@ class CheckpointManager:
         ------
         CheckpointCorruptError
             A server's part report is missing or malformed (named); nothing is published.
-        OSError, engine.errors.RemoteError
-            Storage or server failures; nothing is published.
+        hdfs_io.StorageError
+            The checkpoint's storage failed (down or silent through ``hdfs_io``'s retries, a full or
+            read-only disk, access refused): the coordinator's own writes raise
+            ``StorageUnavailableError`` naming the file, a server's ``engine.errors.CheckpointStorageError``
+            (both are ``StorageError``). Nothing is published and the next save is a base.
+        engine.errors.RemoteError
+            Server failures; nothing is published.
         """
         try:
-            return self._save(cluster, kind, when, step, sources, config, extra)
-        except DeltaParentError as e:
-            # another coordinator saved or loaded on these servers since this one's last checkpoint: a
-            # delta from here would lack the rows that went into theirs
-            log.warning("writing a base instead of a delta: %s", e)
-            return self._save(cluster, "base", when, step, sources, config, extra)
+            try:
+                return self._save(cluster, kind, when, step, sources, config, extra)
+            except DeltaParentError as e:
+                # another coordinator saved or loaded on these servers since this one's last checkpoint: a
+                # delta from here would lack the rows that went into theirs
+                log.warning("writing a base instead of a delta: %s", e)
+                return self._save(cluster, "base", when, step, sources, config, extra)
+        except OSError as e:
+            if isinstance(e, (hdfs_io.StorageError, FileExistsError)):   # typed already / another writer's
+                raise
+            # the coordinator's own writes (manifest.json, _SUCCESS) on a full or read-only disk, access
+            # refused: pyarrow's and the OS's errors are plain OSErrors; typed, a role ends on it with one line
+            notes = [n for n in getattr(e, "__notes__", ()) if isinstance(n, str)]
+            raise hdfs_io.StorageUnavailableError(
+                f"checkpoint save under {self.uri} failed, nothing published: {type(e).__name__}: {e}"
+                + (f" ({'; '.join(notes)})" if notes else ""), uri=self.uri) from e
 
     def _save(self, cluster: Cluster, kind: str, when, step: int, sources: dict | None, config: dict | None,
               extra: dict | None) -> dict[str, Any]:

@@ -9,11 +9,13 @@ restart (or ``--resume``) met while the store died ended ``engine train`` with a
 from __future__ import annotations
 
 import socket
+import subprocess
 
 import numpy as np
 import pytest
 
 import hdfs_io
+from engine.checkpoint import CheckpointManager
 from engine.errors import CheckpointStorageError
 from engine.ps import InProcessTransport, PSClient, PSServer
 from sparse_tables import TableConfig
@@ -67,3 +69,36 @@ def test_a_load_from_a_dead_store_names_it_and_changes_nothing(cluster):
     assert f"checkpoint storage error: load of {uri} failed" in str(e), str(e)
     assert "failed after 5 attempts" in str(e) and uri in str(e).split("failed:", 1)[1], str(e)
     np.testing.assert_array_equal(client.pull("emb", keys), live)
+
+
+class _ThenReadOnly:
+    """The client as the coordinator's cluster, whose disk turns read-only once every server wrote its
+    parts: the coordinator's own writes (``manifest.json``, ``_SUCCESS``) meet the read-only disk."""
+
+    def __init__(self, client: PSClient, disk):
+        self.client, self.disk, self.num_servers = client, disk, client.num_servers
+
+    def save(self, uri: str, parent: str = "") -> int:
+        rows = self.client.save(uri, parent)
+        subprocess.run(["mount", "-o", "remount,ro", str(self.disk)], check=True, timeout=30)
+        return rows
+
+
+def test_a_disk_turned_read_only_inside_a_save_names_the_file_and_publishes_nothing(tmp_path, tmpfs):
+    """The coordinator's own failure is typed too (``StorageUnavailableError`` naming the root and the file),
+    so a role ends on it with one line; before, pyarrow's plain OSError and a traceback."""
+    disk = tmpfs("ckpt", 8 << 20)
+    cfg = TableConfig(dim=4, optimizer="sgd", initializer="uniform", num_threads=1)
+    server = PSServer({"emb": cfg}, {}, index=0, num_servers=1, num_vshards=16, local_shards=1)
+    client = PSClient(InProcessTransport([server]))
+    client.push("emb", np.arange(1, 101, dtype=np.uint64), np.ones((100, 4), np.float32))
+    mgr = CheckpointManager(str(disk), "job")
+    with pytest.raises(hdfs_io.StorageUnavailableError) as info:
+        mgr.save(_ThenReadOnly(client, disk), "base", when=0.0)
+    msg = str(info.value)
+    assert f"checkpoint save under {disk}/job failed, nothing published" in msg, msg
+    assert "Read-only file system" in msg and "manifest.json" in msg, msg
+    subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True, timeout=30)
+    assert mgr.latest() is None and not list(disk.rglob("_SUCCESS"))
+    assert mgr.save(client, "delta", when=60.0)["kind"] == "base"     # the store back: the next save, a base
+    assert mgr.latest() is not None
