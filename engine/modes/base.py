@@ -24,13 +24,17 @@ dense ``params/grad : float32[P]``.
 """
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 
 import numpy as np
 
 from .. import failpoints, progress
-from ..errors import ConfigError
+from ..errors import BarrierTimeoutError, ConfigError
 from ..ps.client import PSClient
+
+log = logging.getLogger(__name__)
 
 
 class Mode(ABC):
@@ -169,3 +173,26 @@ class Mode(ABC):
         """Meet every worker at ``name`` (an announced long wait, up to ``barrier_timeout_s``)."""
         with progress.current().phase(f"barrier {name}", self.barrier_timeout_s):
             self.client.barrier(f"{self.name}:{name}", self.num_workers, timeout=self.barrier_timeout_s)
+
+    def barrier_until(self, name: str, timeout_s: float) -> None:
+        """Meet every worker at ``name``, waiting up to ``timeout_s`` seconds even past the servers' cap
+        on one barrier (``server.max_barrier_wait_s``, 600 s by default): the other workers wait this way
+        for rank 0's checkpoint, whose deadline is an hour. Each time a server's cap runs out, the
+        worker's arrival was withdrawn and it arrives again. Not announced: the caller's phase covers it.
+
+        Raises
+        ------
+        BarrierTimeoutError
+            Not every worker arrived within ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + float(timeout_s)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.client.barrier(f"{self.name}:{name}", self.num_workers, timeout=max(left, 1.0))
+                return
+            except BarrierTimeoutError as e:
+                if deadline - time.monotonic() <= 1.0:
+                    raise
+                log.info("worker %d: still waiting at %r past the servers' cap on one barrier (%s); arriving "
+                         "again, %.0f s left", self.rank, name, e.message, deadline - time.monotonic())

@@ -397,7 +397,11 @@ class OnlineTrainer(ctr.CTRTrainer):
                         preempt.publish(self.client, part.name)
             report.mark(f"partition:{part.name}")
             self.consumed = []
-            self.mode.barrier(f"checkpointed-{part.name}")
+            # the others wait for rank 0's checkpoint and export as long as its phase may last, past the
+            # servers' cap on one barrier (barrier_timeout_s would end them first, and the attempt, while
+            # a slow save still writes)
+            with report.phase(f"barrier checkpointed-{part.name}", CHECKPOINT_DEADLINE_S):
+                self.mode.barrier_until(f"checkpointed-{part.name}", CHECKPOINT_DEADLINE_S)
             if self.rank == 0:
                 parts.retire()      # every worker read the decision of this hour before the barrier
             done.append(part.name)

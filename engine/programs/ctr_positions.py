@@ -263,7 +263,8 @@ class AlignedCheckpoints:
                     log.info("checkpoint %s at epoch %d batch %d", self.last_uri, pos.epoch, pos.batch)
                 if stop:
                     preempt.publish(t.client, name)
-            t.client.barrier(f"{t.mode.name}:{name}-done", t.num_workers, timeout=SAVE_TIMEOUT_S)
+            # past the servers' cap on one barrier (max_barrier_wait_s, 600 s): a save may take longer
+            t.mode.barrier_until(f"{name}-done", SAVE_TIMEOUT_S)
         if not force and preempt.decided(t.client, name):    # at the final meeting the job is done anyway
             raise preempt.Preempted(f"preempted at epoch {pos.epoch} batch {pos.batch} (step {t.steps}) after "
                                     f"checkpoint {self.last_uri or 'written by rank 0'}")
