@@ -334,7 +334,11 @@ class CheckpointManager:
         log.info("checkpoint %s published: %s, %d row(s), %d file(s), %.2f s", uri, kind, rows,
                  len(manifest["files"]), seconds)
         if kind == "base":
-            self.prune()
+            try:
+                self.prune()
+            except OSError as e:    # the checkpoint is published: a failed retention must not fail its save
+                log.warning("retention under %s failed after %s was published (the next base's retention tries "
+                            "again): %s: %s", self.uri, uri, type(e).__name__, e)
         return manifest
 
     def _part_report(self, name: str, server: int) -> dict:

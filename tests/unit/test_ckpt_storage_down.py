@@ -102,3 +102,25 @@ def test_a_disk_turned_read_only_inside_a_save_names_the_file_and_publishes_noth
     assert mgr.latest() is None and not list(disk.rglob("_SUCCESS"))
     assert mgr.save(client, "delta", when=60.0)["kind"] == "base"     # the store back: the next save, a base
     assert mgr.latest() is not None
+
+
+def test_a_retention_that_fails_after_the_publish_does_not_fail_the_published_save(tmp_path, tmpfs):
+    """A base is published, then its retention cannot delete the base before it (here a directory busy
+    with a mount inside it, EBUSY through the retries): the save returns the published checkpoint with
+    a warning, and the next base's retention tries again. Before, the save raised although its checkpoint
+    was complete, and worker 0 failed the attempt."""
+    cfg = TableConfig(dim=4, optimizer="sgd", initializer="uniform", num_threads=1)
+    server = PSServer({"emb": cfg}, {}, index=0, num_servers=1, num_vshards=16, local_shards=1)
+    client = PSClient(InProcessTransport([server]))
+    keys = np.arange(1, 101, dtype=np.uint64)
+    client.push("emb", keys, np.ones((100, 4), np.float32))
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), "job", keep_bases=1)
+    first = mgr.save(client, "base", when=0.0)["name"]
+    tmpfs(f"ckpt/job/{first}/held", 1 << 20)          # the old base cannot be deleted while it is mounted
+    client.push("emb", keys, np.ones((100, 4), np.float32))
+    second = mgr.save(client, "base", when=60.0)
+    assert mgr.latest().name == second["name"] != first
+    fresh = PSServer({"emb": cfg}, {}, index=0, num_servers=1, num_vshards=16, local_shards=1)
+    fresh_client = PSClient(InProcessTransport([fresh]))
+    CheckpointManager(str(tmp_path / "ckpt"), "job").restore(fresh_client)
+    np.testing.assert_array_equal(fresh_client.pull("emb", keys), client.pull("emb", keys))
