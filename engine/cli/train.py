@@ -116,12 +116,13 @@ def _role_from_env(args) -> str | None:
     return None
 
 
-def resume_command(args) -> str:
+def resume_command(args, *, resume: str | None = "") -> str:
     """The command line that continues this launcher's job from its newest checkpoint: the same config,
     ``--set`` overrides, ``--launcher`` and ``--until`` (``checkpoint.root``/``job`` may be among the
     overrides: without them ``--resume`` would look in another job's root), then ``--resume``. An inline
     storage secret given with ``--set`` (``StorageConfig.SECRETS``) is not repeated (the line goes to logs):
-    its value reads ``<as before>``."""
+    its value reads ``<as before>``. ``resume``: "" ends the line with ``--resume``, a URI with ``--resume
+    URI``, None with neither (the job's own command, to run it again)."""
     import shlex
 
     from ..config import StorageConfig
@@ -134,7 +135,7 @@ def resume_command(args) -> str:
         cmd += ["--launcher", args.launcher]
     if args.until:
         cmd += ["--until", args.until]
-    return shlex.join(cmd + ["--resume"])
+    return shlex.join(cmd + ([] if resume is None else ["--resume"] + ([resume] if resume else [])))
 
 
 def _check_flags(args) -> None:
@@ -268,6 +269,8 @@ def _run(args) -> int:
     except StorageError as e:           # unreachable after hdfs_io's retries (e.g. at a restart's look-up)
         then = (f"continue with: {resume_command(args)}" if not args.role else
                 "its scheduler restarts this role")
+        if getattr(e, "nothing_trained", False):        # the job never started training: the same command
+            then = f"run it again: {resume_command(args, resume=args.resume)}"
         print(f"engine train: checkpoint storage failed: {e}; what the newest complete checkpoint holds is "
               f"kept: once the storage answers, {then}", file=sys.stderr)
         return 1

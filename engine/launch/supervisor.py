@@ -119,7 +119,12 @@ class Supervisor:
         self.requested = resume
         # the recovery rule's lineage: checkpoints named above the floor were written by this job; the
         # origin is what its first attempt restored ("" nothing, None: its restore has not completed)
-        self.floor = ckpt_job.newest_name_or_none(cfg)
+        self.floor, self.floor_known = None, True
+        try:
+            self.floor = ckpt_job.newest_name(cfg)
+        except Exception as e:  # noqa: BLE001 - the store may answer again: read once more before training
+            log.warning("cannot list the job's checkpoints (%s); reading them again before the workers start", e)
+            self.floor_known = False
         self.origin: str | None = None
         # the job root of an explicit --resume URI (its chain's base and deltas lie below it)
         self.first_resume = ckpt_job.manager_for(cfg, resume)[0].uri if resume else ""
@@ -223,6 +228,31 @@ class Supervisor:
                     target[0] if target else ("the beginning (no checkpoint yet)" if self.resume is None
                                               else f"--resume {self.resume or '(the newest)'} again"), lost)
 
+    def _floor_before_training(self) -> None:
+        """The job root could not be listed when the job started: list it now, while nothing of this job
+        is written yet (its workers write its checkpoints), so the floor still tells the job's own
+        checkpoints from an earlier run's. Without it a restart would restore the root's newest checkpoint,
+        an earlier run's model, as the job's own.
+
+        Raises
+        ------
+        hdfs_io.StorageError
+            Still unreadable (after ``hdfs_io``'s retries): the job ends before its workers start, nothing
+            trained (the message says so; ``nothing_trained`` is set).
+        """
+        try:
+            self.floor = ckpt_job.newest_name(self.cfg)
+        except OSError as e:
+            from hdfs_io import StorageUnavailableError
+            err = StorageUnavailableError(
+                f"the job's checkpoints cannot be listed before its workers start, so a restart could not tell "
+                f"them from an earlier run's; nothing was trained ({type(e).__name__}: {e})",
+                uri=getattr(e, "uri", None))
+            err.nothing_trained = True
+            raise err from e
+        self.floor_known = True
+        log.info("the job's checkpoints listed: its own are named above %s", self.floor or "nothing (none yet)")
+
     def _attempt(self, cluster: LocalCluster) -> list[dict]:
         cfg, program = self.cfg, self.program
         own_checkpoints = getattr(program, "WRITES_CHECKPOINTS", False)
@@ -240,6 +270,8 @@ class Supervisor:
                 cluster.write_config(state["cfg"])
             if self.origin is None:
                 self.origin = state["cfg"].checkpoint.restored or ""
+            if not self.floor_known:
+                self._floor_before_training()
             if state["cfg"].checkpoint.enabled and not own_checkpoints:
                 state["periodic"] = ckpt_job.Periodic(state["cfg"], cluster.endpoints)
             cluster.start_workers()

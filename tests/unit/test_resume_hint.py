@@ -36,3 +36,13 @@ def test_inline_storage_secrets_are_not_repeated():
     assert "AKIAEXAMPLE" not in cmd and "s3cr3t" not in cmd
     assert shlex.split(cmd)[3:9] == ["--set", "storage.access_key=<as before>", "--set",
                                      "storage.secret_key=<as before>", "--set", "storage.region=eu"]
+
+
+def test_the_same_command_again_for_a_job_that_never_trained():
+    """A job that ended before its workers started (its checkpoints could not be listed) is told to run
+    the same command again: with its own --resume (none, or the URI it named), not a plain --resume that
+    would restore the root's newest checkpoint, perhaps an earlier run's."""
+    fresh = _build_parser().parse_args(["train", "configs/ctr.yaml", "--set", "model.epochs=3"])
+    assert resume_command(fresh, resume=fresh.resume) == "engine train configs/ctr.yaml --set model.epochs=3"
+    named = _build_parser().parse_args(["train", "configs/ctr.yaml", "--resume", "s3://b/ck/job/20240101/0100-base"])
+    assert resume_command(named, resume=named.resume).endswith("--resume s3://b/ck/job/20240101/0100-base")
