@@ -464,7 +464,9 @@ def end_world(code: int, error: BaseException | None = None) -> None:
                 reason = f" ({type(error).__name__}: {error})"
             except Exception:           # noqa: BLE001 - an exception whose str fails must not stop the abort
                 reason = f" ({type(error).__name__})"
-        then = "the launcher ends the job (a config or input error)" if code == 2 else "the launcher restarts the job"
+        # the local launcher, or in role mode whoever ran mpiexec (a scheduler, an MPI operator), reads the code
+        then = ("a config or input error: the job ends, not restarted" if code == 2 else
+                "the local launcher, or the scheduler that ran mpiexec, restarts the job")
         log.error("worker %d: exiting with code %d%s: aborting the MPI world (mpiexec ends every worker; %s)",
                   mpi.COMM_WORLD.Get_rank(), code, reason, then,
                   exc_info=(type(error), error, error.__traceback__) if error is not None else None)
