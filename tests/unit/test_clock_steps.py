@@ -92,7 +92,8 @@ def test_aligned_checkpoints_keep_their_period_across_a_backward_wall_clock_step
     monkeypatch.setattr(ctr_positions, "time", clock)
     trainer = SimpleNamespace(ctx=SimpleNamespace(config=cfg), cfg=cfg.model.params, rank=0, num_workers=1,
                               client=client, steps=0, _drain=lambda: None,
-                              mode=SimpleNamespace(name="async", barrier=lambda name: None))
+                              mode=SimpleNamespace(name="async", barrier=lambda name: None,
+                                                       barrier_until=lambda name, timeout_s: None))
     ck = AlignedCheckpoints(trainer)
     ck.meet(Position(0, 0), force=True)      # the first checkpoint: a base
     clock.step(-7200.0)

@@ -5,7 +5,10 @@ moves; nothing at all once closed.
 
 Time passes by ``elapse``, which moves the report's timestamps back, so that a loaded machine (CI runs
 the tests on two busy cores) cannot make a deadline pass between two looks; one test waits for real
-time, for the watch thread."""
+time, for the watch thread. For the same reason the liveness judges on an ``AwakeClock`` that never
+counts a stall: the process's own clock leaves out the time its ticker thread was starved (1.2 s seen in
+CI), which took a second off the 1 s margins of ``elapse`` (``tests/unit/test_awake_clock.py`` tests
+that rule)."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine import progress
+from engine import awake, progress
 from engine.liveness import WorkerLiveness
 from engine.ps import inflight
 
@@ -40,7 +43,8 @@ def elapse(reporter: progress.Progress, seconds: float, calls: inflight.InFlight
 
 
 @pytest.fixture
-def live():
+def live(monkeypatch):
+    monkeypatch.setattr(awake, "_clock", awake.AwakeClock(stall_s=float("inf"), start=False))
     made = []
 
     def make(reporter, dead_after_s=DEAD_AFTER_S, calls=None):
