@@ -348,6 +348,17 @@ def group_column_type(path: str, column: str) -> pa.DataType:
     return found
 
 
+def _refuse_uri(key: str, path: str) -> None:
+    """Raise ``ConfigError`` for an object-store URI (``s3://``, ``hdfs://``, ...): the CTR inputs are read
+    from local paths (``pathlib``), so ``s3://bucket/train`` became the relative path ``s3:/bucket/train``
+    and failed as "data path does not exist", exit 2, as if the store were misnamed or down."""
+    if "://" in str(path):
+        raise ConfigError(f"{key}: {path}: training inputs are read from a file system path, not an object "
+                          f"store URI; put them on a volume every worker mounts at the same path (a "
+                          f"PersistentVolume, NFS, or an s3fs/HDFS FUSE mount) and name that path. Checkpoints "
+                          f"and export bundles do go to s3:// and hdfs:// (checkpoint.root)")
+
+
 def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
     """Resolve the data section to ``source: arrow`` with absolute, schema-checked paths; converts or
     generates when needed (see the module docstring).
@@ -368,8 +379,11 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
                 raise ConfigError(f"{key}: '-' (stdin) cannot be a split of a CTR job: the launcher counts and "
                                   f"checks the rows before any worker starts, and every worker reads its shard "
                                   f"in every epoch; write the stream to a file or directory and name that")
+            _refuse_uri(key, path)
     else:
         key = "model.data.criteo_path"
+        if cfg.source != "generated":
+            _refuse_uri(key, cfg.criteo_path)
         if cfg.source == "generated":
             inputs, key = _generated(cfg), "model.data.generated_rows"
         else:
