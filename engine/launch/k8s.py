@@ -244,9 +244,13 @@ def pod_config(cfg: EngineConfig) -> tuple[EngineConfig, list[str]]:
                               f"arrow with model.data.train_path and test_path on storage every worker reaches "
                               f"(convert first with `engine convert criteo`)")
         for key in ("train_path", "test_path"):
-            if "://" not in getattr(data, key):
-                warnings.append(f"model.data.{key} {getattr(data, key)!r} is a local path: every worker pod must "
-                                f"mount it (a volume you add to the worker Job), or use s3:// or hdfs://")
+            if "://" in getattr(data, key):        # the workers read their inputs from file system paths only
+                raise ConfigError(f"model.data.{key}: {getattr(data, key)}: training inputs are read from a file "
+                                  f"system path, not an object store URI; put them on a volume every worker pod "
+                                  f"mounts at the same path (a PersistentVolume, NFS, or an s3fs/HDFS FUSE mount, "
+                                  f"added to the worker Job) and name that path")
+            warnings.append(f"model.data.{key} {getattr(data, key)!r}: every worker pod must mount it at that path "
+                            f"(a volume you add to the worker Job; the manifests do not mount it)")
     root = cfg.checkpoint.root
     if root and "://" not in root:
         if not getattr(cfg.checkpoint, "shared", False):

@@ -23,8 +23,8 @@ CTR = str(REPO / "configs" / "ctr.yaml")
 IMAGE = "registry.example/sparse-engine:1.0"
 #: the oldest version with everything used GA (podFailurePolicy: 1.31) and the newest the validator knows
 VERSIONS = ("1.31", kubernetes_validate.latest_version())
-DATA = ("model.data.source=arrow", "model.data.train_path=s3://bucket/criteo/train",
-        "model.data.test_path=s3://bucket/criteo/test", "checkpoint.root=s3://bucket/ckpt")
+DATA = ("model.data.source=arrow", "model.data.train_path=/data/criteo/train",
+        "model.data.test_path=/data/criteo/test", "checkpoint.root=s3://bucket/ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +141,17 @@ def test_insecure_keeps_the_security_that_is_configured(creds, keep):
     assert ("in plaintext" in warning) == (keep == "token"), warning
     for obj in m.files.values():
         kubernetes_validate.validate(obj, VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("key", ["train_path", "test_path"])
+def test_an_object_store_uri_as_a_data_path_is_refused_saying_to_mount_it(creds, key):
+    """The renderer told users to "use s3:// or hdfs://" for the inputs, which the workers cannot read (they
+    read file system paths: s3://bucket/train failed in every worker pod as 'data path does not exist')."""
+    sets = [s for s in DATA if not s.startswith(f"model.data.{key}=")] + [f"model.data.{key}=s3://bucket/x"]
+    cfg = load_config(CTR, ["mode=sync", "cluster.servers=2", "cluster.workers=2", *sets, *security_sets(creds)])
+    with pytest.raises(ConfigError, match=rf"^model\.data\.{key}: s3://bucket/x: training inputs are read from a "
+                                          rf"file system path"):
+        k8s.render(cfg, image=IMAGE)
 
 
 @pytest.mark.parametrize("where", ["container", "pod_failure_rule", "probe", "service"])
