@@ -75,16 +75,6 @@ def newest(cfg) -> tuple[str, dict] | None:
     return mgr.uri_of(name), mgr.manifest(name)
 
 
-def newest_name_or_none(cfg) -> str | None:
-    """``newest_name``, or None (no floor: every checkpoint counts) when the job root cannot be listed
-    now (the error is logged; the restore itself reports an unreachable storage)."""
-    try:
-        return newest_name(cfg)
-    except Exception as e:  # noqa: BLE001 - storage unreachable: no floor, as before floors existed
-        log.warning("cannot list the job's checkpoints (%s): a restart may restore any of them", e)
-        return None
-
-
 def newest_name(cfg) -> str | None:
     """The name (``YYYYMMDD/HHMM-kind[.N]``) of the job's newest complete checkpoint under
     ``checkpoint.root``/``job``: "" when it has none, None when checkpoints are off. Taken when a job (or

@@ -155,6 +155,10 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
     same for the job's whole life, does not take the job back to the URI once the job wrote a
     checkpoint since.
 
+    Before any restore the server takes the job's *floor* (``_floor``: its newest checkpoint now), and a
+    server started by a scheduler does not serve while the root cannot be listed (StorageUnavailableError,
+    exit 1: its scheduler restarts it).
+
     ``Save`` and ``Load`` from clients are confined to ``checkpoint.root`` (``engine.security.confine``);
     ``health_port`` (``--health-port``, default ``cluster.health_port``; -1 off): the plaintext gRPC
     health checking port (``engine.ps.health``): SERVING while the server serves; NOT_SERVING while it
@@ -213,7 +217,7 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
             metrics.watch_server(core)
         from . import job_checkpoints
         # before the restore: a worker rolling the job back never picks a checkpoint from before it
-        core.checkpoint_floor = job_checkpoints.newest_name_or_none(cfg)
+        core.checkpoint_floor = _floor(cfg, rank)
         if resume is not None:
             from .checkpoint import CheckpointNotFoundError
             fallback = resume_fallback or cfg.checkpoint.fallback
@@ -288,6 +292,40 @@ def run_server(cfg: EngineConfig, rank: int, *, host: str | None = None, port: i
         if metrics is not None:
             metrics.close()          # a last push to the Pushgateway
     return preempt.EXIT_PREEMPTED if core.preempting else 0
+
+
+def _floor(cfg: EngineConfig, rank: int) -> str | None:
+    """Server ``rank``'s ``checkpoint_floor``: the name of the job's newest complete checkpoint when it
+    starts ("" none; None: checkpoints off), so a roll-back by worker rank 0 (``_rollback_target``) never
+    takes an earlier run's checkpoint under the same root for the job's own.
+
+    A child of a launcher (``ENGINE_PARENT_PID``) that cannot list the root logs it and reports None: the
+    launcher keeps the job's floor itself (``engine.launch.supervisor``). A role started by a scheduler
+    has no one else to keep it, so it does not serve without it.
+
+    Raises
+    ------
+    hdfs_io.StorageUnavailableError
+        Role mode: the root cannot be listed (after ``hdfs_io``'s retries), naming the server, the root
+        and the storage's error. Before, the server served with no floor, and a roll-back before the
+        job's first checkpoint restored an earlier run's newest checkpoint as the job's own.
+    """
+    from . import job_checkpoints
+    try:
+        return job_checkpoints.newest_name(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an unreachable store, or a root that is no directory
+        if os.environ.get("ENGINE_PARENT_PID"):
+            log.warning("server %d: cannot list the job's checkpoints (%s); its launcher keeps the job's floor",
+                        rank, e)
+            return None
+        from hdfs_io import StorageUnavailableError
+        root = f"{cfg.checkpoint.root.rstrip('/')}/{job_checkpoints.job_name(cfg)}"
+        raise StorageUnavailableError(
+            f"server {rank}: the job's checkpoints under {root} cannot be listed at its start, so a roll-back "
+            f"could not tell them from an earlier run's; the server does not serve without that floor "
+            f"({type(e).__name__}: {e})", uri=root) from e
 
 
 def _reach(client, cfg: EngineConfig, lost: str) -> str:
