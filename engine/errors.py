@@ -99,6 +99,14 @@ class RestoreMismatchError(RequestRejectedError):
     MARKER = "checkpoint does not fit"
 
 
+#: ``engine train``'s exit code (a role's and the launcher's) when the checkpoint storage refuses a write for
+#: good (``hdfs_io.permanent_failure``: read-only, access refused, full; sysexits' EX_IOERR): the job ends
+#: at once with one resumable line; a launcher does not restart it, ``engine k8s`` fails the Job on it
+EXIT_STORAGE_REFUSED = 74
+#: what that line says after the storage's error (the launcher takes the error from its child's line by it)
+REFUSED_ENDS = "no restart mends that, so the job ends here"
+
+
 class CheckpointStorageError(RemoteError, StorageUnavailableError):
     """A server could not write or read a checkpoint's files: their storage failed (FAILED_PRECONDITION
     "checkpoint storage error": S3 or HDFS down or silent through ``hdfs_io``'s retries, a full or

@@ -14,7 +14,15 @@ Public API::
 """
 from hdfs_io.arrow_io import IpcFileWriter, read_ipc_file, write_ipc_file
 from hdfs_io.checksum import CHECKSUM_ALGORITHM, ChecksumWriter, FileEntry
-from hdfs_io.errors import CheckpointCorruptError, NotPublishedError, StorageError, StorageUnavailableError
+from hdfs_io.errors import (
+    PERMANENT_MARKER,
+    CheckpointCorruptError,
+    NotPublishedError,
+    StorageError,
+    StorageUnavailableError,
+    permanent_failure,
+    permanent_mark,
+)
 from hdfs_io.publish import (
     MANIFEST_NAME,
     SUCCESS_NAME,
@@ -58,4 +66,7 @@ __all__ = [
     "StorageUnavailableError",
     "CheckpointCorruptError",
     "NotPublishedError",
+    "PERMANENT_MARKER",
+    "permanent_failure",
+    "permanent_mark",
 ]

@@ -14,12 +14,28 @@ Hierarchy::
 """
 from __future__ import annotations
 
+import errno as _errno
+import re
+
 __all__ = [
     "StorageError",
     "StorageUnavailableError",
     "CheckpointCorruptError",
     "NotPublishedError",
+    "PERMANENT_ERRNOS",
+    "PERMANENT_MARKER",
+    "permanent_failure",
+    "permanent_mark",
 ]
+
+#: errnos of a storage that refuses a write for good: a read-only file system, access refused, a full disk
+#: or quota. Neither ``hdfs_io``'s retries nor a restart of the job mend them (a full disk stays full: the
+#: job frees nothing before its next save, whose retention runs only once that save is published)
+PERMANENT_ERRNOS = frozenset(getattr(_errno, n) for n in ("EROFS", "EACCES", "EPERM", "ENOSPC", "EDQUOT")
+                             if hasattr(_errno, n))
+#: how a message that crossed a process boundary (a server's reply) says so: ``[MARKER: EROFS]``
+PERMANENT_MARKER = "permanent storage failure"
+_MARKED = re.compile(re.escape(PERMANENT_MARKER) + r": (E[A-Z]+)")
 
 
 class StorageError(OSError):
@@ -67,3 +83,37 @@ class NotPublishedError(StorageError, FileNotFoundError):
     By the publish contract such a directory does not exist yet (it is being written, or its writer
     crashed), hence this is also a ``FileNotFoundError``.
     """
+
+
+def permanent_failure(exc: BaseException) -> str | None:
+    """The errno name (``"EROFS"``, ``"EACCES"``, ``"EPERM"``, ``"ENOSPC"``, ``"EDQUOT"``) when ``exc``, or an
+    exception it was raised from (``__cause__`` / ``__context__``, at most 8 deep), is an ``OSError`` with
+    one of ``PERMANENT_ERRNOS`` or a message marked ``[PERMANENT_MARKER: NAME]``; else None (a network
+    failure, a missing file, anything a later attempt may not meet again).
+
+    >>> permanent_failure(OSError(30, "Read-only file system"))
+    'EROFS'
+    >>> permanent_failure(RuntimeError("save failed [permanent storage failure: ENOSPC]"))
+    'ENOSPC'
+    >>> permanent_failure(ConnectionRefusedError(111, "refused")) is None
+    True
+    """
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        code = getattr(seen, "errno", None)
+        if isinstance(seen, OSError) and code in PERMANENT_ERRNOS:
+            return _errno.errorcode[code]
+        m = _MARKED.search(str(seen))
+        if m is not None:
+            return m.group(1)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def permanent_mark(exc: BaseException) -> str:
+    """`` [PERMANENT_MARKER: NAME]`` for a message about ``exc`` when ``permanent_failure`` names it, else
+    ""."""
+    name = permanent_failure(exc)
+    return f" [{PERMANENT_MARKER}: {name}]" if name else ""

@@ -15,7 +15,8 @@ at its next meeting, within ``cluster.preempt_timeout_s``, and stops; ``--resume
 
 Exit codes: 0 success, 2 bad config or arguments, 1 the job failed (more failures than
 ``cluster.max_restarts`` allows, every one listed), a checkpoint could not be restored or the checkpoint
-storage stayed unreachable through its retries (one line each, no traceback), 75 preempted
+storage stayed unreachable through its retries (one line each, no traceback), 74 the checkpoint storage
+refuses writes for good (read-only, access refused, full: no restart mends it; one resumable line), 75 preempted
 (resumable: ``engine train CONFIG --resume``), 76 (a ``--role worker`` whose servers restarted,
 restored or were fenced under it, or that lost one, or one of which did not answer in time: restart
 it), 130 interrupted.
@@ -28,12 +29,12 @@ import logging
 import os
 import sys
 
-from hdfs_io import CheckpointCorruptError, NotPublishedError, StorageError
+from hdfs_io import PERMANENT_MARKER, CheckpointCorruptError, NotPublishedError, StorageError, permanent_failure
 from sparse_tables import TableConfigError
 from streaming.errors import ConvertError, DataFormatError, SchemaError
 
 from .. import preempt
-from ..errors import ConfigError, LaunchError, ProtocolVersionError
+from ..errors import EXIT_STORAGE_REFUSED, REFUSED_ENDS, ConfigError, LaunchError, ProtocolVersionError
 
 log = logging.getLogger("engine.train")
 
@@ -267,6 +268,15 @@ def _run(args) -> int:
         print(f"engine train: cannot resume: {e}", file=sys.stderr)
         return 1
     except StorageError as e:           # unreachable after hdfs_io's retries (e.g. at a restart's look-up)
+        refused = permanent_failure(e) or getattr(e, "refused", None)
+        if refused:                     # read-only, access refused, full: each restart would fail the same way
+            then = (f"continue with: {resume_command(args)}" if not args.role else
+                    "start the job's roles again (its servers with --resume)")
+            mark = "" if PERMANENT_MARKER in str(e) else f" [{PERMANENT_MARKER}: {refused}]"
+            print(f"engine train: checkpoint storage failed: {e}{mark}; {REFUSED_ENDS} (a read-only, refused or "
+                  f"full storage): what the newest complete checkpoint holds is kept; once the storage takes "
+                  f"writes again, {then}", file=sys.stderr)
+            return EXIT_STORAGE_REFUSED
         then = (f"continue with: {resume_command(args)}" if not args.role else
                 "its scheduler restarts this role")
         if getattr(e, "nothing_trained", False):        # the job never started training: the same command

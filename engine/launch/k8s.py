@@ -28,7 +28,8 @@ one local ``engine train`` are, so ``ctr_online``'s ``max_partitions`` counts th
 checkpoints carry the count), while rendering stays deterministic and a new Job is a new run.
 
 **Exit codes and podFailurePolicy** (it needs ``restartPolicy: Never``): 2 (a config error, which never
-heals) fails the Job at once; 75 (preempted at a checkpoint, resumable) and 76 (a worker whose servers
+heals) and 74 (the checkpoint storage refuses writes: read-only, access refused, full) fail the Job at
+once; 75 (preempted at a checkpoint, resumable) and 76 (a worker whose servers
 changed under it, or that lost one or got no answer from one in time, or that waits for a roll-back) are
 retried without counting against ``backoffLimit``; so is a pod with the ``DisruptionTarget`` condition
 (evicted, preempted by the scheduler, node drain). Anything else counts against
@@ -80,7 +81,7 @@ import yaml
 
 from ..config import EngineConfig, StorageConfig, from_dict
 from ..config_yaml import load_yaml
-from ..errors import ConfigError
+from ..errors import EXIT_STORAGE_REFUSED, ConfigError
 from ..job_checkpoints import check_resume_id
 from ..ps.health import LIVENESS
 from ..preempt import EXIT_PREEMPTED
@@ -106,7 +107,8 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 SERVER_ITEMS = (certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
 WORKER_ITEMS = (certs.CA_CERT, certs.CLIENT_CERT, certs.CLIENT_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-EXIT_CONFIG = 2         # a config error (engine.cli.train); 75 and 76: engine.preempt, engine.roles
+EXIT_CONFIG = 2         # a config error (engine.cli.train); 75 and 76: engine.preempt, engine.roles; 74:
+#                         engine.errors.EXIT_STORAGE_REFUSED (checkpoint storage refusing writes: FailJob too)
 #: the servers' startup probe asks every this many seconds; it allows ``cluster.startup_timeout_s`` in all
 STARTUP_PERIOD_S = 5
 #: Kubernetes' integer fields: int32 (probe thresholds, backoffLimit, completions), int64 (grace periods)
@@ -601,7 +603,7 @@ def _job(cfg: EngineConfig, name: str, job: str, role: str, n: int, container: d
             "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n,
                      "backoffLimit": k.backoff_limit, "podReplacementPolicy": "Failed",
                      "podFailurePolicy": {"rules": [
-                         {"action": "FailJob", "onExitCodes": on_code(EXIT_CONFIG)},
+                         {"action": "FailJob", "onExitCodes": on_code(EXIT_CONFIG, EXIT_STORAGE_REFUSED)},
                          {"action": "Ignore", "onExitCodes": on_code(EXIT_PREEMPTED, EXIT_ROLLBACK)},
                          {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
                      "template": {"metadata": {"labels": _labels(name, role)}, "spec": pod}}}

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .. import job_checkpoints as ckpt_job
 from ..config import EngineConfig
-from ..errors import LaunchError
+from ..errors import EXIT_STORAGE_REFUSED, REFUSED_ENDS, LaunchError
 from ..modes import LOCKSTEP_MODES
 from .local import LocalCluster
 
@@ -65,6 +65,21 @@ class Failure:
         who = f"{self.role} {self.rank}" if self.role else "the launcher"
         return f"attempt {self.attempt}: {who}: {self.reason}\n    " + "\n    ".join(
             (self.log_tail or "(no log)").splitlines()[-8:])
+
+
+def _refused(e: LaunchError) -> OSError:
+    """The ``hdfs_io.StorageUnavailableError`` a launcher ends on when a role exited
+    ``EXIT_STORAGE_REFUSED``: the storage's error from the role's own line (``engine train: checkpoint
+    storage failed: ...``), marked permanent (``hdfs_io.permanent_failure``), so ``engine train`` ends at
+    once with its resumable line instead of restarting the job into the same failed save."""
+    from hdfs_io import PERMANENT_MARKER, StorageUnavailableError
+    prefix = "engine train: checkpoint storage failed: "
+    lines = [ln.strip() for ln in (e.log_tail or "").splitlines() if prefix in ln]
+    error = lines[-1].split(prefix, 1)[1].split("; " + REFUSED_ENDS, 1)[0] if lines else e.reason
+    err = StorageUnavailableError(f"{e.role} {e.rank}: {error}")
+    if PERMANENT_MARKER not in error:           # the role's line was not in its log's tail
+        err.refused = f"{e.role} {e.rank}'s log names it"
+    return err
 
 
 def position_key(manifest: dict) -> str | None:
@@ -162,6 +177,9 @@ class Supervisor:
             More than ``cluster.max_restarts`` failures within ``cluster.restart_window_s`` (the
             message lists every failure), or a failure before any worker started that a restart
             cannot mend (a server that cannot start).
+        hdfs_io.StorageUnavailableError
+            A role exited ``EXIT_STORAGE_REFUSED``: its checkpoint storage refuses writes for good
+            (read-only, access refused, full); not restarted (``_refused``).
         """
         attempt = 0
         while True:
@@ -200,6 +218,8 @@ class Supervisor:
         older = self.failures[:len(self.failures) - len(recent)]
         # a job that runs for months keeps the failures that count and the newest older ones only
         self.failures = older[len(older) - min(len(older), MAX_OLDER_FAILURES):] + recent
+        if e.exit_code == EXIT_STORAGE_REFUSED:      # the checkpoint storage refuses writes for good
+            raise _refused(e)
         usage = e.exit_code == 2          # a config or usage error: a restart fails the same way
         if len(recent) > c.max_restarts or usage:
             why = (f"{e.role} {e.rank} exited with code 2 (a config or usage error)" if usage else

@@ -317,7 +317,7 @@ def test_pod_failure_policy_maps_the_exit_codes(creds):
             else:
                 assert rule["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
                 actions["DisruptionTarget"] = rule["action"]
-        assert actions == {2: "FailJob", 75: "Ignore", 76: "Ignore", "DisruptionTarget": "Ignore"}, role
+        assert actions == {2: "FailJob", 74: "FailJob", 75: "Ignore", 76: "Ignore", "DisruptionTarget": "Ignore"}, role
 
 
 def test_grace_period_exceeds_the_preemption_timeout_and_backoff_limit(creds):

@@ -1,0 +1,33 @@
+"""A job whose checkpoint disk is read-only (a real tmpfs mounted ``ro``: root only, skipped elsewhere)
+ends at its first checkpoint with exit 74 and one line that names the file and the errno and says how to
+continue, without a restart: a restart would train again since the last checkpoint and fail at the same
+save. Before, it restarted ``cluster.max_restarts`` times (each attempt training again), then exited 1
+listing every attempt, without a resume line (README "When the checkpoint storage fails")."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.errors import EXIT_STORAGE_REFUSED
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_read_only_checkpoint_disk_ends_the_job_at_once_with_one_resumable_line(tmp_path, tmpfs):
+    disk = tmpfs("ckpt", 1 << 20, read_only=True)
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/logreg_demo.yaml"),
+           "--run-dir", str(tmp_path / "run"), "--set", "cluster.warm_up=false", "--set", "cluster.workers=1",
+           "--set", "cluster.servers=1", "--set", "model.examples_per_worker=640", "--set", "model.epochs=1",
+           "--set", f"checkpoint.root={disk}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_STORAGE_REFUSED, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("engine train:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "restart 1/" not in r.stderr, r.stderr[-3000:]
+    line = lines[0]
+    assert line.startswith("engine train: checkpoint storage failed: worker 0: "), line
+    assert f"{disk}/logreg/" in line and "[permanent storage failure: EROFS]" in line, line
+    assert line.endswith(f"continue with: engine train {REPO / 'configs/logreg_demo.yaml'} --set cluster.warm_up=false "
+                         f"--set cluster.workers=1 --set cluster.servers=1 --set model.examples_per_worker=640 "
+                         f"--set model.epochs=1 --set checkpoint.root={disk} --resume"), line
