@@ -53,3 +53,38 @@ def test_predict_says_the_storage_is_unavailable_and_exits_1(monkeypatch, tmp_pa
     assert main(["predict", "s3://bucket/bundle", str(data)]) == 1      # was a traceback
     err = capsys.readouterr().err
     assert "engine predict: storage unavailable: stat s3://bucket/bundle/_SUCCESS failed" in err, err
+
+
+def test_export_names_the_output_store_when_that_is_the_one_that_failed(tmp_path, monkeypatch, capsys):
+    """A real checkpoint on local disk, the bundle to an ``hdfs://`` store whose client cannot load here
+    (no JVM: ``StorageUnavailableError`` naming the namenode at once): the line names the output store.
+    Before, it said "checkpoint storage unavailable", sending the operator to a store that was fine."""
+    import numpy as np
+
+    from engine.config import DenseTableConfig
+    from engine.export import snapshot_cluster
+    from engine.ps import InProcessTransport, PSClient, PSServer
+    from models import build_model
+    from sparse_tables import TableConfig
+    from streaming.criteo import SPARSE_COLUMNS
+
+    for var in ("JAVA_HOME", "ARROW_LIBHDFS_DIR", "HADOOP_HOME"):     # no JVM, wherever this runs
+        monkeypatch.setenv(var, str(tmp_path / "none"))
+    m = build_model("ctr_dnn", num_slots=len(SPARSE_COLUMNS), dim=4, dense_dim=13, hidden=(4,))
+    server = PSServer({"embedding": TableConfig(dim=m.sparse_width, optimizer="adagrad")},
+                      {"dense": DenseTableConfig()}, index=0, num_servers=1, num_vshards=16, local_shards=1)
+    client = PSClient(InProcessTransport([server]))
+    try:
+        client.init_dense("dense", m.get_dense())
+        keys = np.arange(1, 21, dtype=np.uint64)
+        client.push("embedding", keys, np.ones((20, m.sparse_width), np.float32), shows=np.ones(20, np.float32))
+        config = {"model": {"kind": "ctr_dnn", "slots": list(SPARSE_COLUMNS), "dim": 4, "dense_dim": 13, "hidden": [4],
+                            "seed": 0, "sparse_table": "embedding", "dense_table": "dense"}}
+        snapshot_cluster(client, str(tmp_path / "ckpt"), "ctr", config)
+    finally:
+        client.close()
+    out = "hdfs://nn.invalid:8020/bundles/ctr"
+    assert main(["export", str(tmp_path / "ckpt" / "ctr"), out]) == 1
+    err = capsys.readouterr().err
+    assert f"engine export: output storage unavailable (writing {out}): cannot open HDFS for" in err, err
+    assert "checkpoint storage unavailable" not in err, err
