@@ -29,8 +29,8 @@ from pathlib import Path
 from . import failpoints, preempt, progress
 from .config import EngineConfig, restore_secrets
 from .connect import connect
-from .errors import (BarrierTimeoutError, ConfigError, GenerationChangedError, LaunchError, PSTimeoutError,
-                     RestoreMismatchError, ShardUnavailableError)
+from .errors import (BarrierTimeoutError, CheckpointStorageError, ConfigError, GenerationChangedError, LaunchError,
+                     PSTimeoutError, RestoreMismatchError, ShardUnavailableError)
 from .launch.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,10 @@ class _OneServer:
             if e.code == "FAILED_PRECONDITION" and RestoreMismatchError.MARKER in str(e):
                 # the operator's config and checkpoint disagree: a restart fails the same way (exit 2)
                 raise ConfigError(f"cannot resume: {e}; change the config or resume another checkpoint") from None
+            if e.code == "FAILED_PRECONDITION" and CheckpointStorageError.MARKER in str(e):
+                # its storage failed (down through the retries, read-only, refused): engine train's one line,
+                # exit 1 for its scheduler, or 74 when the storage refuses for good; before, a traceback
+                raise CheckpointStorageError(e.code, str(e), f"server {self.core.index}") from None
             raise RuntimeError(str(e)) from None
 
     def save(self, uri: str, parent: str = "") -> int:    # not used by a restore

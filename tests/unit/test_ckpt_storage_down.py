@@ -124,3 +124,17 @@ def test_a_retention_that_fails_after_the_publish_does_not_fail_the_published_sa
     fresh_client = PSClient(InProcessTransport([fresh]))
     CheckpointManager(str(tmp_path / "ckpt"), "job").restore(fresh_client)
     np.testing.assert_array_equal(fresh_client.pull("emb", keys), client.pull("emb", keys))
+
+
+def test_a_role_mode_servers_own_restore_from_a_dead_store_ends_on_the_storage_error(cluster):
+    """``--role server --resume``: the server restores itself (``engine.roles._OneServer``). A store that
+    fails inside that Load is the same ``CheckpointStorageError`` (``engine train``'s one line, exit 1 for
+    its scheduler). Before, a RuntimeError: a traceback (reproduced with moto stopped in the Load)."""
+    from engine.roles import _OneServer
+    client, _ = cluster
+    server = client.transport.servers[0]
+    uri = f"{ROOT}/job/20240101/0000-base"
+    with pytest.raises(CheckpointStorageError) as info:
+        _OneServer(server).load(uri)
+    assert f"checkpoint storage error: load of {uri} failed" in str(info.value), str(info.value)
+    assert hdfs_io.permanent_failure(info.value) is None        # down, not refusing: its scheduler restarts it
