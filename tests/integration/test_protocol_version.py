@@ -76,7 +76,9 @@ def test_a_client_of_an_older_engine_is_refused_naming_both_versions_and_nothing
         np.testing.assert_array_equal(c.pull("emb", KEYS), -np.ones((len(KEYS), DIM), np.float32))
     ch = protocol_channel(ep)                   # ... and so is a raw stub that names the version
     try:
-        pb_grpc.ParameterServerStub(ch).Push(_push("new-1"), timeout=10)
+        # 60 s: the first push without show counts may compile its kernel (a cold Numba cache in a fresh
+        # clone), which took over 10 s on a loaded CI machine (DEADLINE_EXCEEDED, 2026-11-30)
+        pb_grpc.ParameterServerStub(ch).Push(_push("new-1"), timeout=60)
     finally:
         ch.close()
 
