@@ -19,7 +19,11 @@ stream.
 
 Sharding. ``shard=(w, W)`` with ``shard_by="files"`` (default) gives worker ``w`` the files ``w::W`` of
 the sorted list; ``shard_by="batches"`` reads every file and keeps input record batches ``w::W`` (counted
-over the whole stream), for a single file or stdin.
+over the whole stream), for a single file or stdin; ``shard_by="rows"`` (``file_rows``: the rows of every
+file, ``count_rows``) gives worker ``w`` the rows ``[N*w // W, N*(w+1) // W)`` of the ``N`` rows of all
+files read in order, so every worker holds ``N // W`` or ``N // W + 1`` rows, whatever the files' sizes
+and record batches: a file wholly outside a worker's range is never opened, and its reading stops at its
+range's end (the record batches on the two ends of a range are read whole and sliced).
 """
 from __future__ import annotations
 
@@ -41,8 +45,8 @@ from . import keys
 from .errors import DataFormatError, SchemaError
 from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput
 
-__all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "list_files", "prefetch", "read_batches",
-           "read_schema"]
+__all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "count_rows", "list_files", "prefetch",
+           "read_batches", "read_schema", "row_ranges"]
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +236,42 @@ def read_schema(path: str, *, check_end: bool = False) -> pa.Schema:
         if not _unreadable(exc):
             raise
         raise _format_error(path, path, parquet, False, 0, 0, exc) from exc
+
+
+def count_rows(path: str) -> int:
+    """Rows of one Arrow IPC (file or stream) or Parquet input: from its metadata for Parquet and an IPC
+    file (no record batch body is read), by reading it through for an IPC stream (whose framing records
+    no count).
+
+    Raises
+    ------
+    DataFormatError
+        The input is empty, truncated or not Arrow IPC / Parquet (named, as ``read_batches`` names it).
+    FileNotFoundError
+        ``path`` does not exist.
+    """
+    parquet = path.endswith(_PARQUET_SUFFIXES)
+    try:
+        if parquet:
+            return pq.ParquetFile(path).metadata.num_rows
+        with pa.OSFile(path, "r") as f:
+            if f.read(6) == b"ARROW1":
+                f.seek(0)
+                return int(pa.ipc.open_file(f).count_rows())
+    except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
+        if not _unreadable(exc):
+            raise
+        raise _format_error(path, path, parquet, False, 0, 0, exc) from exc
+    return sum(rb.num_rows for rb in read_batches(path))
+
+
+def row_ranges(file_rows, num_workers: int) -> list[tuple[int, int]]:
+    """Each worker's rows under ``shard_by="rows"``: ``[(lo, hi), ...]``, worker ``w`` reading rows
+    ``lo <= i < hi`` of the inputs' ``N = sum(file_rows)`` rows in reading order (``file_rows : int[F]``,
+    rows of each input), ``lo = N*w // W``: ``N // W`` or ``N // W + 1`` rows each, no row in two ranges
+    or in none."""
+    n = int(sum(file_rows))
+    return [(n * w // num_workers, n * (w + 1) // num_workers) for w in range(num_workers)]
 
 
 def check_schema(got: pa.Schema, expected: pa.Schema, name: str, string_slots=()) -> None:
@@ -424,7 +464,11 @@ class ArrowSource:
         Batches read ahead on a background thread; 0 reads on the consumer's thread.
     shard : (int, int), optional
         ``(worker, num_workers)``; see ``shard_by`` and the module docstring.
-    shard_by : "files" or "batches"
+    shard_by : "files", "batches" or "rows"
+    file_rows : list of int, optional
+        ``shard_by="rows"``: the rows of each input (``count_rows``); counted here when not given. A file
+        holding other rows than counted shifts the ranges of the workers after it, never drops or repeats
+        a row of its own range.
     start : SourcePosition, optional
         Resume point (skips everything before it).
     check : callable, optional
@@ -451,7 +495,7 @@ class ArrowSource:
                  string_slots: Mapping[str, int] | None = None, shuffle_buffer: int = 0,
                  seed: int | None = None, drop_last: bool = False, prefetch: int = 4,
                  shard: tuple[int, int] | None = None, shard_by: str = "files",
-                 start: SourcePosition | None = None, check=None):
+                 file_rows=None, start: SourcePosition | None = None, check=None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if shuffle_buffer < 0:
@@ -460,8 +504,8 @@ class ArrowSource:
             raise ValueError("a shuffle buffer needs an explicit seed: pass seed=... (e.g. the run seed)")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        if shard_by not in ("files", "batches"):
-            raise ValueError(f"shard_by must be 'files' or 'batches', got {shard_by!r}")
+        if shard_by not in ("files", "batches", "rows"):
+            raise ValueError(f"shard_by must be 'files', 'batches' or 'rows', got {shard_by!r}")
         if shard is not None:
             w, n = shard
             if not (n >= 1 and 0 <= w < n):
@@ -479,6 +523,16 @@ class ArrowSource:
         self.prefetch = prefetch
         self.shard = shard
         self.shard_by = shard_by
+        self.file_rows = None
+        if shard_by == "rows":
+            if any(not isinstance(f, str) or f == "-" for f in self.files):
+                raise ValueError("shard_by='rows' needs files (their rows are counted first), not stdin or "
+                                 "a file object: use shard_by='batches'")
+            self.file_rows = ([int(r) for r in file_rows] if file_rows is not None
+                              else [count_rows(f) for f in self.files])
+            if len(self.file_rows) != len(self.files):
+                raise ValueError(f"file_rows must give the rows of each of the {len(self.files)} inputs, got "
+                                 f"{len(self.file_rows)} counts")
         self.start = start or SourcePosition()
         self.position = self.start
         self.check = check
@@ -502,12 +556,21 @@ class ArrowSource:
         return pa.RecordBatch.from_arrays(cols, schema=expected)
 
     def _input_batches(self):
-        """Yield ``(file_index, batch_index, record_batch)`` for this shard, from ``start`` on."""
+        """Yield ``(file_index, batch_index, record_batch, row0)`` for this shard, from ``start`` on:
+        ``record_batch`` is rows ``row0..`` of input record batch ``batch_index`` of file ``file_index``."""
         expected = self.schema
         columns = self.schema.names if self.schema is not None else None
         stream_counter = 0
         w, n = self.shard or (0, 1)
+        lo, hi = row_ranges(self.file_rows, n)[w] if self.file_rows is not None else (0, 0)
+        file_start = 0      # rows of the files before this one (shard_by="rows": by the counts)
         for fi, src in enumerate(self.files):
+            if self.file_rows is not None:
+                first_row, file_start = file_start, file_start + self.file_rows[fi]
+                if first_row >= hi:
+                    return
+                if file_start <= lo or first_row == file_start:     # before the range, or no rows
+                    continue
             if fi < self.start.file_index:
                 continue
             if self.shard_by == "files" and fi % n != w:
@@ -515,29 +578,41 @@ class ArrowSource:
             name = _name(src)
             checked = False
             file_row = 0    # rows of this file before rb
-            for bi, rb in enumerate(read_batches(src, columns)):
-                if not checked:
-                    expected = self._check_schema(rb.schema, expected, name)
-                    checked = True
-                row_in_file, file_row = file_row, file_row + rb.num_rows
-                if self.shard_by == "batches":
-                    mine = stream_counter % n == w
-                    stream_counter += 1
-                    if not mine:
+            batches = read_batches(src, columns)
+            try:
+                for bi, rb in enumerate(batches):
+                    if not checked:
+                        expected = self._check_schema(rb.schema, expected, name)
+                        checked = True
+                    row_in_file, file_row = file_row, file_row + rb.num_rows
+                    cut0, cut1 = 0, rb.num_rows
+                    if self.shard_by == "batches":
+                        mine = stream_counter % n == w
+                        stream_counter += 1
+                        if not mine:
+                            continue
+                    elif self.file_rows is not None:       # this shard's rows of the batch
+                        g = first_row + row_in_file
+                        if g >= hi:
+                            break
+                        cut0, cut1 = max(0, lo - g), min(rb.num_rows, hi - g)
+                    if fi == self.start.file_index and bi < self.start.batch_index:
                         continue
-                if fi == self.start.file_index and bi < self.start.batch_index:
-                    continue
-                rb = self._conform(rb, expected)
-                if self.check is not None:
-                    bad = self.check(rb)
-                    if bad is not None:
-                        column, row, reason = bad
-                        raise DataFormatError(name, row_in_file + row + 1, column, reason, unit="row")
-                if fi == self.start.file_index and bi == self.start.batch_index and self.start.row:
-                    rb = rb.slice(self.start.row)
-                    yield fi, bi, rb, self.start.row
-                else:
-                    yield fi, bi, rb, 0
+                    if fi == self.start.file_index and bi == self.start.batch_index:
+                        cut0 = max(cut0, self.start.row)
+                    if cut0 >= cut1:
+                        continue
+                    if cut0 or cut1 < rb.num_rows:
+                        rb = rb.slice(cut0, cut1 - cut0)
+                    rb = self._conform(rb, expected)
+                    if self.check is not None:
+                        bad = self.check(rb)
+                        if bad is not None:
+                            column, row, reason = bad
+                            raise DataFormatError(name, row_in_file + cut0 + row + 1, column, reason, unit="row")
+                    yield fi, bi, rb, cut0
+            finally:
+                batches.close()
 
     def _rechunk(self, pieces):
         """Re-chunk ``(fi, bi, rb, row0)`` pieces into ``(batch, position_after)`` of batch_size rows."""

@@ -150,8 +150,10 @@ class Mode(ABC):
 
     def steps_per_epoch(self, shard_rows: int, batch_size: int) -> int:
         """With ``lockstep``: the steps every worker runs per epoch when the smallest shard holds
-        ``shard_rows`` rows, in batches of ``batch_size``: its full batches (hybrid overrides it)."""
-        return shard_rows // batch_size
+        ``shard_rows`` rows, in batches of ``batch_size``: every batch of that shard, its last one partial
+        (the shards are balanced, ``ctr_data.make_source``: a longer one holds one row more, left out only
+        when the smallest ends on a full batch)."""
+        return -(-shard_rows // batch_size)
 
     def warm_up(self, dims) -> None:
         """Compile the kernels of the mode's own local state (GEO's local copy) for the sparse row widths

@@ -221,10 +221,6 @@ class HybridMode(AsyncMode):
         fresh = self.push_pull_dense(dense_table, dense_grad) if dense_table is not None else None
         return rows, fresh
 
-    def steps_per_epoch(self, shard_rows: int, batch_size: int) -> int:
-        """Every batch of the smallest shard, its last one partial (a worker with more rows stops there)."""
-        return -(-shard_rows // batch_size)
-
     def drain(self) -> None:
         """``sync`` now."""
         self.sync()

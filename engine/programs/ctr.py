@@ -88,8 +88,8 @@ from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
 from . import ctr_eval
-from .ctr_data import (CTRBatch, dedup_batch, expected_schema, files_fingerprint, make_source, prepare_data,
-                       shard_rows, to_batch)
+from .ctr_data import (CTRBatch, dedup_batch, expected_schema, file_rows, files_fingerprint, make_source,
+                       prepare_data, shard_rows, shard_sizes, to_batch, untrained_rows)
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
 from .ctr_steps import StepPipelines
@@ -185,7 +185,7 @@ def prepare(cfg):
 def follow(cfg) -> Follower:
     """Launcher hook: a context manager showing the metrics file live while the job runs."""
     p: Config = cfg.model.params
-    rows = sum(shard_rows(p.data.train_path, 1))
+    rows = sum(file_rows(p.data.train_path))
     return Follower(p.metrics_file, rows * p.epochs)
 
 
@@ -193,7 +193,9 @@ def final(cfg, results: list[dict]) -> dict:
     """Launcher hook: the final event (written to the metrics file and printed as the last stdout line).
 
     ``examples_per_s`` = training examples of all workers / the longest worker's training time
-    (evaluation excluded, data reading included).
+    (evaluation excluded, data reading included); ``rows_left_out_per_epoch``: train rows no worker
+    reads in an epoch (a lockstep mode's shards of unequal step counts, ``ctr_data.untrained_rows``; 0
+    in async and GEO).
     """
     p: Config = cfg.model.params
     test = next((r.get("test") for r in results if r.get("rank") == 0), None) or {}
@@ -202,7 +204,8 @@ def final(cfg, results: list[dict]) -> dict:
     event = {"event": "final", "model": cfg.model.kind, "mode": cfg.mode,
              "test_auc": test.get("auc"), "test_logloss": test.get("logloss"),
              "test_copc": test.get("copc"), **ctr_eval.final_fields(test), "examples_per_s": examples / seconds,
-             "metrics_file": p.metrics_file, "checkpoint": None}
+             "metrics_file": p.metrics_file, "checkpoint": None,
+             "rows_left_out_per_epoch": max([r.get("rows_left_out_per_epoch", 0) for r in results] + [0])}
     started = [r["train_started_at"] for r in results if r.get("train_started_at")]
     event["train_started_at"] = min(started) if started else None   # wall clock of the first step
     MetricsFile(p.metrics_file).write({**event, "examples": examples, "train_seconds": seconds})
@@ -239,6 +242,8 @@ class CTRTrainer(StepPipelines):
         self.steps = 0                # the job's steps at the last commit point (see the property)
         self.examples = 0             # training examples of this process
         self.examples_before = 0      # this rank's examples before the restored position (train events)
+        self.file_rows: list[int] | None = None   # rows of each train file (ctr_data.file_rows), in run()
+        self.untrained = 0            # train rows a lockstep mode leaves out of every epoch (all workers)
         self.train_seconds = 0.0      # wall seconds of this process's finished training epochs
         self._clock_lock = threading.Lock()
         self._train_clock: tuple[float, float | None] = (0.0, None)   # (seconds, perf_counter of the running
@@ -488,7 +493,7 @@ class CTRTrainer(StepPipelines):
         p = self.cfg
         src = make_source(p.data.train_path, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
                           num_workers=self.num_workers, shuffle_buffer=p.shuffle_buffer, seed=p.seed,
-                          prefetch=p.prefetch)
+                          prefetch=p.prefetch, file_rows=self.file_rows)
         if self.train_started_at is None:
             self.train_started_at = time.time()
         progress.current().where(epoch=epoch)           # engine status shows it
@@ -596,16 +601,23 @@ class CTRTrainer(StepPipelines):
         start, self.steps = self.checkpoints.restored()
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
-        need_min = lockstep or (self.checkpoints.enabled and self.checkpoints.ck.align_steps > 0)
         resumed = start.epoch > 0 or start.batch > 0
-        sizes = shard_rows(p.data.train_path, self.num_workers) if need_min or resumed else [0]
+        self.file_rows = file_rows(p.data.train_path)   # every epoch's balanced split of the rows
+        sizes = shard_sizes(self.file_rows, self.num_workers)
         rows = min(sizes)
         min_batches = rows // p.batch_size
         if self.rank == 0:
             self.checkpoints.check_shards(sizes, p.batch_size, p.data.train_path)
         if lockstep:
             max_steps = self.mode.steps_per_epoch(rows, p.batch_size)
+            self.untrained = untrained_rows(sizes, max_steps, p.batch_size)
             log.info("%s mode: %d steps per epoch on every worker", self.mode.name, max_steps)
+            if self.untrained and self.rank == 0:
+                log.warning("%s mode: %d of the %d train rows are left out of every epoch: the workers step "
+                            "together, %d steps of %d rows each, and the shards of %s hold %s rows (the "
+                            "longest shards' last rows); run a number of workers that divides the row count, "
+                            "or async or GEO mode, to train every row", self.mode.name, self.untrained,
+                            sum(sizes), max_steps, p.batch_size, p.data.train_path, sizes)
         if resumed:     # the launcher's bar counts the job's examples, not this process's (ctr_report.Follower)
             per_epoch = min(max_steps * p.batch_size, sizes[self.rank]) if max_steps else sizes[self.rank]
             self.examples_before = start.epoch * per_epoch + min(start.batch * p.batch_size, per_epoch)
@@ -627,6 +639,7 @@ class CTRTrainer(StepPipelines):
         log.info("worker %d: seconds per phase over %d steps: %s", self.rank, self.mode.step,
                  ", ".join(f"{k} {v:.2f}" for k, v in self.phases.items()))
         out = {"rank": self.rank, "steps": self.steps, "examples": self.examples,
+               "rows_left_out_per_epoch": self.untrained,
                "checkpoint": self.checkpoints.last_uri,
                "train_seconds": self.train_seconds, "train_started_at": self.train_started_at,
                "train_logloss": self.loss_sum / max(1, self.mode.step)}   # this process's steps

@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
                               generate_criteo)
-from streaming.source import ArrowSource, check_inputs, list_files, read_schema
+from streaming.source import ArrowSource, check_inputs, count_rows, list_files, read_schema, row_ranges
 from streaming.values import dense_values, first, label_problem, list_values
 
 from ..program_configs import DataConfig
@@ -163,25 +163,55 @@ def string_slots(schema: pa.Schema) -> dict[str, int]:
 
 
 def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num_workers: int,
-                shuffle_buffer: int = 0, seed: int = 0, prefetch: int = 4) -> ArrowSource:
-    """This worker's shard of ``path``: whole files when there are at least as many files as workers,
-    else every ``num_workers``-th record batch. Slot columns may hold uint64 keys or raw strings
-    (hashed: ``string_slots``); values are checked (``check_values``) when ``schema`` has a label."""
+                shuffle_buffer: int = 0, seed: int = 0, prefetch: int = 4, file_rows=None) -> ArrowSource:
+    """This worker's shard of ``path``. With ``file_rows`` (``file_rows(path)``: the rows of each input,
+    as the train split is read) a balanced split of the rows: worker ``w`` reads rows ``[N*w // W,
+    N*(w+1) // W)`` of the inputs in reading order (``streaming.source.row_ranges``), ``N // W`` or
+    ``N // W + 1`` rows whatever the files' sizes and record batches, and opens only the files of its
+    range. Without them (the test split: nothing is counted) whole files when there are at least as
+    many files as workers, else every ``num_workers``-th record batch. Slot columns may hold uint64 keys
+    or raw strings (hashed: ``string_slots``); values are checked (``check_values``) when ``schema`` has
+    a label."""
     files = list_files(path)
-    shard_by = "files" if len(files) >= num_workers else "batches"
+    shard_by = "rows" if file_rows is not None else "files" if len(files) >= num_workers else "batches"
     return ArrowSource(files, batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
                        shuffle_buffer=shuffle_buffer,
                        seed=seed * 1009 + rank if shuffle_buffer else None, prefetch=prefetch,
-                       shard=(rank, num_workers), shard_by=shard_by,
+                       shard=(rank, num_workers), shard_by=shard_by, file_rows=file_rows,
                        check=check_values if "label" in schema.names else None)
 
 
+def file_rows(path: str) -> list[int]:
+    """Rows of each input of ``path`` (``list_files`` order): ``int[F]``, from the metadata of Parquet
+    and IPC files, by reading IPC streams through (``streaming.source.count_rows``).
+
+    Raises
+    ------
+    FileNotFoundError, streaming.errors.DataFormatError
+        A missing path; an unreadable input (named).
+    """
+    return [count_rows(f) for f in list_files(path)]
+
+
+def shard_sizes(rows_of_files, num_workers: int) -> list[int]:
+    """Rows of every worker's shard of the train split (``make_source`` with ``file_rows``):
+    ``int[W]``, each ``N // W`` or ``N // W + 1``."""
+    return [hi - lo for lo, hi in row_ranges(rows_of_files, num_workers)]
+
+
+def untrained_rows(sizes, steps: int, batch_size: int) -> int:
+    """Rows per epoch that ``steps`` batches of ``batch_size`` leave unread on workers whose shards hold
+    ``sizes`` rows (a lockstep mode's count of steps: the smallest shard's)."""
+    return sum(max(0, n - steps * batch_size) for n in sizes)
+
+
 def shard_rows(path: str, num_workers: int) -> list[int]:
-    """Rows of every worker's shard of ``path`` (as ``make_source`` splits it); reads the labels only."""
+    """Rows of every worker's shard of ``path`` as the train split is split (``shard_sizes``), reading
+    every label (``check_values``: the launcher's check of the train labels before the job starts)."""
     schema = pa.schema([criteo_schema().field("label")])
-    return [sum(rb.num_rows for rb in make_source(path, batch_size=1 << 20, schema=schema, rank=w,
-                                                     num_workers=num_workers, prefetch=0).batches(0))
-            for w in range(num_workers)]
+    rows = sum(rb.num_rows for rb in make_source(path, batch_size=1 << 20, schema=schema, rank=0,
+                                                    num_workers=1, prefetch=0).batches(0))
+    return [rows * (w + 1) // num_workers - rows * w // num_workers for w in range(num_workers)]
 
 
 #: bytes of each end of a file that ``files_fingerprint`` reads

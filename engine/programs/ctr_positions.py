@@ -1,8 +1,8 @@
 """Checkpoints of offline CTR jobs with exact data positions: a restart neither skips nor repeats data.
 
 A worker's data position is ``(epoch, batch)``: the number of record batches of its shard of the train
-split it has trained in ``epoch``. Its shard is read in a deterministic order (files or record batches
-split by rank, shuffled with a seed of ``model.seed``, the rank and the epoch; see ``ctr_data``), so the
+split it has trained in ``epoch``. Its shard is read in a deterministic order (an equal share of the rows
+of the files, by rank, shuffled with a seed of ``model.seed``, the rank and the epoch; see ``ctr_data``), so the
 position names the next batch exactly; with ``model.shuffle_buffer: 0`` it is the file and record-batch
 offset.
 
@@ -95,8 +95,8 @@ class AlignedCheckpoints:
         count) and ``_drain()`` (make every update of this worker visible on the servers).
     identity : dict, optional
         What the data position depends on (recorded in ``sources.train``; a resume that finds it changed
-        restarts the epoch). Default: the CTR trainer's workers, batch size, shuffle buffer, seed and
-        train path.
+        restarts the epoch). Default: the CTR trainer's workers, batch size, shuffle buffer, seed, train
+        path and how the rows are split (``shard_by``).
     files : list, optional
         The train files read (``ctr_data.files_fingerprint``), recorded in ``sources.train.files``; a
         resume inside an epoch onto other files is refused (module docstring). None: not recorded.
@@ -136,8 +136,11 @@ class AlignedCheckpoints:
         if self._given_identity is not None:
             return dict(self._given_identity)
         p, t = self.t.cfg, self.t
+        # shard_by: how the train rows are split among the workers (ctr_data.make_source); a checkpoint of
+        # before the balanced split of the rows records none, and its position inside an epoch, taken on
+        # other shards, is not mapped
         return {"workers": t.num_workers, "batch_size": p.batch_size, "shuffle_buffer": p.shuffle_buffer,
-                "seed": p.seed, "train_path": p.data.train_path}
+                "seed": p.seed, "train_path": p.data.train_path, "shard_by": "rows"}
 
     def sources(self, pos: Position) -> dict:
         """The manifest's ``sources``."""

@@ -167,3 +167,24 @@ def test_a_same_size_change_inside_a_large_file_is_refused(tmp_path, train):
             f"was {was[0][3]}, now {now[0][3]})") in str(e.value)
     # a fingerprint recorded before the inner blocks were (3 fields) is compared as it was
     assert describe_file_changes([e[:3] for e in was], now) == []
+
+
+def test_a_position_taken_on_the_former_split_of_the_rows_restarts_its_epoch(tmp_path, train, caplog):
+    """A checkpoint of an engine that split the train files whole among the workers records no
+    ``shard_by``: its batch offset counts batches of other shards than today's balanced split of the
+    rows, so the epoch restarts from its first batch (with a warning) rather than skip other rows."""
+    t = _trainer(tmp_path, train)
+    sources = AlignedCheckpoints(t, files=files_fingerprint(str(train))).sources(Position(0, 7))
+    assert sources["train"].pop("shard_by") == "rows"
+    server = PSServer.from_config(t.ctx.config, 0)
+    client = PSClient(InProcessTransport([server]))
+    try:
+        client.init_dense("dense", np.zeros(4, np.float32))
+        mgr = CheckpointManager(str(tmp_path / "ckpt"), "ctr_dnn")
+        uri = mgr.uri_of(mgr.save(client, "base", sources=sources, config=t.ctx.config.to_dict())["name"])
+    finally:
+        client.close()
+        server.close()
+    with caplog.at_level(logging.WARNING, logger="engine.programs.ctr_positions"):
+        assert _resume(tmp_path, train, uri) == Position(0, 0)
+    assert any("'shard_by': (None, 'rows')" in r.getMessage() for r in caplog.records)
