@@ -58,8 +58,8 @@ batch. GEO's local table applies the same rule with plain SGD. Dense gradients a
 
 Data (``model.data``, see ``ctr_data``) is resolved once in the launcher by ``prepare``: the shared
 Criteo rows are converted to Arrow (canonical split) when their Arrow form is missing or stale, or a
-planted-model file is generated when they are absent; every input's schema, every train label and every
-test value evaluation reads are checked then. Each worker reads its shard of the train split (shuffled
+planted-model file is generated when they are absent; every input's schema, every train value the workers
+check (labels, dense values, keys) and every test value evaluation reads are checked then. Each worker reads its shard of the train split (shuffled
 within ``shuffle_buffer`` rows, a new order every epoch), evaluates its shard of the test split after each
 epoch, and the histograms are merged on the servers into the global AUC (``ctr_report``). Metrics go to
 one JSON-lines file per run (``model.metrics_file``).
@@ -89,7 +89,7 @@ from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
 from . import ctr_eval
 from .ctr_data import (CTRBatch, dedup_batch, expected_schema, file_rows, files_fingerprint, make_source,
-                       prepare_data, shard_rows, shard_sizes, to_batch, untrained_rows)
+                       prepare_data, check_train_split, shard_sizes, to_batch, untrained_rows)
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
 from .ctr_steps import StepPipelines
@@ -158,8 +158,9 @@ def prepare(cfg):
     ConfigError
         A missing table or a width mismatch, a bad model knob, a missing data path (key named).
     streaming.errors.DataFormatError, streaming.errors.SchemaError
-        Bad input data: a train file's schema or label, a test file's schema or any value evaluation
-        reads (label, dense, keys, group ids), named with the file, the row and the column.
+        Bad input data: a train file's schema or any value a worker checks (``ctr_data.check_train_split``),
+        a test file's schema or any value evaluation reads (label, dense, keys, group ids), named with the
+        file, the row and the column.
     """
     p: Config = cfg.model.params
     _check_tables(cfg, p)
@@ -170,7 +171,7 @@ def prepare(cfg):
         (os.path.abspath(p.metrics_dir)) + f"/{cfg.model.kind}-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl")
     p = dataclasses.replace(p, data=data, metrics_file=metrics_file)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params=p))
-    rows = sum(shard_rows(data.train_path, 1))           # every train label checked (ctr_data.check_values)
+    rows = check_train_split(data.train_path, schema)     # every train value a worker checks, checked now
     log.info("train split %s: %d rows; test split %s: %d rows (values checked)", data.train_path, rows,
              data.test_path, ctr_eval.check_test_split(data, schema))   # before training, not after it
     MetricsFile(metrics_file).write({

@@ -205,13 +205,45 @@ def untrained_rows(sizes, steps: int, batch_size: int) -> int:
     return sum(max(0, n - steps * batch_size) for n in sizes)
 
 
-def shard_rows(path: str, num_workers: int) -> list[int]:
-    """Rows of every worker's shard of ``path`` as the train split is split (``shard_sizes``), reading
-    every label (``check_values``: the launcher's check of the train labels before the job starts)."""
-    schema = pa.schema([criteo_schema().field("label")])
-    rows = sum(rb.num_rows for rb in make_source(path, batch_size=1 << 20, schema=schema, rank=0,
-                                                    num_workers=1, prefetch=0).batches(0))
-    return [rows * (w + 1) // num_workers - rows * w // num_workers for w in range(num_workers)]
+def check_train_split(path: str, schema: pa.Schema) -> int:
+    """Read every row of the train split ``path`` and check every value a worker checks (``check_values``:
+    labels, dense values, null keys), before any process starts -> the number of rows. A bad value deep
+    in a file then ends the job before anything is trained, not in the middle of an epoch, when a
+    repaired file could no longer resume the job's checkpoints (their positions were taken on the file
+    as it was). Read: the label and dense columns; the uint64 slot columns of IPC inputs (read whole
+    anyway) and of Parquet files whose metadata does not say the column has no null; never a raw string
+    slot (a null string is its slot's missing key).
+
+    Raises
+    ------
+    streaming.errors.DataFormatError, streaming.errors.SchemaError
+        The first bad value or input, named with the file, the row and the column.
+    """
+    rows = 0
+    for f in list_files(path):
+        got = read_schema(f)
+        names = [n for n in schema.names if n in ("label", "dense") or got.field(n).type == pa.uint64()]
+        if f.endswith((".parquet", ".pq")):
+            names = [n for n in names if n in ("label", "dense") or not _parquet_no_nulls(f, n)]
+        src = ArrowSource([f], batch_size=1 << 16, schema=pa.schema([schema.field(n) for n in names]),
+                          prefetch=0, check=check_values)
+        rows += sum(rb.num_rows for rb in src.batches(0))
+    return rows
+
+
+def _parquet_no_nulls(path: str, column: str) -> bool:
+    """Whether the statistics of every row group of the Parquet file ``path`` say ``column`` holds no null."""
+    import pyarrow.parquet as pq
+    md = pq.ParquetFile(path).metadata
+    leaves = [k for k in range(md.num_columns) if md.schema.column(k).path == column]   # a top-level uint64
+    if len(leaves) != 1:
+        return False
+    j = leaves[0]
+    for i in range(md.num_row_groups):
+        st = md.row_group(i).column(j).statistics
+        if st is None or not st.has_null_count or st.null_count:
+            return False
+    return True
 
 
 #: bytes of each end of a file that ``files_fingerprint`` reads

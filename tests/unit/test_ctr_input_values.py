@@ -68,3 +68,39 @@ def test_the_source_names_the_file_and_its_row_in_every_workers_shard(tmp_path):
 def test_a_slot_listed_twice_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model.slots: \['C1'\] listed more than once"):
         expected_schema(["C1", "C2", "C1"], 13)
+
+
+@pytest.mark.parametrize("fmt", ["stream", "parquet"])
+def test_the_launchers_look_finds_every_value_a_worker_would_refuse(fmt, tmp_path):
+    """``check_train_split`` (before any process starts) reads every train row: a NaN dense value deep in
+    the second file, or a null key, is named with its file and row there, not by the worker whose shard
+    it is in the middle of an epoch. A raw string slot's null is its missing key, not an error."""
+    import pyarrow.parquet as pq
+    from engine.programs.ctr_data import check_train_split
+
+    def write(path, rb):
+        rb = pa.RecordBatch.from_arrays(rb.columns, names=rb.schema.names)      # nullable, as users write
+        if fmt == "parquet":
+            pq.write_table(pa.Table.from_batches([rb]), str(path), row_group_size=7)
+        else:
+            with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, rb.schema) as w:
+                w.write_batch(rb)
+
+    suffix = ".parquet" if fmt == "parquet" else ".arrow"
+    train = tmp_path / "train"
+    train.mkdir()
+    write(train / f"part-0{suffix}", rows(40))
+    nan = np.ones(40 * 13, np.float32)
+    nan[33 * 13 + 4] = np.nan
+    write(train / f"part-1{suffix}", rows(40, dense=pa.FixedSizeListArray.from_arrays(pa.array(nan), 13)))
+    with pytest.raises(DataFormatError) as e:
+        check_train_split(str(train), SCHEMA)
+    assert str(e.value) == f"{train / f'part-1{suffix}'}: row 34: field dense: expected a finite number at position 4, got nan"
+    write(train / f"part-1{suffix}", rows(40, c2=pa.array([7] * 20 + [None] + [7] * 19, pa.uint64())))
+    with pytest.raises(DataFormatError, match=r"part-1.*: row 21: field C2: expected a key, got null"):
+        check_train_split(str(train), SCHEMA)
+    strings = pa.array(["a"] * 20 + [None] + ["b"] * 19)
+    rb = rows(40)
+    write(train / f"part-1{suffix}", pa.RecordBatch.from_arrays([rb.column(0), rb.column(1), rb.column(2), strings],
+                                                               names=SCHEMA.names))
+    assert check_train_split(str(train), SCHEMA) == 80
