@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.modes.base import Mode
-from engine.programs.ctr_data import (expected_schema, file_rows, make_source, shard_rows, shard_sizes,
+from engine.programs.ctr_data import (check_train_split, expected_schema, file_rows, make_source, shard_sizes,
                                       untrained_rows)
 
 SCHEMA = expected_schema(["C1"], 0)
@@ -77,7 +77,7 @@ def test_every_row_is_in_one_shard_and_the_shards_are_within_one_row(name, tmp_p
     assert rows == sizes
     want = shard_sizes(rows, workers)
     assert sum(want) == total and max(want) - min(want) <= 1
-    assert shard_rows(str(tmp_path / "train"), workers) == want          # the launcher's count agrees
+    assert check_train_split(str(tmp_path / "train"), SCHEMA) == total    # the launcher's count agrees
     shards = [_ids(tmp_path / "train", w, workers) for w in range(workers)]
     assert [len(s) for s in shards] == want
     assert np.array_equal(np.sort(np.concatenate(shards)), np.arange(total, dtype=np.uint64))
