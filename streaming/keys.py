@@ -34,7 +34,7 @@ from . import _kernels
 __all__ = [
     "HASH_VERSION", "SLOT_BITS", "HASH_BITS", "HASH_MASK", "MAX_SLOT",
     "slot_prefix", "missing_key", "make_keys", "key_slots", "key_ids", "hash_array", "hash_value",
-    "arrow_buffers",
+    "arrow_buffers", "is_raw_strings",
 ]
 
 HASH_VERSION = 1
@@ -45,6 +45,25 @@ MAX_SLOT = (1 << SLOT_BITS) - 1
 
 _HASH_MASK_U64 = np.uint64(HASH_MASK)
 _STRING_TYPES = (pa.string(), pa.binary(), pa.large_string(), pa.large_binary())
+_VIEW_TYPES = {pa.string_view(): pa.string(), pa.binary_view(): pa.binary()}
+
+
+def is_raw_strings(t: pa.DataType) -> bool:
+    """Whether ``hash_array`` takes an Arrow column of type ``t``: string, binary, their large and view
+    forms, and dictionary-encoded columns of those (pandas' categoricals in Parquet), each hashed as the
+    plain strings it holds."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return t in _STRING_TYPES or t in _VIEW_TYPES
+
+
+def _plain(chunk: pa.Array) -> pa.Array:
+    """``chunk`` as a string/binary array of ``_STRING_TYPES`` (dictionary decoded, views cast)."""
+    if pa.types.is_dictionary(chunk.type):
+        chunk = chunk.dictionary_decode()
+    if chunk.type in _VIEW_TYPES:
+        chunk = chunk.cast(_VIEW_TYPES[chunk.type])
+    return chunk
 
 
 def _check_slot(slot) -> int:
@@ -185,7 +204,8 @@ def hash_array(slot: int, values, *, empty_is_missing: bool = False) -> np.ndarr
     slot : int
         ``0 <= slot <= MAX_SLOT``.
     values : pyarrow.Array or ChunkedArray, string/binary/large_string/large_binary, length n
-        Slices are handled (the array offset is honoured).
+        Slices are handled (the array offset is honoured). Views and dictionary-encoded columns of
+        those are decoded first (``is_raw_strings``): the same keys as the plain strings.
     empty_is_missing : bool
         Also map empty values to ``missing_key(slot)`` (nulls always do).
 
@@ -207,7 +227,7 @@ def hash_array(slot: int, values, *, empty_is_missing: bool = False) -> np.ndarr
     pos = 0
     with np.errstate(over="ignore"):  # only matters under NUMBA_DISABLE_JIT
         for chunk in chunks:
-            offsets, data, validity, vbit0, has_validity = arrow_buffers(chunk)
+            offsets, data, validity, vbit0, has_validity = arrow_buffers(_plain(chunk))
             n = len(chunk)
             status = np.zeros(n, dtype=np.int16)
             _kernels.hash_values(offsets, data, validity, vbit0, has_validity, prefix, _HASH_MASK_U64,

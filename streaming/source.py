@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 
 _IPC_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
-_STRING_TYPES = (pa.string(), pa.binary(), pa.large_string(), pa.large_binary())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +275,8 @@ def row_ranges(file_rows, num_workers: int) -> list[tuple[int, int]]:
 
 def check_schema(got: pa.Schema, expected: pa.Schema, name: str, string_slots=()) -> None:
     """Raise unless ``got`` holds every column of ``expected`` with its type (``ArrowSource``'s rule: a
-    column of ``string_slots`` expected as uint64 may also hold strings or binaries, hashed when read).
+    column of ``string_slots`` expected as uint64 may also hold raw strings, hashed when read: string,
+    binary, their large and view forms, or dictionary-encoded, ``keys.is_raw_strings``).
     Other columns of ``got`` are ignored.
 
     Raises
@@ -292,8 +292,11 @@ def check_schema(got: pa.Schema, expected: pa.Schema, name: str, string_slots=()
         actual = got.field(idx).type
         if actual == field.type:
             continue
-        if field.name in string_slots and field.type == pa.uint64() and actual in _STRING_TYPES:
-            continue
+        if field.name in string_slots and field.type == pa.uint64():
+            if keys.is_raw_strings(actual):
+                continue
+            raise SchemaError(name, field.name, "uint64 keys or raw strings (string, large_string, binary, "
+                              "large_binary, their views, or dictionary-encoded)", str(actual))
         raise SchemaError(name, field.name, str(field.type), str(actual))
 
 

@@ -40,7 +40,13 @@ __all__ = ["Bundle", "load_bundle"]
 log = logging.getLogger(__name__)
 
 _UINT64_LISTS = (pa.list_(pa.uint64()), pa.large_list(pa.uint64()))
-_STRINGS = (pa.string(), pa.binary(), pa.large_string(), pa.large_binary())
+
+
+def _raw_strings(t: pa.DataType) -> bool:
+    """A slot column of raw strings, hashed as training hashes them (``streaming.keys.is_raw_strings``:
+    views and dictionary-encoded columns too)."""
+    from streaming.keys import is_raw_strings
+    return is_raw_strings(t)
 
 
 class Bundle:
@@ -228,7 +234,7 @@ class Bundle:
                 keep &= np.repeat(np.asarray(col.is_valid()), lengths)
             keys = vals.fill_null(0).to_numpy()
             return np.ascontiguousarray(keys[keep], np.uint64), example[keep]
-        if col.type in _STRINGS:
+        if _raw_strings(col.type):
             from streaming import keys as Kk
             if Kk.HASH_VERSION != self.hash_version:
                 raise BundleError(f"input: column {name!r} holds raw strings, but this engine hashes with "
@@ -277,7 +283,7 @@ class Bundle:
                 return (name, 0, f"expected a slot column (uint64, list<uint64> or string keys), but the "
                                  f"column is missing (bundle slots {', '.join(self.slots)})")
             t = batch.schema.field(name).type
-            if t != pa.uint64() and t not in _UINT64_LISTS and t not in _STRINGS:
+            if t != pa.uint64() and t not in _UINT64_LISTS and not _raw_strings(t):
                 return (name, 0, f"expected uint64, list<uint64> or string keys, got {t}")
         if D:
             if self.dense_column not in names:

@@ -208,3 +208,43 @@ def test_an_object_store_uri_as_an_input_is_a_config_error_saying_to_mount_it(cr
     with pytest.raises(ConfigError, match=rf"^model\.data\.{key}: {uri}: training inputs are read from a file "
                                           rf"system path, not an object store URI; put them on a volume"):
         prepare_data(cfg, SCHEMA)
+
+
+@pytest.mark.parametrize("form", ["dictionary", "string_view", "large_string"])
+def test_raw_string_slots_in_other_arrow_forms_give_the_same_keys(form, criteo, tmp_path):
+    """pandas writes a categorical column to Parquet as dictionary-encoded strings, newer writers
+    string views: the same strings, so the same keys. Before, both were refused ('expected uint64, got
+    dictionary<values=string, ...>'), and the message did not say raw strings were taken."""
+    import pyarrow.parquet as pq
+    lines = (criteo / "rows.txt").read_text().splitlines()
+    converted = _read(criteo / "train")
+    raw = _strings(converted, [line for i, line in enumerate(lines) if i % 5 != 4])
+    cast = {"dictionary": lambda c: c.dictionary_encode(), "string_view": lambda c: c.cast(pa.string_view()),
+            "large_string": lambda c: c.cast(pa.large_string())}[form]
+    for name in SLOTS:
+        raw = raw.set_column(raw.schema.get_field_index(name), name, cast(raw.column(name)))
+    (tmp_path / "train").mkdir()
+    if form == "string_view":
+        _write(tmp_path / "train" / "part-0.arrow", raw)
+    else:
+        pq.write_table(raw, str(tmp_path / "train" / "part-0.parquet"))
+    prepare_data(DataConfig(source="arrow", train_path=str(tmp_path / "train"), test_path=str(criteo / "test")),
+                 SCHEMA)
+    src = make_source(str(tmp_path / "train"), batch_size=16, schema=SCHEMA, rank=0, num_workers=1, prefetch=0)
+    got = pa.Table.from_batches(list(src.batches(0)))
+    for name in SLOTS:
+        np.testing.assert_array_equal(got.column(name).to_numpy(), converted.column(name).to_numpy())
+
+
+def test_a_slot_of_another_type_is_refused_saying_what_a_slot_takes(criteo, tmp_path):
+    """int64 ids (Spark has no uint64) are neither keys nor strings: one line naming the file and the
+    column, and what the column may hold; never silently re-read as other keys."""
+    t = _read(criteo / "train")
+    t = t.set_column(t.schema.get_field_index("C1"), "C1", t.column("C1").cast(pa.int64(), safe=False))
+    _write(tmp_path / "train" / "part-0.arrow", t)
+    with pytest.raises(SchemaError) as e:
+        prepare_data(DataConfig(source="arrow", train_path=str(tmp_path / "train"), test_path=str(criteo / "test")),
+                     SCHEMA)
+    assert str(e.value) == (f"column 'C1': expected uint64 keys or raw strings (string, large_string, binary, "
+                            f"large_binary, their views, or dictionary-encoded), got int64 (file "
+                            f"{tmp_path / 'train' / 'part-0.arrow'})")

@@ -99,3 +99,23 @@ def test_predict_handles_list_string_and_null_slots(trained, tmp_path):
     emb = bundle.lookup(keys)
     ref = trained.model.predict(emb, np.arange(len(keys), dtype=np.int32), cells, dense)
     np.testing.assert_allclose(got, ref, atol=1e-6)
+
+
+def test_predict_takes_dictionary_encoded_and_view_strings_as_the_strings_they_hold(trained, tmp_path):
+    """A raw string slot written dictionary-encoded (pandas categoricals in Parquet) or as string views
+    scores as the plain strings do, as training reads them (``streaming.keys.is_raw_strings``)."""
+    from streaming import keys as K
+    export_bundle(trained.source(), str(tmp_path / "b"))
+    bundle = load_bundle(str(tmp_path / "b"))
+    n = 4
+    cols = {"dense": pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * 13, np.float32)), 13)}
+    for j, s in enumerate(bundle.slots):
+        cols[s] = pa.array([K.missing_key(j + 1)] * n, pa.uint64())
+    plain = pa.array(["68fd1e64", None, "", "68fd1e64"], pa.string())
+    want = None
+    for c2 in (plain, plain.dictionary_encode(), plain.cast(pa.string_view())):
+        rb = pa.RecordBatch.from_pydict({**cols, "C2": c2})
+        assert bundle.check_values(rb) is None
+        got = bundle.predict(rb)
+        want = got if want is None else want
+        np.testing.assert_array_equal(got, want)
