@@ -276,7 +276,9 @@ def row_ranges(file_rows, num_workers: int) -> list[tuple[int, int]]:
 def check_schema(got: pa.Schema, expected: pa.Schema, name: str, string_slots=()) -> None:
     """Raise unless ``got`` holds every column of ``expected`` with its type (``ArrowSource``'s rule: a
     column of ``string_slots`` expected as uint64 may also hold raw strings, hashed when read: string,
-    binary, their large and view forms, or dictionary-encoded, ``keys.is_raw_strings``).
+    binary, their large and view forms, or dictionary-encoded, ``keys.is_raw_strings``; a float32 column
+    any number or boolean, a ``fixed_size_list<float32>`` one of float16 or float64 values, cast when
+    read: ``_casts_to``).
     Other columns of ``got`` are ignored.
 
     Raises
@@ -292,12 +294,28 @@ def check_schema(got: pa.Schema, expected: pa.Schema, name: str, string_slots=()
         actual = got.field(idx).type
         if actual == field.type:
             continue
+        if _casts_to(actual, field.type):
+            continue
         if field.name in string_slots and field.type == pa.uint64():
             if keys.is_raw_strings(actual):
                 continue
             raise SchemaError(name, field.name, "uint64 keys or raw strings (string, large_string, binary, "
                               "large_binary, their views, or dictionary-encoded)", str(actual))
         raise SchemaError(name, field.name, str(field.type), str(actual))
+
+
+def _casts_to(actual: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether a column of type ``actual`` is read as ``expected`` by a cast (``ArrowSource``): an integer,
+    boolean or other floating column as a float32 one (labels: 0/1 clicks written as int64 or double,
+    exact), a ``fixed_size_list`` of float16 or float64 as a ``fixed_size_list<float32>`` of the same
+    size (dense features written as double, rounded to the float32 the models compute in; a value beyond
+    float32's range becomes an infinity, which a value check refuses)."""
+    if expected == pa.float32():
+        return pa.types.is_integer(actual) or pa.types.is_boolean(actual) or pa.types.is_floating(actual)
+    if pa.types.is_fixed_size_list(expected) and expected.value_type == pa.float32():
+        return (pa.types.is_fixed_size_list(actual) and actual.list_size == expected.list_size
+                and pa.types.is_floating(actual.value_type))
+    return False
 
 
 def check_inputs(paths, schema: pa.Schema | None = None, *, string_slots=()) -> list:
@@ -553,7 +571,9 @@ class ArrowSource:
         cols = []
         for field in expected:
             col = rb.column(rb.schema.get_field_index(field.name))
-            if col.type != field.type:  # a raw string slot (checked in _check_schema)
+            if col.type != field.type and _casts_to(col.type, field.type):    # checked in _check_schema
+                col = col.cast(field.type, safe=False)
+            elif col.type != field.type:  # a raw string slot (checked in _check_schema)
                 col = pa.array(keys.hash_array(self.string_slots[field.name], col, empty_is_missing=True))
             cols.append(col)
         return pa.RecordBatch.from_arrays(cols, schema=expected)

@@ -248,3 +248,31 @@ def test_a_slot_of_another_type_is_refused_saying_what_a_slot_takes(criteo, tmp_
     assert str(e.value) == (f"column 'C1': expected uint64 keys or raw strings (string, large_string, binary, "
                             f"large_binary, their views, or dictionary-encoded), got int64 (file "
                             f"{tmp_path / 'train' / 'part-0.arrow'})")
+
+
+@pytest.mark.parametrize("label_type", [pa.int64(), pa.bool_(), pa.float64(), pa.int8()])
+def test_labels_and_dense_values_of_other_numeric_types_are_read_as_float32(label_type, criteo, tmp_path):
+    """Spark and pandas write 0/1 clicks as int64 (or bool) and features as double: read as the float32
+    the models compute in, the same values (before: 'expected float, got int64', and the user had to
+    rewrite every file). A double beyond float32's range is an infinity there, refused naming its row."""
+    t = _read(criteo / "train")
+    want_labels, want_dense = t.column("label").to_numpy(), t.column("dense").combine_chunks().flatten().to_numpy()
+    t = t.set_column(0, "label", t.column("label").cast(label_type))
+    dense = pa.FixedSizeListArray.from_arrays(pa.array(want_dense.astype(np.float64)), 13)
+    t = t.set_column(t.schema.get_field_index("dense"), "dense", dense)
+    _write(tmp_path / "train" / "part-0.arrow", t)
+    cfg = DataConfig(source="arrow", train_path=str(tmp_path / "train"), test_path=str(criteo / "test"))
+    prepare_data(cfg, SCHEMA)
+    src = make_source(str(tmp_path / "train"), batch_size=16, schema=SCHEMA, rank=0, num_workers=1, prefetch=0)
+    got = pa.Table.from_batches(list(src.batches(0)))
+    assert got.schema.field("label").type == pa.float32()
+    np.testing.assert_array_equal(got.column("label").to_numpy(), want_labels)
+    np.testing.assert_array_equal(got.column("dense").combine_chunks().flatten().to_numpy(), want_dense)
+    big = want_dense.astype(np.float64)
+    big[5 * 13 + 2] = 1e300
+    _write(tmp_path / "train" / "part-0.arrow", t.set_column(t.schema.get_field_index("dense"), "dense",
+                                                             pa.FixedSizeListArray.from_arrays(pa.array(big), 13)))
+    src = make_source(str(tmp_path / "train"), batch_size=16, schema=SCHEMA, rank=0, num_workers=1, prefetch=0)
+    with pytest.raises(DataFormatError, match=r"part-0.arrow: row 6: field dense: expected a finite number at "
+                                              r"position 2, got inf"):
+        list(src.batches(0))
