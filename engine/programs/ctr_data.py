@@ -359,7 +359,8 @@ def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
     """Raise unless ``path`` exists and every one of its inputs has ``schema``'s columns (a slot column
     may hold raw strings: ``string_slots``) and, an IPC stream, its end-of-stream marker
     (``streaming.source.check_inputs``: each input's schema and last bytes; a whole file only when it
-    looks truncated).
+    looks truncated). Files of a directory left unread for their names (no data suffix, not a
+    ``_``/``.`` marker or temporary file) are named in a WARNING.
 
     Raises
     ------
@@ -376,6 +377,15 @@ def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
         check_inputs(path, schema, string_slots=string_slots(schema))
     except FileNotFoundError as e:
         raise ConfigError(f"{key}: {e}") from None
+    if os.path.isdir(path):
+        read = {os.path.basename(f) for f in list_files(path)}
+        left = sorted(e.name for e in os.scandir(path) if e.is_file() and e.name not in read
+                      and not e.name.startswith(("_", ".")))
+        if left:
+            log.warning("%s: %d file(s) of %s are not read, their names lacking a data suffix (.arrow .arrows "
+                        ".ipc .feather .parquet .pq; names starting with _ or . are skipped as markers and "
+                        "temporary files): %s%s", key, len(left), path, ", ".join(left[:5]),
+                        f" and {len(left) - 5} more" if len(left) > 5 else "")
 
 
 def group_column_type(path: str, column: str) -> pa.DataType:

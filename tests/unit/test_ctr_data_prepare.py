@@ -276,3 +276,20 @@ def test_labels_and_dense_values_of_other_numeric_types_are_read_as_float32(labe
     with pytest.raises(DataFormatError, match=r"part-0.arrow: row 6: field dense: expected a finite number at "
                                               r"position 2, got inf"):
         list(src.batches(0))
+
+
+def test_files_a_directory_holds_but_are_not_read_are_named(criteo, tmp_path, caplog):
+    """``part-00001`` (Hadoop's names have no suffix) and ``part-00002.ARROW`` are Arrow files the reader
+    leaves out for their names: before, the job trained on the rest without a word. Markers and
+    temporary files (``_SUCCESS``, ``.part-0.crc``) are left out silently, as they should be."""
+    t = _read(criteo / "train")
+    train = tmp_path / "train"
+    for name in ("part-00000.arrow", "part-00001", "part-00002.ARROW", "_SUCCESS", ".part-00000.arrow.crc"):
+        _write(train / name, t)
+    cfg = DataConfig(source="arrow", train_path=str(train), test_path=str(criteo / "test"))
+    with caplog.at_level(logging.WARNING, logger="engine.programs.ctr_data"):
+        prepare_data(cfg, SCHEMA)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"model.data.train_path: 2 file(s) of {train} are not read, their names lacking a data suffix (.arrow "
+        f".arrows .ipc .feather .parquet .pq; names starting with _ or . are skipped as markers and temporary "
+        f"files): part-00001, part-00002.ARROW"]
