@@ -487,9 +487,9 @@ class ArrowSource:
         ``(worker, num_workers)``; see ``shard_by`` and the module docstring.
     shard_by : "files", "batches" or "rows"
     file_rows : list of int, optional
-        ``shard_by="rows"``: the rows of each input (``count_rows``); counted here when not given. A file
-        holding other rows than counted shifts the ranges of the workers after it, never drops or repeats
-        a row of its own range.
+        ``shard_by="rows"``: the rows of each input (``count_rows``); counted here when not given. They
+        must be the inputs' rows as read: a file changed since they were counted could give a row to two
+        workers or to none (a resumed CTR position refuses changed files: ``ctr_positions``).
     start : SourcePosition, optional
         Resume point (skips everything before it).
     check : callable, optional
