@@ -59,10 +59,11 @@ batch. GEO's local table applies the same rule with plain SGD. Dense gradients a
 Data (``model.data``, see ``ctr_data``) is resolved once in the launcher by ``prepare``: the shared
 Criteo rows are converted to Arrow (canonical split) when their Arrow form is missing or stale, or a
 planted-model file is generated when they are absent; every input's schema, every train value the workers
-check (labels, dense values, keys) and every test value evaluation reads are checked then. Each worker reads its shard of the train split (shuffled
-within ``shuffle_buffer`` rows, a new order every epoch), evaluates its shard of the test split after each
-epoch, and the histograms are merged on the servers into the global AUC (``ctr_report``). Metrics go to
-one JSON-lines file per run (``model.metrics_file``).
+check (labels, dense values, keys) and every test value evaluation reads are checked then. Each worker
+reads its shard of the train split (an equal share of the rows, ``ctr_data.make_source``; shuffled within
+``shuffle_buffer`` rows, a new order every epoch), evaluates its shard of the test split after each epoch,
+and the histograms are merged on the servers into the global AUC (``ctr_report``). Metrics go to one
+JSON-lines file per run (``model.metrics_file``).
 
 Checkpoints (``checkpoint.root`` set) are written by rank 0 at step-aligned meetings of the workers, with
 every worker's data position, so ``--resume`` continues at the next unread batch (``ctr_positions``); the
@@ -88,8 +89,8 @@ from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
 from . import ctr_eval
-from .ctr_data import (CTRBatch, dedup_batch, expected_schema, file_rows, files_fingerprint, make_source,
-                       prepare_data, check_train_split, shard_sizes, to_batch, untrained_rows)
+from .ctr_data import (CTRBatch, check_train_split, dedup_batch, expected_schema, file_rows, files_fingerprint,
+                       make_source, prepare_data, shard_sizes, to_batch, untrained_rows)
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
 from .ctr_steps import StepPipelines

@@ -95,7 +95,8 @@ def test_the_launchers_look_finds_every_value_a_worker_would_refuse(fmt, tmp_pat
     write(train / f"part-1{suffix}", rows(40, dense=pa.FixedSizeListArray.from_arrays(pa.array(nan), 13)))
     with pytest.raises(DataFormatError) as e:
         check_train_split(str(train), SCHEMA)
-    assert str(e.value) == f"{train / f'part-1{suffix}'}: row 34: field dense: expected a finite number at position 4, got nan"
+    assert str(e.value) == (f"{train / f'part-1{suffix}'}: row 34: field dense: expected a finite number at "
+                            f"position 4, got nan")
     write(train / f"part-1{suffix}", rows(40, c2=pa.array([7] * 20 + [None] + [7] * 19, pa.uint64())))
     with pytest.raises(DataFormatError, match=r"part-1.*: row 21: field C2: expected a key, got null"):
         check_train_split(str(train), SCHEMA)
