@@ -26,7 +26,7 @@ from typing import Iterator
 import pyarrow as pa
 
 __all__ = ["IPC_EOS", "LEGACY_IPC_EOS", "CheckedStream", "IncompleteStreamError", "TrackedInput",
-           "tail_has_eos"]
+           "stream_rows", "tail_has_eos"]
 
 #: end-of-stream marker of the IPC stream format (continuation token, then metadata length 0)
 IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
@@ -82,6 +82,82 @@ def tail_has_eos(f) -> bool:
     tail = f.read_at(min(8, n), size - min(8, n))
     f.seek(start)           # an OSFile refuses an implicitly positioned read after read_at until a seek
     return tail[-4:] == LEGACY_IPC_EOS if legacy else tail == IPC_EOS
+
+
+def stream_rows(path: str) -> int | None:
+    """Rows of the IPC stream file ``path`` read from its messages' metadata alone (each record batch's
+    ``length``), the bodies skipped by a seek: a few KB read per record batch, not the batch. None when
+    the bytes are not a stream this walk understands to its end-of-stream marker, at the file's end (a
+    truncated or corrupt stream, bytes after the marker): the caller then reads the stream through, which
+    names what is wrong.
+
+    Framing (``Message.fbs``): each message is ``[0xFFFFFFFF] int32 metadata size, flatbuffer Message,
+    body of Message.bodyLength bytes``; a ``RecordBatch`` header (type 3) holds the batch's ``length``
+    (rows) in its first field.
+    """
+    import struct
+    size = os.path.getsize(path)
+    rows = 0
+    with open(path, "rb") as f:
+        pos = 0
+        while True:
+            head = f.read(4)
+            if len(head) < 4:
+                return None
+            n = struct.unpack("<i", head)[0]
+            pos += 4
+            if n == -1:                        # continuation token: the size follows
+                head = f.read(4)
+                if len(head) < 4:
+                    return None
+                n, pos = struct.unpack("<i", head)[0], pos + 4
+            if n == 0:                         # the end-of-stream marker: it must end the file
+                return rows if pos == size else None
+            if n < 0 or pos + n > size:
+                return None
+            meta = f.read(n)
+            pos += n
+            parsed = _message_header(meta)
+            if parsed is None:
+                return None
+            kind, body, length = parsed
+            if body < 0 or pos + body > size:
+                return None
+            if kind == 3:
+                rows += length
+            pos += body
+            f.seek(pos)
+
+
+def _message_header(meta: bytes) -> tuple[int, int, int] | None:
+    """(header type, body length, record batch length or 0) of one flatbuffer ``Message``; None if it
+    does not parse."""
+    import struct
+    try:
+        def field(table: int, slot: int) -> int:          # the field's absolute offset, 0 = absent
+            vt = table - struct.unpack_from("<i", meta, table)[0]
+            vt_size = struct.unpack_from("<H", meta, vt)[0]
+            off = struct.unpack_from("<H", meta, vt + 4 + 2 * slot)[0] if 4 + 2 * slot < vt_size else 0
+            return table + off if off else 0
+
+        root = struct.unpack_from("<I", meta, 0)[0]
+        t = field(root, 1)
+        kind = meta[t] if t else 0
+        b = field(root, 3)
+        body = struct.unpack_from("<q", meta, b)[0] if b else 0
+        length = 0
+        if kind == 3:
+            h = field(root, 2)
+            if not h:
+                return None
+            rb = h + struct.unpack_from("<I", meta, h)[0]
+            ln = field(rb, 0)
+            length = struct.unpack_from("<q", meta, ln)[0] if ln else 0
+            if length < 0:
+                return None
+        return kind, body, length
+    except (struct.error, IndexError, ValueError, OverflowError):
+        return None
 
 
 def _size(f) -> int:

@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 
 from . import keys
 from .errors import DataFormatError, SchemaError
-from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput
+from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows
 
 __all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "count_rows", "list_files", "prefetch",
            "read_batches", "read_schema", "row_ranges"]
@@ -238,9 +238,9 @@ def read_schema(path: str, *, check_end: bool = False) -> pa.Schema:
 
 
 def count_rows(path: str) -> int:
-    """Rows of one Arrow IPC (file or stream) or Parquet input: from its metadata for Parquet and an IPC
-    file (no record batch body is read), by reading it through for an IPC stream (whose framing records
-    no count).
+    """Rows of one Arrow IPC (file or stream) or Parquet input, from metadata: Parquet's and an IPC file's
+    footer, an IPC stream's message headers (``ipc_stream.stream_rows``: the record batch bodies are
+    skipped); a stream that walk does not understand to its end is read through.
 
     Raises
     ------
@@ -261,7 +261,8 @@ def count_rows(path: str) -> int:
         if not _unreadable(exc):
             raise
         raise _format_error(path, path, parquet, False, 0, 0, exc) from exc
-    return sum(rb.num_rows for rb in read_batches(path))
+    rows = stream_rows(path)                 # the messages' metadata; the bodies are skipped
+    return rows if rows is not None else sum(rb.num_rows for rb in read_batches(path))
 
 
 def row_ranges(file_rows, num_workers: int) -> list[tuple[int, int]]:

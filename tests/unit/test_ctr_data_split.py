@@ -126,3 +126,31 @@ def test_a_resumed_epoch_skips_exactly_the_batches_trained(tmp_path):
             next(again)
         assert np.array_equal(np.concatenate([rb.column("C1").to_numpy() for rb in again]),
                               np.concatenate(whole[5:]))
+
+
+@pytest.mark.parametrize("kind", ["plain", "zstd", "lz4", "legacy framing", "tiny batches"])
+def test_a_streams_rows_are_counted_from_its_message_headers(kind, tmp_path):
+    """Every worker counts the rows of every train file when it starts: an IPC stream (``engine convert``'s
+    output) was read through for it, every byte of every file by every worker; its messages' headers
+    give the same count (``ipc_stream.stream_rows``), whatever the compression, framing, dictionaries or
+    zero-row batches. A stream cut short, or with bytes after its end-of-stream marker, is read through
+    instead, and refused there, named."""
+    from streaming.errors import DataFormatError
+    from streaming.ipc_stream import stream_rows
+    from streaming.source import count_rows
+    t = pa.table({"label": pa.array(np.ones(1000, np.float32)),
+                  "s": pa.array([f"v{i % 7}" for i in range(1000)]).dictionary_encode(),
+                  "l": pa.array([[1, 2]] * 1000, pa.list_(pa.uint64()))})
+    opts = pa.ipc.IpcWriteOptions(compression={"zstd": "zstd", "lz4": "lz4"}.get(kind),
+                                  use_legacy_format=kind == "legacy framing")
+    path = tmp_path / "part-0.arrow"
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, t.schema, options=opts) as w:
+        w.write_table(t, max_chunksize=3 if kind == "tiny batches" else 256)
+        w.write_batch(pa.RecordBatch.from_pylist([], schema=t.schema))
+    assert stream_rows(str(path)) == count_rows(str(path)) == 1000
+    whole = path.read_bytes()
+    for bad in (whole[:-8], whole + whole[-8:]):
+        path.write_bytes(bad)
+        assert stream_rows(str(path)) is None
+        with pytest.raises(DataFormatError, match="part-0.arrow"):
+            count_rows(str(path))
