@@ -77,6 +77,20 @@ def describe_file_changes(was: list, now: list, most: int = 5) -> list[str]:
     return out[:most] + ([f"and {len(out) - most} more"] if len(out) > most else [])
 
 
+def _epoch_start_checkpoint(mgr, most: int = 64) -> tuple[str, int] | None:
+    """(URI, epoch) of the newest of the job's complete checkpoints (at most the ``most`` newest looked
+    at) whose data position is an epoch's start (``sources.train.batch`` 0), or None."""
+    try:
+        refs = mgr.list()[-most:]
+        for ref in reversed(refs):
+            train = (mgr.manifest(ref.name).get("sources") or {}).get("train") or {}
+            if "epoch" in train and int(train.get("batch", -1)) == 0:
+                return mgr.uri_of(ref.name), int(train["epoch"])
+    except Exception:   # noqa: BLE001 - only a hint for an error about to be raised
+        log.debug("could not list the epoch-start checkpoints", exc_info=True)
+    return None
+
+
 @dataclass(frozen=True)
 class Position:
     """``epoch``, and ``batch``: batches of that epoch already trained (the next one to read)."""
@@ -180,12 +194,12 @@ class AlignedCheckpoints:
                         pos.epoch, pos.batch, uri, changed, pos.epoch)
             pos = Position(pos.epoch, 0)
         if self.files is not None:
-            self._check_files(train.get("files"), pos, uri)
+            self._check_files(train.get("files"), pos, uri, mgr)
         log.info("worker %d: resuming at epoch %d, batch %d (checkpoint %s)", self.t.rank, pos.epoch,
                  pos.batch, uri)
         return pos, step
 
-    def _check_files(self, recorded, pos: Position, uri: str) -> None:
+    def _check_files(self, recorded, pos: Position, uri: str, mgr=None) -> None:
         """The train files now (``self.files``) against those the checkpoint recorded (module docstring).
 
         Raises
@@ -211,11 +225,17 @@ class AlignedCheckpoints:
                 log.info("the train files changed since checkpoint %s (%s): epoch %d is read from its start on "
                          "them as they are now", uri, "; ".join(changes), pos.epoch)
             return
+        start = _epoch_start_checkpoint(mgr) if mgr is not None else None
+        where = (f"resume from checkpoint {start[0]}, taken at the start of epoch {start[1]} (--resume "
+                 f"{start[0]}: the epoch is read from its start on the files as they are now)" if start else
+                 "resume from a checkpoint taken at an epoch's start (this job's root holds none: "
+                 "--resume URI names one elsewhere)")
         raise ConfigError(
             f"model.data.train_path: {path} holds other files than checkpoint {uri} was trained on "
             f"({'; '.join(changes)}): its position, epoch {pos.epoch} batch {pos.batch}, would skip rows never "
-            f"trained and train others twice. Resume with the files it was trained on, resume from a "
-            f"checkpoint taken at an epoch's start (--resume URI), or train afresh without --resume")
+            f"trained and train others twice. Resume with the files it was trained on, {where}, or train "
+            f"afresh without --resume (a file repaired after the job stopped on a bad value counts as other "
+            f"files: its rows before the position were trained as they were)")
 
     def check_shards(self, sizes: list[int], batch_size: int, path: str) -> None:
         """Warn when the smallest of the workers' shards (``sizes``: rows per worker) holds fewer batches
