@@ -77,17 +77,21 @@ def describe_file_changes(was: list, now: list, most: int = 5) -> list[str]:
     return out[:most] + ([f"and {len(out) - most} more"] if len(out) > most else [])
 
 
-def _epoch_start_checkpoint(mgr, most: int = 64) -> tuple[str, int] | None:
-    """(URI, epoch) of the newest of the job's complete checkpoints (at most the ``most`` newest looked
-    at) whose data position is an epoch's start (``sources.train.batch`` 0), or None."""
+def _epoch_start_checkpoint(mgr, name: str, most: int = 256) -> tuple[str, int] | None:
+    """(URI, epoch) of the newest checkpoint of ``name``'s chain (``name``, its parent delta, ... its base:
+    this job's lineage, never another run's checkpoint under the same root; at most ``most`` looked at)
+    whose data position is an epoch's start (``sources.train.batch`` 0), or None."""
     try:
-        refs = mgr.list()[-most:]
-        for ref in reversed(refs):
-            train = (mgr.manifest(ref.name).get("sources") or {}).get("train") or {}
+        for _ in range(most):
+            m = mgr.manifest(name)
+            train = (m.get("sources") or {}).get("train") or {}
             if "epoch" in train and int(train.get("batch", -1)) == 0:
-                return mgr.uri_of(ref.name), int(train["epoch"])
+                return mgr.uri_of(name), int(train["epoch"])
+            if m.get("kind") != "delta" or not m.get("parent"):
+                return None
+            name = m["parent"]
     except Exception:   # noqa: BLE001 - only a hint for an error about to be raised
-        log.debug("could not list the epoch-start checkpoints", exc_info=True)
+        log.debug("could not read the chain of checkpoint %s", name, exc_info=True)
     return None
 
 
@@ -194,20 +198,23 @@ class AlignedCheckpoints:
                         pos.epoch, pos.batch, uri, changed, pos.epoch)
             pos = Position(pos.epoch, 0)
         if self.files is not None:
-            self._check_files(train.get("files"), pos, uri, mgr)
+            self._check_files(train.get("files"), pos, uri, (mgr, manifest.get("name")))
         log.info("worker %d: resuming at epoch %d, batch %d (checkpoint %s)", self.t.rank, pos.epoch,
                  pos.batch, uri)
         return pos, step
 
-    def _check_files(self, recorded, pos: Position, uri: str, mgr=None) -> None:
+    def _check_files(self, recorded, pos: Position, uri: str, chain=None) -> None:
         """The train files now (``self.files``) against those the checkpoint recorded (module docstring).
+
+        ``chain``: ``(manager, name)`` of the restored checkpoint, whose chain is searched for an
+        epoch-start checkpoint to name in the error.
 
         Raises
         ------
         ConfigError
             Inside an epoch (``pos.batch`` > 0), other files: names ``model.data.train_path``, the
-            checkpoint, the position and what changed (added, removed, size, CRC of the ends or of the
-            blocks between them).
+            checkpoint, the position, what changed (added, removed, size, CRC of the ends or of the
+            blocks between them) and the newest checkpoint of its chain taken at an epoch's start.
         """
         path = self.t.cfg.data.train_path
         if not isinstance(recorded, list):
@@ -225,11 +232,11 @@ class AlignedCheckpoints:
                 log.info("the train files changed since checkpoint %s (%s): epoch %d is read from its start on "
                          "them as they are now", uri, "; ".join(changes), pos.epoch)
             return
-        start = _epoch_start_checkpoint(mgr) if mgr is not None else None
+        start = _epoch_start_checkpoint(*chain) if chain and chain[1] else None
         where = (f"resume from checkpoint {start[0]}, taken at the start of epoch {start[1]} (--resume "
                  f"{start[0]}: the epoch is read from its start on the files as they are now)" if start else
-                 "resume from a checkpoint taken at an epoch's start (this job's root holds none: "
-                 "--resume URI names one elsewhere)")
+                 "resume from a checkpoint taken at an epoch's start (none in this checkpoint's chain back "
+                 "to its base: --resume URI names one)")
         raise ConfigError(
             f"model.data.train_path: {path} holds other files than checkpoint {uri} was trained on "
             f"({'; '.join(changes)}): its position, epoch {pos.epoch} batch {pos.batch}, would skip rows never "

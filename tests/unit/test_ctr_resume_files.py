@@ -130,8 +130,8 @@ def test_a_resume_inside_an_epoch_onto_other_files_is_refused(tmp_path, train, c
         f"model.data.train_path: {train} holds other files than checkpoint {uri} was trained on "
         f"(part-00000.arrow added ({size} bytes)): its position, epoch 0 batch 7, would skip rows never "
         f"trained and train others twice. Resume with the files it was trained on, resume from a checkpoint "
-        f"taken at an epoch's start (this job's root holds none: --resume URI names one elsewhere), or train "
-        f"afresh without --resume (a file repaired after the job stopped on a bad value counts as other files: "
+        f"taken at an epoch's start (none in this checkpoint's chain back to its base: --resume URI names one), "
+        f"or train afresh without --resume (a file repaired after the job stopped on a bad value counts as other files: "
         f"its rows before the position were trained as they were)")
     (train / "part-00000.arrow").unlink()
     assert _resume(tmp_path, train, uri) == Position(0, 7)                  # put back: accepted again
@@ -141,11 +141,30 @@ def test_a_resume_inside_an_epoch_onto_other_files_is_refused(tmp_path, train, c
     with caplog.at_level(logging.INFO, logger="engine.programs.ctr_positions"):
         assert _resume(tmp_path, train, start) == Position(1, 0)
     assert any("the train files changed since checkpoint" in r.getMessage() for r in caplog.records)
-    # the refusal names the epoch-start checkpoint the job can resume from instead (before, it said only
+    # the refusal names the epoch-start checkpoint of its chain to resume from instead (before, it said only
     # "a checkpoint taken at an epoch's start", and a user whose repaired file was refused had to find one)
+    (train / "part-00000.arrow").unlink()
+    start, later = _chain(tmp_path, train, Position(1, 0), Position(1, 3))   # a base, a delta on it
+    _write(train / "part-00000.arrow", 50, 3)
     with pytest.raises(ConfigError, match=f"resume from checkpoint {start}, taken at the start of epoch 1 "
                                           f"\\(--resume {start}: the epoch is read from its start"):
-        _resume(tmp_path, train, uri)
+        _resume(tmp_path, train, later)
+
+
+def _chain(tmp_path, train: Path, *positions: Position) -> list[str]:
+    """A base of the first position and a delta for each other one on it, as rank 0 writes them."""
+    t = _trainer(tmp_path, train)
+    ck = AlignedCheckpoints(t, files=files_fingerprint(str(train)))
+    server = PSServer.from_config(t.ctx.config, 0)
+    client = PSClient(InProcessTransport([server]))
+    try:
+        client.init_dense("dense", np.zeros(4, np.float32))
+        mgr = CheckpointManager(str(tmp_path / "ckpt"), "ctr_dnn")
+        return [mgr.uri_of(mgr.save(client, "delta" if i else "base", sources=ck.sources(pos),
+                                    config=t.ctx.config.to_dict())["name"]) for i, pos in enumerate(positions)]
+    finally:
+        client.close()
+        server.close()
 
 
 def test_a_checkpoint_that_recorded_no_files_is_accepted_with_a_warning(tmp_path, train, caplog):
