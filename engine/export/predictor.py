@@ -189,7 +189,7 @@ class Bundle:
         if hv is not None and int(hv) != self.hash_version:
             raise BundleError(f"input keys use hash_version {int(hv)}, bundle {self.uri} was trained on "
                               f"hash_version {self.hash_version}; re-convert the input")
-        n, S = batch.num_rows, len(self.slots)
+        n = batch.num_rows
         names = batch.schema.names
         cols = []
         simple = True
