@@ -236,7 +236,7 @@ class Storage:
         OSError
             The probe could not be written or stated (after the retries); a failed delete is logged only.
         """
-        probe = posixpath.join(path, f"_clock-{os.urandom(6).hex()}") if path else f"_clock-{os.urandom(6).hex()}"
+        probe = posixpath.join(path, f"_clock-{os.urandom(6).hex()}")     # "" joins to the bare name
         self.write_bytes(probe, b"")
         try:
             info = self.info(probe)

@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import posixpath
 import sys
 import tempfile
 import time
@@ -94,33 +93,22 @@ def _bad_input_errors():
             FileNotFoundError, FileExistsError, DataFormatError, SchemaError, ConvertError)
 
 
-def _norm(uri: str) -> str:
-    """``uri`` comparable by prefix: a local path (or ``file://``) made absolute, a remote URI as written."""
-    if uri.startswith("file://"):
-        uri = uri[len("file://"):]
-    return uri.rstrip("/") if "://" in uri else os.path.abspath(uri)
-
-
-def job_root(checkpoint: str) -> str:
-    """The job root of checkpoint ``{root}/{job}/{YYYYMMDD}/{HHMM-kind}`` (its chain's base and deltas lie
-    below it); ``checkpoint`` itself when it is not a checkpoint's name (a job root: its newest)."""
-    from ..checkpoint.manifest import ref_of_uri
-    uri = checkpoint.rstrip("/")
-    return posixpath.dirname(posixpath.dirname(uri)) if ref_of_uri(uri) is not None else uri
-
-
 def failed_side(e: OSError, sides: dict[str, str]) -> str | None:
     """The one name in ``sides`` (name -> URI) whose store the storage error ``e`` is about: its ``uri``
-    (``hdfs_io``'s errors carry it) lies under that URI, or is the file system holding it (an HDFS
-    namenode, an S3 bucket); None when no side or more than one matches, or ``e`` names no URI. So a
-    CLI names the store that failed: before, ``engine export`` said "checkpoint storage unavailable"
-    when its output store did not answer."""
+    (``hdfs_io``'s errors carry it) is that URI, lies under it, or is the file system holding it (an HDFS
+    namenode, an S3 bucket) (``target.same_place`` / ``target.inside``); None when no side or more than
+    one matches, or ``e`` names no URI. So a CLI names the store that failed: before, ``engine export``
+    said "checkpoint storage unavailable" when its output store did not answer."""
+    from .target import inside, same_place
     uri = getattr(e, "uri", None)
     if not uri:
         return None
-    u = _norm(uri)
-    found = [name for name, prefix in sides.items()
-             if (p := _norm(prefix)) and (u == p or u.startswith(p + "/") or p.startswith(u + "/"))]
+    u = uri.removeprefix("file://")
+    found = []
+    for name, side in sides.items():
+        p = (side or "").removeprefix("file://")
+        if p and (same_place(u, p) or inside(u, p) or inside(p, u)):
+            found.append(name)
     return found[0] if len(found) == 1 else None
 
 
@@ -160,7 +148,8 @@ def run_export(args) -> int:
                    "rows": meta["embedding"]["rows"], "deleted": meta["embedding"]["deleted"],
                    "export_id": meta["export_id"], "seconds": meta["stats"]["seconds"]}
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
-        side = failed_side(e, {"output": args.out, "checkpoint": job_root(args.checkpoint)})
+        from .target import job_root_of
+        side = failed_side(e, {"output": args.out, "checkpoint": job_root_of(args.checkpoint)})
         what = {"output": f"output storage unavailable (writing {args.out})",
                 "checkpoint": "checkpoint storage unavailable"}
         print(f"engine export: {what.get(side, 'storage unavailable')}: {e}", file=sys.stderr)

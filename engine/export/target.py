@@ -24,6 +24,7 @@ import ctypes
 import errno
 import logging
 import os
+import posixpath
 import re
 
 import pyarrow.fs as pafs
@@ -154,6 +155,14 @@ def inside(a: str, b: str) -> bool:
     return na.startswith(nb.rstrip("/") + "/")
 
 
+def job_root_of(checkpoint: str) -> str:
+    """The job root of checkpoint ``{root}/{job}/{YYYYMMDD}/{HHMM-kind}`` (its chain's base and deltas lie
+    below it); ``checkpoint`` itself when it is not a checkpoint's name (a job root: its newest)."""
+    from ..checkpoint.manifest import ref_of_uri
+    uri = checkpoint.rstrip("/")
+    return posixpath.dirname(posixpath.dirname(uri)) if ref_of_uri(uri) is not None else uri
+
+
 def check_not_source(out_uri: str, source_uri: str | None) -> None:
     """Refuse an ``OUT`` that is, contains or is inside the job root of the source checkpoint.
 
@@ -168,7 +177,7 @@ def check_not_source(out_uri: str, source_uri: str | None) -> None:
     from ..checkpoint.manifest import ref_of_uri
     if not source_uri or ref_of_uri(source_uri) is None:
         return
-    job_root = source_uri.rstrip("/").rsplit("/", 2)[0]     # holds the checkpoint directory itself
+    job_root = job_root_of(source_uri)     # holds the checkpoint directory itself
     if same_place(out_uri, job_root) or inside(job_root, out_uri) or inside(out_uri, job_root):
         rel = "is" if same_place(out_uri, job_root) else "contains" if inside(job_root, out_uri) else "is inside"
         raise ExportError(f"{out_uri}: the output {rel} the source checkpoint's job root {job_root}; refusing "

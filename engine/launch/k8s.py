@@ -85,6 +85,7 @@ from ..errors import EXIT_STORAGE_REFUSED, ConfigError
 from ..job_checkpoints import check_resume_id
 from ..ps.health import LIVENESS
 from ..preempt import EXIT_PREEMPTED
+from ..program_configs import refuse_input_uri
 from ..roles import EXIT_ROLLBACK
 from ..security import certs
 from ..security.settings import SecurityConfig, TlsConfig
@@ -246,11 +247,7 @@ def pod_config(cfg: EngineConfig) -> tuple[EngineConfig, list[str]]:
                               f"arrow with model.data.train_path and test_path on storage every worker reaches "
                               f"(convert first with `engine convert criteo`)")
         for key in ("train_path", "test_path"):
-            if "://" in getattr(data, key):        # the workers read their inputs from file system paths only
-                raise ConfigError(f"model.data.{key}: {getattr(data, key)}: training inputs are read from a file "
-                                  f"system path, not an object store URI; put them on a volume every worker pod "
-                                  f"mounts at the same path (a PersistentVolume, NFS, or an s3fs/HDFS FUSE mount, "
-                                  f"added to the worker Job) and name that path")
+            refuse_input_uri(f"model.data.{key}", getattr(data, key))   # read from file system paths only
             warnings.append(f"model.data.{key} {getattr(data, key)!r}: every worker pod must mount it at that path "
                             f"(a volume you add to the worker Job; the manifests do not mount it)")
     root = cfg.checkpoint.root

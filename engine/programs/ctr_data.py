@@ -38,7 +38,7 @@ from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, conver
 from streaming.source import ArrowSource, check_inputs, count_rows, list_files, read_schema, row_ranges
 from streaming.values import dense_values, first, label_problem, list_values
 
-from ..program_configs import DataConfig
+from ..program_configs import DataConfig, refuse_input_uri
 from ..ps import _kernels as ps_kernels
 from ..errors import ConfigError
 
@@ -182,8 +182,8 @@ def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num
 
 
 def file_rows(path: str) -> list[int]:
-    """Rows of each input of ``path`` (``list_files`` order): ``int[F]``, from the metadata of Parquet
-    and IPC files, by reading IPC streams through (``streaming.source.count_rows``).
+    """Rows of each input of ``path`` (``list_files`` order): ``int[F]``, from metadata: Parquet's and IPC
+    files' footers, IPC streams' message headers (``streaming.source.count_rows``).
 
     Raises
     ------
@@ -420,17 +420,6 @@ def group_column_type(path: str, column: str) -> pa.DataType:
     return found
 
 
-def _refuse_uri(key: str, path: str) -> None:
-    """Raise ``ConfigError`` for an object-store URI (``s3://``, ``hdfs://``, ...): the CTR inputs are read
-    from local paths (``pathlib``), so ``s3://bucket/train`` became the relative path ``s3:/bucket/train``
-    and failed as "data path does not exist", exit 2, as if the store were misnamed or down."""
-    if "://" in str(path):
-        raise ConfigError(f"{key}: {path}: training inputs are read from a file system path, not an object "
-                          f"store URI; put them on a volume every worker mounts at the same path (a "
-                          f"PersistentVolume, NFS, or an s3fs/HDFS FUSE mount) and name that path. Checkpoints "
-                          f"and export bundles do go to s3:// and hdfs:// (checkpoint.root)")
-
-
 def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
     """Resolve the data section to ``source: arrow`` with absolute, schema-checked paths; converts or
     generates when needed (see the module docstring).
@@ -451,11 +440,11 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
                 raise ConfigError(f"{key}: '-' (stdin) cannot be a split of a CTR job: the launcher counts and "
                                   f"checks the rows before any worker starts, and every worker reads its shard "
                                   f"in every epoch; write the stream to a file or directory and name that")
-            _refuse_uri(key, path)
+            refuse_input_uri(key, path)
     else:
         key = "model.data.criteo_path"
         if cfg.source != "generated":
-            _refuse_uri(key, cfg.criteo_path)
+            refuse_input_uri(key, cfg.criteo_path)
         if cfg.source == "generated":
             inputs, key = _generated(cfg), "model.data.generated_rows"
         else:
