@@ -20,6 +20,7 @@ from hdfs_io.errors import (
     NotPublishedError,
     StorageError,
     StorageUnavailableError,
+    described,
     permanent_failure,
     permanent_mark,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "CheckpointCorruptError",
     "NotPublishedError",
     "PERMANENT_MARKER",
+    "described",
     "permanent_failure",
     "permanent_mark",
 ]

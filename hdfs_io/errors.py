@@ -24,6 +24,7 @@ __all__ = [
     "NotPublishedError",
     "PERMANENT_ERRNOS",
     "PERMANENT_MARKER",
+    "described",
     "permanent_failure",
     "permanent_mark",
 ]
@@ -117,3 +118,15 @@ def permanent_mark(exc: BaseException) -> str:
     ""."""
     name = permanent_failure(exc)
     return f" [{PERMANENT_MARKER}: {name}]" if name else ""
+
+
+def described(exc: BaseException) -> str:
+    """``exc``'s message with its notes (``add_note``: ``hdfs_io`` names the operation and the file's URI
+    there; pyarrow's own message names neither): ``[Errno 28] Error writing bytes to file (writing
+    /ckpt/.../g03-s0000-j01.arrow; base of table 'emb' shard 1 to /ckpt/...)``.
+
+    >>> e = OSError("Error writing bytes"); e.add_note("writing /ckpt/a.arrow"); described(e)
+    'Error writing bytes (writing /ckpt/a.arrow)'
+    """
+    notes = [n for n in getattr(exc, "__notes__", ()) if isinstance(n, str)]
+    return f"{exc} ({'; '.join(notes)})" if notes else str(exc)

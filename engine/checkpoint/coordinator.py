@@ -264,10 +264,9 @@ class CheckpointManager:
                 raise
             # the coordinator's own writes (manifest.json, _SUCCESS) on a full or read-only disk, access
             # refused: pyarrow's and the OS's errors are plain OSErrors; typed, a role ends on it with one line
-            notes = [n for n in getattr(e, "__notes__", ()) if isinstance(n, str)]
             raise hdfs_io.StorageUnavailableError(
-                f"checkpoint save under {self.uri} failed, nothing published: {type(e).__name__}: {e}"
-                + (f" ({'; '.join(notes)})" if notes else ""), uri=self.uri) from e
+                f"checkpoint save under {self.uri} failed, nothing published: {type(e).__name__}: "
+                f"{hdfs_io.described(e)}", uri=self.uri) from e
 
     def _save(self, cluster: Cluster, kind: str, when, step: int, sources: dict | None, config: dict | None,
               extra: dict | None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage, permanent_mark
+from hdfs_io import CheckpointCorruptError, NotPublishedError, Storage, described, permanent_mark
 from sparse_tables import SpillError, TableConfigError
 
 from .. import failpoints
@@ -187,7 +187,6 @@ def _storage_failed(server: int, op: str, uri: str, e: OSError) -> HostError:
     client does not retry a call that the storage layer already retried. A storage that refuses it for
     good (read-only, access refused, full: ``hdfs_io.permanent_failure``) is marked so in the message
     (``[permanent storage failure: EROFS]``), so worker 0 ends the job at once instead of restarting it."""
-    notes = [n for n in getattr(e, "__notes__", ()) if isinstance(n, str)]
-    detail = f"{type(e).__name__}: {e}" + (f" ({'; '.join(notes)})" if notes else "") + permanent_mark(e)
+    detail = f"{type(e).__name__}: {described(e)}{permanent_mark(e)}"
     log.warning("server %d: %s of %s failed in its storage: %s", server, op, uri, detail)
     return HostError("FAILED_PRECONDITION", f"{CheckpointStorageError.MARKER}: {op} of {uri} failed: {detail}")

@@ -29,6 +29,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from hdfs_io import described
 from sparse_tables import SpillFailedError, waits
 from sparse_tables.rwlock import RWLock
 
@@ -300,7 +301,7 @@ class PSServer(CheckpointHandlers):
             with self._count_lock:
                 self._errors += 1
             msg = (f"[server {self.index}/{self.num_servers}, table {table!r}, shard {shard}, "
-                   f"request {rid}] {_described(e)}")
+                   f"request {rid}] {described(e)}")
             raise ServerError(code, msg) from None
         finally:
             self.watchdog.exit(token)
@@ -723,14 +724,6 @@ class PSServer(CheckpointHandlers):
         for h in self.sparse.values():
             h.close()
         self._pool.shutdown(wait=False)
-
-
-def _described(e: BaseException) -> str:
-    """An error's message with its notes (``add_note``: hdfs_io names the operation and the file's URI
-    there), for the reply: ``[Errno 28] Error writing bytes to file (writing /ckpt/.../g03-s0000-j01.arrow;
-    base of table 'emb' shard 1 to /ckpt/...)``."""
-    notes = [n for n in getattr(e, "__notes__", ()) if isinstance(n, str)]
-    return f"{e} ({'; '.join(notes)})" if notes else str(e)
 
 
 def _stamped(reply, generation: int):
