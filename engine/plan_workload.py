@@ -43,6 +43,7 @@ def measure_unique_keys(cfg, batches: int = MEASURE_BATCHES) -> Figure:
         raise fail(f"model.kind {kind!r} (measuring reads model.data of ctr_dnn and deepfm)")
     from streaming.criteo import convert_criteo
     from streaming.errors import DataFormatError, SchemaError
+    from streaming.inputs import is_uri
 
     from .programs.ctr_data import dedup_batch, expected_schema, make_source, to_batch
     p, d = cfg.model.params, cfg.model.params.data
@@ -54,7 +55,7 @@ def measure_unique_keys(cfg, batches: int = MEASURE_BATCHES) -> Figure:
         try:
             if d.source == "arrow":
                 path, what = d.train_path, f"model.data.train_path {d.train_path}"
-                if not path or not Path(path).exists():
+                if not path or not (is_uri(path) or Path(path).exists()):
                     raise fail(f"model.data.train_path {path!r} not found")
             else:
                 raw = Path(d.criteo_path)
@@ -68,7 +69,8 @@ def measure_unique_keys(cfg, batches: int = MEASURE_BATCHES) -> Figure:
                                max_bad_rows=d.max_bad_rows, progress=False)
                 what = (f"model.data.criteo_path {d.criteo_path} (its first {copied} lines, train split)")
             src = make_source(path, batch_size=p.batch_size, schema=expected_schema(p.slots, p.dense_dim),
-                              rank=0, num_workers=1, shuffle_buffer=p.shuffle_buffer, seed=p.seed, prefetch=0)
+                              rank=0, num_workers=1, shuffle_buffer=p.shuffle_buffer, seed=p.seed, prefetch=0,
+                              storage_options=cfg.storage.options())
             counts = []
             it = src.batches(0)
             try:

@@ -54,18 +54,17 @@ class LogregConfig:
         return {"sparse": {self.table: "model.table"}, "dense": {self.dense_table: "model.dense_table"}}
 
 
-def refuse_input_uri(key: str, path: str) -> None:
-    """Raise ``ConfigError`` for an object-store URI (``s3://``, ``hdfs://``, ...) given as a CTR input
-    (``model.data.train_path`` / ``test_path`` / ``criteo_path``): the inputs are read from file system
-    paths (``pathlib``), so ``s3://bucket/train`` became the relative path ``s3:/bucket/train`` and failed as
-    "data path does not exist" in every worker. ``engine train`` (``ctr_data.prepare_data``) and ``engine
-    k8s`` (``engine.launch.k8s``) both refuse it so."""
+def refuse_criteo_uri(path: str) -> None:
+    """Raise ``ConfigError`` for an object-store URI (``s3://``, ``hdfs://``, ...) given as
+    ``model.data.criteo_path``: a Criteo text file is converted to Arrow on the launcher's disk before
+    training (``ctr_data.prepare_data``), from a local path; Arrow inputs (``source: arrow``) are what
+    workers read from a store."""
     if "://" in str(path):
-        raise ConfigError(f"{key}: {path}: training inputs are read from a file system path, not an object "
-                          f"store URI; put them on a volume every worker mounts at the same path (a "
-                          f"PersistentVolume, NFS, or an s3fs/HDFS FUSE mount; under Kubernetes one you add to "
-                          f"the worker Job) and name that path. Checkpoints and export bundles do go to s3:// and "
-                          f"hdfs:// (checkpoint.root)")
+        raise ConfigError(f"model.data.criteo_path: {path}: a Criteo text file is converted to Arrow from a local "
+                          f"path before training; convert it where it is readable (`engine convert criteo`), put "
+                          f"the train and test directories on the store, and name them: model.data.source: arrow "
+                          f"with train_path and test_path s3://... or hdfs://... URIs, which every worker reads "
+                          f"directly with the storage section's settings")
 
 
 @section

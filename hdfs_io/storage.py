@@ -288,6 +288,11 @@ class Storage:
         NotADirectoryError
             ``path`` is a file.
         """
+        return sorted(info.base_name for info in self.children(path))
+
+    def children(self, path: str = "") -> list[pafs.FileInfo]:
+        """``pyarrow.fs.FileInfo`` of the direct children of ``path`` (type, size, mtime), in the store's
+        order. Raises as :meth:`listdir`."""
         full = self.full_path(path)
 
         def op() -> list[pafs.FileInfo]:
@@ -302,7 +307,7 @@ class Storage:
             if isinstance(exc, FileNotFoundError):
                 raise self._not_found(path, exc) from exc
             raise
-        return sorted(info.base_name for info in infos)
+        return infos
 
     # ---------------------------------------------------------------- mutation
 
@@ -501,8 +506,9 @@ class Storage:
 
         return self._retry("open for write", path, op)
 
-    def open_input_stream(self, path: str) -> pa.NativeFile:
-        """Open ``path`` for sequential reading (no decompression). Only the open is retried.
+    def open_input_stream(self, path: str, *, buffer_size: int = 0) -> pa.NativeFile:
+        """Open ``path`` for sequential reading (no decompression), read ahead ``buffer_size`` bytes at a
+        time (0: unbuffered, each read a request of its own on S3). Only the open is retried.
 
         Raises
         ------
@@ -511,7 +517,8 @@ class Storage:
         """
         full = self.full_path(path)
         try:
-            return self._retry("open", path, lambda: self.fs.open_input_stream(full, compression=None))
+            return self._retry("open", path, lambda: self.fs.open_input_stream(
+                full, compression=None, buffer_size=buffer_size or None))
         except FileNotFoundError as exc:
             raise self._not_found(path, exc) from exc
 

@@ -84,9 +84,11 @@ def tail_has_eos(f) -> bool:
     return tail[-4:] == LEGACY_IPC_EOS if legacy else tail == IPC_EOS
 
 
-def stream_rows(path: str) -> int | None:
-    """Rows of the IPC stream file ``path`` read from its messages' metadata alone (each record batch's
-    ``length``), the bodies skipped by a seek: a few KB read per record batch, not the batch. None when
+def stream_rows(path) -> int | None:
+    """Rows of the IPC stream file ``path`` (a path, or a seekable ``pyarrow.NativeFile`` at offset 0: a
+    file on an object store, where each read is a ranged GET) read from its messages' metadata alone
+    (each record batch's ``length``), the bodies skipped by a seek: a few KB read per record batch, not
+    the batch. None when
     the bytes are not a stream this walk understands to its end-of-stream marker, at the file's end (a
     truncated or corrupt stream, bytes after the marker): the caller then reads the stream through, which
     names what is wrong.
@@ -95,38 +97,44 @@ def stream_rows(path: str) -> int | None:
     body of Message.bodyLength bytes``; a ``RecordBatch`` header (type 3) holds the batch's ``length``
     (rows) in its first field.
     """
-    import struct
-    size = os.path.getsize(path)
-    rows = 0
+    if not isinstance(path, (str, os.PathLike)):
+        return _walk(path, path.size())
     with open(path, "rb") as f:
-        pos = 0
-        while True:
+        return _walk(f, os.fstat(f.fileno()).st_size)
+
+
+def _walk(f, size: int) -> int | None:
+    """``stream_rows`` of the open file ``f`` (``read``, ``seek``) of ``size`` bytes, from its start."""
+    import struct
+    rows = 0
+    pos = 0
+    while True:
+        head = f.read(4)
+        if len(head) < 4:
+            return None
+        n = struct.unpack("<i", head)[0]
+        pos += 4
+        if n == -1:                        # continuation token: the size follows
             head = f.read(4)
             if len(head) < 4:
                 return None
-            n = struct.unpack("<i", head)[0]
-            pos += 4
-            if n == -1:                        # continuation token: the size follows
-                head = f.read(4)
-                if len(head) < 4:
-                    return None
-                n, pos = struct.unpack("<i", head)[0], pos + 4
-            if n == 0:                         # the end-of-stream marker: it must end the file
-                return rows if pos == size else None
-            if n < 0 or pos + n > size:
-                return None
-            meta = f.read(n)
-            pos += n
-            parsed = _message_header(meta)
-            if parsed is None:
-                return None
-            kind, body, length = parsed
-            if body < 0 or pos + body > size:
-                return None
-            if kind == 3:
-                rows += length
-            pos += body
-            f.seek(pos)
+            n, pos = struct.unpack("<i", head)[0], pos + 4
+        if n == 0:                         # the end-of-stream marker: it must end the file
+            return rows if pos == size else None
+        if n < 0 or pos + n > size:
+            return None
+        meta = f.read(n)
+        pos += n
+        parsed = _message_header(meta)
+        if parsed is None:
+            return None
+        kind, body, length = parsed
+        if body < 0 or pos + body > size:
+            return None
+        if kind == 3:
+            rows += length
+        pos += body
+        f.seek(pos)
 
 
 def _message_header(meta: bytes) -> tuple[int, int, int] | None:

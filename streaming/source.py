@@ -15,7 +15,8 @@ frontier: rows still in the buffer when the position was taken are not re-read o
 Reading. Files are read with plain reads (``pyarrow.OSFile``), never memory-mapped (a file truncated
 while it is read is a ``DataFormatError``, not a SIGBUS); an IPC stream must end with its end-of-stream
 marker (``streaming.ipc_stream``): one cut between two record batches is refused, not read as a shorter
-stream.
+stream. Inputs named by URI (``s3://``, ``hdfs://``) are read from the store directly
+(``streaming.inputs``).
 
 Sharding. ``shard=(w, W)`` with ``shard_by="files"`` (default) gives worker ``w`` the files ``w::W`` of
 the sorted list; ``shard_by="batches"`` reads every file and keeps input record batches ``w::W`` (counted
@@ -43,7 +44,8 @@ import pyarrow.parquet as pq
 
 from . import keys
 from .errors import DataFormatError, SchemaError
-from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows
+from .inputs import RemoteInput, is_uri, list_remote
+from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows, tail_has_eos
 
 __all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "count_rows", "list_files", "prefetch",
            "read_batches", "read_schema", "row_ranges"]
@@ -80,27 +82,35 @@ class SourcePosition:
         return cls(int(d["file_index"]), int(d["batch_index"]), int(d["row"]))
 
 
-def list_files(paths) -> list:
+def list_files(paths, *, storage_options=None) -> list:
     """Expand inputs to the ordered list the source reads.
 
     Parameters
     ----------
-    paths : str, PathLike, binary file object, or a list of them
+    paths : str, PathLike, binary file object, ``streaming.inputs.RemoteInput``, or a list of them
         A directory expands to its IPC/Parquet files (suffixes ``.arrow .arrows .ipc .feather .parquet
         .pq``; names starting with ``_`` or ``.`` skipped), sorted by name. ``"-"`` means stdin. File
-        objects are kept as they are.
+        objects and ``RemoteInput`` are kept as they are. A URI (``s3://``, ``hdfs://``, ``file://``)
+        expands alike to ``RemoteInput`` objects (``streaming.inputs.list_remote``).
+    storage_options : hdfs_io.StorageOptions, optional
+        For URIs: endpoint, credentials, timeouts (None: the environment's).
 
     Raises
     ------
     FileNotFoundError
         If a path does not exist or a directory holds no data files.
+    hdfs_io.StorageUnavailableError, OSError
+        A URI's store cannot be reached (after the retries).
     """
-    if isinstance(paths, (str, os.PathLike)) or hasattr(paths, "read"):
+    if isinstance(paths, (str, os.PathLike, RemoteInput)) or hasattr(paths, "read"):
         paths = [paths]
     out = []
     for p in paths:
-        if hasattr(p, "read") or p == "-":
+        if hasattr(p, "read") or p == "-" or isinstance(p, RemoteInput):
             out.append(p)
+            continue
+        if is_uri(p):
+            out.extend(list_remote(p, storage_options))
             continue
         p = Path(p)
         if p.is_dir():
@@ -116,7 +126,27 @@ def list_files(paths) -> list:
     return out
 
 
+def is_file_input(src) -> bool:
+    """Whether ``src`` (an entry of ``list_files``) is a file that can be opened again and sized: a local
+    path or a ``RemoteInput``, not stdin or a file object."""
+    return isinstance(src, RemoteInput) or (isinstance(src, str) and src != "-")
+
+
+def open_file(src) -> pa.NativeFile:
+    """A file input (``is_file_input``) opened for random access: ``pyarrow.OSFile`` (plain reads, never
+    a memory map) or the store's ranged reads.
+
+    Raises
+    ------
+    FileNotFoundError, OSError
+        The file is missing or cannot be opened (a ``RemoteInput`` after the store's retries).
+    """
+    return src.open_file() if isinstance(src, RemoteInput) else pa.OSFile(src, "r")
+
+
 def _name(src) -> str:
+    if isinstance(src, RemoteInput):
+        return str(src)
     if src == "-":
         return "<stdin>"
     if hasattr(src, "read"):
@@ -150,7 +180,7 @@ def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
         ``hdfs_io.retry.is_transient``) propagate unchanged.
     """
     name = _name(src)
-    parquet = isinstance(src, str) and src.endswith(_PARQUET_SUFFIXES)
+    parquet = is_file_input(src) and src.endswith(_PARQUET_SUFFIXES)
     opened: list = []
     it = _raw_batches(src, columns, opened)
     batch, rows = 0, 0
@@ -182,12 +212,12 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
         yield from reader
         return
     if src.endswith(_PARQUET_SUFFIXES):
-        pf = pq.ParquetFile(src)
-        opened.append(True)
-        cols = [c for c in columns if c in pf.schema_arrow.names] if columns else None
-        yield from pf.iter_batches(batch_size=65536, columns=cols)
+        with _parquet(src) as pf:
+            opened.append(True)
+            cols = [c for c in columns if c in pf.schema_arrow.names] if columns else None
+            yield from pf.iter_batches(batch_size=65536, columns=cols)
         return
-    with pa.OSFile(src, "r") as f:
+    with open_file(src) as f:
         if f.read(6) == b"ARROW1":
             f.seek(0)
             ipc_file = pa.ipc.open_file(f)
@@ -196,17 +226,40 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
                 yield ipc_file.get_batch(i)
             return
         f.seek(0)
-        reader = CheckedStream(f)
+        if not isinstance(src, RemoteInput):
+            reader = CheckedStream(f)
+            opened.append(True)
+            yield from reader
+            return
+        if not tail_has_eos(f):
+            CheckedStream(f)        # scans the stream now, raising where it stops: nothing of it is delivered
+    with src.open_stream() as raw:  # one sequential, read-ahead pass (streaming.inputs)
+        reader = CheckedStream(TrackedInput(raw))
         opened.append(True)
         yield from reader
 
 
-def read_schema(path: str, *, check_end: bool = False) -> pa.Schema:
+def _parquet(src) -> pq.ParquetFile:
+    """A Parquet input opened (a ``RemoteInput`` with ``pre_buffer``: coalesced ranged reads); a context
+    manager that closes the file it opened."""
+    if isinstance(src, RemoteInput):
+        f = src.open_file()
+        try:
+            pf = pq.ParquetFile(f, pre_buffer=True)
+        except BaseException:
+            f.close()
+            raise
+        pf._close_source = True         # pyarrow closes a file it did not open only when told so
+        return pf
+    return pq.ParquetFile(src)
+
+
+def read_schema(path, *, check_end: bool = False) -> pa.Schema:
     """The schema of one Arrow IPC (file or stream) or Parquet input, without reading its batches.
 
     Parameters
     ----------
-    path : str
+    path : str or streaming.inputs.RemoteInput
     check_end : bool
         Also test that an IPC stream ends with its end-of-stream marker (its last 8 bytes; when they are
         wrong the stream is read through to name the record batch where it stops).
@@ -222,22 +275,23 @@ def read_schema(path: str, *, check_end: bool = False) -> pa.Schema:
     parquet = path.endswith(_PARQUET_SUFFIXES)
     try:
         if parquet:
-            return pq.read_schema(path)
-        with pa.OSFile(path, "r") as f:
+            with _parquet(path) as pf:
+                return pf.schema_arrow
+        with open_file(path) as f:
             if f.read(6) == b"ARROW1":
                 f.seek(0)
                 return pa.ipc.open_file(f).schema
             f.seek(0)
             return CheckedStream(f, precheck="tail" if check_end else None).schema
     except IncompleteStreamError as exc:
-        raise _incomplete_error(path, path, exc) from exc
+        raise _incomplete_error(_name(path), path, exc) from exc
     except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
         if not _unreadable(exc):
             raise
-        raise _format_error(path, path, parquet, False, 0, 0, exc) from exc
+        raise _format_error(_name(path), path, parquet, False, 0, 0, exc) from exc
 
 
-def count_rows(path: str) -> int:
+def count_rows(path) -> int:
     """Rows of one Arrow IPC (file or stream) or Parquet input, from metadata: Parquet's and an IPC file's
     footer, an IPC stream's message headers (``ipc_stream.stream_rows``: the record batch bodies are
     skipped); a stream that walk does not understand to its end is read through.
@@ -252,16 +306,18 @@ def count_rows(path: str) -> int:
     parquet = path.endswith(_PARQUET_SUFFIXES)
     try:
         if parquet:
-            return pq.ParquetFile(path).metadata.num_rows
-        with pa.OSFile(path, "r") as f:
+            with _parquet(path) as pf:
+                return pf.metadata.num_rows
+        with open_file(path) as f:
             if f.read(6) == b"ARROW1":
                 f.seek(0)
                 return int(pa.ipc.open_file(f).count_rows())
+            f.seek(0)
+            rows = stream_rows(f)            # the messages' metadata; the bodies are skipped
     except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
         if not _unreadable(exc):
             raise
-        raise _format_error(path, path, parquet, False, 0, 0, exc) from exc
-    rows = stream_rows(path)                 # the messages' metadata; the bodies are skipped
+        raise _format_error(_name(path), path, parquet, False, 0, 0, exc) from exc
     return rows if rows is not None else sum(rb.num_rows for rb in read_batches(path))
 
 
@@ -319,7 +375,7 @@ def _casts_to(actual: pa.DataType, expected: pa.DataType) -> bool:
     return False
 
 
-def check_inputs(paths, schema: pa.Schema | None = None, *, string_slots=()) -> list:
+def check_inputs(paths, schema: pa.Schema | None = None, *, string_slots=(), storage_options=None) -> list:
     """Check every input file before any batch is read: readable as Arrow IPC / Parquet, an IPC stream
     ending with its end-of-stream marker (``read_schema(check_end=True)``), and holding ``schema``'s
     columns as ``ArrowSource`` checks them (``check_schema``). Reads a few bytes and the schema of each
@@ -332,6 +388,8 @@ def check_inputs(paths, schema: pa.Schema | None = None, *, string_slots=()) -> 
         None = check readability only.
     string_slots : collection of str
         Columns that may hold raw strings instead of uint64 keys.
+    storage_options : hdfs_io.StorageOptions, optional
+        For URIs (``list_files``).
 
     Returns
     -------
@@ -343,12 +401,12 @@ def check_inputs(paths, schema: pa.Schema | None = None, *, string_slots=()) -> 
     FileNotFoundError, DataFormatError, SchemaError
         The first input at fault, named.
     """
-    files = list_files(paths)
+    files = list_files(paths, storage_options=storage_options)
     for f in files:
-        if isinstance(f, str) and f != "-":
+        if is_file_input(f):
             got = read_schema(f, check_end=True)
             if schema is not None:
-                check_schema(got, schema, f, string_slots)
+                check_schema(got, schema, _name(f), string_slots)
     return files
 
 
@@ -371,7 +429,8 @@ def _format_error(name: str, src, parquet: bool, opened: bool, batch: int, rows:
     kind = "a Parquet file" if parquet else "an Arrow IPC file or stream"
     exc = " ".join(str(exc).split())        # pyarrow's text may span lines; the error is one line
     if not opened:
-        if isinstance(src, str) and os.path.isfile(src) and os.path.getsize(src) == 0:
+        if isinstance(src, RemoteInput) and src.size == 0 or (
+                isinstance(src, str) and os.path.isfile(src) and os.path.getsize(src) == 0):
             got = "an empty file (0 bytes)"
         else:
             got = f"bytes pyarrow cannot read as one ({exc}): another format, or truncated"
@@ -465,7 +524,7 @@ class ArrowSource:
 
     Parameters
     ----------
-    paths : str, PathLike, file object or list of them
+    paths : str, PathLike, URI, file object or list of them
         See ``list_files``. ``"-"`` reads an IPC stream from stdin; a binary file object (pipe,
         ``BytesIO``) is read as an IPC stream.
     batch_size : int, rows
@@ -498,6 +557,8 @@ class ArrowSource:
         string slots are hashed) before it is delivered: a tuple names the first value the consumer
         cannot use (``row`` 0-based in ``rb``), and ``batches`` raises ``DataFormatError`` naming the
         file, the row of the file and the column. E.g. ``engine.programs.ctr_data.check_values``.
+    storage_options : hdfs_io.StorageOptions, optional
+        For URI ``paths`` (``s3://``, ``hdfs://``; ``streaming.inputs``): endpoint, credentials.
 
     Raises
     ------
@@ -517,7 +578,7 @@ class ArrowSource:
                  string_slots: Mapping[str, int] | None = None, shuffle_buffer: int = 0,
                  seed: int | None = None, drop_last: bool = False, prefetch: int = 4,
                  shard: tuple[int, int] | None = None, shard_by: str = "files",
-                 file_rows=None, start: SourcePosition | None = None, check=None):
+                 file_rows=None, start: SourcePosition | None = None, check=None, storage_options=None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if shuffle_buffer < 0:
@@ -533,7 +594,7 @@ class ArrowSource:
             if not (n >= 1 and 0 <= w < n):
                 raise ValueError(f"shard must be (worker, num_workers) with 0 <= worker < num_workers, "
                                  f"got {shard}")
-        self.files = list_files(paths)
+        self.files = list_files(paths, storage_options=storage_options)
         self.batch_size = batch_size
         self.schema = schema
         self.string_slots = dict(string_slots or {})
@@ -547,7 +608,7 @@ class ArrowSource:
         self.shard_by = shard_by
         self.file_rows = None
         if shard_by == "rows":
-            if any(not isinstance(f, str) or f == "-" for f in self.files):
+            if not all(is_file_input(f) for f in self.files):
                 raise ValueError("shard_by='rows' needs files (their rows are counted first), not stdin or "
                                  "a file object: use shard_by='batches'")
             self.file_rows = ([int(r) for r in file_rows] if file_rows is not None

@@ -161,8 +161,9 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     from ..metrics import BinaryMetrics
     from ..programs.ctr_data import expected_schema, prepare_data
     p = cfg.model.params
-    data = prepare_data(p.data, expected_schema(p.slots, p.dense_dim))
-    source = open_source(uri, storage_options=cfg.storage.options())
+    opts = cfg.storage.options()
+    data = prepare_data(p.data, expected_schema(p.slots, p.dense_dim), opts)
+    source = open_source(uri, storage_options=opts)
     with tempfile.TemporaryDirectory(prefix="engine-eval-") as tmp:
         try:
             desc = source.model_description()
@@ -174,7 +175,8 @@ def evaluate_ctr(cfg, uri: str) -> dict:
                 close()
         bundle = load_bundle(os.path.join(tmp, "bundle"))
         metrics, rows = BinaryMetrics(), 0
-        for rb in ArrowSource(data.test_path, batch_size=8192, check=bundle.check_values).batches(0):
+        for rb in ArrowSource(data.test_path, batch_size=8192, check=bundle.check_values,
+                              storage_options=opts).batches(0):
             metrics.update(bundle.predict(rb), rb.column(bundle.label_column).to_numpy(zero_copy_only=False))
             rows += rb.num_rows
     s = metrics.summary()

@@ -85,7 +85,6 @@ from ..errors import EXIT_STORAGE_REFUSED, ConfigError
 from ..job_checkpoints import check_resume_id
 from ..ps.health import LIVENESS
 from ..preempt import EXIT_PREEMPTED
-from ..program_configs import refuse_input_uri
 from ..roles import EXIT_ROLLBACK
 from ..security import certs
 from ..security.settings import SecurityConfig, TlsConfig
@@ -247,9 +246,10 @@ def pod_config(cfg: EngineConfig) -> tuple[EngineConfig, list[str]]:
                               f"arrow with model.data.train_path and test_path on storage every worker reaches "
                               f"(convert first with `engine convert criteo`)")
         for key in ("train_path", "test_path"):
-            refuse_input_uri(f"model.data.{key}", getattr(data, key))   # read from file system paths only
-            warnings.append(f"model.data.{key} {getattr(data, key)!r}: every worker pod must mount it at that path "
-                            f"(a volume you add to the worker Job; the manifests do not mount it)")
+            if "://" not in getattr(data, key):     # s3:// and hdfs:// inputs are read with the storage section
+                warnings.append(f"model.data.{key} {getattr(data, key)!r}: every worker pod must mount it at that "
+                                f"path (a volume you add to the worker Job; the manifests do not mount it), or "
+                                f"name it by an s3:// or hdfs:// URI the pods read directly")
     root = cfg.checkpoint.root
     if root and "://" not in root:
         if not getattr(cfg.checkpoint, "shared", False):

@@ -167,14 +167,15 @@ def prepare(cfg):
     _check_tables(cfg, p)
     _limit_blas_threads(p.blas_threads, cfg.cluster.workers + cfg.cluster.servers)
     schema = expected_schema(p.slots, p.dense_dim)
-    data = prepare_data(p.data, schema)
+    opts = cfg.storage.options()          # URI inputs (s3://, hdfs://) are read with the checkpoints' settings
+    data = prepare_data(p.data, schema, opts)
     metrics_file = p.metrics_file or str(
         (os.path.abspath(p.metrics_dir)) + f"/{cfg.model.kind}-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl")
     p = dataclasses.replace(p, data=data, metrics_file=metrics_file)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params=p))
-    rows = check_train_split(data.train_path, schema)     # every train value a worker checks, checked now
+    rows = check_train_split(data.train_path, schema, opts)    # every train value a worker checks, checked now
     log.info("train split %s: %d rows; test split %s: %d rows (values checked)", data.train_path, rows,
-             data.test_path, ctr_eval.check_test_split(data, schema))   # before training, not after it
+             data.test_path, ctr_eval.check_test_split(data, schema, opts))   # before training, not after it
     MetricsFile(metrics_file).write({
         "event": "start", "model": cfg.model.kind, "mode": cfg.mode, "workers": cfg.cluster.workers,
         "servers": cfg.cluster.servers, "train_path": data.train_path, "test_path": data.test_path,
@@ -187,7 +188,7 @@ def prepare(cfg):
 def follow(cfg) -> Follower:
     """Launcher hook: a context manager showing the metrics file live while the job runs."""
     p: Config = cfg.model.params
-    rows = sum(file_rows(p.data.train_path))
+    rows = sum(file_rows(p.data.train_path, cfg.storage.options()))
     return Follower(p.metrics_file, rows * p.epochs)
 
 
@@ -230,6 +231,7 @@ class CTRTrainer(StepPipelines):
         self.kind = ctx.config.model.kind
         self.mode, self.client = ctx.mode, ctx.client
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
+        self.storage_options = ctx.config.storage.options()    # reach URI inputs (s3://, hdfs://)
         p = self.cfg
         self.model = build_model(self.kind, num_slots=len(p.slots), dim=p.dim, dense_dim=p.dense_dim,
                                  hidden=p.hidden, seed=p.seed)
@@ -495,7 +497,7 @@ class CTRTrainer(StepPipelines):
         p = self.cfg
         src = make_source(p.data.train_path, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
                           num_workers=self.num_workers, shuffle_buffer=p.shuffle_buffer, seed=p.seed,
-                          prefetch=p.prefetch, file_rows=self.file_rows)
+                          prefetch=p.prefetch, file_rows=self.file_rows, storage_options=self.storage_options)
         if self.train_started_at is None:
             self.train_started_at = time.time()
         progress.current().where(epoch=epoch)           # engine status shows it
@@ -599,12 +601,13 @@ class CTRTrainer(StepPipelines):
         self.mode.init_dense(p.dense_table, self.model.get_dense())
         self.evaluation.reset()
         reset_metrics(self.client, self.mode, p.metrics_table)
-        self.checkpoints = AlignedCheckpoints(self, files=files_fingerprint(p.data.train_path))
+        self.checkpoints = AlignedCheckpoints(self, files=files_fingerprint(p.data.train_path,
+                                                                            self.storage_options))
         start, self.steps = self.checkpoints.restored()
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
         resumed = start.epoch > 0 or start.batch > 0
-        self.file_rows = file_rows(p.data.train_path)   # every epoch's balanced split of the rows
+        self.file_rows = file_rows(p.data.train_path, self.storage_options)   # every epoch's split of the rows
         sizes = shard_sizes(self.file_rows, self.num_workers)
         rows = min(sizes)
         min_batches = rows // p.batch_size

@@ -11,7 +11,10 @@ shared_criteo   the shared Criteo rows (``criteo_path``, default ``../shared/dat
 criteo          the same for any Criteo ``train.txt``-layout file; a missing file is an error.
 generated       always the planted-model file.
 arrow           ``train_path`` / ``test_path``: Arrow IPC / Parquet files or directories, used as
-                they are (schema-checked).
+                they are (schema-checked); local paths, or URIs (``s3://bucket/train``,
+                ``hdfs://nn:8020/data/train``) read from the store directly with the config's
+                ``storage`` section (``streaming.inputs``; the functions here take its
+                ``storage_options``)
 ==============  ====================================================================================
 
 After ``prepare_data`` the config the workers see has ``source: arrow`` and absolute paths.
@@ -35,10 +38,12 @@ import pyarrow as pa
 
 from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
                               generate_criteo)
-from streaming.source import ArrowSource, check_inputs, count_rows, list_files, read_schema, row_ranges
+from streaming.inputs import is_uri, unread_names
+from streaming.source import (ArrowSource, check_inputs, count_rows, list_files, open_file, read_schema,
+                              row_ranges)
 from streaming.values import dense_values, first, label_problem, list_values
 
-from ..program_configs import DataConfig, refuse_input_uri
+from ..program_configs import DataConfig, refuse_criteo_uri
 from ..ps import _kernels as ps_kernels
 from ..errors import ConfigError
 
@@ -163,7 +168,8 @@ def string_slots(schema: pa.Schema) -> dict[str, int]:
 
 
 def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num_workers: int,
-                shuffle_buffer: int = 0, seed: int = 0, prefetch: int = 4, file_rows=None) -> ArrowSource:
+                shuffle_buffer: int = 0, seed: int = 0, prefetch: int = 4, file_rows=None,
+                storage_options=None) -> ArrowSource:
     """This worker's shard of ``path``. With ``file_rows`` (``file_rows(path)``: the rows of each input,
     as the train split is read) a balanced split of the rows: worker ``w`` reads rows ``[N*w // W,
     N*(w+1) // W)`` of the inputs in reading order (``streaming.source.row_ranges``), ``N // W`` or
@@ -171,8 +177,8 @@ def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num
     range. Without them (the test split: nothing is counted) whole files when there are at least as
     many files as workers, else every ``num_workers``-th record batch. Slot columns may hold uint64 keys
     or raw strings (hashed: ``string_slots``); values are checked (``check_values``) when ``schema`` has
-    a label."""
-    files = list_files(path)
+    a label. ``storage_options`` (``hdfs_io.StorageOptions``) reach a URI ``path``'s store."""
+    files = list_files(path, storage_options=storage_options)
     shard_by = "rows" if file_rows is not None else "files" if len(files) >= num_workers else "batches"
     return ArrowSource(files, batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
                        shuffle_buffer=shuffle_buffer,
@@ -181,7 +187,7 @@ def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num
                        check=check_values if "label" in schema.names else None)
 
 
-def file_rows(path: str) -> list[int]:
+def file_rows(path: str, storage_options=None) -> list[int]:
     """Rows of each input of ``path`` (``list_files`` order): ``int[F]``, from metadata: Parquet's and IPC
     files' footers, IPC streams' message headers (``streaming.source.count_rows``).
 
@@ -190,7 +196,7 @@ def file_rows(path: str) -> list[int]:
     FileNotFoundError, streaming.errors.DataFormatError
         A missing path; an unreadable input (named).
     """
-    return [count_rows(f) for f in list_files(path)]
+    return [count_rows(f) for f in list_files(path, storage_options=storage_options)]
 
 
 def shard_sizes(rows_of_files, num_workers: int) -> list[int]:
@@ -205,7 +211,7 @@ def untrained_rows(sizes, steps: int, batch_size: int) -> int:
     return sum(max(0, n - steps * batch_size) for n in sizes)
 
 
-def check_train_split(path: str, schema: pa.Schema) -> int:
+def check_train_split(path: str, schema: pa.Schema, storage_options=None) -> int:
     """Read every row of the train split ``path`` and check every value a worker checks (``check_values``:
     labels, dense values, null keys), before any process starts -> the number of rows. A bad value deep
     in a file then ends the job before anything is trained, not in the middle of an epoch, when a
@@ -220,7 +226,7 @@ def check_train_split(path: str, schema: pa.Schema) -> int:
         The first bad value or input, named with the file, the row and the column.
     """
     rows = 0
-    for f in list_files(path):
+    for f in list_files(path, storage_options=storage_options):
         got = read_schema(f)
         names = [n for n in schema.names if n in ("label", "dense") or got.field(n).type == pa.uint64()]
         if f.endswith((".parquet", ".pq")):
@@ -231,10 +237,12 @@ def check_train_split(path: str, schema: pa.Schema) -> int:
     return rows
 
 
-def _parquet_no_nulls(path: str, column: str) -> bool:
-    """Whether the statistics of every row group of the Parquet file ``path`` say ``column`` holds no null."""
+def _parquet_no_nulls(path, column: str) -> bool:
+    """Whether the statistics of every row group of the Parquet file ``path`` (a path or a
+    ``streaming.inputs.RemoteInput``) say ``column`` holds no null."""
     import pyarrow.parquet as pq
-    md = pq.ParquetFile(path).metadata
+    with open_file(path) as f:
+        md = pq.ParquetFile(f).metadata
     leaves = [k for k in range(md.num_columns) if md.schema.column(k).path == column]   # a top-level uint64
     if len(leaves) != 1:
         return False
@@ -253,7 +261,7 @@ FINGERPRINT_BYTES = 1 << 16
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 1 << 12
 
 
-def files_fingerprint(path: str) -> list[list]:
+def files_fingerprint(path: str, storage_options=None) -> list[list]:
     """What a data position depends on in the inputs of ``path`` (a file or directory, read as
     ``make_source`` reads it): ``[[name, size, crc, inner], ...]`` in reading order, ``name`` relative
     to the directory (the file name for a file), ``size`` in bytes, ``crc`` the CRC-32 (8 hex digits)
@@ -266,25 +274,26 @@ def files_fingerprint(path: str) -> list[list]:
     batch), and the inner blocks one that changed rows inside the file only (before they were read, a
     file rewritten with other rows in its middle resumed at a position into other data, silently). At
     most 384 KiB and 66 reads per file, whatever its size: a change smaller than the gaps between the
-    blocks (a few bytes in a file of many megabytes) can still pass unseen. Modification times are left
-    out: a copy or a restore from a backup changes them and nothing else.
+    blocks (a few bytes in a file of many megabytes) can still pass unseen (on an object store, 66 ranged
+    GETs per file). Modification times are left out: a copy or a restore from a backup changes them and
+    nothing else; so are the URI's scheme and bucket (a copy of the inputs to another store is the same
+    inputs).
 
     Raises
     ------
     FileNotFoundError
         ``path`` does not exist or holds no data files.
     """
-    base = path if os.path.isdir(path) else os.path.dirname(path)
     out = []
-    for f in list_files(path):
-        with open(f, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            crc = zlib.crc32(fh.read(FINGERPRINT_BYTES))
+    for f in list_files(path, storage_options=storage_options):     # a directory's own files, never deeper
+        with open_file(f) as fh:
+            size = fh.size()
+            crc = zlib.crc32(fh.read_at(min(size, FINGERPRINT_BYTES), 0))
             if size > FINGERPRINT_BYTES:
-                fh.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
-                crc = zlib.crc32(fh.read(FINGERPRINT_BYTES), crc)
+                lo = max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES)
+                crc = zlib.crc32(fh.read_at(size - lo, lo), crc)
             inner = _inner_crc(fh, FINGERPRINT_BYTES, size - FINGERPRINT_BYTES)
-        out.append([os.path.relpath(f, base), size, f"{crc:08x}", f"{inner:08x}"])
+        out.append([os.path.basename(str(f)), size, f"{crc:08x}", f"{inner:08x}"])
     return out
 
 
@@ -295,13 +304,11 @@ def _inner_crc(fh, lo: int, hi: int) -> int:
     if span <= 0:
         return 0
     if span <= SAMPLE_BLOCKS * SAMPLE_BYTES:
-        fh.seek(lo)
-        return zlib.crc32(fh.read(span))
+        return zlib.crc32(fh.read_at(span, lo))
     crc = 0
     step = (span - SAMPLE_BYTES) / (SAMPLE_BLOCKS - 1)
     for i in range(SAMPLE_BLOCKS):
-        fh.seek(lo + int(i * step))
-        crc = zlib.crc32(fh.read(SAMPLE_BYTES), crc)
+        crc = zlib.crc32(fh.read_at(SAMPLE_BYTES, lo + int(i * step)), crc)
     return crc
 
 
@@ -355,17 +362,20 @@ def _generated(cfg: DataConfig) -> Path:
     return path
 
 
-def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
+def check_arrow(path: str, schema: pa.Schema, key: str, storage_options=None) -> None:
     """Raise unless ``path`` exists and every one of its inputs has ``schema``'s columns (a slot column
     may hold raw strings: ``string_slots``) and, an IPC stream, its end-of-stream marker
     (``streaming.source.check_inputs``: each input's schema and last bytes; a whole file only when it
     looks truncated). Files of a directory left unread for their names (no data suffix, not a
-    ``_``/``.`` marker or temporary file) are named in a WARNING.
+    ``_``/``.`` marker or temporary file) are named in a WARNING. A URI ``path`` is read with
+    ``storage_options`` (``streaming.inputs``).
 
     Raises
     ------
     ConfigError
         ``path`` is empty or does not exist (``key`` names the config key).
+    hdfs_io.StorageUnavailableError, OSError
+        A URI's store cannot be reached (after the retries).
     streaming.errors.SchemaError
         A column is missing or has another type (names the column and the file).
     streaming.errors.DataFormatError
@@ -374,21 +384,24 @@ def check_arrow(path: str, schema: pa.Schema, key: str) -> None:
     if not path:
         raise ConfigError(f"{key} must name an Arrow file or directory when model.data.source is 'arrow'")
     try:
-        check_inputs(path, schema, string_slots=string_slots(schema))
+        check_inputs(path, schema, string_slots=string_slots(schema), storage_options=storage_options)
     except FileNotFoundError as e:
         raise ConfigError(f"{key}: {e}") from None
-    if os.path.isdir(path):
+    left = []
+    if is_uri(path):
+        left = unread_names(path, storage_options)
+    elif os.path.isdir(path):
         read = {os.path.basename(f) for f in list_files(path)}
         left = sorted(e.name for e in os.scandir(path) if e.is_file() and e.name not in read
                       and not e.name.startswith(("_", ".")))
-        if left:
-            log.warning("%s: %d file(s) of %s are not read, their names lacking a data suffix (.arrow .arrows "
-                        ".ipc .feather .parquet .pq; names starting with _ or . are skipped as markers and "
-                        "temporary files): %s%s", key, len(left), path, ", ".join(left[:5]),
-                        f" and {len(left) - 5} more" if len(left) > 5 else "")
+    if left:
+        log.warning("%s: %d file(s) of %s are not read, their names lacking a data suffix (.arrow .arrows "
+                    ".ipc .feather .parquet .pq; names starting with _ or . are skipped as markers and "
+                    "temporary files): %s%s", key, len(left), path, ", ".join(left[:5]),
+                    f" and {len(left) - 5} more" if len(left) > 5 else "")
 
 
-def group_column_type(path: str, column: str) -> pa.DataType:
+def group_column_type(path: str, column: str, storage_options=None) -> pa.DataType:
     """The Arrow type of the grouping column ``column`` (``model.data.group_column``) in every input of
     the test split ``path``: an integer type, or string/binary (hashed to uint64 keys when read).
 
@@ -400,12 +413,12 @@ def group_column_type(path: str, column: str) -> pa.DataType:
     """
     key = "model.data.group_column"
     try:
-        files = list_files(path)
+        files = list_files(path, storage_options=storage_options)
     except FileNotFoundError as e:
         raise ConfigError(f"model.data.test_path: {e}") from None
     found = None
     for f in files:
-        schema = read_schema(str(f))
+        schema = read_schema(f)
         if column not in schema.names:
             raise ConfigError(f"{key}: column {column!r} is missing from the test split file {f} (columns "
                               f"present: {', '.join(schema.names) or 'none'})")
@@ -420,14 +433,17 @@ def group_column_type(path: str, column: str) -> pa.DataType:
     return found
 
 
-def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
-    """Resolve the data section to ``source: arrow`` with absolute, schema-checked paths; converts or
-    generates when needed (see the module docstring).
+def prepare_data(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> DataConfig:
+    """Resolve the data section to ``source: arrow`` with absolute (or URI), schema-checked paths;
+    converts or generates when needed (see the module docstring). ``storage_options``
+    (``hdfs_io.StorageOptions``, the config's ``storage`` section) reach URI inputs' store.
 
     Raises
     ------
     ConfigError
-        A data path that does not exist (the key is named).
+        A data path that does not exist (the key is named); a Criteo file named by URI.
+    hdfs_io.StorageUnavailableError, OSError
+        A URI input's store cannot be reached (after the retries).
     streaming.errors.DataFormatError
         A malformed Criteo line beyond ``max_bad_rows``.
     streaming.errors.SchemaError
@@ -440,11 +456,10 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
                 raise ConfigError(f"{key}: '-' (stdin) cannot be a split of a CTR job: the launcher counts and "
                                   f"checks the rows before any worker starts, and every worker reads its shard "
                                   f"in every epoch; write the stream to a file or directory and name that")
-            refuse_input_uri(key, path)
     else:
         key = "model.data.criteo_path"
         if cfg.source != "generated":
-            refuse_input_uri(key, cfg.criteo_path)
+            refuse_criteo_uri(cfg.criteo_path)
         if cfg.source == "generated":
             inputs, key = _generated(cfg), "model.data.generated_rows"
         else:
@@ -458,9 +473,13 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema) -> DataConfig:
                 else:
                     raise ConfigError(f"model.data.criteo_path: file not found: {cfg.criteo_path}")
         train, test = _convert(inputs, cfg, key)
-    check_arrow(train, schema, "model.data.train_path")
-    check_arrow(test, schema, "model.data.test_path")
+    check_arrow(train, schema, "model.data.train_path", storage_options)
+    check_arrow(test, schema, "model.data.test_path", storage_options)
     if cfg.group_column:
-        group_column_type(test, cfg.group_column)
-    return dataclasses.replace(cfg, source="arrow", train_path=str(Path(train).resolve()),
-                               test_path=str(Path(test).resolve()))
+        group_column_type(test, cfg.group_column, storage_options)
+    return dataclasses.replace(cfg, source="arrow", train_path=_absolute(train), test_path=_absolute(test))
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute (every worker reads it whatever its directory); a URI as it is."""
+    return path if is_uri(path) else str(Path(path).resolve())

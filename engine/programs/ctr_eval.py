@@ -54,7 +54,7 @@ GROUP_SUFFIX = ".groups"
 GROUP_HASH_SLOT = 0
 
 
-def eval_schema(schema: pa.Schema, column: str, path: str) -> pa.Schema:
+def eval_schema(schema: pa.Schema, column: str, path: str, storage_options=None) -> pa.Schema:
     """The columns evaluation reads: ``schema`` (the model's) plus the grouping ``column`` of the test
     split ``path``, with the type it has there (integer ids as they are; string ids are hashed by
     ``group_ids`` after ``eval_check`` has looked for nulls).
@@ -64,7 +64,7 @@ def eval_schema(schema: pa.Schema, column: str, path: str) -> pa.Schema:
     ConfigError
         As ``ctr_data.group_column_type`` (missing column, bad type; names the key and the file).
     """
-    t = group_column_type(path, column)
+    t = group_column_type(path, column, storage_options)
     if column in schema.names:            # a sparse slot used as the group (hashed to uint64 keys on read)
         return schema
     return schema.append(pa.field(column, t))
@@ -92,14 +92,16 @@ def group_ids(col: pa.Array):
     return keys.hash_array(GROUP_HASH_SLOT, col, empty_is_missing=True)
 
 
-def eval_source(path: str, schema: pa.Schema, column: str, *, batch_size: int, prefetch: int) -> ArrowSource:
+def eval_source(path: str, schema: pa.Schema, column: str, *, batch_size: int, prefetch: int,
+                storage_options=None) -> ArrowSource:
     """The whole test split ``path`` with the columns ``schema`` names (``eval_schema`` when grouping by
-    ``column``), raw string slots hashed and every value checked (``eval_check``)."""
-    return ArrowSource(list_files(path), batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
+    ``column``), raw string slots hashed and every value checked (``eval_check``); ``storage_options``
+    reach a URI ``path``'s store."""
+    return ArrowSource(list_files(path, storage_options=storage_options), batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
                        prefetch=prefetch, check=eval_check(column))
 
 
-def check_test_split(data, schema: pa.Schema) -> int:
+def check_test_split(data, schema: pa.Schema, storage_options=None) -> int:
     """Launcher side, before any process starts: read the whole test split once and check every value
     evaluation will read (label, dense, keys, group ids), so bad test data fails the job before training
     rather than after it -> rows of the test split.
@@ -113,8 +115,9 @@ def check_test_split(data, schema: pa.Schema) -> int:
     """
     column = data.group_column
     if column:
-        schema = eval_schema(schema, column, data.test_path)
-    src = eval_source(data.test_path, schema, column, batch_size=1 << 16, prefetch=0)
+        schema = eval_schema(schema, column, data.test_path, storage_options)
+    src = eval_source(data.test_path, schema, column, batch_size=1 << 16, prefetch=0,
+                      storage_options=storage_options)
     return sum(rb.num_rows for rb in src.batches(0))
 
 
@@ -140,7 +143,7 @@ class Evaluation:
         self.group_table = p.metrics_table + GROUP_SUFFIX
         self.schema = trainer.schema
         if self.column and p.data.test_path:     # no path: the worker's run() names what is missing
-            self.schema = eval_schema(trainer.schema, self.column, p.data.test_path)
+            self.schema = eval_schema(trainer.schema, self.column, p.data.test_path, trainer.storage_options)
 
     def reset(self) -> None:
         """Rank 0 removes what an earlier run left in the group accumulator (call before the barrier of
@@ -159,12 +162,12 @@ class Evaluation:
         t, p = self.t, self.t.cfg
         if not self.column:
             src = make_source(p.data.test_path, batch_size=p.eval_batch_size, schema=t.schema, rank=t.rank,
-                              num_workers=t.num_workers, prefetch=p.prefetch)
+                              num_workers=t.num_workers, prefetch=p.prefetch, storage_options=t.storage_options)
             for rb in src.batches(0):
                 yield t.read(rb), None
             return
         src = eval_source(p.data.test_path, self.schema, self.column, batch_size=p.eval_batch_size,
-                          prefetch=p.prefetch)
+                          prefetch=p.prefetch, storage_options=t.storage_options)
         for rb in src.batches(0):
             groups = group_ids(rb.column(self.column))
             mask = owned_mask(groups, t.rank, t.num_workers)

@@ -194,19 +194,15 @@ def test_a_clean_test_split_passes_the_launchers_check(criteo, tmp_path, monkeyp
     assert any(f"test split {test}: {rows} rows (values checked)" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("key, uri", [("train_path", "s3://bucket/criteo/train"),
-                                      ("test_path", "hdfs://namenode:8020/criteo/test"),
-                                      ("criteo_path", "s3://bucket/criteo/train.txt")])
-def test_an_object_store_uri_as_an_input_is_a_config_error_saying_to_mount_it(criteo, key, uri):
-    """The inputs are read from local paths: s3://bucket/train became ./s3:/bucket/train and failed as
-    'data path does not exist: s3:/bucket/train', though the README's Kubernetes walk-through named one."""
-    if key == "criteo_path":
-        cfg = DataConfig(source="criteo", criteo_path=uri, cache_dir=str(criteo / "cache"))
-    else:
-        paths = {"train_path": str(criteo / "train"), "test_path": str(criteo / "test"), key: uri}
-        cfg = DataConfig(source="arrow", **paths)
-    with pytest.raises(ConfigError, match=rf"^model\.data\.{key}: {uri}: training inputs are read from a file "
-                                          rf"system path, not an object store URI; put them on a volume"):
+@pytest.mark.parametrize("uri", ["s3://bucket/criteo/train.txt", "hdfs://namenode:8020/criteo/train.txt"])
+def test_a_criteo_file_named_by_uri_is_a_config_error_saying_to_convert_it_and_name_the_arrow_uris(criteo, uri):
+    """A Criteo text file is converted on the launcher's disk from a local path: s3://bucket/train.txt became
+    ./s3:/bucket/train.txt and failed as 'file not found'. Arrow inputs by URI are read directly
+    (tests/contract/test_remote_inputs.py)."""
+    cfg = DataConfig(source="criteo", criteo_path=uri, cache_dir=str(criteo / "cache"))
+    with pytest.raises(ConfigError, match=rf"^model\.data\.criteo_path: {uri}: a Criteo text file is converted to "
+                                          rf"Arrow from a local path .* model\.data\.source: arrow with train_path "
+                                          rf"and test_path s3://\.\.\. or hdfs://\.\.\. URIs"):
         prepare_data(cfg, SCHEMA)
 
 

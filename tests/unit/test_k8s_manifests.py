@@ -144,14 +144,16 @@ def test_insecure_keeps_the_security_that_is_configured(creds, keep):
 
 
 @pytest.mark.parametrize("key", ["train_path", "test_path"])
-def test_an_object_store_uri_as_a_data_path_is_refused_saying_to_mount_it(creds, key):
-    """The renderer told users to "use s3:// or hdfs://" for the inputs, which the workers cannot read (they
-    read file system paths: s3://bucket/train failed in every worker pod as 'data path does not exist')."""
+def test_an_object_store_uri_as_a_data_path_needs_no_volume(creds, key):
+    """Workers read s3:// and hdfs:// inputs directly (streaming.inputs), so the renderer accepts them and
+    warns about a volume only for a local path."""
     sets = [s for s in DATA if not s.startswith(f"model.data.{key}=")] + [f"model.data.{key}=s3://bucket/x"]
     cfg = load_config(CTR, ["mode=sync", "cluster.servers=2", "cluster.workers=2", *sets, *security_sets(creds)])
-    with pytest.raises(ConfigError, match=rf"^model\.data\.{key}: s3://bucket/x: training inputs are read from a "
-                                          rf"file system path"):
-        k8s.render(cfg, image=IMAGE)
+    m = k8s.render(cfg, image=IMAGE)
+    mounts = [w for w in m.warnings if w.startswith("model.data.")]
+    other = "test_path" if key == "train_path" else "train_path"
+    assert len(mounts) == 1 and mounts[0].startswith(f"model.data.{other} "), mounts
+    assert getattr(m.config.model.params.data, key) == "s3://bucket/x"       # what the pods run
 
 
 @pytest.mark.parametrize("where", ["container", "pod_failure_rule", "probe", "service"])

@@ -1,0 +1,171 @@
+"""CTR training inputs read straight from an object store (``streaming.inputs``) on a real S3 server (moto's,
+on 127.0.0.1): a directory of an IPC stream, an IPC file and a Parquet file reads, counts, splits and
+fingerprints exactly as its local copy does; what cannot be read is named by its URI, before a batch of
+it is delivered; and the launcher's data checks (``ctr_data.prepare_data``, ``check_train_split``) take
+URIs."""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+import hdfs_io
+from engine.errors import ConfigError
+from engine.program_configs import DataConfig
+from engine.programs.ctr_data import (check_train_split, expected_schema, file_rows, files_fingerprint, make_source,
+                                      prepare_data, to_batch)
+from streaming.criteo import convert_criteo, generate_criteo
+from streaming.errors import DataFormatError
+from streaming.inputs import RemoteInput
+from streaming.source import count_rows, list_files, read_batches, read_schema
+
+SLOTS = ["C1", "C2", "C3"]
+SCHEMA = expected_schema(SLOTS, 13)
+FILES = ["part-0.arrows", "part-1.arrow", "part-2.parquet"]
+
+
+def _tables(d):
+    generate_criteo(d / "rows.txt", 500, 3)
+    convert_criteo([d / "rows.txt"], d / "conv", split="train", batch_size=16)
+    t = pa.concat_tables(pa.ipc.open_stream(str(f)).read_all() for f in sorted((d / "conv").glob("*.arrow")))
+    return t.slice(0, 150), t.slice(150, 130), t.slice(280)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, s3_bucket, s3_storage_options, moto_s3):
+    """(local directory, its copy's URI): one IPC stream, one IPC file, one Parquet file of the same
+    Criteo rows, a ``_SUCCESS`` marker and a ``README.txt`` no reader reads."""
+    d = tmp_path_factory.mktemp("remote_inputs")
+    local = d / "train"
+    local.mkdir()
+    a, b, c = _tables(d)
+    with pa.OSFile(str(local / FILES[0]), "wb") as f, pa.ipc.new_stream(f, a.schema) as w:
+        w.write_table(a, max_chunksize=16)
+    with pa.OSFile(str(local / FILES[1]), "wb") as f, pa.ipc.new_file(f, b.schema) as w:
+        w.write_table(b, max_chunksize=32)
+    pq.write_table(c, str(local / FILES[2]), row_group_size=50)
+    (local / "_SUCCESS").write_bytes(b"")
+    (local / "README.txt").write_text("not data")
+    uri = f"s3://{s3_bucket}/remote-inputs/train"
+    pafs.copy_files(str(local), uri.removeprefix("s3://"), source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=_s3(moto_s3))
+    return local, uri
+
+
+def _s3(moto_s3):
+    return pafs.S3FileSystem(access_key=moto_s3.access_key, secret_key=moto_s3.secret_key, region=moto_s3.region,
+                             scheme="http", endpoint_override=moto_s3.endpoint)
+
+
+def test_a_directory_uri_lists_the_data_files_a_local_directory_lists(inputs, s3_storage_options):
+    local, uri = inputs
+    remote = list_files(uri, storage_options=s3_storage_options)
+    assert all(isinstance(r, RemoteInput) for r in remote)
+    assert [str(r) for r in remote] == [f"{uri}/{n}" for n in FILES]
+    assert [r.name for r in remote] == [p.rsplit("/", 1)[-1] for p in list_files(str(local))]
+    one = list_files(f"{uri}/{FILES[2]}", storage_options=s3_storage_options)      # a file URI: itself
+    assert [str(r) for r in one] == [f"{uri}/{FILES[2]}"]
+
+
+@pytest.mark.parametrize("i", range(len(FILES)))
+def test_every_reader_gives_what_it_gives_of_the_local_copy(inputs, s3_storage_options, i):
+    local, uri = inputs
+    remote = list_files(uri, storage_options=s3_storage_options)[i]
+    path = str(local / FILES[i])
+    assert read_schema(remote) == read_schema(path)
+    assert count_rows(remote) == count_rows(path) > 0
+    got = pa.Table.from_batches(list(read_batches(remote)))
+    assert got.equals(pa.Table.from_batches(list(read_batches(path))))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_row_split_reads_the_same_rows_per_worker_as_from_local_disk(inputs, s3_storage_options, workers):
+    """Each worker's batches (shard_by rows, shuffled as training shuffles) equal those of the local copy."""
+    local, uri = inputs
+    rows = file_rows(uri, s3_storage_options)
+    assert rows == file_rows(str(local))
+    for rank in range(workers):
+        got, want = ([to_batch(rb, SLOTS, 13) for rb in make_source(
+            path, batch_size=32, schema=SCHEMA, rank=rank, num_workers=workers, shuffle_buffer=64, seed=5,
+            file_rows=rows, storage_options=opts).batches(1)]
+            for path, opts in ((uri, s3_storage_options), (str(local), None)))
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            assert (g.keys == w.keys).all() and (g.labels == w.labels).all() and (g.dense == w.dense).all()
+
+
+def test_the_fingerprint_of_a_copy_on_s3_equals_the_local_one(inputs, s3_storage_options):
+    """A job whose inputs moved to a store (or back) resumes its checkpoints: the position's fingerprint
+    names files by name, size and content, not by where they are."""
+    local, uri = inputs
+    assert files_fingerprint(uri, s3_storage_options) == files_fingerprint(str(local))
+
+
+def test_the_launcher_checks_take_a_uri_and_keep_it(inputs, s3_storage_options, caplog):
+    local, uri = inputs
+    assert check_train_split(uri, SCHEMA, s3_storage_options) == sum(file_rows(str(local)))
+    with caplog.at_level("WARNING", logger="engine.programs.ctr_data"):
+        out = prepare_data(DataConfig(source="arrow", train_path=uri, test_path=uri + "/"), SCHEMA,
+                           s3_storage_options)
+    assert (out.train_path, out.test_path) == (uri, uri + "/")
+    assert any(f"model.data.train_path: 1 file(s) of {uri} are not read" in r.getMessage()
+               and "README.txt" in r.getMessage() for r in caplog.records)
+
+
+def test_a_missing_uri_is_a_config_error_naming_the_key_and_the_uri(inputs, s3_storage_options, s3_bucket):
+    _, uri = inputs
+    for missing, what in ((f"s3://{s3_bucket}/nothing-here", "data path does not exist"),
+                          (f"s3://{s3_bucket}/remote-inputs", "no Arrow IPC or Parquet files in directory")):
+        with pytest.raises(ConfigError, match=rf"^model\.data\.test_path: {what}:? {missing}$"):
+            prepare_data(DataConfig(source="arrow", train_path=uri, test_path=missing), SCHEMA, s3_storage_options)
+
+
+def _put(moto_s3, key: str, data: bytes) -> None:
+    with _s3(moto_s3).open_output_stream(key) as out:
+        out.write(data)
+
+
+def test_a_truncated_stream_on_s3_is_refused_by_its_uri_before_a_batch_is_delivered(inputs, moto_s3, s3_bucket,
+                                                                                     s3_storage_options):
+    """The stream's writer stopped between two record batches: no end-of-stream marker. Its first batches
+    are not delivered (a worker would train on them, then fail), and the error names the object's URI."""
+    local, _ = inputs
+    whole = (local / FILES[0]).read_bytes()
+    cut = whole[:-8]                                   # drop the end-of-stream marker only
+    key = f"{s3_bucket}/remote-truncated/part-0.arrows"
+    _put(moto_s3, key, cut)
+    (f,) = list_files(f"s3://{key}", storage_options=s3_storage_options)
+    delivered = []
+    with pytest.raises(DataFormatError, match=rf"^s3://{key}: row 151: field <record batch 10>: expected another "
+                                              rf"record batch or the Arrow IPC end-of-stream marker"):
+        for rb in read_batches(f):
+            delivered.append(rb)
+    assert delivered == []
+    with pytest.raises(DataFormatError, match=rf"^s3://{key}: row 151: "):   # the header walk refuses it too
+        count_rows(f)
+
+
+def test_a_bad_label_deep_in_an_s3_file_is_named_by_uri_row_and_column(inputs, moto_s3, s3_bucket,
+                                                                        s3_storage_options):
+    local, _ = inputs
+    t = pq.read_table(str(local / FILES[2]))
+    labels = t.column("label").to_pylist()
+    labels[57] = 2.0
+    t = t.set_column(t.schema.get_field_index("label"), "label", pa.array(labels, t.schema.field("label").type))
+    sink = pa.BufferOutputStream()
+    pq.write_table(t, sink, row_group_size=50)
+    key = f"{s3_bucket}/remote-bad/part-9.parquet"
+    _put(moto_s3, key, sink.getvalue().to_pybytes())
+    with pytest.raises(DataFormatError, match=rf"^s3://{key}: row 58: field label: "):
+        check_train_split(f"s3://{s3_bucket}/remote-bad", SCHEMA, s3_storage_options)
+
+
+def test_an_unreachable_store_names_the_uri_after_the_retries(inputs):
+    """Nothing listens on the endpoint: a StorageUnavailableError naming the input's URI, not a traceback
+    from deep in pyarrow."""
+    _, uri = inputs
+    down = hdfs_io.StorageOptions(endpoint_override="127.0.0.1:9", scheme="http", region="us-east-1",
+                                  access_key="k", secret_key="s")
+    with pytest.raises(hdfs_io.StorageUnavailableError, match=rf"^stat {uri} failed after \d+ attempts"):
+        list_files(uri, storage_options=down)
