@@ -27,20 +27,42 @@ restarts the job from its last checkpoint) takes over.
 from __future__ import annotations
 
 import posixpath
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from hdfs_io import Storage, StorageOptions
+from hdfs_io import Storage, StorageOptions, StorageUnavailableError
 
-__all__ = ["RemoteInput", "STREAM_BUFFER_BYTES", "is_uri", "list_remote", "unread_names"]
+__all__ = ["InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "is_uri", "list_remote", "unread_names"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
 #: much (a record batch of 64k Criteo rows is ~11 MB; at 8 MiB a batch costs one or two requests)
 STREAM_BUFFER_BYTES = 8 << 20
 
 _DATA_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather", ".parquet", ".pq")
+
+
+class InputUnavailableError(StorageUnavailableError):
+    """A training input's store did not answer (a listing or an open, after ``hdfs_io.RetryPolicy``'s
+    retries): the message starts ``training input URI:``. Not bad data and not a checkpoint's storage:
+    nothing was read from the input, and the same job runs once the store answers. ``refused`` (a
+    permanent failure: access denied, read-only) is kept from the storage's error."""
+
+
+@contextmanager
+def _reaching(uri: str):
+    """Turn the storage's ``StorageUnavailableError`` into ``InputUnavailableError`` naming ``uri``."""
+    try:
+        yield
+    except InputUnavailableError:
+        raise
+    except StorageUnavailableError as exc:
+        err = InputUnavailableError(f"training input {uri}: {exc}")
+        if getattr(exc, "refused", None):
+            err.refused = exc.refused
+        raise err from exc
 
 
 def is_uri(path) -> bool:
@@ -84,20 +106,22 @@ class RemoteInput:
         ------
         FileNotFoundError
             The file is gone (named by its URI).
-        OSError
-            The open failed after ``hdfs_io.RetryPolicy``'s retries.
+        InputUnavailableError
+            The store did not answer (after ``hdfs_io.RetryPolicy``'s retries).
         """
-        return self.storage.open_input_file(self.name)
+        with _reaching(str(self)):
+            return self.storage.open_input_file(self.name)
 
     def open_stream(self, buffer_size: int = STREAM_BUFFER_BYTES) -> pa.NativeFile:
         """The file for one sequential read, read ahead ``buffer_size`` bytes at a time.
 
         Raises
         ------
-        FileNotFoundError, OSError
+        FileNotFoundError, InputUnavailableError
             As ``open_file``.
         """
-        return self.storage.open_input_stream(self.name, buffer_size=buffer_size)
+        with _reaching(str(self)):
+            return self.storage.open_input_stream(self.name, buffer_size=buffer_size)
 
 
 def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list[RemoteInput]:
@@ -119,18 +143,20 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
         Nothing at ``uri``, or a directory without a data file (names the URI).
     ValueError
         An unsupported scheme.
-    hdfs_io.StorageUnavailableError, OSError
-        The store cannot be reached (after the retries).
+    InputUnavailableError
+        The store cannot be reached (after the retries), or its client library is missing.
     """
-    storage = Storage.from_uri(uri, storage_options=storage_options)
-    info = storage.info()
+    with _reaching(uri):
+        storage = Storage.from_uri(uri, storage_options=storage_options)
+        info = storage.info()
+        children = storage.children() if info.type == pafs.FileType.Directory else []
     if info.type == pafs.FileType.File:
         parent = Storage(storage.fs, posixpath.dirname(storage.root), uri=storage.uri.rsplit("/", 1)[0],
                          retry=storage.retry, retry_stats=storage.retry_stats)
         return [RemoteInput(parent, info.base_name, int(info.size))]
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"data path does not exist: {uri}")
-    found = [RemoteInput(storage, i.base_name, int(i.size)) for i in storage.children()
+    found = [RemoteInput(storage, i.base_name, int(i.size)) for i in children
              if i.type == pafs.FileType.File and not i.base_name.startswith(("_", "."))
              and i.base_name.endswith(_DATA_SUFFIXES)]
     if not found:
@@ -140,10 +166,11 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
 
 def unread_names(uri: str, storage_options: StorageOptions | None = None) -> list[str]:
     """Names of the files directly in the directory ``uri`` that ``list_remote`` leaves unread for their
-    names (no data suffix; ``_``/``.`` markers and temporary files excepted), sorted; [] for a file."""
-    storage = Storage.from_uri(uri, storage_options=storage_options)
-    if storage.info().type != pafs.FileType.Directory:
-        return []
-    return sorted(i.base_name for i in storage.children() if i.type == pafs.FileType.File
+    names (no data suffix; ``_``/``.`` markers and temporary files excepted), sorted; [] for a file.
+    Raises ``InputUnavailableError`` as ``list_remote``."""
+    with _reaching(uri):
+        storage = Storage.from_uri(uri, storage_options=storage_options)
+        children = storage.children() if storage.info().type == pafs.FileType.Directory else []
+    return sorted(i.base_name for i in children if i.type == pafs.FileType.File
                   and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
 

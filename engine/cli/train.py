@@ -32,6 +32,7 @@ import sys
 from hdfs_io import PERMANENT_MARKER, CheckpointCorruptError, NotPublishedError, StorageError, permanent_failure
 from sparse_tables import TableConfigError
 from streaming.errors import ConvertError, DataFormatError, SchemaError
+from streaming.inputs import InputUnavailableError
 
 from .. import preempt
 from ..errors import EXIT_STORAGE_REFUSED, REFUSED_ENDS, ConfigError, LaunchError, ProtocolVersionError
@@ -266,6 +267,12 @@ def _run(args) -> int:
         return 2 if e.exit_code == 2 else 1     # a role's config or bad-input error: not restarted
     except (CheckpointCorruptError, NotPublishedError) as e:
         print(f"engine train: cannot resume: {e}", file=sys.stderr)
+        return 1
+    except InputUnavailableError as e:  # model.data's store (s3://, hdfs://), not the checkpoints'
+        then = (f"the job did not start; once the storage answers, run it again: "
+                f"{resume_command(args, resume=args.resume)}" if not args.role else
+                "this role stops; its launcher or scheduler restarts it from the newest checkpoint")
+        print(f"engine train: {e}; {then}", file=sys.stderr)
         return 1
     except StorageError as e:           # unreachable after hdfs_io's retries (e.g. at a restart's look-up)
         refused = permanent_failure(e) or getattr(e, "refused", None)

@@ -10,7 +10,6 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-import hdfs_io
 from engine.errors import ConfigError
 from engine.program_configs import DataConfig
 from engine.programs.ctr_data import (check_train_split, expected_schema, file_rows, files_fingerprint, make_source,
@@ -159,13 +158,3 @@ def test_a_bad_label_deep_in_an_s3_file_is_named_by_uri_row_and_column(inputs, m
     _put(moto_s3, key, sink.getvalue().to_pybytes())
     with pytest.raises(DataFormatError, match=rf"^s3://{key}: row 58: field label: "):
         check_train_split(f"s3://{s3_bucket}/remote-bad", SCHEMA, s3_storage_options)
-
-
-def test_an_unreachable_store_names_the_uri_after_the_retries(inputs):
-    """Nothing listens on the endpoint: a StorageUnavailableError naming the input's URI, not a traceback
-    from deep in pyarrow."""
-    _, uri = inputs
-    down = hdfs_io.StorageOptions(endpoint_override="127.0.0.1:9", scheme="http", region="us-east-1",
-                                  access_key="k", secret_key="s")
-    with pytest.raises(hdfs_io.StorageUnavailableError, match=rf"^stat {uri} failed after \d+ attempts"):
-        list_files(uri, storage_options=down)
