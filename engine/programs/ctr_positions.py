@@ -192,6 +192,15 @@ class AlignedCheckpoints:
             return Position(), step
         pos = Position(int(train["epoch"]), int(train["batch"]))
         changed = {k: (train.get(k), v) for k, v in self._identity().items() if train.get(k) != v}
+        if ("train_path" in changed and self.files is not None and isinstance(train.get("files"), list)
+                and not describe_file_changes(train["files"], self.files)):
+            # the inputs moved (a local directory copied to s3://, a new mount point): the same files by
+            # name, size and content hold the same rows in the same order, so the position maps
+            if self.t.rank == 0:
+                log.info("model.data.train_path is %s, was %s when checkpoint %s was taken: the same files "
+                         "(names, sizes, CRCs), so its position holds", *changed.pop("train_path")[::-1], uri)
+            else:
+                changed.pop("train_path")
         if changed and pos.batch:
             log.warning("worker %d: resumed at epoch %d batch %d of checkpoint %s, but %s changed (was, now); "
                         "the position cannot be mapped: epoch %d restarts from its first batch", self.t.rank,

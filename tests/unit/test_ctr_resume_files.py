@@ -214,3 +214,20 @@ def test_a_position_taken_on_the_former_split_of_the_rows_restarts_its_epoch(tmp
     with caplog.at_level(logging.WARNING, logger="engine.programs.ctr_positions"):
         assert _resume(tmp_path, train, uri) == Position(0, 0)
     assert any("'shard_by': (None, 'rows')" in r.getMessage() for r in caplog.records)
+
+
+def test_the_same_files_under_another_path_keep_the_position(tmp_path, train, caplog):
+    """Inputs moved (copied to another directory, a new mount point, or an s3:// prefix: the fingerprint
+    of tests/contract/test_remote_inputs.py is the same there): the train path in the position's identity
+    differed, and the epoch restarted from its first batch, training its first batches twice. The same
+    files (names, sizes, CRCs) hold the same rows in the same order: the position holds. Other files under
+    another path restart the epoch from its first batch, as before."""
+    uri = _checkpoint(tmp_path, train, Position(0, 7))
+    moved = tmp_path / "moved" / "train"
+    shutil.copytree(train, moved)
+    with caplog.at_level(logging.INFO, logger="engine.programs.ctr_positions"):
+        assert _resume(tmp_path, moved, uri) == Position(0, 7)
+    assert any(f"model.data.train_path is {moved}, was {train} when checkpoint {uri} was taken: the same files"
+               in r.getMessage() for r in caplog.records)
+    _write(moved / "part-00000.arrow", 50, 3)
+    assert _resume(tmp_path, moved, uri) == Position(0, 0)
