@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import pyarrow as pa
 
 from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
                               generate_criteo)
-from streaming.inputs import is_uri, unread_names
+from streaming.inputs import RemoteInput, is_uri, unread_names
 from streaming.source import (ArrowSource, check_inputs, count_rows, list_files, open_file, read_schema,
                               row_ranges)
 from streaming.values import dense_values, first, label_problem, list_values
@@ -259,6 +260,9 @@ FINGERPRINT_BYTES = 1 << 16
 #: blocks between the two ends that ``files_fingerprint`` reads, and the bytes of each: at most 256 KiB
 #: more per file, the whole middle of a file up to 384 KiB
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 1 << 12
+#: ranged reads of one file on an object store that ``files_fingerprint`` has in flight at once (its 66
+#: reads would otherwise cost 66 round trips, ~2 s per file at S3's typical 30 ms)
+FINGERPRINT_REQUESTS = 16
 
 
 def files_fingerprint(path: str, storage_options=None) -> list[list]:
@@ -288,28 +292,36 @@ def files_fingerprint(path: str, storage_options=None) -> list[list]:
     for f in list_files(path, storage_options=storage_options):     # a directory's own files, never deeper
         with open_file(f) as fh:
             size = fh.size()
-            crc = zlib.crc32(fh.read_at(min(size, FINGERPRINT_BYTES), 0))
-            if size > FINGERPRINT_BYTES:
-                lo = max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES)
-                crc = zlib.crc32(fh.read_at(size - lo, lo), crc)
-            inner = _inner_crc(fh, FINGERPRINT_BYTES, size - FINGERPRINT_BYTES)
+            ranges = _fingerprint_ranges(size)
+            if isinstance(f, RemoteInput):      # a ranged GET each: issued together, not one after another
+                with ThreadPoolExecutor(FINGERPRINT_REQUESTS) as pool:
+                    parts = list(pool.map(lambda r: fh.read_at(r[1] - r[0], r[0]), ranges))
+            else:
+                parts = [fh.read_at(hi - lo, lo) for lo, hi in ranges]
+        crc = zlib.crc32(parts[1], zlib.crc32(parts[0]))
+        inner = 0
+        for part in parts[2:]:
+            inner = zlib.crc32(part, inner)
         out.append([os.path.basename(str(f)), size, f"{crc:08x}", f"{inner:08x}"])
     return out
 
 
-def _inner_crc(fh, lo: int, hi: int) -> int:
-    """CRC-32 of ``fh``'s bytes [lo, hi) when they fit in ``SAMPLE_BLOCKS`` x ``SAMPLE_BYTES``, else of
-    that many blocks of ``SAMPLE_BYTES`` spread evenly over them (0 when lo >= hi)."""
+def _fingerprint_ranges(size: int) -> list[tuple[int, int]]:
+    """The byte ranges ``files_fingerprint`` reads of a file of ``size`` bytes, as ``[lo, hi)``: the first
+    ``FINGERPRINT_BYTES`` (the whole file when smaller), the last ones (an empty range when the first
+    covered them), then the middle between the two ends: whole when no larger than ``SAMPLE_BLOCKS`` x
+    ``SAMPLE_BYTES``, else ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` spread evenly (none when there is
+    no middle)."""
+    head = (0, min(size, FINGERPRINT_BYTES))
+    tail = (max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES), size) if size > FINGERPRINT_BYTES else (0, 0)
+    lo, hi = FINGERPRINT_BYTES, size - FINGERPRINT_BYTES
     span = hi - lo
     if span <= 0:
-        return 0
+        return [head, tail]
     if span <= SAMPLE_BLOCKS * SAMPLE_BYTES:
-        return zlib.crc32(fh.read_at(span, lo))
-    crc = 0
+        return [head, tail, (lo, hi)]
     step = (span - SAMPLE_BYTES) / (SAMPLE_BLOCKS - 1)
-    for i in range(SAMPLE_BLOCKS):
-        crc = zlib.crc32(fh.read_at(SAMPLE_BYTES, lo + int(i * step)), crc)
-    return crc
+    return [head, tail] + [(lo + int(i * step), lo + int(i * step) + SAMPLE_BYTES) for i in range(SAMPLE_BLOCKS)]
 
 
 def _cache_for(inputs: Path, cache_dir: Path) -> Path:
