@@ -103,27 +103,34 @@ def stream_rows(path) -> int | None:
         return _walk(f, os.fstat(f.fileno()).st_size)
 
 
+#: bytes ``stream_rows`` reads at each message's start: its framing and, nearly always, its whole metadata
+#: (a record batch's is ~0.5-3 KB), so a message costs one read (one ranged GET on an object store)
+HEADER_READ = 1 << 14
+
+
 def _walk(f, size: int) -> int | None:
     """``stream_rows`` of the open file ``f`` (``read``, ``seek``) of ``size`` bytes, from its start."""
     import struct
     rows = 0
     pos = 0
     while True:
-        head = f.read(4)
-        if len(head) < 4:
+        f.seek(pos)
+        chunk = f.read(min(HEADER_READ, size - pos))
+        if len(chunk) < 4:
             return None
-        n = struct.unpack("<i", head)[0]
-        pos += 4
+        n, at = struct.unpack_from("<i", chunk, 0)[0], 4
         if n == -1:                        # continuation token: the size follows
-            head = f.read(4)
-            if len(head) < 4:
+            if len(chunk) < 8:
                 return None
-            n, pos = struct.unpack("<i", head)[0], pos + 4
+            n, at = struct.unpack_from("<i", chunk, 4)[0], 8
+        pos += at
         if n == 0:                         # the end-of-stream marker: it must end the file
             return rows if pos == size else None
         if n < 0 or pos + n > size:
             return None
-        meta = f.read(n)
+        meta = chunk[at:at + n]
+        if len(meta) < n:                  # metadata longer than the first read (a wide schema)
+            meta += f.read(n - len(meta))
         pos += n
         parsed = _message_header(meta)
         if parsed is None:
@@ -134,7 +141,6 @@ def _walk(f, size: int) -> int | None:
         if kind == 3:
             rows += length
         pos += body
-        f.seek(pos)
 
 
 def _message_header(meta: bytes) -> tuple[int, int, int] | None:
