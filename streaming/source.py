@@ -28,6 +28,7 @@ range's end (the record batches on the two ends of a range are read whole and sl
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -239,19 +240,16 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
         yield from reader
 
 
-def _parquet(src) -> pq.ParquetFile:
-    """A Parquet input opened (a ``RemoteInput`` with ``pre_buffer``: coalesced ranged reads); a context
-    manager that closes the file it opened."""
+@contextlib.contextmanager
+def _parquet(src) -> Iterator[pq.ParquetFile]:
+    """A Parquet input opened (a ``RemoteInput`` with ``pre_buffer``: coalesced ranged reads), closed on
+    leaving the ``with`` block."""
     if isinstance(src, RemoteInput):
-        f = src.open_file()
-        try:
-            pf = pq.ParquetFile(f, pre_buffer=True)
-        except BaseException:
-            f.close()
-            raise
-        pf._close_source = True         # pyarrow closes a file it did not open only when told so
-        return pf
-    return pq.ParquetFile(src)
+        with src.open_file() as f:
+            yield pq.ParquetFile(f, pre_buffer=True)
+        return
+    with pq.ParquetFile(src) as pf:
+        yield pf
 
 
 def read_schema(path, *, check_end: bool = False) -> pa.Schema:
