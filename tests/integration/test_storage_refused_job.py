@@ -5,9 +5,12 @@ save. Before, it restarted ``cluster.max_restarts`` times (each attempt training
 listing every attempt, without a resume line (README "When the checkpoint storage fails")."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from engine.errors import EXIT_STORAGE_REFUSED
 
@@ -31,3 +34,25 @@ def test_a_read_only_checkpoint_disk_ends_the_job_at_once_with_one_resumable_lin
     assert line.endswith(f"continue with: engine train {REPO / 'configs/logreg_demo.yaml'} --set cluster.warm_up=false "
                          f"--set cluster.workers=1 --set cluster.servers=1 --set model.examples_per_worker=640 "
                          f"--set model.epochs=1 --set checkpoint.root={disk} --resume"), line
+
+
+@pytest.mark.long       # make test-long: ~40 s (MPI world, CTR kernels)
+def test_a_hybrid_world_ends_with_74_through_mpiexec(tmp_path, tmpfs):
+    """Hybrid workers are ranks of one mpiexec world (engine.launch.mpi): the rank that meets the read-only
+    disk exits 74, hydra ends the world, and the launcher must still see 74 (the rank's own code, from its
+    shim's record), not mpiexec's, and end at once without a restart."""
+    disk = tmpfs("ckpt", 1 << 20, read_only=True)
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"),
+           "--run-dir", str(tmp_path / "run"), "--set", "mode=hybrid", "--set", "model.dense_merge_steps=1",
+           "--set", "cluster.workers=2", "--set", "model.data.source=generated",
+           "--set", "model.data.generated_rows=2000", "--set", f"model.data.cache_dir={tmp_path / 'cache'}",
+           "--set", f"model.metrics_dir={tmp_path / 'metrics'}", "--set", "model.epochs=1",
+           "--set", "model.hidden=[16]", "--set", f"checkpoint.root={disk}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == EXIT_STORAGE_REFUSED, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("engine train:")]
+    assert len(lines) == 1 and "restart 1/" not in r.stderr, r.stderr[-3000:]
+    assert lines[0].startswith("engine train: checkpoint storage failed: worker 0: "), lines[0]
+    assert "[permanent storage failure: EROFS]" in lines[0] and lines[0].endswith("--resume"), lines[0]
+    record = json.loads((tmp_path / "run" / "worker-0.exit.json").read_text())    # rank 0's shim in the world
+    assert record["code"] == EXIT_STORAGE_REFUSED and (tmp_path / "run" / "mpiexec.log").exists()
