@@ -5,7 +5,6 @@ save. Before, it restarted ``cluster.max_restarts`` times (each attempt training
 listing every attempt, without a resume line (README "When the checkpoint storage fails")."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +38,8 @@ def test_a_read_only_checkpoint_disk_ends_the_job_at_once_with_one_resumable_lin
 @pytest.mark.long       # make test-long: ~40 s (MPI world, CTR kernels)
 def test_a_hybrid_world_ends_with_74_through_mpiexec(tmp_path, tmpfs):
     """Hybrid workers are ranks of one mpiexec world (engine.launch.mpi): the rank that meets the read-only
-    disk exits 74, hydra ends the world, and the launcher must still see 74 (the rank's own code, from its
-    shim's record), not mpiexec's, and end at once without a restart."""
+    disk aborts the world with 74 (MPI_Abort), and the launcher must still see 74 (from MPICH's abort line
+    in the rank's log), not mpiexec's code, and end at once without a restart."""
     disk = tmpfs("ckpt", 1 << 20, read_only=True)
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"),
            "--run-dir", str(tmp_path / "run"), "--set", "mode=hybrid", "--set", "model.dense_merge_steps=1",
@@ -54,5 +53,6 @@ def test_a_hybrid_world_ends_with_74_through_mpiexec(tmp_path, tmpfs):
     assert len(lines) == 1 and "restart 1/" not in r.stderr, r.stderr[-3000:]
     assert lines[0].startswith("engine train: checkpoint storage failed: worker 0: "), lines[0]
     assert "[permanent storage failure: EROFS]" in lines[0] and lines[0].endswith("--resume"), lines[0]
-    record = json.loads((tmp_path / "run" / "worker-0.exit.json").read_text())    # rank 0's shim in the world
-    assert record["code"] == EXIT_STORAGE_REFUSED and (tmp_path / "run" / "mpiexec.log").exists()
+    # rank 0 aborted the world with its code (engine.allreduce.end_world), which MPICH's line in its log names
+    log = (tmp_path / "run" / "worker-0.log").read_text()
+    assert f"application called MPI_Abort(MPI_COMM_WORLD, {EXIT_STORAGE_REFUSED})" in log, log[-2000:]
