@@ -91,6 +91,7 @@ from ..ps.warmup import read_only
 from . import ctr_eval
 from .ctr_data import (CTRBatch, check_train_split, dedup_batch, expected_schema, file_rows, files_fingerprint,
                        make_source, prepare_data, shard_sizes, to_batch, untrained_rows)
+from .ctr_inputs import check_before_training
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
 from .ctr_steps import StepPipelines
@@ -608,6 +609,7 @@ class CTRTrainer(StepPipelines):
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
         resumed = start.epoch > 0 or start.batch > 0
         self.file_rows = file_rows(p.data.train_path, self.storage_options)   # every epoch's split of the rows
+        check_before_training(self)     # role mode: every worker checks its share; one verdict before any step
         sizes = shard_sizes(self.file_rows, self.num_workers)
         rows = min(sizes)
         min_batches = rows // p.batch_size

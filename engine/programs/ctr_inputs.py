@@ -1,0 +1,200 @@
+"""Role mode's check of the CTR inputs before the first step: what the launcher's ``prepare`` hook does
+for ``engine train CONFIG`` (``ctr_data.check_train_split``, ``ctr_eval.check_test_split``), done by the
+workers themselves when a scheduler starts them (``--role worker`` without a launcher: ``engine k8s``,
+Slurm, a manual multi-host run).
+
+Without it a bad value deep in a file (a label outside [0, 1], a NaN dense value, a null key) was found
+by the one worker that read it, in the middle of an epoch: that worker exited 2, its peers trained on
+and then waited at their next barrier until ``client.barrier_timeout_s`` (a lockstep mode's next step,
+async mode's finish) and exited 1 with a traceback, and the servers held the partial epoch. A repaired
+file could not resume the job's checkpoints either (positions taken on the file as it was).
+
+Who checks what (``check_before_training``, called by every worker after the start's barriers and
+before its first step)::
+
+    worker w:  read its own rows of the train split (ctr_data.make_source with file_rows: the rows it
+               trains, every value a worker checks) and its share of the test split (files, or record
+               batches, w::W; the values evaluation reads, group ids included)
+               a bad value (DataFormatError / SchemaError): its description goes to the accumulator
+               {metrics_table}.input-check.{w} on the servers, and a 1 to index w of
+               {metrics_table}.input-check (int64[W]); a clean shard adds 0 there (and its row counts)
+               barrier input-check                       nobody steps before every worker has checked
+               read {metrics_table}.input-check: any 1 -> read those workers' descriptions and raise the
+               first bad value in reading order (train before test, then file, then row), the one the
+               launcher's check names, on EVERY worker
+
+So the check is parallel (each row is read once, by the worker that trains it), nothing is trained
+before the verdict, and every worker ends with the same one line (``engine train: bad input data:
+FILE: row N: field F: ...``) and exit code 2, which ``engine k8s``'s podFailurePolicy fails the Job on
+(no restart: a restart reads the same file). A worker that dies during its check never arrives, as
+any peer that dies (its peers time out at the barrier, or its restarted self fences them).
+
+The accumulators are written once per generation of the servers: every later attempt of the workers
+against the same servers goes through a roll-back (``engine.roles``), which changes the generation and
+drops them (``engine.ps.metric_sums``), so no verdict is read twice or counted from an earlier attempt.
+
+A resumed or restarted worker checks again (its files may have changed since): the cost of one read of
+its shard, as the launcher's check costs ``engine train --resume`` one read of the data. A child of a
+launcher (``ENGINE_PARENT_PID`` set: local, Ray, MPI) skips it: its launcher checked everything before
+any process started.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import pyarrow as pa
+
+from streaming.errors import DataFormatError, SchemaError
+from streaming.source import ArrowSource, list_files
+
+from .. import progress
+from . import ctr_eval
+from .ctr_data import make_source, string_slots
+
+log = logging.getLogger(__name__)
+
+#: the accumulators' name after ``model.metrics_table``: the flags, and ``.{rank}`` each finder's description
+SUFFIX = ".input-check"
+#: rows per record batch read by the check (as the launcher's)
+CHECK_BATCH_ROWS = 1 << 16
+#: the longest description (bytes of JSON) a worker publishes; a longer reason is cut
+MAX_DESCRIPTION_BYTES = 8192
+#: the splits, in the order the launcher checks them
+SPLITS = ("train", "test")
+
+
+def launched() -> bool:
+    """This process is a child of a launcher (``ENGINE_PARENT_PID``, as ``engine.roles`` tells them
+    apart), whose ``prepare`` hook checked every input before any process started."""
+    return bool(os.environ.get("ENGINE_PARENT_PID"))
+
+
+def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file_rows) -> tuple[int, int]:
+    """Read worker ``rank``'s share of the inputs and check every value, as the launcher's checks do for
+    all of them -> (train rows, test rows) read.
+
+    Train: the rows ``rank`` trains (``ctr_data.make_source`` with ``train_file_rows``, ``int[F]``: the
+    rows of each train input), every value a worker checks (``ctr_data.check_values``). Test: files (or,
+    with fewer files than workers, record batches) ``rank::num_workers``, every value evaluation reads
+    (``ctr_eval.eval_check``: with ``data.group_column``, null group ids too). Rows named in an error
+    are rows of the file (1-based), whatever the share.
+
+    Raises
+    ------
+    streaming.errors.DataFormatError, streaming.errors.SchemaError
+        The first bad value or input of the share, named with the file, the row and the column.
+    engine.errors.ConfigError
+        The grouping column is missing from the test split or of a bad type (``ctr_eval.eval_schema``).
+    """
+    train = make_source(data.train_path, batch_size=CHECK_BATCH_ROWS, schema=schema, rank=rank,
+                        num_workers=num_workers, prefetch=0, file_rows=train_file_rows)
+    train_rows = 0
+    for rb in train.batches(0):
+        train_rows += rb.num_rows
+        progress.current().moved()      # a long read is progress, not a hang (engine.liveness)
+    column = data.group_column
+    test_schema = ctr_eval.eval_schema(schema, column, data.test_path) if column else schema
+    files = list_files(data.test_path)
+    test = ArrowSource(files, batch_size=CHECK_BATCH_ROWS, schema=test_schema,
+                       string_slots=string_slots(test_schema), prefetch=0, shard=(rank, num_workers),
+                       shard_by="files" if len(files) >= num_workers else "batches",
+                       check=ctr_eval.eval_check(column))
+    test_rows = 0
+    for rb in test.batches(0):
+        test_rows += rb.num_rows
+        progress.current().moved()
+    return train_rows, test_rows
+
+
+def check_before_training(trainer) -> None:
+    """Role mode: every worker checks its share of the inputs (``check_shard``), and the workers agree
+    on the verdict before any of them steps (module docstring). Call it on every worker, after the
+    barriers of the start (``Mode.init_dense``, ``ctr_report.reset_metrics``) and before the first
+    step. Does nothing in a child of a launcher (``launched``).
+
+    ``trainer``: an ``engine.programs.ctr.CTRTrainer`` (``cfg``, ``schema``, ``rank``, ``num_workers``,
+    ``client``, ``mode`` and ``file_rows`` set).
+
+    Raises
+    ------
+    streaming.errors.DataFormatError, streaming.errors.SchemaError
+        On every worker, when any worker found a bad value: the first in reading order (train split
+        before test split, then file, then row), with the launcher's message (file, row, column).
+    engine.errors.BarrierTimeoutError
+        A worker did not reach the verdict within ``client.barrier_timeout_s`` (it died while checking).
+    """
+    if launched():
+        return
+    p, rank, workers = trainer.cfg, trainer.rank, trainer.num_workers
+    client, name = trainer.client, p.metrics_table + SUFFIX
+    found, rows = None, (0, 0)
+    try:
+        rows = check_shard(p.data, trainer.schema, rank, workers, trainer.file_rows)
+    except (DataFormatError, SchemaError) as e:
+        found = e
+        log.error("worker %d: bad input data in its share of the inputs: %s; every worker ends with it once "
+                  "every worker has checked (nothing is trained)", rank, e)
+        client.add_metric(f"{name}.{rank}", encode(e, data_files(p.data)), np.zeros(0, np.float64))
+    flags = np.zeros(workers, np.int64)
+    flags[rank] = found is not None
+    client.add_metric(name, flags, np.array(rows, np.float64))
+    trainer.mode.barrier("input-check")         # every worker's verdict is in
+    flags, sums = client.read_metric(name)
+    finders = [int(w) for w in np.flatnonzero(flags)]
+    if not finders:
+        if rank == 0:
+            log.info("inputs checked by %d worker(s) before training: train split %s: %d rows; test split %s: "
+                     "%d rows", workers, p.data.train_path, int(sums[0]), p.data.test_path, int(sums[1]))
+        return
+    errors = {w: decode(client.read_metric(f"{name}.{w}")[0]) for w in finders}
+    by = min(finders, key=lambda w: (errors[w][0], w))
+    first = errors[by][1]
+    if by != rank:
+        log.error("worker %d: worker %d found bad input data before training (%d worker(s) found some): %s; "
+                  "nothing was trained", rank, by, len(finders), first)
+    raise first
+
+
+def data_files(data) -> tuple[list, list]:
+    """The train and test inputs of ``data`` (``model.data``) in reading order (``list_files``)."""
+    return [str(f) for f in list_files(data.train_path)], [str(f) for f in list_files(data.test_path)]
+
+
+def encode(e: Exception, files: tuple[list, list]) -> np.ndarray:
+    """A bad-input error as ``int64[4 + n]``: ``[split, file index, row, bytes]`` (where it lies in
+    reading order: ``SPLITS`` index, index into ``files[split]``, 1-based row, 0 for a schema error)
+    then its JSON description, ``bytes`` long, packed 8 bytes to a count. The split is the one whose
+    files name ``e.path`` (train first)."""
+    split, index = next(((s, f.index(e.path)) for s, f in enumerate(files) if e.path in f), (len(SPLITS), 0))
+    if isinstance(e, DataFormatError):
+        desc = {"kind": "data", "path": e.path, "line": e.line, "field": e.field, "reason": e.reason,
+                "unit": e.unit}
+        row = e.line
+    else:
+        desc = {"kind": "schema", "path": e.path, "column": e.column, "expected": e.expected,
+                "actual": e.actual, "message": str(e)}
+        row = 0
+    raw = json.dumps(desc).encode()
+    if len(raw) > MAX_DESCRIPTION_BYTES:        # a very long reason: cut (the finder's log has it whole)
+        cut = desc.get("reason") or desc.get("message") or ""
+        key = "reason" if "reason" in desc else "message"
+        desc[key] = cut[:max(0, len(cut) - (len(raw) - MAX_DESCRIPTION_BYTES)) - 3] + "..."
+        raw = json.dumps(desc).encode()
+    padded = raw + b"\0" * (-len(raw) % 8)
+    return np.concatenate([np.array([split, index, row, len(raw)], np.int64), np.frombuffer(padded, "<i8")])
+
+
+def decode(counts: np.ndarray) -> tuple[tuple[int, int, int], Exception]:
+    """``encode``'s counts -> ((split, file index, row): the error's place in reading order, the error
+    as the finder raised it: a ``DataFormatError`` or ``SchemaError`` with the same message)."""
+    split, index, row, n = (int(v) for v in counts[:4])
+    desc = json.loads(np.ascontiguousarray(counts[4:], "<i8").tobytes()[:n])
+    if desc["kind"] == "data":
+        err: Exception = DataFormatError(desc["path"], desc["line"], desc["field"], desc["reason"], unit=desc["unit"])
+    else:
+        err = SchemaError(desc["path"], desc["column"], desc["expected"], desc["actual"])
+        err.args = (desc["message"],)           # its message as the finder's (the columns present included)
+    return (split, index, row), err
