@@ -27,9 +27,10 @@ label, through the downward API): every worker pod and its replacements are one 
 one local ``engine train`` are, so ``ctr_online``'s ``max_partitions`` counts the whole Job (its
 checkpoints carry the count), while rendering stays deterministic and a new Job is a new run.
 
-**Exit codes and podFailurePolicy** (it needs ``restartPolicy: Never``): 2 (a config error, which never
-heals) and 74 (the checkpoint storage refuses writes: read-only, access refused, full) fail the Job at
-once; 75 (preempted at a checkpoint, resumable) and 76 (a worker whose servers
+**Exit codes and podFailurePolicy** (it needs ``restartPolicy: Never``): 2 (a config error or bad input
+data, which never heal: every worker of a CTR job whose inputs hold a bad value exits 2 before its first
+step, ``engine.programs.ctr_inputs``) and 74 (the checkpoint storage refuses writes: read-only, access
+refused, full) fail the Job at once; 75 (preempted at a checkpoint, resumable) and 76 (a worker whose servers
 changed under it, or that lost one or got no answer from one in time, or that waits for a roll-back) are
 retried without counting against ``backoffLimit``; so is a pod with the ``DisruptionTarget`` condition
 (evicted, preempted by the scheduler, node drain). Anything else counts against
@@ -107,8 +108,9 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 SERVER_ITEMS = (certs.CA_CERT, certs.SERVER_CERT, certs.SERVER_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
 WORKER_ITEMS = (certs.CA_CERT, certs.CLIENT_CERT, certs.CLIENT_KEY, certs.TOKEN, certs.ADMIN_TOKEN)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-EXIT_CONFIG = 2         # a config error (engine.cli.train); 75 and 76: engine.preempt, engine.roles; 74:
-#                         engine.errors.EXIT_STORAGE_REFUSED (checkpoint storage refusing writes: FailJob too)
+EXIT_CONFIG = 2         # a config error or bad input data (engine.cli.train); 75 and 76: engine.preempt,
+#                         engine.roles; 74: engine.errors.EXIT_STORAGE_REFUSED (checkpoint storage refusing
+#                         writes: FailJob too)
 #: the servers' startup probe asks every this many seconds; it allows ``cluster.startup_timeout_s`` in all
 STARTUP_PERIOD_S = 5
 #: Kubernetes' integer fields: int32 (probe thresholds, backoffLimit, completions), int64 (grace periods)

@@ -59,7 +59,9 @@ batch. GEO's local table applies the same rule with plain SGD. Dense gradients a
 Data (``model.data``, see ``ctr_data``) is resolved once in the launcher by ``prepare``: the shared
 Criteo rows are converted to Arrow (canonical split) when their Arrow form is missing or stale, or a
 planted-model file is generated when they are absent; every input's schema, every train value the workers
-check (labels, dense values, keys) and every test value evaluation reads are checked then. Each worker
+check (labels, dense values, keys) and every test value evaluation reads are checked then. A worker started
+without a launcher (``--role worker`` under ``engine k8s``, Slurm, by hand) checks its own share of them
+before its first step instead, and the workers agree on one verdict (``ctr_inputs``). Each worker
 reads its shard of the train split (an equal share of the rows, ``ctr_data.make_source``; shuffled within
 ``shuffle_buffer`` rows, a new order every epoch), evaluates its shard of the test split after each epoch,
 and the histograms are merged on the servers into the global AUC (``ctr_report``). Metrics go to one
