@@ -33,7 +33,8 @@ def free_port() -> int:
 
 def split_with_a_bad_label(d: Path) -> tuple[Path, Path, str]:
     """(train dir of 3 files, test dir, the launcher's message): the bad label is row 451 of the last file,
-    which lies in the second half of the rows (worker 1's)."""
+    which lies in the second half of the rows (worker 1's); ``part-2.repaired.arrow`` beside the directory
+    is that file without it."""
     generate_criteo(d / "rows.txt", 2500, 5)
     for split in ("train", "test"):
         convert_criteo([d / "rows.txt"], d / f"{split}-one", split=split, batch_size=100)
@@ -46,10 +47,15 @@ def split_with_a_bad_label(d: Path) -> tuple[Path, Path, str]:
             labels = part.column("label").to_numpy().copy()
             labels[450] = 2.0
             part = part.set_column(0, "label", pa.array(labels, pa.float32()))
-        with pa.OSFile(str(d / "train" / f"part-{i}.arrow"), "wb") as f, pa.ipc.new_stream(f, part.schema) as w:
-            w.write_table(part, max_chunksize=100)
+            _write(d / "part-2.repaired.arrow", t.slice(2 * third))
+        _write(d / "train" / f"part-{i}.arrow", part)
     return d / "train", d / "test-one", (f"engine train: bad input data: {d / 'train' / 'part-2.arrow'}: row 451: "
                                          f"field label: expected a label in [0, 1], got 2.0")
+
+
+def _write(path: Path, table: pa.Table) -> None:
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table, max_chunksize=100)
 
 
 def role_cmd(tmp: Path, train: Path, test: Path, role: str, rank: int, *extra: str) -> list[str]:
@@ -62,12 +68,15 @@ def role_cmd(tmp: Path, train: Path, test: Path, role: str, rank: int, *extra: s
             *[a for s in sets for a in ("--set", s)], "--role", role, "--rank", str(rank), *extra]
 
 
-def test_role_mode_workers_refuse_a_bad_label_before_any_step_each_with_the_launchers_line(tmp_path):
+def test_role_mode_workers_refuse_a_bad_label_before_any_step_and_train_once_it_is_repaired(tmp_path):
     """Before, both workers trained 10 steps, then worker 1's reader met the label (exit 2) and worker 0
     waited at the sync barrier of its 11th step until client.barrier_timeout_s (exit 1, a traceback; ~24 s
-    for this test, 600 s by default), and the servers held the partial epoch. Now every worker checks its share of the rows
-    before the first step and they meet on the verdict: both end within seconds with the launcher's line
-    and exit 2 (engine k8s fails the Job on it), and no worker pushed anything."""
+    for this test, 600 s by default), and the servers held the partial epoch. Now every worker checks its
+    share of the rows before the first step and they meet on the verdict: both end within seconds with the
+    launcher's line and exit 2 (engine k8s fails the Job on it), and no worker pushed anything. With the
+    file repaired, the same workers started again against the same server (still serving, as after any
+    failed attempt) train the job to its end: worker 0 empties the servers of the failed attempt first
+    (engine.roles), and the check passes."""
     from engine.ps import PSClient
     train, test, line = split_with_a_bad_label(tmp_path)
     port = free_port()
@@ -75,15 +84,18 @@ def test_role_mode_workers_refuse_a_bad_label_before_any_step_each_with_the_laun
     env.pop("ENGINE_PARENT_PID", None)          # a scheduler's role, not a launcher's child
     logs = [tmp_path / f"worker-{w}.log" for w in range(2)]
     procs = []
+
+    def start_workers() -> None:
+        for w in range(2):
+            with open(logs[w], "wb") as log:
+                procs.append(subprocess.Popen(role_cmd(tmp_path, train, test, "worker", w), cwd=REPO, env=env,
+                                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
     try:
         with open(tmp_path / "server.log", "wb") as log:
             procs.append(subprocess.Popen(role_cmd(tmp_path, train, test, "server", 0, "--port", str(port)),
                                           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
                                           start_new_session=True))
-        for w in range(2):
-            with open(logs[w], "wb") as log:
-                procs.append(subprocess.Popen(role_cmd(tmp_path, train, test, "worker", w), cwd=REPO, env=env,
-                                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
+        start_workers()
         t0 = time.monotonic()
         codes = [p.wait(timeout=BARRIER_TIMEOUT_S + 60) for p in procs[1:]]
         took = time.monotonic() - t0
@@ -99,6 +111,15 @@ def test_role_mode_workers_refuse_a_bad_label_before_any_step_each_with_the_laun
         assert not {m: requests.get(m) for m in ("Push", "Step") if requests.get(m)}, requests   # nothing trained
         events = [json.loads(x) for f in (tmp_path / "metrics").glob("*.jsonl") for x in f.read_text().splitlines()]
         assert not [e for e in events if e["event"] == "train"], events[-3:]
+
+        os.replace(tmp_path / "part-2.repaired.arrow", train / "part-2.arrow")
+        start_workers()
+        codes = [p.wait(timeout=120) for p in procs[3:]]
+        errs = [f.read_text() for f in logs]
+        assert codes == [0, 0], (codes, errs[0][-2000:], errs[1][-2000:])
+        assert "the job has no checkpoint yet: emptied 1 of 1 server(s)" in errs[0], errs[0][-2000:]
+        assert "inputs checked by 2 worker(s) before training" in errs[0], errs[0][-2000:]
+        assert procs[0].wait(timeout=30) == 0             # stopped by worker 0 at the job's end
     finally:
         for p in procs:
             if p.poll() is None:
