@@ -125,3 +125,58 @@ def test_role_mode_workers_refuse_a_bad_label_before_any_step_and_train_once_it_
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+def test_a_role_mode_job_resumed_onto_a_spoilt_file_is_refused_before_its_first_step(tmp_path):
+    """--resume of a checkpoint at an epoch's end (its position maps onto any files) after the train file
+    got a bad label: the resumed workers check their shares again and end with the launcher's line and exit
+    2 before any step; no checkpoint is written. Before, they resumed and trained epoch 1 up to the bad
+    batch, and worker 0 then waited out its sync barrier (exit 1)."""
+    from engine.checkpoint import CheckpointManager
+    from engine.ps import PSClient
+    train, test, line = split_with_a_bad_label(tmp_path)
+    os.replace(train / "part-2.arrow", tmp_path / "part-2.spoilt.arrow")
+    os.replace(tmp_path / "part-2.repaired.arrow", train / "part-2.arrow")
+    env = {**os.environ, "ENGINE_NUM_WORKERS": "2"}
+    env.pop("ENGINE_PARENT_PID", None)
+    epochs = ("--set", "model.epochs=2", "--set", "checkpoint.delta_every=1steps")    # one at each epoch's end
+    procs = []
+
+    def job(tag: str, *server_args: str) -> tuple[list[int], list[str], int]:
+        port = free_port()
+        e = {**env, "ENGINE_SERVERS": f"127.0.0.1:{port}"}
+        with open(tmp_path / f"{tag}-server.log", "wb") as log:
+            procs.append(subprocess.Popen(role_cmd(tmp_path, train, test, "server", 0, "--port", str(port), *epochs,
+                                                   *server_args), cwd=REPO, env=e, stdout=subprocess.DEVNULL,
+                                          stderr=log, start_new_session=True))
+        workers = []
+        for w in range(2):
+            with open(tmp_path / f"{tag}-worker-{w}.log", "wb") as log:
+                workers.append(subprocess.Popen(role_cmd(tmp_path, train, test, "worker", w, *epochs), cwd=REPO,
+                                                env=e, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
+        procs.extend(workers)
+        codes = [p.wait(timeout=BARRIER_TIMEOUT_S + 60) for p in workers]
+        return codes, [(tmp_path / f"{tag}-worker-{w}.log").read_text() for w in range(2)], port
+
+    try:
+        codes, errs, _ = job("first")
+        assert codes == [0, 0], (codes, errs[0][-2000:], errs[1][-2000:])
+        mgr = CheckpointManager(str(tmp_path / "ckpt"), "ctr_dnn")
+        written = [r.name for r in mgr.list()]
+        (epoch_end,) = [n for n in written if (mgr.manifest(n)["sources"]["train"]["epoch"],
+                                               mgr.manifest(n)["sources"]["train"]["batch"]) == (1, 0)]
+        os.replace(tmp_path / "part-2.spoilt.arrow", train / "part-2.arrow")
+        codes, errs, port = job("resumed", "--resume", mgr.uri_of(epoch_end))
+        assert codes == [2, 2], (codes, errs[0][-2000:], errs[1][-2000:])
+        for err in errs:
+            assert "resuming at epoch 1, batch 0" in err, err[-2000:]
+            assert err.strip().splitlines()[-1] == line, err[-2000:]
+        with PSClient([f"127.0.0.1:{port}"], name="probe") as probe:
+            requests = probe.stats()[0]["requests"]
+        assert not {m: requests.get(m) for m in ("Push", "Step") if requests.get(m)}, requests
+        assert [r.name for r in mgr.list()] == written
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
