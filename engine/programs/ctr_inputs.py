@@ -177,11 +177,12 @@ def encode(e: Exception, files: tuple[list, list]) -> np.ndarray:
         desc = {"kind": "schema", "path": e.path, "column": e.column, "expected": e.expected,
                 "actual": e.actual, "message": str(e)}
         row = 0
+    text = "reason" if "reason" in desc else "message"
     raw = json.dumps(desc).encode()
-    if len(raw) > MAX_DESCRIPTION_BYTES:        # a very long reason: cut (the finder's log has it whole)
-        cut = desc.get("reason") or desc.get("message") or ""
-        key = "reason" if "reason" in desc else "message"
-        desc[key] = cut[:max(0, len(cut) - (len(raw) - MAX_DESCRIPTION_BYTES)) - 3] + "..."
+    for _ in range(32):                 # a very long reason is cut (the finder's own log has it whole)
+        if len(raw) <= MAX_DESCRIPTION_BYTES or len(desc[text]) < 8:
+            break
+        desc[text] = desc[text][:len(desc[text]) // 2] + "..."
         raw = json.dumps(desc).encode()
     padded = raw + b"\0" * (-len(raw) % 8)
     return np.concatenate([np.array([split, index, row, len(raw)], np.int64), np.frombuffer(padded, "<i8")])

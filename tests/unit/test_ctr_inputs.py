@@ -125,6 +125,14 @@ def test_an_error_travels_through_the_counts_unchanged(error):
     assert key == ((0, 1, 7) if isinstance(error, DataFormatError) else (1, 0, 0))
 
 
+def test_a_very_long_reason_is_cut_to_the_bound_and_keeps_its_start():
+    error = DataFormatError("/d/train/part-0.arrow", 3, "label", "expected a label, got " + "9" * 100_000, unit="row")
+    counts = ctr_inputs.encode(error, (["/d/train/part-0.arrow"], []))
+    assert counts.nbytes <= ctr_inputs.MAX_DESCRIPTION_BYTES + 64
+    key, back = ctr_inputs.decode(counts)
+    assert key == (0, 0, 3) and str(back).startswith(str(error)[:200]) and str(back).endswith("...")
+
+
 class _Servers:
     """The servers' accumulators and barrier as the workers' threads see them (the PS client's calls)."""
 
