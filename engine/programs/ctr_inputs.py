@@ -72,7 +72,8 @@ def launched() -> bool:
     return bool(os.environ.get("ENGINE_PARENT_PID"))
 
 
-def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file_rows) -> tuple[int, int]:
+def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file_rows,
+                storage_options=None) -> tuple[int, int]:
     """Read worker ``rank``'s share of the inputs and check every value, as the launcher's checks do for
     all of them -> (train rows, test rows) read.
 
@@ -80,7 +81,8 @@ def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file
     rows of each train input), every value a worker checks (``ctr_data.check_values``). Test: files (or,
     with fewer files than workers, record batches) ``rank::num_workers``, every value evaluation reads
     (``ctr_eval.eval_check``: with ``data.group_column``, null group ids too). Rows named in an error
-    are rows of the file (1-based), whatever the share.
+    are rows of the file (1-based), whatever the share. ``storage_options`` reach URI inputs' store
+    (``streaming.inputs``).
 
     Raises
     ------
@@ -90,14 +92,15 @@ def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file
         The grouping column is missing from the test split or of a bad type (``ctr_eval.eval_schema``).
     """
     train = make_source(data.train_path, batch_size=CHECK_BATCH_ROWS, schema=schema, rank=rank,
-                        num_workers=num_workers, prefetch=0, file_rows=train_file_rows)
+                        num_workers=num_workers, prefetch=0, file_rows=train_file_rows,
+                        storage_options=storage_options)
     train_rows = 0
     for rb in train.batches(0):
         train_rows += rb.num_rows
         progress.current().moved()      # a long read is progress, not a hang (engine.liveness)
     column = data.group_column
-    test_schema = ctr_eval.eval_schema(schema, column, data.test_path) if column else schema
-    files = list_files(data.test_path)
+    test_schema = ctr_eval.eval_schema(schema, column, data.test_path, storage_options) if column else schema
+    files = list_files(data.test_path, storage_options=storage_options)
     test = ArrowSource(files, batch_size=CHECK_BATCH_ROWS, schema=test_schema,
                        string_slots=string_slots(test_schema), prefetch=0, shard=(rank, num_workers),
                        shard_by="files" if len(files) >= num_workers else "batches",
@@ -132,12 +135,13 @@ def check_before_training(trainer) -> None:
     client, name = trainer.client, p.metrics_table + SUFFIX
     found, rows = None, (0, 0)
     try:
-        rows = check_shard(p.data, trainer.schema, rank, workers, trainer.file_rows)
+        rows = check_shard(p.data, trainer.schema, rank, workers, trainer.file_rows, trainer.storage_options)
     except (DataFormatError, SchemaError) as e:
         found = e
         log.error("worker %d: bad input data in its share of the inputs: %s; every worker ends with it once "
                   "every worker has checked (nothing is trained)", rank, e)
-        client.add_metric(f"{name}.{rank}", encode(e, data_files(p.data)), np.zeros(0, np.float64))
+        client.add_metric(f"{name}.{rank}", encode(e, data_files(p.data, trainer.storage_options)),
+                          np.zeros(0, np.float64))
     flags = np.zeros(workers, np.int64)
     flags[rank] = found is not None
     client.add_metric(name, flags, np.array(rows, np.float64))
@@ -158,9 +162,11 @@ def check_before_training(trainer) -> None:
     raise first
 
 
-def data_files(data) -> tuple[list, list]:
-    """The train and test inputs of ``data`` (``model.data``) in reading order (``list_files``)."""
-    return [str(f) for f in list_files(data.train_path)], [str(f) for f in list_files(data.test_path)]
+def data_files(data, storage_options=None) -> tuple[list, list]:
+    """The train and test inputs of ``data`` (``model.data``) in reading order (``list_files``), as the
+    names errors give them (a path, or a URI)."""
+    return tuple([str(f) for f in list_files(path, storage_options=storage_options)]
+                 for path in (data.train_path, data.test_path))
 
 
 def encode(e: Exception, files: tuple[list, list]) -> np.ndarray:

@@ -156,8 +156,8 @@ def _verdicts(data, monkeypatch) -> tuple[dict, dict]:
     rows = file_rows(data.train_path)
 
     def run(w):
-        t = SimpleNamespace(cfg=SimpleNamespace(metrics_table="metrics", data=data), schema=SCHEMA, rank=w,
-                            num_workers=WORKERS, client=servers, file_rows=rows,
+        t = SimpleNamespace(storage_options=None, cfg=SimpleNamespace(metrics_table="metrics", data=data),
+                            schema=SCHEMA, rank=w, num_workers=WORKERS, client=servers, file_rows=rows,
                             mode=SimpleNamespace(barrier=lambda name: servers.barrier.wait()))
         try:
             ctr_inputs.check_before_training(t)
@@ -194,6 +194,6 @@ def test_clean_inputs_pass_and_a_launchers_child_does_not_check(criteo, tmp_path
     assert acc["metrics.input-check"][0].tolist() == [0, 0, 0] and acc["metrics.input-check"][1].tolist() == [320, 80]
     monkeypatch.setenv("ENGINE_PARENT_PID", "1")
     data = _copy(criteo, tmp_path, {("train", 0): 0})
-    t = SimpleNamespace(cfg=SimpleNamespace(metrics_table="metrics", data=data), schema=SCHEMA, rank=0,
-                        num_workers=1, client=None, mode=None, file_rows=file_rows(data.train_path))
+    t = SimpleNamespace(storage_options=None, cfg=SimpleNamespace(metrics_table="metrics", data=data),
+                        schema=SCHEMA, rank=0, num_workers=1, client=None, mode=None, file_rows=file_rows(data.train_path))
     ctr_inputs.check_before_training(t)         # its launcher's prepare checked the inputs: nothing read
