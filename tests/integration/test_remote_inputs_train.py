@@ -87,6 +87,15 @@ def test_a_job_trains_and_evaluates_on_splits_read_from_s3(splits, moto_s3, s3_b
     # the 2 shards hold equal rows and whole batches)
     shows = _state(final["checkpoint"])[0][("embedding", "show")]
     assert float(shows.sum()) == start["train_rows"] * SLOTS
+    # engine eval scores the final checkpoint on the same test split, read from S3 with the same settings
+    sets = _cmd(moto_s3.endpoint, prefix, tmp_path)[7:]                # the --set pairs
+    res = subprocess.run([sys.executable, "-m", "engine", "eval", str(REPO / "configs/ctr.yaml"), "--checkpoint",
+                          final["checkpoint"], *sets], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    ev = json.loads(res.stdout.strip().splitlines()[-1])
+    assert ev["test_path"] == f"s3://{prefix}/test" and ev["rows"] == _test_rows(splits)
+    assert abs(ev["auc"] - final["test_auc"]) < 1e-3           # the job merges binned histograms
 
 
 def test_an_unreachable_store_ends_the_job_before_any_process_starts_naming_the_uri(splits, tmp_path):
