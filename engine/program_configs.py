@@ -54,19 +54,6 @@ class LogregConfig:
         return {"sparse": {self.table: "model.table"}, "dense": {self.dense_table: "model.dense_table"}}
 
 
-def refuse_criteo_uri(path: str) -> None:
-    """Raise ``ConfigError`` for an object-store URI (``s3://``, ``hdfs://``, ...) given as
-    ``model.data.criteo_path``: a Criteo text file is converted to Arrow on the launcher's disk before
-    training (``ctr_data.prepare_data``), from a local path; Arrow inputs (``source: arrow``) are what
-    workers read from a store."""
-    if "://" in str(path):
-        raise ConfigError(f"model.data.criteo_path: {path}: a Criteo text file is converted to Arrow from a local "
-                          f"path before training; convert it where it is readable (`engine convert criteo`), put "
-                          f"the train and test directories on the store, and name them: model.data.source: arrow "
-                          f"with train_path and test_path s3://... or hdfs://... URIs, which every worker reads "
-                          f"directly with the storage section's settings")
-
-
 @section
 class DataConfig:
     """The ``model.data`` section of the CTR programs (see ``engine.programs.ctr_data``)."""

@@ -26,6 +26,8 @@ restarts the job from its last checkpoint) takes over.
 """
 from __future__ import annotations
 
+import json
+import os
 import posixpath
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +37,8 @@ import pyarrow.fs as pafs
 
 from hdfs_io import Storage, StorageOptions, StorageUnavailableError
 
-__all__ = ["InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "is_uri", "list_remote", "unread_names"]
+__all__ = ["InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "fetch", "is_uri", "list_remote",
+           "unread_names"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
 #: much (a record batch of 64k Criteo rows is ~11 MB; at 8 MiB a batch costs one or two requests)
@@ -174,3 +177,63 @@ def unread_names(uri: str, storage_options: StorageOptions | None = None) -> lis
     return sorted(i.base_name for i in children if i.type == pafs.FileType.File
                   and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
 
+
+
+def fetch(uri: str, dest, storage_options: StorageOptions | None = None) -> str:
+    """Copy the file at ``uri`` (a Criteo text file on a store, say) to the local path ``dest`` unless
+    ``dest`` already holds it, and return ``dest``. What was copied is recorded beside it
+    (``dest.source.json``: the URI, the object's size and modification time in the store); the copy is
+    taken again when any of them changed. Written under a temporary name and renamed once whole: a copy
+    cut short is never taken for the file.
+
+    Parameters
+    ----------
+    uri : str
+        ``s3://bucket/key``, ``hdfs://nn:8020/path``.
+    dest : str or PathLike
+        A local file path; its directory must exist.
+
+    Raises
+    ------
+    FileNotFoundError
+        Nothing at ``uri``, or a directory (names the URI).
+    InputUnavailableError
+        The store did not answer (after the retries).
+    OSError
+        The copy was cut short (the bytes read differ from the object's size), or ``dest`` cannot be
+        written.
+    """
+    dest = os.fspath(dest)
+    with _reaching(uri):
+        storage = Storage.from_uri(uri, storage_options=storage_options)
+        info = storage.info()
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(f"file not found: {uri}" + (" (a directory)" if info.type == pafs.FileType.Directory
+                                                             else ""))
+    want = {"uri": uri, "size": int(info.size), "mtime_ns": info.mtime_ns}
+    side = dest + ".source.json"
+    try:
+        with open(side) as f:
+            if json.load(f) == want and os.path.getsize(dest) == want["size"]:
+                return dest
+    except (OSError, ValueError):
+        pass
+    tmp = os.path.join(os.path.dirname(dest) or ".", f".{os.path.basename(dest)}.{os.getpid()}.tmp")
+    try:
+        with _reaching(uri):
+            src = storage.open_input_stream("", buffer_size=STREAM_BUFFER_BYTES)
+        copied = 0
+        with src, open(tmp, "wb") as out:
+            while chunk := src.read(STREAM_BUFFER_BYTES):
+                out.write(chunk)
+                copied += len(chunk)
+        if copied != want["size"]:
+            raise OSError(f"{uri}: copied {copied} bytes of {want['size']}: the object changed or the read was "
+                          f"cut short; run again")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    with open(side, "w") as f:
+        json.dump(want, f)
+    return dest

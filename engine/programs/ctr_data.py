@@ -8,7 +8,9 @@ shared_criteo   the shared Criteo rows (``criteo_path``, default ``../shared/dat
                 ``cache_dir`` unless the Arrow form there is current; when the file is missing and
                 ``fallback: generated``, a Criteo-format file drawn from a planted logistic model
                 (``generated_rows`` rows, ``generated_seed``) is generated and used instead (logged).
-criteo          the same for any Criteo ``train.txt``-layout file; a missing file is an error.
+criteo          the same for any Criteo ``train.txt``-layout file; a missing file is an error. A URI
+                (``s3://bucket/train.txt``) is copied into ``cache_dir`` first, again only when the
+                object changed (``streaming.inputs.fetch``).
 generated       always the planted-model file.
 arrow           ``train_path`` / ``test_path``: Arrow IPC / Parquet files or directories, used as
                 they are (schema-checked); local paths, or URIs (``s3://bucket/train``,
@@ -39,12 +41,12 @@ import pyarrow as pa
 
 from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
                               generate_criteo)
-from streaming.inputs import RemoteInput, is_uri, unread_names
+from streaming.inputs import RemoteInput, fetch, is_uri, unread_names
 from streaming.source import (ArrowSource, check_inputs, count_rows, list_files, open_file, read_schema,
                               row_ranges)
 from streaming.values import dense_values, first, label_problem, list_values
 
-from ..program_configs import DataConfig, refuse_criteo_uri
+from ..program_configs import DataConfig
 from ..ps import _kernels as ps_kernels
 from ..errors import ConfigError
 
@@ -359,6 +361,24 @@ def _convert(inputs: Path, cfg: DataConfig, key: str) -> tuple[str, str]:
     return dirs["train"], dirs["test"]
 
 
+def _criteo_file(cfg: DataConfig, storage_options) -> Path | None:
+    """The local Criteo text file of ``criteo_path`` (None when there is none): the path itself, or for a
+    URI (``s3://bucket/train.txt``) a copy in ``cache_dir`` (``streaming.inputs.fetch``: taken again
+    only when the object's size or modification time changed), which ``_convert`` turns into Arrow as
+    it would the file."""
+    if not is_uri(cfg.criteo_path):
+        path = Path(cfg.criteo_path).resolve()
+        return path if path.is_file() else None
+    tag = hashlib.sha1(cfg.criteo_path.encode()).hexdigest()[:10]
+    d = Path(cfg.cache_dir).resolve() / f"download-{tag}"
+    d.mkdir(parents=True, exist_ok=True)
+    log.info("model.data.criteo_path %s: copying it to %s unless the copy there is current", cfg.criteo_path, d)
+    try:
+        return Path(fetch(cfg.criteo_path, d / cfg.criteo_path.rstrip("/").rsplit("/", 1)[-1], storage_options))
+    except FileNotFoundError:
+        return None
+
+
 def _generated(cfg: DataConfig) -> Path:
     cache = Path(cfg.cache_dir).resolve()
     cache.mkdir(parents=True, exist_ok=True)
@@ -453,7 +473,7 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> Da
     Raises
     ------
     ConfigError
-        A data path that does not exist (the key is named); a Criteo file named by URI.
+        A data path that does not exist (the key is named).
     hdfs_io.StorageUnavailableError, OSError
         A URI input's store cannot be reached (after the retries).
     streaming.errors.DataFormatError
@@ -470,13 +490,11 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> Da
                                   f"in every epoch; write the stream to a file or directory and name that")
     else:
         key = "model.data.criteo_path"
-        if cfg.source != "generated":
-            refuse_criteo_uri(cfg.criteo_path)
         if cfg.source == "generated":
             inputs, key = _generated(cfg), "model.data.generated_rows"
         else:
-            inputs = Path(cfg.criteo_path).resolve()
-            if not inputs.is_file():
+            inputs = _criteo_file(cfg, storage_options)
+            if inputs is None:
                 if cfg.source == "shared_criteo" and cfg.fallback == "generated":
                     log.warning("model.data.criteo_path %s not found: training on a GENERATED Criteo-format "
                                 "file with a planted logistic model instead (see model.data.fallback)",

@@ -158,3 +158,32 @@ def test_a_bad_label_deep_in_an_s3_file_is_named_by_uri_row_and_column(inputs, m
     _put(moto_s3, key, sink.getvalue().to_pybytes())
     with pytest.raises(DataFormatError, match=rf"^s3://{key}: row 58: field label: "):
         check_train_split(f"s3://{s3_bucket}/remote-bad", SCHEMA, s3_storage_options)
+
+
+def test_a_criteo_file_on_s3_is_copied_once_converted_and_copied_again_when_it_changes(moto_s3, s3_bucket,
+                                                                                       s3_storage_options, tmp_path):
+    """``model.data.criteo_path`` by URI was refused (converted from local paths only): it is copied into
+    the cache, converted as a local file would be, and reused while the object is unchanged."""
+    generate_criteo(tmp_path / "rows.txt", 60, 4)
+    key = f"{s3_bucket}/criteo-text/train.txt"
+    _put(moto_s3, key, (tmp_path / "rows.txt").read_bytes())
+    cfg = DataConfig(source="criteo", criteo_path=f"s3://{key}", cache_dir=str(tmp_path / "cache"))
+    out = prepare_data(cfg, SCHEMA, s3_storage_options)
+    local = DataConfig(source="criteo", criteo_path=str(tmp_path / "rows.txt"), cache_dir=str(tmp_path / "cache2"))
+    ref = prepare_data(local, SCHEMA)
+    for a, b in ((out.train_path, ref.train_path), (out.test_path, ref.test_path)):
+        assert pa.Table.from_batches(list(read_batches(list_files(a)[0]))).equals(
+            pa.Table.from_batches(list(read_batches(list_files(b)[0]))))
+    (copy,) = (tmp_path / "cache").glob("download-*/train.txt")
+    stamp = copy.stat().st_mtime_ns
+    assert prepare_data(cfg, SCHEMA, s3_storage_options) == out and copy.stat().st_mtime_ns == stamp    # reused
+    generate_criteo(tmp_path / "rows.txt", 80, 5)                       # the object replaced: other rows
+    _put(moto_s3, key, (tmp_path / "rows.txt").read_bytes())
+    again = prepare_data(cfg, SCHEMA, s3_storage_options)
+    assert copy.read_bytes() == (tmp_path / "rows.txt").read_bytes()
+    assert sum(count_rows(f) for f in list_files(again.train_path)) == 64              # 80 lines, 4 of 5 train
+    missing = DataConfig(source="criteo", criteo_path=f"s3://{s3_bucket}/criteo-text/nope.txt",
+                         cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=rf"^model\.data\.criteo_path: file not found: s3://{s3_bucket}/criteo-text/"
+                                          rf"nope\.txt$"):
+        prepare_data(missing, SCHEMA, s3_storage_options)

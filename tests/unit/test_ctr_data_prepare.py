@@ -194,18 +194,6 @@ def test_a_clean_test_split_passes_the_launchers_check(criteo, tmp_path, monkeyp
     assert any(f"test split {test}: {rows} rows (values checked)" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("uri", ["s3://bucket/criteo/train.txt", "hdfs://namenode:8020/criteo/train.txt"])
-def test_a_criteo_file_named_by_uri_is_a_config_error_saying_to_convert_it_and_name_the_arrow_uris(criteo, uri):
-    """A Criteo text file is converted on the launcher's disk from a local path: s3://bucket/train.txt became
-    ./s3:/bucket/train.txt and failed as 'file not found'. Arrow inputs by URI are read directly
-    (tests/contract/test_remote_inputs.py)."""
-    cfg = DataConfig(source="criteo", criteo_path=uri, cache_dir=str(criteo / "cache"))
-    with pytest.raises(ConfigError, match=rf"^model\.data\.criteo_path: {uri}: a Criteo text file is converted to "
-                                          rf"Arrow from a local path .* model\.data\.source: arrow with train_path "
-                                          rf"and test_path s3://\.\.\. or hdfs://\.\.\. URIs"):
-        prepare_data(cfg, SCHEMA)
-
-
 @pytest.mark.parametrize("form", ["dictionary", "string_view", "large_string"])
 def test_raw_string_slots_in_other_arrow_forms_give_the_same_keys(form, criteo, tmp_path):
     """pandas writes a categorical column to Parquet as dictionary-encoded strings, newer writers
