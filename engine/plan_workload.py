@@ -59,6 +59,9 @@ def measure_unique_keys(cfg, batches: int = MEASURE_BATCHES) -> Figure:
                     raise fail(f"model.data.train_path {path!r} not found")
             else:
                 raw = Path(d.criteo_path)
+                if is_uri(d.criteo_path):     # training copies it whole first (ctr_data); a plan reads a few lines
+                    raise fail(f"model.data.criteo_path {d.criteo_path} is on a store: measure on a local copy of "
+                               f"its first lines (--set model.data.criteo_path=PATH)")
                 if not raw.is_file():
                     raise fail(f"model.data.criteo_path {d.criteo_path} not found (from {Path.cwd()})")
                 lines = math.ceil((p.shuffle_buffer + batches * p.batch_size) * 5 / 4) + 5

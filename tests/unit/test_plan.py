@@ -467,3 +467,15 @@ def test_a_bad_machine_flag_shows_the_value_as_given(tmp_path, ctr, kw, needle):
     with pytest.raises(PlanInputError) as e:
         plan_1e9(ctr, bench(tmp_path), **kw)
     assert str(e.value) == needle
+
+
+def test_a_criteo_file_on_a_store_is_not_copied_whole_to_measure_a_few_batches(ctr):
+    """Training copies a criteo_path URI whole into the cache (ctr_data); engine plan reads a few lines and
+    said 'not found (from <cwd>)' for a URI, as if it were a missing local path."""
+    import dataclasses
+    d = dataclasses.replace(ctr.model.params.data, source="criteo", criteo_path="s3://bucket/criteo/train.txt")
+    cfg = dataclasses.replace(ctr, model=dataclasses.replace(
+        ctr.model, params=dataclasses.replace(ctr.model.params, data=d)))
+    with pytest.raises(PlanInputError, match=r"criteo_path s3://bucket/criteo/train.txt is on a store: measure on "
+                                             r"a local copy of its first lines"):
+        measure_unique_keys(cfg, batches=5)
