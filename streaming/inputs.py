@@ -19,6 +19,15 @@ row counts          Parquet's and IPC files' footers; an IPC stream's message he
                     (``ipc_stream.stream_rows``: one or two small ranged reads per record batch)
 ==================  =================================================================================
 
+One version of each file: a file is read as the job listed it (its size and modification time), and an
+IPC stream, IPC file or Parquet file read for its rows (``open_pinned``, ``open_stream``) is checked
+again after every ranged read (one HEAD on S3, comparing the ETag the open saw; a stat elsewhere):
+an object overwritten, cut, grown or deleted since the listing, or while it is read, raises
+``InputChangedError`` (a ``DataFormatError``) naming the URI before a byte of the other version is
+delivered. S3 overwrites an object whole and in place, and ranged reads at the offsets of the old one
+would otherwise return the new one's bytes: rows of two versions mixed in one epoch, silently when
+both have the same size (fixed-width columns, the same row count).
+
 Retries: listing and every open go through ``hdfs_io.Storage`` (``RetryPolicy``: a transient error is
 retried with backoff); a read that fails in the middle of a file is not, and propagates as an
 ``OSError`` naming the input, as a failing local disk's does: the job's recovery rule (a lost worker
@@ -28,14 +37,18 @@ from __future__ import annotations
 
 import posixpath
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from hdfs_io import Storage, StorageOptions, StorageUnavailableError
 
-__all__ = ["InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "is_uri", "list_remote", "unread_names"]
+from .errors import DataFormatError
+
+__all__ = ["InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "is_uri",
+           "list_remote", "unread_names"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
 #: much (a record batch of 64k Criteo rows is ~11 MB; at 8 MiB a batch costs one or two requests)
@@ -49,6 +62,17 @@ class InputUnavailableError(StorageUnavailableError):
     retries): the message starts ``training input URI:``. Not bad data and not a checkpoint's storage:
     nothing was read from the input, and the same job runs once the store answers. ``refused`` (a
     permanent failure: access denied, read-only) is kept from the storage's error."""
+
+
+class InputChangedError(DataFormatError):
+    """A training input on a store that is no longer the version the job listed: overwritten (another
+    size, modification time or ETag), or deleted, before or while it was read. A ``DataFormatError``
+    (``engine train`` ends with exit code 2, not restarted into the same change): the row counts that
+    split the rows among the workers and the checkpoints' positions were taken on the version listed.
+    ``str()`` is ``"URI: row N: field <object version>: expected ..."``."""
+
+    def __init__(self, uri: str, reason: str, row: int = 1, field: str = "<object version>"):
+        super().__init__(uri, row, field, reason, unit="row")
 
 
 @contextmanager
@@ -83,11 +107,18 @@ class RemoteInput:
         The file's name in that directory.
     size : int
         Bytes, when listed.
+    mtime_ns : int or None
+        Modification time when listed, nanoseconds since the epoch (seconds' resolution on S3); None:
+        the store gave none (then only ``size`` is compared).
     """
 
     storage: Storage
     name: str
     size: int
+    mtime_ns: int | None = None
+    #: the ETag the first open saw (S3), which every later open must see too: it tells an object written
+    #: again within the second of its listed modification time, and of the same size
+    _etag: list = field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         return self.storage.uri_of(self.name)
@@ -100,28 +131,171 @@ class RemoteInput:
         return self.name.endswith(suffixes)
 
     def open_file(self) -> pa.NativeFile:
-        """The file for random access (``seek``, ``read_at``; a ranged GET per read on S3).
+        """The file for random access (``seek``, ``read_at``; a ranged GET per read on S3), checked at
+        the open to be the version listed (its size and modification time, and on S3 the ETag of this
+        object's first open; no request more on S3).
 
         Raises
         ------
         FileNotFoundError
             The file is gone (named by its URI).
+        InputChangedError
+            Its size or modification time is not the listing's (overwritten since).
         InputUnavailableError
             The store did not answer (after ``hdfs_io.RetryPolicy``'s retries).
         """
-        with _reaching(str(self)):
-            return self.storage.open_input_file(self.name)
+        return self._opened()[0]
 
-    def open_stream(self, buffer_size: int = STREAM_BUFFER_BYTES) -> pa.NativeFile:
-        """The file for one sequential read, read ahead ``buffer_size`` bytes at a time.
+    def open_pinned(self) -> pa.NativeFile:
+        """``open_file``, and every read of it checked after its ranged GET (a HEAD on S3, comparing the
+        ETag the open saw; a stat elsewhere): an object overwritten or deleted while it is read raises
+        ``InputChangedError`` before the read's bytes are returned. For reading rows (IPC files, Parquet).
 
         Raises
         ------
-        FileNotFoundError, InputUnavailableError
-            As ``open_file``.
+        FileNotFoundError, InputChangedError, InputUnavailableError
+            As ``open_file``; ``InputChangedError`` and ``InputUnavailableError`` from any read too.
         """
+        raw, pin = self._opened()
+        return pa.PythonFile(_PinnedFile(self, raw, pin), mode="r")
+
+    def open_stream(self, buffer_size: int | None = None) -> pa.NativeFile:
+        """The file for one sequential read, read ahead ``buffer_size`` bytes at a time (None:
+        ``STREAM_BUFFER_BYTES``; a ranged GET of that size, then the check of ``open_pinned``).
+
+        Raises
+        ------
+        FileNotFoundError, InputChangedError, InputUnavailableError
+            As ``open_pinned``.
+        """
+        return pa.BufferedInputStream(self.open_pinned(), buffer_size or STREAM_BUFFER_BYTES)
+
+    def _opened(self) -> tuple[pa.NativeFile, tuple]:
+        """The file opened for random access and the version it is, checked against the listing."""
+        uri = str(self)
+        with _reaching(uri):
+            f = self.storage.open_input_file(self.name)
+        try:
+            pin = self._version(f)
+            size, mtime_ns, etag = pin
+            if size != self.size or (self._etag and etag != self._etag[0]) or (
+                    self.mtime_ns is not None and mtime_ns is not None
+                    and not _same_time(mtime_ns, self.mtime_ns, etag is not None)):
+                raise InputChangedError(uri, f"expected the object as the job listed it "
+                                             f"({_described(self.size, self.mtime_ns)}), got "
+                                             f"{_described(size, mtime_ns)}: {_CHANGED}")
+        except BaseException:
+            f.close()
+            raise
+        if etag is not None and not self._etag:
+            self._etag.append(etag)
+        return f, pin
+
+    def _version(self, f: pa.NativeFile | None = None) -> tuple:
+        """``(size, mtime_ns or None, etag or None)`` of the object now: from the open file ``f``'s
+        metadata (S3: the open's HEAD; no request), else a HEAD (S3) or a stat (elsewhere)."""
+        meta = {}
+        if f is not None:
+            meta = f.metadata() or {}
+        elif self.storage.fs.type_name == "s3":
+            with _reaching(str(self)), self.storage.open_input_file(self.name) as g:
+                meta = g.metadata() or {}
+        etag = meta.get("ETag")
+        if etag is not None:
+            stamp = meta.get("Last-Modified")
+            return (int(meta.get("Content-Length", b"-1")), _header_time_ns(stamp), bytes(etag))
         with _reaching(str(self)):
-            return self.storage.open_input_stream(self.name, buffer_size=buffer_size)
+            info = self.storage.info(self.name)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"{self}: no such file")
+        return int(info.size), info.mtime_ns, None
+
+
+_CHANGED = ("it was overwritten since the job listed it, or while it was read; the row split and the checkpoints' "
+            "positions hold for the version listed, and rows of two versions would mix in one epoch: write new "
+            "data under new names (a new directory) and start a job on it, or --resume this job to start its "
+            "epoch again on the new version")
+
+
+def _described(size: int, mtime_ns: int | None) -> str:
+    when = datetime.fromtimestamp(mtime_ns / 1e9).astimezone().isoformat(timespec="seconds") if mtime_ns else "?"
+    return f"{size} bytes, modified {when}"
+
+
+def _same_time(a: int, b: int, seconds: bool) -> bool:
+    """Whether two modification times are one (to the second when one came from an HTTP header)."""
+    return a // 10**9 == b // 10**9 if seconds else a == b
+
+
+def _header_time_ns(stamp) -> int | None:
+    """A ``Last-Modified`` value (``2026-12-01T01:43:18Z``, or RFC 1123) in nanoseconds, None if absent or
+    not understood."""
+    if not stamp:
+        return None
+    text = bytes(stamp).decode("ascii", "replace")
+    try:
+        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()) * 10**9
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+        try:
+            return int(parsedate_to_datetime(text).timestamp()) * 10**9
+        except (TypeError, ValueError):
+            return None
+
+
+class _PinnedFile:
+    """A Python file object (for ``pyarrow.PythonFile``) over a store's random-access file that, after
+    each read (a ranged GET), checks that the object is still the version ``pin`` the open saw (S3: the
+    ETag of a HEAD; elsewhere size and modification time of a stat), raising ``InputChangedError``
+    before the bytes are returned."""
+
+    def __init__(self, inp: RemoteInput, raw: pa.NativeFile, pin: tuple):
+        self.inp, self.raw, self.pin = inp, raw, pin
+
+    closed = property(lambda self: self.raw.closed)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.raw.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def size(self) -> int:
+        return self.raw.size()
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            data = self.raw.read() if n is None or n < 0 else self.raw.read(n)
+        except OSError:
+            self._check()       # a GET that failed for the object being gone or cut: named so
+            raise
+        if data:
+            self._check()
+        return data
+
+    def _check(self) -> None:
+        uri, began = str(self.inp), _described(self.pin[0], self.pin[1])
+        try:
+            now = self.inp._version()
+        except FileNotFoundError:
+            raise InputChangedError(uri, f"expected the object the read began on ({began}), got none: deleted "
+                                         f"while it was read; {_CHANGED}") from None
+        same = now[2] == self.pin[2] if self.pin[2] is not None else now[:2] == self.pin[:2]
+        if not same or now[0] != self.pin[0]:
+            raise InputChangedError(uri, f"expected the object the read began on ({began}), got another version "
+                                         f"({_described(now[0], now[1])}): {_CHANGED}")
+
+    def close(self) -> None:
+        self.raw.close()
 
 
 def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list[RemoteInput]:
@@ -153,10 +327,10 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
     if info.type == pafs.FileType.File:
         parent = Storage(storage.fs, posixpath.dirname(storage.root), uri=storage.uri.rsplit("/", 1)[0],
                          retry=storage.retry, retry_stats=storage.retry_stats)
-        return [RemoteInput(parent, info.base_name, int(info.size))]
+        return [RemoteInput(parent, info.base_name, int(info.size), info.mtime_ns)]
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"data path does not exist: {uri}")
-    found = [RemoteInput(storage, i.base_name, int(i.size)) for i in children
+    found = [RemoteInput(storage, i.base_name, int(i.size), i.mtime_ns) for i in children
              if i.type == pafs.FileType.File and not i.base_name.startswith(("_", "."))
              and i.base_name.endswith(_DATA_SUFFIXES)]
     if not found:

@@ -28,6 +28,7 @@ range's end (the record batches on the two ends of a range are read whole and sl
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -44,7 +45,7 @@ import pyarrow.parquet as pq
 
 from . import keys
 from .errors import DataFormatError, SchemaError
-from .inputs import RemoteInput, is_uri, list_remote
+from .inputs import InputChangedError, RemoteInput, is_uri, list_remote
 from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows, tail_has_eos
 
 __all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "count_rows", "list_files", "prefetch",
@@ -192,6 +193,8 @@ def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
                 return
             except IncompleteStreamError as exc:
                 raise _incomplete_error(name, src, exc) from exc
+            except InputChangedError as exc:    # a store's object overwritten: where the read stopped
+                raise InputChangedError(name, exc.reason, rows + 1, f"<record batch {batch}>") from exc
             except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
                 if not _unreadable(exc):
                     raise
@@ -212,7 +215,7 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
         yield from reader
         return
     if src.endswith(_PARQUET_SUFFIXES):
-        with _parquet(src) as pf:
+        with _parquet(src, pinned=True) as pf:
             opened.append(True)
             cols = [c for c in columns if c in pf.schema_arrow.names] if columns else None
             yield from pf.iter_batches(batch_size=65536, columns=cols)
@@ -220,10 +223,12 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
     with open_file(src) as f:
         if f.read(6) == b"ARROW1":
             f.seek(0)
-            ipc_file = pa.ipc.open_file(f)
-            opened.append(True)
-            for i in range(ipc_file.num_record_batches):
-                yield ipc_file.get_batch(i)
+            # a store's file: every ranged read checked to be of the version listed (streaming.inputs)
+            with src.open_pinned() if isinstance(src, RemoteInput) else contextlib.nullcontext(f) as g:
+                ipc_file = pa.ipc.open_file(g)
+                opened.append(True)
+                for i in range(ipc_file.num_record_batches):
+                    yield ipc_file.get_batch(i)
             return
         f.seek(0)
         if not isinstance(src, RemoteInput):
@@ -239,11 +244,12 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
         yield from reader
 
 
-def _parquet(src) -> pq.ParquetFile:
-    """A Parquet input opened (a ``RemoteInput`` with ``pre_buffer``: coalesced ranged reads); a context
-    manager that closes the file it opened."""
+def _parquet(src, pinned: bool = False) -> pq.ParquetFile:
+    """A Parquet input opened (a ``RemoteInput`` with ``pre_buffer``: coalesced ranged reads, each checked
+    to be of the version listed when ``pinned``: ``RemoteInput.open_pinned``); a context manager that
+    closes the file it opened."""
     if isinstance(src, RemoteInput):
-        f = src.open_file()
+        f = src.open_pinned() if pinned else src.open_file()
         try:
             pf = pq.ParquetFile(f, pre_buffer=True)
         except BaseException:
