@@ -36,6 +36,7 @@ restarts the job from its last checkpoint) takes over.
 from __future__ import annotations
 
 import posixpath
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -43,11 +44,12 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from hdfs_io import Storage, StorageOptions, StorageUnavailableError
+from hdfs_io import Storage, StorageOptions, StorageUnavailableError, described, permanent_failure
+from hdfs_io.retry import is_transient
 
 from .errors import DataFormatError
 
-__all__ = ["InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "is_uri",
+__all__ = ["InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "is_uri", "refused",
            "list_remote", "unread_names"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
@@ -59,9 +61,10 @@ _DATA_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather", ".parquet", ".pq")
 
 class InputUnavailableError(StorageUnavailableError):
     """A training input's store did not answer (a listing or an open, after ``hdfs_io.RetryPolicy``'s
-    retries): the message starts ``training input URI:``. Not bad data and not a checkpoint's storage:
-    nothing was read from the input, and the same job runs once the store answers. ``refused`` (a
-    permanent failure: access denied, read-only) is kept from the storage's error."""
+    retries; a read in the middle of a file, not retried), or refused the job: the message starts
+    ``training input URI:``. Not bad data and not a checkpoint's storage. ``refused`` (a permanent
+    failure: access denied, bad or expired credentials; ``refused()``) is set, to ``"EACCES"``, when no
+    restart with the same settings reads the input; else the same job runs once the store answers."""
 
 
 class InputChangedError(DataFormatError):
@@ -75,17 +78,49 @@ class InputChangedError(DataFormatError):
         super().__init__(uri, row, field, reason, unit="row")
 
 
-@contextmanager
-def _reaching(uri: str):
-    """Turn the storage's ``StorageUnavailableError`` into ``InputUnavailableError`` naming ``uri``."""
-    try:
-        yield
-    except InputUnavailableError:
-        raise
-    except StorageUnavailableError as exc:
+#: what S3 (through pyarrow, which gives no errno) says when it refuses the job's credentials or the object's
+#: policy: no retry and no restart with the same settings reads the object
+_REFUSED = re.compile(r"ACCESS_DENIED|AccessDenied|INVALID_ACCESS_KEY_ID|InvalidAccessKeyId|SIGNATURE_DOES_NOT_MATCH"
+                      r"|SignatureDoesNotMatch|EXPIRED_TOKEN|ExpiredToken|InvalidToken|HTTP status 403"
+                      r"|response code: 403")
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store refusing to let the job read (access denied, unknown or expired
+    credentials, a bad signature; ``PermissionError``/``EACCES``/``EPERM`` on a file system): permanent,
+    as ``hdfs_io.retry.is_transient`` already does not retry it."""
+    return isinstance(exc, PermissionError) or permanent_failure(exc) in ("EACCES", "EPERM") or bool(
+        isinstance(exc, OSError) and _REFUSED.search(str(exc)))
+
+
+def _input_error(uri: str, exc: OSError) -> OSError:
+    """``exc`` (a storage call's failure) as ``InputUnavailableError`` naming ``uri`` when the store refused
+    the job (``refused`` set: not mended by a restart) or did not answer; else ``exc`` itself."""
+    if isinstance(exc, InputUnavailableError):
+        return exc
+    if isinstance(exc, StorageUnavailableError):
         err = InputUnavailableError(f"training input {uri}: {exc}")
         if getattr(exc, "refused", None):
             err.refused = exc.refused
+        return err
+    if not isinstance(exc, FileNotFoundError) and refused(exc):
+        err = InputUnavailableError(f"training input {uri}: access refused ({described(exc)})")
+        err.refused = "EACCES"
+        return err
+    if is_transient(exc):       # a read in the middle of a file: not retried (the module docstring)
+        return InputUnavailableError(f"training input {uri}: {described(exc)}")
+    return exc
+
+
+@contextmanager
+def _reaching(uri: str):
+    """Turn a storage call's failure into ``InputUnavailableError`` naming ``uri`` (``_input_error``)."""
+    try:
+        yield
+    except OSError as exc:
+        err = _input_error(uri, exc)
+        if err is exc:
+            raise
         raise err from exc
 
 
@@ -275,9 +310,12 @@ class _PinnedFile:
     def read(self, n: int = -1) -> bytes:
         try:
             data = self.raw.read() if n is None or n < 0 else self.raw.read(n)
-        except OSError:
+        except OSError as exc:
             self._check()       # a GET that failed for the object being gone or cut: named so
-            raise
+            err = _input_error(str(self.inp), exc)
+            if err is exc:
+                raise
+            raise err from exc
         if data:
             self._check()
         return data

@@ -122,10 +122,12 @@ def _trained_epochs(metrics: Path, epochs: int) -> bool:
     return False
 
 
-def _moto(port: int, log: Path) -> subprocess.Popen:
-    """moto's S3 server as a process of its own (killed and started again by the outage test)."""
+def _moto(port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """moto's S3 server as a process of its own (killed and started again by the outage test; ``env``:
+    moto's settings, e.g. checking credentials)."""
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -135,6 +137,29 @@ def _moto(port: int, log: Path) -> subprocess.Popen:
             time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError(f"moto did not listen on {port} within 30 s: {log.read_text()[-2000:]}")
+
+
+def test_credentials_the_store_refuses_end_the_job_at_once_in_one_line_naming_the_uri(tmp_path):
+    """moto checking credentials (INITIAL_NO_AUTH_ACTION_COUNT=0) refuses the job's: S3's AccessDenied is
+    permanent. Before, the launcher ended in a traceback of pyarrow's OSError (exit 1, the code a restart
+    follows); now one line naming the input's URI and the refusal, exit 2 (not restarted), at once."""
+    port = _free_port()
+    moto = _moto(port, tmp_path / "moto.log", env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        t0 = time.monotonic()
+        res = subprocess.run(_cmd(f"127.0.0.1:{port}", "inputs/x", tmp_path, "mode=async"), cwd=REPO,
+                             capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+        took = time.monotonic() - t0
+    finally:
+        os.killpg(moto.pid, signal.SIGKILL)
+        moto.wait(10)
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("engine train: training input s3://inputs/x/train: access refused (") and \
+        "ACCESS_DENIED" in last and "no restart mends that" in last, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "retrying" not in res.stderr
+    assert took < 30
 
 
 @pytest.mark.long       # make test-long: ~90 s
