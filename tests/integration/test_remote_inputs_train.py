@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
@@ -38,9 +39,13 @@ def splits(tmp_path_factory):
     return d
 
 
+def _s3fs(endpoint: str) -> pafs.S3FileSystem:
+    return pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
+                             endpoint_override=endpoint, allow_bucket_creation=True)
+
+
 def _upload(splits: Path, endpoint: str, prefix: str) -> None:
-    fs = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
-                           endpoint_override=endpoint, allow_bucket_creation=True)
+    fs = _s3fs(endpoint)
     fs.create_dir(prefix.split("/")[0])
     for split in ("train", "test"):
         pafs.copy_files(str(splits / split), f"{prefix}/{split}", source_filesystem=pafs.LocalFileSystem(),
@@ -204,3 +209,41 @@ def test_a_store_lost_mid_training_and_back_loses_no_row_and_counts_none_twice(s
     assert "engine train: training input s3://outage/inputs/" in logs
     shows = _state(final["checkpoint"])[0][("embedding", "show")]
     assert float(shows.sum()) == 40 * _train_rows(splits) * SLOTS     # no row lost, none counted twice
+
+
+@pytest.mark.long       # make test-long: ~30 s
+def test_a_train_object_written_again_between_epochs_ends_the_job_naming_it(splits, moto_s3, s3_bucket, tmp_path):
+    """A daily pipeline writes a train file again, with other rows, while a job of many epochs reads the
+    prefix. Every worker split the rows by the counts taken when it started: before, the next epoch read
+    the new object with those counts (rows left out, others read twice), and the job ended with exit 0.
+    Now the object is refused at its next open, naming its URI: the job ends (exit 2), its checkpoints
+    kept for a --resume that restarts the epoch on the new files."""
+    prefix = f"{s3_bucket}/rewritten-{os.getpid()}"
+    _upload(splits, moto_s3.endpoint, prefix)
+    first = sorted(p.name for p in (splits / "train").glob("*.arrow"))[0]
+    cmd = _cmd(moto_s3.endpoint, prefix, tmp_path, "mode=async", "model.epochs=40", "checkpoint.delta_every=4steps",
+               "checkpoint.align_steps=4")
+    with open(tmp_path / "job.stdout", "w") as out, open(tmp_path / "job.stderr", "w") as err:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True,
+                               env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+    try:
+        deadline = time.monotonic() + 120
+        while not _trained_epochs(tmp_path / "metrics", 1) and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        assert _trained_epochs(tmp_path / "metrics", 1), (tmp_path / "job.stderr").read_text()[-3000:]
+        t = pa.ipc.open_stream((splits / "train" / first).read_bytes()).read_all()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, t.schema) as w:
+            w.write_table(t.slice(0, t.num_rows // 2), max_chunksize=256)
+        with _s3fs(moto_s3.endpoint).open_output_stream(f"{prefix}/train/{first}") as f:
+            f.write(sink.getvalue())
+        code = job.wait(300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)
+    err = (tmp_path / "job.stderr").read_text()
+    logs = err + "".join(p.read_text() for p in (tmp_path / "run").rglob("worker-*.log"))
+    assert code == 2, err[-3000:]
+    assert f"s3://{prefix}/train/{first}: row 1: field <record batch 0>: expected the object as the job listed it" \
+        in logs, logs[-3000:]
