@@ -336,10 +336,36 @@ class _PinnedFile:
         self.raw.close()
 
 
+def _listing(uri: str, storage_options) -> tuple[Storage, pafs.FileInfo, list | None]:
+    """``(storage at uri, its FileInfo, its children's FileInfo)``; children None when ``uri`` is read as
+    a file (one without a trailing ``/``), [] when nothing is there.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``uri`` ends in ``/`` but names a file with no directory of that name.
+    InputUnavailableError
+        As ``list_remote``.
+    """
+    with _reaching(uri):
+        storage = Storage.from_uri(uri, storage_options=storage_options)
+        info = storage.info()
+        if info.type == pafs.FileType.File and not uri.endswith("/"):
+            return storage, info, None
+        if info.type == pafs.FileType.NotFound:
+            return storage, info, []
+        try:
+            return storage, info, storage.children()
+        except (NotADirectoryError, FileNotFoundError):     # "file.arrow/": only the object is there
+            raise FileNotFoundError(f"data path is a file, not the directory its trailing slash names: {uri}") \
+                from None
+
+
 def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list[RemoteInput]:
     """The data files of ``uri`` (a file, or a directory read as a local one is: its direct children
     with a data suffix, ``.arrow .arrows .ipc .feather .parquet .pq``, not starting with ``_`` or ``.``,
-    sorted by name).
+    sorted by name). A URI ending in ``/`` names a directory, also where an object of that name without
+    the slash exists (S3 keeps ``train`` and ``train/part-0.arrow`` side by side).
 
     Parameters
     ----------
@@ -352,17 +378,15 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
     Raises
     ------
     FileNotFoundError
-        Nothing at ``uri``, or a directory without a data file (names the URI).
+        Nothing at ``uri``, a directory without a data file, or a file named with a trailing ``/``
+        (names the URI).
     ValueError
         An unsupported scheme.
     InputUnavailableError
         The store cannot be reached (after the retries), or its client library is missing.
     """
-    with _reaching(uri):
-        storage = Storage.from_uri(uri, storage_options=storage_options)
-        info = storage.info()
-        children = storage.children() if info.type == pafs.FileType.Directory else []
-    if info.type == pafs.FileType.File:
+    storage, info, children = _listing(uri, storage_options)
+    if children is None:
         parent = Storage(storage.fs, posixpath.dirname(storage.root), uri=storage.uri.rsplit("/", 1)[0],
                          retry=storage.retry, retry_stats=storage.retry_stats)
         return [RemoteInput(parent, info.base_name, int(info.size), info.mtime_ns)]
@@ -380,9 +404,7 @@ def unread_names(uri: str, storage_options: StorageOptions | None = None) -> lis
     """Names of the files directly in the directory ``uri`` that ``list_remote`` leaves unread for their
     names (no data suffix; ``_``/``.`` markers and temporary files excepted), sorted; [] for a file.
     Raises ``InputUnavailableError`` as ``list_remote``."""
-    with _reaching(uri):
-        storage = Storage.from_uri(uri, storage_options=storage_options)
-        children = storage.children() if storage.info().type == pafs.FileType.Directory else []
+    children = _listing(uri, storage_options)[2] or []
     return sorted(i.base_name for i in children if i.type == pafs.FileType.File
                   and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
 

@@ -219,3 +219,19 @@ def test_an_object_deleted_while_it_is_read_is_named_as_deleted(inputs, moto_s3,
         for i, _ in enumerate(read_batches(f)):
             if i == 0:
                 _s3(moto_s3).delete_file(key)
+
+
+def test_a_uri_ending_in_a_slash_names_the_directory_even_beside_an_object_of_its_name(inputs, moto_s3, s3_bucket,
+                                                                                       s3_storage_options):
+    """S3 keeps an object ``both`` and the objects under ``both/`` side by side. ``s3://.../both/`` read the
+    object ``both`` (the slash dropped) instead of the directory the user named."""
+    key = f"{s3_bucket}/remote-both/both"
+    _put(moto_s3, key, b"not the data")
+    _put(moto_s3, f"{key}/part-0.arrows", (inputs[0] / FILES[0]).read_bytes())
+    assert [str(f) for f in list_files(f"s3://{key}/", storage_options=s3_storage_options)] == \
+        [f"s3://{key}/part-0.arrows"]
+    assert [str(f) for f in list_files(f"s3://{key}", storage_options=s3_storage_options)] == [f"s3://{key}"]
+    with pytest.raises(ConfigError, match=rf"^model\.data\.test_path: data path is a file, not the directory its "
+                                          rf"trailing slash names: s3://{key}/part-0\.arrows/$"):
+        prepare_data(DataConfig(source="arrow", train_path=f"s3://{key}/", test_path=f"s3://{key}/part-0.arrows/"),
+                     SCHEMA, s3_storage_options)
