@@ -213,9 +213,12 @@ class RemoteInput:
         try:
             pin = self._version(f)
             size, mtime_ns, etag = pin
-            if size != self.size or (self._etag and etag != self._etag[0]) or (
-                    self.mtime_ns is not None and mtime_ns is not None
-                    and not _same_time(mtime_ns, self.mtime_ns, etag is not None)):
+            if self._etag and etag is not None:     # the content's tag: the same bytes copied again pass
+                changed = size != self.size or etag != self._etag[0]
+            else:
+                changed = size != self.size or (self.mtime_ns is not None and mtime_ns is not None
+                                                and not _same_time(mtime_ns, self.mtime_ns, etag is not None))
+            if changed:
                 raise InputChangedError(uri, f"expected the object as the job listed it "
                                              f"({_described(self.size, self.mtime_ns)}), got "
                                              f"{_described(size, mtime_ns)}: {_CHANGED}")
@@ -246,10 +249,11 @@ class RemoteInput:
         return int(info.size), info.mtime_ns, None
 
 
-_CHANGED = ("it was overwritten since the job listed it, or while it was read; the row split and the checkpoints' "
-            "positions hold for the version listed, and rows of two versions would mix in one epoch: write new "
-            "data under new names (a new directory) and start a job on it, or --resume this job to start its "
-            "epoch again on the new version")
+_CHANGED = ("it was written again since the job listed it, or while it was read; the row split and the "
+            "checkpoints' positions hold for the version listed, and reading on would mix rows of two versions "
+            "in one epoch: put that version back and resume, or resume from a checkpoint taken at an epoch's "
+            "start to read the new files (a --resume inside the epoch is refused, naming one); new data is best "
+            "written under new names, a new directory")
 
 
 def _described(size: int, mtime_ns: int | None) -> str:
