@@ -40,6 +40,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -48,6 +49,7 @@ from hdfs_io import Storage, StorageOptions, StorageUnavailableError, described,
 from hdfs_io.retry import is_transient
 
 from .errors import DataFormatError
+from .ipc_stream import CheckedStream, TrackedInput, tail_has_eos
 
 __all__ = ["InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "is_uri", "refused",
            "list_remote", "unread_names"]
@@ -412,3 +414,26 @@ def unread_names(uri: str, storage_options: StorageOptions | None = None) -> lis
     return sorted(i.base_name for i in children if i.type == pafs.FileType.File
                   and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
 
+
+def remote_batches(src: RemoteInput, opened: list) -> Iterator[pa.RecordBatch]:
+    """The record batches of an IPC file or stream on a store (``streaming.source.read_batches`` translates
+    its errors), every read checked to be of the version listed (``RemoteInput.open_pinned``): a stream's
+    tail tested first (then, when it lacks the end-of-stream marker, the stream scanned to raise where it
+    stops), then read through once. Appends to ``opened`` once the schema is read."""
+    with src.open_pinned() as f:
+        if f.read(6) == b"ARROW1":
+            f.seek(0)
+            ipc_file = pa.ipc.open_file(f)
+            opened.append(True)
+            for i in range(ipc_file.num_record_batches):
+                yield ipc_file.get_batch(i)
+            return
+        f.seek(0)
+        complete = tail_has_eos(f)
+    if not complete:
+        with src.open_file() as f:
+            CheckedStream(f)        # scans the stream now, raising where it stops: nothing of it is delivered
+    with src.open_stream() as raw:  # one sequential, read-ahead pass (streaming.inputs)
+        reader = CheckedStream(TrackedInput(raw))
+        opened.append(True)
+        yield from reader

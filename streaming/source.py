@@ -28,7 +28,6 @@ range's end (the record batches on the two ends of a range are read whole and sl
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -45,8 +44,8 @@ import pyarrow.parquet as pq
 
 from . import keys
 from .errors import DataFormatError, SchemaError
-from .inputs import InputChangedError, RemoteInput, is_uri, list_remote
-from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows, tail_has_eos
+from .inputs import InputChangedError, RemoteInput, is_uri, list_remote, remote_batches
+from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows
 
 __all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "count_rows", "list_files", "prefetch",
            "read_batches", "read_schema", "row_ranges"]
@@ -220,26 +219,19 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
             cols = [c for c in columns if c in pf.schema_arrow.names] if columns else None
             yield from pf.iter_batches(batch_size=65536, columns=cols)
         return
+    if isinstance(src, RemoteInput):
+        yield from remote_batches(src, opened)
+        return
     with open_file(src) as f:
         if f.read(6) == b"ARROW1":
             f.seek(0)
-            # a store's file: every ranged read checked to be of the version listed (streaming.inputs)
-            with src.open_pinned() if isinstance(src, RemoteInput) else contextlib.nullcontext(f) as g:
-                ipc_file = pa.ipc.open_file(g)
-                opened.append(True)
-                for i in range(ipc_file.num_record_batches):
-                    yield ipc_file.get_batch(i)
+            ipc_file = pa.ipc.open_file(f)
+            opened.append(True)
+            for i in range(ipc_file.num_record_batches):
+                yield ipc_file.get_batch(i)
             return
         f.seek(0)
-        if not isinstance(src, RemoteInput):
-            reader = CheckedStream(f)
-            opened.append(True)
-            yield from reader
-            return
-        if not tail_has_eos(f):
-            CheckedStream(f)        # scans the stream now, raising where it stops: nothing of it is delivered
-    with src.open_stream() as raw:  # one sequential, read-ahead pass (streaming.inputs)
-        reader = CheckedStream(TrackedInput(raw))
+        reader = CheckedStream(f)
         opened.append(True)
         yield from reader
 
