@@ -259,8 +259,11 @@ _CHANGED = ("it was written again since the job listed it, or while it was read;
 
 
 def _described(size: int, mtime_ns: int | None) -> str:
-    when = datetime.fromtimestamp(mtime_ns / 1e9).astimezone().isoformat(timespec="seconds") if mtime_ns else "?"
-    return f"{size} bytes, modified {when}"
+    """``"N bytes, modified ISO-TIME"``, the time to the microsecond where the store gives more than seconds."""
+    if mtime_ns is None:
+        return f"{size} bytes"
+    spec = "seconds" if mtime_ns % 10**9 == 0 else "microseconds"
+    return f"{size} bytes, modified {datetime.fromtimestamp(mtime_ns / 1e9).astimezone().isoformat(timespec=spec)}"
 
 
 def _same_time(a: int, b: int, seconds: bool) -> bool:
