@@ -19,19 +19,22 @@ row counts          Parquet's and IPC files' footers; an IPC stream's message he
                     (``ipc_stream.stream_rows``: one or two small ranged reads per record batch)
 ==================  =================================================================================
 
-One version of each file: a file is read as the job listed it (its size and modification time), and an
-IPC stream, IPC file or Parquet file read for its rows (``open_pinned``, ``open_stream``) is checked
-again after every ranged read (one HEAD on S3, comparing the ETag the open saw; a stat elsewhere):
-an object overwritten, cut, grown or deleted since the listing, or while it is read, raises
+One version of each file: a ``RemoteInput`` is read as listed (its size and modification time; on S3,
+once opened, the ETag its first open saw: the same bytes copied again pass), and an IPC stream, IPC
+file or Parquet file read for its rows (``open_pinned``, ``open_stream``, ``remote_batches``) is checked
+again after every ranged read (one HEAD on S3, comparing the ETag the open saw; a stat elsewhere): an
+object written again, cut, grown or deleted since the listing, or while it is read, raises
 ``InputChangedError`` (a ``DataFormatError``) naming the URI before a byte of the other version is
-delivered. S3 overwrites an object whole and in place, and ranged reads at the offsets of the old one
+delivered. A reader that keeps its ``RemoteInput`` objects (the CTR trainer lists its train files once)
+so reads every epoch the version its row counts were taken on. S3 overwrites an object whole and in place, and ranged reads at the offsets of the old one
 would otherwise return the new one's bytes: rows of two versions mixed in one epoch, silently when
 both have the same size (fixed-width columns, the same row count).
 
 Retries: listing and every open go through ``hdfs_io.Storage`` (``RetryPolicy``: a transient error is
-retried with backoff); a read that fails in the middle of a file is not, and propagates as an
-``OSError`` naming the input, as a failing local disk's does: the job's recovery rule (a lost worker
-restarts the job from its last checkpoint) takes over.
+retried with backoff); a read that fails in the middle of a file is not, and raises
+``InputUnavailableError`` naming the input: the job's recovery rule (a lost worker restarts the job from
+its last checkpoint) takes over. A store refusing the job (access denied, bad or expired credentials:
+``refused``) is never retried: ``InputUnavailableError`` with ``refused`` set, which no restart mends.
 """
 from __future__ import annotations
 
