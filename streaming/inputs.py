@@ -239,7 +239,10 @@ class RemoteInput:
         metadata (S3: the open's HEAD; no request), else a HEAD (S3) or a stat (elsewhere)."""
         meta = {}
         if f is not None:
-            meta = f.metadata() or {}
+            try:
+                meta = f.metadata() or {}
+            except (NotImplementedError, pa.ArrowNotImplementedError):     # a file system without metadata
+                meta = {}
         elif self.storage.fs.type_name == "s3":
             with _reaching(str(self)), self.storage.open_input_file(self.name) as g:
                 meta = g.metadata() or {}
