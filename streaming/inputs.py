@@ -26,9 +26,10 @@ again after every ranged read (one HEAD on S3, comparing the ETag the open saw; 
 object written again, cut, grown or deleted since the listing, or while it is read, raises
 ``InputChangedError`` (a ``DataFormatError``) naming the URI before a byte of the other version is
 delivered. A reader that keeps its ``RemoteInput`` objects (the CTR trainer lists its train files once)
-so reads every epoch the version its row counts were taken on. S3 overwrites an object whole and in place, and ranged reads at the offsets of the old one
-would otherwise return the new one's bytes: rows of two versions mixed in one epoch, silently when
-both have the same size (fixed-width columns, the same row count).
+so reads every epoch the version its row counts were taken on. S3 overwrites an object whole and in
+place, and ranged reads at the offsets of the old one would otherwise return the new one's bytes: rows
+of two versions mixed in one epoch, silently when both have the same size (fixed-width columns, the
+same row count).
 
 Retries: listing and every open go through ``hdfs_io.Storage`` (``RetryPolicy``: a transient error is
 retried with backoff); a read that fails in the middle of a file is not, and raises
@@ -268,8 +269,8 @@ def _described(size: int, mtime_ns: int | None) -> str:
     """``"N bytes, modified ISO-TIME"``, the time to the microsecond where the store gives more than seconds."""
     if mtime_ns is None:
         return f"{size} bytes"
-    spec = "seconds" if mtime_ns % 10**9 == 0 else "microseconds"
-    return f"{size} bytes, modified {datetime.fromtimestamp(mtime_ns / 1e9).astimezone().isoformat(timespec=spec)}"
+    when = datetime.fromtimestamp(mtime_ns / 1e9).astimezone()
+    return f"{size} bytes, modified {when.isoformat(timespec='seconds' if mtime_ns % 10**9 == 0 else 'microseconds')}"
 
 
 def _same_time(a: int, b: int, seconds: bool) -> bool:
