@@ -45,8 +45,8 @@ import pyarrow.parquet as pq
 
 from . import keys
 from .errors import DataFormatError, SchemaError
-from .inputs import RemoteInput, is_uri, list_remote
-from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows, tail_has_eos
+from .inputs import InputChangedError, RemoteInput, is_uri, list_remote, remote_batches
+from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows
 
 __all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "count_rows", "list_files", "prefetch",
            "read_batches", "read_schema", "row_ranges"]
@@ -193,6 +193,8 @@ def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
                 return
             except IncompleteStreamError as exc:
                 raise _incomplete_error(name, src, exc) from exc
+            except InputChangedError as exc:    # a store's object overwritten: where the read stopped
+                raise InputChangedError(name, exc.reason, rows + 1, f"<record batch {batch}>") from exc
             except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
                 if not _unreadable(exc):
                     raise
@@ -213,10 +215,13 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
         yield from reader
         return
     if src.endswith(_PARQUET_SUFFIXES):
-        with _parquet(src) as pf:
+        with _parquet(src, pinned=True) as pf:
             opened.append(True)
             cols = [c for c in columns if c in pf.schema_arrow.names] if columns else None
             yield from pf.iter_batches(batch_size=65536, columns=cols)
+        return
+    if isinstance(src, RemoteInput):
+        yield from remote_batches(src, opened)
         return
     with open_file(src) as f:
         if f.read(6) == b"ARROW1":
@@ -227,25 +232,18 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
                 yield ipc_file.get_batch(i)
             return
         f.seek(0)
-        if not isinstance(src, RemoteInput):
-            reader = CheckedStream(f)
-            opened.append(True)
-            yield from reader
-            return
-        if not tail_has_eos(f):
-            CheckedStream(f)        # scans the stream now, raising where it stops: nothing of it is delivered
-    with src.open_stream() as raw:  # one sequential, read-ahead pass (streaming.inputs)
-        reader = CheckedStream(TrackedInput(raw))
+        reader = CheckedStream(f)
         opened.append(True)
         yield from reader
 
 
 @contextlib.contextmanager
-def _parquet(src) -> Iterator[pq.ParquetFile]:
-    """A Parquet input opened (a ``RemoteInput`` with ``pre_buffer``: coalesced ranged reads), closed on
-    leaving the ``with`` block."""
+def _parquet(src, pinned: bool = False) -> Iterator[pq.ParquetFile]:
+    """A Parquet input opened (a ``RemoteInput`` with ``pre_buffer``: coalesced ranged reads, each checked
+    to be of the version listed when ``pinned``: ``RemoteInput.open_pinned``), closed on leaving the
+    ``with`` block."""
     if isinstance(src, RemoteInput):
-        with src.open_file() as f:
+        with (src.open_pinned() if pinned else src.open_file()) as f:
             yield pq.ParquetFile(f, pre_buffer=True)
         return
     with pq.ParquetFile(src) as pf:

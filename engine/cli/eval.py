@@ -189,6 +189,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from hdfs_io import StorageUnavailableError
+    from streaming.inputs import InputUnavailableError
 
     from ..config import load_config
     bad = _bad_input_errors()
@@ -202,6 +203,9 @@ def run(args) -> int:
         else:
             print(f"engine eval: model.kind must be word2vec, ctr_dnn or deepfm, got {kind!r}", file=sys.stderr)
             return 2
+    except InputUnavailableError as e:     # model.data.test_path's store (s3://, hdfs://), not the checkpoint's
+        print(f"engine eval: {e}", file=sys.stderr)
+        return 2 if getattr(e, "refused", None) else 1
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         print(f"engine eval: checkpoint storage unavailable: {e}", file=sys.stderr)
         return 1

@@ -270,6 +270,13 @@ def _run(args) -> int:
         print(f"engine train: cannot resume: {e}", file=sys.stderr)
         return 1
     except InputUnavailableError as e:  # model.data's store (s3://, hdfs://), not the checkpoints'
+        if getattr(e, "refused", None):  # access denied, bad or expired credentials: a restart meets it again
+            then = (f"run it again: {resume_command(args, resume=args.resume)}" if not args.role else
+                    "start the job's roles again")
+            print(f"engine train: {e}; no restart mends that, so the job ends here: once the storage section's "
+                  f"credentials (storage.access_key, secret_key, session_token, or the AWS_* environment) and the "
+                  f"bucket's policy let the job read its inputs, {then}", file=sys.stderr)
+            return 2
         then = (f"the job did not start; once the storage answers, run it again: "
                 f"{resume_command(args, resume=args.resume)}" if not args.role else
                 "this role stops; its launcher or scheduler restarts it from the newest checkpoint")

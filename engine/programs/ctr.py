@@ -84,6 +84,7 @@ import numpy as np
 import pyarrow as pa
 
 from models import ModelConfigError, build_model
+from streaming.source import list_files
 
 from .. import observability, progress
 from ..errors import ConfigError, TrainingDivergedError
@@ -250,6 +251,7 @@ class CTRTrainer(StepPipelines):
         self.examples = 0             # training examples of this process
         self.examples_before = 0      # this rank's examples before the restored position (train events)
         self.file_rows: list[int] | None = None   # rows of each train file (ctr_data.file_rows), in run()
+        self.train_files: list | None = None      # the train inputs as listed once, in run(): every epoch reads
         self.untrained = 0            # train rows a lockstep mode leaves out of every epoch (all workers)
         self.train_seconds = 0.0      # wall seconds of this process's finished training epochs
         self._clock_lock = threading.Lock()
@@ -498,7 +500,7 @@ class CTRTrainer(StepPipelines):
         every worker's shard holds; the aligned checkpoint points (``ctr_positions``) lie below it.
         """
         p = self.cfg
-        src = make_source(p.data.train_path, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
+        src = make_source(self.train_files, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
                           num_workers=self.num_workers, shuffle_buffer=p.shuffle_buffer, seed=p.seed,
                           prefetch=p.prefetch, file_rows=self.file_rows, storage_options=self.storage_options)
         if self.train_started_at is None:
@@ -604,13 +606,15 @@ class CTRTrainer(StepPipelines):
         self.mode.init_dense(p.dense_table, self.model.get_dense())
         self.evaluation.reset()
         reset_metrics(self.client, self.mode, p.metrics_table)
-        self.checkpoints = AlignedCheckpoints(self, files=files_fingerprint(p.data.train_path,
-                                                                            self.storage_options))
+        # listed once: every epoch reads these files, the versions counted and fingerprinted here (a store's
+        # object written again meanwhile is refused at its open, streaming.inputs, not read with these counts)
+        self.train_files = list_files(p.data.train_path, storage_options=self.storage_options)
+        self.checkpoints = AlignedCheckpoints(self, files=files_fingerprint(self.train_files))
         start, self.steps = self.checkpoints.restored()
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
         resumed = start.epoch > 0 or start.batch > 0
-        self.file_rows = file_rows(p.data.train_path, self.storage_options)   # every epoch's split of the rows
+        self.file_rows = file_rows(self.train_files)   # every epoch's split of the rows
         check_before_training(self)     # role mode: every worker checks its share; one verdict before any step
         sizes = shard_sizes(self.file_rows, self.num_workers)
         rows = min(sizes)

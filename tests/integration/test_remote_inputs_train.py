@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
@@ -38,9 +40,13 @@ def splits(tmp_path_factory):
     return d
 
 
+def _s3fs(endpoint: str) -> pafs.S3FileSystem:
+    return pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
+                             endpoint_override=endpoint, allow_bucket_creation=True)
+
+
 def _upload(splits: Path, endpoint: str, prefix: str) -> None:
-    fs = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
-                           endpoint_override=endpoint, allow_bucket_creation=True)
+    fs = _s3fs(endpoint)
     fs.create_dir(prefix.split("/")[0])
     for split in ("train", "test"):
         pafs.copy_files(str(splits / split), f"{prefix}/{split}", source_filesystem=pafs.LocalFileSystem(),
@@ -131,10 +137,12 @@ def _trained_epochs(metrics: Path, epochs: int) -> bool:
     return False
 
 
-def _moto(port: int, log: Path) -> subprocess.Popen:
-    """moto's S3 server as a process of its own (killed and started again by the outage test)."""
+def _moto(port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """moto's S3 server as a process of its own (killed and started again by the outage test; ``env``:
+    moto's settings, e.g. checking credentials)."""
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -144,6 +152,29 @@ def _moto(port: int, log: Path) -> subprocess.Popen:
             time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError(f"moto did not listen on {port} within 30 s: {log.read_text()[-2000:]}")
+
+
+def test_credentials_the_store_refuses_end_the_job_at_once_in_one_line_naming_the_uri(tmp_path):
+    """moto checking credentials (INITIAL_NO_AUTH_ACTION_COUNT=0) refuses the job's: S3's AccessDenied is
+    permanent. Before, the launcher ended in a traceback of pyarrow's OSError (exit 1, the code a restart
+    follows); now one line naming the input's URI and the refusal, exit 2 (not restarted), at once."""
+    port = _free_port()
+    moto = _moto(port, tmp_path / "moto.log", env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        t0 = time.monotonic()
+        res = subprocess.run(_cmd(f"127.0.0.1:{port}", "inputs/x", tmp_path, "mode=async"), cwd=REPO,
+                             capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+        took = time.monotonic() - t0
+    finally:
+        os.killpg(moto.pid, signal.SIGKILL)
+        moto.wait(10)
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("engine train: training input s3://inputs/x/train: access refused (") and \
+        "ACCESS_DENIED" in last and "no restart mends that" in last, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "retrying" not in res.stderr
+    assert took < 30
 
 
 @pytest.mark.long       # make test-long: ~90 s
@@ -188,3 +219,43 @@ def test_a_store_lost_mid_training_and_back_loses_no_row_and_counts_none_twice(s
     assert "engine train: training input s3://outage/inputs/" in logs
     shows = _state(final["checkpoint"])[0][("embedding", "show")]
     assert float(shows.sum()) == 40 * _train_rows(splits) * SLOTS     # no row lost, none counted twice
+
+
+@pytest.mark.long       # make test-long: ~30 s
+def test_a_train_object_written_again_between_epochs_ends_the_job_naming_it(splits, moto_s3, s3_bucket, tmp_path):
+    """A daily pipeline writes a train file again, with other rows, while a job of many epochs reads the
+    prefix. Every worker split the rows by the counts taken when it started: before, the next epoch read
+    the new object with those counts (rows left out, others read twice), and the job ended with exit 0.
+    Now the object is refused at its next open, naming its URI: the job ends (exit 2), its checkpoints
+    kept for a --resume that restarts the epoch on the new files."""
+    prefix = f"{s3_bucket}/rewritten-{os.getpid()}"
+    _upload(splits, moto_s3.endpoint, prefix)
+    first = sorted(p.name for p in (splits / "train").glob("*.arrow"))[0]
+    cmd = _cmd(moto_s3.endpoint, prefix, tmp_path, "mode=async", "model.epochs=40", "checkpoint.delta_every=4steps",
+               "checkpoint.align_steps=4")
+    with open(tmp_path / "job.stdout", "w") as out, open(tmp_path / "job.stderr", "w") as err:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True,
+                               env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+    try:
+        deadline = time.monotonic() + 120
+        while not _trained_epochs(tmp_path / "metrics", 1) and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        assert _trained_epochs(tmp_path / "metrics", 1), (tmp_path / "job.stderr").read_text()[-3000:]
+        t = pa.ipc.open_stream((splits / "train" / first).read_bytes()).read_all()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, t.schema) as w:
+            w.write_table(t.slice(0, t.num_rows // 2), max_chunksize=256)
+        with _s3fs(moto_s3.endpoint).open_output_stream(f"{prefix}/train/{first}") as f:
+            f.write(sink.getvalue())
+        code = job.wait(300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)
+    err = (tmp_path / "job.stderr").read_text()
+    logs = err + "".join(p.read_text() for p in (tmp_path / "run").rglob("worker-*.log"))
+    assert code == 2, err[-3000:]
+    # refused at the next open, or in the middle of a read the write overlapped: named either way
+    assert re.search(rf"engine train: bad input data: s3://{prefix}/train/{first}: row \d+: field <record batch "
+                     rf"\d+>: expected the object (as the job listed it|the read began on)", logs), logs[-3000:]
+    assert "Traceback" not in logs
