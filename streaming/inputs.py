@@ -57,8 +57,8 @@ from hdfs_io.retry import is_transient
 from .errors import DataFormatError
 from .ipc_stream import CheckedStream, TrackedInput, tail_has_eos
 
-__all__ = ["InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "fetch", "is_uri",
-           "refused", "list_remote", "unread_names"]
+__all__ = ["CHANGED", "InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "fetch",
+           "is_uri", "refused", "list_remote", "unread_names"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
 #: much (a record batch of 64k Criteo rows is ~11 MB; at 8 MiB a batch costs one or two requests)
@@ -229,7 +229,7 @@ class RemoteInput:
             if changed:
                 raise InputChangedError(uri, f"expected the object as the job listed it "
                                              f"({_described(self.size, self.mtime_ns)}), got "
-                                             f"{_described(size, mtime_ns)}: {_CHANGED}")
+                                             f"{_described(size, mtime_ns)}: {CHANGED}")
         except BaseException:
             f.close()
             raise
@@ -260,7 +260,8 @@ class RemoteInput:
         return int(info.size), info.mtime_ns, None
 
 
-_CHANGED = ("it was written again since the job listed it, or while it was read; the row split and the "
+#: what an input written again means for the job, and what to do (the end of ``InputChangedError``'s reason)
+CHANGED = ("it was written again since the job listed it, or while it was read; the row split and the "
             "checkpoints' positions hold for the version listed, and reading on would mix rows of two versions "
             "in one epoch: put that version back and resume, or resume from a checkpoint taken at an epoch's "
             "start to read the new files (a --resume inside the epoch is refused, naming one); new data is best "
@@ -344,11 +345,11 @@ class _PinnedFile:
             now = self.inp._version()
         except FileNotFoundError:
             raise InputChangedError(uri, f"expected the object the read began on ({began}), got none: deleted "
-                                         f"while it was read; {_CHANGED}") from None
+                                         f"while it was read; {CHANGED}") from None
         same = now[2] == self.pin[2] if self.pin[2] is not None else now[:2] == self.pin[:2]
         if not same or now[0] != self.pin[0]:
             raise InputChangedError(uri, f"expected the object the read began on ({began}), got another version "
-                                         f"({_described(now[0], now[1])}): {_CHANGED}")
+                                         f"({_described(now[0], now[1])}): {CHANGED}")
 
     def close(self) -> None:
         self.raw.close()

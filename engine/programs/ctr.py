@@ -92,8 +92,9 @@ from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
 from . import ctr_eval
-from .ctr_data import (CTRBatch, check_train_split, dedup_batch, expected_schema, file_rows, files_fingerprint,
-                       make_source, prepare_data, shard_sizes, to_batch, untrained_rows)
+from .ctr_data import (CTRBatch, check_train_split, check_unchanged, dedup_batch, expected_schema, file_rows,
+                       files_fingerprint, local_versions, make_source, prepare_data, shard_sizes, to_batch,
+                       untrained_rows)
 from .ctr_inputs import check_before_training
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
@@ -251,6 +252,8 @@ class CTRTrainer(StepPipelines):
         self.examples = 0             # training examples of this process
         self.examples_before = 0      # this rank's examples before the restored position (train events)
         self.file_rows: list[int] | None = None   # rows of each train file (ctr_data.file_rows), in run()
+        self.train_versions: list = []            # (size, mtime_ns, inode) of its local files as listed
+        self.train_fingerprint: list = []         # ctr_data.files_fingerprint of them as listed
         self.train_files: list | None = None      # the train inputs as listed once, in run(): every epoch reads
         self.untrained = 0            # train rows a lockstep mode leaves out of every epoch (all workers)
         self.train_seconds = 0.0      # wall seconds of this process's finished training epochs
@@ -500,6 +503,8 @@ class CTRTrainer(StepPipelines):
         every worker's shard holds; the aligned checkpoint points (``ctr_positions``) lie below it.
         """
         p = self.cfg
+        # a local file written again since it was listed is refused, as a store's is at its open
+        self.train_versions = check_unchanged(self.train_files, self.train_versions, self.train_fingerprint)
         src = make_source(self.train_files, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
                           num_workers=self.num_workers, shuffle_buffer=p.shuffle_buffer, seed=p.seed,
                           prefetch=p.prefetch, file_rows=self.file_rows, storage_options=self.storage_options)
@@ -609,7 +614,9 @@ class CTRTrainer(StepPipelines):
         # listed once: every epoch reads these files, the versions counted and fingerprinted here (a store's
         # object written again meanwhile is refused at its open, streaming.inputs, not read with these counts)
         self.train_files = list_files(p.data.train_path, storage_options=self.storage_options)
-        self.checkpoints = AlignedCheckpoints(self, files=files_fingerprint(self.train_files))
+        self.train_versions = local_versions(self.train_files)      # checked before every epoch
+        self.train_fingerprint = files_fingerprint(self.train_files)
+        self.checkpoints = AlignedCheckpoints(self, files=self.train_fingerprint)
         start, self.steps = self.checkpoints.restored()
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps

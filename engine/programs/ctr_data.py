@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
                               generate_criteo)
-from streaming.inputs import RemoteInput, fetch, is_uri, unread_names
+from streaming.inputs import CHANGED, InputChangedError, RemoteInput, fetch, is_uri, unread_names
 from streaming.source import (ArrowSource, check_inputs, count_rows, list_files, open_file, read_schema,
                               row_ranges)
 from streaming.values import dense_values, first, label_problem, list_values
@@ -306,6 +306,51 @@ def files_fingerprint(path: str, storage_options=None) -> list[list]:
             inner = zlib.crc32(part, inner)
         out.append([os.path.basename(str(f)), size, f"{crc:08x}", f"{inner:08x}"])
     return out
+
+
+def local_versions(files) -> list:
+    """``(size, mtime_ns, inode)`` of each local file of ``files`` (``list_files`` entries) now; None for a
+    store's (``streaming.inputs.RemoteInput`` checks its own version at every open and read)."""
+    out = []
+    for f in files:
+        if isinstance(f, str):
+            st = os.stat(f)
+            out.append((st.st_size, st.st_mtime_ns, st.st_ino))
+        else:
+            out.append(None)
+    return out
+
+
+def check_unchanged(files, versions: list, fingerprint: list[list]) -> list:
+    """Raise unless every local file of ``files`` is the one listed: ``versions`` (``local_versions`` when
+    listed) and ``fingerprint`` (``files_fingerprint`` then) -> the versions now. A file whose stat
+    changed but whose fingerprint did not (the same bytes copied again, ``touch``) is taken as the same.
+    Called before each epoch: the row split and the checkpoints' positions hold for the files as listed,
+    and a file written again between two epochs was read with the old row counts (rows left out or read
+    twice, silently), as a store's object was before ``streaming.inputs`` pinned its version.
+
+    Raises
+    ------
+    streaming.inputs.InputChangedError
+        A local file deleted, or written again with other content (names it, both versions).
+    """
+    now = []
+    for f, was, fp in zip(files, versions, fingerprint):
+        if was is None:
+            now.append(None)
+            continue
+        try:
+            st = os.stat(f)
+        except FileNotFoundError:
+            raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes), got none: "
+                                       f"deleted; {CHANGED}") from None
+        cur = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if cur != was and files_fingerprint(f)[0] != fp:
+            raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes, fingerprint "
+                                       f"{'/'.join(fp[2:])}), got {cur[0]} bytes, fingerprint "
+                                       f"{'/'.join(files_fingerprint(f)[0][2:])}: {CHANGED}")
+        now.append(cur)
+    return now
 
 
 def _fingerprint_ranges(size: int) -> list[tuple[int, int]]:

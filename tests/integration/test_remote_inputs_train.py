@@ -259,3 +259,42 @@ def test_a_train_object_written_again_between_epochs_ends_the_job_naming_it(spli
     assert re.search(rf"engine train: bad input data: s3://{prefix}/train/{first}: row \d+: field <record batch "
                      rf"\d+>: expected the object (as the job listed it|the read began on)", logs), logs[-3000:]
     assert "Traceback" not in logs
+
+
+@pytest.mark.slow       # ~5-10 s
+def test_a_local_train_file_written_again_between_epochs_ends_the_job_naming_it(splits, tmp_path):
+    """The same rule on a local directory: before, the next epoch read the new file with the row counts of
+    the old one (rows left out, others read twice) and the job ended with exit 0; now each epoch's start
+    checks the files' stat (a fingerprint settles a changed stat) and the job ends, exit 2, naming it."""
+    import shutil
+    train = tmp_path / "train"
+    shutil.copytree(splits / "train", train)
+    first = sorted(p.name for p in train.glob("*.arrow"))[0]
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
+           *[a for s in ("model.data.source=arrow", f"model.data.train_path={train}",
+                         f"model.data.test_path={splits / 'test'}", f"model.metrics_dir={tmp_path / 'metrics'}",
+                         f"checkpoint.root={tmp_path / 'ckpt'}", "model.hidden=[32]", "cluster.workers=2",
+                         "mode=async", "model.epochs=40") for a in ("--set", s)]]
+    with open(tmp_path / "job.stdout", "w") as out, open(tmp_path / "job.stderr", "w") as err:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _trained_epochs(tmp_path / "metrics", 1) and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        assert _trained_epochs(tmp_path / "metrics", 1), (tmp_path / "job.stderr").read_text()[-3000:]
+        t = pa.ipc.open_stream((train / first).read_bytes()).read_all()
+        tmp = train / f".{first}.tmp"
+        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_stream(f, t.schema) as w:
+            w.write_table(t.slice(0, t.num_rows // 2), max_chunksize=256)
+        os.replace(tmp, train / first)                  # written again as writers do: whole, then renamed
+        code = job.wait(300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)
+    err = (tmp_path / "job.stderr").read_text()
+    logs = err + "".join(p.read_text() for p in (tmp_path / "run").rglob("worker-*.log"))
+    assert code == 2, err[-3000:]
+    assert re.search(rf"engine train: bad input data: {train / first}: row 1: field <object version>: expected the "
+                     rf"file as the job listed it", logs), logs[-3000:]
+    assert "Traceback" not in logs

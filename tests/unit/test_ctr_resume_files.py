@@ -231,3 +231,24 @@ def test_the_same_files_under_another_path_keep_the_position(tmp_path, train, ca
                in r.getMessage() for r in caplog.records)
     _write(moved / "part-00000.arrow", 50, 3)
     assert _resume(tmp_path, moved, uri) == Position(0, 0)
+
+
+def test_a_local_file_written_again_or_deleted_after_it_was_listed_is_refused(train):
+    """Checked before every epoch (ctr.CTRTrainer.train_epoch): the row split holds for the files listed."""
+    from engine.programs.ctr_data import check_unchanged, local_versions
+    from streaming.inputs import InputChangedError
+    from streaming.source import list_files
+    files = list_files(str(train))
+    versions, fp = local_versions(files), files_fingerprint(str(train))
+    assert check_unchanged(files, versions, fp) == versions
+    shutil.copy(train / "part-00002.arrow", train / "copy.tmp")
+    (train / "copy.tmp").replace(train / "part-00002.arrow")          # the same bytes again: a new inode, taken
+    again = check_unchanged(files, versions, fp)
+    assert again[1] != versions[1] and again[0] == versions[0]
+    _write(train / "part-00002.arrow", 300, 3)                         # other rows, the same size
+    with pytest.raises(InputChangedError, match=rf"^{train / 'part-00002.arrow'}: row 1: field <object version>: "
+                                                rf"expected the file as the job listed it"):
+        check_unchanged(files, again, fp)
+    (train / "part-00002.arrow").unlink()
+    with pytest.raises(InputChangedError, match="got none: deleted"):
+        check_unchanged(files, again, fp)
