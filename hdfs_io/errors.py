@@ -37,6 +37,12 @@ PERMANENT_ERRNOS = frozenset(getattr(_errno, n) for n in ("EROFS", "EACCES", "EP
 #: how a message that crossed a process boundary (a server's reply) says so: ``[MARKER: EROFS]``
 PERMANENT_MARKER = "permanent storage failure"
 _MARKED = re.compile(re.escape(PERMANENT_MARKER) + r": (E[A-Z]+)")
+#: what S3 (through pyarrow, which gives no errno) says when it refuses the job's credentials or a policy
+#: refuses the request: no retry and no restart with the same settings mends it (``permanent_failure``
+#: names it ``EACCES``)
+S3_REFUSED = re.compile(r"ACCESS_DENIED|AccessDenied|INVALID_ACCESS_KEY_ID|InvalidAccessKeyId|SIGNATURE_DOES_NOT_MATCH"
+                        r"|SignatureDoesNotMatch|EXPIRED_TOKEN|ExpiredToken|InvalidToken|HTTP status 403"
+                        r"|response code: 403")
 
 
 class StorageError(OSError):
@@ -89,8 +95,10 @@ class NotPublishedError(StorageError, FileNotFoundError):
 def permanent_failure(exc: BaseException) -> str | None:
     """The errno name (``"EROFS"``, ``"EACCES"``, ``"EPERM"``, ``"ENOSPC"``, ``"EDQUOT"``) when ``exc``, or an
     exception it was raised from (``__cause__`` / ``__context__``, at most 8 deep), is an ``OSError`` with
-    one of ``PERMANENT_ERRNOS`` or a message marked ``[PERMANENT_MARKER: NAME]``; else None (a network
-    failure, a missing file, anything a later attempt may not meet again).
+    one of ``PERMANENT_ERRNOS`` or a message marked ``[PERMANENT_MARKER: NAME]``; ``"EACCES"`` for an
+    ``OSError`` in which S3 refuses the credentials or the request (``S3_REFUSED``: AccessDenied, an
+    unknown or expired key, a bad signature; pyarrow gives those no errno); else None (a network failure,
+    a missing file, anything a later attempt may not meet again).
 
     >>> permanent_failure(OSError(30, "Read-only file system"))
     'EROFS'
@@ -98,6 +106,8 @@ def permanent_failure(exc: BaseException) -> str | None:
     'ENOSPC'
     >>> permanent_failure(ConnectionRefusedError(111, "refused")) is None
     True
+    >>> permanent_failure(OSError("AWS Error ACCESS_DENIED during HeadObject operation"))
+    'EACCES'
     """
     seen: BaseException | None = exc
     for _ in range(8):
@@ -109,6 +119,8 @@ def permanent_failure(exc: BaseException) -> str | None:
         m = _MARKED.search(str(seen))
         if m is not None:
             return m.group(1)
+        if isinstance(seen, OSError) and S3_REFUSED.search(str(seen)):
+            return "EACCES"
         seen = seen.__cause__ or seen.__context__
     return None
 

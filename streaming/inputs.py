@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -86,19 +85,11 @@ class InputChangedError(DataFormatError):
         super().__init__(uri, row, field, reason, unit="row")
 
 
-#: what S3 (through pyarrow, which gives no errno) says when it refuses the job's credentials or the object's
-#: policy: no retry and no restart with the same settings reads the object
-_REFUSED = re.compile(r"ACCESS_DENIED|AccessDenied|INVALID_ACCESS_KEY_ID|InvalidAccessKeyId|SIGNATURE_DOES_NOT_MATCH"
-                      r"|SignatureDoesNotMatch|EXPIRED_TOKEN|ExpiredToken|InvalidToken|HTTP status 403"
-                      r"|response code: 403")
-
-
 def refused(exc: BaseException) -> bool:
     """Whether ``exc`` is a store refusing to let the job read (access denied, unknown or expired
-    credentials, a bad signature; ``PermissionError``/``EACCES``/``EPERM`` on a file system): permanent,
-    as ``hdfs_io.retry.is_transient`` already does not retry it."""
-    return isinstance(exc, PermissionError) or permanent_failure(exc) in ("EACCES", "EPERM") or bool(
-        isinstance(exc, OSError) and _REFUSED.search(str(exc)))
+    credentials, a bad signature: ``hdfs_io.errors.S3_REFUSED``; ``PermissionError``/``EACCES``/``EPERM`` on
+    a file system): permanent, as ``hdfs_io.retry.is_transient`` already does not retry it."""
+    return isinstance(exc, PermissionError) or permanent_failure(exc) in ("EACCES", "EPERM")
 
 
 def _input_error(uri: str, exc: OSError) -> OSError:
