@@ -95,7 +95,7 @@ from . import ctr_eval
 from .ctr_data import (CTRBatch, check_train_split, check_unchanged, dedup_batch, expected_schema, file_rows,
                        files_fingerprint, local_versions, make_source, prepare_data, shard_sizes, to_batch,
                        untrained_rows)
-from .ctr_inputs import check_before_training
+from .ctr_inputs import agree_on_files, check_before_training
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
 from .ctr_steps import StepPipelines
@@ -622,6 +622,7 @@ class CTRTrainer(StepPipelines):
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
         resumed = start.epoch > 0 or start.batch > 0
         self.file_rows = file_rows(self.train_files)   # every epoch's split of the rows
+        agree_on_files(self)            # every worker split the rows by the same listing
         check_before_training(self)     # role mode: every worker checks its share; one verdict before any step
         sizes = shard_sizes(self.file_rows, self.num_workers)
         rows = min(sizes)

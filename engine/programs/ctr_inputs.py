@@ -40,6 +40,7 @@ any process started.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ import numpy as np
 import pyarrow as pa
 
 from streaming.errors import DataFormatError, SchemaError
+from streaming.inputs import InputChangedError
 from streaming.source import ArrowSource, list_files
 
 from .. import progress
@@ -62,6 +64,8 @@ SUFFIX = ".input-check"
 CHECK_BATCH_ROWS = 1 << 16
 #: the longest description (bytes of JSON) a worker publishes; a longer reason is cut
 MAX_DESCRIPTION_BYTES = 8192
+#: the accumulator of the workers' digests of their train listings: ``model.metrics_table`` + this
+FILES_SUFFIX = ".input-files"
 #: the splits, in the order the launcher checks them
 SPLITS = ("train", "test")
 
@@ -160,6 +164,51 @@ def check_before_training(trainer) -> None:
         log.error("worker %d: worker %d found bad input data before training (%d worker(s) found some): %s; "
                   "nothing was trained", rank, by, len(finders), first)
     raise first
+
+
+def agree_on_files(trainer) -> None:
+    """Every worker lists the train files itself when it starts (``CTRTrainer.run``), and splits the rows
+    by the counts of its own listing: a file added, removed or written between two workers' listings (a
+    pipeline still writing the directory) gave them other splits, rows to two workers or to none,
+    silently. Each worker puts a digest of its listing (``ctr_data.files_fingerprint``: names, sizes,
+    CRCs) at its index of ``{metrics_table}.input-files`` (``int64[W]``), and after the barrier
+    ``input-files`` every worker compares them. Accumulators go with the servers' generation, as
+    ``check_before_training``'s do. One worker: nothing to agree on.
+
+    ``trainer``: an ``engine.programs.ctr.CTRTrainer`` (``cfg``, ``rank``, ``num_workers``, ``client``,
+    ``mode``, ``train_fingerprint`` set).
+
+    Raises
+    ------
+    streaming.inputs.InputChangedError
+        On every worker, when the listings differ: names ``model.data.train_path`` and the workers whose
+        listing differs from worker 0's; nothing was trained (exit 2, not restarted into a directory
+        still being written).
+    engine.errors.BarrierTimeoutError
+        A worker did not arrive within ``client.barrier_timeout_s``.
+    """
+    workers, rank = trainer.num_workers, trainer.rank
+    if workers == 1:
+        return
+    name = trainer.cfg.metrics_table + FILES_SUFFIX
+    raw = hashlib.sha256(json.dumps(trainer.train_fingerprint).encode()).digest()
+    digests = np.zeros(workers, np.int64)
+    digests[rank] = int.from_bytes(raw[:7], "little") + 1           # never 0: an index nobody wrote
+    trainer.client.add_metric(name, digests, np.zeros(0, np.float64))
+    trainer.mode.barrier("input-files")
+    seen = trainer.client.read_metric(name)[0]
+    other = [w for w in range(workers) if seen[w] != seen[0]]
+    if not other:
+        return
+    path = trainer.cfg.data.train_path
+    raise InputChangedError(path, f"expected every worker to list the same train files, got {len(other)} of "
+                                  f"{workers} workers (worker{'s' * (len(other) > 1)} "
+                                  f"{', '.join(map(str, other))}) listing other files than worker 0 "
+                                  f"({len(trainer.train_fingerprint)} files here, on worker {rank}): files were "
+                                  f"added, removed or written while the job started, and each worker would split "
+                                  f"the rows by its own counts (rows to two workers or to none); nothing was "
+                                  f"trained. Start the job again once {path} holds its final files (new data is "
+                                  f"best written under new names, in a new directory)", field="<listing>")
 
 
 def data_files(data, storage_options=None) -> tuple[list, list]:

@@ -197,3 +197,36 @@ def test_clean_inputs_pass_and_a_launchers_child_does_not_check(criteo, tmp_path
     t = SimpleNamespace(storage_options=None, cfg=SimpleNamespace(metrics_table="metrics", data=data),
                         schema=SCHEMA, rank=0, num_workers=1, client=None, mode=None, file_rows=file_rows(data.train_path))
     ctr_inputs.check_before_training(t)         # its launcher's prepare checked the inputs: nothing read
+
+
+@pytest.mark.parametrize("differ", [None, 2])
+def test_workers_whose_listings_differ_all_refuse_before_any_step(differ):
+    """Each worker lists the train files itself when it starts: a file added or written between two
+    workers' listings split the rows by other counts on each, silently. The digests of the listings
+    meet at a barrier; a mismatch ends every worker with the same kind of error, naming the workers."""
+    servers, out = _Servers(WORKERS), {}
+    fp = [["part-0.arrow", 100, "0000abcd", "00000000"], ["part-1.arrow", 50, "1234abcd", "00000000"]]
+
+    def run(w):
+        mine = fp + [["part-2.arrow", 7, "ffffffff", "00000000"]] if w == differ else fp
+        t = SimpleNamespace(cfg=SimpleNamespace(metrics_table="metrics", data=SimpleNamespace(train_path="/d/train")),
+                            rank=w, num_workers=WORKERS, client=servers, train_fingerprint=mine,
+                            mode=SimpleNamespace(barrier=lambda name: servers.barrier.wait()))
+        try:
+            ctr_inputs.agree_on_files(t)
+            out[w] = None
+        except Exception as e:      # noqa: BLE001 - what each worker ends with
+            out[w] = e
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(WORKERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(out) == list(range(WORKERS))
+    if differ is None:
+        assert all(e is None for e in out.values())
+        return
+    from streaming.inputs import InputChangedError
+    assert all(isinstance(e, InputChangedError) for e in out.values()), out
+    assert str(out[0]).startswith("/d/train: row 1: field <listing>: expected every worker to list the same train "
+                                  "files, got 1 of 3 workers (worker 2) listing other files than worker 0")
