@@ -16,7 +16,7 @@ IPC stream          one sequential read through a ``STREAM_BUFFER_BYTES`` buffer
 IPC file            random access: the footer, then each record batch's own range
 Parquet             random access with ``pre_buffer`` (pyarrow coalesces a row group's column ranges)
 row counts          Parquet's and IPC files' footers; an IPC stream's message headers
-                    (``ipc_stream.stream_rows``: one or two small ranged reads per record batch)
+                    (``ipc_stream.stream_rows``: one ranged read of up to 16 KiB per message)
 ==================  =================================================================================
 
 One version of each file: a ``RemoteInput`` is read as listed (its size and modification time; on S3,
