@@ -442,6 +442,7 @@ def remote_batches(src: RemoteInput, opened: list) -> Iterator[pa.RecordBatch]:
         opened.append(True)
         yield from reader
 
+
 def fetch(uri: str, dest, storage_options: StorageOptions | None = None) -> str:
     """Copy the file at ``uri`` (a Criteo text file on a store, say) to the local path ``dest`` unless
     ``dest`` already holds it, and return ``dest``. What was copied is recorded beside it
