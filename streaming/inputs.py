@@ -54,7 +54,7 @@ from hdfs_io import Storage, StorageOptions, StorageUnavailableError, described,
 from hdfs_io.retry import is_transient
 
 from .errors import DataFormatError
-from .ipc_stream import CheckedStream, TrackedInput, tail_has_eos
+from .ipc_stream import CheckedStream, TrackedInput, ipc_file_batches, tail_has_eos
 
 __all__ = ["CHANGED", "InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "fetch",
            "is_uri", "refused", "list_remote", "unread_names"]
@@ -425,14 +425,10 @@ def remote_batches(src: RemoteInput, opened: list) -> Iterator[pa.RecordBatch]:
     tail tested first (then, when it lacks the end-of-stream marker, the stream scanned to raise where it
     stops), then read through once. Appends to ``opened`` once the schema is read."""
     with src.open_pinned() as f:
-        if f.read(6) == b"ARROW1":
-            f.seek(0)
-            ipc_file = pa.ipc.open_file(f)
-            opened.append(True)
-            for i in range(ipc_file.num_record_batches):
-                yield ipc_file.get_batch(i)
+        batches = ipc_file_batches(f, opened)
+        if batches is not None:
+            yield from batches
             return
-        f.seek(0)
         complete = tail_has_eos(f)
     if not complete:
         with src.open_file() as f:

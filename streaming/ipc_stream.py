@@ -26,7 +26,7 @@ from typing import Iterator
 import pyarrow as pa
 
 __all__ = ["IPC_EOS", "LEGACY_IPC_EOS", "CheckedStream", "IncompleteStreamError", "TrackedInput",
-           "stream_rows", "tail_has_eos"]
+           "ipc_file_batches", "stream_rows", "tail_has_eos"]
 
 #: end-of-stream marker of the IPC stream format (continuation token, then metadata length 0)
 IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
@@ -82,6 +82,27 @@ def tail_has_eos(f) -> bool:
     tail = f.read_at(min(8, n), size - min(8, n))
     f.seek(start)           # an OSFile refuses an implicitly positioned read after read_at until a seek
     return tail[-4:] == LEGACY_IPC_EOS if legacy else tail == IPC_EOS
+
+
+def ipc_file_batches(f, opened: list) -> Iterator[pa.RecordBatch] | None:
+    """The record batches of ``f`` when it is an Arrow IPC *file* (its first 6 bytes ``ARROW1``), read
+    from its footer on demand; None, with ``f`` back at 0, when it is not (a stream: ``CheckedStream``).
+    Appends to ``opened`` once the footer is read.
+
+    Parameters
+    ----------
+    f : pyarrow.NativeFile
+        Seekable, at offset 0.
+    opened : list
+        ``streaming.source.read_batches``' record of whether the input's schema was read.
+    """
+    magic = f.read(6)
+    f.seek(0)
+    if magic != b"ARROW1":
+        return None
+    ipc_file = pa.ipc.open_file(f)
+    opened.append(True)
+    return (ipc_file.get_batch(i) for i in range(ipc_file.num_record_batches))
 
 
 def stream_rows(path) -> int | None:

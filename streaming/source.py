@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 from . import keys
 from .errors import DataFormatError, SchemaError
 from .inputs import InputChangedError, RemoteInput, is_uri, list_remote, remote_batches
-from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, stream_rows
+from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, ipc_file_batches, stream_rows
 
 __all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "count_rows", "list_files", "prefetch",
            "read_batches", "read_schema", "row_ranges"]
@@ -224,14 +224,10 @@ def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:
         yield from remote_batches(src, opened)
         return
     with open_file(src) as f:
-        if f.read(6) == b"ARROW1":
-            f.seek(0)
-            ipc_file = pa.ipc.open_file(f)
-            opened.append(True)
-            for i in range(ipc_file.num_record_batches):
-                yield ipc_file.get_batch(i)
+        batches = ipc_file_batches(f, opened)
+        if batches is not None:
+            yield from batches
             return
-        f.seek(0)
         reader = CheckedStream(f)
         opened.append(True)
         yield from reader

@@ -97,8 +97,8 @@ def eval_source(path: str, schema: pa.Schema, column: str, *, batch_size: int, p
     """The whole test split ``path`` with the columns ``schema`` names (``eval_schema`` when grouping by
     ``column``), raw string slots hashed and every value checked (``eval_check``); ``storage_options``
     reach a URI ``path``'s store."""
-    return ArrowSource(list_files(path, storage_options=storage_options), batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
-                       prefetch=prefetch, check=eval_check(column))
+    return ArrowSource(list_files(path, storage_options=storage_options), batch_size=batch_size, schema=schema,
+                       string_slots=string_slots(schema), prefetch=prefetch, check=eval_check(column))
 
 
 def check_test_split(data, schema: pa.Schema, storage_options=None) -> int:

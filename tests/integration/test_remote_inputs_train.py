@@ -233,28 +233,12 @@ def test_a_train_object_written_again_between_epochs_ends_the_job_naming_it(spli
     first = sorted(p.name for p in (splits / "train").glob("*.arrow"))[0]
     cmd = _cmd(moto_s3.endpoint, prefix, tmp_path, "mode=async", "model.epochs=40", "checkpoint.delta_every=4steps",
                "checkpoint.align_steps=4")
-    with open(tmp_path / "job.stdout", "w") as out, open(tmp_path / "job.stderr", "w") as err:
-        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True,
-                               env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
-    try:
-        deadline = time.monotonic() + 120
-        while not _trained_epochs(tmp_path / "metrics", 1) and time.monotonic() < deadline and job.poll() is None:
-            time.sleep(0.2)
-        assert _trained_epochs(tmp_path / "metrics", 1), (tmp_path / "job.stderr").read_text()[-3000:]
-        t = pa.ipc.open_stream((splits / "train" / first).read_bytes()).read_all()
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, t.schema) as w:
-            w.write_table(t.slice(0, t.num_rows // 2), max_chunksize=256)
+
+    def rewrite(data: bytes) -> None:
         with _s3fs(moto_s3.endpoint).open_output_stream(f"{prefix}/train/{first}") as f:
-            f.write(sink.getvalue())
-        code = job.wait(300)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(10)
-    err = (tmp_path / "job.stderr").read_text()
-    logs = err + "".join(p.read_text() for p in (tmp_path / "run").rglob("worker-*.log"))
-    assert code == 2, err[-3000:]
+            f.write(data)
+    logs = _rewritten_after_epoch_1(cmd, tmp_path, splits / "train" / first, rewrite,
+                                    env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
     # refused at the next open, or in the middle of a read the write overlapped: named either way
     assert re.search(rf"engine train: bad input data: s3://{prefix}/train/{first}: row \d+: field <record batch "
                      rf"\d+>: expected the object (as the job listed it|the read began on)", logs), logs[-3000:]
@@ -275,18 +259,32 @@ def test_a_local_train_file_written_again_between_epochs_ends_the_job_naming_it(
                          f"model.data.test_path={splits / 'test'}", f"model.metrics_dir={tmp_path / 'metrics'}",
                          f"checkpoint.root={tmp_path / 'ckpt'}", "model.hidden=[32]", "cluster.workers=2",
                          "mode=async", "model.epochs=40") for a in ("--set", s)]]
+
+    def rewrite(data: bytes) -> None:               # written again as writers do: whole, then renamed
+        (train / f".{first}.tmp").write_bytes(data)
+        os.replace(train / f".{first}.tmp", train / first)
+    logs = _rewritten_after_epoch_1(cmd, tmp_path, train / first, rewrite)
+    assert re.search(rf"engine train: bad input data: {train / first}: row 1: field <object version>: expected the "
+                     rf"file as the job listed it", logs), logs[-3000:]
+    assert "Traceback" not in logs
+
+
+def _rewritten_after_epoch_1(cmd: list[str], tmp_path: Path, path: Path, rewrite, env=None) -> str:
+    """Run ``cmd`` (a 40-epoch job) until a worker is past epoch 1, then ``rewrite(bytes)`` the train file
+    whose local copy is ``path`` with its first half of rows; assert the job exited 2 without a traceback
+    -> its launcher's and workers' logs."""
     with open(tmp_path / "job.stdout", "w") as out, open(tmp_path / "job.stderr", "w") as err:
-        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 120
         while not _trained_epochs(tmp_path / "metrics", 1) and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.2)
         assert _trained_epochs(tmp_path / "metrics", 1), (tmp_path / "job.stderr").read_text()[-3000:]
-        t = pa.ipc.open_stream((train / first).read_bytes()).read_all()
-        tmp = train / f".{first}.tmp"
-        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_stream(f, t.schema) as w:
+        t = pa.ipc.open_stream(path.read_bytes()).read_all()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, t.schema) as w:
             w.write_table(t.slice(0, t.num_rows // 2), max_chunksize=256)
-        os.replace(tmp, train / first)                  # written again as writers do: whole, then renamed
+        rewrite(sink.getvalue().to_pybytes())
         code = job.wait(300)
     finally:
         if job.poll() is None:
@@ -295,6 +293,5 @@ def test_a_local_train_file_written_again_between_epochs_ends_the_job_naming_it(
     err = (tmp_path / "job.stderr").read_text()
     logs = err + "".join(p.read_text() for p in (tmp_path / "run").rglob("worker-*.log"))
     assert code == 2, err[-3000:]
-    assert re.search(rf"engine train: bad input data: {train / first}: row 1: field <object version>: expected the "
-                     rf"file as the job listed it", logs), logs[-3000:]
     assert "Traceback" not in logs
+    return logs
