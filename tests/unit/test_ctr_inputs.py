@@ -149,18 +149,14 @@ class _Servers:
             return self.acc.get(name, (np.zeros(0, np.int64), np.zeros(0, np.float64)))
 
 
-def _verdicts(data, monkeypatch) -> tuple[dict, dict]:
-    """check_before_training on WORKERS threads -> ({rank: None or the error it raised}, the accumulators)."""
-    monkeypatch.delenv("ENGINE_PARENT_PID", raising=False)
+def _on_workers(check, trainer) -> tuple[dict, dict]:
+    """``check(trainer(w, servers))`` on WORKERS threads sharing one stand-in of the servers -> ({rank: None
+    or the error it raised}, the accumulators)."""
     servers, out = _Servers(WORKERS), {}
-    rows = file_rows(data.train_path)
 
     def run(w):
-        t = SimpleNamespace(storage_options=None, cfg=SimpleNamespace(metrics_table="metrics", data=data),
-                            schema=SCHEMA, rank=w, num_workers=WORKERS, client=servers, file_rows=rows,
-                            mode=SimpleNamespace(barrier=lambda name: servers.barrier.wait()))
         try:
-            ctr_inputs.check_before_training(t)
+            check(trainer(w, servers))
             out[w] = None
         except Exception as e:      # noqa: BLE001 - what each worker ends with
             out[w] = e
@@ -170,6 +166,16 @@ def _verdicts(data, monkeypatch) -> tuple[dict, dict]:
     for t in threads:
         t.join(60)
     return out, servers.acc
+
+
+def _verdicts(data, monkeypatch) -> tuple[dict, dict]:
+    """check_before_training on WORKERS threads -> ({rank: None or the error it raised}, the accumulators)."""
+    monkeypatch.delenv("ENGINE_PARENT_PID", raising=False)
+    rows = file_rows(data.train_path)
+    return _on_workers(ctr_inputs.check_before_training, lambda w, servers: SimpleNamespace(
+        storage_options=None, cfg=SimpleNamespace(metrics_table="metrics", data=data), schema=SCHEMA, rank=w,
+        num_workers=WORKERS, client=servers, file_rows=rows,
+        mode=SimpleNamespace(barrier=lambda name: servers.barrier.wait())))
 
 
 def test_every_worker_ends_with_the_first_bad_value_in_reading_order(criteo, tmp_path, monkeypatch):
@@ -204,24 +210,12 @@ def test_workers_whose_listings_differ_all_refuse_before_any_step(differ):
     """Each worker lists the train files itself when it starts: a file added or written between two
     workers' listings split the rows by other counts on each, silently. The digests of the listings
     meet at a barrier; a mismatch ends every worker with the same kind of error, naming the workers."""
-    servers, out = _Servers(WORKERS), {}
     fp = [["part-0.arrow", 100, "0000abcd", "00000000"], ["part-1.arrow", 50, "1234abcd", "00000000"]]
-
-    def run(w):
-        mine = fp + [["part-2.arrow", 7, "ffffffff", "00000000"]] if w == differ else fp
-        t = SimpleNamespace(cfg=SimpleNamespace(metrics_table="metrics", data=SimpleNamespace(train_path="/d/train")),
-                            rank=w, num_workers=WORKERS, client=servers, train_fingerprint=mine,
-                            mode=SimpleNamespace(barrier=lambda name: servers.barrier.wait()))
-        try:
-            ctr_inputs.agree_on_files(t)
-            out[w] = None
-        except Exception as e:      # noqa: BLE001 - what each worker ends with
-            out[w] = e
-    threads = [threading.Thread(target=run, args=(w,)) for w in range(WORKERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out, _ = _on_workers(ctr_inputs.agree_on_files, lambda w, servers: SimpleNamespace(
+        cfg=SimpleNamespace(metrics_table="metrics", data=SimpleNamespace(train_path="/d/train")), rank=w,
+        num_workers=WORKERS, client=servers,
+        train_fingerprint=fp + [["part-2.arrow", 7, "ffffffff", "00000000"]] if w == differ else fp,
+        mode=SimpleNamespace(barrier=lambda name: servers.barrier.wait())))
     assert sorted(out) == list(range(WORKERS))
     if differ is None:
         assert all(e is None for e in out.values())
