@@ -14,13 +14,14 @@ SIGTERM (to the launcher or to any role) is a preemption (``engine.preempt``): t
 at its next meeting, within ``cluster.preempt_timeout_s``, and stops; ``--resume`` continues from there.
 
 Exit codes: 0 success, 2 bad config, arguments or input data (in role mode every CTR worker, when any
-worker's check of its share of the inputs before the first step found a bad value), 1 the job failed (more
-failures than ``cluster.max_restarts`` allows, every one listed), a checkpoint could not be restored or the
-checkpoint storage stayed unreachable through its retries (one line each, no traceback), 74 the checkpoint
-storage refuses writes for good (read-only, access refused, full: no restart mends it; one resumable line),
-75 preempted (resumable: ``engine train CONFIG --resume``), 76 (a ``--role worker`` whose servers restarted,
-restored or were fenced under it, or that lost one, or one of which did not answer in time: restart it), 130
-interrupted.
+worker's check of its share of the inputs before the first step found a bad value; a training input's
+store refusing the credentials), 1 the job failed (more failures than ``cluster.max_restarts`` allows,
+every one listed), a checkpoint could not be restored, or the checkpoint storage or a training input's
+store (``model.data`` by URI: ``training input URI: ...``) stayed unreachable through its retries (one
+line each, no traceback), 74 the checkpoint storage refuses writes for good (read-only, access refused,
+full: no restart mends it; one resumable line), 75 preempted (resumable: ``engine train CONFIG
+--resume``), 76 (a ``--role worker`` whose servers restarted, restored or were fenced under it, or that
+lost one, or one of which did not answer in time: restart it), 130 interrupted.
 """
 from __future__ import annotations
 
