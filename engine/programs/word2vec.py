@@ -129,8 +129,12 @@ def check_tables(cfg) -> None:
         raise ConfigError("mode must be geo or async for word2vec (its kernel updates rows in place), got sync")
 
 
-def prepare_data(p: Config) -> Config:
-    """Resolve the paths to absolute ones and convert ``corpus`` into ``arrow_dir`` when needed.
+def prepare_data(p: Config, storage_options=None) -> Config:
+    """Resolve the paths to absolute ones and convert ``corpus`` into ``arrow_dir`` when needed. A corpus
+    named by URI (``s3://bucket/corpus.txt.gz``, ``hdfs://...``) is copied first, with
+    ``storage_options`` (the config's ``storage`` section), beside ``arrow_dir``
+    (``streaming.inputs.fetch``: again only when the object's size or modification time changed), and
+    converted as a local file is.
 
     Raises
     ------
@@ -143,7 +147,7 @@ def prepare_data(p: Config) -> Config:
     """
     from streaming.text import ConvertError, EmptyVocabularyError, convert_text, text_arrow_is_current
     arrow = os.path.abspath(p.arrow_dir)
-    corpus = os.path.abspath(p.corpus) if p.corpus else ""
+    corpus = _local_corpus(p.corpus, arrow, storage_options) if p.corpus else ""
     max_vocab = p.max_vocab or None
     if corpus:
         if not os.path.isfile(corpus):
@@ -190,6 +194,21 @@ def check_eval_files(p: Config) -> None:
                               f"to the directory holding them, or model.eval_after_train: false")
 
 
+def _local_corpus(corpus: str, arrow: str, storage_options) -> str:
+    """The local path of ``model.corpus``: itself made absolute, or for a URI its copy in
+    ``{arrow}.download/`` under the URI's last name, fetched unless current; a URI with
+    nothing there is returned as it is (``prepare_data`` then names it as not found)."""
+    from streaming.inputs import fetch, is_uri
+    if not is_uri(corpus):
+        return os.path.abspath(corpus)
+    d = arrow.rstrip("/") + ".download"
+    os.makedirs(d, exist_ok=True)
+    try:
+        return fetch(corpus, os.path.join(d, corpus.rstrip("/").rsplit("/", 1)[-1]), storage_options)
+    except FileNotFoundError:
+        return corpus
+
+
 def check_corpus_files(arrow_dir: str) -> None:
     """Every corpus part of the conversion in ``arrow_dir`` is there, readable, ends with its end-of-stream
     marker and has the corpus columns (``check_corpus_schema``), before any process starts; reads each
@@ -230,7 +249,7 @@ def prepare(cfg):
     check_tables(cfg)
     p: Config = cfg.model.params
     params_of(p)
-    p = prepare_data(p)
+    p = prepare_data(p, cfg.storage.options())
     check_corpus_files(p.arrow_dir)
     check_eval_files(p)
     metrics_file = p.metrics_file or os.path.abspath(

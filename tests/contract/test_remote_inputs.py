@@ -278,3 +278,28 @@ def test_a_criteo_file_on_s3_is_copied_once_converted_and_copied_again_when_it_c
     with pytest.raises(ConfigError, match=rf"^model\.data\.criteo_path: file not found: s3://{s3_bucket}/criteo-text/"
                                           rf"nope\.txt$"):
         prepare_data(missing, SCHEMA, s3_storage_options)
+
+
+def test_a_word2vec_corpus_on_s3_is_copied_beside_its_arrow_dir_and_converted(moto_s3, s3_bucket, s3_storage_options,
+                                                                               tmp_path):
+    """``model.corpus`` by URI was taken for a local path (abspath of 's3:/...': 'not found'); it is copied
+    beside ``model.arrow_dir`` and converted as a local corpus, the same vocabulary."""
+    import dataclasses
+
+    from engine.config import load_config
+    from engine.programs.word2vec import corpus_meta
+    from engine.programs.word2vec import prepare_data as w2v_prepare
+    text = "\n".join(" ".join(f"w{(i * 7 + j) % 40}" for j in range(30)) for i in range(200)) + "\n"
+    (tmp_path / "corpus.txt").write_text(text)
+    key = f"{s3_bucket}/w2v/corpus.txt"
+    _put(moto_s3, key, text.encode())
+    from pathlib import Path
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "word2vec.yaml", ["model.min_count=1"])
+    remote = dataclasses.replace(cfg.model.params, corpus=f"s3://{key}", arrow_dir=str(tmp_path / "remote"))
+    local = dataclasses.replace(cfg.model.params, corpus=str(tmp_path / "corpus.txt"),
+                                arrow_dir=str(tmp_path / "local"))
+    got, want = w2v_prepare(remote, s3_storage_options), w2v_prepare(local)
+    assert got.corpus == str(tmp_path / "remote.download" / "corpus.txt")
+    assert (tmp_path / "remote.download" / "corpus.txt").read_text() == text
+    a, b = corpus_meta(got.arrow_dir), corpus_meta(want.arrow_dir)
+    assert a["vocab_size"] == b["vocab_size"] == 40 and a["total_tokens"] == b["total_tokens"] == 6000
