@@ -41,8 +41,8 @@ _MARKED = re.compile(re.escape(PERMANENT_MARKER) + r": (E[A-Z]+)")
 #: refuses the request: no retry and no restart with the same settings mends it (``permanent_failure``
 #: names it ``EACCES``)
 S3_REFUSED = re.compile(r"ACCESS_DENIED|AccessDenied|INVALID_ACCESS_KEY_ID|InvalidAccessKeyId|SIGNATURE_DOES_NOT_MATCH"
-                        r"|SignatureDoesNotMatch|EXPIRED_TOKEN|ExpiredToken|InvalidToken|HTTP status 403"
-                        r"|response code: 403")
+                        r"|SignatureDoesNotMatch|EXPIRED_TOKEN|ExpiredToken|InvalidToken")
+# (not a bare HTTP 403: S3's RequestTimeTooSkewed is a 403 too, and a restart after the clock is set mends it)
 
 
 class StorageError(OSError):
@@ -108,6 +108,8 @@ def permanent_failure(exc: BaseException) -> str | None:
     True
     >>> permanent_failure(OSError("AWS Error ACCESS_DENIED during HeadObject operation"))
     'EACCES'
+    >>> permanent_failure(OSError("HTTP status 403: RequestTimeTooSkewed")) is None    # a clock set mends it
+    True
     """
     seen: BaseException | None = exc
     for _ in range(8):

@@ -57,7 +57,7 @@ from .errors import DataFormatError
 from .ipc_stream import CheckedStream, TrackedInput, ipc_file_batches, tail_has_eos
 
 __all__ = ["CHANGED", "InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "fetch",
-           "is_uri", "refused", "list_remote", "unread_names"]
+           "input_error", "is_uri", "refused", "list_remote", "unread_names"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
 #: much (a record batch of 64k Criteo rows is ~11 MB; at 8 MiB a batch costs one or two requests)
@@ -92,7 +92,7 @@ def refused(exc: BaseException) -> bool:
     return isinstance(exc, PermissionError) or permanent_failure(exc) in ("EACCES", "EPERM")
 
 
-def _input_error(uri: str, exc: OSError) -> OSError:
+def input_error(uri: str, exc: OSError) -> OSError:
     """``exc`` (a storage call's failure) as ``InputUnavailableError`` naming ``uri`` when the store refused
     the job (``refused`` set: not mended by a restart) or did not answer; else ``exc`` itself."""
     if isinstance(exc, InputUnavailableError):
@@ -113,11 +113,11 @@ def _input_error(uri: str, exc: OSError) -> OSError:
 
 @contextmanager
 def _reaching(uri: str):
-    """Turn a storage call's failure into ``InputUnavailableError`` naming ``uri`` (``_input_error``)."""
+    """Turn a storage call's failure into ``InputUnavailableError`` naming ``uri`` (``input_error``)."""
     try:
         yield
     except OSError as exc:
-        err = _input_error(uri, exc)
+        err = input_error(uri, exc)
         if err is exc:
             raise
         raise err from exc
@@ -171,12 +171,11 @@ class RemoteInput:
 
         Raises
         ------
-        FileNotFoundError
-            The file is gone (named by its URI).
         InputChangedError
-            Its size or modification time is not the listing's (overwritten since).
+            Deleted since the listing, or another version: its size, modification time or (once known)
+            ETag is not the listing's (named by its URI).
         InputUnavailableError
-            The store did not answer (after ``hdfs_io.RetryPolicy``'s retries).
+            The store did not answer (after ``hdfs_io.RetryPolicy``'s retries), or refused the job.
         """
         return self._opened()[0]
 
@@ -207,8 +206,13 @@ class RemoteInput:
     def _opened(self) -> tuple[pa.NativeFile, tuple]:
         """The file opened for random access and the version it is, checked against the listing."""
         uri = str(self)
-        with _reaching(uri):
-            f = self.storage.open_input_file(self.name)
+        try:
+            with _reaching(uri):
+                f = self.storage.open_input_file(self.name)
+        except FileNotFoundError:       # listed, then gone: the same change as one written again
+            raise InputChangedError(uri, f"expected the object as the job listed it "
+                                         f"({_described(self.size, self.mtime_ns)}), got none: deleted; "
+                                         f"{CHANGED}") from None
         try:
             pin = self._version(f)
             size, mtime_ns, etag = pin
@@ -322,7 +326,7 @@ class _PinnedFile:
             data = self.raw.read() if n is None or n < 0 else self.raw.read(n)
         except OSError as exc:
             self._check()       # a GET that failed for the object being gone or cut: named so
-            err = _input_error(str(self.inp), exc)
+            err = input_error(str(self.inp), exc)
             if err is exc:
                 raise
             raise err from exc

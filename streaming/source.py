@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 
 from . import keys
 from .errors import DataFormatError, SchemaError
-from .inputs import InputChangedError, RemoteInput, is_uri, list_remote, remote_batches
+from .inputs import InputChangedError, RemoteInput, input_error, is_uri, list_remote, remote_batches
 from .ipc_stream import CheckedStream, IncompleteStreamError, TrackedInput, ipc_file_batches, stream_rows
 
 __all__ = ["ArrowSource", "SourcePosition", "check_inputs", "check_schema", "count_rows", "list_files", "prefetch",
@@ -197,7 +197,7 @@ def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
                 raise InputChangedError(name, exc.reason, rows + 1, f"<record batch {batch}>") from exc
             except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
                 if not _unreadable(exc):
-                    raise
+                    _reraise(src, exc)
                 raise _format_error(name, src, parquet, bool(opened), batch, rows, exc) from exc
             yield rb
             batch, rows = batch + 1, rows + rb.num_rows
@@ -279,7 +279,7 @@ def read_schema(path, *, check_end: bool = False) -> pa.Schema:
         raise _incomplete_error(_name(path), path, exc) from exc
     except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
         if not _unreadable(exc):
-            raise
+            _reraise(path, exc)
         raise _format_error(_name(path), path, parquet, False, 0, 0, exc) from exc
 
 
@@ -308,7 +308,7 @@ def count_rows(path) -> int:
             rows = stream_rows(f)            # the messages' metadata; the bodies are skipped
     except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
         if not _unreadable(exc):
-            raise
+            _reraise(path, exc)
         raise _format_error(_name(path), path, parquet, False, 0, 0, exc) from exc
     return rows if rows is not None else sum(rb.num_rows for rb in read_batches(path))
 
@@ -410,9 +410,20 @@ def _unreadable(exc: BaseException) -> bool:
     if isinstance(exc, (pa.ArrowInvalid, pa.ArrowNotImplementedError)):
         return True
     if type(exc) is OSError and exc.errno is None:
+        from hdfs_io import permanent_failure
         from hdfs_io.retry import is_transient
-        return not is_transient(exc)
+        return not is_transient(exc) and permanent_failure(exc) is None   # a store's refusal is no bad byte
     return False
+
+
+def _reraise(src, exc: BaseException):
+    """Raise ``exc``, a failure of the medium while reading ``src``: for a store's input as
+    ``streaming.inputs.input_error`` gives it (a refusal or a store that does not answer:
+    ``InputUnavailableError`` naming the URI)."""
+    err = input_error(str(src), exc) if isinstance(src, RemoteInput) and isinstance(exc, OSError) else exc
+    if err is exc:
+        raise exc
+    raise err from exc
 
 
 def _format_error(name: str, src, parquet: bool, opened: bool, batch: int, rows: int,

@@ -616,13 +616,14 @@ class CTRTrainer(StepPipelines):
         self.train_files = list_files(p.data.train_path, storage_options=self.storage_options)
         self.train_versions = local_versions(self.train_files)      # checked before every epoch
         self.train_fingerprint = files_fingerprint(self.train_files)
+        agree_on_files(self)            # every worker splits the rows by the same listing (before a restore
+        #                                 can refuse one worker's listing and leave the others at a barrier)
         self.checkpoints = AlignedCheckpoints(self, files=self.train_fingerprint)
         start, self.steps = self.checkpoints.restored()
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
         resumed = start.epoch > 0 or start.batch > 0
         self.file_rows = file_rows(self.train_files)   # every epoch's split of the rows
-        agree_on_files(self)            # every worker split the rows by the same listing
         check_before_training(self)     # role mode: every worker checks its share; one verdict before any step
         sizes = shard_sizes(self.file_rows, self.num_workers)
         rows = min(sizes)

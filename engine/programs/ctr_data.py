@@ -170,17 +170,18 @@ def string_slots(schema: pa.Schema) -> dict[str, int]:
     return {name: SLOT_IDS[name] for name in schema.names if name in SLOT_IDS}
 
 
-def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num_workers: int,
+def make_source(path, *, batch_size: int, schema: pa.Schema, rank: int, num_workers: int,
                 shuffle_buffer: int = 0, seed: int = 0, prefetch: int = 4, file_rows=None,
                 storage_options=None) -> ArrowSource:
-    """This worker's shard of ``path``. With ``file_rows`` (``file_rows(path)``: the rows of each input,
-    as the train split is read) a balanced split of the rows: worker ``w`` reads rows ``[N*w // W,
-    N*(w+1) // W)`` of the inputs in reading order (``streaming.source.row_ranges``), ``N // W`` or
-    ``N // W + 1`` rows whatever the files' sizes and record batches, and opens only the files of its
-    range. Without them (the test split: nothing is counted) whole files when there are at least as
-    many files as workers, else every ``num_workers``-th record batch. Slot columns may hold uint64 keys
-    or raw strings (hashed: ``string_slots``); values are checked (``check_values``) when ``schema`` has
-    a label. ``storage_options`` (``hdfs_io.StorageOptions``) reach a URI ``path``'s store."""
+    """This worker's shard of ``path`` (a path, a URI, or the inputs as ``list_files`` listed them). With
+    ``file_rows`` (``file_rows(path)``: the rows of each input, as the train split is read) a balanced split of
+    the rows: worker ``w`` reads rows ``[N*w // W, N*(w+1) // W)`` of the inputs in reading order
+    (``streaming.source.row_ranges``), ``N // W`` or ``N // W + 1`` rows whatever the files' sizes and record
+    batches, and opens only the files of its range. Without them (the test split: nothing is counted) whole
+    files when there are at least as many files as workers, else every ``num_workers``-th record batch. Slot
+    columns may hold uint64 keys or raw strings (hashed: ``string_slots``); values are checked
+    (``check_values``) when ``schema`` has a label. ``storage_options`` (``hdfs_io.StorageOptions``) reach a URI
+    ``path``'s store."""
     files = list_files(path, storage_options=storage_options)
     shard_by = "rows" if file_rows is not None else "files" if len(files) >= num_workers else "batches"
     return ArrowSource(files, batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
@@ -190,7 +191,7 @@ def make_source(path: str, *, batch_size: int, schema: pa.Schema, rank: int, num
                        check=check_values if "label" in schema.names else None)
 
 
-def file_rows(path: str, storage_options=None) -> list[int]:
+def file_rows(path, storage_options=None) -> list[int]:
     """Rows of each input of ``path`` (``list_files`` order): ``int[F]``, from metadata: Parquet's and IPC
     files' footers, IPC streams' message headers (``streaming.source.count_rows``).
 
@@ -267,13 +268,13 @@ SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 1 << 12
 FINGERPRINT_REQUESTS = 16
 
 
-def files_fingerprint(path: str, storage_options=None) -> list[list]:
-    """What a data position depends on in the inputs of ``path`` (a file or directory, read as
-    ``make_source`` reads it): ``[[name, size, crc, inner], ...]`` in reading order, ``name`` relative
-    to the directory (the file name for a file), ``size`` in bytes, ``crc`` the CRC-32 (8 hex digits)
-    of the file's first and last ``FINGERPRINT_BYTES`` bytes (the whole file when smaller), ``inner``
-    the CRC-32 of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` bytes spread evenly between the two
-    ends (the whole middle when it is no larger; "00000000" when there is none).
+def files_fingerprint(path, storage_options=None) -> list[list]:
+    """What a data position depends on in the inputs of ``path`` (a file or directory, a URI, or the inputs as
+    ``list_files`` listed them; read as ``make_source`` reads it): ``[[name, size, crc, inner], ...]`` in
+    reading order, ``name`` relative to the directory (the file name for a file), ``size`` in bytes, ``crc`` the
+    CRC-32 (8 hex digits) of the file's first and last ``FINGERPRINT_BYTES`` bytes (the whole file when
+    smaller), ``inner`` the CRC-32 of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` bytes spread evenly between
+    the two ends (the whole middle when it is no larger; "00000000" when there is none).
 
     Names and sizes find added, removed, renamed, grown and cut files; the CRC of both ends a rewrite of
     the same size (a re-conversion of other rows in fixed-width columns: other first rows, another last

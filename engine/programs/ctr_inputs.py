@@ -17,7 +17,9 @@ before its first step)::
                batches, w::W; the values evaluation reads, group ids included)
                a bad value (DataFormatError / SchemaError): its description goes to the accumulator
                {metrics_table}.input-check.{w} on the servers, and a 1 to index w of
-               {metrics_table}.input-check (int64[W]); a clean shard adds 0 there (and its row counts)
+               {metrics_table}.input-check (int64[W]); a clean shard adds 0 there (and its row counts);
+               a check failing for another reason (the store, a missing group column) a 2, and that
+               worker raises its error after the barrier, its peers a LaunchError naming it
                barrier input-check                       nobody steps before every worker has checked
                read {metrics_table}.input-check: any 1 -> read those workers' descriptions and raise the
                first bad value in reading order (train before test, then file, then row), the one the
@@ -53,6 +55,7 @@ from streaming.inputs import InputChangedError
 from streaming.source import ArrowSource, list_files
 
 from .. import progress
+from ..errors import LaunchError
 from . import ctr_eval
 from .ctr_data import make_source, string_slots
 
@@ -77,7 +80,7 @@ def launched() -> bool:
 
 
 def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file_rows,
-                storage_options=None) -> tuple[int, int]:
+                storage_options=None, train_files=None) -> tuple[int, int]:
     """Read worker ``rank``'s share of the inputs and check every value, as the launcher's checks do for
     all of them -> (train rows, test rows) read.
 
@@ -86,7 +89,8 @@ def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file
     with fewer files than workers, record batches) ``rank::num_workers``, every value evaluation reads
     (``ctr_eval.eval_check``: with ``data.group_column``, null group ids too). Rows named in an error
     are rows of the file (1-based), whatever the share. ``storage_options`` reach URI inputs' store
-    (``streaming.inputs``).
+    (``streaming.inputs``). ``train_files``: the train inputs as the trainer listed them (``list_files``:
+    the listing its row counts, fingerprint and pinned versions come from); None lists ``data.train_path``.
 
     Raises
     ------
@@ -95,7 +99,8 @@ def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file
     engine.errors.ConfigError
         The grouping column is missing from the test split or of a bad type (``ctr_eval.eval_schema``).
     """
-    train = make_source(data.train_path, batch_size=CHECK_BATCH_ROWS, schema=schema, rank=rank,
+    train = make_source(data.train_path if train_files is None else train_files, batch_size=CHECK_BATCH_ROWS,
+                        schema=schema, rank=rank,
                         num_workers=num_workers, prefetch=0, file_rows=train_file_rows,
                         storage_options=storage_options)
     train_rows = 0
@@ -130,6 +135,12 @@ def check_before_training(trainer) -> None:
     streaming.errors.DataFormatError, streaming.errors.SchemaError
         On every worker, when any worker found a bad value: the first in reading order (train split
         before test split, then file, then row), with the launcher's message (file, row, column).
+    Exception
+        The worker's own check failing for another reason (a store that does not answer,
+        ``streaming.inputs.InputUnavailableError``; a missing group column, ``ConfigError``): raised
+        after the barrier, so its peers do not wait for it.
+    engine.errors.LaunchError
+        On the peers of such a worker (none found bad data): names it (exit 1, a restart).
     engine.errors.BarrierTimeoutError
         A worker did not reach the verdict within ``client.barrier_timeout_s`` (it died while checking).
     """
@@ -137,21 +148,39 @@ def check_before_training(trainer) -> None:
         return
     p, rank, workers = trainer.cfg, trainer.rank, trainer.num_workers
     client, name = trainer.client, p.metrics_table + SUFFIX
-    found, rows = None, (0, 0)
+    found, failed, rows = None, None, (0, 0)
+    train_files = getattr(trainer, "train_files", None)
     try:
-        rows = check_shard(p.data, trainer.schema, rank, workers, trainer.file_rows, trainer.storage_options)
+        rows = check_shard(p.data, trainer.schema, rank, workers, trainer.file_rows, trainer.storage_options,
+                           train_files=train_files)
     except (DataFormatError, SchemaError) as e:
         found = e
         log.error("worker %d: bad input data in its share of the inputs: %s; every worker ends with it once "
                   "every worker has checked (nothing is trained)", rank, e)
-        client.add_metric(f"{name}.{rank}", encode(e, data_files(p.data, trainer.storage_options)),
-                          np.zeros(0, np.float64))
+        try:
+            files = data_files(p.data, trainer.storage_options, train_files)
+        except Exception:  # noqa: BLE001 - the test split's listing failed: the error still goes out, ordered last
+            files = ([], [])
+        client.add_metric(f"{name}.{rank}", encode(e, files), np.zeros(0, np.float64))
+    except Exception as e:  # noqa: BLE001 - not bad data: raised after the barrier, its peers told of it
+        failed = e
+        log.error("worker %d: the check of its share of the inputs failed (not bad data): %s: %s", rank,
+                  type(e).__name__, e)
     flags = np.zeros(workers, np.int64)
-    flags[rank] = found is not None
+    flags[rank] = 1 if found is not None else 2 if failed is not None else 0
     client.add_metric(name, flags, np.array(rows, np.float64))
     trainer.mode.barrier("input-check")         # every worker's verdict is in
     flags, sums = client.read_metric(name)
-    finders = [int(w) for w in np.flatnonzero(flags)]
+    finders = [int(w) for w in np.flatnonzero(flags == 1)]
+    broken = [int(w) for w in np.flatnonzero(flags == 2)]
+    if failed is not None and not finders:
+        raise failed
+    if broken and not finders:
+        raise LaunchError(f"worker{'s' * (len(broken) > 1)} {', '.join(map(str, broken))}: the check of "
+                          f"{'their' if len(broken) > 1 else 'its'} share of the inputs failed before training "
+                          f"(not bad data: {'their logs name' if len(broken) > 1 else 'its log names'} why); "
+                          f"this worker stops too, nothing was trained", role="worker", rank=broken[0],
+                          exit_code=1)
     if not finders:
         if rank == 0:
             log.info("inputs checked by %d worker(s) before training: train split %s: %d rows; test split %s: "
@@ -211,11 +240,12 @@ def agree_on_files(trainer) -> None:
                                   f"best written under new names, in a new directory)", field="<listing>")
 
 
-def data_files(data, storage_options=None) -> tuple[list, list]:
+def data_files(data, storage_options=None, train_files=None) -> tuple[list, list]:
     """The train and test inputs of ``data`` (``model.data``) in reading order (``list_files``), as the
-    names errors give them (a path, or a URI)."""
-    return tuple([str(f) for f in list_files(path, storage_options=storage_options)]
-                 for path in (data.train_path, data.test_path))
+    names errors give them (a path, or a URI); ``train_files``: the trainer's listing of the train split
+    (None: listed now)."""
+    train = list_files(data.train_path, storage_options=storage_options) if train_files is None else train_files
+    return [str(f) for f in train], [str(f) for f in list_files(data.test_path, storage_options=storage_options)]
 
 
 def encode(e: Exception, files: tuple[list, list]) -> np.ndarray:

@@ -303,3 +303,20 @@ def test_a_word2vec_corpus_on_s3_is_copied_beside_its_arrow_dir_and_converted(mo
     assert (tmp_path / "remote.download" / "corpus.txt").read_text() == text
     a, b = corpus_meta(got.arrow_dir), corpus_meta(want.arrow_dir)
     assert a["vocab_size"] == b["vocab_size"] == 40 and a["total_tokens"] == b["total_tokens"] == 6000
+
+
+def test_an_object_deleted_after_the_listing_is_named_as_deleted_at_its_open(inputs, moto_s3, s3_bucket,
+                                                                             s3_storage_options):
+    """Between two epochs: the open found nothing and raised a plain FileNotFoundError (exit 1, a traceback,
+    a restart that listed the directory without the file and trained on fewer rows). It is the same
+    change as an object written again: InputChangedError, exit 2."""
+    from streaming.inputs import InputChangedError
+    local, _ = inputs
+    key = f"{s3_bucket}/remote-deleted-between/{FILES[1]}"
+    _put(moto_s3, key, (local / FILES[1]).read_bytes())
+    (f,) = list_files(f"s3://{key}", storage_options=s3_storage_options)
+    assert pa.Table.from_batches(list(read_batches(f))).num_rows == count_rows(str(local / FILES[1]))
+    _s3(moto_s3).delete_file(key)
+    with pytest.raises(InputChangedError, match=rf"^s3://{key}: row 1: field <[^>]+>: expected the object "
+                                                rf"as the job listed it \(\d+ bytes.*\), got none: deleted"):
+        list(read_batches(f))

@@ -224,3 +224,25 @@ def test_workers_whose_listings_differ_all_refuse_before_any_step(differ):
     assert all(isinstance(e, InputChangedError) for e in out.values()), out
     assert str(out[0]).startswith("/d/train: row 1: field <listing>: expected every worker to list the same train "
                                   "files, got 1 of 3 workers (worker 2) listing other files than worker 0")
+
+
+def test_a_check_failing_for_another_reason_ends_every_worker_at_the_barrier(criteo, tmp_path, monkeypatch):
+    """A store that stopped answering while worker 1 read its share: it left before the barrier, and its
+    peers waited there until client.barrier_timeout_s. Now it arrives (flag 2), raises its own error after
+    the barrier, and the peers raise a LaunchError naming it; nothing was trained."""
+    from engine.errors import LaunchError
+    from streaming.inputs import InputUnavailableError
+    data = _copy(criteo, tmp_path, {})
+    real = ctr_inputs.check_shard
+
+    def shard(data, schema, rank, *args, **kwargs):
+        if rank == 1:
+            raise InputUnavailableError("training input s3://b/train/part-1.arrow: the store did not answer")
+        return real(data, schema, rank, *args, **kwargs)
+    monkeypatch.setattr(ctr_inputs, "check_shard", shard)
+    out, acc = _verdicts(data, monkeypatch)
+    assert acc["metrics.input-check"][0].tolist() == [0, 2, 0]
+    assert isinstance(out[1], InputUnavailableError)
+    for w in (0, 2):
+        assert isinstance(out[w], LaunchError) and str(out[w]).startswith(
+            "worker 1: the check of its share of the inputs failed before training (not bad data"), out[w]

@@ -137,3 +137,11 @@ def test_read_schema_names_an_unreadable_file(tmp_path, name, content):
     good = tmp_path / "good.arrow"
     good.write_bytes(_stream_bytes([3]))
     assert read_schema(str(good)) == _batch(0, 1).schema
+
+
+def test_a_store_refusing_a_read_is_not_taken_for_unreadable_bytes():
+    """SSE-KMS objects the job may HEAD but not decrypt: GetObject's AccessDenied has no errno and was called
+    'bytes pyarrow cannot read ... another format, or truncated' (bad input data)."""
+    from streaming.source import _unreadable
+    assert not _unreadable(OSError("AWS Error ACCESS_DENIED during GetObject operation: Access Denied"))
+    assert _unreadable(OSError("Expected to be able to read 4096 bytes for message body, got 12"))
