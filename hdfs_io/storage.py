@@ -506,9 +506,8 @@ class Storage:
 
         return self._retry("open for write", path, op)
 
-    def open_input_stream(self, path: str, *, buffer_size: int = 0) -> pa.NativeFile:
-        """Open ``path`` for sequential reading (no decompression), read ahead ``buffer_size`` bytes at a
-        time (0: unbuffered, each read a request of its own on S3). Only the open is retried.
+    def open_input_stream(self, path: str) -> pa.NativeFile:
+        """Open ``path`` for sequential reading (no decompression). Only the open is retried.
 
         Raises
         ------
@@ -517,8 +516,7 @@ class Storage:
         """
         full = self.full_path(path)
         try:
-            return self._retry("open", path, lambda: self.fs.open_input_stream(
-                full, compression=None, buffer_size=buffer_size or None))
+            return self._retry("open", path, lambda: self.fs.open_input_stream(full, compression=None))
         except FileNotFoundError as exc:
             raise self._not_found(path, exc) from exc
 

@@ -443,57 +443,56 @@ def remote_batches(src: RemoteInput, opened: list) -> Iterator[pa.RecordBatch]:
         yield from reader
 
 
-def fetch(uri: str, dest, storage_options: StorageOptions | None = None) -> str:
-    """Copy the file at ``uri`` (a Criteo text file on a store, say) to the local path ``dest`` unless
-    ``dest`` already holds it, and return ``dest``. What was copied is recorded beside it
-    (``dest.source.json``: the URI, the object's size and modification time in the store); the copy is
-    taken again when any of them changed. Written under a temporary name and renamed once whole: a copy
-    cut short is never taken for the file.
+def fetch(uri: str, directory, storage_options: StorageOptions | None = None) -> str:
+    """Copy the file at ``uri`` (a Criteo text file or a text corpus on a store) into the local
+    ``directory`` (created if missing), under the URI's last name, unless the copy there is current, and
+    return its path. What was copied is recorded beside it (``NAME.source.json``: the URI, the object's
+    size and modification time in the store); the copy is taken again when any of them changed. Copied
+    with ``pyarrow.fs.copy_files`` under a temporary name (``hdfs_io.temp_names``; those a killed process
+    left are removed first) and renamed once whole: a copy cut short is never taken for the file.
 
     Parameters
     ----------
     uri : str
         ``s3://bucket/key``, ``hdfs://nn:8020/path``.
-    dest : str or PathLike
-        A local file path; its directory must exist.
+    directory : str or PathLike
+        Local directory of the copy.
 
     Raises
     ------
     FileNotFoundError
         Nothing at ``uri``, or a directory (names the URI).
     InputUnavailableError
-        The store did not answer (after the retries).
+        The store did not answer (after the retries), or refused the job.
     OSError
-        The copy was cut short (the bytes read differ from the object's size), or ``dest`` cannot be
-        written.
+        The copy was cut short (its size is not the object's), or ``directory`` cannot be written.
     """
-    dest = os.fspath(dest)
-    with _reaching(uri):
-        storage = Storage.from_uri(uri, storage_options=storage_options)
-        info = storage.info()
-    if info.type != pafs.FileType.File:
+    from hdfs_io.temp_names import stale, temp_name
+    storage, info, children = _listing(uri.rstrip("/"), storage_options)
+    if children is not None:
         raise FileNotFoundError(f"file not found: {uri}" + (" (a directory)" if info.type == pafs.FileType.Directory
                                                              else ""))
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    name = info.base_name
+    dest, side = os.path.join(directory, name), os.path.join(directory, name + ".source.json")
     want = {"uri": uri, "size": int(info.size), "mtime_ns": info.mtime_ns}
-    side = dest + ".source.json"
     try:
         with open(side) as f:
             if json.load(f) == want and os.path.getsize(dest) == want["size"]:
                 return dest
     except (OSError, ValueError):
         pass
-    tmp = os.path.join(os.path.dirname(dest) or ".", f".{os.path.basename(dest)}.{os.getpid()}.tmp")
+    for left in stale(os.listdir(directory), name, "fetch"):
+        os.unlink(os.path.join(directory, left))
+    tmp = os.path.join(directory, temp_name(name, "fetch"))
     try:
         with _reaching(uri):
-            src = storage.open_input_stream("", buffer_size=STREAM_BUFFER_BYTES)
-        copied = 0
-        with src, open(tmp, "wb") as out:
-            while chunk := src.read(STREAM_BUFFER_BYTES):
-                out.write(chunk)
-                copied += len(chunk)
-        if copied != want["size"]:
-            raise OSError(f"{uri}: copied {copied} bytes of {want['size']}: the object changed or the read was "
-                          f"cut short; run again")
+            pafs.copy_files(storage.full_path(), tmp, source_filesystem=storage.fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+        if os.path.getsize(tmp) != want["size"]:
+            raise OSError(f"{uri}: copied {os.path.getsize(tmp)} bytes of {want['size']}: the object changed or "
+                          f"the read was cut short; run again")
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):

@@ -346,10 +346,10 @@ def check_unchanged(files, versions: list, fingerprint: list[list]) -> list:
             raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes), got none: "
                                        f"deleted; {CHANGED}") from None
         cur = (st.st_size, st.st_mtime_ns, st.st_ino)
-        if cur != was and files_fingerprint(f)[0] != fp:
+        if cur != was and (got := files_fingerprint(f)[0]) != fp:
             raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes, fingerprint "
                                        f"{'/'.join(fp[2:])}), got {cur[0]} bytes, fingerprint "
-                                       f"{'/'.join(files_fingerprint(f)[0][2:])}: {CHANGED}")
+                                       f"{'/'.join(got[2:])}: {CHANGED}")
         now.append(cur)
     return now
 
@@ -417,10 +417,9 @@ def _criteo_file(cfg: DataConfig, storage_options) -> Path | None:
         return path if path.is_file() else None
     tag = hashlib.sha1(cfg.criteo_path.encode()).hexdigest()[:10]
     d = Path(cfg.cache_dir).resolve() / f"download-{tag}"
-    d.mkdir(parents=True, exist_ok=True)
     log.info("model.data.criteo_path %s: copying it to %s unless the copy there is current", cfg.criteo_path, d)
     try:
-        return Path(fetch(cfg.criteo_path, d / cfg.criteo_path.rstrip("/").rsplit("/", 1)[-1], storage_options))
+        return Path(fetch(cfg.criteo_path, d, storage_options))
     except FileNotFoundError:
         return None
 

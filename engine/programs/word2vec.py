@@ -201,10 +201,8 @@ def _local_corpus(corpus: str, arrow: str, storage_options) -> str:
     from streaming.inputs import fetch, is_uri
     if not is_uri(corpus):
         return os.path.abspath(corpus)
-    d = arrow.rstrip("/") + ".download"
-    os.makedirs(d, exist_ok=True)
     try:
-        return fetch(corpus, os.path.join(d, corpus.rstrip("/").rsplit("/", 1)[-1]), storage_options)
+        return fetch(corpus, arrow.rstrip("/") + ".download", storage_options)
     except FileNotFoundError:
         return corpus
 

@@ -267,11 +267,18 @@ def test_a_criteo_file_on_s3_is_copied_once_converted_and_copied_again_when_it_c
             pa.Table.from_batches(list(read_batches(list_files(b)[0]))))
     (copy,) = (tmp_path / "cache").glob("download-*/train.txt")
     stamp = copy.stat().st_mtime_ns
+    import subprocess
+
+    from hdfs_io import temp_names
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = copy.parent / f".train.txt.fetch-{temp_names._origin()}-{dead.pid}-0000beef"   # a killed copy's
+    left.write_bytes(b"half a copy")
     assert prepare_data(cfg, SCHEMA, s3_storage_options) == out and copy.stat().st_mtime_ns == stamp    # reused
     generate_criteo(tmp_path / "rows.txt", 80, 5)                       # the object replaced: other rows
     _put(moto_s3, key, (tmp_path / "rows.txt").read_bytes())
     again = prepare_data(cfg, SCHEMA, s3_storage_options)
-    assert copy.read_bytes() == (tmp_path / "rows.txt").read_bytes()
+    assert copy.read_bytes() == (tmp_path / "rows.txt").read_bytes() and not left.exists()
     assert sum(count_rows(f) for f in list_files(again.train_path)) == 64              # 80 lines, 4 of 5 train
     missing = DataConfig(source="criteo", criteo_path=f"s3://{s3_bucket}/criteo-text/nope.txt",
                          cache_dir=str(tmp_path / "cache"))
