@@ -17,6 +17,11 @@ local and S3, ``--reps`` times after one unrecorded pass each. Records, one JSON
                              rate: above 1 the reads keep ahead of a worker's steps)
 * ``remote_input_startup``   per side: seconds of ``file_rows``, ``files_fingerprint`` and
                              ``check_train_split`` (the launcher's full read), and their requests on S3
+* ``remote_input_restart``   per format and side: a job's start-up reads of its inputs, the first start
+                             (no input records: the launcher's ``check_splits`` of both splits, here the
+                             same files, then one worker's rows and fingerprint) against a second start on
+                             the same files (``engine.programs.ctr_records``: a version per file, the
+                             records); seconds and requests of each, ``ratio_restart_vs_first``
 
 moto is a Python server sharing this machine's cores with the reader, so its figures are a floor for a
 real store; the request counts are what a real store charges, whatever its speed. Never run by tests.
@@ -90,12 +95,44 @@ def _read_all(path: str, opts, schema) -> int:
     return sum(rb.num_rows for rb in src.batches(0))
 
 
+def _restart(fmt: str, side: str, path: str, opts, endpoint: str, tmp: Path, schema, log: Path) -> dict:
+    """``remote_input_restart``: two starts of a job on ``path`` (both splits), input records kept in a
+    checkpoint root beside the data (a local directory, or the bench bucket)."""
+    from engine.config import load_config
+    from engine.programs.ctr_inputs import check_splits
+    from engine.programs.ctr_records import Listing, Records
+    from streaming.source import list_files
+    root = f"s3://bench/ckpt-{fmt}" if side == "s3" else str(tmp / f"ckpt-{fmt}")
+    store = ([f"storage.endpoint={endpoint}", "storage.scheme=http", "storage.region=us-east-1",
+              f"storage.access_key={KEY}", f"storage.secret_key={SECRET}"] if side == "s3" else [])
+    cfg = load_config(REPO / "configs" / "ctr.yaml", [
+        "model.data.source=arrow", f"model.data.train_path={path}", f"model.data.test_path={path}",
+        f"model.slots=[{', '.join(SPARSE_COLUMNS)}]", f"checkpoint.root={root}", *store])
+    rec = {"bench": "remote_input_restart", "format": fmt, "side": side}
+    for start in ("first", "second"):
+        before = _requests(log)
+        t0 = time.perf_counter()
+        check_splits(cfg, cfg.model.params.data, schema, opts)                  # the launcher
+        listing = Listing(Records.of(cfg), "train", list_files(path, storage_options=opts))   # a worker
+        if listing.rows is None:
+            file_rows(listing.files)
+        if listing.fingerprint is None:
+            files_fingerprint(listing.files)
+        rec[f"{start}_s"] = round(time.perf_counter() - t0, 3)
+        if side == "s3":
+            rec[f"{start}_requests"] = _requests(log) - before
+    rec["ratio_restart_vs_first"] = round(rec["second_s"] / rec["first_s"], 4)
+    return rec
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--formats", default="stream,file,parquet")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--parts", default="read,startup,restart",
+                    help="which records to measure: read (and ratio), startup, restart")
     ap.add_argument("--train-rows-per-s", type=float, default=30000.0,
                     help="a worker's training rate to compare with (ctr_bench's ctr_dnn_async per worker)")
     args = ap.parse_args()
@@ -127,9 +164,15 @@ def main() -> int:
                 pafs.copy_files(str(local), f"bench/{fmt}", source_filesystem=pafs.LocalFileSystem(),
                                 destination_filesystem=s3)
                 uri = f"s3://bench/{fmt}"
+                parts = args.parts.split(",")
+                if "restart" in parts:
+                    for side, path, o in (("local", str(local), None), ("s3", uri, opts)):
+                        print(json.dumps(_restart(fmt, side, path, o, endpoint, tmp, schema, log)), flush=True)
+                if "read" not in parts and "startup" not in parts:
+                    continue
                 rates = {"local": [], "s3": []}
                 reqs = []
-                for rep in range(args.reps + 1):
+                for rep in range(args.reps + 1 if "read" in parts else 0):
                     for side, path, o in (("local", str(local), None), ("s3", uri, opts)):
                         before = _requests(log)
                         t0 = time.perf_counter()
@@ -140,8 +183,8 @@ def main() -> int:
                             rates[side].append(rows / dt)
                             if side == "s3":
                                 reqs.append(_requests(log) - before)
-                med = {side: statistics.median(v) for side, v in rates.items()}
-                for side in ("local", "s3"):
+                med = {side: statistics.median(v) for side, v in rates.items() if v}
+                for side in ("local", "s3") if "read" in parts else ():
                     rec = {"bench": "remote_input_read", "format": fmt, "side": side, "rows": n,
                            "bytes": size, "rows_per_s": round(med[side]),
                            "mb_per_s": round(med[side] * size / n / 1e6, 1), "reps": args.reps}
@@ -149,11 +192,12 @@ def main() -> int:
                         rec |= {"requests_per_epoch": statistics.median(reqs),
                                 "mb_per_request": round(size / 1e6 / statistics.median(reqs), 2)}
                     print(json.dumps(rec), flush=True)
-                print(json.dumps({"bench": "remote_input_ratio", "format": fmt,
-                                  "ratio_vs_local": round(med["s3"] / med["local"], 3),
-                                  "ratio_vs_training": round(med["s3"] / args.train_rows_per_s, 2),
-                                  "train_rows_per_s": args.train_rows_per_s}), flush=True)
-                for side, path, o in (("local", str(local), None), ("s3", uri, opts)):
+                if "read" in parts:
+                    print(json.dumps({"bench": "remote_input_ratio", "format": fmt,
+                                      "ratio_vs_local": round(med["s3"] / med["local"], 3),
+                                      "ratio_vs_training": round(med["s3"] / args.train_rows_per_s, 2),
+                                      "train_rows_per_s": args.train_rows_per_s}), flush=True)
+                for side, path, o in (("local", str(local), None), ("s3", uri, opts)) if "startup" in parts else ():
                     rec = {"bench": "remote_input_startup", "format": fmt, "side": side}
                     for name, fn in (("file_rows", lambda: file_rows(path, o)),
                                      ("files_fingerprint", lambda: files_fingerprint(path, o)),

@@ -203,6 +203,20 @@ class RemoteInput:
         """
         return pa.BufferedInputStream(self.open_pinned(), buffer_size or STREAM_BUFFER_BYTES)
 
+    def version(self) -> tuple[int, int | None, bytes | None]:
+        """``(size, mtime_ns or None, etag or None)`` of the object now, checked against the listing as an
+        open is (one HEAD on S3; a stat elsewhere): the ETag it reads is pinned, so every later open and
+        read of this input must see the same one.
+
+        Raises
+        ------
+        InputChangedError, InputUnavailableError
+            As ``open_file``.
+        """
+        f, pin = self._opened()
+        f.close()
+        return pin
+
     def _opened(self) -> tuple[pa.NativeFile, tuple]:
         """The file opened for random access and the version it is, checked against the listing."""
         uri = str(self)

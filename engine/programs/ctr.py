@@ -92,10 +92,11 @@ from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
 from ..ps.warmup import read_only
 from . import ctr_eval
-from .ctr_data import (CTRBatch, check_train_split, check_unchanged, dedup_batch, expected_schema, file_rows,
+from .ctr_data import (CTRBatch, check_unchanged, dedup_batch, expected_schema, file_rows,
                        files_fingerprint, local_versions, make_source, prepare_data, shard_sizes, to_batch,
                        untrained_rows)
-from .ctr_inputs import agree_on_files, check_before_training
+from .ctr_inputs import agree_on_files, check_before_training, check_splits
+from .ctr_records import Listing, Records
 from .ctr_positions import AlignedCheckpoints, Position
 from .ctr_report import EVAL_BUCKETS, Follower, MetricsFile, now_stamp, reset_metrics
 from .ctr_steps import StepPipelines
@@ -178,9 +179,11 @@ def prepare(cfg):
         (os.path.abspath(p.metrics_dir)) + f"/{cfg.model.kind}-{cfg.mode}-{now_stamp()}-{os.getpid()}.jsonl")
     p = dataclasses.replace(p, data=data, metrics_file=metrics_file)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params=p))
-    rows = check_train_split(data.train_path, schema, opts)    # every train value a worker checks, checked now
-    log.info("train split %s: %d rows; test split %s: %d rows (values checked)", data.train_path, rows,
-             data.test_path, ctr_eval.check_test_split(data, schema, opts))   # before training, not after it
+    # every train value a worker checks and every test value evaluation reads, checked now (before training,
+    # not after it), or by an earlier start of the job on the same files (ctr_records)
+    rows, test_rows = check_splits(cfg, data, schema, opts)
+    log.info("train split %s: %d rows; test split %s: %s (values checked)", data.train_path, rows,
+             data.test_path, "as at an earlier start" if test_rows is None else f"{test_rows} rows")
     MetricsFile(metrics_file).write({
         "event": "start", "model": cfg.model.kind, "mode": cfg.mode, "workers": cfg.cluster.workers,
         "servers": cfg.cluster.servers, "train_path": data.train_path, "test_path": data.test_path,
@@ -193,7 +196,9 @@ def prepare(cfg):
 def follow(cfg) -> Follower:
     """Launcher hook: a context manager showing the metrics file live while the job runs."""
     p: Config = cfg.model.params
-    rows = sum(file_rows(p.data.train_path, cfg.storage.options()))
+    files = list_files(p.data.train_path, storage_options=cfg.storage.options())
+    counts = Listing(Records.of(cfg), "train", files).rows      # counted by prepare's check, recorded
+    rows = sum(counts if counts is not None else file_rows(files))
     return Follower(p.metrics_file, rows * p.epochs)
 
 
@@ -615,7 +620,10 @@ class CTRTrainer(StepPipelines):
         # object written again meanwhile is refused at its open, streaming.inputs, not read with these counts)
         self.train_files = list_files(p.data.train_path, storage_options=self.storage_options)
         self.train_versions = local_versions(self.train_files)      # checked before every epoch
-        self.train_fingerprint = files_fingerprint(self.train_files)
+        # the rows and fingerprint of these files at these versions, as recorded by the launcher or an earlier
+        # start (ctr_records), else read now (and recorded by worker 0)
+        self.train_listing = Listing(Records.of(self.ctx.config), "train", self.train_files)
+        self.train_fingerprint = self.train_listing.fingerprint or files_fingerprint(self.train_files)
         agree_on_files(self)            # every worker splits the rows by the same listing (before a restore
         #                                 can refuse one worker's listing and leave the others at a barrier)
         self.checkpoints = AlignedCheckpoints(self, files=self.train_fingerprint)
@@ -623,7 +631,9 @@ class CTRTrainer(StepPipelines):
         max_steps = None
         lockstep = self.mode.lockstep      # every worker must run the same number of steps
         resumed = start.epoch > 0 or start.batch > 0
-        self.file_rows = file_rows(self.train_files)   # every epoch's split of the rows
+        self.file_rows = self.train_listing.rows or file_rows(self.train_files)   # every epoch's split of the rows
+        if self.rank == 0 and (self.train_listing.rows is None or self.train_listing.fingerprint is None):
+            self.train_listing.record(rows=self.file_rows, fingerprint=self.train_fingerprint)
         check_before_training(self)     # role mode: every worker checks its share; one verdict before any step
         sizes = shard_sizes(self.file_rows, self.num_workers)
         rows = min(sizes)

@@ -229,15 +229,21 @@ def check_train_split(path: str, schema: pa.Schema, storage_options=None) -> int
     streaming.errors.DataFormatError, streaming.errors.SchemaError
         The first bad value or input, named with the file, the row and the column.
     """
-    rows = 0
-    for f in list_files(path, storage_options=storage_options):
+    return sum(check_train_files(list_files(path, storage_options=storage_options), schema))
+
+
+def check_train_files(files, schema: pa.Schema) -> list[int]:
+    """``check_train_split`` of the inputs as ``list_files`` listed them -> ``int[F]``, the rows of each
+    (the same counts as ``file_rows``). Raises as ``check_train_split``."""
+    rows = []
+    for f in files:
         got = read_schema(f)
         names = [n for n in schema.names if n in ("label", "dense") or got.field(n).type == pa.uint64()]
         if f.endswith((".parquet", ".pq")):
             names = [n for n in names if n in ("label", "dense") or not _parquet_no_nulls(f, n)]
         src = ArrowSource([f], batch_size=1 << 16, schema=pa.schema([schema.field(n) for n in names]),
                           prefetch=0, check=check_values)
-        rows += sum(rb.num_rows for rb in src.batches(0))
+        rows.append(sum(rb.num_rows for rb in src.batches(0)))
     return rows
 
 

@@ -101,10 +101,11 @@ def eval_source(path: str, schema: pa.Schema, column: str, *, batch_size: int, p
                        string_slots=string_slots(schema), prefetch=prefetch, check=eval_check(column))
 
 
-def check_test_split(data, schema: pa.Schema, storage_options=None) -> int:
+def check_test_split(data, schema: pa.Schema, storage_options=None, files=None) -> int:
     """Launcher side, before any process starts: read the whole test split once and check every value
     evaluation will read (label, dense, keys, group ids), so bad test data fails the job before training
-    rather than after it -> rows of the test split.
+    rather than after it -> rows of the test split. ``files``: the split as ``list_files`` listed it (None:
+    list ``data.test_path``).
 
     Raises
     ------
@@ -116,8 +117,8 @@ def check_test_split(data, schema: pa.Schema, storage_options=None) -> int:
     column = data.group_column
     if column:
         schema = eval_schema(schema, column, data.test_path, storage_options)
-    src = eval_source(data.test_path, schema, column, batch_size=1 << 16, prefetch=0,
-                      storage_options=storage_options)
+    src = eval_source(data.test_path if files is None else files, schema, column, batch_size=1 << 16,
+                      prefetch=0, storage_options=storage_options)
     return sum(rb.num_rows for rb in src.batches(0))
 
 

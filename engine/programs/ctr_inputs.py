@@ -35,10 +35,14 @@ The accumulators are written once per generation of the servers: every later att
 against the same servers goes through a roll-back (``engine.roles``), which changes the generation and
 drops them (``engine.ps.metric_sums``), so no verdict is read twice or counted from an earlier attempt.
 
-A resumed or restarted worker checks again (its files may have changed since): the cost of one read of
-its shard, as the launcher's check costs ``engine train --resume`` one read of the data. A child of a
-launcher (``ENGINE_PARENT_PID`` set: local, Ray, MPI) skips it: its launcher checked everything before
-any process started.
+A resumed or restarted worker checks again, unless the job's input records (``ctr_records``, in its
+checkpoint directory) say that these files, at these versions, passed the same checks at an earlier
+start: worker 0 records that once every share passed and every worker saw the same versions (a flag 3
+at the verdict: clean by the record). A file written again since has another version, so it is read and
+checked again; without checkpoints every start checks. The launcher's own check (``check_splits``, for
+``engine train CONFIG``, ``--resume`` included) uses the same records. A child of a launcher
+(``ENGINE_PARENT_PID`` set: local, Ray, MPI) skips the check here: its launcher checked everything
+before any process started.
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ from streaming.source import ArrowSource, list_files
 from .. import progress
 from ..errors import LaunchError
 from . import ctr_eval
-from .ctr_data import make_source, string_slots
+from .ctr_data import check_train_files, files_fingerprint, make_source, string_slots
+from .ctr_records import Listing, Records, check_key
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,8 @@ CHECK_BATCH_ROWS = 1 << 16
 MAX_DESCRIPTION_BYTES = 8192
 #: the accumulator of the workers' digests of their train listings: ``model.metrics_table`` + this
 FILES_SUFFIX = ".input-files"
+#: the accumulator of the versions each worker checked: ``model.metrics_table`` + ``SUFFIX`` + this
+VERSIONS_SUFFIX = ".versions"
 #: the splits, in the order the launcher checks them
 SPLITS = ("train", "test")
 
@@ -79,8 +86,48 @@ def launched() -> bool:
     return bool(os.environ.get("ENGINE_PARENT_PID"))
 
 
+def check_splits(cfg, data, schema: pa.Schema, storage_options=None) -> tuple[int, int | None]:
+    """The launcher's check of both splits (``ctr.prepare``): every train value a worker checks
+    (``ctr_data.check_train_files``) and every test value evaluation reads (``ctr_eval.check_test_split``),
+    unless the job's input records (``ctr_records``) say these files at these versions passed the same
+    checks -> (train rows, test rows or None when not counted now). Records what it learned: the checks
+    passed, the train files' rows and fingerprint (the workers then read neither again at their start).
+
+    ``cfg``: the whole engine config (its checkpoint directory holds the records); ``data``: the resolved
+    ``model.data`` (``ctr_data.prepare_data``).
+
+    Raises
+    ------
+    streaming.errors.DataFormatError, streaming.errors.SchemaError, engine.errors.ConfigError
+        As ``check_train_split`` and ``check_test_split``.
+    """
+    records = Records.of(cfg)
+    train = Listing(records, "train", list_files(data.train_path, storage_options=storage_options))
+    key, facts = check_key("train", schema), {}
+    if train.checked(key) and train.rows is not None:
+        rows = sum(train.rows)
+        log.info("train split %s: values checked by an earlier start, the files unchanged since (%d files, %d "
+                 "rows; %s)", data.train_path, len(train.files), rows, records.storage.uri_of(""))
+    else:
+        per_file = check_train_files(train.files, schema)
+        rows, facts = sum(per_file), {"rows": per_file, "checked": [key]}
+    if records.enabled and train.fingerprint is None:      # every worker's start needs it
+        facts["fingerprint"] = files_fingerprint(train.files)
+    if facts:
+        train.record(**facts)
+    test = Listing(records, "test", list_files(data.test_path, storage_options=storage_options))
+    key = check_key("test", schema, data.group_column)
+    if test.checked(key):
+        log.info("test split %s: values checked by an earlier start, the files unchanged since (%d files)",
+                 data.test_path, len(test.files))
+        return rows, None
+    test_rows = ctr_eval.check_test_split(data, schema, storage_options, files=test.files)
+    test.record(checked=[key])
+    return rows, test_rows
+
+
 def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file_rows,
-                storage_options=None, train_files=None) -> tuple[int, int]:
+                storage_options=None, train_files=None, test_files=None) -> tuple[int, int]:
     """Read worker ``rank``'s share of the inputs and check every value, as the launcher's checks do for
     all of them -> (train rows, test rows) read.
 
@@ -90,7 +137,8 @@ def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file
     (``ctr_eval.eval_check``: with ``data.group_column``, null group ids too). Rows named in an error
     are rows of the file (1-based), whatever the share. ``storage_options`` reach URI inputs' store
     (``streaming.inputs``). ``train_files``: the train inputs as the trainer listed them (``list_files``:
-    the listing its row counts, fingerprint and pinned versions come from); None lists ``data.train_path``.
+    the listing its row counts, fingerprint and pinned versions come from); None lists ``data.train_path``;
+    ``test_files`` alike for ``data.test_path``.
 
     Raises
     ------
@@ -109,7 +157,7 @@ def check_shard(data, schema: pa.Schema, rank: int, num_workers: int, train_file
         progress.current().moved()      # a long read is progress, not a hang (engine.liveness)
     column = data.group_column
     test_schema = ctr_eval.eval_schema(schema, column, data.test_path, storage_options) if column else schema
-    files = list_files(data.test_path, storage_options=storage_options)
+    files = list_files(data.test_path, storage_options=storage_options) if test_files is None else test_files
     test = ArrowSource(files, batch_size=CHECK_BATCH_ROWS, schema=test_schema,
                        string_slots=string_slots(test_schema), prefetch=0, shard=(rank, num_workers),
                        shard_by="files" if len(files) >= num_workers else "batches",
@@ -148,11 +196,21 @@ def check_before_training(trainer) -> None:
         return
     p, rank, workers = trainer.cfg, trainer.rank, trainer.num_workers
     client, name = trainer.client, p.metrics_table + SUFFIX
-    found, failed, rows = None, None, (0, 0)
+    found, failed, rows, recorded = None, None, (0, 0), False
     train_files = getattr(trainer, "train_files", None)
+    train = getattr(trainer, "train_listing", None)     # ctr_records.Listing of train_files
+    test = None
+    keys = (check_key("train", trainer.schema), check_key("test", trainer.schema, p.data.group_column))
     try:
-        rows = check_shard(p.data, trainer.schema, rank, workers, trainer.file_rows, trainer.storage_options,
-                           train_files=train_files)
+        test = Listing(train.records if train is not None else Records(None), "test",
+                       list_files(p.data.test_path, storage_options=trainer.storage_options))
+        recorded = train is not None and train.checked(keys[0]) and test.checked(keys[1])
+        if recorded:        # these files at these versions passed every check at an earlier start
+            log.info("worker %d: its share of the inputs was checked at an earlier start of the job, the files "
+                     "unchanged since (input records: %s); not read again", rank, train.records.storage.uri_of(""))
+        else:
+            rows = check_shard(p.data, trainer.schema, rank, workers, trainer.file_rows, trainer.storage_options,
+                               train_files=train_files, test_files=test.files)
     except (DataFormatError, SchemaError) as e:
         found = e
         log.error("worker %d: bad input data in its share of the inputs: %s; every worker ends with it once "
@@ -167,8 +225,15 @@ def check_before_training(trainer) -> None:
         log.error("worker %d: the check of its share of the inputs failed (not bad data): %s: %s", rank,
                   type(e).__name__, e)
     flags = np.zeros(workers, np.int64)
-    flags[rank] = 1 if found is not None else 2 if failed is not None else 0
+    flags[rank] = 1 if found is not None else 2 if failed is not None else 3 if recorded else 0
     client.add_metric(name, flags, np.array(rows, np.float64))
+    versions = test is not None and train is not None and train.records.enabled
+    if versions:        # which versions this worker's verdict is about: worker 0 records the verdict only if
+        #                 every worker saw the same ones (not per-host copies of the files that differ)
+        raw = hashlib.sha256(json.dumps([train.versions, test.versions]).encode()).digest()
+        digests = np.zeros(workers, np.int64)
+        digests[rank] = int.from_bytes(raw[:7], "little") + 1
+        client.add_metric(name + VERSIONS_SUFFIX, digests, np.zeros(0, np.float64))
     trainer.mode.barrier("input-check")         # every worker's verdict is in
     flags, sums = client.read_metric(name)
     finders = [int(w) for w in np.flatnonzero(flags == 1)]
@@ -182,9 +247,13 @@ def check_before_training(trainer) -> None:
                           f"this worker stops too, nothing was trained", role="worker", rank=broken[0],
                           exit_code=1)
     if not finders:
-        if rank == 0:
+        if rank == 0 and (flags != 3).any():
             log.info("inputs checked by %d worker(s) before training: train split %s: %d rows; test split %s: "
                      "%d rows", workers, p.data.train_path, int(sums[0]), p.data.test_path, int(sums[1]))
+            seen = client.read_metric(name + VERSIONS_SUFFIX)[0] if versions else None
+            if seen is not None and (seen == seen[0]).all() and seen[0] != 0:    # every share passed, same files
+                train.record(checked=[keys[0]])
+                test.record(checked=[keys[1]])
         return
     errors = {w: decode(client.read_metric(f"{name}.{w}")[0]) for w in finders}
     by = min(finders, key=lambda w: (errors[w][0], w))

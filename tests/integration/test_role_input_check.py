@@ -131,7 +131,8 @@ def test_a_role_mode_job_resumed_onto_a_spoilt_file_is_refused_before_its_first_
     """--resume of a checkpoint at an epoch's end (its position maps onto any files) after the train file
     got a bad label: the resumed workers check their shares again and end with the launcher's line and exit
     2 before any step; no checkpoint is written. Before, they resumed and trained epoch 1 up to the bad
-    batch, and worker 0 then waited out its sync barrier (exit 1)."""
+    batch, and worker 0 then waited out its sync barrier (exit 1). A resume onto the files the first start
+    checked reads none of them again (the job's input records), and trains."""
     from engine.checkpoint import CheckpointManager
     from engine.ps import PSClient
     train, test, line = split_with_a_bad_label(tmp_path)
@@ -165,7 +166,14 @@ def test_a_role_mode_job_resumed_onto_a_spoilt_file_is_refused_before_its_first_
         written = [r.name for r in mgr.list()]
         (epoch_end,) = [n for n in written if (mgr.manifest(n)["sources"]["train"]["epoch"],
                                                mgr.manifest(n)["sources"]["train"]["batch"]) == (1, 0)]
-        os.replace(tmp_path / "part-2.spoilt.arrow", train / "part-2.arrow")
+        # the same files: every share passed at the first start (ctr_records), so no worker reads it again
+        codes, errs, _ = job("again", "--resume", mgr.uri_of(epoch_end))
+        assert codes == [0, 0], (codes, errs[0][-2000:], errs[1][-2000:])
+        for w, err in enumerate(errs):
+            assert (f"worker {w}: its share of the inputs was checked at an earlier start of the job, the files "
+                    f"unchanged since") in err, err[-2000:]
+        written = [r.name for r in mgr.list()]
+        os.replace(tmp_path / "part-2.spoilt.arrow", train / "part-2.arrow")    # another version: checked
         codes, errs, port = job("resumed", "--resume", mgr.uri_of(epoch_end))
         assert codes == [2, 2], (codes, errs[0][-2000:], errs[1][-2000:])
         for err in errs:
