@@ -138,8 +138,7 @@ def _trained_epochs(metrics: Path, epochs: int) -> bool:
 
 
 def _moto(port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
-    """moto's S3 server as a process of its own (killed and started again by the outage test; ``env``:
-    moto's settings, e.g. checking credentials)."""
+    """moto's S3 server as a process of its own (``env``: moto's settings, e.g. checking credentials)."""
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})
@@ -152,6 +151,52 @@ def _moto(port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
             time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError(f"moto did not listen on {port} within 30 s: {log.read_text()[-2000:]}")
+
+
+#: a TCP relay from 127.0.0.1:argv[1] to 127.0.0.1:argv[2], one pair of pumps per connection: the store's
+#: address for the outage test, which kills it to cut the store off while moto keeps what it holds
+_RELAY = """
+import asyncio, sys
+
+async def pump(reader, writer):
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+async def serve(reader, writer):
+    try:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", int(sys.argv[2]))
+    except OSError:
+        writer.close()
+        return
+    await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", int(sys.argv[1]))
+    async with server:
+        await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
+def _relay(port: int, target: int) -> subprocess.Popen:
+    """The store's address: a relay process to moto on ``target`` (``_RELAY``), listening on ``port``."""
+    proc = subprocess.Popen([sys.executable, "-c", _RELAY, str(port), str(target)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"the relay did not listen on {port} within 30 s")
 
 
 def test_credentials_the_store_refuses_end_the_job_at_once_in_one_line_naming_the_uri(tmp_path):
@@ -185,9 +230,10 @@ def test_a_store_lost_mid_training_and_back_loses_no_row_and_counts_none_twice(s
     its newest checkpoint (cluster.max_restarts) until the store answers. Every train row of the 40
     epochs is then counted exactly once in the final model."""
     outage_s = 30
-    port = _free_port()
+    port, moto_port = _free_port(), _free_port()
     endpoint, prefix = f"127.0.0.1:{port}", "outage/inputs"
-    moto = _moto(port, tmp_path / "moto.log")
+    moto = _moto(moto_port, tmp_path / "moto.log")
+    relay = _relay(port, moto_port)     # the store's address: cut for the outage, moto keeping the objects
     job = None
     try:
         _upload(splits, endpoint, prefix)
@@ -200,16 +246,15 @@ def test_a_store_lost_mid_training_and_back_loses_no_row_and_counts_none_twice(s
         while not _trained_epochs(tmp_path / "metrics", 2) and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.2)
         assert _trained_epochs(tmp_path / "metrics", 2), (tmp_path / "job.stderr").read_text()[-3000:]
-        os.killpg(moto.pid, signal.SIGKILL)            # the store is gone, with everything it held
-        moto.wait(10)
+        os.killpg(relay.pid, signal.SIGKILL)           # the store is unreachable: connections refused or cut
+        relay.wait(10)
         time.sleep(outage_s)
-        moto = _moto(port, tmp_path / "moto.log")
-        _upload(splits, endpoint, prefix)              # the same inputs again (moto keeps nothing)
-        code = job.wait(300)
-        err = (tmp_path / "job.stderr").read_text()
+        relay = _relay(port, moto_port)                # and back, with what it held (before, moto itself was
+        code = job.wait(300)                           # killed and filled again: a restart listing it in
+        err = (tmp_path / "job.stderr").read_text()    # between found no inputs)
         assert code == 0, err[-3000:]
     finally:
-        for proc in (job, moto):
+        for proc in (job, relay, moto):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
