@@ -33,6 +33,9 @@ Unset, every point costs one dict lookup. Points:
 ``server.before_ready``
     ``engine.roles.run_server``, listening, right before the ready file is written: a start-up held
     open, so that a chaos test can freeze a server that has no address for the launcher to poll yet.
+``ctr.before_listing.rankN``
+    ``CTRTrainer.run`` of worker N, before it lists its train files: a worker that lists later than its
+    peers, so that a test can write the directory between their listings (``ctr_inputs.agree_on_files``).
 ``export.before_publish``
     ``ctr_online`` rank 0, right before ``export_bundle`` writes and publishes the serving bundle of the
     checkpoint just published (the publish happens inside ``export_bundle``, so the point precedes the

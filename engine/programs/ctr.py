@@ -86,7 +86,7 @@ import pyarrow as pa
 from models import ModelConfigError, build_model
 from streaming.source import list_files
 
-from .. import observability, progress
+from .. import failpoints, observability, progress
 from ..errors import ConfigError, TrainingDivergedError
 from ..metrics import BinaryMetrics
 from ..program_configs import CTRConfig as Config
@@ -618,7 +618,9 @@ class CTRTrainer(StepPipelines):
         reset_metrics(self.client, self.mode, p.metrics_table)
         # listed once: every epoch reads these files, the versions counted and fingerprinted here (a store's
         # object written again meanwhile is refused at its open, streaming.inputs, not read with these counts)
+        failpoints.hit(f"ctr.before_listing.rank{self.rank}")
         self.train_files = list_files(p.data.train_path, storage_options=self.storage_options)
+        log.info("worker %d: %d train file(s) listed under %s", self.rank, len(self.train_files), p.data.train_path)
         self.train_versions = local_versions(self.train_files)      # checked before every epoch
         # the rows and fingerprint of these files at these versions, as recorded by the launcher or an earlier
         # start (ctr_records), else read now (and recorded by worker 0)

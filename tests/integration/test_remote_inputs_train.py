@@ -314,6 +314,46 @@ def test_a_local_train_file_written_again_between_epochs_ends_the_job_naming_it(
     assert "Traceback" not in logs
 
 
+@pytest.mark.long       # make test-long: ~25 s
+def test_a_file_added_between_two_workers_listings_ends_every_worker_before_a_step(splits, tmp_path):
+    """Real workers list the train directory (one file) at their start; worker 1 lists 15 s after worker 0
+    (failpoint ``ctr.before_listing.rank1``), and a file lands in between. The workers' listings differ,
+    so they would split the rows by other counts (rows to two workers or to none): both end at the
+    barrier ``input-files`` (``ctr_inputs.agree_on_files``), exit 2 with the line naming the worker whose
+    listing differs, and nothing is trained. Before only a test over threads showed it."""
+    import shutil
+    train = tmp_path / "train"
+    shutil.copytree(splits / "train", train)
+    cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
+           *[a for s in ("model.data.source=arrow", f"model.data.train_path={train}",
+                         f"model.data.test_path={splits / 'test'}", f"model.metrics_dir={tmp_path / 'metrics'}",
+                         f"checkpoint.root={tmp_path / 'ckpt'}", "model.hidden=[32]", "cluster.workers=2",
+                         "mode=async", "cluster.max_restarts=0") for a in ("--set", s)]]
+    env = {**os.environ, "ENGINE_FAILPOINTS": "ctr.before_listing.rank1=sleep:15"}
+    with open(tmp_path / "job.stdout", "w") as out, open(tmp_path / "job.stderr", "w") as err:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True, env=env)
+    try:
+        deadline, listed = time.monotonic() + 120, False
+        while not listed and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.1)
+            listed = any("worker 0: 1 train file(s) listed under" in p.read_text()
+                         for p in (tmp_path / "run").rglob("worker-0.log"))
+        assert listed, (tmp_path / "job.stderr").read_text()[-3000:]
+        shutil.copy(sorted(train.glob("*.arrow"))[0], train / "part-99999.arrow")   # a pipeline's new file
+        code = job.wait(120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)
+    err = (tmp_path / "job.stderr").read_text()
+    logs = err + "".join(p.read_text() for p in (tmp_path / "run").rglob("worker-*.log"))
+    assert code == 2, err[-3000:]
+    assert ("field <listing>: expected every worker to list the same train files, got 1 of 2 workers (worker 1) "
+            "listing other files than worker 0") in logs, logs[-3000:]
+    assert "Traceback" not in logs
+    assert not _trained_epochs(tmp_path / "metrics", 0)         # no train event: nothing was trained
+
+
 def _rewritten_after_epoch_1(cmd: list[str], tmp_path: Path, path: Path, rewrite, env=None) -> str:
     """Run ``cmd`` (a 40-epoch job) until a worker is past epoch 1, then ``rewrite(bytes)`` the train file
     whose local copy is ``path`` with its first half of rows; assert the job exited 2 without a traceback
