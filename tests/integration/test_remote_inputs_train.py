@@ -142,6 +142,12 @@ def _moto(port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})
+    return _listening(proc, port, lambda: f"moto: {log.read_text()[-2000:]}")
+
+
+def _listening(proc: subprocess.Popen, port: int, what) -> subprocess.Popen:
+    """``proc`` once something listens on 127.0.0.1:``port``; killed, and an AssertionError naming
+    ``what()``, after 30 s."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -150,7 +156,7 @@ def _moto(port: int, log: Path, env: dict | None = None) -> subprocess.Popen:
         except OSError:
             time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"moto did not listen on {port} within 30 s: {log.read_text()[-2000:]}")
+    raise AssertionError(f"nothing listened on {port} within 30 s: {what()}")
 
 
 #: a TCP relay from 127.0.0.1:argv[1] to 127.0.0.1:argv[2], one pair of pumps per connection: the store's
@@ -188,15 +194,7 @@ asyncio.run(main())
 def _relay(port: int, target: int) -> subprocess.Popen:
     """The store's address: a relay process to moto on ``target`` (``_RELAY``), listening on ``port``."""
     proc = subprocess.Popen([sys.executable, "-c", _RELAY, str(port), str(target)], start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"the relay did not listen on {port} within 30 s")
+    return _listening(proc, port, lambda: "the relay to moto")
 
 
 def test_credentials_the_store_refuses_end_the_job_at_once_in_one_line_naming_the_uri(tmp_path):
