@@ -14,7 +14,10 @@ longer line up with the input's lines). Predictions keep the input's row order (
 file, column ``prob : float32``, written under a temporary name beside it and moved over it only when
 every row was scored: a failed run leaves an earlier file there untouched). The last stdout line is one
 JSON object with ``rows``, ``rows_per_s`` (scoring only, reading included, bundle loading excluded),
-``skipped_lines`` for text input and, when the input has labels, ``auc`` and ``logloss``.
+``skipped_lines`` for text input and, when the input has labels, ``auc`` and ``logloss``. DATA on a
+store is listed once and read as listed (``streaming.inputs``): a file written again after its schema
+was checked, or while it is read, is refused naming its URI and row (``InputChangedError``), never scored
+as another version or a mix of two.
 
 Storage (``engine export``, ``engine predict``): every ``s3://`` or ``hdfs://`` URI (checkpoint, bundle,
 ``--delta``, DATA, ``--out``) is reached with ``--config``'s ``storage:`` section (endpoint, region,
@@ -362,15 +365,18 @@ class MixedLabelsError(ValueError):
 
 
 def _input_schema(bundle, data, storage_options=None):
-    """The columns ``engine predict`` reads from every input file of ``data`` (a file or a directory, local
-    or a URI reached with ``storage_options``), typed as in the first file: the bundle's slot columns, its
-    dense column (a model with dense features) and its label column when the inputs have one; other columns
-    are never read, so a later file may lack them. A column the first file lacks is left to
-    ``bundle.check_values`` (it names the file, row and column). None for stdin (one stream: its first
-    schema is the only one).
+    """``(schema, files)``: the listing of ``data`` (a file or a directory, local or a URI reached with
+    ``storage_options``: ``streaming.source.list_files``) that ``engine predict`` then reads, and the
+    columns it reads from every file, typed as in the first file: the bundle's slot columns, its dense
+    column (a model with dense features) and its label column when the inputs have one; other columns are
+    never read, so a later file may lack them. A column the first file lacks is left to
+    ``bundle.check_values`` (it names the file, row and column). ``(None, "-")`` for stdin (one stream:
+    its first schema is the only one).
 
     Every file's schema is read first (and a stream's end-of-stream marker tested), so a directory whose
-    later file cannot be scored is refused before any row is.
+    later file cannot be scored is refused before any row is. A file on a store is read later as this
+    listing and these reads saw it (``streaming.inputs.RemoteInput``: its ETag pinned at the first open),
+    so one written again after its check is refused, not scored unchecked.
 
     Raises
     ------
@@ -387,7 +393,7 @@ def _input_schema(bundle, data, storage_options=None):
     from streaming.source import list_files, read_schema
     from .errors import BundleError
     if data == "-":
-        return None
+        return None, data
     files = list_files(data, storage_options=storage_options)
     schemas = [(f, read_schema(f, check_end=True)) for f in files]
     label = bundle.label_column
@@ -407,7 +413,8 @@ def _input_schema(bundle, data, storage_options=None):
     first = schemas[0][1]
     wanted = list(bundle.slots) + ([bundle.dense_column] if bundle.model.dense_dim else []) + \
         ([label] if with_label else [])
-    return pa.schema([first.field(c) for c in dict.fromkeys(wanted) if c in first.names], metadata=first.metadata)
+    return (pa.schema([first.field(c) for c in dict.fromkeys(wanted) if c in first.names], metadata=first.metadata),
+            files)
 
 
 def run_predict(args) -> int:
@@ -442,10 +449,11 @@ def run_predict(args) -> int:
             data, skipped = _criteo_to_arrow(data, tmp.name, args.max_bad_rows)
         elif args.max_bad_rows:
             log.warning("--max-bad-rows applies to Criteo text input only; ignored for %s", data)
-        # only the columns the bundle reads (every file's schema checked first); the check names the
-        # file, its row and the column of a value the bundle cannot score
-        src = ArrowSource(data, batch_size=args.batch_size, prefetch=4, schema=_input_schema(bundle, data, storage),
-                          check=bundle.check_values, storage_options=storage)
+        # only the columns the bundle reads (every file's schema checked first), from the files as listed
+        # and checked there; the check names the file, its row and the column of a value the bundle cannot score
+        schema, files = _input_schema(bundle, data, storage)
+        src = ArrowSource(files, batch_size=args.batch_size, prefetch=4, schema=schema, check=bundle.check_values,
+                          storage_options=storage)
         metrics = None
         if args.out:
             preds = _PredictionsFile(args.out, storage)

@@ -311,6 +311,29 @@ def test_a_config_that_does_not_load_is_one_line_exit_2(env, command, argv, need
     assert last.startswith(f"engine {command}: ") and needle.format(dir=tmp_path) in last, last
 
 
+def test_an_object_written_again_after_predict_checked_it_is_refused_not_scored_unchecked(env, monkeypatch,
+                                                                                          capsys):
+    """``engine predict`` checks every input's schema (its ``hash_version`` against the bundle's, its
+    label column) and then reads the inputs. It listed the store twice: once for the check, again to read,
+    so an object written again in between was scored as the check never saw it; keys hashed with another
+    ``hash_version`` then scored silently (exit 0) with the checked file's metadata. The inputs are now
+    read as listed and checked: the new version is refused at its open, naming the URI."""
+    import engine.export.cli as cli
+    key = f"{DATA.removeprefix('s3://')}/rewritten-{uuid.uuid4().hex}.arrows"
+    env.put(key, _stream(_table(hash_version=K.HASH_VERSION)))
+    other = _stream(_table(hash_version=K.HASH_VERSION + 1))
+    checked = cli._input_schema
+
+    def input_schema(*a, **kw):
+        out = checked(*a, **kw)
+        env.put(key, other)             # the same size: only the content's tag tells the versions apart
+        return out
+    monkeypatch.setattr(cli, "_input_schema", input_schema)
+    assert main(["predict", BUNDLE, f"s3://{key}", "--config", str(env.config)]) == 2
+    assert _last(capsys).startswith(f"engine predict: s3://{key}: row 1: field <record batch 0>: expected the object "
+                                    f"as the job listed it")
+
+
 @pytest.mark.parametrize("write", [_stream, _file], ids=["stream", "file"])
 def test_an_object_written_again_while_predict_reads_it_is_refused_before_a_row_of_the_new_version(
         env, monkeypatch, write, capsys):
