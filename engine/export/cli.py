@@ -7,8 +7,8 @@ one JSON object ``{"event": "export", "format", "out", "bundle", "rows", "delete
 
 ``engine predict BUNDLE DATA [--out preds.arrow] [--max-bad-rows N] [--config CONFIG.yaml [--set
 KEY=VALUE ...]]``: DATA is Arrow (IPC files, a directory of them, Parquet, ``-`` for an IPC stream on
-stdin) or raw Criteo text (``.txt``, ``.tsv``,
-``.gz``; converted with ``streaming.criteo`` first: the first malformed line fails the run naming the
+stdin) or raw Criteo text (``.txt``, ``.tsv``, ``.gz``; one on a store is copied to a temporary directory
+first, ``streaming.inputs.fetch``; converted with ``streaming.criteo``: the first malformed line fails the run naming the
 file, line and field, unless ``--max-bad-rows N`` lets N of them be skipped, after which predictions no
 longer line up with the input's lines). Predictions keep the input's row order (``--out``: Arrow IPC
 file, column ``prob : float32``, written under a temporary name beside it and moved over it only when
@@ -428,7 +428,7 @@ def run_predict(args) -> int:
     if args.batch_size < 1:             # it reached ArrowSource's ValueError: a traceback, exit 1
         print(f"engine predict: --batch-size must be >= 1, got {args.batch_size}", file=sys.stderr)
         return 2
-    from streaming.inputs import InputUnavailableError
+    from streaming.inputs import InputUnavailableError, fetch, is_uri
     from streaming.source import ArrowSource
     from .predictor import load_bundle
     tmp = preds = None
@@ -444,9 +444,11 @@ def run_predict(args) -> int:
             bundle.apply_delta(d, storage)
         load_s = time.perf_counter() - t0
         data = args.data
-        if data != "-" and os.path.isfile(data) and data.endswith(_TEXT_SUFFIXES):
+        if data != "-" and data.endswith(_TEXT_SUFFIXES) and (is_uri(data) or os.path.isfile(data)):
             tmp = tempfile.TemporaryDirectory(prefix="engine-predict-")
-            data, skipped = _criteo_to_arrow(data, tmp.name, args.max_bad_rows)
+            if is_uri(data):        # a copy first (the converter reads local files), named by the URI
+                data = fetch(data, os.path.join(tmp.name, "text"), storage)
+            data, skipped = _criteo_to_arrow(data, os.path.join(tmp.name, "arrow"), args.max_bad_rows)
         elif args.max_bad_rows:
             log.warning("--max-bad-rows applies to Criteo text input only; ignored for %s", data)
         # only the columns the bundle reads (every file's schema checked first), from the files as listed
