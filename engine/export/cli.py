@@ -360,6 +360,13 @@ class _PredictionsFile:
             log.warning("could not remove the partial predictions file %s: %s", self.storage.uri_of(self.tmp), exc)
 
 
+#: what an input on a store written again means for ``engine predict`` (in place of ``streaming.inputs.CHANGED``,
+#: which speaks of a training job's row split and checkpoints)
+PREDICT_CHANGED = ("it was written again after engine predict listed it, or while it was read; no rows of another "
+                   "version were scored, and no predictions written (an earlier --out file is as it was): run it "
+                   "again to score the version there now")
+
+
 class MixedLabelsError(ValueError):
     """``engine predict`` input files of which some have the bundle's label column and some do not."""
 
@@ -428,7 +435,7 @@ def run_predict(args) -> int:
     if args.batch_size < 1:             # it reached ArrowSource's ValueError: a traceback, exit 1
         print(f"engine predict: --batch-size must be >= 1, got {args.batch_size}", file=sys.stderr)
         return 2
-    from streaming.inputs import InputUnavailableError, fetch, is_uri
+    from streaming.inputs import CHANGED, InputChangedError, InputUnavailableError, fetch, is_uri
     from streaming.source import ArrowSource
     from .predictor import load_bundle
     tmp = preds = None
@@ -475,6 +482,9 @@ def run_predict(args) -> int:
     except LabelError as e:             # the source's check names the file; this is the backstop
         print(f"engine predict: {args.data}: column {bundle.label_column!r}, row {rows + e.index + 1} of the "
               f"input (counted over its files in order): {e}", file=sys.stderr)
+        return 2
+    except InputChangedError as e:      # streaming.inputs' advice is a training job's (its row split, --resume)
+        print(f"engine predict: {str(e).replace(CHANGED, PREDICT_CHANGED)}", file=sys.stderr)
         return 2
     except InputUnavailableError as e:  # DATA's store (streaming.inputs' "training input URI: ..."), refused or silent
         text = str(e).removeprefix("training input ")

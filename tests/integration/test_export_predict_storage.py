@@ -35,6 +35,7 @@ from engine.cli import main
 from engine.config import DenseTableConfig
 from engine.export import CheckpointSource, snapshot_cluster
 from engine.export.bundle import export_bundle
+from engine.export.cli import PREDICT_CHANGED
 from engine.ps import InProcessTransport, PSClient, PSServer
 from models import build_model
 from sparse_tables import TableConfig
@@ -331,8 +332,9 @@ def test_an_object_written_again_after_predict_checked_it_is_refused_not_scored_
         return out
     monkeypatch.setattr(cli, "_input_schema", input_schema)
     assert main(["predict", BUNDLE, f"s3://{key}", "--config", str(env.config)]) == 2
-    assert _last(capsys).startswith(f"engine predict: s3://{key}: row 1: field <record batch 0>: expected the object "
-                                    f"as the job listed it")
+    last = _last(capsys)
+    assert last.startswith(f"engine predict: s3://{key}: row 1: field <record batch 0>: expected the object as the job "
+                           f"listed it") and last.endswith(PREDICT_CHANGED), last
 
 
 @pytest.mark.parametrize("write", [_stream, _file], ids=["stream", "file"])
@@ -362,8 +364,8 @@ def test_an_object_written_again_while_predict_reads_it_is_refused_before_a_row_
                  "--config", str(env.config)]) == 2
     assert 0 < sum(scored) < N
     last = _last(capsys)
-    assert last.startswith(f"engine predict: s3://{key}: row ") and "expected the object the read began on" in last, \
-        last
+    assert last.startswith(f"engine predict: s3://{key}: row ") and "expected the object the read began on" in last \
+        and last.endswith(PREDICT_CHANGED), last
     assert not [i for i in env.fs().get_file_info(pafs.FileSelector("serving/preds")) if "overwritten" in i.path]
 
 
