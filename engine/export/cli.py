@@ -7,10 +7,10 @@ one JSON object ``{"event": "export", "format", "out", "bundle", "rows", "delete
 
 ``engine predict BUNDLE DATA [--out preds.arrow] [--max-bad-rows N] [--config CONFIG.yaml [--set
 KEY=VALUE ...]]``: DATA is Arrow (IPC files, a directory of them, Parquet, ``-`` for an IPC stream on
-stdin) or raw Criteo text (``.txt``, ``.tsv``, ``.gz``; one on a store is copied to a temporary directory
-first, ``streaming.inputs.fetch``; converted with ``streaming.criteo``: the first malformed line fails the run naming the
-file, line and field, unless ``--max-bad-rows N`` lets N of them be skipped, after which predictions no
-longer line up with the input's lines). Predictions keep the input's row order (``--out``: Arrow IPC
+stdin) or raw Criteo text (``.txt``, ``.tsv``, ``.gz``; one on a store is copied to a temporary
+directory first, ``streaming.inputs.fetch``; converted with ``streaming.criteo``: the first malformed
+line fails the run naming the file, line and field, unless ``--max-bad-rows N`` lets N of them be
+skipped, after which predictions no longer line up with the input's lines). Predictions keep the input's row order (``--out``: Arrow IPC
 file, column ``prob : float32``, written under a temporary name beside it and moved over it only when
 every row was scored: a failed run leaves an earlier file there untouched). The last stdout line is one
 JSON object with ``rows``, ``rows_per_s`` (scoring only, reading included, bundle loading excluded),
@@ -50,10 +50,11 @@ _TEXT_SUFFIXES = (".txt", ".tsv", ".gz", ".csv")
 
 
 def _help(command: str) -> str:
-    """The module docstring's paragraphs about ``command`` (``export`` or ``predict``) and the exit codes:
-    each command's ``--help`` describes that command only."""
+    """The module docstring's paragraphs about ``command`` (``export`` or ``predict``), storage and the exit
+    codes: each command's ``--help`` describes that command only."""
     paras = __doc__.strip().split("\n\n")
-    return "\n\n".join(q for q in paras[1:] if q.startswith(f"``engine {command} ") or q.startswith("Exit codes"))
+    return "\n\n".join(q for q in paras[1:] if q.startswith(f"``engine {command} ")
+                       or q.startswith(("Storage", "Exit codes")))
 
 
 def add_subparsers(sub) -> None:
