@@ -5,19 +5,19 @@
 checkpoint directory, a job root (its newest complete checkpoint). The last stdout line is
 one JSON object ``{"event": "export", "format", "out", "bundle", "rows", "deleted", "export_id"}``.
 
-``engine predict BUNDLE DATA [--out preds.arrow] [--max-bad-rows N] [--config CONFIG.yaml [--set
-KEY=VALUE ...]]``: DATA is Arrow (IPC files, a directory of them, Parquet, ``-`` for an IPC stream on
-stdin) or raw Criteo text (``.txt``, ``.tsv``, ``.gz``; one on a store is copied to a temporary
-directory first, ``streaming.inputs.fetch``; converted with ``streaming.criteo``: the first malformed
-line fails the run naming the file, line and field, unless ``--max-bad-rows N`` lets N of them be
-skipped, after which predictions no longer line up with the input's lines). Predictions keep the input's row order (``--out``: Arrow IPC
-file, column ``prob : float32``, written under a temporary name beside it and moved over it only when
-every row was scored: a failed run leaves an earlier file there untouched). The last stdout line is one
+``engine predict BUNDLE DATA [--out preds.arrow] [--max-bad-rows N] [--config CONFIG.yaml [--set KEY=VALUE
+...]]``: DATA is Arrow (IPC files, a directory of them, Parquet, ``-`` for an IPC stream on stdin) or raw
+Criteo text (``.txt``, ``.tsv``, ``.gz``; one on a store is copied to a temporary directory first,
+``streaming.inputs.fetch``; converted with ``streaming.criteo``: the first malformed line fails the run
+naming the file, line and field, unless ``--max-bad-rows N`` lets N of them be skipped, after which
+predictions no longer line up with the input's lines). Predictions keep the input's row order (``--out``:
+Arrow IPC file, column ``prob : float32``, written under a temporary name beside it and moved over it only
+when every row was scored: a failed run leaves an earlier file there untouched). The last stdout line is one
 JSON object with ``rows``, ``rows_per_s`` (scoring only, reading included, bundle loading excluded),
-``skipped_lines`` for text input and, when the input has labels, ``auc`` and ``logloss``. DATA on a
-store is listed once and read as listed (``streaming.inputs``): a file written again after its schema
-was checked, or while it is read, is refused naming its URI and row (``InputChangedError``), never scored
-as another version or a mix of two.
+``skipped_lines`` for text input and, when the input has labels, ``auc`` and ``logloss``. DATA on a store is
+listed once and read as listed (``streaming.inputs``): a file written again after its schema was checked, or
+while it is read, is refused naming its URI and row (``InputChangedError``), never scored as another version
+or a mix of two.
 
 Storage (``engine export``, ``engine predict``): every ``s3://`` or ``hdfs://`` URI (checkpoint, bundle,
 ``--delta``, DATA, ``--out``) is reached with ``--config``'s ``storage:`` section (endpoint, region,
