@@ -291,9 +291,8 @@ def _criteo_to_arrow(path: str, tmp: str, max_bad_rows: int) -> tuple[str, int]:
 class _PredictionsFile:
     """``--out``: an Arrow IPC file with column ``prob : float32``, written under a temporary name beside
     ``out_uri`` (any ``hdfs_io`` URI, reached with ``storage_options``: None, the environment's) and moved
-    over it by :meth:`commit`; :meth:`abort` (a no-op after
-    a commit) removes the temporary, so a failed run leaves an earlier file at ``out_uri`` untouched and
-    no partial file.
+    over it by :meth:`commit`; :meth:`abort` (a no-op after a commit) removes the temporary, so a failed
+    run leaves an earlier file at ``out_uri`` untouched and no partial file.
 
     Raises
     ------
