@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from hdfs_io.checksum import ChecksumWriter, FileEntry
+from hdfs_io.errors import StorageUnavailableError
 from hdfs_io.retry import RetryPolicy, RetryStats, call_with_retry
 from hdfs_io.uri import StorageOptions, resolve
 
@@ -300,6 +301,10 @@ class Storage:
 
         try:
             infos = self._retry("list", path, op)
+        except StorageUnavailableError:
+            # the store did not answer through the retries: a stat would only wait them out a second time
+            # (an unreachable S3 endpoint: 11 s more before the caller heard of it)
+            raise
         except OSError as exc:
             # a file has no children: local/HDFS say "not a directory", S3 "no such prefix"
             if self.is_file(path):

@@ -23,7 +23,8 @@ refused, exit 2, naming the field and both values; so is a word2vec config's che
 ``URI`` is a checkpoint directory or a job root (its newest complete checkpoint), as ``engine export``
 takes. Exit codes: 0 success, 2 bad config, checkpoint or evaluation files (for CTR: an empty, truncated
 or non-Arrow test file, a null or out-of-[0, 1] label, a null, NaN or infinite dense value, named with
-the file, row and column), 1 other failures.
+the file, row and column), or a store refusing the storage section's credentials (one line naming the
+URI), 1 other failures (a store that does not answer through the retries).
 """
 from __future__ import annotations
 
@@ -211,6 +212,15 @@ def run(args) -> int:
         return 1
     except bad as e:
         print(f"engine eval: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:                   # the checkpoint's store refusing the credentials: named, not a traceback
+        from ..export.cli import refused_line
+        line = refused_line(e, {"checkpoint": args.checkpoint},
+                            hint="no retry mends that: once the credentials of the config's storage section and the "
+                                 "store's policy let this command read the checkpoint, run it again")
+        if line is None:
+            raise
+        print(f"engine eval: {line}", file=sys.stderr)
         return 2
     if kind != "word2vec":
         print(f"{out['model']} test AUC {out['auc']:.4f}  logloss {out['logloss']:.4f}  COPC {out['copc']:.3f}  "

@@ -99,13 +99,21 @@ def is_checkpoint_uri(uri: str, storage_options: StorageOptions | None = None) -
     ------
     hdfs_io.StorageUnavailableError
         The storage did not answer through its retries (or its client is missing): no verdict on ``uri``.
+    OSError
+        The storage refused the credentials or the request (``hdfs_io.permanent_failure``: ``EACCES`` or
+        ``EPERM``; S3's AccessDenied, an unknown key, a bad signature): no verdict either. Before, that was
+        "not an exportable checkpoint", sending the operator to look for a checkpoint that is there.
     """
-    from hdfs_io import StorageUnavailableError
+    from hdfs_io import StorageUnavailableError, permanent_failure
     try:
         _resolve(uri, storage_options)
         return True
     except StorageUnavailableError:
         raise
+    except OSError as exc:
+        if permanent_failure(exc) in ("EACCES", "EPERM"):
+            raise
+        return False
     except Exception:  # noqa: BLE001 - any other failure means "not a checkpoint"
         return False
 

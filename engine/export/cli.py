@@ -1,23 +1,35 @@
 """``engine export`` and ``engine predict``.
 
 ``engine export CHECKPOINT_URI OUT_URI [--format bundle|onnx|word2vec] [--min-show N]
-[--dtype float16] [--delta SINCE]``: CHECKPOINT_URI is a checkpoint directory, a job root (its newest
-complete checkpoint). The last stdout line is
+[--dtype float16] [--delta SINCE] [--config CONFIG.yaml [--set KEY=VALUE ...]]``: CHECKPOINT_URI is a
+checkpoint directory, a job root (its newest complete checkpoint). The last stdout line is
 one JSON object ``{"event": "export", "format", "out", "bundle", "rows", "deleted", "export_id"}``.
 
-``engine predict BUNDLE DATA [--out preds.arrow] [--max-bad-rows N]``: DATA is Arrow (IPC files, a
-directory of them, Parquet, ``-`` for an IPC stream on stdin) or raw Criteo text (``.txt``, ``.tsv``,
-``.gz``; converted with ``streaming.criteo`` first: the first malformed line fails the run naming the
-file, line and field, unless ``--max-bad-rows N`` lets N of them be skipped, after which predictions no
-longer line up with the input's lines). Predictions keep the input's row order (``--out``: Arrow IPC
-file, column ``prob : float32``, written under a temporary name beside it and moved over it only when
-every row was scored: a failed run leaves an earlier file there untouched). The last stdout line is one
+``engine predict BUNDLE DATA [--out preds.arrow] [--max-bad-rows N] [--config CONFIG.yaml [--set KEY=VALUE
+...]]``: DATA is Arrow (IPC files, a directory of them, Parquet, ``-`` for an IPC stream on stdin) or raw
+Criteo text (``.txt``, ``.tsv``, ``.gz``; one on a store is copied to a temporary directory first,
+``streaming.inputs.fetch``; converted with ``streaming.criteo``: the first malformed line fails the run
+naming the file, line and field, unless ``--max-bad-rows N`` lets N of them be skipped, after which
+predictions no longer line up with the input's lines). Predictions keep the input's row order (``--out``:
+Arrow IPC file, column ``prob : float32``, written under a temporary name beside it and moved over it only
+when every row was scored: a failed run leaves an earlier file there untouched). The last stdout line is one
 JSON object with ``rows``, ``rows_per_s`` (scoring only, reading included, bundle loading excluded),
-``skipped_lines`` for text input and, when the input has labels, ``auc`` and ``logloss``.
+``skipped_lines`` for text input and, when the input has labels, ``auc`` and ``logloss``. DATA on a store is
+listed once and read as listed (``streaming.inputs``): a file written again after its schema was checked, or
+while it is read, is refused naming its URI and row (``InputChangedError``), never scored as another version
+or a mix of two.
+
+Storage (``engine export``, ``engine predict``): every ``s3://`` or ``hdfs://`` URI (checkpoint, bundle,
+``--delta``, DATA, ``--out``) is reached with ``--config``'s ``storage:`` section (endpoint, region,
+credentials or the names of the variables holding them, timeouts), as ``engine train`` and ``engine eval``
+reach theirs; without ``--config``, with the standard AWS environment variables (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ...). A store refusing the credentials is one line naming the URI, exit 2; one that
+does not answer through ``hdfs_io``'s retries, one line naming the side, exit 1.
 
 Exit codes: 0 success, 2 bad input (missing or unpublished bundle, bad columns, a null, NaN or infinite
 dense value, a null label or one outside [0, 1], an empty, truncated or non-Arrow file, a malformed
-text line, bad options; named with the file and row where known), 1 other failures.
+text line, bad options, a config that does not load, a store refusing the credentials; named with the
+file and row where known), 1 other failures (a store that does not answer).
 """
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -37,10 +50,11 @@ _TEXT_SUFFIXES = (".txt", ".tsv", ".gz", ".csv")
 
 
 def _help(command: str) -> str:
-    """The module docstring's paragraphs about ``command`` (``export`` or ``predict``) and the exit codes:
-    each command's ``--help`` describes that command only."""
+    """The module docstring's paragraphs about ``command`` (``export`` or ``predict``), storage and the exit
+    codes: each command's ``--help`` describes that command only."""
     paras = __doc__.strip().split("\n\n")
-    return "\n\n".join(q for q in paras[1:] if q.startswith(f"``engine {command} ") or q.startswith("Exit codes"))
+    return "\n\n".join(q for q in paras[1:] if q.startswith(f"``engine {command} ")
+                       or q.startswith(("Storage", "Exit codes")))
 
 
 def add_subparsers(sub) -> None:
@@ -61,6 +75,7 @@ def add_subparsers(sub) -> None:
     p.add_argument("--vocab", default=None,
                    help="word2vec: vocab.arrow (or its directory); default: the one a word2vec checkpoint records")
     p.add_argument("--binary", action="store_true", help="word2vec: binary format")
+    _add_config_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(run=run_export)
 
@@ -75,8 +90,86 @@ def add_subparsers(sub) -> None:
     q.add_argument("--max-bad-rows", type=int, default=0, metavar="N",
                    help="Criteo text input: malformed lines to skip (each logged) before failing (default 0: "
                         "fail on the first); skipped lines have no prediction, so rows no longer line up")
+    _add_config_arguments(q)
     q.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     q.set_defaults(run=run_predict)
+
+
+def _add_config_arguments(p) -> None:
+    p.add_argument("--config", metavar="CONFIG.yaml", default=None,
+                   help="reach s3:// and hdfs:// URIs with this config's storage: section (endpoint, region, "
+                        "credentials, timeouts), as engine train and engine eval do; default: the AWS_* "
+                        "environment variables")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a value of --config, e.g. --set storage.endpoint=http://10.0.0.9:9000")
+
+
+def storage_options_of(args):
+    """The ``hdfs_io.StorageOptions`` of ``--config``'s ``storage`` section (``--set`` applied), as ``engine
+    train`` and ``engine eval`` take theirs; None without ``--config`` (the AWS environment variables).
+
+    Raises
+    ------
+    engine.errors.ConfigError
+        The config is missing, not YAML or has a bad value (the key named, as ``load_config`` names it);
+        its ``storage`` section names an unset variable; or ``--set`` is given without ``--config``.
+    """
+    from ..errors import ConfigError
+    if args.config is None:
+        if args.overrides:
+            raise ConfigError(f"--set {args.overrides[0]}: --set overrides a value of --config, and no --config "
+                              f"was given")
+        return None
+    from ..config import load_config
+    return load_config(args.config, args.overrides).storage.options()
+
+
+#: a storage URI in an error's message or notes (``hdfs_io``'s retries note the call: ``stat s3://b/k``)
+_URI = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s()'\";,]+")
+
+
+def _error_chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from (``__cause__`` / ``__context__``, at most 8)."""
+    out: list[BaseException] = []
+    while e is not None and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def error_uri(e: BaseException) -> str | None:
+    """The URI a storage error ``e`` is about: the ``uri`` of ``hdfs_io``'s errors, else the first URI its
+    message or notes name (pyarrow's own messages name only a bucket and a key; ``hdfs_io`` notes the call
+    and the URI), looked for along the exceptions it was raised from; None when none names one."""
+    from hdfs_io import described
+    for x in _error_chain(e):
+        uri = getattr(x, "uri", None)
+        if isinstance(uri, str) and uri:
+            return uri
+        m = _URI.search(described(x))
+        if m:
+            return m.group(0)
+    return None
+
+
+#: what to do about a store that refuses the credentials (the end of ``refused_line``)
+REFUSED_HINT = ("no retry mends that: once the credentials of the storage section (--config; without it the AWS_* "
+                "environment variables) and the store's policy let this command reach it, run it again")
+
+
+def refused_line(e: BaseException, sides: dict[str, str], hint: str = REFUSED_HINT) -> str | None:
+    """One line for a store refusing the credentials or the request (``streaming.inputs.refused``: S3's
+    AccessDenied, an unknown key, a bad signature, an expired token; ``PermissionError`` on a file system),
+    naming the side of ``sides`` (name -> URI, as ``failed_side``) and its URI, else the URI the error
+    names; the store's own words (the deepest error, with ``hdfs_io``'s note of the call) in parentheses,
+    then ``hint``. None when ``e`` is not such a refusal."""
+    from hdfs_io import described
+    from streaming.inputs import refused
+    if not refused(e):
+        return None
+    side = failed_side(e, sides)
+    what = f"{side} {sides[side]}" if side else (error_uri(e) or "storage")
+    return f"{what}: access refused ({described(_error_chain(e)[-1])}); {hint}"
 
 
 def _logging(verbose: bool) -> None:
@@ -87,20 +180,22 @@ def _logging(verbose: bool) -> None:
 def _bad_input_errors():
     import hdfs_io
     from streaming.errors import ConvertError, DataFormatError, SchemaError
+    from ..errors import ConfigError
     from .errors import BundleError, ExportError
     # ConvertError: predict's Criteo text input that cannot be read (a binary line, truncated gzip)
     return (BundleError, ExportError, hdfs_io.NotPublishedError, hdfs_io.CheckpointCorruptError,
-            FileNotFoundError, FileExistsError, DataFormatError, SchemaError, ConvertError)
+            FileNotFoundError, FileExistsError, DataFormatError, SchemaError, ConvertError, ConfigError)
 
 
 def failed_side(e: OSError, sides: dict[str, str]) -> str | None:
-    """The one name in ``sides`` (name -> URI) whose store the storage error ``e`` is about: its ``uri``
-    (``hdfs_io``'s errors carry it) is that URI, lies under it, or is the file system holding it (an HDFS
-    namenode, an S3 bucket) (``target.same_place`` / ``target.inside``); None when no side or more than
-    one matches, or ``e`` names no URI. So a CLI names the store that failed: before, ``engine export``
-    said "checkpoint storage unavailable" when its output store did not answer."""
+    """The one name in ``sides`` (name -> URI) whose store the storage error ``e`` is about: its URI
+    (``error_uri``: ``hdfs_io``'s errors carry it, a raw store error's note names it) is that URI, lies
+    under it, or is the file system holding it (an HDFS namenode, an S3 bucket) (``target.same_place`` /
+    ``target.inside``); None when no side or more than one matches, or ``e`` names no URI. So a CLI names
+    the store that failed: before, ``engine export`` said "checkpoint storage unavailable" when its output
+    store did not answer."""
     from .target import inside, same_place
-    uri = getattr(e, "uri", None)
+    uri = error_uri(e)
     if not uri:
         return None
     u = uri.removeprefix("file://")
@@ -119,9 +214,10 @@ def run_export(args) -> int:
     bad = _bad_input_errors() + (ModelInputError,)
     try:
         from .source import open_source
-        source = open_source(args.checkpoint)
+        storage = storage_options_of(args)
+        source = open_source(args.checkpoint, storage_options=storage)
         opts = dict(min_show=args.min_show, dtype=args.dtype, since=args.delta, groups=args.groups,
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, storage_options=storage)
         if args.format == "word2vec":
             desc = source.model_description()
             kind = (desc.get("model") or {}).get("kind")
@@ -135,7 +231,8 @@ def run_export(args) -> int:
                       "checkpoint does not record one", file=sys.stderr)
                 return 2
             from .w2v import export_word2vec
-            res = export_word2vec(source, args.out, vocab=vocab, binary=args.binary, overwrite=args.overwrite)
+            res = export_word2vec(source, args.out, vocab=vocab, binary=args.binary, overwrite=args.overwrite,
+                                  storage_options=storage)
             out = {"event": "export", "format": "word2vec", "out": args.out, **res}
         else:
             if args.format == "onnx":
@@ -149,9 +246,10 @@ def run_export(args) -> int:
                    "export_id": meta["export_id"], "seconds": meta["stats"]["seconds"]}
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         from .target import job_root_of
-        side = failed_side(e, {"output": args.out, "checkpoint": job_root_of(args.checkpoint)})
+        side = failed_side(e, {"output": args.out, "checkpoint": job_root_of(args.checkpoint),
+                               "--delta": args.delta})
         what = {"output": f"output storage unavailable (writing {args.out})",
-                "checkpoint": "checkpoint storage unavailable"}
+                "checkpoint": "checkpoint storage unavailable", "--delta": f"--delta {args.delta}: storage unavailable"}
         print(f"engine export: {what.get(side, 'storage unavailable')}: {e}", file=sys.stderr)
         return 1
     except FileExistsError as e:       # hdfs_io's message speaks of the library's overwrite=True
@@ -161,6 +259,14 @@ def run_export(args) -> int:
         return 2
     except bad as e:
         print(f"engine export: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:               # a store refusing the credentials: named, not a traceback
+        from .target import job_root_of
+        line = refused_line(e, {"checkpoint": job_root_of(args.checkpoint), "output": args.out,
+                                "--delta": args.delta})
+        if line is None:
+            raise
+        print(f"engine export: {line}", file=sys.stderr)
         return 2
     print(json.dumps(out))
     return 0
@@ -184,9 +290,9 @@ def _criteo_to_arrow(path: str, tmp: str, max_bad_rows: int) -> tuple[str, int]:
 
 class _PredictionsFile:
     """``--out``: an Arrow IPC file with column ``prob : float32``, written under a temporary name beside
-    ``out_uri`` (any ``hdfs_io`` URI) and moved over it by :meth:`commit`; :meth:`abort` (a no-op after
-    a commit) removes the temporary, so a failed run leaves an earlier file at ``out_uri`` untouched and
-    no partial file.
+    ``out_uri`` (any ``hdfs_io`` URI, reached with ``storage_options``: None, the environment's) and moved
+    over it by :meth:`commit`; :meth:`abort` (a no-op after a commit) removes the temporary, so a failed
+    run leaves an earlier file at ``out_uri`` untouched and no partial file.
 
     Raises
     ------
@@ -196,14 +302,14 @@ class _PredictionsFile:
         ``out_uri`` has no parent directory.
     """
 
-    def __init__(self, out_uri: str):
+    def __init__(self, out_uri: str, storage_options=None):
         import pyarrow as pa
         from hdfs_io import temp_names
         import pyarrow.ipc as ipc
         from .bundle import split_uri
         from .errors import BundleError
         try:
-            self.storage, self.name = split_uri(out_uri)
+            self.storage, self.name = split_uri(out_uri, storage_options)
         except BundleError:
             raise BundleError(f"--out {out_uri}: expected a file path below a directory") from None
         if self.storage.is_dir(self.name):
@@ -254,19 +360,30 @@ class _PredictionsFile:
             log.warning("could not remove the partial predictions file %s: %s", self.storage.uri_of(self.tmp), exc)
 
 
+#: what an input on a store written again means for ``engine predict`` (in place of ``streaming.inputs.CHANGED``,
+#: which speaks of a training job's row split and checkpoints)
+PREDICT_CHANGED = ("it was written again after engine predict listed it, or while it was read; no rows of another "
+                   "version were scored, and no predictions written (an earlier --out file is as it was): run it "
+                   "again to score the version there now")
+
+
 class MixedLabelsError(ValueError):
     """``engine predict`` input files of which some have the bundle's label column and some do not."""
 
 
-def _input_schema(bundle, data):
-    """The columns ``engine predict`` reads from every input file of ``data`` (a file or a directory),
-    typed as in the first file: the bundle's slot columns, its dense column (a model with dense features)
-    and its label column when the inputs have one; other columns are never read, so a later file may
-    lack them. A column the first file lacks is left to ``bundle.check_values`` (it names the file, row
-    and column). None for stdin (one stream: its first schema is the only one).
+def _input_schema(bundle, data, storage_options=None):
+    """``(schema, files)``: the listing of ``data`` (a file or a directory, local or a URI reached with
+    ``storage_options``: ``streaming.source.list_files``) that ``engine predict`` then reads, and the
+    columns it reads from every file, typed as in the first file: the bundle's slot columns, its dense
+    column (a model with dense features) and its label column when the inputs have one; other columns are
+    never read, so a later file may lack them. A column the first file lacks is left to
+    ``bundle.check_values`` (it names the file, row and column). ``(None, "-")`` for stdin (one stream:
+    its first schema is the only one).
 
     Every file's schema is read first (and a stream's end-of-stream marker tested), so a directory whose
-    later file cannot be scored is refused before any row is.
+    later file cannot be scored is refused before any row is. A file on a store is read later as this
+    listing and these reads saw it (``streaming.inputs.RemoteInput``: its ETag pinned at the first open),
+    so one written again after its check is refused, not scored unchecked.
 
     Raises
     ------
@@ -283,8 +400,8 @@ def _input_schema(bundle, data):
     from streaming.source import list_files, read_schema
     from .errors import BundleError
     if data == "-":
-        return None
-    files = list_files(data)
+        return None, data
+    files = list_files(data, storage_options=storage_options)
     schemas = [(f, read_schema(f, check_end=True)) for f in files]
     label = bundle.label_column
     for f, sch in schemas:
@@ -303,7 +420,8 @@ def _input_schema(bundle, data):
     first = schemas[0][1]
     wanted = list(bundle.slots) + ([bundle.dense_column] if bundle.model.dense_dim else []) + \
         ([label] if with_label else [])
-    return pa.schema([first.field(c) for c in dict.fromkeys(wanted) if c in first.names], metadata=first.metadata)
+    return (pa.schema([first.field(c) for c in dict.fromkeys(wanted) if c in first.names], metadata=first.metadata),
+            files)
 
 
 def run_predict(args) -> int:
@@ -317,30 +435,37 @@ def run_predict(args) -> int:
     if args.batch_size < 1:             # it reached ArrowSource's ValueError: a traceback, exit 1
         print(f"engine predict: --batch-size must be >= 1, got {args.batch_size}", file=sys.stderr)
         return 2
+    from streaming.inputs import CHANGED, InputChangedError, InputUnavailableError, fetch, is_uri
     from streaming.source import ArrowSource
     from .predictor import load_bundle
     tmp = preds = None
     skipped = None
     rows = 0
+    sides = {"bundle": args.bundle, "data": args.data, "output": args.out,
+             **{f"--delta {d}": d for d in args.delta}}
     try:
+        storage = storage_options_of(args)
         t0 = time.perf_counter()
-        bundle = load_bundle(args.bundle, max_batch=args.batch_size)
+        bundle = load_bundle(args.bundle, storage, max_batch=args.batch_size)
         for d in args.delta:
-            bundle.apply_delta(d)
+            bundle.apply_delta(d, storage)
         load_s = time.perf_counter() - t0
         data = args.data
-        if data != "-" and os.path.isfile(data) and data.endswith(_TEXT_SUFFIXES):
+        if data != "-" and data.endswith(_TEXT_SUFFIXES) and (is_uri(data) or os.path.isfile(data)):
             tmp = tempfile.TemporaryDirectory(prefix="engine-predict-")
-            data, skipped = _criteo_to_arrow(data, tmp.name, args.max_bad_rows)
+            if is_uri(data):        # a copy first (the converter reads local files), named by the URI
+                data = fetch(data, os.path.join(tmp.name, "text"), storage)
+            data, skipped = _criteo_to_arrow(data, os.path.join(tmp.name, "arrow"), args.max_bad_rows)
         elif args.max_bad_rows:
             log.warning("--max-bad-rows applies to Criteo text input only; ignored for %s", data)
-        # only the columns the bundle reads (every file's schema checked first); the check names the
-        # file, its row and the column of a value the bundle cannot score
-        src = ArrowSource(data, batch_size=args.batch_size, prefetch=4, schema=_input_schema(bundle, data),
-                          check=bundle.check_values)
+        # only the columns the bundle reads (every file's schema checked first), from the files as listed
+        # and checked there; the check names the file, its row and the column of a value the bundle cannot score
+        schema, files = _input_schema(bundle, data, storage)
+        src = ArrowSource(files, batch_size=args.batch_size, prefetch=4, schema=schema, check=bundle.check_values,
+                          storage_options=storage)
         metrics = None
         if args.out:
-            preds = _PredictionsFile(args.out)
+            preds = _PredictionsFile(args.out, storage)
         t1 = time.perf_counter()
         for rb in src.batches(0):
             probs = bundle.predict(rb)
@@ -358,11 +483,29 @@ def run_predict(args) -> int:
         print(f"engine predict: {args.data}: column {bundle.label_column!r}, row {rows + e.index + 1} of the "
               f"input (counted over its files in order): {e}", file=sys.stderr)
         return 2
+    except InputChangedError as e:      # streaming.inputs' advice is a training job's (its row split, --resume)
+        print(f"engine predict: {str(e).replace(CHANGED, PREDICT_CHANGED)}", file=sys.stderr)
+        return 2
+    except InputUnavailableError as e:  # DATA's store (streaming.inputs' "training input URI: ..."), refused or silent
+        text = str(e).removeprefix("training input ")
+        if getattr(e, "refused", None):
+            print(f"engine predict: data {text}; {REFUSED_HINT}", file=sys.stderr)
+            return 2
+        print(f"engine predict: data storage unavailable: {text}", file=sys.stderr)
+        return 1
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
-        print(f"engine predict: storage unavailable: {e}", file=sys.stderr)
+        side = failed_side(e, sides)
+        what = {"output": f"output storage unavailable (writing {args.out})"}.get(side, f"{side} storage unavailable")
+        print(f"engine predict: {what if side else 'storage unavailable'}: {e}", file=sys.stderr)
         return 1
     except bad as e:
         print(f"engine predict: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:                # a store refusing the credentials: named, not a traceback
+        line = refused_line(e, sides)
+        if line is None:
+            raise
+        print(f"engine predict: {line}", file=sys.stderr)
         return 2
     finally:
         if preds is not None:

@@ -155,6 +155,21 @@ def test_gives_up_after_max_attempts(flaky):
     assert st.retry_stats.as_dict() == {"retries": 3, "gave_up": 1}
 
 
+def test_a_listing_that_gives_up_is_not_waited_out_again_as_a_stat(flaky, storage):
+    """A store that does not answer a listing through the retries is not asked once more whether the path
+    is a file: before, ``children`` (every listing: a checkpoint job root, a training input directory)
+    stat-ed it through a second round of retries, and ``engine export`` of an unreachable S3 endpoint
+    waited 22 s instead of 11 before saying so."""
+    st, handler, sleeps = flaky
+    storage.write_bytes("d/f.bin", b"1")
+    handler.fail("get_file_info_selector", 100)
+    handler.fail("get_file_info", 100)
+    with pytest.raises(StorageUnavailableError, match="list .* failed after 4 attempts"):
+        st.listdir("d")
+    assert handler.calls["get_file_info_selector"] == 4 and handler.calls.get("get_file_info", 0) == 0
+    assert sleeps == [0.01, 0.02, 0.04]
+
+
 @pytest.mark.parametrize(
     "error",
     [

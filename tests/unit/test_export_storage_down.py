@@ -52,7 +52,7 @@ def test_predict_says_the_storage_is_unavailable_and_exits_1(monkeypatch, tmp_pa
     data.write_text("")
     assert main(["predict", "s3://bucket/bundle", str(data)]) == 1      # was a traceback
     err = capsys.readouterr().err
-    assert "engine predict: storage unavailable: stat s3://bucket/bundle/_SUCCESS failed" in err, err
+    assert "engine predict: bundle storage unavailable: stat s3://bucket/bundle/_SUCCESS failed" in err, err
 
 
 def test_export_names_the_output_store_when_that_is_the_one_that_failed(tmp_path, monkeypatch, capsys):
