@@ -74,7 +74,7 @@ def run(args) -> int:
     if manifests.config.security.tls.cert:
         shipped = [n for n in certs.FILES if n != certs.CA_KEY]   # the CA key stays out of the cluster
         files = " ".join(f"--from-file=CREDS/{n}" for n in shipped)
-        print(f"  engine certs CREDS --hosts {','.join(manifests.server_hosts)}")
+        print(f"  engine certs CREDS --hosts {','.join(manifests.cert_hosts or manifests.server_hosts)}")
         print(f"  kubectl {ns}create secret generic {shlex.quote(kube.security_secret)} {files}")
     if kube.storage_secret:
         names = k8s.storage_env_names(cfg) or ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]

@@ -146,12 +146,17 @@ class Manifests:
     warnings : list of str
         Things that render but need the user's attention: a shared local ``checkpoint.root`` or local
         data paths (volumes to add), ``security.insecure``.
+    cert_hosts : list of str
+        The names the server certificate must hold: ``server_hosts``, and with ``observability.prometheus_port``
+        their cluster-wide forms ``{host}.{namespace}.svc`` too (the address a scraper in another namespace
+        reaches a server pod by: ``deploy/prometheus/scrape-kubernetes.yml``).
     """
 
     files: dict[str, dict]
     config: EngineConfig
     server_hosts: list[str]
     warnings: list[str] = field(default_factory=list)
+    cert_hosts: list[str] = field(default_factory=list)
 
 
 def base_name(cfg: EngineConfig) -> str:
@@ -391,6 +396,10 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
     worker["startupProbe"] = dict(server["startupProbe"])
     worker["livenessProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 3,
                                "terminationGracePeriodSeconds": LIVENESS_GRACE_S}
+    annotations = _scrape_annotations(cfg, warnings)
+    if annotations:
+        server["ports"].append({"name": "metrics", "containerPort": cfg.observability.prometheus_port,
+                                "protocol": "TCP"})
     if k.storage_secret and not storage_env_names(cfg):   # its keys (AWS_ACCESS_KEY_ID, ...) become variables
         for c in (server, worker):
             c["envFrom"] = [{"secretRef": {"name": k.storage_secret}}]
@@ -400,10 +409,11 @@ def render(cfg: EngineConfig, image: str | None = None, resume: str | None = Non
         c["volumeMounts"] = mounts
     files = {f"00-{name}-config.yaml": config_map, f"01-{service}.yaml": svc,
              f"02-{server_job}.yaml": _job(cfg, name, server_job, "server", cfg.cluster.servers, server,
-                                           server_vol[1], grace, subdomain=service),
+                                           server_vol[1], grace, subdomain=service, annotations=annotations),
              f"03-{worker_job}.yaml": _job(cfg, name, worker_job, "worker", cfg.cluster.workers, worker,
                                            worker_vol[1], grace)}
-    return Manifests(files, pcfg, hosts, warnings)
+    cert_hosts = hosts + ([f"{h}.{k.namespace}.svc" for h in hosts] if annotations else [])
+    return Manifests(files, pcfg, hosts, warnings, cert_hosts)
 
 
 def _startup_failures(startup_timeout_s: float) -> int:
@@ -585,8 +595,44 @@ def _volumes(name: str, secret: str, items, spill: list[str]) -> tuple[list[dict
     return mounts, volumes
 
 
+#: the pod annotations Prometheus' usual Kubernetes scrape config keys on (deploy/prometheus/scrape-kubernetes.yml)
+SCRAPE, SCRAPE_PORT, SCRAPE_SCHEME, SCRAPE_PATH = ("prometheus.io/scrape", "prometheus.io/port", "prometheus.io/scheme",
+                                                   "prometheus.io/path")
+
+
+def _scrape_annotations(cfg: EngineConfig, warnings: list[str]) -> dict:
+    """The server pods' annotations for Prometheus when ``observability.prometheus_port`` is set, else {}.
+    A server serves ``/metrics`` on the pod's address (``--host 0.0.0.0``), over HTTPS with the cluster's
+    certificates when ``security.tls`` is set (the scraper then needs a client certificate of the
+    cluster's CA). A worker serves its metrics on ``cluster.host`` only (it holds no server certificate
+    to serve them off loopback): ``observability.pushgateway`` collects them; without it a warning says so.
+
+    Raises
+    ------
+    ConfigError
+        ``observability.prometheus_port`` is 0 (a free port per process: nothing to scrape by) or one of the
+        pods' own ports.
+    """
+    port = cfg.observability.prometheus_port
+    if port is None:
+        return {}
+    k = cfg.kubernetes
+    if port == 0:
+        raise ConfigError("observability.prometheus_port: 0 (a free port per process) cannot be scraped in pods: "
+                          "Prometheus finds a pod's metrics by a fixed port; give one, e.g. 9400")
+    if port in (k.port, k.health_port):
+        raise ConfigError(f"observability.prometheus_port: {port} is also kubernetes."
+                          f"{'port' if port == k.port else 'health_port'}; give the metrics a port of their own")
+    if not cfg.observability.pushgateway:
+        warnings.append(f"observability.prometheus_port: the server pods serve /metrics on port {port} (annotated "
+                        f"for Prometheus); the worker pods serve theirs on {cfg.cluster.host} only, out of a "
+                        f"scraper's reach: set observability.pushgateway to collect the workers' metrics")
+    return {SCRAPE: "true", SCRAPE_PORT: str(port), SCRAPE_PATH: "/metrics",
+            SCRAPE_SCHEME: "https" if cfg.security.tls.cert else "http"}
+
+
 def _job(cfg: EngineConfig, name: str, job: str, role: str, n: int, container: dict, volumes: list[dict], grace: int,
-         *, subdomain: str = "") -> dict:
+         *, subdomain: str = "", annotations: dict | None = None) -> dict:
     k = cfg.kubernetes
 
     def on_code(*codes: int) -> dict:
@@ -605,4 +651,6 @@ def _job(cfg: EngineConfig, name: str, job: str, role: str, n: int, container: d
                          {"action": "FailJob", "onExitCodes": on_code(EXIT_CONFIG, EXIT_STORAGE_REFUSED)},
                          {"action": "Ignore", "onExitCodes": on_code(EXIT_PREEMPTED, EXIT_ROLLBACK)},
                          {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
-                     "template": {"metadata": {"labels": _labels(name, role)}, "spec": pod}}}
+                     "template": {"metadata": {"labels": _labels(name, role),
+                                               **({"annotations": annotations} if annotations else {})},
+                                  "spec": pod}}}

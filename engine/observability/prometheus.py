@@ -115,7 +115,7 @@ class RoleMetrics:
     """
 
     def __init__(self, role: str, rank: int, run_id: str = "", restarts: int = 0):
-        from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+        from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
                                        ProcessCollector, disable_created_metrics)
         self.role, self.rank, self.run_id = role, rank, run_id
         disable_created_metrics()      # no *_created series: the process start time is exported once
@@ -130,6 +130,11 @@ class RoleMetrics:
                                             buckets=CHECKPOINT_BUCKETS, registry=self.registry)
         self.checkpoint_bytes = Counter("engine_checkpoint_bytes", "Bytes of the checkpoints this coordinator "
                                         "published", ["kind"], registry=self.registry)
+        # the time of the last one, what an alert on a job that stopped checkpointing reads (Prometheus'
+        # *_last_success_timestamp_seconds convention; deploy/prometheus/alerts.yml, EngineNoCheckpoint)
+        self.checkpoint_last = Gauge("engine_checkpoint_last_success_timestamp_seconds", "Wall-clock time (Unix "
+                                     "seconds) of the last checkpoint save or restore this coordinator finished",
+                                     ["op"], registry=self.registry)
         self.events = EventGauges()
         self.registry.register(self.events)
         self.url: str | None = None
@@ -292,6 +297,7 @@ def record_checkpoint(op: str, kind: str, seconds: float, nbytes: int = 0) -> No
     if m is None:
         return
     m.checkpoint_seconds.labels(op, kind).observe(seconds)
+    m.checkpoint_last.labels(op).set(time.time())
     if nbytes:
         m.checkpoint_bytes.labels(kind).inc(nbytes)
 
