@@ -502,6 +502,7 @@ class LocalCluster:
         if self.watch is not None:
             self.watch.close()
         self._terminate(self.workers + self.servers, grace=0.0)
+        prometheus.withdraw(self.cfg, self.run_dir)     # no role of this attempt is left to scrape
 
     @staticmethod
     def _terminate(children: list[Child], grace: float) -> None:

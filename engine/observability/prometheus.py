@@ -731,6 +731,22 @@ def child_env(cfg, role: str, rank: int, run_dir, restarts: int = 0) -> dict[str
     return {**out, PORT_ENV: str(port), FILE_ENV: str(path)}
 
 
+def withdraw(cfg, run_dir) -> None:
+    """An attempt's roles are gone: empty ``run_dir/prometheus.json`` (``[]``, no target), so a Prometheus
+    reading the runs' files (``deploy/prometheus/scrape-local.yml``) stops scraping them instead of
+    reporting every ended run's roles down for ever (the shipped EngineRoleDown alert). The file stays:
+    a scrape config's glob keeps matching it. Nothing when metrics are off or nothing was announced."""
+    out = Path(run_dir) / "prometheus.json"
+    if cfg.observability.prometheus_port is None or not out.is_file():
+        return
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        tmp.write_text("[]\n")
+        tmp.replace(out)
+    except OSError as e:        # the run directory is the user's: a failure to empty it is no failure of the job
+        log.warning("could not empty %s (its targets stay listed for Prometheus): %s", out, e)
+
+
 def announce(cfg, run_dir, children) -> bool:
     """Once every child (objects with ``role`` and ``rank``) wrote its metrics URL: log them and write
     ``run_dir/prometheus.json``, a Prometheus ``file_sd_configs`` target list (labels ``role``, ``rank``,

@@ -80,6 +80,7 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
         first, w_first = scrape(server_url), scrape(worker_url)
+        targets = json.loads(wait_file(run / "prometheus.json", proc))      # written once every role listens
         calls = ("engine_worker_allreduce_total", ())
         ok_pulls = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Pull")))
         steps = ("engine_ps_rpc_requests_total", (("code", "OK"), ("method", "Step")))
@@ -114,9 +115,11 @@ def test_a_running_job_is_scraped_and_its_event_files_hold_the_final_auc(tmp_pat
     assert w_second[calls] > w_first.get(calls, 0)            # one all-reduce per step
     assert 0 < w_second[cpu] <= w_second[wait] + 1e-3         # the waiting thread's CPU within its wall time
     assert w_second["engine_restarts_total", ()] == 0
-    targets = json.loads((run / "prometheus.json").read_text())
     assert sorted((t["labels"]["role"], t["labels"]["rank"]) for t in targets) == [
         ("server", "0"), ("worker", "0"), ("worker", "1")]
+    # the job ended: no target left for Prometheus (before, the ended run's roles were listed for ever, and
+    # deploy/prometheus/alerts.yml's EngineRoleDown fired for every finished run)
+    assert json.loads((run / "prometheus.json").read_text()) == []
     assert "Prometheus metrics" in err and server_url in err
 
     final = json.loads(out.strip().splitlines()[-1])
