@@ -84,6 +84,7 @@ def test_a_file_written_after_its_listing_is_refused_even_before_its_read_began(
     from engine.programs.ctr_data import local_versions, make_source
     path = tmp_path / "part-0.arrow"
     _write(path, _table(1000, 0.0), "stream")
+    os.utime(path, ns=(10**9, 10**9))           # the rewrite below gets another mtime, however coarse the clock
     files = [str(path)]
     versions = local_versions(files)            # the trainer's listing (check_unchanged at the epoch's start)
     schema = _table(1, 0.0).schema
