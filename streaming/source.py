@@ -155,14 +155,15 @@ def _name(src) -> str:
     return str(src)
 
 
-def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
+def read_batches(src, columns=None, version=None) -> Iterator[pa.RecordBatch]:
     """Record batches of one input, in order, as stored. Parquet by suffix; IPC stream or IPC file by magic.
 
     Files are read with plain reads (``pyarrow.OSFile``), not memory-mapped: a file truncated or replaced
     while it is read is a ``DataFormatError``, never a SIGBUS, and no delivered batch points into the file.
     A local file is stat-ed after each record batch is read and before it is delivered: a file written in
     place (or replaced, touched, deleted) since the read began is ``InputChangedError`` at that batch, so
-    no batch mixes bytes of two versions (a store's object: ``streaming.inputs``' pinned reads).
+    no batch mixes bytes of two versions (a store's object: ``streaming.inputs``' pinned reads). Given
+    ``version``, the file must be that one from its first batch on, not only the one the read began on.
     An IPC stream must end with its end-of-stream marker (``streaming.ipc_stream``): a stream cut at a
     record-batch boundary (its writer killed between two batches) is refused, not read as a shorter
     stream; a file is tested for it before its first batch is delivered (then scanned to name the batch),
@@ -173,6 +174,9 @@ def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
     src : str, ``"-"`` (stdin) or binary file object
     columns : list of str, optional
         Parquet only: read just these (those the file has); IPC batches come whole.
+    version : (int, int, int), optional
+        A local file's ``(size, mtime_ns, inode)`` as its reader listed (or last checked) it: a file
+        written since, even before this read began, is refused at its first batch.
 
     Raises
     ------
@@ -186,6 +190,9 @@ def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
     name = _name(src)
     parquet = is_file_input(src) and src.endswith(_PARQUET_SUFFIXES)
     pin = _local_version(src) if is_file_input(src) and not isinstance(src, RemoteInput) else None
+    began = "the file the read began on"
+    if pin is not None and version is not None:     # the version listed: rewritten before the open counts too
+        pin, began = (int(version[2]), int(version[0]), int(version[1])), "the file as the job listed it"
     opened: list = []
     it = _raw_batches(src, columns, opened)
     batch, rows = 0, 0
@@ -194,7 +201,7 @@ def read_batches(src, columns=None) -> Iterator[pa.RecordBatch]:
             try:
                 rb = next(it)
                 if pin is not None and (now := _local_version(src)) != pin:   # written in place (or replaced)
-                    raise InputChangedError(name, f"expected the file the read began on ({pin[1]} bytes, "
+                    raise InputChangedError(name, f"expected {began} ({pin[1]} bytes, "
                                                   f"inode {pin[0]}, modified {pin[2]} ns), got {now[1]} bytes, "
                                                   f"inode {now[0]}, modified {now[2]} ns: {CHANGED}")
             except StopIteration:
@@ -580,6 +587,11 @@ class ArrowSource:
         file, the row of the file and the column. E.g. ``engine.programs.ctr_data.check_values``.
     storage_options : hdfs_io.StorageOptions, optional
         For URI ``paths`` (``s3://``, ``hdfs://``; ``streaming.inputs``): endpoint, credentials.
+    versions : list, optional
+        Per input, a local file's ``(size, mtime_ns, inode)`` as listed (or None): each is read only as
+        that version (``read_batches``' ``version``): a file written in place after it was listed and
+        before this source opened it is ``InputChangedError`` at its first batch, not read whole as the
+        new version with the listed counts.
 
     Raises
     ------
@@ -599,7 +611,8 @@ class ArrowSource:
                  string_slots: Mapping[str, int] | None = None, shuffle_buffer: int = 0,
                  seed: int | None = None, drop_last: bool = False, prefetch: int = 4,
                  shard: tuple[int, int] | None = None, shard_by: str = "files",
-                 file_rows=None, start: SourcePosition | None = None, check=None, storage_options=None):
+                 file_rows=None, start: SourcePosition | None = None, check=None, storage_options=None,
+                 versions=None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if shuffle_buffer < 0:
@@ -637,6 +650,10 @@ class ArrowSource:
             if len(self.file_rows) != len(self.files):
                 raise ValueError(f"file_rows must give the rows of each of the {len(self.files)} inputs, got "
                                  f"{len(self.file_rows)} counts")
+        self.versions = list(versions) if versions is not None else [None] * len(self.files)
+        if len(self.versions) != len(self.files):
+            raise ValueError(f"versions must give the version of each of the {len(self.files)} inputs, got "
+                             f"{len(self.versions)}")
         self.start = start or SourcePosition()
         self.position = self.start
         self.check = check
@@ -684,7 +701,7 @@ class ArrowSource:
             name = _name(src)
             checked = False
             file_row = 0    # rows of this file before rb
-            batches = read_batches(src, columns)
+            batches = read_batches(src, columns, self.versions[fi])
             try:
                 for bi, rb in enumerate(batches):
                     if not checked:

@@ -512,7 +512,8 @@ class CTRTrainer(StepPipelines):
         self.train_versions = check_unchanged(self.train_files, self.train_versions, self.train_fingerprint)
         src = make_source(self.train_files, batch_size=p.batch_size, schema=self.schema, rank=self.rank,
                           num_workers=self.num_workers, shuffle_buffer=p.shuffle_buffer, seed=p.seed,
-                          prefetch=p.prefetch, file_rows=self.file_rows, storage_options=self.storage_options)
+                          prefetch=p.prefetch, file_rows=self.file_rows, storage_options=self.storage_options,
+                          versions=self.train_versions)    # and not as a version written after this check
         if self.train_started_at is None:
             self.train_started_at = time.time()
         progress.current().where(epoch=epoch)           # engine status shows it

@@ -172,7 +172,7 @@ def string_slots(schema: pa.Schema) -> dict[str, int]:
 
 def make_source(path, *, batch_size: int, schema: pa.Schema, rank: int, num_workers: int,
                 shuffle_buffer: int = 0, seed: int = 0, prefetch: int = 4, file_rows=None,
-                storage_options=None) -> ArrowSource:
+                storage_options=None, versions=None) -> ArrowSource:
     """This worker's shard of ``path`` (a path, a URI, or the inputs as ``list_files`` listed them). With
     ``file_rows`` (``file_rows(path)``: the rows of each input, as the train split is read) a balanced split of
     the rows: worker ``w`` reads rows ``[N*w // W, N*(w+1) // W)`` of the inputs in reading order
@@ -181,13 +181,14 @@ def make_source(path, *, batch_size: int, schema: pa.Schema, rank: int, num_work
     files when there are at least as many files as workers, else every ``num_workers``-th record batch. Slot
     columns may hold uint64 keys or raw strings (hashed: ``string_slots``); values are checked
     (``check_values``) when ``schema`` has a label. ``storage_options`` (``hdfs_io.StorageOptions``) reach a URI
-    ``path``'s store."""
+    ``path``'s store. ``versions`` (``local_versions`` of the inputs as listed, or as ``check_unchanged`` last
+    found them): a local file is read only as that version (``ArrowSource``), never as one written since."""
     files = list_files(path, storage_options=storage_options)
     shard_by = "rows" if file_rows is not None else "files" if len(files) >= num_workers else "batches"
     return ArrowSource(files, batch_size=batch_size, schema=schema, string_slots=string_slots(schema),
                        shuffle_buffer=shuffle_buffer,
                        seed=seed * 1009 + rank if shuffle_buffer else None, prefetch=prefetch,
-                       shard=(rank, num_workers), shard_by=shard_by, file_rows=file_rows,
+                       shard=(rank, num_workers), shard_by=shard_by, file_rows=file_rows, versions=versions,
                        check=check_values if "label" in schema.names else None)
 
 

@@ -32,7 +32,8 @@ Records are a cache, never a source of truth for the data: a record that is miss
 garbage or for other versions is a miss (logged), and the facts are read from the files as before; a
 record that cannot be written is a warning. Without checkpoints (``checkpoint.root`` empty or checkpoints
 off) nothing is recorded. Deleting ``_inputs`` makes the next start read everything again. Only one
-process writes at a time: the launcher (before any worker starts), or worker 0 (role mode); a local
+process writes at a time: the launcher (before any worker starts), then worker 0 (the train rows and
+fingerprint of its listing when no record had them, under a launcher too; in role mode the verdict); a local
 record is written under a temporary name and renamed into place, an object store's in one PUT, and a
 record cut short does not parse (a miss).
 """

@@ -74,3 +74,34 @@ def test_a_source_reading_through_its_prefetch_thread_raises_it_too(tmp_path):
     with pytest.raises(InputChangedError, match="expected the file the read began on"):
         for rb in it:
             assert rb.column(0).to_numpy().max() == 0.0
+
+
+def test_a_file_written_after_its_listing_is_refused_even_before_its_read_began(tmp_path):
+    """Two workers' shards of one file (``make_source`` with the listing's row counts and versions): a rewrite
+    of the same size after worker 0 read its rows and before worker 1 opened the file was read whole by
+    worker 1, as the new version, with the listed counts: rows of two versions in one epoch, no error (the
+    stat of each batch compared with the version the read began on, not the one listed)."""
+    from engine.programs.ctr_data import local_versions, make_source
+    path = tmp_path / "part-0.arrow"
+    _write(path, _table(1000, 0.0), "stream")
+    os.utime(path, ns=(10**9, 10**9))           # the rewrite below gets another mtime, however coarse the clock
+    files = [str(path)]
+    versions = local_versions(files)            # the trainer's listing (check_unchanged at the epoch's start)
+    schema = _table(1, 0.0).schema
+
+    def shard(rank):
+        return make_source(files, batch_size=100, schema=schema, rank=rank, num_workers=2, prefetch=0,
+                           file_rows=[1000], versions=versions).batches(0)
+
+    first = [rb.column(0).to_numpy().max() for rb in shard(0)]
+    assert first == [0.0] * 5
+    _in_place(path, _table(1000, 1.0), "stream", tmp_path)
+    with pytest.raises(InputChangedError, match=r"part-0\.arrow: row 1: field <record batch 0>: expected the file "
+                                                r"as the job listed it"):
+        for rb in shard(1):
+            assert rb.column(0).to_numpy().max() == 0.0
+    # a file copied again with the same bytes passes the epoch's check (check_unchanged: its fingerprint),
+    # which gives the versions the next epoch's source pins
+    _in_place(path, _table(1000, 0.0), "stream", tmp_path)
+    versions[:] = local_versions(files)
+    assert sum(rb.num_rows for r in (0, 1) for rb in shard(r)) == 1000
