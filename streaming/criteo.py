@@ -63,7 +63,7 @@ from hdfs_io import temp_names
 from . import _kernels, keys
 from .criteo_synth import GeneratedCriteo, generate_criteo
 from .errors import ConvertError, DataFormatError
-from .source import prefetch
+from .prefetch import prefetch
 
 __all__ = [
     "NUM_DENSE", "NUM_SPARSE", "SPARSE_COLUMNS", "SLOT_IDS", "criteo_schema", "convert_criteo",
