@@ -10,14 +10,17 @@ the driver through Ray's log forwarding, prefixed with the role and rank (``(ser
 Placement: one placement group (strategy SPREAD) with one bundle per role, servers first; each bundle
 holds ``cluster.server_resources`` or ``cluster.worker_resources`` (Ray resources, custom ones pin roles
 to the nodes that offer them; default a token 0.01 CPU so roles are not held back by Ray's CPU count).
-A server binds ``cluster.host`` when the Ray cluster is this one machine, else its node's address
-(then the security rules of ``engine.security.listen`` apply: TLS and tokens, or ``insecure: true``).
+A server binds ``cluster.host`` when the Ray cluster is this one machine (one live node, this one, holding
+every bundle once placed), else its node's address (then the security rules of ``engine.security.listen``
+apply: TLS and tokens, or ``insecure: true``).
 
 A lost node (its raylet and every actor on it gone: a preempted VM) ends its roles' actors; the role is
 failed with "died with its Ray node ID (ADDRESS), which was lost: WHY" (Ray's reason, or its raylet
 refusing connections), and the job restarts. Each attempt makes a new placement group (the last one's is
 removed), which waits up to ``cluster.startup_timeout_s`` for nodes offering every role's resources (a
-replacement joining meanwhile is used).
+replacement joining meanwhile is used), saying which role's resources no live node offers; past that,
+``PlacementError`` (``engine train`` exits 69 with one line and the command that continues the job from
+its checkpoints).
 
 Supervision is the local launcher's (``engine.launch.supervisor``): ``RayCluster`` is a ``LocalCluster``
 whose children are actors, so a dead actor, a dead role, a hang or a preemption is handled by the same
@@ -50,13 +53,13 @@ from pathlib import Path
 
 from .. import progress
 from ..config import EngineConfig
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError, PlacementError
 from ..observability.prometheus import FILE_ENV as METRICS_FILE_ENV
 from ..observability.prometheus import PORT_ENV as METRICS_PORT_ENV
 from ..observability.prometheus import RESTARTS_ENV
 from .local import Child, LocalCluster
 from .procs import parent_pid
-from .ray_nodes import check_resources, check_shared_checkpoints, death_cause
+from .ray_nodes import check_resources, check_shared_checkpoints, death_cause, unoffered
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ _TIMED_OUT = object()       # a read of a role's file whose actor did not answer
 CONNECT_CHECK_S = 30.0
 #: Ray Client's default port (``ray://HOST`` without one)
 RAY_CLIENT_PORT = 10001
+#: seconds between looks at what the placement group waits for (the first look logs what no node offers)
+PLACEMENT_CHECK_S = 5.0
 #: seconds a look at an unreachable actor's raylet may take (a refused connection: the node is lost)
 RAYLET_PROBE_S = 1.0
 
@@ -507,9 +512,10 @@ class RayCluster(LocalCluster):
     ConfigError
         Ray is missing, the Ray address is malformed or unreachable (``_connect``), a role's resources
         make no valid Ray bundle (``check_resources``), or the checkpoint rule
-        (``check_shared_checkpoints``) is broken.
-    LaunchError
-        The placement group cannot be placed within ``cluster.startup_timeout_s``.
+        (``check_shared_checkpoints``) is broken, before or after placement (roles placed on several
+        nodes: the listener rule too).
+    PlacementError
+        The placement group cannot be placed within ``cluster.startup_timeout_s`` (``_wait_placed``).
     """
 
     def __init__(self, cfg: EngineConfig, run_dir=None, python: str = sys.executable, allow_load=()):
@@ -517,26 +523,23 @@ class RayCluster(LocalCluster):
         check_resources(cfg)
         super().__init__(cfg, run_dir, python, allow_load)
         _connect(self.ray, cfg)
-        nodes = [n for n in self.ray.nodes() if n.get("Alive")]
-        check_shared_checkpoints(cfg, len(nodes))
-        self.one_machine = len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == \
-            self.ray.util.get_node_ip_address()
-        if not self.one_machine:    # servers bind their nodes' addresses: the listener rule applies
-            from ..security.listen import check_listen
-            check_listen("0.0.0.0", cfg.security, what="the Ray launcher's servers (on several nodes)",
-                         key="their nodes' addresses")
+        self.pg = None
+        self.one_machine = True
+        self._where(self._live_nodes(), None)      # before placement: a config error exits 2 at once
         from ray.util.placement_group import placement_group
         c = cfg.cluster
         bundles = ([dict(c.server_resources) or {"CPU": 0.01}] * c.servers
                    + [dict(c.worker_resources) or {"CPU": 0.01}] * c.workers)
         self.pg = placement_group(bundles, strategy="SPREAD")
-        ready, _ = self.ray.wait([self.pg.ready()], timeout=c.startup_timeout_s)
-        if not ready:
+        try:
+            self._wait_placed(bundles)
+            # where the bundles went: a node that joined during the wait (a replacement) counts
+            placed = self.ray.util.placement_group_table(self.pg).get("bundles_to_node_id") or {}
+            self._where(self._live_nodes(), set(placed.values()))
+        except BaseException:
             self.ray.util.remove_placement_group(self.pg)
-            raise LaunchError(f"Ray could not place {c.servers} server(s) with {bundles[0]} and {c.workers} "
-                              f"worker(s) with {bundles[-1]} within cluster.startup_timeout_s="
-                              f"{c.startup_timeout_s:g}s: {self.ray.cluster_resources()} in the cluster "
-                              f"(cluster.server_resources, cluster.worker_resources)", reason="placement")
+            self.pg = None
+            raise
         self.actors: list = []
 
     def _live_nodes(self) -> dict[str, dict]:
@@ -545,6 +548,69 @@ class RayCluster(LocalCluster):
         nodes = {n.get("NodeID"): n for n in self.ray.nodes() if n.get("Alive")}
         self._nodes = nodes
         return nodes
+
+    def _where(self, nodes: dict[str, dict], placed: set[str] | None) -> None:
+        """Set ``one_machine`` (servers bind ``cluster.host``) and check the rules of several nodes,
+        from the live ``nodes`` and, once the group is placed, the nodes holding its bundles
+        (``placed``): one machine is one live node, this one, holding every bundle. Decided again
+        after placement: a job started on one node whose roles were placed on a node that joined
+        during the wait (the replacement of a lost node) bound its servers to loopback, out of the
+        reach of roles on other machines.
+
+        Raises
+        ------
+        ConfigError
+            ``check_shared_checkpoints``, or the listener rule (TLS and tokens, or ``insecure: true``)
+            for servers that bind their nodes' addresses.
+        """
+        here = self.ray.util.get_node_ip_address()
+        check_shared_checkpoints(self.cfg, max(len(nodes), len(placed or ())))
+        alone = len(nodes) == 1 and next(iter(nodes.values())).get("NodeManagerAddress") == here
+        one = self.one_machine and alone and (placed is None or placed <= set(nodes))
+        if self.one_machine and not one:    # servers bind their nodes' addresses: the listener rule applies
+            from ..security.listen import check_listen
+            check_listen("0.0.0.0", self.cfg.security, what="the Ray launcher's servers (on several nodes)",
+                         key="their nodes' addresses")
+        self.one_machine = one
+
+    def _wait_placed(self, bundles: list[dict]) -> None:
+        """Wait up to ``cluster.startup_timeout_s`` for the placement group. When a role's resources are
+        offered by no live node (its node was lost, none joined yet), says so once, after
+        ``PLACEMENT_CHECK_S``, and goes on waiting for a node that offers them.
+
+        Raises
+        ------
+        PlacementError
+            Not placed in time: one line naming each role whose resources no live node offers (which
+            resource, how much), or the resources taken when every one exists.
+        """
+        c = self.cfg.cluster
+        needs = [("server", c.servers, bundles[0] if c.servers else {}),
+                 ("worker", c.workers, bundles[-1] if c.workers else {})]
+        deadline = time.monotonic() + c.startup_timeout_s
+        ready_ref = self.pg.ready()
+        said = False
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = self.ray.wait([ready_ref], timeout=max(0.0, min(left, PLACEMENT_CHECK_S)))
+            if ready:
+                return
+            missing = unoffered(needs, list(self._live_nodes().values()))
+            if time.monotonic() >= deadline:
+                if missing:
+                    why = "; ".join(missing)
+                else:
+                    keys = sorted({k for _, n, r in needs if n for k in r})
+                    free = self.ray.available_resources()
+                    free = {k: free.get(k, 0.0) for k in keys}
+                    why = (f"the live nodes offer {', '.join(keys)}, but not free for every role: available "
+                           f"{free} (taken by other work?)")
+                raise PlacementError(f"Ray could not place the job's roles within cluster.startup_timeout_s="
+                                     f"{c.startup_timeout_s:g}s: {why}", reason="placement", exit_code=None)
+            if missing and not said:
+                log.warning("%s: waiting up to %.0f s more (cluster.startup_timeout_s) for a Ray node that does",
+                            "; ".join(missing), deadline - time.monotonic())
+                said = True
 
     def _spawn(self, role: str, rank: int, extra: list[str], env: dict) -> Child:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -1,6 +1,7 @@
 """What the Ray launcher (``engine.launch.ray``) checks of a Ray cluster and its nodes: resources that make
-valid bundles, the checkpoint rule of several nodes, and how a role whose actor died ended (its node lost
-or its own process: ``death_cause``). Plain functions over configs, Ray's node records and Ray's error messages; no Ray import.
+valid bundles, the checkpoint rule of several nodes, which role's resources no live node offers (a lost node
+not replaced: ``unoffered``), and how a role whose actor died ended (its node lost or its own process:
+``death_cause``). Plain functions over configs, Ray's node records and Ray's error messages; no Ray import.
 """
 from __future__ import annotations
 
@@ -49,6 +50,32 @@ def check_resources(cfg: EngineConfig) -> None:
         if fine:
             raise ConfigError(f"cluster.{key}={dict(resources)}: {fine[0]} is below Ray's smallest quantity "
                               f"{RESOURCE_UNIT:g} (use 0, or at least {RESOURCE_UNIT:g})")
+
+
+def unoffered(needs: list[tuple[str, int, dict]], nodes: list[dict]) -> list[str]:
+    """For each role whose bundle no live node can hold, a phrase naming the role, its ranks and the
+    resources no node offers (in that quantity), e.g. "no live Ray node offers worker_node: 1 for worker
+    0-1 (cluster.worker_resources={'worker_node': 1})".
+
+    Parameters
+    ----------
+    needs : list of (role, count, resources)
+        Each role's bundle (resource name -> quantity per role process); a count of 0 is skipped.
+    nodes : list of dict
+        ``ray.nodes()`` entries of the live nodes (their ``Resources``: totals).
+    """
+    out = []
+    for role, count, res in needs:
+        totals = [n.get("Resources") or {} for n in nodes]
+        if not count or any(all(t.get(k, 0.0) >= v for k, v in res.items()) for t in totals):
+            continue
+        most = {k: max([t.get(k, 0.0) for t in totals] + [0.0]) for k in res}
+        short = [f"{k}: {v:g}" + (f" (the most a node offers: {most[k]:g})" if most[k] else "")
+                 for k, v in res.items() if most[k] < v]
+        what = ", ".join(short) if short else f"all of {res} on one node"
+        ranks = f"{role} 0" if count == 1 else f"{role} 0-{count - 1}"
+        out.append(f"no live Ray node offers {what} for {ranks} (cluster.{role}_resources={res})")
+    return out
 
 
 def check_shared_checkpoints(cfg: EngineConfig, nodes: int) -> None:

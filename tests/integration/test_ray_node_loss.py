@@ -12,6 +12,12 @@ uninterrupted local run's (``loopback_reference``).
 - A replacement node joins: the job restarts from the newest checkpoint on it and finishes (exit 0), every
   process of the lost node ended (its roles with their actors). The recovery worked before too; the
   failure said "was killed by signal 9", where it now names the lost node.
+- No node replaces it: the job ends ``cluster.startup_timeout_s`` after the restart began, exit 69, with
+  one line naming the role and the resource no node offers and the command that continues the job; that
+  command, run while the node is still missing and given a node during its wait, finishes the job with
+  its servers bound to their node's address. Before, the job ended with exit 1 and a line listing the
+  cluster's resources, and a job started on one node bound its servers to loopback even when its roles
+  were placed on a node that joined during the wait.
 """
 from __future__ import annotations
 
@@ -19,8 +25,10 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +37,7 @@ import pytest
 
 from engine import job_checkpoints
 from engine.config import load_config
+from engine.errors import EXIT_NO_RESOURCES
 from engine.launch.procs import parent_pid
 from engine.launch.ray import _descendants
 from tests.integration.test_offline_resume import _state
@@ -189,4 +198,51 @@ def test_a_lost_node_replaced_mid_job_restarts_on_the_new_node_and_trains_every_
         assert [n for _, n in placed[-2:]] == [new.node_id] * 2, (placed, new.node_id)
         assert shows(final["checkpoint"]) == reference_shows
         assert "Traceback" not in text, text[-4000:]
+        assert no_roles_left()
+
+
+def test_a_lost_node_never_replaced_ends_with_one_line_and_exit_69_and_the_line_continues_the_job(
+        tmp_path, reference_shows):
+    timeout_s = 20
+    with ray_nodes("ps_node", "worker_node") as (cluster, tmp):
+        ip = cluster.head_node.node_ip_address
+        cmd = ray_cmd(tmp_path, "x", cluster.address, ip, "checkpoint.align_steps=8",
+                      "checkpoint.delta_every=8steps", f"cluster.startup_timeout_s={timeout_s}")
+        with open(tmp_path / "driver.err", "w+") as err:
+            driver = start(cmd, err, {"ENGINE_FAILPOINTS": STEP_SLEEP})
+            try:
+                _, lost_at = lose_node_mid_job(cluster, tmp_path, driver, err)
+            finally:
+                out, text = finish(driver, err, 300)
+            ended_s = time.monotonic() - lost_at
+        assert driver.returncode == EXIT_NO_RESOURCES, text[-4000:]
+        # the loss is found within seconds (its raylet refuses connections), then the restart's placement
+        # group waits cluster.startup_timeout_s for a node offering worker_node
+        assert ended_s < timeout_s + 40, ended_s
+        lines = [ln for ln in text.splitlines() if ln.startswith("engine train:")]
+        assert len(lines) == 1, text[-4000:]
+        line = lines[0]
+        assert "no live Ray node offers worker_node: 1 for worker 0-1 (cluster.worker_resources" in line, line
+        assert f"cluster.startup_timeout_s={timeout_s}s" in line and "continue with: engine train " in line, line
+        assert "Traceback" not in text, text[-4000:]
+        assert no_roles_left()
+        # the line's command, started while the node is still missing: it waits, a node joins, it finishes
+        resume = shlex.split(line.split("continue with: ", 1)[1])
+        assert resume[:2] == ["engine", "train"] and "--resume" in resume, resume
+        resume = [sys.executable, "-m", "engine", *resume[1:], "--set", "cluster.startup_timeout_s=120"]
+        with open(tmp_path / "resume.err", "w+") as err:
+            driver = start(resume, err)
+            try:
+                until_while_running(driver, lambda: "waiting up to" in (tmp_path / "resume.err").read_text(),
+                                    "the resumed job waiting for a node", lambda: (tmp_path / "resume.err").read_text(),
+                                    timeout_s=120)
+                add_node(cluster, tmp, {"worker_node": 4})
+            finally:
+                out, text = finish(driver, err, 300)
+        assert driver.returncode == 0, text[-4000:]
+        final = json.loads(out.strip().splitlines()[-1])
+        assert final["restarts"] == 0 and shows(final["checkpoint"]) == reference_shows, final
+        # its roles span two nodes: its servers bind their node's address, which the workers reach
+        listening = re.findall(r"server \d/2 listening on (\S+):\d+", text)
+        assert listening and set(listening) == {ip}, (listening, text[-4000:])
         assert no_roles_left()

@@ -1,7 +1,7 @@
 """What the Ray launcher says of a lost node (``engine.launch.ray_nodes``, ``engine.launch.ray._ActorProc``),
-without a Ray cluster: how a role whose actor died ended (Ray's own error messages, as a 2-node test cluster
-gave them when a node was removed), and the raylet probe that tells a lost node from an unreachable actor
-(real sockets on 127.0.0.1). The whole path, on real Ray nodes,
+without a Ray cluster: which role's resources no live node offers, how a role whose actor died ended (Ray's
+own error messages, as a 2-node test cluster gave them when a node was removed), and the raylet probe that
+tells a lost node from an unreachable actor (real sockets on 127.0.0.1). The whole path, on real Ray nodes,
 is tests/integration/test_ray_node_loss.py (make test-long)."""
 from __future__ import annotations
 
@@ -15,11 +15,33 @@ ray = pytest.importorskip("ray")
 from ray.core.generated.common_pb2 import ActorDiedErrorContext  # noqa: E402
 
 from engine.launch.ray import ACTOR_DIED, _ActorProc  # noqa: E402
-from engine.launch.ray_nodes import death_cause  # noqa: E402
+from engine.launch.ray_nodes import death_cause, unoffered  # noqa: E402
 
+PS, WORKER = {"ps_node": 1.0}, {"worker_node": 1.0}
+NEEDS = [("server", 2, PS), ("worker", 2, WORKER)]
 #: Ray 2.60's cause when the GCS found an actor's node dead (its health checks)
 NODE_DIED = ("The actor died because its node has died. Node Id: 5e7293b7859774fbcd\n\tthe actor's node was "
              "terminated unexpectedly: health check failed due to missing too many heartbeats")
+
+
+def node(**resources) -> dict:
+    return {"NodeID": "n", "Alive": True, "Resources": {"CPU": 1.0, **resources}}
+
+
+def test_unoffered_names_each_role_whose_resources_no_live_node_offers():
+    assert unoffered(NEEDS, [node(ps_node=4), node(worker_node=4)]) == []
+    assert unoffered(NEEDS, [node(ps_node=4)]) == [
+        "no live Ray node offers worker_node: 1 for worker 0-1 (cluster.worker_resources={'worker_node': 1.0})"]
+    both = unoffered(NEEDS, [])
+    assert len(both) == 2 and "ps_node: 1 for server 0-1" in both[0] and "worker_node: 1 for worker 0-1" in both[1]
+    # a node offers less than one role needs
+    assert unoffered([("worker", 1, {"worker_node": 2.0})], [node(worker_node=1)]) == [
+        "no live Ray node offers worker_node: 2 (the most a node offers: 1) for worker 0 "
+        "(cluster.worker_resources={'worker_node': 2.0})"]
+    # every resource exists, but never together on one node
+    split = unoffered([("server", 1, {"ps_node": 1.0, "ssd": 1.0})], [node(ps_node=1), node(ssd=1)])
+    assert len(split) == 1 and "all of {'ps_node': 1.0, 'ssd': 1.0} on one node for server 0" in split[0]
+    assert unoffered([("worker", 0, WORKER)], []) == []        # no workers: nothing to place
 
 
 def test_death_cause_names_the_lost_node_from_rays_message_or_the_probe():
