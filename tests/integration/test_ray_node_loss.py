@@ -18,6 +18,8 @@ uninterrupted local run's (``loopback_reference``).
   its servers bound to their node's address. Before, the job ended with exit 1 and a line listing the
   cluster's resources, and a job started on one node bound its servers to loopback even when its roles
   were placed on a node that joined during the wait.
+- The workers' node lost inside a checkpoint write (its coordinator held before the publish by a
+  failpoint): the restart restores the checkpoint before it, and the job trains every example once.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from engine.config import load_config
 from engine.errors import EXIT_NO_RESOURCES
 from engine.launch.procs import parent_pid
 from engine.launch.ray import _descendants
+from hdfs_io import SUCCESS_NAME
 from tests.integration.test_offline_resume import _state
 from tests.integration.test_ray_launcher import CLUSTERS, _cmdline, _end_ray, _published, _ray_start_report, ray_cmd, \
     ray_roles
@@ -128,14 +131,15 @@ def shows(checkpoint: str) -> float:
     return float(_state(checkpoint)[0][("embedding", "show")].sum())
 
 
-def lose_node_mid_job(cluster, tmp_path: Path, driver: subprocess.Popen, err) -> tuple[dict[int, str], float]:
-    """Once the job published a checkpoint, remove ``cluster.lost`` at once (no graceful end); checks every
-    process of it, its roles included, ends. -> (its processes, the monotonic time of the removal)."""
+def lose_node_mid_job(cluster, tmp_path: Path, driver: subprocess.Popen, err, when=None,
+                      what: str = "a published checkpoint") -> tuple[dict[int, str], float]:
+    """Once the job published a checkpoint (or ``when()`` holds: ``what``), remove ``cluster.lost`` at once
+    (no graceful end); checks every process of it, its roles included, ends. -> (its processes, the
+    monotonic time of the removal)."""
     def tail() -> str:
         err.seek(0)
         return err.read()[-4000:]
-    until_while_running(driver, lambda: _published(tmp_path / "ckpt-x"), "a published checkpoint", tail,
-                        timeout_s=300)
+    until_while_running(driver, when or (lambda: _published(tmp_path / "ckpt-x")), what, tail, timeout_s=300)
     procs = node_processes(cluster.lost)
     roles = [p for p, c in procs.items() if "--role" in c]
     assert len(roles) == 2 and all(parent_pid(p) in procs for p in roles), (roles, ray_roles())
@@ -196,6 +200,44 @@ def test_a_lost_node_replaced_mid_job_restarts_on_the_new_node_and_trains_every_
             and "which was lost" in failed.group(1), text[-4000:]
         placed = re.findall(rf"{lost} (\d) runs on node (\w+)", text)
         assert [n for _, n in placed[-2:]] == [new.node_id] * 2, (placed, new.node_id)
+        assert shows(final["checkpoint"]) == reference_shows
+        assert "Traceback" not in text, text[-4000:]
+        assert no_roles_left()
+
+
+def complete_checkpoints(root: Path) -> list[str]:
+    """The checkpoints under ``root`` that have their ``_SUCCESS`` file."""
+    return sorted(str(p.parent) for p in root.rglob(SUCCESS_NAME))
+
+
+def test_the_workers_node_lost_inside_a_checkpoint_write_restarts_from_the_checkpoint_before(
+        tmp_path, reference_shows):
+    """Worker 0 coordinates the checkpoints: its second publish is held (failpoint checkpoint.before_publish,
+    8 s at its second hit: every server wrote its part files, the manifest and _SUCCESS are not written),
+    and the workers' node is removed inside that hold. The restart restores the first checkpoint, not the
+    half-written one, and the job, on a replacement node, trains every example once."""
+    with ray_nodes("ps_node", "worker_node") as (cluster, tmp):
+        cmd = ray_cmd(tmp_path, "x", cluster.address, cluster.head_node.node_ip_address, "checkpoint.align_steps=8",
+                      "checkpoint.delta_every=8steps", "cluster.startup_timeout_s=120")
+        log = tmp_path / "driver.err"
+        with open(log, "w+") as err:
+            driver = start(cmd, err, {"ENGINE_FAILPOINTS": f"{STEP_SLEEP};checkpoint.before_publish=sleep:8@2"})
+            try:
+                lose_node_mid_job(cluster, tmp_path, driver, err,
+                                  lambda: "failpoint checkpoint.before_publish: sleep 8 s (hit 2)" in log.read_text(),
+                                  "worker 0 inside its second checkpoint's publish")
+                before = complete_checkpoints(tmp_path / "ckpt-x")
+                until_while_running(driver, lambda: "restart 1/" in log.read_text(), "the restart",
+                                    lambda: log.read_text()[-4000:], timeout_s=120)
+                add_node(cluster, tmp, {"worker_node": 4})
+            finally:
+                out, text = finish(driver, err, 300)
+        assert len(before) == 1, before         # the second one was still being written when the node went
+        assert driver.returncode == 0, text[-4000:]
+        final = json.loads(out.strip().splitlines()[-1])
+        assert final["restarts"] == 1, (final, text[-4000:])
+        restart = re.search(r"restart 1/\d+ from (\S+) ", text)
+        assert restart and restart.group(1) == before[0], (before, text[-4000:])
         assert shows(final["checkpoint"]) == reference_shows
         assert "Traceback" not in text, text[-4000:]
         assert no_roles_left()
