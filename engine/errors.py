@@ -153,3 +153,20 @@ class LaunchError(EngineError, RuntimeError):
         super().__init__(message)
         self.role, self.rank, self.exit_code = role, rank, exit_code
         self.reason, self.log_tail = reason or message, log_tail
+
+
+#: ``engine train``'s exit code when the Ray launcher cannot place the job's roles: no live Ray node
+#: offers the resources a role needs (``cluster.server_resources``, ``cluster.worker_resources``), e.g.
+#: the node that offered them was lost and none replaced it (sysexits' EX_UNAVAILABLE); the job's
+#: checkpoints are kept, and the line says how to continue once a node offers them again
+EXIT_NO_RESOURCES = 69
+
+
+class PlacementError(LaunchError):
+    """The Ray launcher's placement group was not placed within ``cluster.startup_timeout_s``: the message
+    names each role whose resources no live node offers (or, when every resource exists, the ones
+    taken), in one line. ``resume`` is what a later run resumes from (set by the supervisor: "" the
+    newest checkpoint, a URI, or None: nothing, run the job again); ``engine train`` exits
+    ``EXIT_NO_RESOURCES`` with the command that continues the job."""
+
+    resume: str | None = None

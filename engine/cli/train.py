@@ -18,7 +18,9 @@ worker's check of its share of the inputs before the first step found a bad valu
 store refusing the credentials), 1 the job failed (more failures than ``cluster.max_restarts`` allows,
 every one listed), a checkpoint could not be restored, or the checkpoint storage or a training input's
 store (``model.data`` by URI: ``training input URI: ...``) stayed unreachable through its retries (one
-line each, no traceback), 74 the checkpoint storage refuses writes for good (read-only, access refused,
+line each, no traceback), 69 ``--launcher ray`` could not place the roles within
+``cluster.startup_timeout_s``: no live Ray node offers a role's resources, e.g. its node was lost and none
+replaced it (one line naming the role and resources, and the command that continues the job), 74 the checkpoint storage refuses writes for good (read-only, access refused,
 full: no restart mends it; one resumable line), 75 preempted (resumable: ``engine train CONFIG
 --resume``), 76 (a ``--role worker`` whose servers restarted, restored or were fenced under it, or that
 lost one, or one of which did not answer in time: restart it), 130 interrupted.
@@ -37,7 +39,8 @@ from streaming.errors import ConvertError, DataFormatError, SchemaError
 from streaming.inputs import InputUnavailableError
 
 from .. import preempt
-from ..errors import EXIT_STORAGE_REFUSED, REFUSED_ENDS, ConfigError, LaunchError, ProtocolVersionError
+from ..errors import (EXIT_NO_RESOURCES, EXIT_STORAGE_REFUSED, REFUSED_ENDS, ConfigError, LaunchError, PlacementError,
+                      ProtocolVersionError)
 
 log = logging.getLogger("engine.train")
 
@@ -264,6 +267,12 @@ def _run(args) -> int:
     except ProtocolVersionError as e:    # roles of two engine versions: restarting it does not help
         print(f"engine train: {e}", file=sys.stderr)
         return 2
+    except PlacementError as e:         # Ray: no live node offers a role's resources (a lost node not replaced)
+        then = (f"once a Ray node offers them, run it again: {resume_command(args, resume=None)}" if e.resume is None
+                else f"the job's checkpoints are kept: once a Ray node offers them, continue with: "
+                     f"{resume_command(args, resume=e.resume)}")
+        print(f"engine train: {e}; {then}", file=sys.stderr)
+        return EXIT_NO_RESOURCES
     except LaunchError as e:
         print(f"engine train: failed: {e}", file=sys.stderr)
         return 2 if e.exit_code == 2 else 1     # a role's config or bad-input error: not restarted

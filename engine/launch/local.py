@@ -155,6 +155,10 @@ class Child:
                 return f"(nothing in {self.log_path.name}; the end of {world}:)\n" + "\n".join(said[-n:])
         return "\n".join(lines[-n:]) or ("(empty log)" if self.log_path.exists() else "(no log)")
 
+    def how(self, code: int) -> str:
+        """How it ended, for the failure's line: killed by a signal (``code`` < 0) or its exit code."""
+        return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
     # what the launcher reads of a child; a child elsewhere (``engine.launch.ray.RayChild``) answers
     # the same questions through its actor
     def ready(self) -> str | None:
@@ -336,7 +340,7 @@ class LocalCluster:
             code = c.proc.poll()
             if code is None or (finished_ok and code in (0, preempt.EXIT_PREEMPTED)):
                 continue
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            how = c.how(code)
             raise LaunchError(f"{c.name} (pid {c.proc.pid}) {how}; last lines of {c.log_path}:\n{c.tail()}",
                               role=c.role, rank=c.rank, exit_code=code, reason=how, log_tail=c.tail())
 

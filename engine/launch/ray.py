@@ -10,8 +10,17 @@ the driver through Ray's log forwarding, prefixed with the role and rank (``(ser
 Placement: one placement group (strategy SPREAD) with one bundle per role, servers first; each bundle
 holds ``cluster.server_resources`` or ``cluster.worker_resources`` (Ray resources, custom ones pin roles
 to the nodes that offer them; default a token 0.01 CPU so roles are not held back by Ray's CPU count).
-A server binds ``cluster.host`` when the Ray cluster is this one machine, else its node's address
-(then the security rules of ``engine.security.listen`` apply: TLS and tokens, or ``insecure: true``).
+A server binds ``cluster.host`` when the Ray cluster is this one machine (one live node, this one, holding
+every bundle once placed), else its node's address (then the security rules of ``engine.security.listen``
+apply: TLS and tokens, or ``insecure: true``).
+
+A lost node (its raylet and every actor on it gone: a preempted VM) ends its roles' actors; the role is
+failed with "died with its Ray node ID (ADDRESS), which was lost: WHY" (Ray's reason, or its raylet
+refusing connections), and the job restarts. Each attempt makes a new placement group (the last one's is
+removed), which waits up to ``cluster.startup_timeout_s`` for nodes offering every role's resources (a
+replacement joining meanwhile is used), saying which role's resources no live node offers; past that,
+``PlacementError`` (``engine train`` exits 69 with one line and the command that continues the job from
+its checkpoints).
 
 Supervision is the local launcher's (``engine.launch.supervisor``): ``RayCluster`` is a ``LocalCluster``
 whose children are actors, so a dead actor, a dead role, a hang or a preemption is handled by the same
@@ -44,12 +53,13 @@ from pathlib import Path
 
 from .. import progress
 from ..config import EngineConfig
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError, PlacementError
 from ..observability.prometheus import FILE_ENV as METRICS_FILE_ENV
 from ..observability.prometheus import PORT_ENV as METRICS_PORT_ENV
 from ..observability.prometheus import RESTARTS_ENV
 from .local import Child, LocalCluster
 from .procs import parent_pid
+from .ray_nodes import check_resources, check_shared_checkpoints, death_cause, unoffered
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +73,12 @@ STALLED_TIMEOUT_S = 1.0
 _TIMED_OUT = object()       # a read of a role's file whose actor did not answer in time
 #: the longest a driver waits for a TCP connection to the Ray cluster's address before ``ray.init``
 CONNECT_CHECK_S = 30.0
-#: Ray's finest resource unit: a non-zero quantity below it is refused by Ray
-RESOURCE_UNIT = 0.0001
 #: Ray Client's default port (``ray://HOST`` without one)
 RAY_CLIENT_PORT = 10001
+#: seconds between looks at what the placement group waits for (the first look logs what no node offers)
+PLACEMENT_CHECK_S = 5.0
+#: seconds a look at an unreachable actor's raylet may take (a refused connection: the node is lost)
+RAYLET_PROBE_S = 1.0
 
 
 def require_ray():
@@ -198,22 +210,41 @@ class _ActorProc:
     as a child killed by SIGKILL (``ACTOR_DIED``), unless its role's own exit code was known before.
     ``actor_dead`` tells a dead actor from a role killed by SIGKILL under a live one (both exit -9)."""
 
-    def __init__(self, ray, actor, pid: int):
+    def __init__(self, ray, actor, pid: int, node: tuple[str, str, int] | None = None):
         self._ray, self._actor, self.pid = ray, actor, pid
+        self.node = node            # (node id, address, raylet port) of the actor's node
         self._code: int | None = None
         self.stalled = False        # its last call timed out: the next ones wait STALLED_TIMEOUT_S only
         self.actor_dead = False     # a call found the actor dead, or the launcher killed it (shutdown)
+        self.death: str | None = None   # why Ray says it died (``death_cause``): its node lost, or its own
 
     def _get(self, ref, timeout: float = CALL_TIMEOUT_S, on_timeout=None):
         """The call's answer; ``ACTOR_DIED`` when its actor died; ``on_timeout`` when it did not answer
         within ``timeout`` seconds (its node or process is stalled). Once a call timed out, the next
         ones wait ``STALLED_TIMEOUT_S`` until the actor answers again: the launcher's poll, progress
         read, log tail and teardown would otherwise each wait the whole ``CALL_TIMEOUT_S`` (a frozen
-        actor held a restart for minutes)."""
+        actor held a restart for minutes).
+
+        An actor Ray finds unreachable but not dead (``ActorUnavailableError``: a connection reset or
+        refused) is dead when its node's raylet refuses connections too (the node was lost: every actor
+        on it died with its raylet), else it is treated as a call that timed out: Ray says it died once
+        its health checks find the node dead, or the role's progress beat ages (``client.dead_after_s``).
+        Before, any such error was a death, so one reset connection to a live actor restarted the job."""
+        unavailable = getattr(self._ray.exceptions, "ActorUnavailableError", ())
         try:
             value = self._ray.get(ref, timeout=min(timeout, STALLED_TIMEOUT_S) if self.stalled else timeout)
-        except self._ray.exceptions.RayActorError:
+        except self._ray.exceptions.RayActorError as e:
+            lost = self.node_lost()
+            if isinstance(e, unavailable) and lost is None:
+                if not self.stalled:
+                    log.warning("the Ray actor of pid %d is unreachable (%s); its node's raylet answers: waiting for "
+                                "it to answer again, or for Ray to find it dead", self.pid,
+                                (str(e).splitlines() or [""])[0][:300])
+                self.stalled = True
+                return on_timeout
             self.actor_dead = True
+            if self.death is None:
+                self.death = death_cause(e, self.node, lost)
             if self._code is None:
                 self._code = ACTOR_DIED
             return ACTOR_DIED
@@ -225,6 +256,21 @@ class _ActorProc:
             return on_timeout
         self.stalled = False
         return value
+
+    def node_lost(self) -> str | None:
+        """Why this actor's node is known lost (its raylet refuses TCP connections: the raylet died, with
+        every actor of the node), or None (it answers, or cannot be reached in ``RAYLET_PROBE_S``: a
+        stalled or unreachable node, not known lost)."""
+        if self.node is None or not self.node[2]:
+            return None
+        _, ip, port = self.node
+        try:
+            socket.create_connection((ip, port), timeout=RAYLET_PROBE_S).close()
+        except ConnectionRefusedError:
+            return f"its raylet at {ip}:{port} refuses connections"
+        except OSError:
+            pass
+        return None
 
     def poll(self) -> int | None:
         if self._code is None and self.actor_dead:
@@ -279,6 +325,13 @@ class RayChild(Child):
                 value = progress.rebase(value, time.monotonic() - float(read_mono))
         self._last_report = value
         return value
+
+    def how(self, code: int) -> str:
+        """Its actor's death when Ray reported one (``death_cause``: its node lost, or its own process),
+        else as a local child's."""
+        if code == ACTOR_DIED and self.proc.death:
+            return self.proc.death
+        return super().how(code)
 
     def _ended(self) -> bool:
         """Its actor is gone or its role exited (nothing newer can be read of it)."""
@@ -450,45 +503,6 @@ def _stop_local_ray(ray, started: set[int]) -> None:
             pass
 
 
-def check_resources(cfg: EngineConfig) -> None:
-    """``cluster.server_resources`` and ``worker_resources`` make valid Ray bundles: at least one value
-    above 0 (Ray refuses a bundle of zeros), and none between 0 and Ray's unit ``RESOURCE_UNIT``.
-
-    Raises
-    ------
-    ConfigError
-        Naming the key and the value.
-    """
-    for key in ("server_resources", "worker_resources"):
-        resources = getattr(cfg.cluster, key)
-        if not resources:
-            continue                    # the default, a token {CPU: 0.01}
-        if not any(v > 0 for v in resources.values()):
-            raise ConfigError(f"cluster.{key}={dict(resources)}: a Ray bundle needs at least one resource above 0 "
-                              f"(e.g. {{CPU: 0.01}}, the default when it is empty)")
-        fine = [k for k, v in resources.items() if 0 < v < RESOURCE_UNIT]
-        if fine:
-            raise ConfigError(f"cluster.{key}={dict(resources)}: {fine[0]} is below Ray's smallest quantity "
-                              f"{RESOURCE_UNIT:g} (use 0, or at least {RESOURCE_UNIT:g})")
-
-
-def check_shared_checkpoints(cfg: EngineConfig, nodes: int) -> None:
-    """With more than one node, a local ``checkpoint.root`` needs ``checkpoint.shared: true``.
-
-    Raises
-    ------
-    ConfigError
-        Naming ``checkpoint.root`` and ``checkpoint.shared``.
-    """
-    root = cfg.checkpoint.root
-    local = bool(root) and ("://" not in root or root.startswith("file://"))
-    if nodes > 1 and local and not cfg.checkpoint.shared:
-        raise ConfigError(f"checkpoint.root {root!r} is a local path, but the Ray cluster has {nodes} nodes: "
-                          f"servers on different nodes would write their parts to different disks. Use shared "
-                          f"storage (s3://, hdfs://), or a path every node mounts declared with "
-                          f"checkpoint.shared: true")
-
-
 class RayCluster(LocalCluster):
     """Servers and workers of one attempt as Ray actors (see the module docstring). Same interface as
     ``LocalCluster``; ``run_dir`` on the driver keeps the resolved config.
@@ -498,9 +512,10 @@ class RayCluster(LocalCluster):
     ConfigError
         Ray is missing, the Ray address is malformed or unreachable (``_connect``), a role's resources
         make no valid Ray bundle (``check_resources``), or the checkpoint rule
-        (``check_shared_checkpoints``) is broken.
-    LaunchError
-        The placement group cannot be placed within ``cluster.startup_timeout_s``.
+        (``check_shared_checkpoints``) is broken, before or after placement (roles placed on several
+        nodes: the listener rule too).
+    PlacementError
+        The placement group cannot be placed within ``cluster.startup_timeout_s`` (``_wait_placed``).
     """
 
     def __init__(self, cfg: EngineConfig, run_dir=None, python: str = sys.executable, allow_load=()):
@@ -508,27 +523,94 @@ class RayCluster(LocalCluster):
         check_resources(cfg)
         super().__init__(cfg, run_dir, python, allow_load)
         _connect(self.ray, cfg)
-        nodes = [n for n in self.ray.nodes() if n.get("Alive")]
-        check_shared_checkpoints(cfg, len(nodes))
-        self.one_machine = len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == \
-            self.ray.util.get_node_ip_address()
-        if not self.one_machine:    # servers bind their nodes' addresses: the listener rule applies
-            from ..security.listen import check_listen
-            check_listen("0.0.0.0", cfg.security, what="the Ray launcher's servers (on several nodes)",
-                         key="their nodes' addresses")
+        self.pg = None
+        self.one_machine = True
+        self._where(self._live_nodes(), None)      # before placement: a config error exits 2 at once
         from ray.util.placement_group import placement_group
         c = cfg.cluster
         bundles = ([dict(c.server_resources) or {"CPU": 0.01}] * c.servers
                    + [dict(c.worker_resources) or {"CPU": 0.01}] * c.workers)
         self.pg = placement_group(bundles, strategy="SPREAD")
-        ready, _ = self.ray.wait([self.pg.ready()], timeout=c.startup_timeout_s)
-        if not ready:
+        try:
+            self._wait_placed(bundles)
+            # where the bundles went: a node that joined during the wait (a replacement) counts
+            placed = self.ray.util.placement_group_table(self.pg).get("bundles_to_node_id") or {}
+            self._where(self._live_nodes(), set(placed.values()))
+        except BaseException:
             self.ray.util.remove_placement_group(self.pg)
-            raise LaunchError(f"Ray could not place {c.servers} server(s) with {bundles[0]} and {c.workers} "
-                              f"worker(s) with {bundles[-1]} within cluster.startup_timeout_s="
-                              f"{c.startup_timeout_s:g}s: {self.ray.cluster_resources()} in the cluster "
-                              f"(cluster.server_resources, cluster.worker_resources)", reason="placement")
+            self.pg = None
+            raise
         self.actors: list = []
+
+    def _live_nodes(self) -> dict[str, dict]:
+        """The Ray cluster's live nodes by node id (``ray.nodes()``: a node lost a moment ago may be
+        listed alive until Ray's health checks find it dead)."""
+        nodes = {n.get("NodeID"): n for n in self.ray.nodes() if n.get("Alive")}
+        self._nodes = nodes
+        return nodes
+
+    def _where(self, nodes: dict[str, dict], placed: set[str] | None) -> None:
+        """Set ``one_machine`` (servers bind ``cluster.host``) and check the rules of several nodes,
+        from the live ``nodes`` and, once the group is placed, the nodes holding its bundles
+        (``placed``): one machine is one live node, this one, holding every bundle. Decided again
+        after placement: a job started on one node whose roles were placed on a node that joined
+        during the wait (the replacement of a lost node) bound its servers to loopback, out of the
+        reach of roles on other machines.
+
+        Raises
+        ------
+        ConfigError
+            ``check_shared_checkpoints``, or the listener rule (TLS and tokens, or ``insecure: true``)
+            for servers that bind their nodes' addresses.
+        """
+        here = self.ray.util.get_node_ip_address()
+        check_shared_checkpoints(self.cfg, max(len(nodes), len(placed or ())))
+        alone = len(nodes) == 1 and next(iter(nodes.values())).get("NodeManagerAddress") == here
+        one = self.one_machine and alone and (placed is None or placed <= set(nodes))
+        if self.one_machine and not one:    # servers bind their nodes' addresses: the listener rule applies
+            from ..security.listen import check_listen
+            check_listen("0.0.0.0", self.cfg.security, what="the Ray launcher's servers (on several nodes)",
+                         key="their nodes' addresses")
+        self.one_machine = one
+
+    def _wait_placed(self, bundles: list[dict]) -> None:
+        """Wait up to ``cluster.startup_timeout_s`` for the placement group. When a role's resources are
+        offered by no live node (its node was lost, none joined yet), says so once, after
+        ``PLACEMENT_CHECK_S``, and goes on waiting for a node that offers them.
+
+        Raises
+        ------
+        PlacementError
+            Not placed in time: one line naming each role whose resources no live node offers (which
+            resource, how much), or the resources taken when every one exists.
+        """
+        c = self.cfg.cluster
+        needs = [("server", c.servers, bundles[0] if c.servers else {}),
+                 ("worker", c.workers, bundles[-1] if c.workers else {})]
+        deadline = time.monotonic() + c.startup_timeout_s
+        ready_ref = self.pg.ready()
+        said = False
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = self.ray.wait([ready_ref], timeout=max(0.0, min(left, PLACEMENT_CHECK_S)))
+            if ready:
+                return
+            missing = unoffered(needs, list(self._live_nodes().values()))
+            if time.monotonic() >= deadline:
+                if missing:
+                    why = "; ".join(missing)
+                else:
+                    keys = sorted({k for _, n, r in needs if n for k in r})
+                    free = self.ray.available_resources()
+                    free = {k: free.get(k, 0.0) for k in keys}
+                    why = (f"the live nodes offer {', '.join(keys)}, but not free for every role: available "
+                           f"{free} (taken by other work?)")
+                raise PlacementError(f"Ray could not place the job's roles within cluster.startup_timeout_s="
+                                     f"{c.startup_timeout_s:g}s: {why}", reason="placement", exit_code=None)
+            if missing and not said:
+                log.warning("%s: waiting up to %.0f s more (cluster.startup_timeout_s) for a Ray node that does",
+                            "; ".join(missing), deadline - time.monotonic())
+                said = True
 
     def _spawn(self, role: str, rank: int, extra: list[str], env: dict) -> Child:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -560,6 +642,7 @@ class RayCluster(LocalCluster):
         if metrics_env.pop(METRICS_FILE_ENV, None) is not None:
             files.append("metrics")
         node_id, node_ip = self._start_call(role, rank, "start", actor.node.remote(), c.startup_timeout_s)
+        node = getattr(self, "_nodes", {}).get(node_id) or self._live_nodes().get(node_id) or {}
         log.info("%s %d runs on node %s (%s)", role, rank, node_id, node_ip)
         if role == "server":
             argv += ["--host", c.host if self.one_machine else node_ip]
@@ -571,7 +654,8 @@ class RayCluster(LocalCluster):
                                c.startup_timeout_s)
         log_path = self._start_call(role, rank, "name its log",
                                     actor.__ray_call__.remote(lambda a: str(a.log_path)), CALL_TIMEOUT_S)
-        child = RayChild(role, rank, _ActorProc(self.ray, actor, pid), Path(f"{node_ip}:{log_path}"))
+        proc = _ActorProc(self.ray, actor, pid, (node_id, node_ip, int(node.get("NodeManagerPort") or 0)))
+        child = RayChild(role, rank, proc, Path(f"{node_ip}:{log_path}"))
         child.actor = actor
         return child
 

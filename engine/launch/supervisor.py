@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .. import job_checkpoints as ckpt_job
 from ..config import EngineConfig
-from ..errors import EXIT_STORAGE_REFUSED, REFUSED_ENDS, LaunchError
+from ..errors import EXIT_STORAGE_REFUSED, REFUSED_ENDS, LaunchError, PlacementError
 from ..modes import LOCKSTEP_MODES
 from .local import LocalCluster
 
@@ -177,6 +177,9 @@ class Supervisor:
             More than ``cluster.max_restarts`` failures within ``cluster.restart_window_s`` (the
             message lists every failure), or a failure before any worker started that a restart
             cannot mend (a server that cannot start).
+        PlacementError
+            The Ray launcher could not place an attempt's roles within ``cluster.startup_timeout_s`` (no
+            live node offers a role's resources); its ``resume`` says what the job continues from.
         hdfs_io.StorageUnavailableError
             A role exited ``EXIT_STORAGE_REFUSED``: its checkpoint storage refuses writes for good
             (read-only, access refused, full); not restarted (``_refused``).
@@ -186,8 +189,12 @@ class Supervisor:
             run_dir = (self.run_dir if attempt == 0 or self.run_dir is None
                        else Path(self.run_dir) / f"restart-{attempt}")
             # the operator's --resume URI may lie outside checkpoint.root: its servers may load from it
-            cluster = self._cluster = self.cluster_class(self.cfg, run_dir,
-                                                         allow_load=(self.first_resume,) if self.first_resume else ())
+            try:
+                cluster = self._cluster = self.cluster_class(
+                    self.cfg, run_dir, allow_load=(self.first_resume,) if self.first_resume else ())
+            except PlacementError as e:     # no node offers a role's resources (a lost node not replaced)
+                e.resume = self.resume      # what this attempt would have restored: a later run does
+                raise
             if self.run_dir is None:    # a new run dir of its own: the restarts go below it, where the
                 self.run_dir = cluster.run_dir      # launcher's log and engine status find them
             cluster.restarts = self.restarts     # the children's engine_restarts_total (engine.observability)
