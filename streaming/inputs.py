@@ -205,8 +205,8 @@ class RemoteInput:
 
     def version(self) -> tuple[int, int | None, bytes | None]:
         """``(size, mtime_ns or None, etag or None)`` of the object now, checked against the listing as an
-        open is (one HEAD on S3; a stat elsewhere): the ETag it reads is pinned, so every later open and
-        read of this input must see the same one.
+        open is (one HEAD on S3; elsewhere an open and a stat): the ETag it reads is pinned, so every later
+        open and read of this input must see the same one.
 
         Raises
         ------

@@ -26,12 +26,13 @@ stands for other bytes; a file copied elsewhere or restored from a backup just m
 ``checked`` holds the keys (``check_key``) of the value checks the files passed whole: the train split's
 (``check_train_split``; role mode's, once every worker's share passed and every worker saw the same
 versions) and the test split's (with the grouping column). A key changes with the schema, the grouping
-column and ``CHECKS``, so a new version of the checks reads the data again.
+column, ``CHECKS`` and the checks' source code, so a new version of the checks reads the data again.
 
 Records are a cache, never a source of truth for the data: a record that is missing, unreadable,
 garbage or for other versions is a miss (logged), and the facts are read from the files as before; a
 record that cannot be written is a warning. Without checkpoints (``checkpoint.root`` empty or checkpoints
-off) nothing is recorded. Deleting ``_inputs`` makes the next start read everything again. Only one
+off) nothing is recorded. Deleting ``_inputs`` makes the next start read everything again; a job keeps its
+``MAX_RECORDS`` newest records. Only one
 process writes at a time: the launcher (before any worker starts), then worker 0 (the train rows and
 fingerprint of its listing when no record had them, under a launcher too; in role mode the verdict); a local
 record is written under a temporary name and renamed into place, an object store's in one PUT, and a
@@ -39,6 +40,7 @@ record cut short does not parse (a miss).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -59,6 +61,9 @@ FORMAT = 1
 CHECKS = 1
 #: HEAD requests (or stats) in flight at once when taking a store's versions
 VERSION_REQUESTS = 16
+#: records kept in a job's ``_inputs``: writing one more deletes the oldest beyond this many (a directory
+#: that keeps gaining files gives each start a new listing, and so a new record)
+MAX_RECORDS = 64
 
 
 def version_tokens(files) -> list[str]:
@@ -94,11 +99,26 @@ def file_uris(files) -> list[str]:
 
 def check_key(split: str, schema, group_column: str | None = None) -> str:
     """The key under which a split that passed its value checks is recorded: ``split`` (``train`` or
-    ``test``), the expected ``schema`` (``pyarrow.Schema``), the grouping column (the test split's) and
-    ``CHECKS``. 16 hex digits."""
-    text = json.dumps([split, CHECKS, schema.to_string(show_field_metadata=False, show_schema_metadata=False),
-                       group_column or ""])
+    ``test``), the expected ``schema`` (``pyarrow.Schema``), the grouping column (the test split's),
+    ``CHECKS`` and the source code of the checks (``checks_digest``). 16 hex digits."""
+    text = json.dumps([split, CHECKS, checks_digest(),
+                       schema.to_string(show_field_metadata=False, show_schema_metadata=False), group_column or ""])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def checks_digest() -> str:
+    """SHA-256 of the source of the value checks (``streaming.values``, ``ctr_data.check_values``,
+    ``ctr_eval.eval_check``): an engine whose checks changed in any way, ``CHECKS`` raised or not, reads
+    and checks the data again rather than trust a record an older check wrote."""
+    import inspect
+
+    from streaming import values
+
+    from .ctr_data import check_values
+    from .ctr_eval import eval_check
+    text = "".join(inspect.getsource(o) for o in (values, check_values, eval_check))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class Records:
@@ -191,7 +211,24 @@ class Records:
             log.warning("input record %s could not be written (%s: %s); the next start reads the inputs again",
                         self.storage.uri_of(name), type(e).__name__, e)
             return False
+        self._prune(keep=name)
         return True
+
+    def _prune(self, keep: str) -> None:
+        """Delete the oldest records (by modification time) beyond ``MAX_RECORDS``, never ``keep``; a
+        failure is a warning (one LIST per record written)."""
+        try:
+            infos = [i for i in self.storage.children("") if i.base_name.endswith(".json")
+                     and not i.base_name.startswith(".")]
+            if len(infos) <= MAX_RECORDS:
+                return
+            infos.sort(key=lambda i: i.mtime_ns or 0)
+            for info in infos[:len(infos) - MAX_RECORDS]:
+                if info.base_name != keep:
+                    self.storage.delete(info.base_name, missing_ok=True)
+        except Exception as e:  # noqa: BLE001 - a cache: the job goes on without it
+            log.warning("input records under %s could not be pruned (%s: %s)", self.storage.uri_of(""),
+                        type(e).__name__, e)
 
 
 def _digest(body: dict) -> str:

@@ -205,3 +205,31 @@ def test_on_s3_a_second_start_costs_a_head_per_file_and_a_rewritten_object_is_re
                     source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3)
     with pytest.raises(DataFormatError, match=r"part-2\.arrow: row 2: field label"):
         check_splits(cfg, data, SCHEMA, cfg.storage.options())
+
+
+def test_checks_that_changed_since_a_record_read_the_data_again(tmp_path, caplog, monkeypatch):
+    """A record vouches for the checks of the engine that wrote it: their source code is in its key
+    (ctr_records.checks_digest), so an engine whose checks differ (an upgrade) checks the data again."""
+    from engine.programs import ctr_records
+    train, test = _split(tmp_path)
+    cfg, data = _cfg(tmp_path, train, test)
+    check_splits(cfg, data, SCHEMA)
+    monkeypatch.setattr(ctr_records, "checks_digest", lambda: "another engine's checks")
+    with caplog.at_level(logging.INFO, logger="engine.programs.ctr_inputs"):
+        assert check_splits(cfg, data, SCHEMA)[1] > 0
+    assert "checked by an earlier start" not in caplog.text
+
+
+def test_a_job_keeps_its_newest_records_only(tmp_path, caplog, monkeypatch):
+    from engine.programs import ctr_records
+    monkeypatch.setattr(ctr_records, "MAX_RECORDS", 3)
+    train, test = _split(tmp_path)
+    cfg, data = _cfg(tmp_path, train, test)
+    for i in range(4):                       # a directory that changes between starts: a new listing each time
+        os.utime(train / f"part-{i % 3}.arrow")
+        check_splits(cfg, data, SCHEMA)
+        assert len(_records(tmp_path)) <= 3
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine.programs.ctr_inputs"):
+        check_splits(cfg, data, SCHEMA)      # the newest records were kept: nothing read
+    assert caplog.text.count("checked by an earlier start") == 2
