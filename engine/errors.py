@@ -170,3 +170,9 @@ class PlacementError(LaunchError):
     ``EXIT_NO_RESOURCES`` with the command that continues the job."""
 
     resume: str | None = None
+
+
+class StoppedWhilePlacing(Exception):
+    """The supervisor asked to stop (a preemption: SIGTERM to the driver) while the Ray launcher waited for
+    its placement group (``engine.launch.ray.RayCluster``): nothing of the attempt started, so the job stops
+    resumable at once (``engine train`` exits 75) instead of after ``cluster.startup_timeout_s``."""

@@ -197,8 +197,9 @@ class LocalCluster:
     """
 
     def __init__(self, cfg: EngineConfig, run_dir: str | Path | None = None, python: str = sys.executable,
-                 allow_load: tuple[str, ...] = ()):
+                 allow_load: tuple[str, ...] = (), stopping=None):
         self.cfg = cfg
+        self.stopping = stopping or (lambda: False)     # the supervisor's stop flag (a preemption), for waits
         self.allow_load = tuple(allow_load)     # further roots clients may load from (--resume URI)
         self.run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from .. import progress
 from ..config import EngineConfig
-from ..errors import ConfigError, LaunchError, PlacementError
+from ..errors import ConfigError, LaunchError, PlacementError, StoppedWhilePlacing
 from ..observability.prometheus import FILE_ENV as METRICS_FILE_ENV
 from ..observability.prometheus import PORT_ENV as METRICS_PORT_ENV
 from ..observability.prometheus import RESTARTS_ENV
@@ -77,6 +77,9 @@ CONNECT_CHECK_S = 30.0
 RAY_CLIENT_PORT = 10001
 #: seconds between looks at what the placement group waits for (the first look logs what no node offers)
 PLACEMENT_CHECK_S = 5.0
+#: seconds between two looks at the supervisor's stop flag (a SIGTERM) while the placement waits
+STOP_CHECK_S = 0.5
+
 #: seconds a look at an unreachable actor's raylet may take (a refused connection: the node is lost)
 RAYLET_PROBE_S = 1.0
 
@@ -518,10 +521,10 @@ class RayCluster(LocalCluster):
         The placement group cannot be placed within ``cluster.startup_timeout_s`` (``_wait_placed``).
     """
 
-    def __init__(self, cfg: EngineConfig, run_dir=None, python: str = sys.executable, allow_load=()):
+    def __init__(self, cfg: EngineConfig, run_dir=None, python: str = sys.executable, allow_load=(), stopping=None):
         self.ray = require_ray()
         check_resources(cfg)
-        super().__init__(cfg, run_dir, python, allow_load)
+        super().__init__(cfg, run_dir, python, allow_load, stopping=stopping)
         _connect(self.ray, cfg)
         self.pg = None
         self.one_machine = True
@@ -583,6 +586,9 @@ class RayCluster(LocalCluster):
         PlacementError
             Not placed in time: one line naming each role whose resources no live node offers (which
             resource, how much), or the resources taken when every one exists.
+        StoppedWhilePlacing
+            ``self.stopping()`` became true (the driver was preempted: SIGTERM) while waiting, checked every
+            ``STOP_CHECK_S``: nothing of this attempt started, so there is nothing to wait for.
         """
         c = self.cfg.cluster
         needs = [("server", c.servers, bundles[0] if c.servers else {}),
@@ -590,11 +596,17 @@ class RayCluster(LocalCluster):
         deadline = time.monotonic() + c.startup_timeout_s
         ready_ref = self.pg.ready()
         said = False
+        checked = time.monotonic()
         while True:
             left = deadline - time.monotonic()
-            ready, _ = self.ray.wait([ready_ref], timeout=max(0.0, min(left, PLACEMENT_CHECK_S)))
+            ready, _ = self.ray.wait([ready_ref], timeout=max(0.0, min(left, STOP_CHECK_S)))
             if ready:
                 return
+            if self.stopping():
+                raise StoppedWhilePlacing("preempted while waiting for Ray to place the job's roles")
+            if time.monotonic() < min(deadline, checked + PLACEMENT_CHECK_S):
+                continue
+            checked = time.monotonic()
             missing = unoffered(needs, list(self._live_nodes().values()))
             if time.monotonic() >= deadline:
                 if missing:

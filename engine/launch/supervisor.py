@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .. import job_checkpoints as ckpt_job
 from ..config import EngineConfig
-from ..errors import EXIT_STORAGE_REFUSED, REFUSED_ENDS, LaunchError, PlacementError
+from ..errors import EXIT_STORAGE_REFUSED, REFUSED_ENDS, LaunchError, PlacementError, StoppedWhilePlacing
 from ..modes import LOCKSTEP_MODES
 from .local import LocalCluster
 
@@ -191,10 +191,15 @@ class Supervisor:
             # the operator's --resume URI may lie outside checkpoint.root: its servers may load from it
             try:
                 cluster = self._cluster = self.cluster_class(
-                    self.cfg, run_dir, allow_load=(self.first_resume,) if self.first_resume else ())
+                    self.cfg, run_dir, allow_load=(self.first_resume,) if self.first_resume else (),
+                    stopping=lambda: self.preempt_requested)
             except PlacementError as e:     # no node offers a role's resources (a lost node not replaced)
                 e.resume = self.resume      # what this attempt would have restored: a later run does
                 raise
+            except StoppedWhilePlacing as e:    # SIGTERM while Ray placed the roles: nothing started to wait for
+                log.warning("%s: the job stops resumable, nothing of this attempt started", e)
+                self._stopped_preempted()
+                return []
             if self.run_dir is None:    # a new run dir of its own: the restarts go below it, where the
                 self.run_dir = cluster.run_dir      # launcher's log and engine status find them
             cluster.restarts = self.restarts     # the children's engine_restarts_total (engine.observability)

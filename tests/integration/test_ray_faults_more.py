@@ -159,6 +159,39 @@ def test_sigterm_to_the_ray_driver_preempts_at_a_checkpoint_and_resume_finishes(
     assert no_roles_left()
 
 
+@pytest.mark.slow
+def test_sigterm_while_ray_places_the_roles_stops_the_job_resumable_at_once(ray_one_node, tmp_path):
+    """No node offers the workers' resources (as after a lost node, none joined yet): the driver waits up to
+    cluster.startup_timeout_s (120 s here) for the placement. A SIGTERM meanwhile (the driver's own VM
+    preempted) stops it within a second, exit 75, one line saying how to resume, nothing left behind.
+    Before, the driver waited out the placement first (two minutes of the preemption's grace), then
+    started the roles."""
+    address, _ = ray_one_node
+    cmd = demo_cmd(tmp_path, "place", address, "cluster.worker_resources={lost_node: 1}",
+                   "cluster.startup_timeout_s=120")
+    with open(tmp_path / "driver.err", "w+") as err:
+        driver = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+                                  start_new_session=True)
+        try:
+            until(lambda: driver.poll() is not None or "waiting up to" in Path(err.name).read_text(),
+                  "the driver waiting for a node that offers lost_node", timeout_s=90, every_s=0.1)
+            assert driver.poll() is None, Path(err.name).read_text()[-3000:]
+            t0 = time.monotonic()
+            driver.send_signal(signal.SIGTERM)
+            out, text = finish(driver, err, 60)
+            took = time.monotonic() - t0
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+                driver.wait(10)
+    assert driver.returncode == EXIT_PREEMPTED, text[-3000:]
+    assert took < 15, took
+    assert "preempted while waiting for Ray to place the job's roles" in text, text[-3000:]
+    assert "preempted; resume with" in text and "Traceback" not in text, text[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["preempted"] is True
+    assert no_roles_left()
+
+
 @pytest.mark.long   # make test-long (pyproject.toml): ~40 s; test_ray_launcher's killed-actor test (make test) runs the same recovery
 @pytest.mark.slow
 def test_a_killed_worker_actor_counts_the_examples_to_train_again(ray_one_node, tmp_path):
