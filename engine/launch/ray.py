@@ -540,7 +540,11 @@ class RayCluster(LocalCluster):
             placed = self.ray.util.placement_group_table(self.pg).get("bundles_to_node_id") or {}
             self._where(self._live_nodes(), set(placed.values()))
         except BaseException:
-            self.ray.util.remove_placement_group(self.pg)
+            try:
+                self.ray.util.remove_placement_group(self.pg)
+            except Exception as e:  # noqa: BLE001 - the placement's own error is the one to report
+                log.warning("could not remove the placement group after a failed placement: %s: %s",
+                            type(e).__name__, e)
             self.pg = None
             raise
         self.actors: list = []
