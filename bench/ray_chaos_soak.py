@@ -24,9 +24,10 @@ log on this machine (the file its actor writes, not the driver's forwarded copy,
 
 - ``ckpt``: worker 0, the checkpoint coordinator, is held ``HOLD_S`` s at every publish of an attempt but
   its first (``checkpoint.before_publish``: the servers wrote their part files, the manifest and
-  ``_SUCCESS`` are not written); a random role is SIGKILLed inside the next hold. The checkpoint the restart restores must be a
-  complete one (``_SUCCESS``) when the driver names it: the one before, or the held one if worker 0 still
-  published it (the killed role was another, and every part file had been written);
+  ``_SUCCESS`` are not written); a random role is SIGKILLed inside the next hold. The checkpoint the
+  restart restores must be a complete one (``_SUCCESS``) when the driver names it: the one before, or the
+  held one if worker 0 still published it (the killed role was another, and every part file had been
+  written);
 - ``restore``: each server is held ``HOLD_S`` s inside its ``Load`` (``server.load``), which only a
   restart that restores a checkpoint calls (the workers start after it): drawn only right after a fault
   that landed while the job had a complete checkpoint, it SIGKILLs a held server.
@@ -212,7 +213,8 @@ def restore_after_hold(err: Path, root: Path, logged: int, before: list[str]) ->
 def aim(kind: str, seen: set[int], driver, timeout_s: float) -> tuple[tuple[str, int], int] | None:
     """Wait for ``kind``'s window: ``ckpt``, worker 0 of the running attempt held before a publish;
     ``restore``, a server of a new attempt held inside its Load (given up once that attempt's workers
-    run: its restore is over). -> ((role, rank) held, its pid), or why not ("ended", "missed", "no window in time")."""
+    run: its restore is over). -> ((role, rank) held, its pid), or why not ("ended", "missed", "no window
+    in time")."""
     count: dict[int, int] = {}
 
     def held():
@@ -289,6 +291,9 @@ def run_job(work: Path, tag: str, cluster, nodes: dict, tmp: str, epochs: int, s
                     pid = pids[(role, rank)]
                     if driver.poll() is not None or role_pid(role, rank, seen) != pid:
                         continue                  # the job ended, or its attempt restarted under us
+                if kind in ("ckpt", "restore") and time.monotonic() - held_at > HOLD_S / 2:
+                    skipped.append({"kind": kind, "why": "late", "at_s": round(time.monotonic() - t0, 1)})
+                    continue                  # the hold may be over by now: not a fault inside it
                 had_checkpoint = bool(complete(root))
                 logged = len(restarts_logged(err_path))
                 fault["at_s"] = round(time.monotonic() - t0, 1)
@@ -338,6 +343,7 @@ def run_job(work: Path, tag: str, cluster, nodes: dict, tmp: str, epochs: int, s
     time.sleep(2.0)                     # the actors' roles end after the driver
     rec["left_over_roles"] = len(ray_roles())
     return rec
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
