@@ -187,10 +187,10 @@ def read_batches(src, columns=None, version=None) -> Iterator[pa.RecordBatch]:
     """
     name = _name(src)
     parquet = is_file_input(src) and src.endswith(_PARQUET_SUFFIXES)
-    pin = _local_version(src) if is_file_input(src) and not isinstance(src, RemoteInput) else None
+    pin = local_version(src) if is_file_input(src) and not isinstance(src, RemoteInput) else None
     began = "the file the read began on"
     if pin is not None and version is not None:     # the version listed: rewritten before the open counts too
-        pin, began = (int(version[2]), int(version[0]), int(version[1])), "the file as the job listed it"
+        pin, began = tuple(int(v) for v in version), "the file as the job listed it"
     opened: list = []
     it = _raw_batches(src, columns, opened)
     batch, rows = 0, 0
@@ -198,10 +198,10 @@ def read_batches(src, columns=None, version=None) -> Iterator[pa.RecordBatch]:
         while True:
             try:
                 rb = next(it)
-                if pin is not None and (now := _local_version(src)) != pin:   # written in place (or replaced)
-                    raise InputChangedError(name, f"expected {began} ({pin[1]} bytes, "
-                                                  f"inode {pin[0]}, modified {pin[2]} ns), got {now[1]} bytes, "
-                                                  f"inode {now[0]}, modified {now[2]} ns: {CHANGED}")
+                if pin is not None and (now := local_version(src)) != pin:   # written in place (or replaced)
+                    raise InputChangedError(name, f"expected {began} ({pin[0]} bytes, "
+                                                  f"inode {pin[2]}, modified {pin[1]} ns), got {now[0]} bytes, "
+                                                  f"inode {now[2]}, modified {now[1]} ns: {CHANGED}")
             except StopIteration:
                 return
             except IncompleteStreamError as exc:
@@ -218,14 +218,15 @@ def read_batches(src, columns=None, version=None) -> Iterator[pa.RecordBatch]:
         it.close()
 
 
-def _local_version(path) -> tuple[int, int, int]:
-    """``(inode, size, mtime_ns)`` of a local file now, ``(0, -1, 0)`` when it is gone: what
-    ``read_batches`` compares after each record batch it reads, before delivering it (a stat: ~2 us)."""
+def local_version(path) -> tuple[int, int, int]:
+    """``(size, mtime_ns, inode)`` of a local file now, ``(-1, 0, 0)`` when it is gone: the version
+    ``read_batches`` compares after each record batch it reads, before delivering it (a stat: ~2 us), and
+    the one a trainer lists its files with (``engine.programs.ctr_data.local_versions``)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return 0, -1, 0
-    return st.st_ino, st.st_size, st.st_mtime_ns
+        return -1, 0, 0
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def _raw_batches(src, columns, opened: list) -> Iterator[pa.RecordBatch]:

@@ -42,8 +42,8 @@ import pyarrow as pa
 from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
                               generate_criteo)
 from streaming.inputs import CHANGED, InputChangedError, RemoteInput, fetch, is_uri, unread_names
-from streaming.source import (ArrowSource, check_inputs, count_rows, list_files, open_file, read_schema,
-                              row_ranges)
+from streaming.source import (ArrowSource, check_inputs, count_rows, list_files, local_version, open_file,
+                              read_schema, row_ranges)
 from streaming.values import dense_values, first, label_problem, list_values
 
 from ..program_configs import DataConfig
@@ -319,13 +319,10 @@ def files_fingerprint(path, storage_options=None) -> list[list]:
 def local_versions(files) -> list:
     """``(size, mtime_ns, inode)`` of each local file of ``files`` (``list_files`` entries) now; None for a
     store's (``streaming.inputs.RemoteInput`` checks its own version at every open and read)."""
-    out = []
-    for f in files:
-        if isinstance(f, str):
-            st = os.stat(f)
-            out.append((st.st_size, st.st_mtime_ns, st.st_ino))
-        else:
-            out.append(None)
+    out = [local_version(f) if isinstance(f, str) else None for f in files]
+    gone = [f for f, v in zip(files, out) if v is not None and v[0] < 0]
+    if gone:
+        raise FileNotFoundError(f"{gone[0]}: listed, then gone")
     return out
 
 
@@ -347,12 +344,10 @@ def check_unchanged(files, versions: list, fingerprint: list[list]) -> list:
         if was is None:
             now.append(None)
             continue
-        try:
-            st = os.stat(f)
-        except FileNotFoundError:
+        cur = local_version(f)
+        if cur[0] < 0:
             raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes), got none: "
-                                       f"deleted; {CHANGED}") from None
-        cur = (st.st_size, st.st_mtime_ns, st.st_ino)
+                                       f"deleted; {CHANGED}")
         if cur != was and (got := files_fingerprint(f)[0]) != fp:
             raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes, fingerprint "
                                        f"{'/'.join(fp[2:])}), got {cur[0]} bytes, fingerprint "

@@ -216,7 +216,7 @@ def check_before_training(trainer) -> None:
         log.error("worker %d: bad input data in its share of the inputs: %s; every worker ends with it once "
                   "every worker has checked (nothing is trained)", rank, e)
         try:
-            files = data_files(p.data, trainer.storage_options, train_files)
+            files = data_files(p.data, trainer.storage_options, train_files, test.files if test else None)
         except Exception:  # noqa: BLE001 - the test split's listing failed: the error still goes out, ordered last
             files = ([], [])
         client.add_metric(f"{name}.{rank}", encode(e, files), np.zeros(0, np.float64))
@@ -230,10 +230,8 @@ def check_before_training(trainer) -> None:
     versions = test is not None and train is not None and train.records.enabled
     if versions:        # which versions this worker's verdict is about: worker 0 records the verdict only if
         #                 every worker saw the same ones (not per-host copies of the files that differ)
-        raw = hashlib.sha256(json.dumps([train.versions, test.versions]).encode()).digest()
-        digests = np.zeros(workers, np.int64)
-        digests[rank] = int.from_bytes(raw[:7], "little") + 1
-        client.add_metric(name + VERSIONS_SUFFIX, digests, np.zeros(0, np.float64))
+        client.add_metric(name + VERSIONS_SUFFIX, _digest_at([train.versions, test.versions], rank, workers),
+                          np.zeros(0, np.float64))
     trainer.mode.barrier("input-check")         # every worker's verdict is in
     flags, sums = client.read_metric(name)
     finders = [int(w) for w in np.flatnonzero(flags == 1)]
@@ -289,10 +287,7 @@ def agree_on_files(trainer) -> None:
     if workers == 1:
         return
     name = trainer.cfg.metrics_table + FILES_SUFFIX
-    raw = hashlib.sha256(json.dumps(trainer.train_fingerprint).encode()).digest()
-    digests = np.zeros(workers, np.int64)
-    digests[rank] = int.from_bytes(raw[:7], "little") + 1           # never 0: an index nobody wrote
-    trainer.client.add_metric(name, digests, np.zeros(0, np.float64))
+    trainer.client.add_metric(name, _digest_at(trainer.train_fingerprint, rank, workers), np.zeros(0, np.float64))
     trainer.mode.barrier("input-files")
     seen = trainer.client.read_metric(name)[0]
     other = [w for w in range(workers) if seen[w] != seen[0]]
@@ -309,12 +304,22 @@ def agree_on_files(trainer) -> None:
                                   f"best written under new names, in a new directory)", field="<listing>")
 
 
-def data_files(data, storage_options=None, train_files=None) -> tuple[list, list]:
+def _digest_at(value, rank: int, workers: int) -> np.ndarray:
+    """``int64[workers]``, zero but at ``rank``: 56 bits of the SHA-256 of ``value``'s JSON, plus 1 (never
+    0, an index nobody wrote): a worker's share of an accumulator the workers compare after a barrier."""
+    raw = hashlib.sha256(json.dumps(value).encode()).digest()
+    out = np.zeros(workers, np.int64)
+    out[rank] = int.from_bytes(raw[:7], "little") + 1
+    return out
+
+
+def data_files(data, storage_options=None, train_files=None, test_files=None) -> tuple[list, list]:
     """The train and test inputs of ``data`` (``model.data``) in reading order (``list_files``), as the
     names errors give them (a path, or a URI); ``train_files``: the trainer's listing of the train split
     (None: listed now)."""
     train = list_files(data.train_path, storage_options=storage_options) if train_files is None else train_files
-    return [str(f) for f in train], [str(f) for f in list_files(data.test_path, storage_options=storage_options)]
+    test = list_files(data.test_path, storage_options=storage_options) if test_files is None else test_files
+    return [str(f) for f in train], [str(f) for f in test]
 
 
 def encode(e: Exception, files: tuple[list, list]) -> np.ndarray:

@@ -189,15 +189,14 @@ class Records:
 
     def write(self, kind: str, uris: list[str], versions: list[str], *, rows=None, fingerprint=None,
               checked=()) -> bool:
-        """Record facts of a listing, merged with its record's (a fact given replaces the recorded one;
-        ``checked`` keys are added) -> whether it was written. A store that fails is a warning."""
+        """Write the record of a listing with these facts (``Listing.record`` merges them with those it
+        read: one writer at a time, module docstring) -> whether it was written. A store that fails is a
+        warning."""
         if self.storage is None:
             return False
-        was = self.read(kind, uris, versions)
         body = {"format": FORMAT, "files": uris, "versions": versions,
-                "rows": [int(r) for r in rows] if rows is not None else was.get("rows"),
-                "fingerprint": fingerprint if fingerprint is not None else was.get("fingerprint"),
-                "checked": sorted(set(was.get("checked", [])) | set(checked))}
+                "rows": [int(r) for r in rows] if rows is not None else None,
+                "fingerprint": fingerprint, "checked": sorted(set(checked))}
         data = json.dumps({**body, "sha256": _digest(body)}).encode()
         name = self.name(kind, uris, versions)
         try:
@@ -291,4 +290,5 @@ class Listing:
         self.facts = merged
         if not self.unchanged():
             return False
-        return self.records.write(self.kind, self.uris, self.versions, **facts)
+        return self.records.write(self.kind, self.uris, self.versions, rows=merged.get("rows"),
+                                  fingerprint=merged.get("fingerprint"), checked=merged["checked"])

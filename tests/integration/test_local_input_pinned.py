@@ -7,10 +7,7 @@ with the listed row counts and fingerprint, and the job ended with exit 0: rows 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from streaming.criteo import convert_criteo, generate_criteo
+from tests.integration.test_remote_inputs_train import _run_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,26 +50,15 @@ def test_a_file_written_in_place_before_its_read_in_the_last_epoch_ends_the_job(
                          "model.eval_every_epoch=false", f"model.metrics_dir={tmp_path / 'metrics'}",
                          f"checkpoint.root={tmp_path / 'ckpt'}", "cluster.max_restarts=0") for a in ("--set", s)]]
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:6@2"}   # held inside part-0
-    with open(tmp_path / "job.stdout", "w") as out, open(tmp_path / "job.stderr", "w") as err:
-        job = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True, env=env)
-    try:
-        deadline, held = time.monotonic() + 120, False
-        while not held and time.monotonic() < deadline and job.poll() is None:
-            time.sleep(0.1)
-            held = any("failpoint worker.after_step: sleep" in p.read_text()
-                       for p in (tmp_path / "run").rglob("worker-0.log"))
-        assert held, (tmp_path / "job.stderr").read_text()[-3000:]
-        with open(train / "part-1.arrow", "r+b") as f:     # in place, as `dd conv=notrunc` or a writer reusing it
+
+    def held() -> bool:             # worker 0 paused after its 2nd step, inside part-0
+        return any("failpoint worker.after_step: sleep" in p.read_text()
+                   for p in (tmp_path / "run").rglob("worker-0.log"))
+
+    def rewrite() -> None:          # in place, as `dd conv=notrunc` or a writer reusing the name
+        with open(train / "part-1.arrow", "r+b") as f:
             f.write(new)
-        code = job.wait(120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(10)
-    err = (tmp_path / "job.stderr").read_text()
-    logs = err + "".join(p.read_text() for p in (tmp_path / "run").rglob("worker-*.log"))
-    assert code == 2, err[-3000:]                               # was 0: part-1 trained as the new version
+    logs = _run_until(cmd, tmp_path, held, rewrite, env)    # exit 2; it was 0: part-1 trained as the new version
     assert f"engine train: bad input data: {train / 'part-1.arrow'}: row 1: field <record batch 0>: expected the " \
            f"file as the job listed it" in logs, logs[-3000:]
-    assert "Traceback" not in logs
     assert np.isfinite(flipped.column("label").to_numpy()).all()

@@ -33,7 +33,7 @@ from engine import progress
 from engine.preempt import EXIT_PREEMPTED
 from hdfs_io import SUCCESS_NAME
 from tests.integration.test_ray_launcher import (CLUSTERS, _end_ray, _published, _ray_start_report, _worker_actor,
-                                                ray_roles)
+                                                ray_roles, restore_env)
 from tests.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,11 +77,7 @@ def ray_one_node():
             if tmp is not None:
                 _end_ray(cluster, tmp)
         finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_env(old)
 
 
 def demo_cmd(tmp: Path, tag: str, address: str, *sets: str) -> list[str]:

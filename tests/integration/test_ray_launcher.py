@@ -142,11 +142,16 @@ def ray_cluster():
             if tmp is not None:
                 _end_ray(cluster, tmp)
         finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_env(old)
+
+
+def restore_env(old: dict) -> None:
+    """Put back the environment variables ``old`` saved (``{name: value or None}``; None: it was unset)."""
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def secured_sets(tmp: Path, node_ip: str) -> list[str]:

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,8 +43,9 @@ from engine.launch.procs import parent_pid
 from engine.launch.ray import _descendants
 from hdfs_io import SUCCESS_NAME
 from tests.integration.test_offline_resume import _state
+from tests.integration.test_ray_faults_more import finish
 from tests.integration.test_ray_launcher import CLUSTERS, _cmdline, _end_ray, _published, _ray_start_report, ray_cmd, \
-    ray_roles
+    ray_roles, restore_env
 from tests.waiting import until, until_while_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]     # make test-long: minutes each (two Ray clusters' worth)
@@ -84,11 +84,7 @@ def ray_nodes(stays: str, lost: str):
         try:
             _end_ray(cluster, tmp)
         finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_env(old)
 
 
 def add_node(cluster, tmp: str, resources: dict):
@@ -148,17 +144,6 @@ def lose_node_mid_job(cluster, tmp_path: Path, driver: subprocess.Popen, err, wh
     until(lambda: not any(running(p) for p in procs), "every process of the lost node ended", timeout_s=GONE_S,
           every_s=0.1)
     return procs, lost_at
-
-
-def finish(driver: subprocess.Popen, err, timeout_s: float) -> tuple[str, str]:
-    try:
-        out, _ = driver.communicate(timeout=timeout_s)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait(10)
-        err.seek(0)
-    return out or "", err.read()
 
 
 def start(cmd: list[str], err, env: dict | None = None) -> subprocess.Popen:
