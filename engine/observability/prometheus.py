@@ -739,12 +739,18 @@ def withdraw(cfg, run_dir) -> None:
     out = Path(run_dir) / "prometheus.json"
     if cfg.observability.prometheus_port is None or not out.is_file():
         return
-    tmp = out.with_name(out.name + ".tmp")
     try:
-        tmp.write_text("[]\n")
-        tmp.replace(out)
+        _write_targets(out, [])
     except OSError as e:        # the run directory is the user's: a failure to empty it is no failure of the job
         log.warning("could not empty %s (its targets stay listed for Prometheus): %s", out, e)
+
+
+def _write_targets(out: Path, groups: list[dict]) -> None:
+    """Replace the file_sd target list ``out`` with ``groups`` at once (a temporary file renamed over it:
+    Prometheus never reads half of it)."""
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(groups, indent=1) + "\n")
+    tmp.replace(out)
 
 
 def announce(cfg, run_dir, children) -> bool:
@@ -767,9 +773,7 @@ def announce(cfg, run_dir, children) -> bool:
         groups.append({"targets": [rest.split("/", 1)[0]],
                        "labels": {"role": role, "rank": str(rank), "__scheme__": scheme}})
     out = Path(run_dir) / "prometheus.json"
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(groups, indent=1) + "\n")
-    tmp.replace(out)
+    _write_targets(out, groups)
     log.info("Prometheus metrics (file_sd targets in %s): %s", out,
              ", ".join(f"{role} {rank} {url}" for (role, rank), url in urls.items()))
     return True
