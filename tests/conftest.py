@@ -86,3 +86,43 @@ def loopback_reference(tmp_path_factory, worker_id) -> tuple[dict, Path]:
         shutil.rmtree(root, ignore_errors=True)         # what a failed attempt of another worker left
         root.mkdir()
         return loopback_run(root)
+
+
+# --- Nothing a test runs may write into the repository -----------------------------------------------
+# The shipped configs put every output under the repository's runs/ (checkpoints, metrics, TensorBoard
+# runs, the data cache, run directories, input records): right for `make train`, wrong for a test, which
+# must point each of them at its own tmp_path (checkpoint.root, model.metrics_dir,
+# observability.tensorboard_dir, model.data.cache_dir, cluster.run_root). The session (xdist's controller,
+# or pytest alone) lists runs/ before and after; anything new fails the run, naming the paths.
+_OUTPUTS = REPO / "runs"
+
+
+def _outputs() -> set[str]:
+    if not _OUTPUTS.is_dir():
+        return set()
+    found = set()
+    for root, dirs, files in os.walk(_OUTPUTS):
+        rel = os.path.relpath(root, _OUTPUTS)
+        found.update(os.path.normpath(os.path.join(rel, n)) for n in dirs + files)
+    return found
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):      # the controller, or pytest without xdist
+        session.config._outputs_before = _outputs()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_outputs_before", None)
+    if before is None:
+        return
+    new = sorted(_outputs() - before)
+    tops = sorted({p for p in new if not any(p.startswith(q + os.sep) for q in new if q != p)})
+    if tops:
+        shown = "\n  ".join(f"runs/{p}" for p in tops[:20]) + ("\n  ..." if len(tops) > 20 else "")
+        session.config.get_terminal_writer().line(
+            f"\nERROR: tests wrote into the repository ({len(tops)} new paths under runs/; point "
+            "checkpoint.root, model.metrics_dir, observability.tensorboard_dir, model.data.cache_dir and "
+            f"cluster.run_root at tmp_path):\n  {shown}", red=True)
+        if session.exitstatus == 0:
+            session.exitstatus = 1

@@ -242,6 +242,8 @@ def _run(args) -> int:
             raise ConfigError("model: missing; set model.kind to a worker program (e.g. logreg)")
         from ..launch.supervisor import run_job
         from ..programs import load_program
+        from ..security.listen import check_listen
+        check_listen(cfg.cluster.host, cfg.security)   # before prepare reads, converts or records any input
         program = load_program(cfg.model.kind)
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)

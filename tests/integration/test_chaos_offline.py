@@ -43,6 +43,7 @@ def args(tmp: Path, tag: str, *sets: str, cache: str = "cache") -> list[str]:
             "--run-dir", str(tmp / f"run-{tag}"),
             "--set", "model.data.source=generated", "--set", f"model.data.generated_rows={ROWS}",
             "--set", f"model.data.cache_dir={tmp / cache}", "--set", f"model.metrics_dir={tmp / 'metrics'}",
+            "--set", f"observability.tensorboard_dir={tmp / 'tb'}",
             "--set", f"checkpoint.root={tmp / ('ckpt-' + tag)}", "--set", "model.hidden=[16]",
             "--set", "model.epochs=3", "--set", "checkpoint.align_steps=8", "--set", "checkpoint.delta_every=8steps",
             "--set", "cluster.servers=2", "--set", "cluster.warm_up=false",

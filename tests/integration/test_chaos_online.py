@@ -88,6 +88,7 @@ def _cmd(parts: str, ckpt: Path, exports: Path, run_dir: Path) -> list[str]:
             "--set", f"model.partitions={parts}", "--set", f"checkpoint.root={ckpt}",
             "--set", f"model.export_root={exports}", "--set", "model.hidden=[16]",
             "--set", "model.poll_interval_s=0.1", "--set", f"model.metrics_dir={run_dir / 'metrics'}",
+            "--set", f"observability.tensorboard_dir={run_dir / 'tb'}",
             "--set", "cluster.servers=2", "--set", "cluster.workers=2", "--set", "cluster.warm_up=false",
             "--set", "tables.sparse.embedding.show_click_decay=1", "--until", UNTIL, "--run-dir", str(run_dir)]
 

@@ -49,6 +49,7 @@ def test_a_lockstep_job_trains_every_row_of_unequal_shards(mode, tmp_path):
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
            "--set", f"mode={mode}", "--set", "model.data.source=arrow", "--set", f"model.data.train_path={train}",
            "--set", f"model.data.test_path={test}", "--set", f"model.metrics_file={metrics}",
+           "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}",
            "--set", f"checkpoint.root={tmp_path / 'ckpt'}", "--set", "model.hidden=[16]", "--set", "model.epochs=2",
            "--set", "model.eval_every_epoch=false", "--set", "cluster.startup_timeout_s=60"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)

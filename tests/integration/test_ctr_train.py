@@ -24,6 +24,7 @@ def _start(config: str, tmp_path: Path, *sets: str) -> subprocess.Popen:
            "--set", "model.data.source=generated", "--set", "model.data.generated_rows=4000",
            "--set", f"model.data.cache_dir={tmp_path / 'cache'}",
            "--set", f"model.metrics_dir={tmp_path / 'metrics'}", "--set", f"checkpoint.root={tmp_path / 'ckpt'}",
+           "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}",
            "--set", "model.hidden=[32]", "--set", "model.log_every_s=0.2", *[a for s in sets for a in ("--set", s)]]
     with open(tmp_path / "stdout.txt", "w") as out, open(tmp_path / "stderr.txt", "w") as err:
         return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True)

@@ -73,6 +73,7 @@ def test_predict_equals_trainer_forward_on_shared_criteo(config, kind, tmp_path)
     final = _engine("train", str(REPO / config), "--run-dir", str(tmp_path / "run"),
                     "--set", f"model.data.cache_dir={tmp_path / 'cache'}",
                     "--set", f"model.metrics_dir={tmp_path / 'metrics'}",
+                    "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}",
                     "--set", f"checkpoint.root={tmp_path / 'ckpt'}")
     assert final["model"] == kind and final["checkpoint"]
     want, labels, test_path = _trainer_forward(final["checkpoint"])

@@ -70,6 +70,7 @@ def _train(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
            "--set", "model.slots=[C1, C2]", "--set", "model.dense_dim=0", "--set", "model.hidden=[16]",
            "--set", f"model.eval_batch_size={EVAL_BATCH}", "--set", f"cluster.workers={WORKERS}",
            "--set", f"model.metrics_dir={tmp_path / 'metrics'}", "--set", f"checkpoint.root={tmp_path / 'ckpt'}",
+           "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}",
            *[a for s in sets for a in ("--set", s)]]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
 

@@ -46,7 +46,8 @@ def loopback_run(tmp: Path) -> tuple[dict, Path]:
     p = subprocess.run(engine(REPO / "configs/ctr.yaml", "--run-dir", tmp / "run-lo", "--set", "mode=sync",
                               "--set", "cluster.servers=2", "--set", "cluster.workers=2",
                               "--set", f"checkpoint.root={tmp / 'ckpt-lo'}", "--set", f"model.data.cache_dir={tmp / 'cache'}",
-                              "--set", f"model.metrics_dir={tmp / 'metrics'}"),
+                              "--set", f"model.metrics_dir={tmp / 'metrics'}",
+                              "--set", f"observability.tensorboard_dir={tmp / 'tb'}"),
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads((tmp / "run-lo" / "worker-0.result.json").read_text()), tmp / "run-lo" / "config.yaml"

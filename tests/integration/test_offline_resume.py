@@ -29,6 +29,7 @@ def _train(tmp: Path, tag: str, *sets: str, resume: str | None = None) -> tuple[
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp / f"run-{tag}"),
            "--set", "model.data.source=generated", "--set", "model.data.generated_rows=3000",
            "--set", f"model.data.cache_dir={tmp / 'cache'}", "--set", f"model.metrics_dir={tmp / 'metrics'}",
+           "--set", f"observability.tensorboard_dir={tmp / 'tb'}",
            "--set", f"checkpoint.root={tmp / ('ckpt-' + tag)}", "--set", "model.hidden=[16]",
            "--set", "model.epochs=2", "--set", "checkpoint.align_steps=4", "--set", "checkpoint.delta_every=0.001s",
            *[a for s in sets for a in ("--set", s)]]

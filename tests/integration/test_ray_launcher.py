@@ -169,6 +169,7 @@ def ray_cmd(tmp: Path, tag: str, address: str, node_ip: str, *sets: str) -> list
             "cluster.server_resources={ps_node: 1}", "cluster.worker_resources={worker_node: 1}",
             f"checkpoint.root={tmp / ('ckpt-' + tag)}", "checkpoint.shared=true",
             f"model.data.cache_dir={tmp / 'cache'}", f"model.metrics_dir={tmp / 'metrics'}",
+            f"observability.tensorboard_dir={tmp / 'tb'}",
             *secured_sets(tmp, node_ip), *sets]
     return [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--launcher", "ray",
             "--run-dir", str(tmp / f"run-{tag}"), *[a for s in base for a in ("--set", s)]]

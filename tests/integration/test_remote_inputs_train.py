@@ -59,6 +59,7 @@ def _cmd(endpoint: str, prefix: str, tmp: Path, *sets: str) -> list[str]:
                           f"model.data.test_path=s3://{prefix}/test", f"storage.endpoint={endpoint}",
                           "storage.scheme=http", "storage.region=us-east-1", "storage.access_key=testing",
                           "storage.secret_key=testing", f"model.metrics_dir={tmp / 'metrics'}",
+                          f"observability.tensorboard_dir={tmp / 'tb'}",
                           f"checkpoint.root={tmp / 'ckpt'}", "model.hidden=[32]", "cluster.workers=2", *sets)
               for a in ("--set", s)]]
 
@@ -300,6 +301,7 @@ def test_a_local_train_file_written_again_between_epochs_ends_the_job_naming_it(
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
            *[a for s in ("model.data.source=arrow", f"model.data.train_path={train}",
                          f"model.data.test_path={splits / 'test'}", f"model.metrics_dir={tmp_path / 'metrics'}",
+                         f"observability.tensorboard_dir={tmp_path / 'tb'}",
                          f"checkpoint.root={tmp_path / 'ckpt'}", "model.hidden=[32]", "cluster.workers=2",
                          "mode=async", "model.epochs=40") for a in ("--set", s)]]
 
@@ -325,6 +327,7 @@ def test_a_file_added_between_two_workers_listings_ends_every_worker_before_a_st
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
            *[a for s in ("model.data.source=arrow", f"model.data.train_path={train}",
                          f"model.data.test_path={splits / 'test'}", f"model.metrics_dir={tmp_path / 'metrics'}",
+                         f"observability.tensorboard_dir={tmp_path / 'tb'}",
                          f"checkpoint.root={tmp_path / 'ckpt'}", "model.hidden=[32]", "cluster.workers=2",
                          "mode=async", "cluster.max_restarts=0") for a in ("--set", s)]]
     env = {**os.environ, "ENGINE_FAILPOINTS": "ctr.before_listing.rank1=sleep:15"}

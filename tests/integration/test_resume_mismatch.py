@@ -51,7 +51,10 @@ def _one_line_exit_2(proc: subprocess.CompletedProcess, uri: str) -> str:
 def test_the_launcher_refuses_a_checkpoint_of_another_dim_in_one_line_exit_2(tmp_path):
     uri = _checkpoint(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "engine", "train", str(CONFIG), "--run-dir", str(tmp_path / "run"),
-                           "--set", f"checkpoint.root={tmp_path / 'ckpt'}", *SMALLER, "--resume", uri],
+                           "--set", f"checkpoint.root={tmp_path / 'ckpt'}", *SMALLER, "--resume", uri,
+                           "--set", f"model.data.cache_dir={tmp_path / 'cache'}",
+                           "--set", f"model.metrics_dir={tmp_path / 'metrics'}",
+                           "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     _one_line_exit_2(proc, uri)
     assert "restart" not in proc.stderr                 # not retried: a restart fails the same way

@@ -147,6 +147,7 @@ def small_job(tmp_path, root: Path, *sets: str) -> tuple[subprocess.Popen, list[
            "--set", f"cluster.run_root={root}", "--set", "cluster.workers=1",
            "--set", "model.data.source=generated", "--set", "model.data.generated_rows=20000",
            "--set", f"model.data.cache_dir={tmp_path / 'cache'}", "--set", f"model.metrics_dir={tmp_path / 'm'}",
+           "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}",
            "--set", "checkpoint.root=", "--set", "model.hidden=[16]", "--set", "model.batch_size=8",
            "--set", "model.epochs=2", "--set", "model.eval_every_epoch=false",
            *[a for kv in sets for a in ("--set", kv)]]

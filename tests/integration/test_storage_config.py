@@ -31,6 +31,7 @@ def _train(tmp: Path, tag: str, root: str, storage: list[str], env: dict, *more:
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp / tag),
            "--set", "model.data.source=generated", "--set", "model.data.generated_rows=2000",
            "--set", f"model.data.cache_dir={tmp / 'cache'}", "--set", f"model.metrics_dir={tmp / 'metrics'}",
+           "--set", f"observability.tensorboard_dir={tmp / 'tb'}",
            "--set", f"checkpoint.root={root}", "--set", "model.hidden=[8]",
            *[a for s in storage for a in ("--set", f"storage.{s}")], *more]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)

@@ -46,6 +46,7 @@ def test_a_hybrid_world_ends_with_74_through_mpiexec(tmp_path, tmpfs):
            "--set", "cluster.workers=2", "--set", "model.data.source=generated",
            "--set", "model.data.generated_rows=2000", "--set", f"model.data.cache_dir={tmp_path / 'cache'}",
            "--set", f"model.metrics_dir={tmp_path / 'metrics'}", "--set", "model.epochs=1",
+           "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}",
            "--set", "model.hidden=[16]", "--set", f"checkpoint.root={disk}"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == EXIT_STORAGE_REFUSED, r.stderr[-3000:]

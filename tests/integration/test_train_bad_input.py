@@ -50,6 +50,7 @@ def test_an_unusable_value_ends_the_job_with_one_line_naming_it_and_exit_2(where
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
            "--set", "model.data.source=arrow", "--set", f"model.data.train_path={train}",
            "--set", f"model.data.test_path={test}", "--set", f"model.metrics_dir={tmp_path / 'metrics'}",
+           "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}",
            "--set", f"checkpoint.root={tmp_path / 'ckpt'}", "--set", "model.hidden=[16]",
            "--set", "cluster.startup_timeout_s=60"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
@@ -71,6 +72,7 @@ def test_a_diverging_model_ends_the_job_with_one_line_naming_the_learning_rates_
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
            "--set", "model.data.source=generated", "--set", "model.data.generated_rows=3000",
            "--set", f"model.data.cache_dir={tmp_path / 'cache'}", "--set", f"model.metrics_dir={tmp_path / 'metrics'}",
+           "--set", f"observability.tensorboard_dir={tmp_path / 'tb'}",
            "--set", f"checkpoint.root={tmp_path / 'ckpt'}", "--set", "model.hidden=[16]", "--set", "model.epochs=1",
            "--set", "tables.dense.dense.learning_rate=1e30"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)

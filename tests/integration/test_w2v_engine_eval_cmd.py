@@ -22,6 +22,7 @@ def _engine(*args, timeout=240):
 def test_ctr_eval_matches_the_training_jobs_test_auc(tmp_path):
     sets = ["model.data.source=generated", "model.data.generated_rows=4000",
             f"model.data.cache_dir={tmp_path / 'cache'}", f"model.metrics_dir={tmp_path / 'metrics'}",
+            f"observability.tensorboard_dir={tmp_path / 'tb'}",
             f"checkpoint.root={tmp_path / 'ckpt'}", "model.hidden=[16]"]
     sets = [a for s in sets for a in ("--set", s)]
     proc = _engine("train", REPO / "configs" / "ctr.yaml", "--run-dir", tmp_path / "run", *sets)

@@ -41,7 +41,8 @@ def specializations():
                     out[f"{obj.py_func.__module__}.{obj.__name__}"] = len(obj.signatures)
     return out
 
-common = [f"mode={mode}", "checkpoint.root=", "cluster.workers=1", f"model.metrics_dir={tmp}/m"]
+common = [f"mode={mode}", "checkpoint.root=", "cluster.workers=1", f"model.metrics_dir={tmp}/m",
+          f"observability.tensorboard_dir={tmp}/tb"]
 if spill == "spill":    # a table that moves rows to RocksDB past 2,000 rows per shard
     common += [f"tables.sparse.embedding.spill_path={tmp}/spill", "tables.sparse.embedding.memory_rows=2000"]
 elif spill == "admission":  # a key becomes a row at its second occurrence (the warm-up's growth push admits

@@ -34,6 +34,7 @@ def test_ctr_dnn_reaches_planted_auc(tmp_path):
     cfg = load_config(REPO / "configs" / "ctr.yaml", [
         "model.data.source=criteo", f"model.data.criteo_path={g.path}", f"model.data.cache_dir={tmp_path}/cache",
         f"model.metrics_dir={tmp_path}/metrics", "checkpoint.root=", "cluster.workers=1",
+        f"observability.tensorboard_dir={tmp_path}/tb",
         f"model.seed={seed}", f"tables.sparse.embedding.seed={seed}"])
     cfg = ctr.prepare(cfg)
     server = PSServer.from_config(cfg, 0)

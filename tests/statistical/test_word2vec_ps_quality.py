@@ -54,6 +54,7 @@ def run(shared_data, tmp_path_factory):
     (d / "sub.txt").write_text("".join(lines), encoding="utf-8")
     sets = [f"model.corpus={d / 'sub.txt'}", f"model.arrow_dir={d / 'arrow'}", "model.epochs=3",
             f"model.eval_data_dir={shared_data / 'text'}", f"model.metrics_dir={d / 'metrics'}",
+            f"observability.tensorboard_dir={d / 'tb'}",
             f"checkpoint.root={d / 'ckpt'}", "geo.k_steps=2"]
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs" / "word2vec.yaml"), "--run-dir",
            str(d / "run"), *[a for s in sets for a in ("--set", s)]]

@@ -133,7 +133,8 @@ def _prepare(tmp_path, train, test, monkeypatch, *sets):
         monkeypatch.setenv(var, os.environ.get(var, "1"))
     cfg = load_config(REPO / "configs" / "ctr.yaml", [
         "model.data.source=arrow", f"model.data.train_path={train}", f"model.data.test_path={test}",
-        "model.slots=[C1, C2]", f"model.metrics_dir={tmp_path / 'metrics'}", *sets])
+        "model.slots=[C1, C2]", f"model.metrics_dir={tmp_path / 'metrics'}", f"checkpoint.root={tmp_path / 'ckpt'}",
+        *sets])
     return ctr.prepare(cfg)
 
 
