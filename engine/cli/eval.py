@@ -186,11 +186,17 @@ def evaluate_ctr(cfg, uri: str) -> dict:
             "copc": s["copc"]}
 
 
+#: what a data file written again means for ``engine eval`` (``InputChangedError.advised``: in place of
+#: ``streaming.inputs.CHANGED``, which speaks of a training job's row split and checkpoints)
+EVAL_CHANGED = ("it was written again after engine eval listed it, or while it was read; no metrics of a mix of "
+                "two versions were reported: run it again to evaluate the version there now")
+
+
 def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from hdfs_io import StorageUnavailableError
-    from streaming.inputs import InputUnavailableError
+    from streaming.inputs import InputChangedError, InputUnavailableError
 
     from ..config import load_config
     bad = _bad_input_errors()
@@ -204,9 +210,17 @@ def run(args) -> int:
         else:
             print(f"engine eval: model.kind must be word2vec, ctr_dnn or deepfm, got {kind!r}", file=sys.stderr)
             return 2
-    except InputUnavailableError as e:     # model.data.test_path's store (s3://, hdfs://), not the checkpoint's
-        print(f"engine eval: {e}", file=sys.stderr)
-        return 2 if getattr(e, "refused", None) else 1
+    except InputChangedError as e:         # streaming.inputs' advice is a training job's (its row split, --resume)
+        print(f"engine eval: {e.advised(EVAL_CHANGED)}", file=sys.stderr)
+        return 2
+    except InputUnavailableError as e:     # model.data's store (s3://, hdfs://), not the checkpoint's
+        if e.refused:
+            print(f"engine eval: data {e.uri}: {e.reason}; no retry mends that: once the credentials of the "
+                  f"config's storage section and the store's policy let this command read it, run it again",
+                  file=sys.stderr)
+            return 2
+        print(f"engine eval: data storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
+        return 1
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         print(f"engine eval: checkpoint storage unavailable: {e}", file=sys.stderr)
         return 1

@@ -360,8 +360,8 @@ class _PredictionsFile:
             log.warning("could not remove the partial predictions file %s: %s", self.storage.uri_of(self.tmp), exc)
 
 
-#: what an input on a store written again means for ``engine predict`` (in place of ``streaming.inputs.CHANGED``,
-#: which speaks of a training job's row split and checkpoints)
+#: what an input written again means for ``engine predict`` (``InputChangedError.advised``: in place of
+#: ``streaming.inputs.CHANGED``, which speaks of a training job's row split and checkpoints)
 PREDICT_CHANGED = ("it was written again after engine predict listed it, or while it was read; no rows of another "
                    "version were scored, and no predictions written (an earlier --out file is as it was): run it "
                    "again to score the version there now")
@@ -435,7 +435,7 @@ def run_predict(args) -> int:
     if args.batch_size < 1:             # it reached ArrowSource's ValueError: a traceback, exit 1
         print(f"engine predict: --batch-size must be >= 1, got {args.batch_size}", file=sys.stderr)
         return 2
-    from streaming.inputs import CHANGED, InputChangedError, InputUnavailableError, fetch, is_uri
+    from streaming.inputs import InputChangedError, InputUnavailableError, fetch, is_uri
     from streaming.source import ArrowSource
     from .predictor import load_bundle
     tmp = preds = None
@@ -484,11 +484,11 @@ def run_predict(args) -> int:
               f"input (counted over its files in order): {e}", file=sys.stderr)
         return 2
     except InputChangedError as e:      # streaming.inputs' advice is a training job's (its row split, --resume)
-        print(f"engine predict: {str(e).replace(CHANGED, PREDICT_CHANGED)}", file=sys.stderr)
+        print(f"engine predict: {e.advised(PREDICT_CHANGED)}", file=sys.stderr)
         return 2
-    except InputUnavailableError as e:  # DATA's store (streaming.inputs' "training input URI: ..."), refused or silent
-        text = str(e).removeprefix("training input ")
-        if getattr(e, "refused", None):
+    except InputUnavailableError as e:  # DATA's store, refused or silent (str(e) is a training job's wording)
+        text = f"{e.uri}: {e.reason}"
+        if e.refused:
             print(f"engine predict: data {text}; {REFUSED_HINT}", file=sys.stderr)
             return 2
         print(f"engine predict: data storage unavailable: {text}", file=sys.stderr)

@@ -347,11 +347,11 @@ def check_unchanged(files, versions: list, fingerprint: list[list]) -> list:
         cur = local_version(f)
         if cur[0] < 0:
             raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes), got none: "
-                                       f"deleted; {CHANGED}")
+                                       f"deleted", advice=CHANGED, sep="; ")
         if cur != was and (got := files_fingerprint(f)[0]) != fp:
             raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes, fingerprint "
                                        f"{'/'.join(fp[2:])}), got {cur[0]} bytes, fingerprint "
-                                       f"{'/'.join(got[2:])}: {CHANGED}")
+                                       f"{'/'.join(got[2:])}", advice=CHANGED)
         now.append(cur)
     return now
 
