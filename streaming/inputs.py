@@ -57,7 +57,7 @@ from .errors import DataFormatError
 from .ipc_stream import CheckedStream, TrackedInput, ipc_file_batches, tail_has_eos
 
 __all__ = ["CHANGED", "InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "fetch",
-           "input_error", "is_uri", "refused", "list_remote", "unread_names"]
+           "input_error", "is_uri", "refused", "list_remote", "list_remote_unread", "unread_names"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
 #: much (a record batch of 64k Criteo rows is ~11 MB; at 8 MiB a batch costs one or two requests)
@@ -469,11 +469,17 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
     InputUnavailableError
         The store cannot be reached (after the retries), or its client library is missing.
     """
+    return list_remote_unread(uri, storage_options)[0]
+
+
+def list_remote_unread(uri: str, storage_options: StorageOptions | None = None) -> tuple[list[RemoteInput], list[str]]:
+    """``(list_remote(uri), unread_names(uri))`` from one listing of the store (a check that warns of the files
+    it leaves unread lists once, and reads what it listed). Raises as ``list_remote``."""
     storage, info, children = _listing(uri, storage_options)
     if children is None:
         parent = Storage(storage.fs, posixpath.dirname(storage.root), uri=storage.uri.rsplit("/", 1)[0],
                          retry=storage.retry, retry_stats=storage.retry_stats)
-        return [RemoteInput(parent, info.base_name, int(info.size), info.mtime_ns)]
+        return [RemoteInput(parent, info.base_name, int(info.size), info.mtime_ns)], []
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"data path does not exist: {uri}")
     found = [RemoteInput(storage, i.base_name, int(i.size), i.mtime_ns) for i in children
@@ -481,14 +487,17 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
              and i.base_name.endswith(_DATA_SUFFIXES)]
     if not found:
         raise FileNotFoundError(f"no Arrow IPC or Parquet files in directory {uri}")
-    return sorted(found, key=lambda r: r.name)
+    return sorted(found, key=lambda r: r.name), _unread(children)
 
 
 def unread_names(uri: str, storage_options: StorageOptions | None = None) -> list[str]:
     """Names of the files directly in the directory ``uri`` that ``list_remote`` leaves unread for their
     names (no data suffix; ``_``/``.`` markers and temporary files excepted), sorted; [] for a file.
     Raises ``InputUnavailableError`` as ``list_remote``."""
-    children = _listing(uri, storage_options)[2] or []
+    return _unread(_listing(uri, storage_options)[2] or [])
+
+
+def _unread(children: list) -> list[str]:
     return sorted(i.base_name for i in children if i.type == pafs.FileType.File
                   and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
 

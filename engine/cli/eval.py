@@ -15,7 +15,8 @@ the last stdout line, one JSON object::
 
 CTR configs (``ctr_dnn``, ``deepfm``): the checkpoint is exported to a temporary serving bundle
 (``engine.export``) and scores the config's test split (``model.data``, resolved and converted as
-``engine train`` does); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
+``engine train`` does; listed once, then read as listed and checked: a file written again since is refused,
+exit 2); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
 ..., "copc": ..., "rows": ...}`` (``model``: the kind the checkpoint holds). A checkpoint of another
 model than the config's (``model.kind``, ``slots``, ``dim``, ``dense_dim`` or ``hidden`` differ) is
 refused, exit 2, naming the field and both values; so is a word2vec config's checkpoint of a CTR model.
@@ -153,6 +154,10 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     streaming.errors.DataFormatError
         A test file is empty, truncated or not Arrow, or holds a value the model cannot score (a null
         or out-of-[0, 1] label, a null, NaN or infinite dense value): file, row and column named.
+    streaming.inputs.InputChangedError
+        A test file written again after it was listed and checked, or while it is read (named).
+    streaming.inputs.InputUnavailableError
+        A data store that does not answer, or refuses the storage section's credentials.
     """
     import tempfile
     from streaming.source import ArrowSource
@@ -160,10 +165,13 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     from ..export.predictor import load_bundle
     from ..export.source import open_source
     from ..metrics import BinaryMetrics
-    from ..programs.ctr_data import expected_schema, prepare_data
+    from ..programs.ctr_data import expected_schema, prepare_listed
     p = cfg.model.params
     opts = cfg.storage.options()
-    data = prepare_data(p.data, expected_schema(p.slots, p.dense_dim), opts)
+    # the test split listed once: read as listed and checked (a store's objects pinned at the check's open,
+    # local files at their listed version), as a trainer reads its listing
+    data, listed = prepare_listed(p.data, expected_schema(p.slots, p.dense_dim), opts)
+    files, versions = listed["test"]
     source = open_source(uri, storage_options=opts)
     with tempfile.TemporaryDirectory(prefix="engine-eval-") as tmp:
         try:
@@ -176,8 +184,7 @@ def evaluate_ctr(cfg, uri: str) -> dict:
                 close()
         bundle = load_bundle(os.path.join(tmp, "bundle"))
         metrics, rows = BinaryMetrics(), 0
-        for rb in ArrowSource(data.test_path, batch_size=8192, check=bundle.check_values,
-                              storage_options=opts).batches(0):
+        for rb in ArrowSource(files, batch_size=8192, check=bundle.check_values, versions=versions).batches(0):
             metrics.update(bundle.predict(rb), rb.column(bundle.label_column).to_numpy(zero_copy_only=False))
             rows += rb.num_rows
     s = metrics.summary()
