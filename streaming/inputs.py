@@ -522,7 +522,8 @@ def remote_batches(src: RemoteInput, opened: list) -> Iterator[pa.RecordBatch]:
         yield from reader
 
 
-def fetch(uri: str, directory, storage_options: StorageOptions | None = None) -> str:
+def fetch(uri: str, directory, storage_options: StorageOptions | None = None, *,
+          in_directory: str | None = None) -> str:
     """Copy the file at ``uri`` (a Criteo text file or a text corpus on a store) into the local
     ``directory`` (created if missing), under the URI's last name, unless the copy there is current, and
     return its path. What was copied is recorded beside it (``NAME.source.json``: the URI, the object's
@@ -536,11 +537,14 @@ def fetch(uri: str, directory, storage_options: StorageOptions | None = None) ->
         ``s3://bucket/key``, ``hdfs://nn:8020/path``.
     directory : str or PathLike
         Local directory of the copy.
+    in_directory : str, optional
+        When ``uri`` names a directory, copy its file of this name (``vocab.arrow`` of a converted corpus).
 
     Raises
     ------
     FileNotFoundError
-        Nothing at ``uri``, or a directory (names the URI).
+        Nothing at ``uri``, or a directory (without ``in_directory``, or without that file in it; names the
+        URI).
     InputUnavailableError
         The store did not answer (after the retries), or refused the job.
     OSError
@@ -548,6 +552,8 @@ def fetch(uri: str, directory, storage_options: StorageOptions | None = None) ->
     """
     from hdfs_io.temp_names import stale, temp_name
     storage, info, children = _listing(uri.rstrip("/"), storage_options)
+    if children is not None and in_directory and info.type == pafs.FileType.Directory:
+        return fetch(f"{uri.rstrip('/')}/{in_directory}", directory, storage_options)
     if children is not None:
         raise FileNotFoundError(f"file not found: {uri}" + (" (a directory)" if info.type == pafs.FileType.Directory
                                                              else ""))

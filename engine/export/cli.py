@@ -20,7 +20,7 @@ while it is read, is refused naming its URI and row (``InputChangedError``), nev
 or a mix of two.
 
 Storage (``engine export``, ``engine predict``): every ``s3://`` or ``hdfs://`` URI (checkpoint, bundle,
-``--delta``, DATA, ``--out``) is reached with ``--config``'s ``storage:`` section (endpoint, region,
+``--delta``, ``--vocab``, DATA, ``--out``) is reached with ``--config``'s ``storage:`` section (endpoint, region,
 credentials or the names of the variables holding them, timeouts), as ``engine train`` and ``engine eval``
 reach theirs; without ``--config``, with the standard AWS environment variables (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...). A store refusing the credentials is one line naming the URI, exit 2; one that
@@ -73,7 +73,8 @@ def add_subparsers(sub) -> None:
                    help="replace an existing export at OUT (only a bundle, or a word2vec file, is ever "
                         "replaced; a directory holding anything else never is)")
     p.add_argument("--vocab", default=None,
-                   help="word2vec: vocab.arrow (or its directory); default: the one a word2vec checkpoint records")
+                   help="word2vec: vocab.arrow (or its directory), local or a URI reached as the others are "
+                        "(--config); default: the one a word2vec checkpoint records")
     p.add_argument("--binary", action="store_true", help="word2vec: binary format")
     _add_config_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -211,6 +212,7 @@ def run_export(args) -> int:
     _logging(args.verbose)
     from hdfs_io import StorageUnavailableError
     from models.errors import ModelInputError       # e.g. a word the word2vec format cannot hold
+    from streaming.inputs import InputUnavailableError
     bad = _bad_input_errors() + (ModelInputError,)
     try:
         from .source import open_source
@@ -244,6 +246,13 @@ def run_export(args) -> int:
             out = {"event": "export", "format": args.format, "out": args.out, "bundle": meta["bundle"],
                    "rows": meta["embedding"]["rows"], "deleted": meta["embedding"]["deleted"],
                    "export_id": meta["export_id"], "seconds": meta["stats"]["seconds"]}
+    except InputUnavailableError as e:  # the vocabulary's store (read as an input: streaming.inputs.fetch)
+        what = "--vocab" if args.vocab else "vocabulary"        # else the one the checkpoint records
+        if e.refused:
+            print(f"engine export: {what} {e.uri}: {e.reason}; {REFUSED_HINT}", file=sys.stderr)
+            return 2
+        print(f"engine export: {what} storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
+        return 1
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         from .target import job_root_of
         side = failed_side(e, {"output": args.out, "checkpoint": job_root_of(args.checkpoint),
