@@ -450,3 +450,30 @@ def test_a_word2vec_vocab_on_s3_that_cannot_be_used_is_one_line_exit_2(env, w2v,
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith(line), err[-3000:]
     assert "Traceback" not in err and not (tmp_path / "out.txt").exists()
+
+
+def test_eval_names_test_data_whose_store_refuses_the_credentials_in_its_own_words(env, tmp_path, capsys):
+    """``engine eval``'s data on a store refusing the config's key: one line naming the data, exit 2. Before,
+    "engine eval: training input s3://...": a training job's words for an evaluation's input."""
+    cfg = tmp_path / "eval.yaml"
+    cfg.write_text(env.refused.read_text() + f"""
+mode: async
+cluster: {{servers: 1, workers: 1}}
+checkpoint: {{root: {tmp_path / 'ckpt'}, job: ctr}}
+observability: {{tensorboard: false}}
+tables:
+  sparse:
+    embedding: {{dim: 4, optimizer: adagrad, learning_rate: 0.05}}
+  dense:
+    dense: {{optimizer: adam, learning_rate: 0.001}}
+model:
+  kind: ctr_dnn
+  slots: {SLOTS}
+  dim: 4
+  hidden: [8]
+  metrics_dir: {tmp_path / 'metrics'}
+  data: {{source: arrow, train_path: {DATA}/dir, test_path: {DATA}/dir}}
+""")
+    assert main(["eval", str(cfg), "--checkpoint", env.ckpt_local]) == 2
+    last = _last(capsys)
+    assert last.startswith(f"engine eval: data {DATA}/dir: access refused (") and "no retry mends that" in last, last
