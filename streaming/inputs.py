@@ -57,7 +57,7 @@ from .errors import DataFormatError
 from .ipc_stream import CheckedStream, TrackedInput, ipc_file_batches, tail_has_eos
 
 __all__ = ["CHANGED", "InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "fetch",
-           "input_error", "is_uri", "refused", "list_remote", "list_remote_unread", "unread_names"]
+           "input_error", "is_uri", "refused", "list_remote", "list_remote_unread"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
 #: much (a record batch of 64k Criteo rows is ~11 MB; at 8 MiB a batch costs one or two requests)
@@ -473,8 +473,10 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
 
 
 def list_remote_unread(uri: str, storage_options: StorageOptions | None = None) -> tuple[list[RemoteInput], list[str]]:
-    """``(list_remote(uri), unread_names(uri))`` from one listing of the store (a check that warns of the files
-    it leaves unread lists once, and reads what it listed). Raises as ``list_remote``."""
+    """``(list_remote(uri), names)`` from one listing of the store: ``names`` of the files directly in the
+    directory ``uri`` that ``list_remote`` leaves unread for their names (no data suffix; ``_``/``.`` markers
+    and temporary files excepted), sorted; [] for a file. So a check that warns of those lists once, and
+    reads what it listed. Raises as ``list_remote``."""
     storage, info, children = _listing(uri, storage_options)
     if children is None:
         parent = Storage(storage.fs, posixpath.dirname(storage.root), uri=storage.uri.rsplit("/", 1)[0],
@@ -487,19 +489,9 @@ def list_remote_unread(uri: str, storage_options: StorageOptions | None = None) 
              and i.base_name.endswith(_DATA_SUFFIXES)]
     if not found:
         raise FileNotFoundError(f"no Arrow IPC or Parquet files in directory {uri}")
-    return sorted(found, key=lambda r: r.name), _unread(children)
-
-
-def unread_names(uri: str, storage_options: StorageOptions | None = None) -> list[str]:
-    """Names of the files directly in the directory ``uri`` that ``list_remote`` leaves unread for their
-    names (no data suffix; ``_``/``.`` markers and temporary files excepted), sorted; [] for a file.
-    Raises ``InputUnavailableError`` as ``list_remote``."""
-    return _unread(_listing(uri, storage_options)[2] or [])
-
-
-def _unread(children: list) -> list[str]:
-    return sorted(i.base_name for i in children if i.type == pafs.FileType.File
-                  and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
+    unread = sorted(i.base_name for i in children if i.type == pafs.FileType.File
+                    and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
+    return sorted(found, key=lambda r: r.name), unread
 
 
 def remote_batches(src: RemoteInput, opened: list) -> Iterator[pa.RecordBatch]:
