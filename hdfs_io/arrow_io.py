@@ -268,9 +268,12 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
     Raises
     ------
     FileNotFoundError
-        The file does not exist.
+        The file does not exist (also when removed between the checksum pass and the second open).
     CheckpointCorruptError
-        Size or checksum mismatch, or not a readable Arrow IPC file; the message names the file.
+        Size or checksum mismatch (``changed while read``: replaced between the pass and the second open),
+        or not a readable Arrow IPC file; the message names the file.
+    OSError
+        Storage errors of either open, as raised (see :class:`Storage`).
     """
     uri = storage.uri_of(path)
     if expected.size < STREAM_MIN_BYTES:
@@ -283,15 +286,19 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
 
     def opener():
         f = storage.open_input_file(path)
-        if f.size() != expected.size:       # replaced since its checksum was read
+        now = f.size()
+        if now != expected.size:            # replaced since its checksum was read
             f.close()
-            raise CheckpointCorruptError(f"{uri}: size is {f.size()} bytes, manifest says {expected.size} "
+            raise CheckpointCorruptError(f"{uri}: size is {now} bytes, manifest says {expected.size} "
                                          f"(changed while read)", uri=uri)
         return f
-    try:
-        with opener() as f:
+    # the second open's own errors as raised (replaced, gone, a store refusing or not answering): only bytes
+    # that do not parse are "not a readable Arrow IPC file"
+    with opener() as f:
+        try:
             schema = ipc.open_file(f).schema    # the footer only; no batch is read twice
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
-        raise CheckpointCorruptError(f"{uri}: not a readable Arrow IPC file ({size} bytes): {exc}", uri=uri) from exc
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+            raise CheckpointCorruptError(f"{uri}: not a readable Arrow IPC file ({size} bytes): {exc}",
+                                         uri=uri) from exc
     return IpcBatches(schema, opener=opener, uri=uri)
 

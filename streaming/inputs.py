@@ -57,7 +57,7 @@ from .errors import DataFormatError
 from .ipc_stream import CheckedStream, TrackedInput, ipc_file_batches, tail_has_eos
 
 __all__ = ["CHANGED", "InputChangedError", "InputUnavailableError", "RemoteInput", "STREAM_BUFFER_BYTES", "fetch",
-           "input_error", "is_uri", "refused", "list_remote", "unread_names"]
+           "input_error", "is_uri", "refused", "list_remote", "list_remote_unread"]
 
 #: read-ahead of an IPC stream read from an object store or HDFS, in bytes: each ranged GET fetches this
 #: much (a record batch of 64k Criteo rows is ~11 MB; at 8 MiB a batch costs one or two requests)
@@ -68,10 +68,32 @@ _DATA_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather", ".parquet", ".pq")
 
 class InputUnavailableError(StorageUnavailableError):
     """A training input's store did not answer (a listing or an open, after ``hdfs_io.RetryPolicy``'s
-    retries; a read in the middle of a file, not retried), or refused the job: the message starts
-    ``training input URI:``. Not bad data and not a checkpoint's storage. ``refused`` (a permanent
-    failure: access denied, bad or expired credentials; ``refused()``) is set, to ``"EACCES"``, when no
-    restart with the same settings reads the input; else the same job runs once the store answers."""
+    retries; a read in the middle of a file, not retried), or refused the job. Not bad data and not a
+    checkpoint's storage. ``refused`` (a permanent failure: access denied, bad or expired credentials;
+    ``refused()``) is set, to ``"EACCES"``, when no restart with the same settings reads the input; else
+    the same job runs once the store answers.
+
+    ``str()`` is ``"training input URI: REASON"`` (``engine train``'s wording); ``uri`` and ``reason``
+    (what the store did, naming no command) let another command (``engine predict``, ``engine eval``)
+    say whose input it is in its own words.
+
+    Parameters
+    ----------
+    uri : str
+        The input (a file or a directory as listed).
+    reason : str
+        What failed: the store's own words, with ``hdfs_io``'s note of the call.
+    refused : str, optional
+        ``"EACCES"`` when the store refused the job (see above).
+    """
+
+    def __init__(self, uri: str, reason: str, refused: str | None = None):
+        super().__init__(f"training input {uri}: {reason}", uri=uri)
+        self.reason = reason
+        self.refused = refused
+
+    def __reduce__(self):   # picklable across processes (workers, Ray) with its reason and refusal
+        return type(self), (self.uri, self.reason, self.refused)
 
 
 class InputChangedError(DataFormatError):
@@ -79,10 +101,49 @@ class InputChangedError(DataFormatError):
     size, modification time or ETag), or deleted, before or while it was read. A ``DataFormatError``
     (``engine train`` ends with exit code 2, not restarted into the same change): the row counts that
     split the rows among the workers and the checkpoints' positions were taken on the version listed.
-    ``str()`` is ``"URI: row N: field <object version>: expected ..."``."""
 
-    def __init__(self, uri: str, reason: str, row: int = 1, field: str = "<object version>"):
-        super().__init__(uri, row, field, reason, unit="row")
+    ``str()`` is ``"URI: row N: field <object version>: FACT: ADVICE"`` (``sep`` between the two: ``"; "``
+    after a fact that ends in a clause of its own, ``got none: deleted``). ``fact`` (what changed: both
+    versions) names no command; ``advice`` (what it means and what to do; ``CHANGED``: a training job's row
+    split, its checkpoints and ``--resume``) is the raiser's, and ``advised`` gives the message with
+    another command's (``engine predict``, ``engine eval``) in its place.
+
+    Parameters
+    ----------
+    uri : str
+        The input.
+    fact : str
+        What changed, in "expected X, got Y" form.
+    row : int
+        1-based row of the input where the read stopped.
+    field : str
+        ``"<object version>"``, ``"<record batch N>"``, ``"<listing>"``.
+    advice : str, optional
+        What it means and what to do (None: nothing appended).
+    sep : str
+        Between ``fact`` and ``advice``.
+    """
+
+    def __init__(self, uri: str, fact: str, row: int = 1, field: str = "<object version>", *,
+                 advice: str | None = None, sep: str = ": "):
+        self.fact, self.advice, self.sep = fact, advice, sep
+        super().__init__(uri, row, field, fact if advice is None else f"{fact}{sep}{advice}", unit="row")
+
+    def advised(self, advice: str | None) -> str:
+        """``str()`` of this error with ``advice`` in place of its own (None: the fact alone)."""
+        return f"{self.path}: row {self.line}: field {self.field}: " + (
+            self.fact if advice is None else f"{self.fact}{self.sep}{advice}")
+
+    def at(self, uri: str, row: int, field: str) -> InputChangedError:
+        """The same change, found at ``row`` and ``field`` of ``uri`` (where a reader stopped)."""
+        return InputChangedError(uri, self.fact, row, field, advice=self.advice, sep=self.sep)
+
+    def __reduce__(self):   # picklable as itself (DataFormatError's rebuilds a DataFormatError)
+        return _rebuild_changed, (self.path, self.fact, self.line, self.field, self.advice, self.sep)
+
+
+def _rebuild_changed(uri, fact, row, field, advice, sep):
+    return InputChangedError(uri, fact, row, field, advice=advice, sep=sep)
 
 
 def refused(exc: BaseException) -> bool:
@@ -98,16 +159,11 @@ def input_error(uri: str, exc: OSError) -> OSError:
     if isinstance(exc, InputUnavailableError):
         return exc
     if isinstance(exc, StorageUnavailableError):
-        err = InputUnavailableError(f"training input {uri}: {exc}")
-        if getattr(exc, "refused", None):
-            err.refused = exc.refused
-        return err
+        return InputUnavailableError(uri, str(exc), getattr(exc, "refused", None) or None)
     if not isinstance(exc, FileNotFoundError) and refused(exc):
-        err = InputUnavailableError(f"training input {uri}: access refused ({described(exc)})")
-        err.refused = "EACCES"
-        return err
+        return InputUnavailableError(uri, f"access refused ({described(exc)})", "EACCES")
     if is_transient(exc):       # a read in the middle of a file: not retried (the module docstring)
-        return InputUnavailableError(f"training input {uri}: {described(exc)}")
+        return InputUnavailableError(uri, described(exc))
     return exc
 
 
@@ -225,8 +281,8 @@ class RemoteInput:
                 f = self.storage.open_input_file(self.name)
         except FileNotFoundError:       # listed, then gone: the same change as one written again
             raise InputChangedError(uri, f"expected the object as the job listed it "
-                                         f"({_described(self.size, self.mtime_ns)}), got none: deleted; "
-                                         f"{CHANGED}") from None
+                                         f"({_described(self.size, self.mtime_ns)}), got none: deleted",
+                                    advice=CHANGED, sep="; ") from None
         try:
             pin = self._version(f)
             size, mtime_ns, etag = pin
@@ -238,7 +294,7 @@ class RemoteInput:
             if changed:
                 raise InputChangedError(uri, f"expected the object as the job listed it "
                                              f"({_described(self.size, self.mtime_ns)}), got "
-                                             f"{_described(size, mtime_ns)}: {CHANGED}")
+                                             f"{_described(size, mtime_ns)}", advice=CHANGED)
         except BaseException:
             f.close()
             raise
@@ -354,11 +410,11 @@ class _PinnedFile:
             now = self.inp._version()
         except FileNotFoundError:
             raise InputChangedError(uri, f"expected the object the read began on ({began}), got none: deleted "
-                                         f"while it was read; {CHANGED}") from None
+                                         f"while it was read", advice=CHANGED, sep="; ") from None
         same = now[2] == self.pin[2] if self.pin[2] is not None else now[:2] == self.pin[:2]
         if not same or now[0] != self.pin[0]:
             raise InputChangedError(uri, f"expected the object the read began on ({began}), got another version "
-                                         f"({_described(now[0], now[1])}): {CHANGED}")
+                                         f"({_described(now[0], now[1])})", advice=CHANGED)
 
     def close(self) -> None:
         self.raw.close()
@@ -413,11 +469,19 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
     InputUnavailableError
         The store cannot be reached (after the retries), or its client library is missing.
     """
+    return list_remote_unread(uri, storage_options)[0]
+
+
+def list_remote_unread(uri: str, storage_options: StorageOptions | None = None) -> tuple[list[RemoteInput], list[str]]:
+    """``(list_remote(uri), names)`` from one listing of the store: ``names`` of the files directly in the
+    directory ``uri`` that ``list_remote`` leaves unread for their names (no data suffix; ``_``/``.`` markers
+    and temporary files excepted), sorted; [] for a file. So a check that warns of those lists once, and
+    reads what it listed. Raises as ``list_remote``."""
     storage, info, children = _listing(uri, storage_options)
     if children is None:
         parent = Storage(storage.fs, posixpath.dirname(storage.root), uri=storage.uri.rsplit("/", 1)[0],
                          retry=storage.retry, retry_stats=storage.retry_stats)
-        return [RemoteInput(parent, info.base_name, int(info.size), info.mtime_ns)]
+        return [RemoteInput(parent, info.base_name, int(info.size), info.mtime_ns)], []
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"data path does not exist: {uri}")
     found = [RemoteInput(storage, i.base_name, int(i.size), i.mtime_ns) for i in children
@@ -425,16 +489,9 @@ def list_remote(uri: str, storage_options: StorageOptions | None = None) -> list
              and i.base_name.endswith(_DATA_SUFFIXES)]
     if not found:
         raise FileNotFoundError(f"no Arrow IPC or Parquet files in directory {uri}")
-    return sorted(found, key=lambda r: r.name)
-
-
-def unread_names(uri: str, storage_options: StorageOptions | None = None) -> list[str]:
-    """Names of the files directly in the directory ``uri`` that ``list_remote`` leaves unread for their
-    names (no data suffix; ``_``/``.`` markers and temporary files excepted), sorted; [] for a file.
-    Raises ``InputUnavailableError`` as ``list_remote``."""
-    children = _listing(uri, storage_options)[2] or []
-    return sorted(i.base_name for i in children if i.type == pafs.FileType.File
-                  and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
+    unread = sorted(i.base_name for i in children if i.type == pafs.FileType.File
+                    and not i.base_name.startswith(("_", ".")) and not i.base_name.endswith(_DATA_SUFFIXES))
+    return sorted(found, key=lambda r: r.name), unread
 
 
 def remote_batches(src: RemoteInput, opened: list) -> Iterator[pa.RecordBatch]:
@@ -457,7 +514,8 @@ def remote_batches(src: RemoteInput, opened: list) -> Iterator[pa.RecordBatch]:
         yield from reader
 
 
-def fetch(uri: str, directory, storage_options: StorageOptions | None = None) -> str:
+def fetch(uri: str, directory, storage_options: StorageOptions | None = None, *,
+          in_directory: str | None = None) -> str:
     """Copy the file at ``uri`` (a Criteo text file or a text corpus on a store) into the local
     ``directory`` (created if missing), under the URI's last name, unless the copy there is current, and
     return its path. What was copied is recorded beside it (``NAME.source.json``: the URI, the object's
@@ -471,11 +529,14 @@ def fetch(uri: str, directory, storage_options: StorageOptions | None = None) ->
         ``s3://bucket/key``, ``hdfs://nn:8020/path``.
     directory : str or PathLike
         Local directory of the copy.
+    in_directory : str, optional
+        When ``uri`` names a directory, copy its file of this name (``vocab.arrow`` of a converted corpus).
 
     Raises
     ------
     FileNotFoundError
-        Nothing at ``uri``, or a directory (names the URI).
+        Nothing at ``uri``, or a directory (without ``in_directory``, or without that file in it; names the
+        URI).
     InputUnavailableError
         The store did not answer (after the retries), or refused the job.
     OSError
@@ -483,6 +544,8 @@ def fetch(uri: str, directory, storage_options: StorageOptions | None = None) ->
     """
     from hdfs_io.temp_names import stale, temp_name
     storage, info, children = _listing(uri.rstrip("/"), storage_options)
+    if children is not None and in_directory and info.type == pafs.FileType.Directory:
+        return fetch(f"{uri.rstrip('/')}/{in_directory}", directory, storage_options)
     if children is not None:
         raise FileNotFoundError(f"file not found: {uri}" + (" (a directory)" if info.type == pafs.FileType.Directory
                                                              else ""))

@@ -201,13 +201,13 @@ def read_batches(src, columns=None, version=None) -> Iterator[pa.RecordBatch]:
                 if pin is not None and (now := local_version(src)) != pin:   # written in place (or replaced)
                     raise InputChangedError(name, f"expected {began} ({pin[0]} bytes, "
                                                   f"inode {pin[2]}, modified {pin[1]} ns), got {now[0]} bytes, "
-                                                  f"inode {now[2]}, modified {now[1]} ns: {CHANGED}")
+                                                  f"inode {now[2]}, modified {now[1]} ns", advice=CHANGED)
             except StopIteration:
                 return
             except IncompleteStreamError as exc:
                 raise _incomplete_error(name, src, exc) from exc
             except InputChangedError as exc:    # a store's object overwritten: where the read stopped
-                raise InputChangedError(name, exc.reason, rows + 1, f"<record batch {batch}>") from exc
+                raise exc.at(name, rows + 1, f"<record batch {batch}>") from exc
             except Exception as exc:  # noqa: BLE001 - only unreadable bytes become DataFormatError
                 if not _unreadable(exc):
                     _reraise(src, exc)

@@ -15,7 +15,8 @@ the last stdout line, one JSON object::
 
 CTR configs (``ctr_dnn``, ``deepfm``): the checkpoint is exported to a temporary serving bundle
 (``engine.export``) and scores the config's test split (``model.data``, resolved and converted as
-``engine train`` does); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
+``engine train`` does; listed once, then read as listed and checked: a file written again since is refused,
+exit 2); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
 ..., "copc": ..., "rows": ...}`` (``model``: the kind the checkpoint holds). A checkpoint of another
 model than the config's (``model.kind``, ``slots``, ``dim``, ``dense_dim`` or ``hidden`` differ) is
 refused, exit 2, naming the field and both values; so is a word2vec config's checkpoint of a CTR model.
@@ -153,6 +154,10 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     streaming.errors.DataFormatError
         A test file is empty, truncated or not Arrow, or holds a value the model cannot score (a null
         or out-of-[0, 1] label, a null, NaN or infinite dense value): file, row and column named.
+    streaming.inputs.InputChangedError
+        A test file written again after it was listed and checked, or while it is read (named).
+    streaming.inputs.InputUnavailableError
+        A data store that does not answer, or refuses the storage section's credentials.
     """
     import tempfile
     from streaming.source import ArrowSource
@@ -160,10 +165,13 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     from ..export.predictor import load_bundle
     from ..export.source import open_source
     from ..metrics import BinaryMetrics
-    from ..programs.ctr_data import expected_schema, prepare_data
+    from ..programs.ctr_data import expected_schema, prepare_listed
     p = cfg.model.params
     opts = cfg.storage.options()
-    data = prepare_data(p.data, expected_schema(p.slots, p.dense_dim), opts)
+    # the test split listed once: read as listed and checked (a store's objects pinned at the check's open,
+    # local files at their listed version), as a trainer reads its listing
+    data, listed = prepare_listed(p.data, expected_schema(p.slots, p.dense_dim), opts)
+    files, versions = listed["test"]
     source = open_source(uri, storage_options=opts)
     with tempfile.TemporaryDirectory(prefix="engine-eval-") as tmp:
         try:
@@ -176,8 +184,7 @@ def evaluate_ctr(cfg, uri: str) -> dict:
                 close()
         bundle = load_bundle(os.path.join(tmp, "bundle"))
         metrics, rows = BinaryMetrics(), 0
-        for rb in ArrowSource(data.test_path, batch_size=8192, check=bundle.check_values,
-                              storage_options=opts).batches(0):
+        for rb in ArrowSource(files, batch_size=8192, check=bundle.check_values, versions=versions).batches(0):
             metrics.update(bundle.predict(rb), rb.column(bundle.label_column).to_numpy(zero_copy_only=False))
             rows += rb.num_rows
     s = metrics.summary()
@@ -186,11 +193,17 @@ def evaluate_ctr(cfg, uri: str) -> dict:
             "copc": s["copc"]}
 
 
+#: what a data file written again means for ``engine eval`` (``InputChangedError.advised``: in place of
+#: ``streaming.inputs.CHANGED``, which speaks of a training job's row split and checkpoints)
+EVAL_CHANGED = ("it was written again after engine eval listed it, or while it was read; no metrics of a mix of "
+                "two versions were reported: run it again to evaluate the version there now")
+
+
 def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from hdfs_io import StorageUnavailableError
-    from streaming.inputs import InputUnavailableError
+    from streaming.inputs import InputChangedError, InputUnavailableError
 
     from ..config import load_config
     bad = _bad_input_errors()
@@ -204,9 +217,17 @@ def run(args) -> int:
         else:
             print(f"engine eval: model.kind must be word2vec, ctr_dnn or deepfm, got {kind!r}", file=sys.stderr)
             return 2
-    except InputUnavailableError as e:     # model.data.test_path's store (s3://, hdfs://), not the checkpoint's
-        print(f"engine eval: {e}", file=sys.stderr)
-        return 2 if getattr(e, "refused", None) else 1
+    except InputChangedError as e:         # streaming.inputs' advice is a training job's (its row split, --resume)
+        print(f"engine eval: {e.advised(EVAL_CHANGED)}", file=sys.stderr)
+        return 2
+    except InputUnavailableError as e:     # model.data's store (s3://, hdfs://), not the checkpoint's
+        if e.refused:
+            print(f"engine eval: data {e.uri}: {e.reason}; no retry mends that: once the credentials of the "
+                  f"config's storage section and the store's policy let this command read it, run it again",
+                  file=sys.stderr)
+            return 2
+        print(f"engine eval: data storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
+        return 1
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         print(f"engine eval: checkpoint storage unavailable: {e}", file=sys.stderr)
         return 1

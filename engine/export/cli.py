@@ -20,7 +20,7 @@ while it is read, is refused naming its URI and row (``InputChangedError``), nev
 or a mix of two.
 
 Storage (``engine export``, ``engine predict``): every ``s3://`` or ``hdfs://`` URI (checkpoint, bundle,
-``--delta``, DATA, ``--out``) is reached with ``--config``'s ``storage:`` section (endpoint, region,
+``--delta``, ``--vocab``, DATA, ``--out``) is reached with ``--config``'s ``storage:`` section (endpoint, region,
 credentials or the names of the variables holding them, timeouts), as ``engine train`` and ``engine eval``
 reach theirs; without ``--config``, with the standard AWS environment variables (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...). A store refusing the credentials is one line naming the URI, exit 2; one that
@@ -73,7 +73,8 @@ def add_subparsers(sub) -> None:
                    help="replace an existing export at OUT (only a bundle, or a word2vec file, is ever "
                         "replaced; a directory holding anything else never is)")
     p.add_argument("--vocab", default=None,
-                   help="word2vec: vocab.arrow (or its directory); default: the one a word2vec checkpoint records")
+                   help="word2vec: vocab.arrow (or its directory), local or a URI reached as the others are "
+                        "(--config); default: the one a word2vec checkpoint records")
     p.add_argument("--binary", action="store_true", help="word2vec: binary format")
     _add_config_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -211,6 +212,7 @@ def run_export(args) -> int:
     _logging(args.verbose)
     from hdfs_io import StorageUnavailableError
     from models.errors import ModelInputError       # e.g. a word the word2vec format cannot hold
+    from streaming.inputs import InputUnavailableError
     bad = _bad_input_errors() + (ModelInputError,)
     try:
         from .source import open_source
@@ -244,6 +246,13 @@ def run_export(args) -> int:
             out = {"event": "export", "format": args.format, "out": args.out, "bundle": meta["bundle"],
                    "rows": meta["embedding"]["rows"], "deleted": meta["embedding"]["deleted"],
                    "export_id": meta["export_id"], "seconds": meta["stats"]["seconds"]}
+    except InputUnavailableError as e:  # the vocabulary's store (read as an input: streaming.inputs.fetch)
+        what = "--vocab" if args.vocab else "vocabulary"        # else the one the checkpoint records
+        if e.refused:
+            print(f"engine export: {what} {e.uri}: {e.reason}; {REFUSED_HINT}", file=sys.stderr)
+            return 2
+        print(f"engine export: {what} storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
+        return 1
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         from .target import job_root_of
         side = failed_side(e, {"output": args.out, "checkpoint": job_root_of(args.checkpoint),
@@ -360,8 +369,8 @@ class _PredictionsFile:
             log.warning("could not remove the partial predictions file %s: %s", self.storage.uri_of(self.tmp), exc)
 
 
-#: what an input on a store written again means for ``engine predict`` (in place of ``streaming.inputs.CHANGED``,
-#: which speaks of a training job's row split and checkpoints)
+#: what an input written again means for ``engine predict`` (``InputChangedError.advised``: in place of
+#: ``streaming.inputs.CHANGED``, which speaks of a training job's row split and checkpoints)
 PREDICT_CHANGED = ("it was written again after engine predict listed it, or while it was read; no rows of another "
                    "version were scored, and no predictions written (an earlier --out file is as it was): run it "
                    "again to score the version there now")
@@ -435,7 +444,7 @@ def run_predict(args) -> int:
     if args.batch_size < 1:             # it reached ArrowSource's ValueError: a traceback, exit 1
         print(f"engine predict: --batch-size must be >= 1, got {args.batch_size}", file=sys.stderr)
         return 2
-    from streaming.inputs import CHANGED, InputChangedError, InputUnavailableError, fetch, is_uri
+    from streaming.inputs import InputChangedError, InputUnavailableError, fetch, is_uri
     from streaming.source import ArrowSource
     from .predictor import load_bundle
     tmp = preds = None
@@ -484,11 +493,11 @@ def run_predict(args) -> int:
               f"input (counted over its files in order): {e}", file=sys.stderr)
         return 2
     except InputChangedError as e:      # streaming.inputs' advice is a training job's (its row split, --resume)
-        print(f"engine predict: {str(e).replace(CHANGED, PREDICT_CHANGED)}", file=sys.stderr)
+        print(f"engine predict: {e.advised(PREDICT_CHANGED)}", file=sys.stderr)
         return 2
-    except InputUnavailableError as e:  # DATA's store (streaming.inputs' "training input URI: ..."), refused or silent
-        text = str(e).removeprefix("training input ")
-        if getattr(e, "refused", None):
+    except InputUnavailableError as e:  # DATA's store, refused or silent (str(e) is a training job's wording)
+        text = f"{e.uri}: {e.reason}"
+        if e.refused:
             print(f"engine predict: data {text}; {REFUSED_HINT}", file=sys.stderr)
             return 2
         print(f"engine predict: data storage unavailable: {text}", file=sys.stderr)

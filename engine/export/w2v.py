@@ -14,17 +14,45 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from contextlib import contextmanager
 
 import numpy as np
 
 from .errors import ExportError
 
-__all__ = ["export_word2vec", "word_vectors", "check_vocab"]
+__all__ = ["export_word2vec", "word_vectors", "check_vocab", "local_vocab"]
 
 log = logging.getLogger(__name__)
 
 
-def check_vocab(source, vocab: str) -> None:
+@contextmanager
+def local_vocab(vocab: str, storage_options=None):
+    """``vocab`` (``vocab.arrow`` or the converted-corpus directory holding it) as a local path: itself, or,
+    for a URI (``s3://``, ``hdfs://``; reached with ``storage_options``, the config's ``storage`` section),
+    its copy in a temporary directory removed on exit (``streaming.inputs.fetch``; a directory's
+    ``vocab.arrow``).
+
+    Raises
+    ------
+    FileNotFoundError
+        Nothing at the URI, or a directory without ``vocab.arrow`` (names the URI).
+    streaming.inputs.InputUnavailableError
+        The store did not answer (after the retries), or refused the credentials (``refused`` set).
+    """
+    from streaming.inputs import fetch, is_uri
+    from streaming.text import VOCAB_FILE
+    if not is_uri(vocab):
+        yield vocab
+        return
+    with tempfile.TemporaryDirectory(prefix="engine-vocab-") as tmp:
+        try:
+            path = fetch(vocab, tmp, storage_options, in_directory=VOCAB_FILE)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"vocabulary {vocab}: {exc}") from None
+        yield path
+
+
+def check_vocab(source, vocab: str, *, name: str | None = None) -> None:
     """``vocab`` is the vocabulary ``source`` was trained with: its size and CRC-32 equal the
     fingerprint the source's description records (``vocab_fingerprint``). A source recording none (a
     checkpoint written before they were recorded) is a WARNING: it cannot be verified.
@@ -34,6 +62,8 @@ def check_vocab(source, vocab: str) -> None:
     source : ExportSource
     vocab : str
         ``vocab.arrow`` or the converted-corpus directory holding it (local).
+    name : str, optional
+        What the messages call ``vocab`` (the URI it was copied from); default ``vocab``.
 
     Raises
     ------
@@ -43,15 +73,16 @@ def check_vocab(source, vocab: str) -> None:
         ``vocab`` does not exist.
     """
     from streaming.text import vocab_fingerprint
+    name = name or vocab
     recorded = source.model_description().get("vocab_fingerprint")
     if not isinstance(recorded, dict):
         log.warning("%s records no fingerprint of the vocabulary it was trained with (written before they "
-                    "were recorded): cannot verify that %s is that vocabulary", source.source_uri, vocab)
+                    "were recorded): cannot verify that %s is that vocabulary", source.source_uri, name)
         return
     now = vocab_fingerprint(vocab)
     if any(recorded.get(k) != v for k, v in now.items()):
         words = f", {recorded['vocab_words']} words" if "vocab_words" in recorded else ""
-        raise ExportError(f"{vocab}: not the vocabulary {source.source_uri} was trained with ({_show(now)}; the "
+        raise ExportError(f"{name}: not the vocabulary {source.source_uri} was trained with ({_show(now)}; the "
                           f"checkpoint's sources.train.vocab records {_show(recorded)}{words}): the corpus was "
                           f"re-converted since? Its word ids would name other words; pass the vocab.arrow it "
                           f"was trained with (engine export: --vocab)")
@@ -61,7 +92,7 @@ def _show(fp) -> str:
     return f"{fp.get('vocab_bytes')} bytes, crc32 {fp.get('vocab_crc32')}"
 
 
-def word_vectors(source, vocab: str):
+def word_vectors(source, vocab: str, storage_options=None):
     """The input vectors of ``source`` in vocabulary order.
 
     Parameters
@@ -69,7 +100,10 @@ def word_vectors(source, vocab: str):
     source : ExportSource
         Rows keyed by ``make_keys(slot, word_id)``; ``values`` = the input vectors ``float32[dim]``.
     vocab : str
-        ``vocab.arrow`` or the converted-corpus directory holding it (local).
+        ``vocab.arrow`` or the converted-corpus directory holding it: local, or a URI reached with
+        ``storage_options`` (``local_vocab``).
+    storage_options : hdfs_io.StorageOptions, optional
+        For a URI ``vocab`` (None: the environment's).
 
     Returns
     -------
@@ -86,11 +120,14 @@ def word_vectors(source, vocab: str):
         whose word id is outside the vocabulary, or rows of mixed width.
     FileNotFoundError
         ``vocab`` does not exist.
+    streaming.inputs.InputUnavailableError
+        A URI ``vocab``'s store did not answer, or refused the credentials (``local_vocab``).
     """
     from streaming.keys import key_ids
     from streaming.text import read_vocab
-    check_vocab(source, vocab)
-    words, _ = read_vocab(vocab)
+    with local_vocab(vocab, storage_options) as path:
+        check_vocab(source, path, name=vocab)
+        words, _ = read_vocab(path)
     vecs = None
     have = np.zeros(len(words), bool)
     for rb in source.embedding_batches():
@@ -135,7 +172,8 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
     out_uri : str
         Output file on any :mod:`hdfs_io` backend.
     vocab : str
-        ``vocab.arrow`` or the converted-corpus directory holding it (local).
+        ``vocab.arrow`` or the converted-corpus directory holding it: local, or a URI on the store
+        ``storage_options`` reach (``local_vocab``).
     binary : bool
         word2vec binary format instead of text.
     overwrite : bool
@@ -156,6 +194,8 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
         A file is at ``out_uri`` and ``overwrite`` is false.
     models.errors.ModelInputError
         A word the word2vec format cannot hold (ASCII whitespace: ``models.word2vec_io``).
+    FileNotFoundError, streaming.inputs.InputUnavailableError
+        A URI ``vocab`` that is not there, or whose store does not answer or refuses the credentials.
     """
     from hdfs_io import temp_names
     from models.word2vec_io import save_word2vec_format
@@ -163,7 +203,7 @@ def export_word2vec(source, out_uri: str, *, vocab: str, binary: bool = False, s
     storage, name = _parent(out_uri, storage_options)
     T.check_not_source(out_uri, getattr(source, "source_uri", None))
     T.check_file_target(storage, name, overwrite=overwrite)
-    words, vecs, missing = word_vectors(source, vocab)
+    words, vecs, missing = word_vectors(source, vocab, storage_options)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "vectors")
         save_word2vec_format(path, words, vecs, binary=binary)

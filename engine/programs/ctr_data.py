@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from streaming.criteo import (SLOT_IDS, SPARSE_COLUMNS, arrow_is_current, convert_criteo, criteo_schema,
                               generate_criteo)
-from streaming.inputs import CHANGED, InputChangedError, RemoteInput, fetch, is_uri, unread_names
+from streaming.inputs import CHANGED, InputChangedError, RemoteInput, fetch, is_uri, list_remote_unread
 from streaming.source import (ArrowSource, check_inputs, count_rows, list_files, local_version, open_file,
                               read_schema, row_ranges)
 from streaming.values import dense_values, first, label_problem, list_values
@@ -347,11 +347,11 @@ def check_unchanged(files, versions: list, fingerprint: list[list]) -> list:
         cur = local_version(f)
         if cur[0] < 0:
             raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes), got none: "
-                                       f"deleted; {CHANGED}")
+                                       f"deleted", advice=CHANGED, sep="; ")
         if cur != was and (got := files_fingerprint(f)[0]) != fp:
             raise InputChangedError(f, f"expected the file as the job listed it ({was[0]} bytes, fingerprint "
                                        f"{'/'.join(fp[2:])}), got {cur[0]} bytes, fingerprint "
-                                       f"{'/'.join(got[2:])}: {CHANGED}")
+                                       f"{'/'.join(got[2:])}", advice=CHANGED)
         now.append(cur)
     return now
 
@@ -441,13 +441,22 @@ def _generated(cfg: DataConfig) -> Path:
     return path
 
 
-def check_arrow(path: str, schema: pa.Schema, key: str, storage_options=None) -> None:
+def check_arrow(path: str, schema: pa.Schema, key: str, storage_options=None) -> tuple[list, list]:
     """Raise unless ``path`` exists and every one of its inputs has ``schema``'s columns (a slot column
     may hold raw strings: ``string_slots``) and, an IPC stream, its end-of-stream marker
     (``streaming.source.check_inputs``: each input's schema and last bytes; a whole file only when it
     looks truncated). Files of a directory left unread for their names (no data suffix, not a
     ``_``/``.`` marker or temporary file) are named in a WARNING. A URI ``path`` is read with
-    ``storage_options`` (``streaming.inputs``).
+    ``storage_options`` (``streaming.inputs``) and listed once (one listing gives the inputs and the names
+    left unread).
+
+    Returns
+    -------
+    (files, versions)
+        The inputs as listed and checked (``list_files`` entries: a store's ``RemoteInput``, its version
+        pinned at the check's open) and each local file's version when listed (``local_versions``; None for
+        a store's): read them with ``ArrowSource(files, versions=versions)`` to read what was checked, as a
+        trainer reads its listing, never a file written since.
 
     Raises
     ------
@@ -462,15 +471,18 @@ def check_arrow(path: str, schema: pa.Schema, key: str, storage_options=None) ->
     """
     if not path:
         raise ConfigError(f"{key} must name an Arrow file or directory when model.data.source is 'arrow'")
+    left = []
     try:
-        check_inputs(path, schema, string_slots=string_slots(schema), storage_options=storage_options)
+        if is_uri(path):
+            files, left = list_remote_unread(path, storage_options)
+        else:
+            files = list_files(path)
+        versions = local_versions(files)
+        check_inputs(files, schema, string_slots=string_slots(schema))
     except FileNotFoundError as e:
         raise ConfigError(f"{key}: {e}") from None
-    left = []
-    if is_uri(path):
-        left = unread_names(path, storage_options)
-    elif os.path.isdir(path):
-        read = {os.path.basename(f) for f in list_files(path)}
+    if not is_uri(path) and os.path.isdir(path):
+        read = {os.path.basename(f) for f in files}
         left = sorted(e.name for e in os.scandir(path) if e.is_file() and e.name not in read
                       and not e.name.startswith(("_", ".")))
     if left:
@@ -478,11 +490,13 @@ def check_arrow(path: str, schema: pa.Schema, key: str, storage_options=None) ->
                     ".ipc .feather .parquet .pq; names starting with _ or . are skipped as markers and "
                     "temporary files): %s%s", key, len(left), path, ", ".join(left[:5]),
                     f" and {len(left) - 5} more" if len(left) > 5 else "")
+    return files, versions
 
 
-def group_column_type(path: str, column: str, storage_options=None) -> pa.DataType:
+def group_column_type(path, column: str, storage_options=None) -> pa.DataType:
     """The Arrow type of the grouping column ``column`` (``model.data.group_column``) in every input of
-    the test split ``path``: an integer type, or string/binary (hashed to uint64 keys when read).
+    the test split ``path`` (a path, a URI, or its inputs as ``list_files`` listed them): an integer type, or
+    string/binary (hashed to uint64 keys when read).
 
     Raises
     ------
@@ -516,6 +530,7 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> Da
     """Resolve the data section to ``source: arrow`` with absolute (or URI), schema-checked paths;
     converts or generates when needed (see the module docstring). ``storage_options``
     (``hdfs_io.StorageOptions``, the config's ``storage`` section) reach URI inputs' store.
+    ``prepare_listed`` gives the listings it checked too.
 
     Raises
     ------
@@ -528,6 +543,13 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> Da
     streaming.errors.SchemaError
         An Arrow input with a missing or mistyped column.
     """
+    return prepare_listed(cfg, schema, storage_options)[0]
+
+
+def prepare_listed(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> tuple[DataConfig, dict]:
+    """``prepare_data``, and what it listed and checked: ``(data config, {"train": (files, versions),
+    "test": (files, versions)})`` (``check_arrow``'s), so a reader in this process (``engine eval``) reads
+    the inputs as listed and checked without listing them again. Raises as ``prepare_data``."""
     if cfg.source == "arrow":
         train, test = cfg.train_path, cfg.test_path
         for key, path in (("model.data.train_path", train), ("model.data.test_path", test)):
@@ -550,11 +572,11 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> Da
                 else:
                     raise ConfigError(f"model.data.criteo_path: file not found: {cfg.criteo_path}")
         train, test = _convert(inputs, cfg, key)
-    check_arrow(train, schema, "model.data.train_path", storage_options)
-    check_arrow(test, schema, "model.data.test_path", storage_options)
+    listed = {"train": check_arrow(train, schema, "model.data.train_path", storage_options),
+              "test": check_arrow(test, schema, "model.data.test_path", storage_options)}
     if cfg.group_column:
-        group_column_type(test, cfg.group_column, storage_options)
-    return dataclasses.replace(cfg, source="arrow", train_path=_absolute(train), test_path=_absolute(test))
+        group_column_type(listed["test"][0], cfg.group_column, storage_options)
+    return dataclasses.replace(cfg, source="arrow", train_path=_absolute(train), test_path=_absolute(test)), listed
 
 
 def _absolute(path: str) -> str:

@@ -11,7 +11,9 @@ local copy of each. Predictions read from S3 must equal those of the local copy.
 Also: a store refusing the credentials is one line naming the side and its URI, exit 2 (checkpoint,
 output, bundle, data, predictions; ``engine eval``'s checkpoint); one that does not answer is one line,
 exit 1; predict's inputs are read as listed and checked (an object written again after its schema was
-checked, or while it is read, is refused by URI and row); a bad value is named by URI, row and column."""
+checked, or while it is read, is refused by URI and row); a bad value is named by URI, row and column; a word2vec
+export's ``--vocab`` on S3 is read with the config's credentials (refused, missing or another corpus's: one
+line, exit 2)."""
 from __future__ import annotations
 
 import json
@@ -400,3 +402,78 @@ def test_a_bad_value_on_s3_is_named_by_uri_row_and_column(env, capsys):
     assert main(["predict", BUNDLE, f"s3://{key}", "--config", str(env.config)]) == 2
     assert _last(capsys) == f"engine predict: s3://{key}: row 451: field dense: expected a finite number at position " \
                             f"2, got nan"
+
+
+@pytest.fixture(scope="module")
+def w2v(store, tmp_path_factory):
+    """``(converted corpus dir, word2vec checkpoint URI on local disk)``; its vocab.arrow on S3 under
+    ``s3://serving/w2v/corpus/``, another corpus's under ``s3://serving/w2v/other/``."""
+    from tests.unit.test_w2v_vocab_identity import _checkpoint, _convert
+    d = tmp_path_factory.mktemp("w2v_vocab")
+    _convert(d, "the cat sat on the mat\nthe dog sat\n", d / "arrow")
+    _convert(d, "a cat sat on a mat\na a dog sat\n", d / "other")
+    store.put("serving/w2v/corpus/vocab.arrow", (d / "arrow" / "vocab.arrow").read_bytes())
+    store.put("serving/w2v/other/vocab.arrow", (d / "other" / "vocab.arrow").read_bytes())
+    return d / "arrow", _checkpoint(d / "arrow", d / "ckpt")
+
+
+@pytest.mark.parametrize("vocab", ["s3://serving/w2v/corpus/vocab.arrow", "s3://serving/w2v/corpus"],
+                         ids=["file", "directory"])
+def test_word2vec_export_reads_its_vocab_from_s3_with_the_configs_credentials(env, w2v, vocab, tmp_path, capsys):
+    """Before, --vocab had to be local: an s3:// one was opened as a local path (exit 2, "Failed to open local
+    file 's3:/serving/...'"). The file's copy passes the checkpoint's fingerprint; the vectors are the local
+    vocabulary's."""
+    arrow, ckpt = w2v
+    local, out = tmp_path / "local.txt", tmp_path / "s3.txt"
+    assert main(["export", ckpt, str(local), "--format", "word2vec", "--vocab", str(arrow / "vocab.arrow")]) == 0
+    assert main(["export", ckpt, str(out), "--format", "word2vec", "--vocab", vocab, "--config", str(env.config)]) \
+        == 0, capsys.readouterr().err[-3000:]
+    assert out.read_bytes() == local.read_bytes()
+
+
+@pytest.mark.parametrize("vocab, config, line", [
+    ("s3://serving/w2v/corpus/vocab.arrow", "refused",
+     "engine export: --vocab s3://serving/w2v/corpus/vocab.arrow: access refused ("),
+    ("s3://serving/w2v/nothing/vocab.arrow", "config",
+     "engine export: vocabulary s3://serving/w2v/nothing/vocab.arrow: file not found: "
+     "s3://serving/w2v/nothing/vocab.arrow"),
+    ("s3://serving/w2v", "config", "engine export: vocabulary s3://serving/w2v: file not found: "
+                                   "s3://serving/w2v/vocab.arrow"),
+    ("s3://serving/w2v/other", "config", "engine export: s3://serving/w2v/other: not the vocabulary "),
+], ids=["refused", "missing", "directory-without-vocab", "another-corpus"])
+def test_a_word2vec_vocab_on_s3_that_cannot_be_used_is_one_line_exit_2(env, w2v, vocab, config, line, tmp_path,
+                                                                       capsys):
+    _, ckpt = w2v
+    cfg = env.refused if config == "refused" else env.config
+    assert main(["export", ckpt, str(tmp_path / "out.txt"), "--format", "word2vec", "--vocab", vocab,
+                 "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(line), err[-3000:]
+    assert "Traceback" not in err and not (tmp_path / "out.txt").exists()
+
+
+def test_eval_names_test_data_whose_store_refuses_the_credentials_in_its_own_words(env, tmp_path, capsys):
+    """``engine eval``'s data on a store refusing the config's key: one line naming the data, exit 2. Before,
+    "engine eval: training input s3://...": a training job's words for an evaluation's input."""
+    cfg = tmp_path / "eval.yaml"
+    cfg.write_text(env.refused.read_text() + f"""
+mode: async
+cluster: {{servers: 1, workers: 1}}
+checkpoint: {{root: {tmp_path / 'ckpt'}, job: ctr}}
+observability: {{tensorboard: false}}
+tables:
+  sparse:
+    embedding: {{dim: 4, optimizer: adagrad, learning_rate: 0.05}}
+  dense:
+    dense: {{optimizer: adam, learning_rate: 0.001}}
+model:
+  kind: ctr_dnn
+  slots: {SLOTS}
+  dim: 4
+  hidden: [8]
+  metrics_dir: {tmp_path / 'metrics'}
+  data: {{source: arrow, train_path: {DATA}/dir, test_path: {DATA}/dir}}
+""")
+    assert main(["eval", str(cfg), "--checkpoint", env.ckpt_local]) == 2
+    last = _last(capsys)
+    assert last.startswith(f"engine eval: data {DATA}/dir: access refused (") and "no retry mends that" in last, last

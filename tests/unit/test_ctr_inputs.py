@@ -237,7 +237,7 @@ def test_a_check_failing_for_another_reason_ends_every_worker_at_the_barrier(cri
 
     def shard(data, schema, rank, *args, **kwargs):
         if rank == 1:
-            raise InputUnavailableError("training input s3://b/train/part-1.arrow: the store did not answer")
+            raise InputUnavailableError("s3://b/train/part-1.arrow", "the store did not answer")
         return real(data, schema, rank, *args, **kwargs)
     monkeypatch.setattr(ctr_inputs, "check_shard", shard)
     out, acc = _verdicts(data, monkeypatch)
