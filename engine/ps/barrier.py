@@ -38,9 +38,12 @@ with its error (nobody is left waiting for an opening that will not come).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 #: the longest barrier name
@@ -171,7 +174,7 @@ class Barriers:
                 st.world = world
             st.touched = now
             if not st.opening:
-                self._drop_stale(st, now)
+                self._drop_stale(name, st, now)
             times = st.arrived.get(token)
             opener = False
             if times is None:
@@ -183,9 +186,14 @@ class Barriers:
                 return self._wait(st, name, token, limit)
         return self._open(st, name, on_open)
 
-    def _drop_stale(self, st: _State, now: float) -> None:
-        for tok in [t for t, (_, last) in st.arrived.items() if now - last > self.lease_s]:
+    def _drop_stale(self, name: str, st: _State, now: float) -> None:
+        stale = [(now - last, t) for t, (_, last) in st.arrived.items() if now - last > self.lease_s]
+        for _, tok in stale:
             del st.arrived[tok]
+        if stale:
+            log.info("barrier %r: withdrew %d arrival(s) not polled for %gs (up to %.1fs; their callers are "
+                     "counted gone, and counted again if they poll again), %d of %d left", name[:200],
+                     len(stale), self.lease_s, max(stale)[0], len(st.arrived), st.world)
 
     def _prune(self, now: float, idle_s: float | None = None) -> None:
         """Drop the arrivals not polled for ``lease_s`` (their callers are gone), then forget barriers
@@ -193,9 +201,9 @@ class Barriers:
         lock)."""
         self._pruned = now
         idle_s = self.prune_after_s if idle_s is None else idle_s
-        for st in self._states.values():
+        for name, st in self._states.items():
             if not st.opening:
-                self._drop_stale(st, now)
+                self._drop_stale(name, st, now)
         for name in [n for n, st in self._states.items()
                      if not st.arrived and not st.opening and now - st.touched > idle_s]:
             del self._states[name]
