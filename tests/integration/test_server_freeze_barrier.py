@@ -93,9 +93,9 @@ def test_a_server_frozen_past_the_barrier_lease_while_workers_wait_lets_the_job_
         tmp_path, timeout_s):
     """``calls-outlive-freeze``: the default client.timeout_s (60 s), so the workers' pushes and pulls in
     flight outlive the freeze (their barrier polls, 30 s at most, do not). ``calls-die-in-freeze``:
-    client.timeout_s 20 s, so every call in flight dies in the freeze, and the server's own judge of a
-    stuck request (``engine.ps.watchdog``, bound client.timeout_s) finds every request it still handles
-    at the moment it runs again older than its bound."""
+    client.timeout_s 20 s, so every call in flight dies in the freeze, and the request the server was
+    handling at the stop is older than the bound of its judge of a stuck request (``engine.ps.watchdog``,
+    client.timeout_s) on its monotonic clock, though not on its awake time."""
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.5"}   # 5 steps outlast the freeze's set-up
     run = tmp_path / "run"
     proc = subprocess.Popen(_cmd(tmp_path, f"client.timeout_s={timeout_s}"), cwd=REPO, stdout=subprocess.PIPE,
