@@ -8,8 +8,10 @@ again, before its polls and the workers' beats could catch up, and restarted a h
 checkpoint. ``AwakeClock`` notices its own gaps (a ticker thread that did not run for ``stall_s``) and
 ``age`` leaves them out: silence is counted only while this process was there to hear.
 
-Every time is ``time.monotonic()`` seconds. One clock a process (``clock()``): a daemon thread ticking
-every ``TICK_S``; it remembers the last ``KEEP`` gaps.
+Every time is ``time.monotonic()`` seconds, except ``now``'s: a clock of its own that runs only while
+this process does, for a server's own leases and bounds (``engine.ps.barrier``, ``engine.ps.watchdog``).
+One clock a process (``clock()``): a daemon thread ticking every ``TICK_S``; it remembers the last
+``KEEP`` gaps.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ class AwakeClock:
         self.tick_s, self.stall_s = float(tick_s), float(stall_s)
         self._lock = threading.Lock()
         self._last = time.monotonic()
+        self._slept = 0.0           # every stall recorded, seconds (``now``)
+        self._now = 0.0             # ``now``'s last answer: it never goes back
         self._stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=KEEP)
         if start:
             threading.Thread(target=self._run, name="awake-clock", daemon=True).start()
@@ -64,12 +68,26 @@ class AwakeClock:
             gap = now - self._last
             if gap > self.stall_s:
                 self._stalls.append((self._last, now))
+                self._slept += gap
                 # a loaded machine starves the ticker for a second or two now and then (1.2 s in a CI run):
                 # counted all the same, but said at WARNING only for a gap a stop or a freeze makes
                 log.log(logging.WARNING if gap >= WARN_S else logging.INFO,
                         "this process did not run for %.1f s (stopped, frozen or starved): the silence of "
-                        "the processes it watches is not counted over that time", gap)
+                        "the processes it watches, and a server's barrier leases and request bounds, do not "
+                        "count that time", gap)
             self._last = max(self._last, now)
+
+    def now(self, mono: float | None = None) -> float:
+        """Seconds on a clock that runs only while this process does: ``time.monotonic()`` (or ``mono``)
+        less every stall recorded and the one under way. It never goes back; after a stall it stands still
+        for up to ``stall_s`` (the part of the gap before it counted as one). Compare its readings with
+        each other only, never with ``time.monotonic()``."""
+        mono = time.monotonic() if mono is None else float(mono)
+        with self._lock:
+            # a gap under way longer than stall_s is a stall from its start: this clock stopped at _last
+            t = (mono if mono - self._last <= self.stall_s else self._last) - self._slept
+            self._now = max(self._now, t)
+            return self._now
 
     def asleep(self, since: float, now: float | None = None) -> float:
         """Seconds of ``[since, now]`` this process did not run: the stalls recorded, and the one under way

@@ -25,6 +25,14 @@ up on more than 1,024 small hours within ``prune_after_s`` was refused, and the 
 caller released by one of them polls again within ``lease_s`` or is counted gone anyway. Only a new
 barrier beyond ``MAX_BARRIERS`` all used within ``lease_s`` is refused (FAILED_PRECONDITION).
 
+Every one of these times runs on the server's awake time (``engine.awake``), not its monotonic clock:
+a server stopped or frozen (SIGSTOP, a frozen cgroup, a swapping host) past ``lease_s`` while callers
+waited found, the moment it ran again, every arrival unpolled for longer than the lease and withdrew it
+before the callers' polls could land. A caller that polls arrives again under the same token, so the
+sync barriers still counted right (the real job of tests/integration/test_server_freeze_barrier.py);
+but an arrival nobody polls (``PSClient.arrive``: the workers' "seen" at the job's end) was lost, and
+its meeting waited out its timeout.
+
 Generations: ``reset(generation)`` (a restore or a fence of the server) forgets every barrier and
 records the server's new generation; an arrival that names another one (``arrive(generation=...)``) is
 refused ABORTED under the same lock. The server checks a request's generation before it calls
@@ -38,9 +46,13 @@ with its error (nobody is left waiting for an opening that will not come).
 """
 from __future__ import annotations
 
+import logging
 import threading
-import time
 from dataclasses import dataclass, field
+
+from .. import awake
+
+log = logging.getLogger(__name__)
 
 
 #: the longest barrier name
@@ -72,11 +84,11 @@ class BarrierReply:
 class _State:
     world: int
     generation: int = 0
-    arrived: dict = field(default_factory=dict)     # token -> [first arrival, last poll] (monotonic s)
+    arrived: dict = field(default_factory=dict)     # token -> [first arrival, last poll] (Barriers' clock, s)
     released: dict = field(default_factory=dict)    # token -> generation it was released at
     failed: dict = field(default_factory=dict)      # token -> message: the apply at the opening failed
     opening: bool = False                           # the last arrival is running on_open
-    touched: float = field(default_factory=time.monotonic)   # last arrival or opening
+    touched: float = 0.0                            # last arrival or opening (Barriers' clock, s)
 
 
 class Barriers:
@@ -94,10 +106,14 @@ class Barriers:
         An arrival not polled for this long is withdrawn (its caller is gone).
     generation : int
         The server's generation (0: none); ``reset`` sets a new one.
+    clock : callable returning float seconds, optional
+        The clock of every lease, timeout and idle time here: by default this process's awake time
+        (``engine.awake.clock().now``), so a server stopped or frozen does not count that time against
+        its callers; tests pass their own.
     """
 
     def __init__(self, *, max_wait_s: float = 600.0, linger_s: float = 0.5, max_lingering: int = 1 << 30,
-                 lease_s: float = 30.0, prune_after_s: float = 600.0, generation: int = 0):
+                 lease_s: float = 30.0, prune_after_s: float = 600.0, generation: int = 0, clock=None):
         self.max_wait_s, self.linger_s = float(max_wait_s), float(linger_s)
         self.generation = int(generation)       # the server's, set by reset(): arrivals naming another are refused
         self.max_lingering, self.lease_s = int(max_lingering), float(lease_s)
@@ -107,7 +123,8 @@ class Barriers:
         self._lingering = 0
         self._stopped = False
         self._calls = 0
-        self._pruned = time.monotonic()
+        self._clock = clock or awake.clock().now
+        self._pruned = self._clock()
 
     @property
     def lingering(self) -> int:
@@ -147,7 +164,7 @@ class Barriers:
                                    f"generation {generation}, this server is at {self.generation} (it loaded a "
                                    f"checkpoint or was fenced since); the arrival was not counted")
             self._calls += 1
-            now = time.monotonic()
+            now = self._clock()
             if self._calls % 1024 == 0 or now - self._pruned > PRUNE_EVERY_S:
                 self._prune(now)
             st = self._states.get(name)
@@ -159,7 +176,7 @@ class Barriers:
                                        f"{len(self._states)} barriers, the most it keeps (engine.ps.barrier."
                                        f"MAX_BARRIERS), each used within the last {self.lease_s:g}s or "
                                        f"waited at")
-                st = self._states[name] = _State(world)
+                st = self._states[name] = _State(world, touched=now)
             if token in st.released:
                 return BarrierReply(st.released[token], True, st.world)
             if token in st.failed:
@@ -171,7 +188,7 @@ class Barriers:
                 st.world = world
             st.touched = now
             if not st.opening:
-                self._drop_stale(st, now)
+                self._drop_stale(name, st, now)
             times = st.arrived.get(token)
             opener = False
             if times is None:
@@ -183,9 +200,14 @@ class Barriers:
                 return self._wait(st, name, token, limit)
         return self._open(st, name, on_open)
 
-    def _drop_stale(self, st: _State, now: float) -> None:
-        for tok in [t for t, (_, last) in st.arrived.items() if now - last > self.lease_s]:
+    def _drop_stale(self, name: str, st: _State, now: float) -> None:
+        stale = [(now - last, t) for t, (_, last) in st.arrived.items() if now - last > self.lease_s]
+        for _, tok in stale:
             del st.arrived[tok]
+        if stale:
+            log.info("barrier %r: withdrew %d arrival(s) not polled for %gs (up to %.1fs; their callers are "
+                     "counted gone, and counted again if they poll again), %d of %d left", name[:200],
+                     len(stale), self.lease_s, max(stale)[0], len(st.arrived), st.world)
 
     def _prune(self, now: float, idle_s: float | None = None) -> None:
         """Drop the arrivals not polled for ``lease_s`` (their callers are gone), then forget barriers
@@ -193,9 +215,9 @@ class Barriers:
         lock)."""
         self._pruned = now
         idle_s = self.prune_after_s if idle_s is None else idle_s
-        for st in self._states.values():
+        for name, st in self._states.items():
             if not st.opening:
-                self._drop_stale(st, now)
+                self._drop_stale(name, st, now)
         for name in [n for n, st in self._states.items()
                      if not st.arrived and not st.opening and now - st.touched > idle_s]:
             del self._states[name]
@@ -212,12 +234,12 @@ class Barriers:
                 st.opening = False
                 st.failed = dict.fromkeys(st.arrived, msg)
                 st.arrived = {}
-                st.touched = time.monotonic()
+                st.touched = self._clock()
                 self._cond.notify_all()
             raise BarrierError("ABORTED", msg) from e
         with self._cond:
             st.opening = False
-            st.touched = time.monotonic()
+            st.touched = self._clock()
             return self._release(st)
 
     def _release(self, st: _State) -> BarrierReply:
@@ -252,7 +274,7 @@ class Barriers:
         if times is None:
             raise BarrierError("DEADLINE_EXCEEDED", f"barrier {name!r}: this arrival was withdrawn (not "
                                f"polled for {self.lease_s:g}s); arrive again")
-        now = time.monotonic()
+        now = self._clock()
         times[1] = now
         if now - times[0] > limit and not st.opening:
             del st.arrived[token]

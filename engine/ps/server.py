@@ -33,7 +33,7 @@ from hdfs_io import described
 from sparse_tables import SpillFailedError, waits
 from sparse_tables.rwlock import RWLock
 
-from .. import failpoints
+from .. import awake, failpoints
 from ..checkpoint.manifest import kind_of_uri
 from ..config import EngineConfig
 from ..errors import ProtocolError
@@ -216,7 +216,9 @@ class PSServer(CheckpointHandlers):
         self._errors = 0
         self._count_lock = threading.Lock()
         self.checkpoint_parts: dict[str, tuple[int, float, int]] = {}   # op -> (count, seconds, bytes written)
-        self.watchdog = RequestWatchdog(request_bound_s)  # requests in flight: is this server stuck? (Health)
+        # requests in flight: is this server stuck? (Health) Judged on its awake time: a request in flight
+        # while the process was stopped or frozen did not hang (engine.awake)
+        self.watchdog = RequestWatchdog(request_bound_s, clock=awake.clock().now)
         waits.watch(self.watchdog)                        # a table waiting out a write stall is no hang
 
     def _note_part(self, op: str, seconds: float, nbytes: int = 0) -> None:

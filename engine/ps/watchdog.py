@@ -23,6 +23,12 @@ The rule (``RequestWatchdog.stuck``), two kinds of request:
   waiting for its lock counts as such a request: a Load that waits for a hung pull to release the
   tables is stuck with it.
 
+Every time is the server's awake time (``engine.awake``, ``PSServer`` passes its clock): a request in
+flight while the server was stopped or frozen (SIGSTOP, a frozen cgroup, a swapping host) did not hang;
+on its monotonic clock, a freeze longer than ``request_bound_s`` made every request it was handling "stuck"
+the moment it ran again, until that request returned (milliseconds, in which a ``Health`` answer ends
+a local launcher's attempt).
+
 A stuck server says so in ``Health`` (``stuck``: why), which the local launcher's watch treats as a
 silent server (it restarts the attempt), and its plaintext health port answers NOT_SERVING, which a
 liveness probe turns into a restart (``engine.roles.run_server``). The restarted server comes back by

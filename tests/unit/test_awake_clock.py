@@ -130,3 +130,20 @@ def test_ages_leave_out_the_stalls_and_the_one_under_way():
     report = {"mono": t0 + 0.5, "step_mono": t0 + 0.5, "phase": {"name": "x", "started_mono": t0, "deadline_s": 5}}
     moved = clock.discount(report, t0 + 31.0)
     assert abs((t0 + 31.0) - moved["mono"] - 0.5) < 1e-9 and abs((t0 + 31.0) - moved["phase"]["started_mono"] - 1.0) < 1e-9
+
+
+def test_now_runs_only_while_the_process_does_and_never_goes_back():
+    clock = AwakeClock(tick_s=0.2, stall_s=1.0, start=False)
+    t0 = clock._last
+    start = clock.now(t0)
+    for k in range(1, 6):
+        clock.tick(t0 + 0.2 * k)                    # awake for 1 s
+    assert abs(clock.now(t0 + 1.0) - start - 1.0) < 1e-9
+    assert abs(clock.now(t0 + 31.0) - start - 1.0) < 1e-9      # stopped 30 s, the ticker not run yet
+    clock.tick(t0 + 31.0)                           # it ran: the stall is recorded
+    assert abs(clock.now(t0 + 31.0) - start - 1.0) < 1e-9
+    readings = [clock.now(t0 + 31.0 + 0.1 * k) for k in range(1, 91)]
+    for k in range(1, 46):
+        clock.tick(t0 + 31.0 + 0.2 * k)
+    assert readings == sorted(readings)             # it stood still at most stall_s, never went back
+    assert abs(clock.now(t0 + 40.0) - start - 10.0) < 1e-9     # 9 s more awake: the 30 s stay left out

@@ -594,3 +594,30 @@ def test_a_client_of_the_new_generation_meets_at_a_barrier_while_the_server_stil
         fencer.fence([h["generation"] for h in fencer.health()], "a restart")
     assert out == {"barrier": "released"}, out
     core.close()
+
+
+def test_a_server_stopped_past_the_lease_withdraws_no_arrival_its_callers_could_not_poll():
+    """Leases run on the server's awake time (``engine.awake``): stopped for 40 s (SIGSTOP, a frozen
+    cgroup) and continued, it does not take the arrivals of callers whose polls it could not answer for
+    dead. Before, on its monotonic clock, the first arrival after the stop withdrew them, and an arrival
+    nobody polls (``PSClient.arrive``) was lost. Time awake still ends a dead caller's lease."""
+    from engine.awake import AwakeClock
+    aw = AwakeClock(tick_s=0.2, stall_s=1.0, start=False)
+    t = [aw._last]
+
+    def run(seconds: float) -> None:          # the process runs: its ticker looks every 0.2 s
+        for _ in range(round(seconds / 0.2)):
+            t[0] += 0.2
+            aw.tick(t[0])
+
+    b = Barriers(max_wait_s=600, linger_s=0.0, lease_s=30.0, clock=lambda: aw.now(t[0]))
+    assert not b.arrive("seen", "unpolled", 2, 600).released
+    run(1.0)
+    t[0] += 40.0                                # stopped: asked before its ticker ran again, and after
+    assert b.arrive("seen", "after-stop", 2, 600).released
+    assert not b.arrive("meet", "dead", 2, 600).released
+    t[0] += 40.0
+    aw.tick(t[0])
+    run(31.0)                                   # awake past the lease without a poll: a dead caller
+    assert not b.arrive("meet", "live", 2, 600).released
+    assert b.stats()["meet"]["arrived"] == 1
