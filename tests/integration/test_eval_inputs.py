@@ -32,6 +32,7 @@ from models import build_model
 from sparse_tables import TableConfig
 from streaming import keys as K
 from streaming.source import list_files
+from tests.integration.test_predict_bad_input import eval_config_text
 from tests.integration.test_remote_inputs_train import _free_port, _moto
 
 SLOTS = ["C1", "C2", "C3"]
@@ -94,28 +95,8 @@ def _put(port: int, key: str, data: bytes) -> None:
 
 def _config(d: Path, port: int, train: str, test: str) -> Path:
     cfg = d / f"eval-{uuid.uuid4().hex[:8]}.yaml"
-    cfg.write_text(f"""
-mode: async
-cluster: {{servers: 1, workers: 1}}
-checkpoint: {{root: {d / 'ckpt'}, job: ctr}}
-observability: {{tensorboard: false}}
-storage: {{endpoint: '127.0.0.1:{port}', scheme: http, region: us-east-1, access_key: testing, secret_key: testing}}
-tables:
-  sparse:
-    embedding: {{dim: 4, optimizer: adagrad, learning_rate: 0.05}}
-  dense:
-    dense: {{optimizer: adam, learning_rate: 0.001}}
-model:
-  kind: ctr_dnn
-  slots: [C1, C2, C3]
-  dim: 4
-  hidden: [8]
-  metrics_dir: {d / 'metrics'}
-  data:
-    source: arrow
-    train_path: {train}
-    test_path: {test}
-""")
+    cfg.write_text(f"storage: {{endpoint: '127.0.0.1:{port}', scheme: http, region: us-east-1, access_key: testing, "
+                   f"secret_key: testing}}\n" + eval_config_text(d, train, test))
     return cfg
 
 

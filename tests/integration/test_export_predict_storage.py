@@ -43,6 +43,7 @@ from models import build_model
 from sparse_tables import TableConfig
 from streaming import keys as K
 from streaming.criteo import generate_criteo
+from tests.integration.test_predict_bad_input import eval_config_text
 from tests.integration.test_remote_inputs_train import _free_port, _moto
 
 REPO = Path(__file__).resolve().parents[2]
@@ -456,24 +457,7 @@ def test_eval_names_test_data_whose_store_refuses_the_credentials_in_its_own_wor
     """``engine eval``'s data on a store refusing the config's key: one line naming the data, exit 2. Before,
     "engine eval: training input s3://...": a training job's words for an evaluation's input."""
     cfg = tmp_path / "eval.yaml"
-    cfg.write_text(env.refused.read_text() + f"""
-mode: async
-cluster: {{servers: 1, workers: 1}}
-checkpoint: {{root: {tmp_path / 'ckpt'}, job: ctr}}
-observability: {{tensorboard: false}}
-tables:
-  sparse:
-    embedding: {{dim: 4, optimizer: adagrad, learning_rate: 0.05}}
-  dense:
-    dense: {{optimizer: adam, learning_rate: 0.001}}
-model:
-  kind: ctr_dnn
-  slots: {SLOTS}
-  dim: 4
-  hidden: [8]
-  metrics_dir: {tmp_path / 'metrics'}
-  data: {{source: arrow, train_path: {DATA}/dir, test_path: {DATA}/dir}}
-""")
+    cfg.write_text(env.refused.read_text() + eval_config_text(tmp_path, f"{DATA}/dir", f"{DATA}/dir"))
     assert main(["eval", str(cfg), "--checkpoint", env.ckpt_local]) == 2
     last = _last(capsys)
     assert last.startswith(f"engine eval: data {DATA}/dir: access refused (") and "no retry mends that" in last, last

@@ -302,10 +302,11 @@ def test_export_over_a_published_bundle_names_the_cli_flag(setup, capsys):
                                                         f"--overwrite to replace it")
 
 
-def _eval_config(d: Path, test_path: Path, kind: str = "ctr_dnn", hidden: str = "[8]") -> Path:
-    """An ``engine eval`` config of a ``kind`` model with ``hidden`` layers scoring ``test_path``."""
-    cfg = d / f"eval-{test_path.stem}-{kind}-{len(hidden)}.yaml"
-    cfg.write_text(f"""
+def eval_config_text(d: Path, train_path, test_path, kind: str = "ctr_dnn", hidden: str = "[8]") -> str:
+    """The YAML of an ``engine eval`` config of a ``kind`` model (slots C1-C3, dim 4, ``hidden`` layers)
+    scoring ``test_path``: checkpoints under ``d/ckpt`` (job ``ctr``), metrics in ``d/metrics``, no
+    TensorBoard. Tests prepend what else they need (a storage section)."""
+    return f"""
 mode: async
 cluster: {{servers: 1, workers: 1}}
 checkpoint: {{root: {d / 'ckpt'}, job: ctr}}
@@ -323,9 +324,15 @@ model:
   metrics_dir: {d / 'metrics'}
   data:
     source: arrow
-    train_path: {test_path}
+    train_path: {train_path}
     test_path: {test_path}
-""")
+"""
+
+
+def _eval_config(d: Path, test_path: Path, kind: str = "ctr_dnn", hidden: str = "[8]") -> Path:
+    """An ``engine eval`` config of a ``kind`` model with ``hidden`` layers scoring ``test_path``."""
+    cfg = d / f"eval-{test_path.stem}-{kind}-{len(hidden)}.yaml"
+    cfg.write_text(eval_config_text(d, test_path, test_path, kind, hidden))
     return cfg
 
 
