@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from hdfs_io.checksum import ChecksumWriter, FileEntry, checksum_stream
-from hdfs_io.errors import CheckpointCorruptError
+from hdfs_io.errors import CheckpointCorruptError, permanent_failure
+from hdfs_io.retry import is_transient
 from hdfs_io.storage import Storage
 
 __all__ = ["write_ipc_file", "IpcFileWriter", "read_ipc_file", "open_ipc_batches", "IpcBatches", "check_entry"]
@@ -218,6 +219,15 @@ def read_ipc_file(storage: Storage, path: str, *, expected: FileEntry | None = N
 STREAM_MIN_BYTES = 64 << 20
 
 
+def _store_failed(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while a large file's bytes were read from its store, is the store failing (a
+    network error, a store refusing the credentials: ``is_transient`` / ``permanent_failure``) rather than
+    bytes that do not parse. pyarrow's ``ArrowIOError`` is ``OSError``: caught as one, a connection reset in
+    the middle of a restore read as "not a readable Arrow IPC file", a damaged checkpoint, and a restore
+    with fallback went back to the checkpoint before it."""
+    return isinstance(exc, OSError) and (is_transient(exc) or permanent_failure(exc) is not None)
+
+
 class IpcBatches:
     """The record batches of a checked Arrow IPC file (:func:`open_ipc_batches`), readable many times.
 
@@ -243,6 +253,9 @@ class IpcBatches:
                 for i in range(reader.num_record_batches):
                     yield reader.get_batch(i)
             except (pa.ArrowInvalid, pa.ArrowIOError) as exc:      # changed since its checksum was read
+                if _store_failed(exc):      # the store, not the bytes: the caller's storage error
+                    exc.add_note(f"reading {self._uri}")
+                    raise
                 raise CheckpointCorruptError(f"{self._uri}: not a readable Arrow IPC file: {exc}",
                                              uri=self._uri) from exc
 
@@ -273,7 +286,10 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
         Size or checksum mismatch (``changed while read``: replaced between the pass and the second open),
         or not a readable Arrow IPC file; the message names the file.
     OSError
-        Storage errors of either open, as raised (see :class:`Storage`).
+        Storage errors of either open or of the footer's read, as raised (see :class:`Storage`): a network
+        failure, a store refusing the credentials (``is_transient``, ``permanent_failure``), with a note
+        naming the file. Iterating the batches raises the store's failures the same way, and bytes that do
+        not parse as ``CheckpointCorruptError``.
     """
     uri = storage.uri_of(path)
     if expected.size < STREAM_MIN_BYTES:
@@ -298,6 +314,9 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
         try:
             schema = ipc.open_file(f).schema    # the footer only; no batch is read twice
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+            if _store_failed(exc):
+                exc.add_note(f"reading {uri}")
+                raise
             raise CheckpointCorruptError(f"{uri}: not a readable Arrow IPC file ({size} bytes): {exc}",
                                          uri=uri) from exc
     return IpcBatches(schema, opener=opener, uri=uri)
