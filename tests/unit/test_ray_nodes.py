@@ -87,7 +87,7 @@ def test_an_unreachable_actor_is_dead_only_when_its_raylet_refuses_connections()
         port = raylet.getsockname()[1]
         proc = _ActorProc(_Ray(reset), _ACTOR, 7, ("5e7293b78597d1c3", "127.0.0.1", port))
         assert proc.node_lost() is None
-        assert proc._get(None, on_timeout="no answer") == "no answer"
+        assert proc._get(lambda: None, on_timeout="no answer") == "no answer"
         assert proc.stalled and not proc.actor_dead and proc.poll() is None
     # the port is closed now: the raylet died, with every actor of its node
     proc = _ActorProc(_Ray(reset), _ACTOR, 7, ("5e7293b78597d1c3", "127.0.0.1", port))
