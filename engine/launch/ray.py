@@ -16,11 +16,12 @@ apply: TLS and tokens, or ``insecure: true``).
 
 A lost node (its raylet and every actor on it gone: a preempted VM) ends its roles' actors; the role is
 failed with "died with its Ray node ID (ADDRESS), which was lost: WHY" (Ray's reason, or its raylet
-refusing connections), and the job restarts. Each attempt makes a new placement group (the last one's is
-removed), which waits up to ``cluster.startup_timeout_s`` for nodes offering every role's resources (a
-replacement joining meanwhile is used), saying which role's resources no live node offers; past that,
-``PlacementError`` (``engine train`` exits 69 with one line and the command that continues the job from
-its checkpoints).
+refusing connections), and the job restarts. A silent node (frozen, vanished: calls to its actors time
+out) fails its role naming it, and the next attempt waits for Ray to find it dead (``ray_silent``).
+Each attempt makes a new placement group (the last one's is removed), which waits up to
+``cluster.startup_timeout_s`` for nodes offering every role's resources (a replacement joining meanwhile
+is used), saying which role's resources no live node offers; past that, ``PlacementError`` (``engine
+train`` exits 69 with one line and the command that continues the job from its checkpoints).
 
 Supervision is the local launcher's (``engine.launch.supervisor``): ``RayCluster`` is a ``LocalCluster``
 whose children are actors, so a dead actor, a dead role, a hang or a preemption is handled by the same
@@ -224,28 +225,23 @@ class _ActorProc:
         self.stalled_since: float | None = None     # monotonic time its first unanswered call was made
         self._pending = None        # the ref of its unanswered call, while it is stalled
         # node id -> monotonic time a call to an actor there was first left unanswered, shared by the
-        # actors of one attempt (``RayCluster``): a frozen or vanished node holds every actor on it, so
-        # the others' calls wait STALLED_TIMEOUT_S too, not CALL_TIMEOUT_S each in turn
+        # actors of one attempt (``RayCluster``): a frozen node holds every actor on it
         self.silent_nodes = {} if silent_nodes is None else silent_nodes
         self.actor_dead = False     # a call found the actor dead, or the launcher killed it (shutdown)
         self.death: str | None = None   # why Ray says it died (``death_cause``): its node lost, or its own
 
     def _get(self, call, timeout: float = CALL_TIMEOUT_S, on_timeout=None):
-        """The answer of the call ``call()`` makes (it returns the call's ref); ``ACTOR_DIED`` when its
-        actor died; ``on_timeout`` when it did not answer within ``timeout`` seconds (its node or process
-        is stalled). Once a call timed out, the actor is stalled: no further call is made, and each
-        returns ``on_timeout`` at once, until the unanswered call ends (answered, or its actor died).
-        Before, every poll, progress read, log tail and teardown step waited for it: 30 s each, then
-        (``STALLED_TIMEOUT_S``) 1 s each, which held a frozen node's restart for half a minute. A call to
-        an actor whose node is silent (another actor of this attempt there left a call unanswered:
-        ``silent_nodes``) waits ``STALLED_TIMEOUT_S`` at most, so a frozen node costs one
-        ``CALL_TIMEOUT_S``, not one per actor on it in turn.
+        """The answer of the call ``call()`` makes (it returns the ref); ``ACTOR_DIED`` when its actor died;
+        ``on_timeout`` when it did not answer within ``timeout`` seconds: the actor is stalled, and no new
+        call is made (each returns ``on_timeout`` at once) until that one ends. A call to an actor whose
+        node is silent (``silent_nodes``) waits ``STALLED_TIMEOUT_S`` at most: a frozen node costs one
+        ``CALL_TIMEOUT_S``. Before, each actor of a frozen node took 30 s in turn, then every poll, read,
+        tail and teardown step 1 s.
 
-        An actor Ray finds unreachable but not dead (``ActorUnavailableError``: a connection reset or
-        refused) is dead when its node's raylet refuses connections too (the node was lost: every actor
-        on it died with its raylet), else it is treated as a call that timed out: Ray says it died once
-        its health checks find the node dead, or the role's progress beat ages (``client.dead_after_s``).
-        Before, any such error was a death, so one reset connection to a live actor restarted the job."""
+        An actor Ray finds unreachable (``ActorUnavailableError``: a connection reset or refused) is dead
+        when its node's raylet refuses connections too (the node was lost), else it is stalled: Ray says
+        it died once its health checks find the node dead, or the role's beat ages. Before, any such error
+        was a death, so one reset connection to a live actor restarted the job."""
         if self._pending is not None:
             if not self._ray.wait([self._pending], timeout=0)[0]:
                 return on_timeout               # still unanswered: nothing more piles up behind it
@@ -715,34 +711,22 @@ class RayCluster(LocalCluster):
         return child
 
     def _check_hangs(self) -> None:
-        """``LocalCluster._check_hangs``, its failure naming the Ray node of a role whose actor answers no
-        call (``_silent_node``)."""
+        """``LocalCluster._check_hangs``; a role found hung whose actor answers no call is failed naming its
+        Ray node, and whether the job's other actors there answer (``ray_silent.silent_cause``)."""
         try:
             super()._check_hangs()
         except LaunchError as e:
-            raise self._silent_node(e) from None
-
-    def _silent_node(self, e: LaunchError) -> LaunchError:
-        """``e`` (a role found hung), its reason naming the role's Ray node when the role's actor answers
-        no call: "its Ray node ID (ADDRESS) was lost: WHY" once Ray found the node dead, else how long
-        the actor has been silent and whether the node's other actors of this job are too (a frozen or
-        vanished node, which Ray's health checks will find dead) or answer (the actor's own process is
-        frozen): ``ray_silent.silent_cause``. ``e`` itself otherwise."""
-        c = next((c for c in [*self.servers, *self.workers] if (c.role, c.rank) == (e.role, e.rank)), None)
-        proc = getattr(c, "proc", None)
-        if not isinstance(proc, _ActorProc) or not proc.stalled or proc.node is None:
-            return e
-        node_id, ip, _ = proc.node
-        mates = self._on_node(node_id)
-        try:
-            record = next((n for n in self.ray.nodes() if n.get("NodeID") == node_id), None)
-        except Exception:  # noqa: BLE001 - the GCS did not answer: what the actors said stands
-            record = None
-        how = silent_cause(f"Ray node {node_id[:12]} ({ip})", time.monotonic() - (proc.stalled_since or time.monotonic()),
-                           [o.name for o in mates], all(o.proc.stalled for o in mates), record)
-        reason = f"{e.reason}; {how}"
-        return LaunchError(f"{c.name} (pid {proc.pid}) {reason}; last lines of {c.log_path}:\n{e.log_tail}",
-                           role=e.role, rank=e.rank, exit_code=e.exit_code, reason=reason, log_tail=e.log_tail)
+            c = next((c for c in [*self.servers, *self.workers] if (c.role, c.rank) == (e.role, e.rank)), None)
+            proc = getattr(c, "proc", None)
+            if not isinstance(proc, _ActorProc) or not proc.stalled or proc.node is None:
+                raise
+            mates = self._on_node(proc.node[0])
+            silent_s = time.monotonic() - (proc.stalled_since or time.monotonic())
+            reason = f"{e.reason}; " + silent_cause(self.ray, proc.node[:2], silent_s, [o.name for o in mates],
+                                                    all(o.proc.stalled for o in mates))
+            raise LaunchError(f"{c.name} (pid {proc.pid}) {reason}; last lines of {c.log_path}:\n{e.log_tail}",
+                              role=e.role, rank=e.rank, exit_code=e.exit_code, reason=reason,
+                              log_tail=e.log_tail) from None
 
     def _on_node(self, node_id: str) -> list:
         """This attempt's roles whose actors run on the Ray node ``node_id``."""

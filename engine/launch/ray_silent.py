@@ -28,10 +28,16 @@ SILENT_NODES: dict[str, tuple[str, float]] = {}
 LOOK_S = 0.5
 
 
-def silent_cause(where: str, silent_s: float, mates: list[str], all_silent: bool, record: dict | None) -> str:
-    """Why a role whose actor answers no call hangs, naming its node ``where`` ("Ray node ID (ADDRESS)"):
-    ``record`` is Ray's entry for the node (``ray.nodes()``; None: not listed or not known), ``mates`` the
-    job's roles on it, ``all_silent`` whether every one's actor answers no call either."""
+def silent_cause(ray, node: tuple[str, str], silent_s: float, mates: list[str], all_silent: bool) -> str:
+    """Why a role whose actor has answered no call for ``silent_s`` seconds hangs, naming its Ray ``node``
+    (id, address): lost, once Ray lists it dead (``ray.nodes()``; unread when the GCS fails); else silent
+    with every actor of the job's roles on it (``mates``, ``all_silent``: a frozen or unreachable node), or
+    the actor alone silent (its process frozen)."""
+    where = f"Ray node {node[0][:12]} ({node[1]})"
+    try:
+        record = next((n for n in ray.nodes() if n.get("NodeID") == node[0]), None)
+    except Exception:  # noqa: BLE001 - the GCS did not answer: what the actors said stands
+        record = None
     if record is not None and not record.get("Alive", True):
         why = record.get("DeathReasonMessage") or "Ray's health checks found it dead"
         return f"died with its {where}, which was lost: {why}"
