@@ -230,7 +230,7 @@ class _ActorProc:
         self.actor_dead = False     # a call found the actor dead, or the launcher killed it (shutdown)
         self.death: str | None = None   # why Ray says it died (``death_cause``): its node lost, or its own
 
-    def _get(self, call, timeout: float = CALL_TIMEOUT_S, on_timeout=None):
+    def _get(self, call, timeout: float = CALL_TIMEOUT_S, on_timeout=None, queue: bool = False):
         """The answer of the call ``call()`` makes (it returns the ref); ``ACTOR_DIED`` when its actor died;
         ``on_timeout`` when it did not answer within ``timeout`` seconds: the actor is stalled, and no new
         call is made (each returns ``on_timeout`` at once) until that one ends. A call to an actor whose
@@ -241,10 +241,13 @@ class _ActorProc:
         An actor Ray finds unreachable (``ActorUnavailableError``: a connection reset or refused) is dead
         when its node's raylet refuses connections too (the node was lost), else it is stalled: Ray says
         it died once its health checks find the node dead, or the role's beat ages. Before, any such error
-        was a death, so one reset connection to a live actor restarted the job."""
+        was a death, so one reset connection to a live actor restarted the job. ``queue``: a call made all
+        the same while the actor is stalled, unwaited (a signal: it is delivered if the actor resumes)."""
         if self._pending is not None:
             if not self._ray.wait([self._pending], timeout=0)[0]:
-                return on_timeout               # still unanswered: nothing more piles up behind it
+                if queue:
+                    call()
+                return on_timeout               # still unanswered: no read piles up behind it
             self._pending = None                # it ended: the call below tells how
         ref = call()
         unavailable = getattr(self._ray.exceptions, "ActorUnavailableError", ())
@@ -325,7 +328,7 @@ class _ActorProc:
 
     def send_signal(self, sig: int) -> None:
         if self._code is None and not self.actor_dead:
-            self._get(lambda: self._actor.signal.remote(sig, False))
+            self._get(lambda: self._actor.signal.remote(sig, False), queue=True)
 
 
 class RayChild(Child):
@@ -390,7 +393,7 @@ class RayChild(Child):
 
     def signal_group(self, sig: int) -> None:
         if self.proc.poll() is None:
-            self.proc._get(lambda: self.actor.signal.remote(sig, True))
+            self.proc._get(lambda: self.actor.signal.remote(sig, True), queue=True)
 
 
 #: set by the launcher for each role, never forwarded from the driver
