@@ -16,11 +16,12 @@ apply: TLS and tokens, or ``insecure: true``).
 
 A lost node (its raylet and every actor on it gone: a preempted VM) ends its roles' actors; the role is
 failed with "died with its Ray node ID (ADDRESS), which was lost: WHY" (Ray's reason, or its raylet
-refusing connections), and the job restarts. Each attempt makes a new placement group (the last one's is
-removed), which waits up to ``cluster.startup_timeout_s`` for nodes offering every role's resources (a
-replacement joining meanwhile is used), saying which role's resources no live node offers; past that,
-``PlacementError`` (``engine train`` exits 69 with one line and the command that continues the job from
-its checkpoints).
+refusing connections), and the job restarts. A silent node (frozen, vanished: calls to its actors time
+out) fails its role naming it, and the next attempt waits for Ray to find it dead (``ray_silent``).
+Each attempt makes a new placement group (the last one's is removed), which waits up to
+``cluster.startup_timeout_s`` for nodes offering every role's resources (a replacement joining meanwhile
+is used), saying which role's resources no live node offers; past that, ``PlacementError`` (``engine
+train`` exits 69 with one line and the command that continues the job from its checkpoints).
 
 Supervision is the local launcher's (``engine.launch.supervisor``): ``RayCluster`` is a ``LocalCluster``
 whose children are actors, so a dead actor, a dead role, a hang or a preemption is handled by the same
@@ -60,6 +61,7 @@ from ..observability.prometheus import RESTARTS_ENV
 from .local import Child, LocalCluster
 from .procs import parent_pid
 from .ray_nodes import check_resources, check_shared_checkpoints, death_cause, unoffered
+from .ray_silent import remember, silent_cause, wait_silent_nodes
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,8 @@ INSTALL = "pip install 'sparse-engine[ray]'   (or: pip install 'ray>=2.50')"
 ACTOR_DIED = -9
 #: seconds any call to an actor may take (they only read small files or send signals)
 CALL_TIMEOUT_S = 30.0
-#: seconds a call to an actor whose last call timed out may take (until it answers again)
+#: seconds a call may take to an actor whose node is silent (another actor there left a call unanswered), or
+#: whose own unanswered call just ended (``_ActorProc._get``)
 STALLED_TIMEOUT_S = 1.0
 _TIMED_OUT = object()       # a read of a role's file whose actor did not answer in time
 #: the longest a driver waits for a TCP connection to the Ray cluster's address before ``ray.init``
@@ -213,29 +216,46 @@ class _ActorProc:
     as a child killed by SIGKILL (``ACTOR_DIED``), unless its role's own exit code was known before.
     ``actor_dead`` tells a dead actor from a role killed by SIGKILL under a live one (both exit -9)."""
 
-    def __init__(self, ray, actor, pid: int, node: tuple[str, str, int] | None = None):
+    def __init__(self, ray, actor, pid: int, node: tuple[str, str, int] | None = None,
+                 silent_nodes: dict | None = None):
         self._ray, self._actor, self.pid = ray, actor, pid
         self.node = node            # (node id, address, raylet port) of the actor's node
         self._code: int | None = None
-        self.stalled = False        # its last call timed out: the next ones wait STALLED_TIMEOUT_S only
+        self.stalled = False        # a call timed out: no new one is made until that one ends
+        self.stalled_since: float | None = None     # monotonic time its first unanswered call was made
+        self._pending = None        # the ref of its unanswered call, while it is stalled
+        # node id -> monotonic time a call to an actor there was first left unanswered, shared by the
+        # actors of one attempt (``RayCluster``): a frozen node holds every actor on it
+        self.silent_nodes = {} if silent_nodes is None else silent_nodes
         self.actor_dead = False     # a call found the actor dead, or the launcher killed it (shutdown)
         self.death: str | None = None   # why Ray says it died (``death_cause``): its node lost, or its own
 
-    def _get(self, ref, timeout: float = CALL_TIMEOUT_S, on_timeout=None):
-        """The call's answer; ``ACTOR_DIED`` when its actor died; ``on_timeout`` when it did not answer
-        within ``timeout`` seconds (its node or process is stalled). Once a call timed out, the next
-        ones wait ``STALLED_TIMEOUT_S`` until the actor answers again: the launcher's poll, progress
-        read, log tail and teardown would otherwise each wait the whole ``CALL_TIMEOUT_S`` (a frozen
-        actor held a restart for minutes).
+    def _get(self, call, timeout: float = CALL_TIMEOUT_S, on_timeout=None, queue: bool = False):
+        """The answer of the call ``call()`` makes (it returns the ref); ``ACTOR_DIED`` when its actor died;
+        ``on_timeout`` when it did not answer within ``timeout`` seconds: the actor is stalled, and no new
+        call is made (each returns ``on_timeout`` at once) until that one ends. A call to an actor whose
+        node is silent (``silent_nodes``) waits ``STALLED_TIMEOUT_S`` at most: a frozen node costs one
+        ``CALL_TIMEOUT_S``. Before, each actor of a frozen node took 30 s in turn, then every poll, read,
+        tail and teardown step 1 s.
 
-        An actor Ray finds unreachable but not dead (``ActorUnavailableError``: a connection reset or
-        refused) is dead when its node's raylet refuses connections too (the node was lost: every actor
-        on it died with its raylet), else it is treated as a call that timed out: Ray says it died once
-        its health checks find the node dead, or the role's progress beat ages (``client.dead_after_s``).
-        Before, any such error was a death, so one reset connection to a live actor restarted the job."""
+        An actor Ray finds unreachable (``ActorUnavailableError``: a connection reset or refused) is dead
+        when its node's raylet refuses connections too (the node was lost), else it is stalled: Ray says
+        it died once its health checks find the node dead, or the role's beat ages. Before, any such error
+        was a death, so one reset connection to a live actor restarted the job. ``queue``: a call made all
+        the same while the actor is stalled, unwaited (a signal: it is delivered if the actor resumes)."""
+        if self._pending is not None:
+            if not self._ray.wait([self._pending], timeout=0)[0]:
+                if queue:
+                    call()
+                return on_timeout               # still unanswered: no read piles up behind it
+            self._pending = None                # it ended: the call below tells how
+        ref = call()
         unavailable = getattr(self._ray.exceptions, "ActorUnavailableError", ())
+        node_id = self.node[0] if self.node else None
+        silent = self.stalled or node_id in self.silent_nodes
+        called = time.monotonic()
         try:
-            value = self._ray.get(ref, timeout=min(timeout, STALLED_TIMEOUT_S) if self.stalled else timeout)
+            value = self._ray.get(ref, timeout=min(timeout, STALLED_TIMEOUT_S) if silent else timeout)
         except self._ray.exceptions.RayActorError as e:
             lost = self.node_lost()
             if isinstance(e, unavailable) and lost is None:
@@ -243,7 +263,7 @@ class _ActorProc:
                     log.warning("the Ray actor of pid %d is unreachable (%s); its node's raylet answers: waiting for "
                                 "it to answer again, or for Ray to find it dead", self.pid,
                                 (str(e).splitlines() or [""])[0][:300])
-                self.stalled = True
+                self._silent(called)
                 return on_timeout
             self.actor_dead = True
             if self.death is None:
@@ -253,12 +273,25 @@ class _ActorProc:
             return ACTOR_DIED
         except self._ray.exceptions.GetTimeoutError:
             if not self.stalled:
-                log.warning("the Ray actor of pid %d answered no call within %g s: it or its node is stalled",
-                            self.pid, timeout)
-            self.stalled = True
+                where = f" on node {self.node[0][:12]} ({self.node[1]})" if self.node else ""
+                log.warning("the Ray actor of pid %d%s answered no call within %.0f s: it or its node is stalled",
+                            self.pid, where, time.monotonic() - called)
+            self._silent(called)
+            self._pending = ref
             return on_timeout
-        self.stalled = False
+        self.stalled, self.stalled_since = False, None
+        if node_id is not None:
+            self.silent_nodes.pop(node_id, None)       # its node answers
         return value
+
+    def _silent(self, called: float) -> None:
+        """A call made at ``called`` (monotonic) was left unanswered: the actor is stalled, and so, until
+        one of its actors answers, is its node."""
+        self.stalled = True
+        if self.stalled_since is None:
+            self.stalled_since = called
+        if self.node is not None:
+            self.silent_nodes.setdefault(self.node[0], called)
 
     def node_lost(self) -> str | None:
         """Why this actor's node is known lost (its raylet refuses TCP connections: the raylet died, with
@@ -279,14 +312,14 @@ class _ActorProc:
         if self._code is None and self.actor_dead:
             self._code = ACTOR_DIED
         if self._code is None:
-            code = self._get(self._actor.poll.remote())
+            code = self._get(self._actor.poll.remote)
             if code is not None:
                 self._code = code
         return self._code
 
     def wait(self, timeout: float | None = None) -> int:
         if self._code is None:
-            code = self._get(self._actor.wait.remote(timeout if timeout is not None else 3600.0),
+            code = self._get(lambda: self._actor.wait.remote(timeout if timeout is not None else 3600.0),
                              (timeout or 3600.0) + CALL_TIMEOUT_S)
             if code is None:
                 raise subprocess.TimeoutExpired(f"actor child {self.pid}", timeout)
@@ -295,7 +328,7 @@ class _ActorProc:
 
     def send_signal(self, sig: int) -> None:
         if self._code is None and not self.actor_dead:
-            self._get(self._actor.signal.remote(sig, False))
+            self._get(lambda: self._actor.signal.remote(sig, False), queue=True)
 
 
 class RayChild(Child):
@@ -344,7 +377,7 @@ class RayChild(Child):
         self.proc.poll()
         if self.proc.actor_dead:
             return None
-        value = self.proc._get(self.actor.read.remote(kind), on_timeout=on_timeout)
+        value = self.proc._get(lambda: self.actor.read.remote(kind), on_timeout=on_timeout)
         # the actor may die between the poll and the read: _get then answers ACTOR_DIED, not a file's
         # content (a string or a dict)
         return None if isinstance(value, int) else value
@@ -353,14 +386,14 @@ class RayChild(Child):
         self.proc.poll()
         if self.proc.actor_dead:
             return "(its Ray actor died; the log was on its node: " + str(self.log_path) + ")"
-        text = self.proc._get(self.actor.tail.remote(n))
+        text = self.proc._get(lambda: self.actor.tail.remote(n))
         if isinstance(text, int):       # ACTOR_DIED: it died since the poll
             return "(its Ray actor died; the log was on its node: " + str(self.log_path) + ")"
         return text or "(no log)"
 
     def signal_group(self, sig: int) -> None:
         if self.proc.poll() is None:
-            self.proc._get(self.actor.signal.remote(sig, True))
+            self.proc._get(lambda: self.actor.signal.remote(sig, True), queue=True)
 
 
 #: set by the launcher for each role, never forwarded from the driver
@@ -533,9 +566,12 @@ class RayCluster(LocalCluster):
         c = cfg.cluster
         bundles = ([dict(c.server_resources) or {"CPU": 0.01}] * c.servers
                    + [dict(c.worker_resources) or {"CPU": 0.01}] * c.workers)
+        deadline = time.monotonic() + c.startup_timeout_s
+        # a node the last attempt found silent: never place on it while Ray still lists it alive
+        wait_silent_nodes(self.ray, deadline, self.stopping, c.startup_timeout_s)
         self.pg = placement_group(bundles, strategy="SPREAD")
         try:
-            self._wait_placed(bundles)
+            self._wait_placed(bundles, deadline)
             # where the bundles went: a node that joined during the wait (a replacement) counts
             placed = self.ray.util.placement_group_table(self.pg).get("bundles_to_node_id") or {}
             self._where(self._live_nodes(), set(placed.values()))
@@ -548,6 +584,7 @@ class RayCluster(LocalCluster):
             self.pg = None
             raise
         self.actors: list = []
+        self.silent_nodes: dict[str, float] = {}    # shared by this attempt's actors (``_ActorProc``)
 
     def _live_nodes(self) -> dict[str, dict]:
         """The Ray cluster's live nodes by node id (``ray.nodes()``: a node lost a moment ago may be
@@ -580,8 +617,9 @@ class RayCluster(LocalCluster):
                          key="their nodes' addresses")
         self.one_machine = one
 
-    def _wait_placed(self, bundles: list[dict]) -> None:
-        """Wait up to ``cluster.startup_timeout_s`` for the placement group. When a role's resources are
+    def _wait_placed(self, bundles: list[dict], deadline: float) -> None:
+        """Wait until ``deadline`` (monotonic: ``cluster.startup_timeout_s`` after the attempt began to
+        place its roles) for the placement group. When a role's resources are
         offered by no live node (its node was lost, none joined yet), says so once, after
         ``PLACEMENT_CHECK_S``, and goes on waiting for a node that offers them.
 
@@ -597,7 +635,6 @@ class RayCluster(LocalCluster):
         c = self.cfg.cluster
         needs = [("server", c.servers, bundles[0] if c.servers else {}),
                  ("worker", c.workers, bundles[-1] if c.workers else {})]
-        deadline = time.monotonic() + c.startup_timeout_s
         ready_ref = self.pg.ready()
         said = False
         checked = time.monotonic()
@@ -670,10 +707,34 @@ class RayCluster(LocalCluster):
                                c.startup_timeout_s)
         log_path = self._start_call(role, rank, "name its log",
                                     actor.__ray_call__.remote(lambda a: str(a.log_path)), CALL_TIMEOUT_S)
-        proc = _ActorProc(self.ray, actor, pid, (node_id, node_ip, int(node.get("NodeManagerPort") or 0)))
+        proc = _ActorProc(self.ray, actor, pid, (node_id, node_ip, int(node.get("NodeManagerPort") or 0)),
+                          self.silent_nodes)
         child = RayChild(role, rank, proc, Path(f"{node_ip}:{log_path}"))
         child.actor = actor
         return child
+
+    def _check_hangs(self) -> None:
+        """``LocalCluster._check_hangs``; a role found hung whose actor answers no call is failed naming its
+        Ray node, and whether the job's other actors there answer (``ray_silent.silent_cause``)."""
+        try:
+            super()._check_hangs()
+        except LaunchError as e:
+            c = next((c for c in [*self.servers, *self.workers] if (c.role, c.rank) == (e.role, e.rank)), None)
+            proc = getattr(c, "proc", None)
+            if not isinstance(proc, _ActorProc) or not proc.stalled or proc.node is None:
+                raise
+            mates = self._on_node(proc.node[0])
+            silent_s = time.monotonic() - (proc.stalled_since or time.monotonic())
+            reason = f"{e.reason}; " + silent_cause(self.ray, proc.node[:2], silent_s, [o.name for o in mates],
+                                                    all(o.proc.stalled for o in mates))
+            raise LaunchError(f"{c.name} (pid {proc.pid}) {reason}; last lines of {c.log_path}:\n{e.log_tail}",
+                              role=e.role, rank=e.rank, exit_code=e.exit_code, reason=reason,
+                              log_tail=e.log_tail) from None
+
+    def _on_node(self, node_id: str) -> list:
+        """This attempt's roles whose actors run on the Ray node ``node_id``."""
+        return [o for o in [*self.servers, *self.workers]
+                if isinstance(o.proc, _ActorProc) and o.proc.node and o.proc.node[0] == node_id]
 
     def _start_call(self, role: str, rank: int, what: str, ref, timeout: float):
         """The answer of a call to a new role's actor.
@@ -712,7 +773,17 @@ class RayCluster(LocalCluster):
     def shutdown(self) -> None:
         """Stop every role (through its actor), read the workers' last progress reports (kept by each
         ``RayChild`` for the supervisor's ``examples_replayed``), then end the actors and the placement
-        group. Idempotent."""
+        group. Idempotent.
+
+        A node every actor of this attempt on it left unanswered (frozen, vanished) is remembered: the next
+        attempt waits for Ray to find it dead before it places its roles (``ray_silent``); its roles are
+        not signalled (no call reaches them: each step of the teardown logged them as not exiting)."""
+        for node_id, since in self.silent_nodes.items():
+            mates = self._on_node(node_id)
+            if mates and all(o.proc.stalled and not o.proc.actor_dead for o in mates):
+                remember(node_id, mates[0].proc.node[1], since)
+                for o in mates:
+                    o.proc.actor_dead = True
         super().shutdown()
         for w in self.workers:
             if isinstance(w, RayChild) and not w.proc.actor_dead:

@@ -338,9 +338,10 @@ def test_ctrl_c_on_the_driver_stops_every_role(ray_cluster, tmp_path):
 def test_a_stalled_worker_actor_reads_as_no_heartbeat_and_the_job_restarts(ray_cluster, tmp_path):
     """Worker 1's actor is frozen (SIGSTOP; its role process trains on): every call to it times out
     (``CALL_TIMEOUT_S``). The launcher keeps the role's last progress report, whose beat ages, and
-    declares it hung with "no heartbeat", then restarts the job, which completes. Before, a timed-out
-    read counted as no report at all and the reason said the worker never reported."""
-    address, head, _, _ = ray_cluster
+    declares it hung with "no heartbeat", naming the actor as the one silent process (worker 0's actor,
+    on the same node, answers), then restarts the job, which completes. Before, a timed-out read counted
+    as no report at all and the reason said the worker never reported; the node was not named."""
+    address, head, worker, _ = ray_cluster
     env = {**os.environ, "ENGINE_FAILPOINTS": "worker.after_step=sleep:0.2"}      # a run of ~13 s
     cmd = ray_cmd(tmp_path, "stall", address, head.node_ip_address, "checkpoint.align_steps=8",
                   "checkpoint.delta_every=8steps", "client.dead_after_s=6")
@@ -351,6 +352,11 @@ def test_a_stalled_worker_actor_reads_as_no_heartbeat_and_the_job_restarts(ray_c
     final = json.loads(out.strip().splitlines()[-1])
     assert final["restarts"] == 1, (final, text[-3000:])
     assert "worker 1" in text and "no heartbeat for" in text and "no progress report" not in text, text[-3000:]
+    # the actor alone is silent: worker 0's actor, on the same node, answers (not a frozen node)
+    failed = re.search(r"worker 1 failed \((.*)\); restart 1/", text)
+    assert failed and "its Ray actor answers no call for" in failed.group(1) \
+        and f"while the job's other actors on its Ray node {worker.node_id[:12]}" in failed.group(1), \
+        text[-3000:]
     deadline = time.monotonic() + 30
     while ray_roles() and time.monotonic() < deadline:
         time.sleep(0.2)

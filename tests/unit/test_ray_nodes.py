@@ -16,6 +16,7 @@ from ray.core.generated.common_pb2 import ActorDiedErrorContext  # noqa: E402
 
 from engine.launch.ray import ACTOR_DIED, _ActorProc  # noqa: E402
 from engine.launch.ray_nodes import death_cause, unoffered  # noqa: E402
+from engine.launch.ray_silent import silent_cause  # noqa: E402
 
 PS, WORKER = {"ps_node": 1.0}, {"worker_node": 1.0}
 NEEDS = [("server", 2, PS), ("worker", 2, WORKER)]
@@ -87,7 +88,7 @@ def test_an_unreachable_actor_is_dead_only_when_its_raylet_refuses_connections()
         port = raylet.getsockname()[1]
         proc = _ActorProc(_Ray(reset), _ACTOR, 7, ("5e7293b78597d1c3", "127.0.0.1", port))
         assert proc.node_lost() is None
-        assert proc._get(None, on_timeout="no answer") == "no answer"
+        assert proc._get(lambda: None, on_timeout="no answer") == "no answer"
         assert proc.stalled and not proc.actor_dead and proc.poll() is None
     # the port is closed now: the raylet died, with every actor of its node
     proc = _ActorProc(_Ray(reset), _ACTOR, 7, ("5e7293b78597d1c3", "127.0.0.1", port))
@@ -95,3 +96,23 @@ def test_an_unreachable_actor_is_dead_only_when_its_raylet_refuses_connections()
     assert proc.poll() == ACTOR_DIED and proc.actor_dead
     assert proc.death == (f"died with its Ray node 5e7293b78597 (127.0.0.1), which was lost: its raylet at "
                           f"127.0.0.1:{port} refuses connections")
+
+
+def test_a_silent_actor_names_its_node_and_whether_the_node_or_the_actor_alone_is_silent():
+    node = ("5e7293b78597d1c3aa", "192.0.2.7")
+    listed = SimpleNamespace(nodes=lambda: [{"NodeID": node[0], "Alive": True}])
+    assert silent_cause(listed, node, 31.4, ["worker 0", "worker 1"], True) == (
+        "its Ray node 5e7293b78597 (192.0.2.7) answers no call for 31 s, nor does any actor of the job on it "
+        "(worker 0, worker 1): the node is frozen or unreachable (Ray lists it alive until its health checks fail)")
+    assert silent_cause(listed, node, 8, ["worker 0", "worker 1"], False) == (
+        "its Ray actor answers no call for 8 s, while the job's other actors on its Ray node 5e7293b78597 "
+        "(192.0.2.7) answer: the actor's process is frozen")
+    dead = SimpleNamespace(nodes=lambda: [{"NodeID": node[0], "Alive": False, "DeathReasonMessage":
+                                           "health check failed due to missing too many heartbeats"}])
+    assert silent_cause(dead, node, 70, ["server 0"], True) == (
+        "died with its Ray node 5e7293b78597 (192.0.2.7), which was lost: health check failed due to missing too "
+        "many heartbeats")
+
+    def down():
+        raise ConnectionError("GCS unreachable")
+    assert "answers no call for 40 s" in silent_cause(SimpleNamespace(nodes=down), node, 40, ["server 0"], True)
