@@ -1,4 +1,4 @@
-"""What the Ray launcher says of a lost node (``engine.launch.ray_nodes``, ``engine.launch.ray._ActorProc``),
+"""What the Ray launcher says of a lost node (``engine.launch.ray_nodes``, ``engine.launch.ray_actors._ActorProc``),
 without a Ray cluster: which role's resources no live node offers, how a role whose actor died ended (Ray's
 own error messages, as a 2-node test cluster gave them when a node was removed), and the raylet probe that
 tells a lost node from an unreachable actor (real sockets on 127.0.0.1). The whole path, on real Ray nodes,
@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from ray.core.generated.common_pb2 import ActorDiedErrorContext  # noqa: E402
 
-from engine.launch.ray import ACTOR_DIED, _ActorProc  # noqa: E402
+from engine.launch.ray_actors import ACTOR_DIED, _ActorProc  # noqa: E402
 from engine.launch.ray_nodes import death_cause, unoffered  # noqa: E402
 from engine.launch.ray_silent import silent_cause  # noqa: E402
 
