@@ -244,6 +244,9 @@ def _run(args) -> int:
         from ..programs import load_program
         from ..security.listen import check_listen
         check_listen(cfg.cluster.host, cfg.security)   # before prepare reads, converts or records any input
+        if cfg.cluster.launcher == "ray":
+            from ..launch.ray import require_ray
+            require_ray()                               # so too a missing Ray: one line, exit 2, nothing done
         program = load_program(cfg.model.kind)
         if hasattr(program, "prepare"):
             cfg = program.prepare(cfg)

@@ -83,6 +83,7 @@ def test_two_hybrid_workers_on_the_shared_criteo_rows(tmp_path, pipeline):
     cmd = [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp_path / "run"),
            "--set", "mode=hybrid", "--set", "model.dense_merge_steps=1", "--set", f"model.pipeline={pipeline}",
            "--set", f"model.metrics_dir={tmp_path / 'metrics'}", "--set", f"checkpoint.root={tmp_path / 'ckpt'}",
+           "--set", f"model.data.cache_dir={tmp_path / 'cache'}",
            # stale: the all-reduce overlapped with the backward pass (hybrid.bucket_floats)
            *(["--set", "hybrid.bucket_floats=65536"] if pipeline == "stale" else []), *NO_TB]
     final = run(cmd, timeout=400)

@@ -41,6 +41,7 @@ def _cmd(parts: str, ckpt: str, run_dir: Path, *extra) -> list[str]:
             "--set", f"model.partitions={parts}", "--set", f"checkpoint.root={ckpt}",
             "--set", "model.hidden=[16]", "--set", "model.poll_interval_s=0.1",
             "--set", f"model.metrics_dir={run_dir / 'metrics'}", "--set", "cluster.servers=2",
+            "--set", f"observability.tensorboard_dir={run_dir / 'tb'}",
             "--set", "cluster.workers=1", "--until", "2024010105", "--run-dir", str(run_dir), *extra]
 
 

@@ -50,6 +50,7 @@ def corpus(tmp_path_factory):
 def _sets(corpus: Path, tmp_path: Path, mode: str) -> list[str]:
     sets = [f"mode={mode}", f"model.corpus={corpus / 'corpus.txt'}", f"model.arrow_dir={tmp_path / 'arrow'}",
             f"model.eval_data_dir={corpus / 'eval'}", f"model.metrics_dir={tmp_path / 'metrics'}",
+            f"observability.tensorboard_dir={tmp_path / 'tb'}",
             f"checkpoint.root={tmp_path / 'ckpt'}", "model.epochs=2", f"model.dim={DIM}", "model.batch_words=8000",
             "model.log_every_s=0.2", "model.sample=0", "geo.k_steps=2",
             f"tables.sparse.syn0.dim={DIM}", f"tables.sparse.syn0.init_range={0.5 / DIM}",
