@@ -33,9 +33,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from engine import progress
 from engine.launch.procs import processes_of as leftovers
 from engine.launch.procs import role_pid
+from tests.integration.test_supervision import wait_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]      # ~90 s: a 40 s freeze in a 40 s job
 
@@ -58,16 +58,6 @@ def _cmd(tmp: Path, *sets: str) -> list[str]:
             "cluster.server_threads=2", *sets)
     return [sys.executable, "-m", "engine", "train", str(REPO / "configs/ctr.yaml"), "--run-dir", str(tmp / "run"),
             *[a for s in sets for a in ("--set", s)]]
-
-
-def _wait_step(path: Path, step: int, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = progress.read(path)
-        if r and r.get("step", 0) >= step:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{path} never reached step {step}: {progress.read(path)}")
 
 
 def _dense_updates(ckpt: str) -> list[int]:
@@ -102,7 +92,7 @@ def test_a_server_frozen_past_the_barrier_lease_while_workers_wait_lets_the_job_
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     stopped: list[int] = []
     try:
-        _wait_step(run / "worker-0.progress.json", 2)
+        wait_steps(run / "worker-0.progress.json", 2, timeout=180)
         worker2, server = role_pid(run, "worker", 2), role_pid(run, "server", 0)
         os.kill(worker2, signal.SIGSTOP)
         stopped.append(worker2)
