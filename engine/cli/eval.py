@@ -14,9 +14,10 @@ the last stdout line, one JSON object::
      "simlex999_spearman": 0.37, ...}
 
 CTR configs (``ctr_dnn``, ``deepfm``): the checkpoint is exported to a temporary serving bundle
-(``engine.export``) and scores the config's test split (``model.data``, resolved and converted as
+(``engine.export``) and scores the config's test split (``model.data.test_path``, resolved and converted as
 ``engine train`` does; listed once, then read as listed and checked: a file written again since is refused,
-exit 2); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
+exit 2). The train split is neither converted, listed nor checked: a missing or unreachable
+``model.data.train_path`` refuses nothing; the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
 ..., "copc": ..., "rows": ...}`` (``model``: the kind the checkpoint holds). A checkpoint of another
 model than the config's (``model.kind``, ``slots``, ``dim``, ``dense_dim`` or ``hidden`` differ) is
 refused, exit 2, naming the field and both values; so is a word2vec config's checkpoint of a CTR model.
@@ -168,9 +169,10 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     from ..programs.ctr_data import expected_schema, prepare_listed
     p = cfg.model.params
     opts = cfg.storage.options()
-    # the test split listed once: read as listed and checked (a store's objects pinned at the check's open,
-    # local files at their listed version), as a trainer reads its listing
-    data, listed = prepare_listed(p.data, expected_schema(p.slots, p.dense_dim), opts)
+    # the test split alone (the train split is never read here: neither listed nor checked) listed once: read
+    # as listed and checked (a store's objects pinned at the check's open, local files at their listed
+    # version), as a trainer reads its listing
+    data, listed = prepare_listed(p.data, expected_schema(p.slots, p.dense_dim), opts, splits=("test",))
     files, versions = listed["test"]
     source = open_source(uri, storage_options=opts)
     with tempfile.TemporaryDirectory(prefix="engine-eval-") as tmp:
