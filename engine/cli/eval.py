@@ -1,9 +1,11 @@
-"""``engine eval CONFIG.yaml --checkpoint URI [--set key=value ...]``: evaluate a trained checkpoint.
+"""``engine eval CONFIG.yaml --checkpoint URI [--vocab URI] [--set key=value ...]``: evaluate a trained checkpoint.
 
-Word2Vec configs (``model.kind: word2vec``): the checkpoint's input vectors (words from the
-``vocab.arrow`` the run recorded, else the config's ``model.arrow_dir``; refused, exit 2, when its size
-and CRC-32 differ from the fingerprint the checkpoint recorded, i.e. the corpus was re-converted since:
-``engine.export.w2v.check_vocab``) are scored with gensim's
+Word2Vec configs (``model.kind: word2vec``): the checkpoint's input vectors (words from ``--vocab``, else
+the ``vocab.arrow`` the run recorded, else the config's ``model.arrow_dir``'s: a local file or directory, or
+a URI copied with the config's ``storage`` section as ``engine export --vocab`` copies it,
+``engine.export.w2v.local_vocab``; refused, exit 2, when it is missing, its store refuses the credentials,
+or its size and CRC-32 differ from the fingerprint the checkpoint recorded, i.e. the corpus was
+re-converted since: ``engine.export.w2v.check_vocab``) are scored with gensim's
 protocols (``models.word2vec_eval``) on the files of ``model.eval_data_dir``: analogy accuracy on
 ``questions-words.txt`` (3CosAdd, 300,000 most frequent words, case-insensitive), Spearman on
 ``wordsim353.tsv`` and ``simlex999.txt``. Prints one line per analogy section and the overall, then, as
@@ -14,12 +16,14 @@ the last stdout line, one JSON object::
      "simlex999_spearman": 0.37, ...}
 
 CTR configs (``ctr_dnn``, ``deepfm``): the checkpoint is exported to a temporary serving bundle
-(``engine.export``) and scores the config's test split (``model.data``, resolved and converted as
+(``engine.export``) and scores the config's test split (``model.data.test_path``, resolved and converted as
 ``engine train`` does; listed once, then read as listed and checked: a file written again since is refused,
-exit 2); the last stdout line is ``{"event": "eval", "model": ..., "auc": ..., "logloss":
-..., "copc": ..., "rows": ...}`` (``model``: the kind the checkpoint holds). A checkpoint of another
-model than the config's (``model.kind``, ``slots``, ``dim``, ``dense_dim`` or ``hidden`` differ) is
-refused, exit 2, naming the field and both values; so is a word2vec config's checkpoint of a CTR model.
+exit 2; the train split is never read, so neither converted, listed nor checked: a missing or unreachable
+``model.data.train_path`` refuses nothing); the last stdout line is ``{"event": "eval", "model": ...,
+"auc": ..., "logloss": ..., "copc": ..., "rows": ...}`` (``model``: the kind the checkpoint holds). A
+checkpoint of another model than the config's (``model.kind``, ``slots``, ``dim``, ``dense_dim`` or
+``hidden`` differ) is refused, exit 2, naming the field and both values; so is a word2vec config's
+checkpoint of a CTR model.
 
 ``URI`` is a checkpoint directory or a job root (its newest complete checkpoint), as ``engine export``
 takes. Exit codes: 0 success, 2 bad config, checkpoint or evaluation files (for CTR: an empty, truncated
@@ -45,6 +49,9 @@ def add_parser(sub) -> None:
     p.add_argument("config", help="YAML config of the run")
     p.add_argument("--checkpoint", required=True, metavar="URI",
                    help="checkpoint directory or job root (the final line's 'checkpoint' of engine train)")
+    p.add_argument("--vocab", default=None, metavar="URI",
+                   help="word2vec: vocab.arrow (or its directory), local or a URI reached with the config's storage "
+                        "section (default: the one the checkpoint records)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set model.eval_data_dir=DIR")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -64,8 +71,10 @@ def _bad_input_errors():
             SchemaError, LabelError)
 
 
-def evaluate_word2vec(cfg, uri: str) -> dict:
-    """Scores of a word2vec checkpoint (module docstring); ``analogy_sections`` included.
+def evaluate_word2vec(cfg, uri: str, vocab: str | None = None) -> dict:
+    """Scores of a word2vec checkpoint (module docstring); ``analogy_sections`` included. ``vocab``
+    (``--vocab``): ``vocab.arrow`` or its directory, local or a URI on the store the config's ``storage``
+    section reaches; default the one the checkpoint records, else ``model.arrow_dir``'s.
 
     Raises
     ------
@@ -75,20 +84,27 @@ def evaluate_word2vec(cfg, uri: str) -> dict:
         No readable checkpoint at ``uri``, or a vocabulary other than the one it was trained with (both
         fingerprints named).
     FileNotFoundError
-        A vocabulary or benchmark file is missing.
+        A vocabulary (local, or nothing at its URI) or benchmark file is missing.
+    streaming.inputs.InputUnavailableError
+        A URI vocabulary's store did not answer, or refused the credentials (``refused`` set).
     """
     from models.word2vec_eval import evaluate_all
+    from streaming.inputs import is_uri
+    from streaming.text import VOCAB_FILE
     from ..export.source import open_source
     from ..export.w2v import word_vectors
     p = cfg.model.params
-    source = open_source(uri, storage_options=cfg.storage.options())
+    opts = cfg.storage.options()
+    source = open_source(uri, storage_options=opts)
     try:
         desc = source.model_description()
         check_kind(desc, "word2vec", source.source_uri)    # before its vocabulary is looked at
-        vocab = desc.get("vocab") or os.path.join(p.arrow_dir, "vocab.arrow")
-        if not os.path.isfile(vocab):
-            raise FileNotFoundError(f"vocabulary {vocab} not found (the corpus conversion the run trained on)")
-        words, vectors, missing = word_vectors(source, vocab)
+        vocab = vocab or desc.get("vocab") or os.path.join(p.arrow_dir, VOCAB_FILE)
+        local = None if is_uri(vocab) else os.path.join(vocab, VOCAB_FILE) if os.path.isdir(vocab) else vocab
+        if local is not None and not os.path.isfile(local):
+            raise FileNotFoundError(f"vocabulary {vocab} not found (the corpus conversion the run trained on; "
+                                    f"--vocab names another place, local or a URI)")
+        words, vectors, missing = word_vectors(source, vocab, opts)   # a URI copied first (w2v.local_vocab)
     finally:
         close = getattr(source, "close", None)
         if close is not None:
@@ -168,9 +184,10 @@ def evaluate_ctr(cfg, uri: str) -> dict:
     from ..programs.ctr_data import expected_schema, prepare_listed
     p = cfg.model.params
     opts = cfg.storage.options()
-    # the test split listed once: read as listed and checked (a store's objects pinned at the check's open,
-    # local files at their listed version), as a trainer reads its listing
-    data, listed = prepare_listed(p.data, expected_schema(p.slots, p.dense_dim), opts)
+    # the test split alone (the train split is never read here: neither listed nor checked) listed once: read
+    # as listed and checked (a store's objects pinned at the check's open, local files at their listed
+    # version), as a trainer reads its listing
+    data, listed = prepare_listed(p.data, expected_schema(p.slots, p.dense_dim), opts, splits=("test",))
     files, versions = listed["test"]
     source = open_source(uri, storage_options=opts)
     with tempfile.TemporaryDirectory(prefix="engine-eval-") as tmp:
@@ -207,26 +224,32 @@ def run(args) -> int:
 
     from ..config import load_config
     bad = _bad_input_errors()
+    kind = None
     try:
         cfg = load_config(args.config, args.overrides)
         kind = None if cfg.model is None else cfg.model.kind
+        if kind in ("ctr_dnn", "deepfm") and args.vocab:
+            print(f"engine eval: --vocab names a word2vec model's vocabulary; model.kind is {kind!r}",
+                  file=sys.stderr)
+            return 2
         if kind in ("ctr_dnn", "deepfm"):
             out = evaluate_ctr(cfg, args.checkpoint)
         elif kind == "word2vec":
-            out = evaluate_word2vec(cfg, args.checkpoint)
+            out = evaluate_word2vec(cfg, args.checkpoint, args.vocab)
         else:
             print(f"engine eval: model.kind must be word2vec, ctr_dnn or deepfm, got {kind!r}", file=sys.stderr)
             return 2
     except InputChangedError as e:         # streaming.inputs' advice is a training job's (its row split, --resume)
         print(f"engine eval: {e.advised(EVAL_CHANGED)}", file=sys.stderr)
         return 2
-    except InputUnavailableError as e:     # model.data's store (s3://, hdfs://), not the checkpoint's
+    except InputUnavailableError as e:     # model.data's or the vocabulary's store, not the checkpoint's
+        what = "data" if kind != "word2vec" else "--vocab" if args.vocab else "vocabulary"
         if e.refused:
-            print(f"engine eval: data {e.uri}: {e.reason}; no retry mends that: once the credentials of the "
+            print(f"engine eval: {what} {e.uri}: {e.reason}; no retry mends that: once the credentials of the "
                   f"config's storage section and the store's policy let this command read it, run it again",
                   file=sys.stderr)
             return 2
-        print(f"engine eval: data storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
+        print(f"engine eval: {what} storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
         return 1
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         print(f"engine eval: checkpoint storage unavailable: {e}", file=sys.stderr)

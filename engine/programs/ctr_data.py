@@ -379,8 +379,9 @@ def _cache_for(inputs: Path, cache_dir: Path) -> Path:
     return cache_dir / f"criteo-{inputs.stem}-{tag}"
 
 
-def _convert(inputs: Path, cfg: DataConfig, key: str) -> tuple[str, str]:
-    """Train/test Arrow dirs of a Criteo TSV, converted now unless current.
+def _convert(inputs: Path, cfg: DataConfig, key: str, splits=("train", "test")) -> dict[str, str]:
+    """``{split: Arrow dir}`` of each of ``splits`` of a Criteo TSV, converted now unless current (a split
+    not asked for is neither converted nor looked at).
 
     Raises
     ------
@@ -390,7 +391,7 @@ def _convert(inputs: Path, cfg: DataConfig, key: str) -> tuple[str, str]:
     """
     out = _cache_for(inputs, Path(cfg.cache_dir).resolve())
     dirs = {}
-    for split in ("train", "test"):
+    for split in splits:
         d = out / split
         if arrow_is_current([inputs], d, split=split):
             log.info("%s split of %s: Arrow form in %s is current", split, inputs, d)
@@ -406,7 +407,7 @@ def _convert(inputs: Path, cfg: DataConfig, key: str) -> tuple[str, str]:
                               f"model.data.max_bad_rows count too): give it at least 5 well-formed lines, or "
                               f"train on Arrow files of your own (model.data.source: arrow)") from None
         dirs[split] = str(d)
-    return dirs["train"], dirs["test"]
+    return dirs
 
 
 def _criteo_file(cfg: DataConfig, storage_options) -> Path | None:
@@ -546,16 +547,22 @@ def prepare_data(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> Da
     return prepare_listed(cfg, schema, storage_options)[0]
 
 
-def prepare_listed(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> tuple[DataConfig, dict]:
-    """``prepare_data``, and what it listed and checked: ``(data config, {"train": (files, versions),
-    "test": (files, versions)})`` (``check_arrow``'s), so a reader in this process (``engine eval``) reads
-    the inputs as listed and checked without listing them again. Raises as ``prepare_data``."""
+def prepare_listed(cfg: DataConfig, schema: pa.Schema, storage_options=None, *,
+                   splits=("train", "test")) -> tuple[DataConfig, dict]:
+    """``prepare_data`` of ``splits`` (``"train"``, ``"test"``), and what it listed and checked: ``(data config,
+    {split: (files, versions)})`` (``check_arrow``'s), so a reader in this process reads the inputs as listed
+    and checked without listing them again. ``engine eval`` asks for ``("test",)``, the only split it reads: a
+    split not asked for is neither converted, listed nor checked (a missing or bad one refuses nothing), and
+    keeps its path as configured. Raises as ``prepare_data``."""
+    keys = {"train": "model.data.train_path", "test": "model.data.test_path"}
+    if not splits or set(splits) - set(keys):
+        raise ValueError(f"splits: expected some of {sorted(keys)}, got {list(splits)!r}")
     if cfg.source == "arrow":
-        train, test = cfg.train_path, cfg.test_path
-        for key, path in (("model.data.train_path", train), ("model.data.test_path", test)):
-            if path == "-":
-                raise ConfigError(f"{key}: '-' (stdin) cannot be a split of a CTR job: the launcher counts and "
-                                  f"checks the rows before any worker starts, and every worker reads its shard "
+        paths = {"train": cfg.train_path, "test": cfg.test_path}
+        for split in splits:
+            if paths[split] == "-":
+                raise ConfigError(f"{keys[split]}: '-' (stdin) cannot be a split of a CTR job: the launcher counts "
+                                  f"and checks the rows before any worker starts, and every worker reads its shard "
                                   f"in every epoch; write the stream to a file or directory and name that")
     else:
         key = "model.data.criteo_path"
@@ -571,12 +578,12 @@ def prepare_listed(cfg: DataConfig, schema: pa.Schema, storage_options=None) -> 
                     inputs, key = _generated(cfg), "model.data.generated_rows"
                 else:
                     raise ConfigError(f"model.data.criteo_path: file not found: {cfg.criteo_path}")
-        train, test = _convert(inputs, cfg, key)
-    listed = {"train": check_arrow(train, schema, "model.data.train_path", storage_options),
-              "test": check_arrow(test, schema, "model.data.test_path", storage_options)}
-    if cfg.group_column:
+        paths = {"train": cfg.train_path, "test": cfg.test_path, **_convert(inputs, cfg, key, splits)}
+    listed = {split: check_arrow(paths[split], schema, keys[split], storage_options) for split in splits}
+    if cfg.group_column and "test" in listed:
         group_column_type(listed["test"][0], cfg.group_column, storage_options)
-    return dataclasses.replace(cfg, source="arrow", train_path=_absolute(train), test_path=_absolute(test)), listed
+    done = {f"{split}_path": _absolute(paths[split]) for split in splits}
+    return dataclasses.replace(cfg, source="arrow", **done), listed
 
 
 def _absolute(path: str) -> str:

@@ -16,6 +16,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
@@ -100,20 +101,29 @@ def _config(d: Path, port: int, train: str, test: str) -> Path:
     return cfg
 
 
-def _lists(log: Path, prefix: str, port: int) -> int:
-    """LIST requests (ListObjectsV2) of keys under ``prefix`` moto logged so far: werkzeug's line of a
-    request comes after its reply, so a marker request is made and its line awaited first (at most 5 s)."""
+def _logged(log: Path, port: int) -> list[str]:
+    """The request lines moto logged so far: werkzeug's line of a request comes after its reply, so a marker
+    request is made and its line awaited first (at most 5 s)."""
     mark = f"evals/mark-{uuid.uuid4().hex}"
     _fs(port).get_file_info(mark)
     for _ in range(50):
         lines = [_ANSI.sub("", line) for line in log.read_text(errors="replace").splitlines()]
         if any(mark in line for line in lines):
-            break
+            return lines
         time.sleep(0.1)
-    else:
-        raise AssertionError(f"moto logged no line of {mark} within 5 s")
+    raise AssertionError(f"moto logged no line of {mark} within 5 s")
+
+
+def _lists(log: Path, prefix: str, port: int) -> int:
+    """LIST requests (ListObjectsV2) of keys under ``prefix`` moto logged so far."""
     pat = re.compile(rf"list-type=2&.*prefix={re.escape(prefix)}/?[ &]")
-    return sum(1 for line in lines if pat.search(line))
+    return sum(1 for line in _logged(log, port) if pat.search(line))
+
+
+def _touching(log: Path, prefix: str, port: int) -> int:
+    """Requests of any kind (LIST, HEAD, GET, PUT) moto logged so far naming ``prefix`` (``run/train``: ``run``
+    a random hex name) in the path or in a LIST's prefix, escaped or not."""
+    return sum(1 for line in _logged(log, port) if prefix in unquote(line))
 
 
 def _last(capsys) -> str:
@@ -138,6 +148,39 @@ def test_eval_lists_its_test_split_on_s3_once(setup, tmp_path, capsys):
                  str(ckpt)]) == 0, capsys.readouterr().err[-3000:]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == 2 * N
     assert _lists(log, f"{run}/test", port) - before == one
+
+
+@pytest.mark.parametrize("train", ["missing", "not arrow"])
+def test_eval_never_lists_checks_or_reads_the_train_split_on_s3(setup, tmp_path, capsys, train):
+    """``model.data.train_path`` names a prefix holding nothing, or a file that is not Arrow: eval scores the
+    test split (exit 0) and sends no request naming the train prefix. Before, it listed the train split and
+    read each file's schema, and refused (exit 2) a train split it never reads."""
+    d, ckpt, port, log = setup
+    run = uuid.uuid4().hex[:8]
+    _put(port, f"evals/{run}/test/part-0.arrows", _stream(0))
+    if train == "not arrow":
+        _put(port, f"evals/{run}/train/part-0.arrows", b"not an Arrow stream" * 10)
+    before = _touching(log, f"{run}/train", port)
+    assert train == "missing" or before >= 1           # the pattern sees the PUT: it would see a LIST or a GET
+    rc = main(["eval", str(_config(tmp_path, port, f"s3://evals/{run}/train", f"s3://evals/{run}/test")),
+               "--checkpoint", str(ckpt)])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["rows"] == N and out["test_path"] == f"s3://evals/{run}/test"
+    assert _touching(log, f"{run}/train", port) == before
+
+
+def test_eval_of_a_config_whose_train_path_does_not_exist_scores_its_test_split(setup, tmp_path, capsys):
+    """On local disk: a ``model.data.train_path`` directory that does not exist. Before: "engine eval:
+    model.data.train_path: ...", exit 2, for a split eval never reads."""
+    d, ckpt, port, _ = setup
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "part-0.arrows").write_bytes(_stream(3))
+    rc = main(["eval", str(_config(tmp_path, port, str(tmp_path / "nowhere" / "train"), str(tmp_path / "test"))),
+               "--checkpoint", str(ckpt)])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == N
+    assert not (tmp_path / "nowhere").exists()
 
 
 def _opts(port: int):

@@ -461,3 +461,58 @@ def test_eval_names_test_data_whose_store_refuses_the_credentials_in_its_own_wor
     assert main(["eval", str(cfg), "--checkpoint", env.ckpt_local]) == 2
     last = _last(capsys)
     assert last.startswith(f"engine eval: data {DATA}/dir: access refused (") and "no retry mends that" in last, last
+
+
+def _w2v_eval(cfg: Path, tmp_path: Path, ckpt: str, *more: str) -> int:
+    """``engine eval`` of the word2vec config (``configs/word2vec.yaml``) under ``cfg``'s storage section, on
+    benchmarks whose words all are in the module's corpus; nothing written into the repository."""
+    ev = tmp_path / "ev"
+    ev.mkdir(exist_ok=True)
+    pairs = "cat\tdog\t1.0\nsat\tmat\t2.0\ncat\ton\t3.0\n"
+    (ev / "wordsim353.tsv").write_text(pairs)
+    (ev / "simlex999.txt").write_text(pairs)
+    (ev / "questions-words.txt").write_text(": s\ncat dog sat mat\n")
+    config = tmp_path / f"w2v-{cfg.stem}.yaml"
+    config.write_text(cfg.read_text() + (REPO / "configs" / "word2vec.yaml").read_text())
+    return main(["eval", str(config), "--checkpoint", ckpt, "--set", f"model.eval_data_dir={ev}",
+                 "--set", f"model.arrow_dir={tmp_path / 'no-corpus'}", "--set", f"checkpoint.root={tmp_path / 'ck'}",
+                 *more])
+
+
+@pytest.mark.parametrize("vocab", ["s3://serving/w2v/corpus/vocab.arrow", "s3://serving/w2v/corpus"],
+                         ids=["file", "directory"])
+def test_word2vec_eval_reads_its_vocab_from_s3_with_the_configs_credentials(env, w2v, vocab, tmp_path, capsys):
+    """``engine eval --vocab`` takes a URI, copied with the config's storage section as ``engine export --vocab``
+    copies it (``w2v.local_vocab``); the local vocab.arrow the checkpoint records is moved away meanwhile, and the
+    scores equal those of an eval on it. Before, eval took a local vocab.arrow only (``os.path.isfile``) and had
+    no --vocab: the one the checkpoint records, else model.arrow_dir's."""
+    arrow, ckpt = w2v
+    assert _w2v_eval(env.config, tmp_path, ckpt) == 0, capsys.readouterr().err[-3000:]
+    local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    os.replace(arrow / "vocab.arrow", tmp_path / "moved.arrow")
+    try:
+        rc = _w2v_eval(env.config, tmp_path, ckpt, "--vocab", vocab)
+    finally:
+        os.replace(tmp_path / "moved.arrow", arrow / "vocab.arrow")
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got == local and got["words"] == 6 and got["analogy_evaluated"] == 1
+
+
+@pytest.mark.parametrize("vocab, config, line", [
+    ("s3://serving/w2v/corpus/vocab.arrow", "refused",
+     "engine eval: --vocab s3://serving/w2v/corpus/vocab.arrow: access refused ("),
+    ("s3://serving/w2v/nothing/vocab.arrow", "config",
+     "engine eval: vocabulary s3://serving/w2v/nothing/vocab.arrow: file not found: "
+     "s3://serving/w2v/nothing/vocab.arrow"),
+    ("s3://serving/w2v", "config", "engine eval: vocabulary s3://serving/w2v: file not found: "
+                                   "s3://serving/w2v/vocab.arrow"),
+    ("s3://serving/w2v/other", "config", "engine eval: s3://serving/w2v/other: not the vocabulary "),
+], ids=["refused", "missing", "directory-without-vocab", "another-corpus"])
+def test_a_word2vec_eval_vocab_on_s3_that_cannot_be_used_is_one_line_exit_2(env, w2v, vocab, config, line,
+                                                                            tmp_path, capsys):
+    _, ckpt = w2v
+    assert _w2v_eval(env.refused if config == "refused" else env.config, tmp_path, ckpt, "--vocab", vocab) == 2
+    cap = capsys.readouterr()
+    assert cap.err.strip().splitlines()[-1].startswith(line), cap.err[-3000:]
+    assert "Traceback" not in cap.err and cap.out == ""

@@ -12,7 +12,7 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.program_configs import DataConfig
-from engine.programs.ctr_data import expected_schema, make_source, prepare_data
+from engine.programs.ctr_data import expected_schema, make_source, prepare_data, prepare_listed
 from streaming import keys
 from streaming.criteo import SLOT_IDS, convert_criteo, generate_criteo
 from streaming.errors import DataFormatError, SchemaError
@@ -55,6 +55,23 @@ def test_a_criteo_file_without_test_rows_names_the_file_not_the_cache(tmp_path):
     generate_criteo(text, 5, 1)                                    # one test row: accepted
     out = prepare_data(cfg, SCHEMA)
     assert out.source == "arrow" and out.test_path.startswith(str(tmp_path / "cache"))
+
+
+def test_a_split_not_asked_for_is_neither_converted_listed_nor_checked(criteo, tmp_path):
+    """``prepare_listed(..., splits=("test",))``, as ``engine eval`` asks: a Criteo file's test split alone is
+    converted (no train directory in the cache), and an Arrow train path that does not exist refuses nothing
+    and is kept as configured; asked for both, as ``engine train`` does, it is refused as before."""
+    cfg = DataConfig(source="criteo", criteo_path=str(criteo / "rows.txt"), cache_dir=str(tmp_path / "cache"))
+    out, listed = prepare_listed(cfg, SCHEMA, splits=("test",))
+    assert list(listed) == ["test"] and Path(out.test_path).name == "test" and out.train_path == cfg.train_path
+    assert sorted(p.name for p in Path(out.test_path).parent.iterdir()) == ["test"]
+    assert sum(1 for _ in make_source(listed["test"][0], batch_size=64, schema=SCHEMA, rank=0, num_workers=1,
+                                      prefetch=0).batches(0)) >= 1
+    arrow = DataConfig(source="arrow", train_path=str(tmp_path / "nowhere"), test_path=str(criteo / "test"))
+    out, listed = prepare_listed(arrow, SCHEMA, splits=("test",))
+    assert list(listed) == ["test"] and out.train_path == str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match=r"^model\.data\.train_path: "):
+        prepare_listed(arrow, SCHEMA)
 
 
 def _write(path, table, chunk=8):
