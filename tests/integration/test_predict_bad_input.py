@@ -336,6 +336,17 @@ def _eval_config(d: Path, test_path: Path, kind: str = "ctr_dnn", hidden: str = 
     return cfg
 
 
+def test_eval_of_a_ctr_config_refuses_a_vocab_in_one_line(setup, tmp_path, capsys):
+    """``--vocab`` names a word2vec model's vocabulary: with a CTR config it is refused before anything is
+    read, exit 2, naming the model kind."""
+    _, ckpt, good, _ = setup
+    code = main(["eval", str(_eval_config(tmp_path, good)), "--checkpoint", str(ckpt), "--vocab", str(good)])
+    cap = capsys.readouterr()
+    assert code == 2 and cap.out == ""
+    assert _one_line_error(cap.err) == ("engine eval: --vocab names a word2vec model's vocabulary; model.kind is "
+                                        "'ctr_dnn'")
+
+
 def test_eval_refuses_null_label_and_truncated_file(setup, tmp_path, capsys):
     _, ckpt, good, d = setup
     assert main(["eval", str(_eval_config(tmp_path, good)), "--checkpoint", str(ckpt)]) == 0
