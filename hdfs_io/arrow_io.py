@@ -219,13 +219,17 @@ def read_ipc_file(storage: Storage, path: str, *, expected: FileEntry | None = N
 STREAM_MIN_BYTES = 64 << 20
 
 
-def _store_failed(exc: BaseException) -> bool:
-    """Whether ``exc``, raised while a large file's bytes were read from its store, is the store failing (a
-    network error, a store refusing the credentials: ``is_transient`` / ``permanent_failure``) rather than
-    bytes that do not parse. pyarrow's ``ArrowIOError`` is ``OSError``: caught as one, a connection reset in
-    the middle of a restore read as "not a readable Arrow IPC file", a damaged checkpoint, and a restore
-    with fallback went back to the checkpoint before it."""
-    return isinstance(exc, OSError) and (is_transient(exc) or permanent_failure(exc) is not None)
+def _unreadable(uri: str, exc: BaseException, detail: str = "") -> CheckpointCorruptError:
+    """What a large file's read from its store that failed with ``exc`` (``pa.ArrowInvalid`` or ``OSError``)
+    raises: ``exc`` itself, with a note naming ``uri``, when the store failed (a network error, a store
+    refusing the credentials: ``is_transient`` / ``permanent_failure``); else the returned
+    ``CheckpointCorruptError`` "not a readable Arrow IPC file" (bytes that do not parse; ``detail`` after
+    it). pyarrow's ``ArrowIOError`` is ``OSError``: caught as one, a connection reset in the middle of a
+    restore read as a damaged checkpoint, and a restore with fallback went back to the checkpoint before."""
+    if isinstance(exc, OSError) and (is_transient(exc) or permanent_failure(exc) is not None):
+        exc.add_note(f"reading {uri}")
+        raise exc
+    return CheckpointCorruptError(f"{uri}: not a readable Arrow IPC file{detail}: {exc}", uri=uri)
 
 
 class IpcBatches:
@@ -252,12 +256,8 @@ class IpcBatches:
                 reader = ipc.open_file(f)
                 for i in range(reader.num_record_batches):
                     yield reader.get_batch(i)
-            except (pa.ArrowInvalid, pa.ArrowIOError) as exc:      # changed since its checksum was read
-                if _store_failed(exc):      # the store, not the bytes: the caller's storage error
-                    exc.add_note(f"reading {self._uri}")
-                    raise
-                raise CheckpointCorruptError(f"{self._uri}: not a readable Arrow IPC file: {exc}",
-                                             uri=self._uri) from exc
+            except (pa.ArrowInvalid, OSError) as exc:   # the store failed, or it changed since its checksum
+                raise _unreadable(self._uri, exc) from exc
 
 
 def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> IpcBatches:
@@ -313,11 +313,7 @@ def open_ipc_batches(storage: Storage, path: str, *, expected: FileEntry) -> Ipc
     with opener() as f:
         try:
             schema = ipc.open_file(f).schema    # the footer only; no batch is read twice
-        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
-            if _store_failed(exc):
-                exc.add_note(f"reading {uri}")
-                raise
-            raise CheckpointCorruptError(f"{uri}: not a readable Arrow IPC file ({size} bytes): {exc}",
-                                         uri=uri) from exc
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise _unreadable(uri, exc, f" ({size} bytes)") from exc
     return IpcBatches(schema, opener=opener, uri=uri)
 

@@ -210,6 +210,10 @@ def evaluate_ctr(cfg, uri: str) -> dict:
             "copc": s["copc"]}
 
 
+#: what mends an input's store refusing ``engine eval`` (its data, its --vocab): eval reads them with the
+#: config's storage section (not ``--config``, as export and predict do)
+EVAL_REFUSED_HINT = ("no retry mends that: once the credentials of the config's storage section and the store's "
+                     "policy let this command read it, run it again")
 #: what a data file written again means for ``engine eval`` (``InputChangedError.advised``: in place of
 #: ``streaming.inputs.CHANGED``, which speaks of a training job's row split and checkpoints)
 EVAL_CHANGED = ("it was written again after engine eval listed it, or while it was read; no metrics of a mix of "
@@ -243,14 +247,9 @@ def run(args) -> int:
         print(f"engine eval: {e.advised(EVAL_CHANGED)}", file=sys.stderr)
         return 2
     except InputUnavailableError as e:     # model.data's or the vocabulary's store, not the checkpoint's
-        what = "data" if kind != "word2vec" else "--vocab" if args.vocab else "vocabulary"
-        if e.refused:
-            print(f"engine eval: {what} {e.uri}: {e.reason}; no retry mends that: once the credentials of the "
-                  f"config's storage section and the store's policy let this command read it, run it again",
-                  file=sys.stderr)
-            return 2
-        print(f"engine eval: {what} storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
-        return 1
+        from ..export.cli import input_unavailable
+        return input_unavailable("eval", "data" if kind != "word2vec" else "--vocab" if args.vocab else "vocabulary",
+                                 e, hint=EVAL_REFUSED_HINT)
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         print(f"engine eval: checkpoint storage unavailable: {e}", file=sys.stderr)
         return 1

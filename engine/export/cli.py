@@ -173,6 +173,19 @@ def refused_line(e: BaseException, sides: dict[str, str], hint: str = REFUSED_HI
     return f"{what}: access refused ({described(_error_chain(e)[-1])}); {hint}"
 
 
+def input_unavailable(command: str, what: str, e, hint: str = REFUSED_HINT) -> int:
+    """Print the one line for ``e`` (a ``streaming.inputs.InputUnavailableError``: an input's store refusing
+    the credentials, or not answering through its retries) of ``engine COMMAND``'s input ``what`` ("data",
+    "--vocab", "vocabulary") and return the exit code: 2 for a refusal (``e.refused``: no retry mends it;
+    ``hint`` says what does), 1 for a store that did not answer (the same command runs once it does). The
+    error's own ``str()`` is a training job's wording, so the line is built from ``e.uri`` and ``e.reason``."""
+    if e.refused:
+        print(f"engine {command}: {what} {e.uri}: {e.reason}; {hint}", file=sys.stderr)
+        return 2
+    print(f"engine {command}: {what} storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
+    return 1
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -247,12 +260,8 @@ def run_export(args) -> int:
                    "rows": meta["embedding"]["rows"], "deleted": meta["embedding"]["deleted"],
                    "export_id": meta["export_id"], "seconds": meta["stats"]["seconds"]}
     except InputUnavailableError as e:  # the vocabulary's store (read as an input: streaming.inputs.fetch)
-        what = "--vocab" if args.vocab else "vocabulary"        # else the one the checkpoint records
-        if e.refused:
-            print(f"engine export: {what} {e.uri}: {e.reason}; {REFUSED_HINT}", file=sys.stderr)
-            return 2
-        print(f"engine export: {what} storage unavailable: {e.uri}: {e.reason}", file=sys.stderr)
-        return 1
+        # --vocab's, else the one the checkpoint records
+        return input_unavailable("export", "--vocab" if args.vocab else "vocabulary", e)
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         from .target import job_root_of
         side = failed_side(e, {"output": args.out, "checkpoint": job_root_of(args.checkpoint),
@@ -495,13 +504,8 @@ def run_predict(args) -> int:
     except InputChangedError as e:      # streaming.inputs' advice is a training job's (its row split, --resume)
         print(f"engine predict: {e.advised(PREDICT_CHANGED)}", file=sys.stderr)
         return 2
-    except InputUnavailableError as e:  # DATA's store, refused or silent (str(e) is a training job's wording)
-        text = f"{e.uri}: {e.reason}"
-        if e.refused:
-            print(f"engine predict: data {text}; {REFUSED_HINT}", file=sys.stderr)
-            return 2
-        print(f"engine predict: data storage unavailable: {text}", file=sys.stderr)
-        return 1
+    except InputUnavailableError as e:  # DATA's store, refused or silent
+        return input_unavailable("predict", "data", e)
     except StorageUnavailableError as e:   # not bad input: the storage did not answer through its retries
         side = failed_side(e, sides)
         what = {"output": f"output storage unavailable (writing {args.out})"}.get(side, f"{side} storage unavailable")

@@ -14,7 +14,7 @@ RESOURCE_UNIT = 0.0001
 _DIED_FIELDS = ("class_name:", "actor_id:", "pid:", "name:", "namespace:", "ip:")
 
 
-def death_cause(error, node: tuple[str, str, int] | None, lost: str | None = None) -> str:
+def death_cause(error, node: tuple[str, str, int] | tuple[str, str] | None, lost: str | None = None) -> str:
     """How a role whose actor died ended, for the failure's line, from Ray's ``error`` (its message): "died
     with its Ray node ID (ADDRESS), which was lost: WHY" when its node died (Ray's reason, or ``lost``:
     what ``_ActorProc.node_lost`` found), else "its Ray actor died: CAUSE" (Ray's first line of cause)."""

@@ -18,6 +18,7 @@ import logging
 import time
 
 from ..errors import PlacementError, StoppedWhilePlacing
+from .ray_nodes import death_cause
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,7 @@ def silent_cause(ray, node: tuple[str, str], silent_s: float, mates: list[str], 
     except Exception:  # noqa: BLE001 - the GCS did not answer: what the actors said stands
         record = None
     if record is not None and not record.get("Alive", True):
-        why = record.get("DeathReasonMessage") or "Ray's health checks found it dead"
-        return f"died with its {where}, which was lost: {why}"
+        return death_cause("", node, lost=record.get("DeathReasonMessage") or "Ray's health checks found it dead")
     if all_silent:
         return (f"its {where} answers no call for {silent_s:.0f} s, nor does any actor of the job on it "
                 f"({', '.join(mates)}): the node is frozen or unreachable (Ray lists it alive until its health "

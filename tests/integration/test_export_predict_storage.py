@@ -432,16 +432,18 @@ def test_word2vec_export_reads_its_vocab_from_s3_with_the_configs_credentials(en
     assert out.read_bytes() == local.read_bytes()
 
 
-@pytest.mark.parametrize("vocab, config, line", [
-    ("s3://serving/w2v/corpus/vocab.arrow", "refused",
-     "engine export: --vocab s3://serving/w2v/corpus/vocab.arrow: access refused ("),
+#: (--vocab, the config it is read with, how the one line after "engine COMMAND: " starts) of a word2vec
+#: vocabulary on S3 that engine export and engine eval refuse, exit 2
+VOCAB_REFUSALS = pytest.mark.parametrize("vocab, config, line", [
+    ("s3://serving/w2v/corpus/vocab.arrow", "refused", "--vocab s3://serving/w2v/corpus/vocab.arrow: access refused ("),
     ("s3://serving/w2v/nothing/vocab.arrow", "config",
-     "engine export: vocabulary s3://serving/w2v/nothing/vocab.arrow: file not found: "
-     "s3://serving/w2v/nothing/vocab.arrow"),
-    ("s3://serving/w2v", "config", "engine export: vocabulary s3://serving/w2v: file not found: "
-                                   "s3://serving/w2v/vocab.arrow"),
-    ("s3://serving/w2v/other", "config", "engine export: s3://serving/w2v/other: not the vocabulary "),
+     "vocabulary s3://serving/w2v/nothing/vocab.arrow: file not found: s3://serving/w2v/nothing/vocab.arrow"),
+    ("s3://serving/w2v", "config", "vocabulary s3://serving/w2v: file not found: s3://serving/w2v/vocab.arrow"),
+    ("s3://serving/w2v/other", "config", "s3://serving/w2v/other: not the vocabulary "),
 ], ids=["refused", "missing", "directory-without-vocab", "another-corpus"])
+
+
+@VOCAB_REFUSALS
 def test_a_word2vec_vocab_on_s3_that_cannot_be_used_is_one_line_exit_2(env, w2v, vocab, config, line, tmp_path,
                                                                        capsys):
     _, ckpt = w2v
@@ -449,7 +451,7 @@ def test_a_word2vec_vocab_on_s3_that_cannot_be_used_is_one_line_exit_2(env, w2v,
     assert main(["export", ckpt, str(tmp_path / "out.txt"), "--format", "word2vec", "--vocab", vocab,
                  "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith(line), err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"engine export: {line}"), err[-3000:]
     assert "Traceback" not in err and not (tmp_path / "out.txt").exists()
 
 
@@ -499,20 +501,11 @@ def test_word2vec_eval_reads_its_vocab_from_s3_with_the_configs_credentials(env,
     assert got == local and got["words"] == 6 and got["analogy_evaluated"] == 1
 
 
-@pytest.mark.parametrize("vocab, config, line", [
-    ("s3://serving/w2v/corpus/vocab.arrow", "refused",
-     "engine eval: --vocab s3://serving/w2v/corpus/vocab.arrow: access refused ("),
-    ("s3://serving/w2v/nothing/vocab.arrow", "config",
-     "engine eval: vocabulary s3://serving/w2v/nothing/vocab.arrow: file not found: "
-     "s3://serving/w2v/nothing/vocab.arrow"),
-    ("s3://serving/w2v", "config", "engine eval: vocabulary s3://serving/w2v: file not found: "
-                                   "s3://serving/w2v/vocab.arrow"),
-    ("s3://serving/w2v/other", "config", "engine eval: s3://serving/w2v/other: not the vocabulary "),
-], ids=["refused", "missing", "directory-without-vocab", "another-corpus"])
+@VOCAB_REFUSALS
 def test_a_word2vec_eval_vocab_on_s3_that_cannot_be_used_is_one_line_exit_2(env, w2v, vocab, config, line,
                                                                             tmp_path, capsys):
     _, ckpt = w2v
     assert _w2v_eval(env.refused if config == "refused" else env.config, tmp_path, ckpt, "--vocab", vocab) == 2
     cap = capsys.readouterr()
-    assert cap.err.strip().splitlines()[-1].startswith(line), cap.err[-3000:]
+    assert cap.err.strip().splitlines()[-1].startswith(f"engine eval: {line}"), cap.err[-3000:]
     assert "Traceback" not in cap.err and cap.out == ""
